@@ -1,0 +1,463 @@
+"""The derivation certificate: the derived incremental forms, run in float64, against the
+multi-pass reference (THEORY.md section 7).
+
+Each trial draws a random shape and random inputs, evaluates the spec step by step with
+:mod:`fuser_core.reference` (the multi-pass truth), and then, for every axis, runs the
+*derived* realisation of each fused reduction: the axis is cut into random parts (the split
+of a split-fused kernel), each part into random tiles; a part's state is built tile by tile
+with the derived corrections, the parts' states are merged in a random order with the
+derived merge rule, and the final values are compared with the reference.
+
+Casts (fp8 quantisation with a running amax) are outside the algebra: the fused form is
+exact in real arithmetic only. Such specs are checked twice: once with casts as written
+(``max_rel_err``: what a fused kernel really gets) and once with every cast removed
+(``algebra_max_rel_err``: the proof of the algebra), and ``exact`` is false.
+
+Example:
+    >>> from fuser_core.spec import load_spec
+    >>> from fuser_core.derive import derive_cascade
+    >>> spec = load_spec({"foldwise": 1, "name": "lse", "inputs": {"x": {"dims": ["m", "n"]}},
+    ...     "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
+    ...               {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"}],
+    ...     "outputs": ["den"]})
+    >>> cert = certify(derive_cascade(spec), trials=4)
+    >>> cert.holds, cert.max_rel_err < 1e-12
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import scipy.special
+import sympy as sp
+
+from fuser_core import expr as ex
+from fuser_core.derive import COUNT_OLD, Derivation, ReductionForm, new, old
+from fuser_core.reference import Evaluator, cast_to, random_inputs
+from fuser_core.spec import Spec, load_spec
+from fuser_core.symbolic import CAST_FUNCTIONS
+
+TOLERANCE = 1e-9  # float64 re-association error is ~1e-15; anything near 1e-9 is a wrong form
+MAX_AXIS = 48
+MAX_OTHER = 3
+
+
+@dataclass
+class Certificate:
+    max_rel_err: float  # fused (casts as written) vs multi-pass, max over trials and reductions
+    algebra_max_rel_err: float  # the same with every cast removed: real arithmetic
+    trials: int
+    exact: bool  # False when casts make the fused form differ from multi-pass
+    holds: bool  # algebra error within TOLERANCE
+    per_reduction: dict[str, float] = field(default_factory=dict)
+    tolerance: float = TOLERANCE
+    note: str = ""
+
+    def to_dict(self, names: dict[str, str] | None = None) -> dict[str, Any]:
+        rename = names or {}
+        return {
+            "max_rel_err": self.max_rel_err,
+            "algebra_max_rel_err": self.algebra_max_rel_err,
+            "trials": self.trials,
+            "exact": self.exact,
+            "holds": self.holds,
+            "tolerance": self.tolerance,
+            "per_reduction": {rename.get(k, k): v for k, v in self.per_reduction.items()},
+            "note": self.note,
+        }
+
+
+def certify(derivation: Derivation, *, trials: int = 12, seed: int = 0) -> Certificate:
+    """Check every fused reduction of ``derivation`` numerically (see the module docstring)."""
+    fused = [f for f in derivation.forms.values() if f.fused]
+    exact = all(f.exact for f in fused)
+    rng = np.random.default_rng(seed)
+    spec = derivation.spec
+    per: dict[str, float] = {f.name: 0.0 for f in fused}
+    algebra_err = 0.0
+    plain_spec = spec if exact else _without_casts(spec)
+    for _ in range(trials):
+        shape = _random_shape(spec, rng)
+        inputs = random_inputs(spec, shape, rng, "float32")
+        for name, err in _trial(derivation, spec, shape, inputs, rng, keep_casts=True).items():
+            per[name] = max(per[name], err)
+        if exact:
+            continue
+        for err in _trial(derivation, plain_spec, shape, inputs, rng, keep_casts=False).values():
+            algebra_err = max(algebra_err, err)
+    max_err = max(per.values(), default=0.0)
+    if exact:
+        algebra_err = max_err
+    note = "the fused form equals the multi-pass form in real arithmetic; the error is float64 rounding"
+    if not exact:
+        casts = ", ".join(f.name for f in fused if not f.exact)
+        note = (
+            f"casts inside {casts} round with running values, so the fused result is exact in real arithmetic "
+            "(algebra_max_rel_err) but not bit-identical to multi-pass (max_rel_err)"
+        )
+    if not fused:
+        note = "no reduction is fused; nothing to check"
+    return Certificate(
+        max_rel_err=max_err, algebra_max_rel_err=algebra_err, trials=trials, exact=exact,
+        holds=algebra_err <= TOLERANCE, per_reduction=per, note=note,
+    )
+
+
+# ---------------------------------------------------------------- set-up
+
+
+def _random_shape(spec: Spec, rng: np.random.Generator) -> dict[str, int]:
+    axes = {s.over for s in spec.steps if s.is_reduction}
+    need = {s.over: s.k for s in spec.steps if s.reduce == "topk"}
+    shape: dict[str, int] = {}
+    for d in spec.dims:
+        if any(s.as_dim == d for s in spec.steps):
+            continue
+        if d in axes:
+            lo = max(1, need.get(d) or 1)
+            shape[d] = int(rng.integers(lo, max(lo + 1, MAX_AXIS)))
+        else:
+            shape[d] = int(rng.integers(1, MAX_OTHER + 1))
+    return shape
+
+
+def _without_casts(spec: Spec) -> Spec:
+    """The same spec with every cast(x, ...) replaced by x: real arithmetic."""
+
+    def strip(node: ex.Expr) -> ex.Expr | None:
+        return node.operand if isinstance(node, ex.Cast) else None
+
+    raw: dict[str, Any] = {
+        "foldwise": 1,
+        "name": spec.name,
+        "inputs": {i.name: {"dims": list(i.dims), "kind": i.kind} for i in spec.inputs},
+        "params": {p.name: ex.to_text(p.expr) for p in spec.params},
+        "steps": [],
+        "outputs": list(spec.outputs),
+    }
+    for s in spec.steps:
+        entry: dict[str, Any] = {"name": s.name, "expr": ex.to_text(ex.map_expr(s.expr, strip))}
+        if s.reduce:
+            entry.update(reduce=s.reduce, over=s.over)
+        if s.reduce == "topk":
+            entry.update(k=s.k, **{"as": s.as_dim})
+        raw["steps"].append(entry)
+    return load_spec(raw)
+
+
+_NUMPY_FUNCS = {"round": np.rint, "erf": scipy.special.erf}
+
+
+class _Compiled:
+    """sympy expressions turned into NumPy functions, once per derivation and mode."""
+
+    def __init__(self, keep_casts: bool):
+        self.cache: dict[sp.Expr, tuple[Any, list[sp.Symbol]]] = {}
+        funcs: dict[str, Any] = dict(_NUMPY_FUNCS)
+        for dtype, fn in CAST_FUNCTIONS.items():
+            funcs[str(fn)] = (lambda x, dt=dtype: cast_to(np.asarray(x, dtype=np.float64), dt)) if keep_casts else (lambda x: x)
+        self.modules = [funcs, "numpy"]
+
+    def __call__(self, e: sp.Expr, values: dict[sp.Symbol, Any]) -> np.ndarray:
+        hit = self.cache.get(e)
+        if hit is None:
+            syms = sorted(e.free_symbols, key=str)
+            hit = (sp.lambdify(syms, e, modules=self.modules), syms)
+            self.cache[e] = hit
+        fn, syms = hit
+        return np.asarray(fn(*[values[s] for s in syms]), dtype=np.float64)
+
+
+_COMPILED: dict[tuple[int, bool], _Compiled] = {}
+
+
+def _compiled(derivation: Derivation, keep_casts: bool) -> _Compiled:
+    key = (id(derivation), keep_casts)
+    if key not in _COMPILED:
+        if len(_COMPILED) > 64:
+            _COMPILED.clear()
+        _COMPILED[key] = _Compiled(keep_casts)
+    return _COMPILED[key]
+
+
+# ---------------------------------------------------------------- one trial
+
+
+def _trial(
+    derivation: Derivation, spec: Spec, shape: dict[str, int], inputs: dict[str, np.ndarray],
+    rng: np.random.Generator, *, keep_casts: bool,
+) -> dict[str, float]:
+    with np.errstate(all="ignore"):  # IEEE semantics, as in the reference: inf/nan are compared, not raised
+        return _run_trial(derivation, spec, shape, inputs, rng, keep_casts)
+
+
+def _run_trial(derivation, spec, shape, inputs, rng, keep_casts) -> dict[str, float]:
+    evaluator = Evaluator(spec, shape)
+    env = evaluator.run(inputs)
+    compiled = _compiled(derivation, keep_casts)
+    errors: dict[str, float] = {}
+    for group in derivation.groups:
+        forms = [derivation.forms[m] for m in group.members if derivation.forms[m].fused]
+        if not forms:
+            continue
+        loop = _AxisLoop(derivation, evaluator, env, group.axis, forms, compiled)
+        final = loop.run_split(rng)
+        for form in forms:
+            errors[form.name] = loop.compare(form, final)
+    return errors
+
+
+def _safe(v: np.ndarray) -> np.ndarray:
+    """A running max/min that is still infinite (nothing finite seen) anchors at 0."""
+    return np.where(np.isfinite(v), v, 0.0)
+
+
+class _AxisLoop:
+    """Runs the derived realisation of one axis's fused reductions over tiles and splits."""
+
+    def __init__(self, derivation, evaluator: Evaluator, env, axis: str, forms: list[ReductionForm], compiled):
+        self.d = derivation
+        self.ev = evaluator
+        self.env = env
+        self.axis = axis
+        self.pos = evaluator.spec.dims.index(axis)
+        self.n = evaluator.shape[axis]
+        self.forms = forms
+        self.compiled = compiled
+        self.sym = derivation.symbols
+
+    # -- values of leaves
+    def tile(self, arr: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        if arr.ndim <= self.pos or arr.shape[self.pos] == 1:
+            return arr
+        idx = [slice(None)] * arr.ndim
+        idx[self.pos] = slice(lo, hi)
+        return arr[tuple(idx)]
+
+    def leaf(self, s: sp.Symbol, lo: int, hi: int) -> np.ndarray | float:
+        name = s.name
+        if name.startswith("size("):
+            return float(self.ev.shape[name[5:-1]])
+        if name.startswith("index("):
+            dim = name[6:-1]
+            arr = self.ev.aligned(np.arange(self.ev.shape[dim], dtype=np.float64), (dim,))
+            return self.tile(arr, lo, hi)
+        return self.tile(np.asarray(self.env[name], dtype=np.float64), lo, hi)
+
+    def evaluate(self, e: sp.Expr, known: dict[sp.Symbol, Any], lo: int = 0, hi: int = 0) -> np.ndarray:
+        values = dict(known)
+        for s in e.free_symbols:
+            if s not in values:
+                values[s] = self.leaf(s, lo, hi)
+        return self.compiled(e, values)
+
+    def full_shape(self, form: ReductionForm, length: int) -> tuple[int, ...]:
+        dims = set(self.ev.spec.expr_dims(form.step.expr))
+        return tuple(
+            (length if d == self.axis else self.ev.shape[d]) if d in dims else 1 for d in self.ev.spec.dims
+        )
+
+    # -- reductions on one tile
+    def reduce(self, form: ReductionForm, values: np.ndarray, lo: int, hi: int):
+        values = np.broadcast_to(values, self.full_shape(form, hi - lo))
+        op = form.effective_op
+        if op == "sum":
+            return values.sum(axis=self.pos, keepdims=True)
+        if op == "max":
+            return values.max(axis=self.pos, keepdims=True)
+        if op == "min":
+            return values.min(axis=self.pos, keepdims=True)
+        positions = [1] * values.ndim
+        positions[self.pos] = hi - lo
+        idx = np.broadcast_to(np.arange(lo, hi, dtype=np.int64).reshape(positions), values.shape)
+        return self.select(op, values, idx, form.step.k or 1)
+
+    def select(self, op: str, values: np.ndarray, idx: np.ndarray, k: int):
+        """Top (or bottom) k candidates along the axis, ties to the lower index."""
+        descending = op in ("topk", "argmax")
+        keys = (idx, -values if descending else values)
+        order = np.lexsort(keys, axis=self.pos)[(slice(None),) * self.pos + (slice(0, k),)]
+        return (np.take_along_axis(values, order, self.pos), np.take_along_axis(idx, order, self.pos))
+
+    def combine(self, form: ReductionForm, a, b):
+        op = form.effective_op
+        if op == "sum":
+            return a + b
+        if op == "max":
+            return np.maximum(a, b)
+        if op == "min":
+            return np.minimum(a, b)
+        va, ia = a
+        vb, ib = b
+        shape = np.broadcast_shapes(va.shape[: self.pos] + va.shape[self.pos + 1 :], vb.shape[: self.pos] + vb.shape[self.pos + 1 :])
+
+        def widen(v: np.ndarray) -> np.ndarray:
+            target = shape[: self.pos] + (v.shape[self.pos],) + shape[self.pos :]
+            return np.broadcast_to(v, target)
+
+        values = np.concatenate([widen(va), widen(vb)], axis=self.pos)
+        idx = np.concatenate([widen(ia), widen(ib)], axis=self.pos)
+        return self.select(op, values, idx, form.step.k or 1)
+
+    @staticmethod
+    def rescale(state, c: np.ndarray):
+        c = np.where(np.isfinite(c), c, 0.0)
+        if isinstance(state, tuple):
+            return (state[0] * c, state[1])
+        return np.where(state == 0, state, state * c)
+
+    # -- states
+    def value(self, form: ReductionForm, st: dict[str, Any]) -> np.ndarray:
+        """The running (or, at the end, final) value of a reduction in a state."""
+        if form.kind == "shifted":
+            return st[form.name]["acc"]
+        known = self.dep_values(form, st)
+        parts = st[form.name]["T"]
+        if isinstance(parts[0], tuple):
+            vals, idx = parts[0]
+            scale = self.evaluate(form.deferred[0], known)
+            return (scale * vals + self.evaluate(form.offset, known), idx)
+        total = self.evaluate(form.offset, known)
+        for deferred, t in zip(form.deferred, parts):
+            total = total + self.evaluate(deferred, known) * t
+        return total
+
+    def dep_values(self, form: ReductionForm, st: dict[str, Any]) -> dict[sp.Symbol, Any]:
+        return {self.sym.symbols[n]: st["run"][n] for n in form.deps}
+
+    def anchors(self, form: ReductionForm, st: dict[str, Any], count: int) -> dict[str, np.ndarray]:
+        out = {}
+        for name in form.deps:
+            if name not in form.anchors:
+                continue
+            run = st["run"][name]
+            if form.anchors[name] == "running":
+                out[name] = _safe(run)
+            else:  # running estimate of a sum: partial * size / count
+                out[name] = run * self.n / max(count, 1)
+        return out
+
+    def moved(self, form: ReductionForm, a_old: dict, a_new: dict, count_old: int) -> dict[sp.Symbol, Any]:
+        values: dict[sp.Symbol, Any] = {COUNT_OLD: float(count_old)}
+        for name in a_new:
+            s = self.sym.symbols[name]
+            values[old(s)] = a_old[name]
+            values[new(s)] = a_new[name]
+        return values
+
+    def step_tile(self, st: dict[str, Any] | None, lo: int, hi: int) -> dict[str, Any]:
+        """Fold tile [lo, hi) into state ``st`` (None: the part's first tile)."""
+        count_old = 0 if st is None else st["count"]
+        out: dict[str, Any] = {"count": count_old + hi - lo, "run": {}}
+        prev = st or {"run": {}}
+        for form in self.forms:
+            known = dict(self.dep_values(form, out))
+            a_new = self.anchors(form, out, out["count"])
+            anchored = {self.sym.symbols[n]: v for n, v in a_new.items()}
+            if form.kind == "shifted":
+                added = self.reduce(form, self.evaluate(form.integrand, known | anchored, lo, hi), lo, hi)
+                if st is None:
+                    acc = added
+                else:
+                    delta = self.evaluate(form.delta, self.moved(form, prev[form.name]["anchor"], a_new, count_old))
+                    acc = prev[form.name]["acc"] + delta + added
+                out[form.name] = {"acc": acc, "anchor": a_new}
+            else:
+                parts = []
+                for j, contribution in enumerate(form.contributions):
+                    added = self.reduce(form, self.evaluate(contribution, known | anchored, lo, hi), lo, hi)
+                    if st is not None:
+                        c = self.evaluate(form.corrections[j], self.moved(form, prev[form.name]["anchor"], a_new, count_old))
+                        added = self.combine(form, self.rescale(prev[form.name]["T"][j], c), added)
+                    parts.append(added)
+                out[form.name] = {"T": parts, "anchor": a_new}
+            out["run"][form.name] = self.value(form, out)
+        return out
+
+    def merge(self, a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"count": a["count"] + b["count"], "run": {}}
+        for form in self.forms:
+            a_new = self.anchors(form, out, out["count"])
+            if form.kind == "shifted":
+                acc = a[form.name]["acc"] + b[form.name]["acc"]
+                for side in (a, b):
+                    acc = acc + self.evaluate(form.delta, self.moved(form, side[form.name]["anchor"], a_new, side["count"]))
+                out[form.name] = {"acc": acc, "anchor": a_new}
+            else:
+                parts = []
+                for j in range(len(form.contributions)):
+                    rescaled = [
+                        self.rescale(
+                            side[form.name]["T"][j],
+                            self.evaluate(form.corrections[j], self.moved(form, side[form.name]["anchor"], a_new, side["count"])),
+                        )
+                        for side in (a, b)
+                    ]
+                    parts.append(self.combine(form, *rescaled))
+                out[form.name] = {"T": parts, "anchor": a_new}
+            out["run"][form.name] = self.value(form, out)
+        return out
+
+    def run_split(self, rng: np.random.Generator) -> dict[str, Any]:
+        n_parts = int(rng.integers(1, min(4, self.n) + 1))
+        cuts = sorted(rng.choice(np.arange(1, self.n), size=n_parts - 1, replace=False).tolist()) if n_parts > 1 else []
+        bounds = [0, *cuts, self.n]
+        states = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            st = None
+            start = lo
+            while start < hi:
+                stop = int(rng.integers(start + 1, hi + 1))
+                st = self.step_tile(st, start, stop)
+                start = stop
+            states.append(st)
+        while len(states) > 1:  # merge random pairs: the merge must not care about order
+            i, j = sorted(rng.choice(len(states), size=2, replace=False).tolist())
+            b = states.pop(j)
+            a = states.pop(i)
+            states.append(self.merge(a, b) if rng.random() < 0.5 else self.merge(b, a))
+        return states[0]
+
+    # -- comparison with the reference
+    def compare(self, form: ReductionForm, final: dict[str, Any]) -> float:
+        got = final["run"][form.name]
+        step = form.step
+        if isinstance(got, tuple):
+            vals, idx = got
+            if step.reduce == "topk":
+                as_pos = self.ev.spec.dims.index(step.as_dim)
+                vals, idx = np.swapaxes(vals, self.pos, as_pos), np.swapaxes(idx, self.pos, as_pos)
+                ref_v, ref_i = self.env[f"{step.name}.values"], self.env[f"{step.name}.indices"]
+                return max(_rel_err(vals, ref_v), _index_err(idx, ref_i, ref_v, as_pos))
+            return _index_err(idx, self.env[step.name], None, self.pos)
+        return _rel_err(got, self.env[step.name])
+
+
+def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    got, ref = np.broadcast_arrays(np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64))
+    same = (got == ref) | (np.isnan(got) & np.isnan(ref))
+    finite = np.isfinite(ref)
+    scale = float(np.max(np.abs(ref[finite]), initial=0.0))
+    floor = max(1e-12 * scale, 1e-300)
+    with np.errstate(all="ignore"):
+        err = np.abs(got - ref) / np.maximum(np.abs(ref), floor)
+    err = np.where(same, 0.0, err)
+    err = np.where(np.isnan(err), math.inf, err)
+    return float(np.max(err, initial=0.0))
+
+
+def _index_err(idx: np.ndarray, ref_idx: np.ndarray, ref_values: np.ndarray | None, axis: int) -> float:
+    """1.0 when an index differs where the reference values (sorted along ``axis``) are not tied."""
+    idx, ref_idx = np.broadcast_arrays(idx, ref_idx)
+    wrong = idx != ref_idx
+    if ref_values is not None and wrong.any() and idx.shape[axis] > 1:
+        v = np.broadcast_to(ref_values, idx.shape)
+        eq = np.diff(v, axis=axis) == 0
+        lead, trail = [(0, 0)] * v.ndim, [(0, 0)] * v.ndim
+        lead[axis], trail[axis] = (1, 0), (0, 1)
+        wrong &= ~(np.pad(eq, lead) | np.pad(eq, trail))
+    return 1.0 if wrong.any() else 0.0

@@ -1,0 +1,469 @@
+"""The derivation: does a cascade fuse into one incremental loop, and how (THEORY.md 2-5).
+
+For every reduction of a spec, :func:`derive_cascade` finds its cascade axis (``over``),
+the earlier reductions over that axis it reads (its dependencies D, after inlining
+elementwise steps), and decides with sympy whether its integrand F(x, D) separates:
+
+- ``sum``: F = sum_j G_j(x) H_j(D) with finitely many terms (rank 1 is RedFuser's
+  multiplicative case; rank > 1 is THEORY.md section 5's multi-term case);
+- ``max``/``min``/``topk``/``argmax``/``argmin``: F = a(D) G(x) + b(D) with a(D) provably
+  positive (order kept) or negative (max and min swap), decided by sympy's assumptions.
+
+The split is found by expanding F (exponentials of sums become products) and sorting each
+factor of each term into streamed (x), dependent (D) or neutral; a factor that mixes x
+and D -- ``sin(x*mx)``, ``Max(x, mean)`` -- makes the reduction non-fusible, and that factor
+is the reason given.
+
+Each fused reduction gets a realisation, the state a loop carries and how it is updated:
+
+- ``first``: no dependency; the plain partial reduction.
+- ``scaled``: one accumulator per term, each anchored at the running value of the max/min
+  dependencies it has (``T_j = sum G_j(x) A_j(D~)``); when the anchor moves the
+  accumulator is multiplied by the correction ``A_j(D_new) / A_j(D_old)`` (for softmax
+  ``exp(mx_old - mx_new)``); the rest of ``H_j`` (for attention ``1 / den``) is applied
+  once, at the end, with final values. Max/min/topk use the same with one term.
+- ``shifted``: for multi-term sums whose changing terms can be re-expressed from running
+  partial sums (layernorm's variance), the accumulator holds ``sum F(x, D~)`` at an anchor
+  that tracks the running estimate of each sum dependency (the running mean), and moving
+  the anchor adds a sympy-factored correction (``count (mean_new - mean_old)^2 / N``):
+  Welford/Chan's update, derived rather than written in.
+
+The merge of two partial states (split reduction) re-anchors both to the merged
+dependencies with the same corrections and combines them with the reduction's operator.
+:mod:`fuser_core.certificate` checks all of it numerically.
+
+Example:
+    >>> from fuser_core.spec import load_spec
+    >>> spec = load_spec({"foldwise": 1, "name": "sm", "inputs": {"x": {"dims": ["m", "n"]}},
+    ...     "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
+    ...               {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"}],
+    ...     "outputs": ["den"]})
+    >>> d = derive_cascade(spec)
+    >>> d.forms["den"].kind, d.forms["den"].corrections
+    ('scaled', (exp(mx[old] - mx[new]),))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy as sp
+
+from fuser_core import expr as ex
+from fuser_core.spec import Spec, Step
+from fuser_core.symbolic import SymbolicSpec, has_cast, strip_casts
+
+MAX_TERMS = 32  # rank limit for multi-term separation
+MAX_EXPAND_POWER = 12  # (x + D)**p with larger p is not expanded
+
+SUM_OPS = ("sum",)
+ORDER_OPS = ("max", "min", "topk", "argmax", "argmin")
+SWAPPED = {"max": "min", "min": "max", "argmax": "argmin", "argmin": "argmax", "topk": "bottomk"}
+
+
+@dataclass(frozen=True)
+class Term:
+    """One term G(x) * H(D) of a separated integrand."""
+
+    g: sp.Expr
+    h: sp.Expr
+
+
+@dataclass
+class ReductionForm:
+    """How one reduction is computed inside its axis's loop (or why it is not)."""
+
+    step: Step
+    integrand: sp.Expr  # F(x, D), elementwise steps inlined, casts kept
+    deps: tuple[str, ...]  # same-axis reductions F reads
+    kind: str  # first | scaled | shifted | not_fused
+    reason: str | None = None
+    terms: tuple[Term, ...] = ()
+    # scaled: per accumulator j
+    contributions: tuple[sp.Expr, ...] = ()  # C_j(x, D~): what a tile adds, at the anchors
+    scales: tuple[sp.Expr, ...] = ()  # A_j(D): the anchored factor
+    deferred: tuple[sp.Expr, ...] = ()  # H_j / A_j: applied once at the end
+    corrections: tuple[sp.Expr, ...] = ()  # A_j(D_new) / A_j(D_old)
+    offset: sp.Expr = sp.Integer(0)  # b(D) for order reductions (value = deferred * T + offset)
+    effective_op: str = ""  # the op actually run on T (max and min swap when a(D) < 0)
+    # shifted
+    delta: sp.Expr | None = None  # added to the accumulator when the anchors move
+    anchors: dict[str, str] = field(default_factory=dict)  # dep -> "running" | "running estimate"
+    guards: tuple[str, ...] = ()
+    exact: bool = True  # False when a cast inside F makes the fused form differ from multi-pass
+    contraction: bool = False  # a sum of a product that tl.dot should compute
+
+    @property
+    def name(self) -> str:
+        return self.step.name
+
+    @property
+    def op(self) -> str:
+        assert self.step.reduce is not None
+        return self.step.reduce
+
+    @property
+    def axis(self) -> str:
+        assert self.step.over is not None
+        return self.step.over
+
+    @property
+    def fused(self) -> bool:
+        return self.kind != "not_fused"
+
+
+@dataclass
+class AxisGroup:
+    """The reductions over one axis: one loop when all are fused."""
+
+    axis: str
+    members: tuple[str, ...]
+    edges: tuple[tuple[str, str], ...]  # (dependency, dependent)
+
+    @property
+    def horizontal(self) -> tuple[str, ...]:
+        """Members with no dependency inside the group: they share the loop side by side."""
+        dependents = {b for _, b in self.edges}
+        return tuple(m for m in self.members if m not in dependents)
+
+
+@dataclass(frozen=True)
+class EpilogueStep:
+    """An elementwise step computed from final values; ``second_pass`` when it still has a
+    reduced axis (softmax's ``y``), so the kernel must read that axis again."""
+
+    name: str
+    reads: tuple[str, ...]
+    second_pass: bool
+
+
+@dataclass
+class Derivation:
+    spec: Spec
+    forms: dict[str, ReductionForm]
+    groups: tuple[AxisGroup, ...]
+    epilogue: tuple[EpilogueStep, ...]
+    symbols: SymbolicSpec
+
+    @property
+    def fusible(self) -> bool:
+        """True when every dependent reduction fused (THEORY.md: one loop per axis)."""
+        return all(f.fused for f in self.forms.values())
+
+    @property
+    def exact(self) -> bool:
+        return all(f.exact for f in self.forms.values())
+
+
+class NotSeparable(Exception):
+    """F does not separate; the message names the offending term."""
+
+
+def old(sym: sp.Symbol) -> sp.Symbol:
+    return sp.Symbol(f"{sym.name}[old]", **sym.assumptions0)
+
+
+def new(sym: sp.Symbol) -> sp.Symbol:
+    return sp.Symbol(f"{sym.name}[new]", **sym.assumptions0)
+
+
+COUNT_OLD = sp.Symbol("count[old]", integer=True, nonnegative=True)
+
+
+def derive_cascade(spec: Spec) -> Derivation:
+    """Derive every reduction of ``spec``; see the module docstring for what comes out."""
+    conv = SymbolicSpec(spec)
+    forms: dict[str, ReductionForm] = {}
+    for step in spec.steps:
+        if step.is_reduction:
+            forms[step.name] = _Deriver(conv, step, forms).derive()
+    groups: dict[str, list[str]] = {}
+    for form in forms.values():
+        groups.setdefault(form.axis, []).append(form.name)
+    axis_groups = tuple(
+        AxisGroup(axis, tuple(members), tuple((d, m) for m in members for d in forms[m].deps))
+        for axis, members in groups.items()
+    )
+    return Derivation(spec, forms, axis_groups, _epilogue(spec), conv)
+
+
+def _epilogue(spec: Spec) -> tuple[EpilogueStep, ...]:
+    """Elementwise steps after the loops: they read final reduction values and feed no reduction."""
+    read_by_reduction: set[str] = set()
+    reads: dict[str, set[str]] = {}  # elementwise step -> reductions it reads, through other elementwise steps
+    for step in spec.steps:
+        direct = {n.name for n in ex.walk(step.expr) if isinstance(n, ex.Ref)}
+        if step.is_reduction:
+            read_by_reduction |= direct
+            continue
+        found: set[str] = set()
+        for name in direct:
+            obj = spec.lookup(name)
+            if isinstance(obj, Step):
+                found |= {name} if obj.is_reduction else reads.get(name, set())
+        reads[step.name] = found
+    out = []
+    for step in spec.steps:
+        if step.is_reduction or step.name in read_by_reduction or not reads.get(step.name):
+            continue
+        axes = {spec.step(r).over for r in reads[step.name]}
+        out.append(EpilogueStep(step.name, tuple(sorted(reads[step.name])), any(a in step.dims for a in axes)))
+    return tuple(out)
+
+
+class _Deriver:
+    def __init__(self, conv: SymbolicSpec, step: Step, forms: dict[str, ReductionForm]):
+        self.conv = conv
+        self.step = step
+        self.forms = forms
+        self.axis = step.over
+        self.F = conv.integrand(step)
+
+    # -- classification of the integrand's leaves
+    def reaches_axis(self, red: Step, seen: frozenset[str] = frozenset()) -> str | None:
+        """The same-axis reduction a reduction over another axis depends on, if any."""
+        for sym in self.conv.integrand(red).free_symbols:
+            inner = self.conv.leaf_step.get(sym)
+            if inner is None or inner.name in seen:
+                continue
+            if inner.over == self.axis:
+                return inner.name
+            found = self.reaches_axis(inner, seen | {red.name})
+            if found:
+                return found
+        return None
+
+    def derive(self) -> ReductionForm:
+        step, F = self.step, self.F
+        deps: dict[str, sp.Symbol] = {}
+        streamed: set[sp.Symbol] = set()
+        for sym in sorted(F.free_symbols, key=str):
+            red = self.conv.leaf_step.get(sym)
+            if red is not None and red.over == self.axis:
+                deps[red.name] = sym
+                continue
+            if red is not None:
+                through = self.reaches_axis(red)
+                if through:
+                    return self.not_fused(
+                        tuple(deps),
+                        f"reads {red.name}, a reduction over {red.over} that itself needs the final {through}: "
+                        "no single loop over the axis can provide it",
+                    )
+            if self.axis in self.conv.leaf_dims.get(sym, ()):
+                streamed.add(sym)
+        order = [s.name for s in self.conv.spec.steps]
+        dep_names = tuple(sorted(deps, key=order.index))
+        contraction = self.is_contraction(streamed)
+        if not deps:
+            one = sp.Integer(1)
+            return ReductionForm(
+                step, F, (), "first", terms=(Term(F, one),), contributions=(F,), scales=(one,), deferred=(one,),
+                corrections=(one,), effective_op=step.reduce or "", contraction=contraction,
+            )
+        for name in dep_names:
+            dep_form = self.forms[name]
+            if dep_form.op not in ("sum", "max", "min"):
+                return self.not_fused(
+                    dep_names, f"reads {name}, a {dep_form.op} result; only sum, max and min results have a running value"
+                )
+            if not dep_form.fused:
+                return self.not_fused(dep_names, f"reads {name}, which is not fused")
+        self.deps = deps
+        self.dep_syms = set(deps.values())
+        self.streamed = streamed
+        exact = not has_cast(F)
+        try:
+            terms = self.separate(strip_casts(F))
+            if step.reduce in SUM_OPS:
+                form = self.realise_sum(terms, dep_names)
+            else:
+                form = self.realise_order(terms, dep_names)
+        except NotSeparable as err:
+            return self.not_fused(dep_names, str(err))
+        form.exact = exact
+        form.contraction = contraction
+        return form
+
+    def not_fused(self, deps: tuple[str, ...], reason: str) -> ReductionForm:
+        return ReductionForm(self.step, self.F, deps, "not_fused", reason=f"{self.step.reduce} over {self.axis}: {reason}")
+
+    def is_contraction(self, streamed: set[sp.Symbol]) -> bool:
+        """A sum over the axis of a product of tensors with other dims on both sides (a GEMM)."""
+        if self.step.reduce != "sum":
+            return False
+        out = set(self.step.dims)
+        carriers = [set(self.conv.leaf_dims[s]) - {self.axis} for s in streamed if s in self.conv.leaf_dims]
+        carriers = [c for c in carriers if c]
+        return len(carriers) >= 2 and not any(out <= c for c in carriers)
+
+    # -- separation
+    def separate(self, F: sp.Expr) -> list[Term]:
+        """F as sum_j G_j(x) H_j(D), grouped by G; raises NotSeparable naming the mixing factor."""
+        xs, ds = self.streamed, self.dep_syms
+        for p in F.atoms(sp.Pow):
+            if p.exp.is_Integer and abs(int(p.exp)) > MAX_EXPAND_POWER and p.base.free_symbols & xs and p.base.free_symbols & ds:
+                raise NotSeparable(f"{p} has a power above {MAX_EXPAND_POWER}: too many terms to separate")
+        E = sp.expand(F, deep=True, mul=True, multinomial=True, power_exp=True, power_base=False, log=True)
+        parts = sp.Add.make_args(E)
+        if len(parts) > 4 * MAX_TERMS:
+            raise NotSeparable(f"expands to {len(parts)} terms; the limit is {4 * MAX_TERMS}")
+        groups: dict[sp.Expr, sp.Expr] = {}
+        for part in parts:
+            g, h = sp.Integer(1), sp.Integer(1)
+            for factor in sp.Mul.make_args(part):
+                free = factor.free_symbols
+                if free & xs and free & ds:
+                    raise NotSeparable(
+                        f"the term {factor} mixes the streamed values ({_names(free & xs)}) with {_names(free & ds)}, "
+                        "so it cannot be split into G(x) * H(D)"
+                    )
+                if free & xs:
+                    g *= factor
+                else:
+                    h *= factor
+            groups[g] = groups.get(g, sp.Integer(0)) + h
+        terms = [Term(g, sp.factor_terms(h)) for g, h in groups.items() if h != 0]
+        if len(terms) > MAX_TERMS:
+            raise NotSeparable(f"has {len(terms)} separable terms; the limit is {MAX_TERMS}")
+        return terms
+
+    # -- realisations
+    def max_type(self) -> set[sp.Symbol]:
+        """Dependencies whose running value is a max or min: the natural anchors."""
+        out = set()
+        for name, sym in self.deps.items():
+            f = self.forms[name]
+            if (f.effective_op or f.op) in ("max", "min"):
+                out.add(sym)
+        return out
+
+    def anchored_factor(self, h: sp.Expr) -> sp.Expr:
+        """The provably positive part of H that reads only max/min dependencies (and constants).
+
+        Positive, so that rescaling never flips an order; everything else of H is deferred.
+        """
+        anchors = self.max_type()
+        a = sp.Integer(1)
+        for factor in sp.Mul.make_args(sp.factor_terms(h)):
+            if factor.free_symbols & self.dep_syms <= anchors and factor.is_positive:
+                a *= factor
+        return a
+
+    def correction(self, a: sp.Expr) -> sp.Expr:
+        to_new = {s: new(s) for s in self.dep_syms}
+        to_old = {s: old(s) for s in self.dep_syms}
+        return sp.powsimp(a.xreplace(to_new) / a.xreplace(to_old), combine="exp")
+
+    def guards_for(self, corrections: list[sp.Expr]) -> tuple[str, ...]:
+        out = []
+        anchors = self.max_type()
+        for sym in sorted(anchors, key=str):
+            out.append(
+                f"{sym} is -inf/+inf until a finite value is seen (all masked): its running value anchors at 0 instead"
+            )
+        for c in corrections:
+            _, den = sp.fraction(sp.together(c))
+            for factor in sp.Mul.make_args(den):
+                if factor.is_number or factor.is_zero is False:
+                    continue
+                out.append(f"{factor} can be 0: then nothing was accumulated and the correction is taken as 0")
+        return tuple(dict.fromkeys(out))
+
+    def scaled(self, terms: list[Term], dep_names: tuple[str, ...], *, offset: sp.Expr, op: str) -> ReductionForm:
+        contributions, scales, deferred, corrections = [], [], [], []
+        anchors = self.max_type()
+        for t in terms:
+            a = self.anchored_factor(t.h)
+            rest = sp.powsimp(sp.cancel(t.h / a), combine="exp")
+            contribution = None
+            if len(terms) == 1:
+                # Keep the user's own form (casts included) when it divides out cleanly.
+                candidate = sp.powsimp((self.F - offset) / rest, combine="exp")
+                if not (candidate.free_symbols & (self.dep_syms - anchors)):
+                    contribution = candidate
+                elif has_cast(self.F):
+                    raise NotSeparable(
+                        f"a cast inside F reads {_names(candidate.free_symbols & (self.dep_syms - anchors))}, "
+                        "a sum result with no running anchor"
+                    )
+            if contribution is None:
+                contribution = sp.powsimp(t.g * a, combine="exp")
+            contributions.append(contribution)
+            scales.append(a)
+            deferred.append(rest)
+            corrections.append(self.correction(a))
+        return ReductionForm(
+            self.step, self.F, dep_names, "scaled", terms=tuple(terms), contributions=tuple(contributions),
+            scales=tuple(scales), deferred=tuple(deferred), corrections=tuple(corrections), offset=offset,
+            effective_op=op, anchors={n: "running" for n, s in self.deps.items() if s in anchors},
+            guards=self.guards_for(corrections),
+        )
+
+    def realise_sum(self, terms: list[Term], dep_names: tuple[str, ...]) -> ReductionForm:
+        if len(terms) > 1:
+            shifted = self.shifted(terms, dep_names)
+            if shifted is not None:
+                return shifted
+        return self.scaled(terms, dep_names, offset=sp.Integer(0), op="sum")
+
+    def realise_order(self, terms: list[Term], dep_names: tuple[str, ...]) -> ReductionForm:
+        op = self.step.reduce
+        assert op is not None
+        offset = sum((t.h for t in terms if t.g == 1), sp.Integer(0))
+        varying = [t for t in terms if t.g != 1]
+        if len(varying) != 1:
+            raise NotSeparable(
+                f"{op} needs F = a(D)*G(x) + b(D), but F = {self.F} has {len(varying)} independent "
+                "terms in the streamed values"
+            )
+        (t,) = varying
+        rest = t.h / self.anchored_factor(t.h)  # the realisation runs the op on G * A with A > 0
+        if rest.is_positive:
+            eff = op
+        elif rest.is_negative:
+            eff = SWAPPED[op]
+        else:
+            raise NotSeparable(
+                f"cannot decide the sign of the factor {t.h} (it must be provably > 0 or < 0 to keep the order)"
+            )
+        return self.scaled([t], dep_names, offset=offset, op=eff)
+
+    def shifted(self, terms: list[Term], dep_names: tuple[str, ...]) -> ReductionForm | None:
+        """Welford/Chan-style realisation when every changing term's sum is known from partials."""
+        n = sp.Symbol(f"size({self.axis})", integer=True, positive=True)
+        sum_deps = {
+            name: sym for name, sym in self.deps.items() if self.forms[name].kind == "first" and self.forms[name].op == "sum"
+        }
+        anchors = self.max_type()
+        if set(self.deps.values()) - anchors - set(sum_deps.values()):
+            return None
+        delta = sp.Integer(0)
+        for t in terms:
+            if not (t.h.free_symbols & self.dep_syms):
+                continue  # this term never changes with the anchors
+            if t.g == 1:
+                seen_sum = COUNT_OLD
+            else:
+                seen_sum = None
+                for name, sym in sum_deps.items():
+                    ratio = sp.cancel(t.g / strip_casts(self.forms[name].integrand))
+                    if not (ratio.free_symbols & (self.streamed | self.dep_syms)):
+                        # sum of G over what was seen = ratio * partial(dep); partial = anchor * count / N
+                        seen_sum = ratio * old(sym) * COUNT_OLD / n
+                        break
+                if seen_sum is None:
+                    return None
+            delta += seen_sum * (t.h.xreplace({s: new(s) for s in self.dep_syms}) - t.h.xreplace({s: old(s) for s in self.dep_syms}))
+        delta = sp.factor(delta)
+        anchor_kind = {name: "running estimate (partial * size / count)" for name in sum_deps}
+        anchor_kind.update({n_: "running" for n_, s in self.deps.items() if s in anchors})
+        return ReductionForm(
+            self.step, self.F, dep_names, "shifted", terms=tuple(terms), delta=delta, anchors=anchor_kind,
+            guards=self.guards_for([]) + ("count[old] = 0: the anchor is 0 and the correction vanishes",),
+            effective_op="sum",
+        )
+
+
+def _names(syms: set[sp.Symbol]) -> str:
+    return ", ".join(sorted(str(s) for s in syms))

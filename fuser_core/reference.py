@@ -1,0 +1,359 @@
+"""The float64 NumPy reference evaluator: the ground truth for every correctness check.
+
+A spec is run step by step, literally as written (no fusion, no rewriting), in float64
+(index inputs, ``argmax``/``argmin`` results and topk indices in int64).
+
+**Aligned layout.** Every array the evaluator holds has rank ``len(spec.dims)``, its axes
+in ``spec.dims`` order, and size 1 on the dims it lacks, so "broadcast by name" is plain
+NumPy broadcasting. Inputs arrive in their own dims order and are aligned on the way in;
+:meth:`Evaluator.outputs` squeezes each output back to its step's own dims, in
+``step.dims`` order (the interface's output dim order rule).
+
+**Semantics** (../shared/docs/SPEC.md):
+
+- ``sum``/``max``/``min`` reduce over ``over``; ``argmax``/``argmin`` give the first position
+  of the extreme value (NaN counts as the extreme, as in NumPy); ``topk`` gives the k
+  largest values, sorted descending, and their positions along ``over``, ties going to the
+  lower position first; NaN sorts as the smallest value. The result lies on the ``as`` dim.
+- IEEE float math, never an exception: division by zero, ``log`` of negatives and the like
+  give inf/nan silently. ``maximum``/``minimum``/``max``/``min`` propagate NaN.
+- ``round`` is round-half-to-even; ``rsqrt(x) = 1 / sqrt(x)``;
+  ``sigmoid(x) = 1 / (1 + exp(-x))``; ``clamp(x, lo, hi) = minimum(maximum(x, lo), hi)``.
+- ``cast(x, dtype)`` rounds to ``dtype`` (round to nearest even) and back to float64; see
+  :func:`cast_to`, which also records what happens out of range.
+
+Example:
+    >>> from fuser_core.spec import load_spec
+    >>> spec = load_spec('''{"foldwise": 1, "name": "sm", "inputs": {"x": {"dims": ["m", "n"]}},
+    ...   "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
+    ...             {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"},
+    ...             {"name": "y", "expr": "exp(x - mx) / den"}], "outputs": ["y"]}''')
+    >>> out = evaluate(spec, {"m": 2, "n": 3}, {"x": np.zeros((2, 3))})
+    >>> out["y"].round(4).tolist()
+    [[0.3333, 0.3333, 0.3333], [0.3333, 0.3333, 0.3333]]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from numbers import Integral
+
+import ml_dtypes
+import numpy as np
+import scipy.special
+
+from fuser_core import expr as ex
+from fuser_core.errors import SpecError
+from fuser_core.spec import Spec, Step
+
+MAX_ELEMENTS = 2**31  # the most elements any input or step may have
+
+FLOAT_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+}
+FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+
+
+class ShapeError(SpecError):
+    """Sizes or arrays that do not fit the spec; ``loc`` names the dim or the input.
+
+    Example:
+        >>> str(ShapeError("must be a positive integer, got 0", loc=("shape", "n")))
+        'shape.n: must be a positive integer, got 0'
+    """
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def bind_shape(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
+    """Check ``shape`` (dim -> positive int) against the spec; return a new, complete dict.
+
+    A topk ``as`` dim may be left out (it is then ``k``); if given it must equal ``k``.
+    """
+    if not isinstance(shape, Mapping):
+        raise ShapeError(f"expected an object of dim -> size, got {type(shape).__name__}", loc=("shape",))
+    unknown = [d for d in shape if d not in spec.dims]
+    if unknown:
+        raise ShapeError(
+            f"unknown dim{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"the spec's dims are {', '.join(spec.dims)}",
+            loc=("shape", str(unknown[0])),
+        )
+    as_dims = {s.as_dim: s for s in spec.steps if s.reduce == "topk"}
+    bound: dict[str, int] = {}
+    for d in spec.dims:
+        if d not in shape and d in as_dims:
+            bound[d] = as_dims[d].k
+            continue
+        if d not in shape:
+            raise ShapeError("no size given for this dim", loc=("shape", d))
+        n = shape[d]
+        if isinstance(n, bool) or not isinstance(n, Integral) or n < 1:
+            raise ShapeError(f"must be a positive integer, got {n!r:.40}", loc=("shape", d))
+        bound[d] = int(n)
+    for d, step in as_dims.items():
+        if bound[d] != step.k:
+            raise ShapeError(f"is topk step {step.name!r}'s 'as' dim, so its size must be k={step.k}, got {bound[d]}",
+                             loc=("shape", d))
+        if step.k > bound[step.over]:
+            raise ShapeError(f"topk step {step.name!r} takes k={step.k} of {step.over!r}, which has only "
+                             f"{bound[step.over]}", loc=("shape", step.over))
+    for name, dims in [(i.name, i.dims) for i in spec.inputs] + [(s.name, s.dims) for s in spec.steps]:
+        n = math.prod(bound[d] for d in dims)
+        if n > MAX_ELEMENTS:
+            big = max(dims, key=bound.__getitem__)
+            raise ShapeError(f"{name!r} would have {n} elements; the limit is {MAX_ELEMENTS}", loc=("shape", big))
+    return bound
+
+
+def param_values(spec: Spec, shape: Mapping[str, int]) -> dict[str, float]:
+    """Every param's value for these sizes (params use numbers, size(dim) and functions)."""
+    ev = Evaluator(spec, shape)
+    return {p.name: float(ev.eval_expr(p.expr, {})) for p in spec.params}
+
+
+# ---------------------------------------------------------------- casts and functions
+
+
+def cast_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Round float64 ``x`` to ``dtype`` (nearest, ties to even) and back to float64.
+
+    float16/float32 overflow to +-inf, and bfloat16 too, as on the GPU.
+    float8_e4m3fn has no inf: ml_dtypes (0.6) rounds to nearest and turns every value whose
+    rounding passes 448 (|x| >= 464, the midpoint to the next binade step) and +-inf into
+    NaN; it does not saturate. Triton's fp32 -> fp8e4nv (``cvt.rn.satfinite``) and torch's
+    ``.to(torch.float8_e4m3fn)`` saturate instead (finite and infinite values beyond the
+    range become +-448, NaN stays NaN). The reference follows the hardware: it clips to
+    +-448 before rounding, so out-of-range values saturate and only NaN gives NaN.
+    (ml_dtypes converts float64 by way of float32, so a value within 2**-24 relative of a
+    rounding midpoint may round as its float32 neighbour would; kernels round from float32.)
+    """
+    if dtype == "float8_e4m3fn":
+        x = np.clip(x, -FP8_MAX, FP8_MAX)
+    return np.asarray(x, np.float64).astype(FLOAT_DTYPES[dtype]).astype(np.float64)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _rsqrt(x: np.ndarray) -> np.ndarray:
+    return 1.0 / np.sqrt(x)
+
+
+def _clamp(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    return np.minimum(np.maximum(x, lo), hi)
+
+
+FUNCTIONS: dict[str, Callable[..., np.ndarray]] = {
+    "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "log1p": np.log1p,
+    "sqrt": np.sqrt, "rsqrt": _rsqrt, "abs": np.abs, "tanh": np.tanh, "sigmoid": _sigmoid,
+    "erf": scipy.special.erf, "sin": np.sin, "cos": np.cos, "round": np.rint,
+    "maximum": np.maximum, "minimum": np.minimum, "where": np.where, "clamp": _clamp,
+}
+BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "+": np.add, "-": np.subtract, "*": np.multiply, "/": np.divide, "**": np.power,
+}
+COMPARE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal,
+    "==": np.equal, "!=": np.not_equal,
+}
+assert set(FUNCTIONS) == set(ex.FUNCTIONS)
+
+
+# ---------------------------------------------------------------- the evaluator
+
+
+class Evaluator:
+    """Runs one spec at one bound shape. Arrays are in the aligned layout (module doc)."""
+
+    def __init__(self, spec: Spec, shape: Mapping[str, int]):
+        self.spec = spec
+        self.shape = bind_shape(spec, shape)
+        self.axis = {d: i for i, d in enumerate(spec.dims)}
+
+    # -- layout
+    def aligned_shape(self, dims: tuple[str, ...] | list[str]) -> tuple[int, ...]:
+        """The aligned shape of an array over ``dims``: bound size on them, 1 elsewhere."""
+        return tuple(self.shape[d] if d in dims else 1 for d in self.spec.dims)
+
+    def aligned(self, array: np.ndarray, dims: tuple[str, ...] | list[str]) -> np.ndarray:
+        """``array`` over ``dims`` (its own axis order) in the aligned layout."""
+        array = np.asarray(array)
+        dims = tuple(dims)
+        if array.ndim != len(dims) or len(set(dims)) != len(dims) or not set(dims) <= set(self.spec.dims):
+            raise ValueError(f"dims {dims} do not describe an array of rank {array.ndim} over {self.spec.dims}")
+        for d, n in zip(dims, array.shape):
+            if n != self.shape[d]:
+                raise ShapeError(f"has size {self.shape[d]}, but the array has {n} along it", loc=("shape", d))
+        order = sorted(range(len(dims)), key=lambda i: self.axis[dims[i]])
+        return array.transpose(order).reshape(self.aligned_shape(dims))
+
+    def unaligned(self, array: np.ndarray, dims: tuple[str, ...] | list[str]) -> np.ndarray:
+        """The inverse of :meth:`aligned`: drop the other (size-1) axes, order axes as ``dims``."""
+        own = [d for d in self.spec.dims if d in dims]
+        squeezed = np.asarray(array).reshape([self.shape[d] for d in own])
+        return squeezed.transpose([own.index(d) for d in dims])
+
+    # -- expressions
+    def eval_expr(self, e: ex.Expr, env: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Evaluate ``e`` in float64 against ``env`` (names and ``"g.values"``-style topk parts
+        -> aligned arrays). The result broadcasts to the aligned shape of the expression's dims
+        (it may keep size 1 where the expression does not vary)."""
+        with np.errstate(all="ignore"):
+            return np.asarray(self._eval(e, env))
+
+    def _eval(self, e: ex.Expr, env: Mapping[str, np.ndarray]) -> np.ndarray:
+        if isinstance(e, ex.Num):
+            return np.float64(e.value)
+        if isinstance(e, ex.Ref):
+            key = e.name if e.part is None else f"{e.name}.{e.part}"
+            return np.asarray(env[key], np.float64)
+        if isinstance(e, ex.Size):
+            return np.float64(self.shape[e.dim])
+        if isinstance(e, ex.Index):
+            return np.arange(self.shape[e.dim], dtype=np.float64).reshape(self.aligned_shape((e.dim,)))
+        if isinstance(e, ex.Neg):
+            return np.negative(self._eval(e.operand, env))
+        if isinstance(e, ex.BinOp):
+            return BINARY[e.op](self._eval(e.left, env), self._eval(e.right, env))
+        if isinstance(e, ex.Compare):
+            return COMPARE[e.op](self._eval(e.left, env), self._eval(e.right, env))
+        if isinstance(e, ex.Call):
+            return FUNCTIONS[e.func](*(self._eval(a, env) for a in e.args))
+        if isinstance(e, ex.Cast):
+            return cast_to(self._eval(e.operand, env), e.dtype)
+        raise TypeError(f"cannot evaluate {e!r}")
+
+    # -- steps
+    def reduce(self, step: Step, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One reduction step's part(s), aligned."""
+        edims = self.spec.expr_dims(step.expr)
+        with np.errstate(all="ignore"):
+            value = np.broadcast_to(self.eval_expr(step.expr, env), self.aligned_shape(edims))
+            ax = self.axis[step.over]
+            if step.reduce == "sum":
+                return {step.name: np.sum(value, axis=ax, keepdims=True)}
+            if step.reduce == "max":
+                return {step.name: np.max(value, axis=ax, keepdims=True)}
+            if step.reduce == "min":
+                return {step.name: np.min(value, axis=ax, keepdims=True)}
+            if step.reduce == "argmax":
+                return {step.name: np.argmax(value, axis=ax, keepdims=True).astype(np.int64)}
+            if step.reduce == "argmin":
+                return {step.name: np.argmin(value, axis=ax, keepdims=True).astype(np.int64)}
+            assert step.reduce == "topk"
+            return self.topk(step, value)
+
+    def topk(self, step: Step, value: np.ndarray) -> dict[str, np.ndarray]:
+        """The k largest along ``over`` (stable: lower position first on ties), laid on ``as``."""
+        ax, as_ax = self.axis[step.over], self.axis[step.as_dim]
+        order = np.argsort(-value, axis=ax, kind="stable")
+        indices = np.take(order, np.arange(step.k), axis=ax)
+        values = np.take_along_axis(value, indices, axis=ax)
+        # the over axis holds k now and the as axis 1: swap them
+        return {
+            f"{step.name}.values": np.swapaxes(values, ax, as_ax).astype(np.float64),
+            f"{step.name}.indices": np.swapaxes(indices, ax, as_ax).astype(np.int64),
+        }
+
+    def load_inputs(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Check and align the inputs (float64, index inputs int64)."""
+        unknown = [n for n in inputs if n not in {i.name for i in self.spec.inputs}]
+        if unknown:
+            raise ShapeError("is not an input of the spec", loc=("inputs", str(unknown[0])))
+        env: dict[str, np.ndarray] = {}
+        for inp in self.spec.inputs:
+            if inp.name not in inputs:
+                raise ShapeError("this input is missing", loc=("inputs", inp.name))
+            array = np.asarray(inputs[inp.name])
+            want = tuple(self.shape[d] for d in inp.dims)
+            if array.shape != want:
+                raise ShapeError(f"expected shape {want} over ({', '.join(inp.dims)}), got {array.shape}",
+                                 loc=("inputs", inp.name))
+            if inp.kind == "index":
+                if array.dtype.kind not in "iu":
+                    raise ShapeError(f"an index input needs integers, got {array.dtype}", loc=("inputs", inp.name))
+                array = array.astype(np.int64)
+            else:
+                array = array.astype(np.float64)
+            env[inp.name] = self.aligned(array, inp.dims)
+        return env
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every input, param and step part, aligned (params as size-1 arrays)."""
+        env = self.load_inputs(inputs)
+        ones = (1,) * len(self.spec.dims)
+        for p in self.spec.params:
+            env[p.name] = np.broadcast_to(self.eval_expr(p.expr, env), ones).astype(np.float64)
+        for step in self.spec.steps:
+            if step.is_reduction:
+                env.update(self.reduce(step, env))
+            else:
+                value = self.eval_expr(step.expr, env)
+                env[step.name] = np.broadcast_to(value, self.aligned_shape(step.dims)).astype(np.float64)
+        return env
+
+    def outputs(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The spec's output parts, each over its step's own dims in ``step.dims`` order."""
+        env = self.run(inputs)
+        out = {}
+        for part in self.spec.output_parts:
+            step = self.spec.step(part.split(".")[0])
+            out[part] = np.ascontiguousarray(self.unaligned(env[part], step.dims))
+        return out
+
+
+def evaluate(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The spec's outputs (see :meth:`Evaluator.outputs`)."""
+    return Evaluator(spec, shape).outputs(inputs)
+
+
+# ---------------------------------------------------------------- random inputs
+
+
+def index_input_bound(spec: Spec, name: str, shape: Mapping[str, int]) -> int:
+    """Exclusive upper bound for index input ``name``: the size of the dim it is compared
+    with through ``index(dim)`` (the smallest such, if several), else 4."""
+    sizes = []
+    for step in spec.steps:
+        for node in ex.walk(step.expr):
+            if not isinstance(node, ex.Compare):
+                continue
+            for a, b in ((node.left, node.right), (node.right, node.left)):
+                if any(isinstance(n, ex.Ref) and n.name == name for n in ex.walk(a)):
+                    sizes += [shape[n.dim] for n in ex.walk(b) if isinstance(n, ex.Index)]
+    return min(sizes, default=4)
+
+
+def random_inputs(
+    spec: Spec,
+    shape: Mapping[str, int],
+    rng: np.random.Generator,
+    dtype: str | Mapping[str, str] = "float32",
+) -> dict[str, np.ndarray]:
+    """Random inputs in each input's own dims order.
+
+    Float inputs: standard normal rounded to ``dtype`` (one name for all, or a map per input;
+    inputs missing from the map are float32), returned as float64 arrays whose values are
+    exactly representable in that dtype (float8 values are clipped to +-448 first, which a
+    standard normal never reaches in practice). Index inputs: int64 in [0, size(dim)) for the
+    dim the input is compared with via ``index(dim)``, else [0, 4).
+    """
+    bound = bind_shape(spec, shape)
+    out: dict[str, np.ndarray] = {}
+    for inp in spec.inputs:
+        dims = tuple(bound[d] for d in inp.dims)
+        if inp.kind == "index":
+            out[inp.name] = rng.integers(0, index_input_bound(spec, inp.name, bound), size=dims, dtype=np.int64)
+            continue
+        dt = dtype if isinstance(dtype, str) else dtype.get(inp.name, "float32")
+        if dt not in FLOAT_DTYPES:
+            raise ValueError(f"unknown dtype {dt!r} for input {inp.name!r}; one of {', '.join(FLOAT_DTYPES)}")
+        out[inp.name] = cast_to(rng.standard_normal(dims), dt)
+    return out

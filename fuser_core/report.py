@@ -1,0 +1,67 @@
+"""The derivation as a JSON object: what ``foldwise derive --json`` and ``POST /v1/derivations`` return.
+
+Derivations are computed on the *canonical* spec and cached by its canonical JSON (so the
+cache key is the ``spec_hash``): a spec that differs only by renaming hits the same entry,
+and the cached report is translated back to the caller's own dim, step and param names.
+Canonical names (``d0``, ``s1``, ``p0``) never collide with input names
+(:func:`fuser_core.canonical.canonical_names`), so renaming the report's text is a plain
+token substitution.
+
+Example:
+    >>> from fuser_core.spec import load_spec
+    >>> spec = load_spec({"foldwise": 1, "name": "lse", "inputs": {"x": {"dims": ["m", "n"]}},
+    ...     "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
+    ...               {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"}],
+    ...     "outputs": ["den"]})
+    >>> r = derivation_report(spec)
+    >>> r["fusible"], r["reductions"][1]["correction"]
+    (True, 'multiply by exp(mx[old] - mx[new])')
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from functools import lru_cache
+from typing import Any
+
+from fuser_core.canonical import canonical_json, canonical_names, hash_canonical_json
+from fuser_core.spec import Spec, load_spec
+
+REPORT_CACHE_SIZE = 512
+CERTIFICATE_TRIALS = 12
+_CANONICAL_TOKEN = re.compile(r"\b[sdp]\d+\b")
+
+
+def derivation_report(spec: Spec) -> dict[str, Any]:
+    """The derivation of ``spec`` as a JSON-able dict, in the caller's own names."""
+    names = canonical_names(spec)
+    back = {canon: user for user, canon in names.items()}
+    canonical = canonical_json(spec)
+    report = _rename(_canonical_report(canonical), back)
+    return {"spec_hash": hash_canonical_json(canonical), "name": spec.name, **report}
+
+
+def clear_cache() -> None:
+    _canonical_report.cache_clear()
+
+
+@lru_cache(maxsize=REPORT_CACHE_SIZE)
+def _canonical_report(canonical: str) -> dict[str, Any]:
+    # Imported here: validating a spec must not pay for sympy's import.
+    from fuser_core.certificate import certify
+    from fuser_core.derive import derive_cascade
+    from fuser_core.present import present
+
+    derivation = derive_cascade(load_spec(canonical))
+    return present(derivation, certify(derivation, trials=CERTIFICATE_TRIALS))
+
+
+def _rename(obj: Any, back: dict[str, str]) -> Any:
+    if isinstance(obj, str):
+        return _CANONICAL_TOKEN.sub(lambda m: back.get(m.group(), m.group()), obj)
+    if isinstance(obj, dict):
+        return {(_rename(k, back) if isinstance(k, str) else k): _rename(v, back) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rename(v, back) for v in obj]
+    return copy.copy(obj)

@@ -1,0 +1,472 @@
+"""Cascade spec v1: load, validate and infer dims (../shared/docs/SPEC.md).
+
+:func:`load_spec` is the only way a spec enters Foldwise. It accepts JSON text, bytes or
+an already-decoded dict, checks every field, parses every expression with our own grammar
+(:mod:`fuser_core.expr`), infers each step's named dims, and returns an immutable
+:class:`Spec`. Anything wrong raises :class:`~fuser_core.errors.SpecError` naming the
+step and field. Sizes are limited so that a request cannot make us do unbounded work.
+
+Example:
+    >>> spec = load_spec('''{"foldwise": 1, "name": "lse", "inputs": {"x": {"dims": ["m", "n"]}},
+    ...   "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
+    ...             {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"},
+    ...             {"name": "lse", "expr": "mx + log(den)"}], "outputs": ["lse"]}''')
+    >>> spec.step("den").dims
+    ('m',)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fuser_core import expr as ex
+from fuser_core.errors import SpecError
+
+MAX_SPEC_BYTES = 64 * 1024
+MAX_INPUTS = 16
+MAX_DIMS_PER_INPUT = 8
+MAX_DIMS = 16
+MAX_PARAMS = 32
+MAX_STEPS = 64
+MAX_OUTPUTS = 16
+MAX_TOPK = 1024
+MAX_INLINED_NODES = 20_000  # an expression with every elementwise step substituted
+MAX_DOC_CHARS = 4096
+
+REDUCE_OPS = ("sum", "max", "min", "topk", "argmax", "argmin")
+IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}\Z")
+SPEC_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
+TOP_KEYS = {"foldwise", "name", "doc", "inputs", "params", "steps", "outputs"}
+STEP_KEYS = {"name", "expr", "reduce", "over", "k", "as", "doc"}
+INPUT_KEYS = {"dims", "kind", "doc"}
+
+
+@dataclass(frozen=True)
+class Input:
+    name: str
+    dims: tuple[str, ...]
+    kind: str = "float"  # "float" or "index"
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    expr: ex.Expr  # numbers and size(dim) only
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    expr: ex.Expr
+    dims: tuple[str, ...]  # inferred, in the spec's dim order
+    reduce: str | None = None
+    over: str | None = None
+    k: int | None = None
+    as_dim: str | None = None
+
+    @property
+    def is_reduction(self) -> bool:
+        return self.reduce is not None
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """Names of the arrays this step produces (a topk step has two)."""
+        if self.reduce == "topk":
+            return (f"{self.name}.values", f"{self.name}.indices")
+        return (self.name,)
+
+    @property
+    def is_integer(self) -> bool:
+        return self.reduce in ("argmax", "argmin")
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    doc: str
+    inputs: tuple[Input, ...]
+    params: tuple[Param, ...]
+    steps: tuple[Step, ...]
+    outputs: tuple[str, ...]
+    dims: tuple[str, ...]  # every dim: inputs' dims by first appearance, then topk `as` dims
+    _by_name: dict[str, Input | Param | Step] = field(default_factory=dict, repr=False, compare=False)
+
+    def step(self, name: str) -> Step:
+        obj = self._by_name.get(name)
+        if not isinstance(obj, Step):
+            raise KeyError(name)
+        return obj
+
+    def input(self, name: str) -> Input:
+        obj = self._by_name.get(name)
+        if not isinstance(obj, Input):
+            raise KeyError(name)
+        return obj
+
+    def lookup(self, name: str) -> Input | Param | Step | None:
+        return self._by_name.get(name)
+
+    def ref_dims(self, ref: ex.Ref) -> tuple[str, ...]:
+        obj = self._by_name[ref.name]
+        if isinstance(obj, Param):
+            return ()
+        if isinstance(obj, Input | Step):
+            return obj.dims
+        raise KeyError(ref.name)
+
+    def order_dims(self, dims: set[str] | tuple[str, ...]) -> tuple[str, ...]:
+        """Dims in the spec's order (the output dim order rule of INTERFACE.md)."""
+        return tuple(d for d in self.dims if d in dims)
+
+    def expr_dims(self, e: ex.Expr) -> tuple[str, ...]:
+        found: set[str] = set()
+        for node in ex.walk(e):
+            if isinstance(node, ex.Ref):
+                found.update(self.ref_dims(node))
+            elif isinstance(node, ex.Index):
+                found.add(node.dim)
+        return self.order_dims(found)
+
+    @property
+    def output_parts(self) -> tuple[str, ...]:
+        """Every array written: output step names, with a topk step's two parts."""
+        return tuple(part for name in self.outputs for part in self.step(name).parts)
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """A short repr for error messages that is safe on any decoded value (a deeply nested list
+    or a 5000-digit int makes ``repr`` raise RecursionError / ValueError)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, str):
+        text = repr(value[: limit + 1])
+    elif value is None or isinstance(value, bool | int | float):
+        text = repr(value)
+    else:
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _decode(source: str | bytes | Mapping[str, Any]) -> Any:
+    if isinstance(source, Mapping):
+        return source
+    if isinstance(source, bytes):
+        if len(source) > MAX_SPEC_BYTES:
+            raise SpecError(f"spec is {len(source)} bytes; the limit is {MAX_SPEC_BYTES}")
+        try:
+            source = source.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise SpecError(f"spec is not UTF-8: {err}") from None
+    if not isinstance(source, str):
+        raise SpecError(f"spec must be a JSON object, got {type(source).__name__}")
+    if len(source) > MAX_SPEC_BYTES or len(source.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+        raise SpecError(f"spec is larger than {MAX_SPEC_BYTES} bytes")
+    try:
+        return json.loads(source, parse_constant=_reject_constant)
+    except json.JSONDecodeError as err:
+        raise SpecError(f"not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+    except RecursionError:
+        raise SpecError("JSON nests too deeply") from None
+    except SpecError:
+        raise
+    except ValueError as err:  # e.g. an integer of more than 4300 digits (sys.get_int_max_str_digits)
+        raise SpecError(f"not valid JSON: {err}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise SpecError(f"JSON constant {name} is not allowed; write numbers, or 'inf' inside an expression")
+
+
+def load_spec(source: str | bytes | Mapping[str, Any]) -> Spec:
+    """Validate a spec and return it with every expression parsed and every dim inferred."""
+    return _Loader(_decode(source)).load()
+
+
+class _Loader:
+    def __init__(self, raw: Any):
+        self.raw = raw
+        self.by_name: dict[str, Input | Param | Step] = {}
+        self.dims: list[str] = []
+
+    # -- small checks
+    def ident(self, value: Any, loc: tuple[str | int, ...], what: str, step: str | None = None) -> str:
+        if not isinstance(value, str) or not IDENT.match(value):
+            raise SpecError(
+                f"{what} must be an identifier (a letter, then letters, digits or _; at most 64), got {_show(value)}",
+                loc=loc, step=step,
+            )
+        if value in ex.RESERVED:
+            raise SpecError(f"{what} {value!r} is a reserved word of the expression language", loc=loc, step=step)
+        return value
+
+    def keys(self, obj: Any, allowed: set[str], loc: tuple[str | int, ...], step: str | None = None) -> None:
+        if not isinstance(obj, dict):
+            raise SpecError(f"expected an object, got {type(obj).__name__}", loc=loc, step=step)
+        unknown = sorted(set(obj) - allowed, key=str)  # a dict given directly may have non-str keys
+        if unknown:
+            raise SpecError(
+                f"unknown field {_show(unknown[0])} (allowed: {', '.join(sorted(allowed))})", loc=loc, step=step
+            )
+
+    def declare(self, name: str, obj: Input | Param | Step, loc: tuple[str | int, ...], step: str | None) -> None:
+        if name in self.by_name:
+            raise SpecError(f"name {name!r} is already used by an earlier input, param or step", loc=loc, step=step)
+        if name in self.dims:
+            raise SpecError(f"name {name!r} is already a dim name", loc=loc, step=step)
+        self.by_name[name] = obj
+
+    # -- the spec
+    def load(self) -> Spec:
+        raw = self.raw
+        self.keys(raw, TOP_KEYS, ())
+        for required in ("foldwise", "name", "inputs", "steps", "outputs"):
+            if required not in raw:
+                raise SpecError("this field is required", loc=(required,))
+        if type(raw["foldwise"]) is not int or raw["foldwise"] != 1:  # not True, not 1.0
+            raise SpecError(f"unsupported format version {_show(raw['foldwise'], 40)}; expected 1", loc=("foldwise",))
+        name = raw["name"]
+        if not isinstance(name, str) or not SPEC_NAME.match(name):
+            raise SpecError(f"must match [a-z][a-z0-9_]* (at most 64 characters), got {_show(name)}", loc=("name",))
+        doc = raw.get("doc", "")
+        if not isinstance(doc, str) or len(doc) > MAX_DOC_CHARS:
+            raise SpecError(f"must be text of at most {MAX_DOC_CHARS} characters", loc=("doc",))
+
+        inputs = self.load_inputs(raw["inputs"])
+        params = self.load_params(raw.get("params", {}))
+        steps = self.load_steps(raw["steps"])
+        outputs = self.load_outputs(raw["outputs"], steps)
+        self.check_reachability(inputs, params, steps, outputs)
+        return Spec(
+            name=name, doc=doc, inputs=inputs, params=params, steps=steps, outputs=outputs,
+            dims=tuple(self.dims), _by_name=dict(self.by_name),
+        )
+
+    def load_inputs(self, raw: Any) -> tuple[Input, ...]:
+        if not isinstance(raw, dict) or not raw:
+            raise SpecError("expected a non-empty object of input name -> {dims}", loc=("inputs",))
+        if len(raw) > MAX_INPUTS:
+            raise SpecError(f"{len(raw)} inputs; the limit is {MAX_INPUTS}", loc=("inputs",))
+        out = []
+        for name, decl in raw.items():
+            loc: tuple[str | int, ...] = ("inputs", name)
+            self.ident(name, loc, "input name")
+            self.keys(decl, INPUT_KEYS, loc)
+            dims = decl.get("dims")
+            if not isinstance(dims, list):
+                raise SpecError("expected a list of dim names", loc=(*loc, "dims"))
+            if len(dims) > MAX_DIMS_PER_INPUT:
+                raise SpecError(f"{len(dims)} dims; the limit is {MAX_DIMS_PER_INPUT}", loc=(*loc, "dims"))
+            for i, d in enumerate(dims):
+                self.ident(d, (*loc, "dims", i), "dim name")
+                if d in raw:
+                    raise SpecError(f"dim {d!r} clashes with the input of that name", loc=(*loc, "dims", i))
+            if len(set(dims)) != len(dims):
+                dup = next(d for d in dims if dims.count(d) > 1)
+                raise SpecError(f"dim {dup!r} appears twice in one input", loc=(*loc, "dims"))
+            kind = decl.get("kind", "float")
+            if kind not in ("float", "index"):
+                raise SpecError(f"must be 'index' or 'float', got {_show(kind, 40)}", loc=(*loc, "kind"))
+            for d in dims:
+                if d not in self.dims:
+                    self.dims.append(d)
+            if len(self.dims) > MAX_DIMS:
+                raise SpecError(f"the spec uses more than {MAX_DIMS} dims", loc=(*loc, "dims"))
+            inp = Input(name, tuple(dims), kind)
+            self.declare(name, inp, loc, None)
+            out.append(inp)
+        return tuple(out)
+
+    def load_params(self, raw: Any) -> tuple[Param, ...]:
+        if not isinstance(raw, dict):
+            raise SpecError("expected an object of param name -> number or expression", loc=("params",))
+        if len(raw) > MAX_PARAMS:
+            raise SpecError(f"{len(raw)} params; the limit is {MAX_PARAMS}", loc=("params",))
+        out = []
+        for name, value in raw.items():
+            loc: tuple[str | int, ...] = ("params", name)
+            self.ident(name, loc, "param name")
+            if isinstance(value, bool) or not isinstance(value, int | float | str):
+                raise SpecError("expected a number or an expression string", loc=loc)
+            if isinstance(value, str):
+                e = ex.parse_expr_text(value, loc)
+            else:
+                try:
+                    number = float(value)
+                except OverflowError:  # an int too large for a float
+                    number = math.inf
+                if not math.isfinite(number):
+                    raise SpecError("must be a finite number", loc=loc)
+                e = ex.Num(number)
+            for node in ex.walk(e):
+                if isinstance(node, ex.Ref):
+                    raise SpecError(f"unknown name {node.name!r}: a param may use numbers and size(dim) only", loc=loc)
+                if isinstance(node, ex.Index):
+                    raise SpecError("index() has no meaning in a param; use it in a step", loc=loc)
+                if isinstance(node, ex.Size) and node.dim not in self.dims:
+                    raise SpecError(f"size() of unknown dim {node.dim!r}", loc=loc)
+                if isinstance(node, ex.Compare | ex.Str):
+                    raise SpecError("comparisons and strings are not allowed in a param", loc=loc)
+                if isinstance(node, ex.Call) and node.func == "where":
+                    raise SpecError("where() is not allowed in a param", loc=loc)
+            p = Param(name, e)
+            self.declare(name, p, loc, None)
+            out.append(p)
+        return tuple(out)
+
+    def load_steps(self, raw: Any) -> tuple[Step, ...]:
+        if not isinstance(raw, list) or not raw:
+            raise SpecError("expected a non-empty list of steps", loc=("steps",))
+        if len(raw) > MAX_STEPS:
+            raise SpecError(f"{len(raw)} steps; the limit is {MAX_STEPS}", loc=("steps",))
+        later = {s.get("name") for s in raw if isinstance(s, dict) and isinstance(s.get("name"), str)}
+        steps: list[Step] = []
+        inlined: dict[str, int] = {}
+        for i, s in enumerate(raw):
+            step = self.load_step(i, s, later)
+            later.discard(step.name)
+            size = sum(inlined.get(n.name, 1) if isinstance(n, ex.Ref) else 1 for n in ex.walk(step.expr))
+            if size > MAX_INLINED_NODES:
+                raise SpecError(
+                    f"expression grows to {size} nodes once earlier steps are substituted; the limit is {MAX_INLINED_NODES}",
+                    loc=("steps", i, "expr"), step=step.name,
+                )
+            inlined[step.name] = 1 if step.is_reduction else size
+            steps.append(step)
+        return tuple(steps)
+
+    def load_step(self, i: int, raw: Any, later: set[str]) -> Step:
+        loc: tuple[str | int, ...] = ("steps", i)
+        self.keys(raw, STEP_KEYS, loc)
+        sname = raw.get("name")
+        self.ident(sname, (*loc, "name"), "step name")
+        if "expr" not in raw:
+            raise SpecError("this field is required", loc=(*loc, "expr"), step=sname)
+        e = ex.parse_expr_text(raw["expr"], (*loc, "expr"), sname)
+        self.check_expr(e, (*loc, "expr"), sname, later)
+        edims = self.expr_dims(e)
+
+        reduce = raw.get("reduce")
+        if reduce is None:
+            for key in ("over", "k", "as"):
+                if key in raw:
+                    raise SpecError(f"{key!r} needs 'reduce'", loc=(*loc, key), step=sname)
+            step = Step(sname, e, edims)
+            self.declare(sname, step, (*loc, "name"), sname)
+            return step
+        if reduce not in REDUCE_OPS:
+            raise SpecError(f"unknown reduction {_show(reduce, 40)}; one of {', '.join(REDUCE_OPS)}", loc=(*loc, "reduce"), step=sname)
+        over = raw.get("over")
+        if over is None:
+            raise SpecError("a reduction needs 'over' (the dim it reduces)", loc=(*loc, "over"), step=sname)
+        self.ident(over, (*loc, "over"), "dim name", sname)
+        if over not in self.dims:
+            raise SpecError(f"unknown dim {over!r}", loc=(*loc, "over"), step=sname)
+        if over not in edims:
+            raise SpecError(
+                f"reduces over {over!r}, but its expression has dims ({', '.join(edims)})", loc=(*loc, "over"), step=sname
+            )
+        dims = tuple(d for d in edims if d != over)
+        k = as_dim = None
+        if reduce == "topk":
+            k = raw.get("k")
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_TOPK:
+                raise SpecError(f"topk needs 'k', an integer from 1 to {MAX_TOPK}", loc=(*loc, "k"), step=sname)
+            as_dim = self.ident(raw.get("as"), (*loc, "as"), "topk 'as' dim", sname)
+            if as_dim in self.dims:
+                raise SpecError(f"dim {as_dim!r} already exists; 'as' must name a new dim", loc=(*loc, "as"), step=sname)
+            if as_dim in self.by_name or as_dim == sname:
+                raise SpecError(f"dim {as_dim!r} clashes with a name of the spec", loc=(*loc, "as"), step=sname)
+            self.dims.append(as_dim)
+            if len(self.dims) > MAX_DIMS:
+                raise SpecError(f"the spec uses more than {MAX_DIMS} dims", loc=(*loc, "as"), step=sname)
+            dims = (*dims, as_dim)
+        else:
+            for key in ("k", "as"):
+                if key in raw:
+                    raise SpecError(f"{key!r} is only for topk", loc=(*loc, key), step=sname)
+        step = Step(sname, e, dims, reduce, over, k, as_dim)
+        self.declare(sname, step, (*loc, "name"), sname)
+        return step
+
+    def check_expr(self, e: ex.Expr, loc: tuple[str | int, ...], step: str, later: set[str]) -> None:
+        def visit(node: ex.Expr, cond_ok: bool) -> None:
+            if isinstance(node, ex.Ref):
+                obj = self.by_name.get(node.name)
+                if obj is None:
+                    if node.name == step:
+                        raise SpecError(f"step {step!r} uses itself (a cycle)", loc=loc, step=step)
+                    if node.name in later:
+                        raise SpecError(
+                            f"uses step {node.name!r}, which comes later: steps run in order, so this would be a cycle",
+                            loc=loc, step=step,
+                        )
+                    if node.name in self.dims:
+                        raise SpecError(f"{node.name!r} is a dim; use size({node.name}) or index({node.name})", loc=loc, step=step)
+                    raise SpecError(f"unknown name {node.name!r}", loc=loc, step=step)
+                is_topk = isinstance(obj, Step) and obj.reduce == "topk"
+                if node.part is not None and not is_topk:
+                    raise SpecError(f".{node.part} is only for topk steps; {node.name!r} is not one", loc=loc, step=step)
+                if is_topk and node.part is None:
+                    raise SpecError(f"{node.name!r} is a topk step: use {node.name}.values or {node.name}.indices", loc=loc, step=step)
+            elif isinstance(node, ex.Size | ex.Index):
+                if node.dim not in self.dims:
+                    raise SpecError(f"unknown dim {node.dim!r}", loc=loc, step=step)
+            elif isinstance(node, ex.Compare) and not cond_ok:
+                raise SpecError("a comparison may only be the condition of where()", loc=loc, step=step)
+            elif isinstance(node, ex.Str):
+                raise SpecError("a string may only be the dtype of cast()", loc=loc, step=step)
+            if isinstance(node, ex.Call) and node.func == "where":
+                cond, a, b = node.args
+                if not isinstance(cond, ex.Compare):
+                    raise SpecError("where() needs a comparison as its first argument", loc=loc, step=step)
+                visit(cond, True)
+                visit(a, False)
+                visit(b, False)
+                return
+            for child in ex.children(node):
+                visit(child, False)
+
+        visit(e, False)
+
+    def expr_dims(self, e: ex.Expr) -> tuple[str, ...]:
+        found: set[str] = set()
+        for node in ex.walk(e):
+            if isinstance(node, ex.Ref):
+                obj = self.by_name[node.name]
+                if not isinstance(obj, Param):
+                    found.update(obj.dims)
+            elif isinstance(node, ex.Index):
+                found.add(node.dim)
+        return tuple(d for d in self.dims if d in found)
+
+    def load_outputs(self, raw: Any, steps: tuple[Step, ...]) -> tuple[str, ...]:
+        if not isinstance(raw, list) or not raw:
+            raise SpecError("expected a non-empty list of step names", loc=("outputs",))
+        if len(raw) > MAX_OUTPUTS:
+            raise SpecError(f"{len(raw)} outputs; the limit is {MAX_OUTPUTS}", loc=("outputs",))
+        names = {s.name for s in steps}
+        for i, name in enumerate(raw):
+            if not isinstance(name, str) or name not in names:
+                obj = self.by_name.get(name) if isinstance(name, str) else None
+                what = "an input" if isinstance(obj, Input) else "a param" if isinstance(obj, Param) else "not a step"
+                raise SpecError(f"{_show(name)} is {what}; outputs name steps", loc=("outputs", i))
+            if raw.index(name) != i:
+                raise SpecError(f"{name!r} is listed twice", loc=("outputs", i))
+        return tuple(raw)
+
+    def check_reachability(self, inputs, params, steps, outputs) -> None:
+        used: set[str] = set(outputs)
+        for step in reversed(steps):
+            if step.name in used:
+                used.update(n.name for n in ex.walk(step.expr) if isinstance(n, ex.Ref))
+        for i, step in enumerate(steps):
+            if step.name not in used:
+                raise SpecError("does not reach any output (remove it or list it in outputs)", loc=("steps", i, "name"), step=step.name)
+        for inp in inputs:
+            if inp.name not in used:
+                raise SpecError("is not used by any step that reaches an output", loc=("inputs", inp.name))
