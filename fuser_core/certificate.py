@@ -146,7 +146,7 @@ def _without_casts(spec: Spec) -> Spec:
         if s.reduce == "topk":
             entry.update(k=s.k, **{"as": s.as_dim})
         raw["steps"].append(entry)
-    return load_spec(raw)
+    return load_spec(raw, printed=True)
 
 
 _NUMPY_FUNCS = {"round": np.rint, "erf": scipy.special.erf}

@@ -45,6 +45,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import sympy as sp
@@ -304,10 +305,11 @@ class _Deriver:
         for p in F.atoms(sp.Pow):
             if p.exp.is_Integer and abs(int(p.exp)) > MAX_EXPAND_POWER and p.base.free_symbols & xs and p.base.free_symbols & ds:
                 raise NotSeparable(f"{p} has a power above {MAX_EXPAND_POWER}: too many terms to separate")
+        estimate = _expanded_terms(F, 4 * MAX_TERMS)
+        if estimate > 4 * MAX_TERMS:
+            raise NotSeparable(f"would expand to more than {4 * MAX_TERMS} terms: too many to separate")
         E = sp.expand(F, deep=True, mul=True, multinomial=True, power_exp=True, power_base=False, log=True)
         parts = sp.Add.make_args(E)
-        if len(parts) > 4 * MAX_TERMS:
-            raise NotSeparable(f"expands to {len(parts)} terms; the limit is {4 * MAX_TERMS}")
         groups: dict[sp.Expr, sp.Expr] = {}
         for part in parts:
             g, h = sp.Integer(1), sp.Integer(1)
@@ -467,3 +469,22 @@ class _Deriver:
 
 def _names(syms: set[sp.Symbol]) -> str:
     return ", ".join(sorted(str(s) for s in syms))
+
+
+def _expanded_terms(e: sp.Expr, cap: int) -> int:
+    """An upper bound on the number of terms ``expand`` makes of ``e``, saturating above ``cap``.
+
+    Checked before expanding, so that a spec cannot make sympy multiply out a huge product.
+    """
+    if e.is_Add:
+        return min(cap + 1, sum(_expanded_terms(a, cap) for a in e.args))
+    if e.is_Mul:
+        out = 1
+        for a in e.args:
+            out = min(cap + 1, out * _expanded_terms(a, cap))
+        return out
+    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
+        base = _expanded_terms(e.base, cap)
+        return min(cap + 1, math.comb(base + int(e.exp) - 1, int(e.exp)))
+    inner = max((_expanded_terms(a, cap) for a in e.args), default=1)  # expand(deep=True) reaches into functions
+    return min(cap + 1, inner)

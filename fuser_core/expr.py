@@ -33,8 +33,12 @@ from dataclasses import dataclass
 from fuser_core.errors import SpecError
 
 MAX_EXPR_CHARS = 2000
-MAX_EXPR_DEPTH = 32
 MAX_EXPR_NODES = 400
+# to_text of any expression within MAX_EXPR_NODES is shorter than this (it adds spaces, and
+# canonical names and numbers can be longer than the user's): the limit for reloading
+# expressions we printed ourselves, e.g. a canonical form.
+MAX_PRINTED_CHARS = 40 * MAX_EXPR_NODES
+MAX_EXPR_DEPTH = 32
 
 # name -> number of arguments. size/index/cast are parsed into their own nodes.
 FUNCTIONS: dict[str, int] = {
@@ -174,9 +178,11 @@ class Token:
     pos: int
 
 
-def tokenize(text: str, loc: tuple[str | int, ...] = (), step: str | None = None) -> list[Token]:
-    if len(text) > MAX_EXPR_CHARS:
-        raise SpecError(f"expression is {len(text)} characters; the limit is {MAX_EXPR_CHARS}", loc=loc, step=step)
+def tokenize(
+    text: str, loc: tuple[str | int, ...] = (), step: str | None = None, max_chars: int = MAX_EXPR_CHARS
+) -> list[Token]:
+    if len(text) > max_chars:
+        raise SpecError(f"expression is {len(text)} characters; the limit is {max_chars}", loc=loc, step=step)
     tokens: list[Token] = []
     pos = 0
     while pos < len(text):
@@ -184,7 +190,7 @@ def tokenize(text: str, loc: tuple[str | int, ...] = (), step: str | None = None
         if m is None:
             if text[pos] in "\"'":
                 raise SpecError(
-                    f"unterminated string starting at column {pos + 1} (a string ends on its line, without backslashes)",
+                    f"unterminated string starting at column {pos + 1} (strings end on their line, no backslashes)",
                     loc=loc, step=step,
                 )
             raise SpecError(f"unexpected character {text[pos]!r} at column {pos + 1}", loc=loc, step=step)
@@ -201,11 +207,11 @@ def tokenize(text: str, loc: tuple[str | int, ...] = (), step: str | None = None
 
 
 class _Parser:
-    def __init__(self, text: str, loc: tuple[str | int, ...], step: str | None):
+    def __init__(self, text: str, loc: tuple[str | int, ...], step: str | None, max_chars: int):
         self.text = text
         self.loc = loc
         self.step = step
-        self.tokens = tokenize(text, loc, step)
+        self.tokens = tokenize(text, loc, step, max_chars)
         self.i = 0
         self.depth = 0
         self.nodes = 0
@@ -355,11 +361,13 @@ class _Parser:
         return self.node(Call(func, tuple(args)))
 
 
-def parse_expr_text(text: str, loc: tuple[str | int, ...] = (), step: str | None = None) -> Expr:
+def parse_expr_text(
+    text: str, loc: tuple[str | int, ...] = (), step: str | None = None, max_chars: int = MAX_EXPR_CHARS
+) -> Expr:
     """Parse one expression of the spec language into our AST (raises :class:`SpecError`)."""
     if not isinstance(text, str):
         raise SpecError(f"expected an expression string, got {type(text).__name__}", loc=loc, step=step)
-    return _Parser(text, loc, step).parse()
+    return _Parser(text, loc, step, max_chars).parse()
 
 
 # ---------------------------------------------------------------- printer

@@ -53,7 +53,7 @@ def _canonical_report(canonical: str) -> dict[str, Any]:
     from fuser_core.derive import derive_cascade
     from fuser_core.present import present
 
-    derivation = derive_cascade(load_spec(canonical))
+    derivation = derive_cascade(load_spec(canonical, printed=True))
     return present(derivation, certify(derivation, trials=CERTIFICATE_TRIALS))
 
 

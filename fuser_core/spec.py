@@ -182,14 +182,20 @@ def _reject_constant(name: str) -> Any:
     raise SpecError(f"JSON constant {name} is not allowed; write numbers, or 'inf' inside an expression")
 
 
-def load_spec(source: str | bytes | Mapping[str, Any]) -> Spec:
-    """Validate a spec and return it with every expression parsed and every dim inferred."""
-    return _Loader(_decode(source)).load()
+def load_spec(source: str | bytes | Mapping[str, Any], *, printed: bool = False) -> Spec:
+    """Validate a spec and return it with every expression parsed and every dim inferred.
+
+    ``printed=True`` is for specs whose expressions we printed ourselves (a canonical form):
+    their text may be longer than the user's, so the character limit is
+    :data:`~fuser_core.expr.MAX_PRINTED_CHARS`; every other limit is unchanged.
+    """
+    return _Loader(_decode(source), ex.MAX_PRINTED_CHARS if printed else ex.MAX_EXPR_CHARS).load()
 
 
 class _Loader:
-    def __init__(self, raw: Any):
+    def __init__(self, raw: Any, max_expr_chars: int):
         self.raw = raw
+        self.max_expr_chars = max_expr_chars
         self.by_name: dict[str, Input | Param | Step] = {}
         self.dims: list[str] = []
 
@@ -293,7 +299,7 @@ class _Loader:
             if isinstance(value, bool) or not isinstance(value, int | float | str):
                 raise SpecError("expected a number or an expression string", loc=loc)
             if isinstance(value, str):
-                e = ex.parse_expr_text(value, loc)
+                e = ex.parse_expr_text(value, loc, max_chars=self.max_expr_chars)
             else:
                 try:
                     number = float(value)
@@ -346,7 +352,7 @@ class _Loader:
         self.ident(sname, (*loc, "name"), "step name")
         if "expr" not in raw:
             raise SpecError("this field is required", loc=(*loc, "expr"), step=sname)
-        e = ex.parse_expr_text(raw["expr"], (*loc, "expr"), sname)
+        e = ex.parse_expr_text(raw["expr"], (*loc, "expr"), sname, self.max_expr_chars)
         self.check_expr(e, (*loc, "expr"), sname, later)
         edims = self.expr_dims(e)
 

@@ -1,0 +1,50 @@
+"""The certificate must fail on a wrong form: a check that cannot fail proves nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import sympy as sp
+
+from conftest import load_catalog
+from fuser_core.certificate import certify
+from fuser_core.derive import derive_cascade
+from fuser_core.spec import load_spec
+
+CATALOG = load_catalog()
+
+
+def corrupted(name: str, step: str, **changes):
+    d = derive_cascade(load_spec(CATALOG[name]))
+    d.forms[step] = dataclasses.replace(d.forms[step], **changes)
+    return d
+
+
+def test_a_missing_softmax_correction_is_caught():
+    d = corrupted("safe_softmax", "den", corrections=(sp.Integer(1),))
+    cert = certify(d, trials=8)
+    assert not cert.holds
+    assert cert.per_reduction["den"] > 1e-3
+
+
+def test_a_wrong_welford_correction_is_caught():
+    d = corrupted("layernorm", "var", delta=sp.Integer(0))
+    cert = certify(d, trials=8)
+    assert not cert.holds and cert.per_reduction["var"] > 1e-3
+
+
+def test_a_wrong_final_factor_is_caught():
+    d = corrupted("attention", "o", deferred=(sp.Integer(1),))
+    assert not certify(d, trials=4).holds
+
+
+def test_a_wrong_topk_order_is_caught():
+    d = corrupted("moe_routing", "gate", effective_op="bottomk")
+    assert not certify(d, trials=4).holds
+
+
+def test_certificate_reports_trials_and_is_reproducible():
+    d = derive_cascade(load_spec(CATALOG["logsumexp"]))
+    a, b = certify(d, trials=5, seed=7), certify(d, trials=5, seed=7)
+    assert a.trials == 5 and a.max_rel_err == b.max_rel_err
+    assert a.to_dict()["exact"] is True

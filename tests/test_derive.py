@@ -1,0 +1,206 @@
+"""The derivation: which reductions fuse, how, and why not (THEORY.md 2-5)."""
+
+from __future__ import annotations
+
+import pytest
+import sympy as sp
+
+from conftest import load_catalog
+from fuser_core.certificate import certify
+from fuser_core.derive import derive_cascade
+from fuser_core.spec import load_spec
+
+CATALOG = load_catalog()
+
+# THEORY.md and the catalog README: every catalog cascade fuses; the interesting ones and how.
+EXPECTED_KIND = {
+    ("attention", "den"): "scaled",
+    ("attention", "o"): "scaled",
+    ("attention_causal", "o"): "scaled",
+    ("cross_entropy", "den"): "scaled",
+    ("cross_entropy", "picked"): "first",
+    ("fp8_quant_gemm", "acc"): "scaled",
+    ("layernorm", "var"): "shifted",
+    ("logsumexp", "den"): "scaled",
+    ("moe_routing", "gate"): "scaled",
+    ("safe_softmax", "den"): "scaled",
+}
+
+
+def spec_of(steps, outputs, inputs=None):
+    return load_spec(
+        {"foldwise": 1, "name": "t", "inputs": inputs or {"x": {"dims": ["m", "n"]}}, "steps": steps, "outputs": outputs}
+    )
+
+
+MX = {"name": "mx", "reduce": "max", "over": "n", "expr": "x"}
+MEAN = {"name": "mean", "reduce": "sum", "over": "n", "expr": "x / size(n)"}
+DEN = {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"}
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_catalog_spec_fuses_and_certifies(name):
+    d = derive_cascade(load_spec(CATALOG[name]))
+    assert d.fusible, {f.name: f.reason for f in d.forms.values()}
+    cert = certify(d, trials=12, seed=1)
+    assert cert.holds
+    assert cert.algebra_max_rel_err < 1e-9
+    assert cert.exact == (name != "fp8_quant_gemm")
+    for (spec_name, step), kind in EXPECTED_KIND.items():
+        if spec_name == name:
+            assert d.forms[step].kind == kind
+
+
+def test_softmax_correction_is_the_online_softmax_rescale():
+    d = derive_cascade(load_spec(CATALOG["safe_softmax"]))
+    den = d.forms["den"]
+    mx_old, mx_new = sp.Symbol("mx[old]", real=True), sp.Symbol("mx[new]", real=True)
+    assert den.deps == ("mx",)
+    assert sp.simplify(den.corrections[0] - sp.exp(mx_old - mx_new)) == 0
+
+
+def test_attention_defers_the_denominator_like_flash_attention():
+    o = derive_cascade(load_spec(CATALOG["attention"])).forms["o"]
+    assert o.deps == ("mx", "den")
+    assert str(o.deferred[0]) == "1/den"  # applied once at the end
+    assert "mx" in str(o.corrections[0]) and "den" not in str(o.corrections[0])
+    assert o.contraction  # p.v should be a tl.dot
+
+
+def test_layernorm_variance_gets_the_welford_chan_update():
+    var = derive_cascade(load_spec(CATALOG["layernorm"])).forms["var"]
+    assert len(var.terms) == 3
+    count = sp.Symbol("count[old]", integer=True, nonnegative=True)
+    n = sp.Symbol("size(c)", integer=True, positive=True)
+    m_old, m_new = sp.Symbol("mean[old]", real=True), sp.Symbol("mean[new]", real=True)
+    assert sp.simplify(var.delta - count * (m_new - m_old) ** 2 / n) == 0
+
+
+def test_moe_topk_is_monotone_in_the_softmax():
+    gate = derive_cascade(load_spec(CATALOG["moe_routing"])).forms["gate"]
+    assert gate.effective_op == "topk"
+    assert str(gate.deferred[0]) == "1/den"
+
+
+def test_cross_entropy_gather_fuses_horizontally():
+    d = derive_cascade(load_spec(CATALOG["cross_entropy"]))
+    (group,) = d.groups
+    assert set(group.horizontal) == {"mx", "picked"}
+    assert [e.name for e in d.epilogue] == ["loss"] and not d.epilogue[0].second_pass
+
+
+def test_fp8_gemm_is_inexact_because_of_the_cast():
+    d = derive_cascade(load_spec(CATALOG["fp8_quant_gemm"]))
+    assert not d.forms["acc"].exact
+    assert "cast_float8_e4m3fn" in str(d.forms["acc"].contributions[0])  # quantised with the running amax
+    cert = certify(d, trials=6)
+    assert cert.max_rel_err > cert.algebra_max_rel_err  # the cast really changes the result
+    assert "not bit-identical" in cert.note
+
+
+@pytest.mark.parametrize(
+    "steps, reason_part",
+    [
+        ([MX, {"name": "r", "reduce": "sum", "over": "n", "expr": "sin(x * mx)"}], "sin(mx*x)"),
+        ([MEAN, {"name": "r", "reduce": "sum", "over": "n", "expr": "maximum(x, mean)"}], "Max(mean, x)"),
+        ([MEAN, {"name": "r", "reduce": "max", "over": "n", "expr": "(x - mean) ** 2"}], "2 independent terms"),
+        ([MEAN, {"name": "r", "reduce": "max", "over": "n", "expr": "x * mean"}], "cannot decide the sign"),
+        ([MEAN, {"name": "r", "reduce": "sum", "over": "n", "expr": "(x - mean) ** 40"}], "power above"),
+        ([MX, {"name": "r", "reduce": "sum", "over": "n", "expr": "where(x > mx, 1, 0)"}], "mixes"),
+        (
+            [{"name": "g", "reduce": "topk", "k": 2, "as": "j", "over": "n", "expr": "x"},
+             {"name": "r", "reduce": "sum", "over": "n", "expr": "x * g.values"}],
+            "topk result",
+        ),
+        (
+            [MEAN, {"name": "c", "reduce": "sum", "over": "m", "expr": "x - mean"},
+             {"name": "r", "reduce": "sum", "over": "n", "expr": "x * c"}],
+            "reduction over m",
+        ),
+    ],
+)
+def test_non_fusible_reductions_name_the_offending_term(steps, reason_part):
+    d = derive_cascade(spec_of(steps, ["r"]))
+    r = d.forms["r"]
+    assert not r.fused and not d.fusible
+    assert reason_part in r.reason
+    assert r.reason.startswith(f"{r.op} over n:")
+
+
+def test_a_dependent_of_a_non_fused_reduction_is_not_fused():
+    steps = [MX, {"name": "a", "reduce": "sum", "over": "n", "expr": "sin(x * mx)"},
+             {"name": "r", "reduce": "sum", "over": "n", "expr": "x * a"}]
+    d = derive_cascade(spec_of(steps, ["r"]))
+    assert "which is not fused" in d.forms["r"].reason
+
+
+@pytest.mark.parametrize(
+    "steps, kind, op",
+    [
+        # softmax entropy: two terms, both anchored at the running max
+        ([MX, DEN, {"name": "r", "reduce": "sum", "over": "n", "expr": "-(exp(x - mx) / den) * log(exp(x - mx) / den)"}],
+         "scaled", "sum"),
+        ([MX, {"name": "r", "reduce": "sum", "over": "n", "expr": "exp(x - mx) + 1"}], "scaled", "sum"),
+        ([MEAN, {"name": "r", "reduce": "max", "over": "n", "expr": "x - mean"}], "scaled", "max"),  # additive
+        ([MX, DEN, {"name": "r", "reduce": "max", "over": "n", "expr": "-exp(x - mx) / den"}], "scaled", "min"),  # a(D) < 0
+        ([MEAN, {"name": "r", "reduce": "topk", "k": 3, "as": "j", "over": "n", "expr": "mean - x"}], "scaled", "bottomk"),
+        ([MX, DEN, {"name": "r", "reduce": "argmax", "over": "n", "expr": "exp(x - mx) / den"}], "scaled", "argmax"),
+        ([MEAN, {"name": "r", "reduce": "sum", "over": "n", "expr": "(x - mean) ** 3"}], "scaled", "sum"),  # rank 4
+    ],
+)
+def test_extended_forms_fuse_and_certify(steps, kind, op):
+    d = derive_cascade(spec_of(steps, ["r"]))
+    r = d.forms["r"]
+    assert r.fused and r.kind == kind and r.effective_op == op
+    cert = certify(d, trials=10, seed=3)
+    assert cert.holds and cert.max_rel_err < 1e-9
+
+
+def test_masked_tiles_and_parts_stay_finite():
+    # Only the first 3 positions are visible: most tiles and split parts see nothing but -inf.
+    steps = [
+        {"name": "s", "expr": "where(index(n) <= 2, x, -inf)"},
+        {"name": "mx", "reduce": "max", "over": "n", "expr": "s"},
+        {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(s - mx)"},
+        {"name": "o", "reduce": "sum", "over": "n", "expr": "exp(s - mx) * x / den"},
+    ]
+    d = derive_cascade(spec_of(steps, ["o"]))
+    cert = certify(d, trials=16, seed=5)
+    assert cert.holds and cert.max_rel_err < 1e-9
+
+
+def test_variance_stays_accurate_with_a_large_offset():
+    """The shifted realisation avoids raw power sums' cancellation (mean 1e6, unit spread)."""
+    import numpy as np
+
+    from fuser_core.certificate import _AxisLoop, _compiled
+    from fuser_core.reference import Evaluator
+
+    spec = load_spec(CATALOG["layernorm"])
+    d = derive_cascade(spec)
+    rng = np.random.default_rng(0)
+    shape = {"t": 2, "c": 1000}
+    inputs = {
+        "x": 1e6 + rng.standard_normal((2, 1000)),
+        "gamma": np.ones(1000),
+        "beta": np.zeros(1000),
+    }
+    ev = Evaluator(spec, shape)
+    env = ev.run(inputs)
+    group = d.groups[0]
+    loop = _AxisLoop(d, ev, env, group.axis, [d.forms[m] for m in group.members], _compiled(d, True))
+    with np.errstate(all="ignore"):
+        err = loop.compare(d.forms["var"], loop.run_split(rng))
+    assert err < 1e-6  # raw sums of x^2 ~ 1e12 per element would lose all ~1.0 of the variance
+
+
+def test_a_huge_product_is_refused_before_sympy_expands_it():
+    import time
+
+    names = [f"x{i}" for i in range(10)]  # distinct inputs, so sympy cannot collect them
+    inputs = {name: {"dims": ["m", "n"]} for name in ["x", *names]}
+    steps = [MEAN, {"name": "r", "reduce": "sum", "over": "n", "expr": f"({' + '.join(names)} + mean) ** 12"}]
+    t0 = time.perf_counter()
+    r = derive_cascade(spec_of(steps, ["r"], inputs)).forms["r"]
+    assert not r.fused and "too many to separate" in r.reason
+    assert time.perf_counter() - t0 < 5  # generous: this guards against a hang, not a target
