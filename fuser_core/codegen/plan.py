@@ -1,0 +1,180 @@
+"""Which strategy can run a (spec, shape), and how its kernel is laid out.
+
+A kernel works in an *aligned layout*, as the reference does: every tensor it holds has one
+axis per dim of the spec, in the spec's dim order, with size 1 on the dims it lacks, so that
+broadcasting by name is Triton's ordinary broadcasting. Each dim has a block size:
+
+- the **loop axis** (the axis of the cascade the kernel fuses) is walked in tiles of
+  ``BLOCK_<axis>`` (one tile holding the whole axis for row-resident);
+- **inner axes** (reductions that keep the loop axis, like attention's ``s = q.k`` over
+  ``d``) are held whole, in one block;
+- **lane dims** (everything else, e.g. rows) are split over programs, ``BLOCK_<dim>`` at a
+  time (1 by default: one row per program); a topk ``as`` dim is held whole.
+
+Strategies (THEORY.md section 6) and when each is valid, decided before anything runs:
+
+- ``row_resident``: any cascade, while the loop axis fits one block (and the tile fits);
+- ``streaming_fused``: when every reduction over the loop axis fused;
+- ``split_fused``: as streaming, with the axis split over ``split`` programs and a derived
+  combine kernel;
+- ``multi_pass``: always (one loop per reduction, re-reading the input).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fuser_core.derive import Derivation
+from fuser_core.spec import Spec, Step
+
+STRATEGIES = ("row_resident", "streaming_fused", "split_fused", "multi_pass")
+BASELINE = "unfused_chain"
+MAX_INNER_BLOCK = 1024  # an inner axis is held whole; beyond this a tile no longer fits
+MAX_TILE_ELEMENTS = 1 << 16  # elements of the largest tensor a program holds
+MAX_RESIDENT_BLOCK = 1 << 16
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tunable parameters: tile sizes per dim, warps, stages, split count."""
+
+    blocks: dict[str, int] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 2
+    split: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"blocks": dict(sorted(self.blocks.items())), "num_warps": self.num_warps,
+                "num_stages": self.num_stages, "split": self.split}
+
+    @staticmethod
+    def from_dict(raw: dict[str, Any]) -> KernelConfig:
+        if not isinstance(raw, dict):
+            raise ValueError("config must be a JSON object")
+        unknown = set(raw) - {"blocks", "num_warps", "num_stages", "split"}
+        if unknown:
+            raise ValueError(f"unknown config field {sorted(unknown)[0]!r}")
+        blocks = raw.get("blocks", {})
+        if not isinstance(blocks, dict) or not all(isinstance(v, int) and v >= 1 for v in blocks.values()):
+            raise ValueError("config.blocks must map dims to positive integers")
+        for v in blocks.values():
+            if v & (v - 1):
+                raise ValueError(f"config.blocks: {v} is not a power of two")
+        out = KernelConfig(dict(blocks), int(raw.get("num_warps", 4)), int(raw.get("num_stages", 2)),
+                           int(raw.get("split", 1)))
+        if out.num_warps not in (1, 2, 4, 8, 16) or out.split < 1 or out.num_stages < 1:
+            raise ValueError("config: num_warps in 1..16 (power of two), split >= 1, num_stages >= 1")
+        return out
+
+
+class NotValid(Exception):
+    """This strategy cannot run this (spec, shape, config); the message says why."""
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    spec: Spec
+    derivation: Derivation
+    strategy: str
+    axis: str
+    inner: tuple[str, ...]  # inner reduction axes, held whole
+    blocks: dict[str, int]  # every dim -> block size
+    lanes: tuple[str, ...]  # dims split over programs
+    config: KernelConfig
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return self.spec.dims
+
+    def axis_reductions(self) -> list[Step]:
+        return [s for s in self.spec.steps if s.is_reduction and s.over == self.axis]
+
+    def inner_reductions(self) -> list[Step]:
+        return [s for s in self.spec.steps if s.is_reduction and s.over != self.axis]
+
+
+def loop_axis(spec: Spec) -> tuple[str, tuple[str, ...]]:
+    """The axis one kernel loops over: every reduction over another axis must keep it."""
+    axes = list(dict.fromkeys(s.over for s in spec.steps if s.is_reduction))
+    if not axes:
+        raise NotValid("the spec has no reduction")
+    for a in axes:
+        others = [s for s in spec.steps if s.is_reduction and s.over != a]
+        if all(a in s.dims for s in others):
+            return a, tuple(x for x in axes if x != a)
+    raise NotValid(f"reductions over {', '.join(axes)} do not nest: no single loop axis")
+
+
+def default_config(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str, int]) -> KernelConfig:
+    """A reasonable starting configuration (the tuner searches from here)."""
+    axis, inner = loop_axis(spec)
+    blocks: dict[str, int] = {}
+    n = shape[axis]
+    if strategy == "row_resident":
+        blocks[axis] = next_pow2(n)
+    else:
+        blocks[axis] = min(next_pow2(n), 64)
+    split = 1
+    if strategy == "split_fused":
+        split = max(2, min(8, -(-n // blocks[axis])))
+    return KernelConfig(blocks, split=split)
+
+
+def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str, int], config: KernelConfig) -> KernelPlan:
+    """Check validity and lay the kernel out; raises :class:`NotValid` with the reason."""
+    if strategy not in STRATEGIES:
+        raise NotValid(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+    axis, inner = loop_axis(spec)
+    for name, b in config.blocks.items():
+        if name not in spec.dims:
+            raise NotValid(f"config.blocks names unknown dim {name!r}")
+    blocks: dict[str, int] = {}
+    for d in spec.dims:
+        if d in inner:
+            blocks[d] = next_pow2(shape[d])
+            if blocks[d] > MAX_INNER_BLOCK:
+                raise NotValid(f"inner axis {d} ({shape[d]}) does not fit one block (max {MAX_INNER_BLOCK})")
+        elif any(s.as_dim == d for s in spec.steps):
+            blocks[d] = next_pow2(shape[d])
+        elif d == axis:
+            blocks[d] = config.blocks.get(d, min(next_pow2(shape[d]), 64))
+        else:
+            blocks[d] = config.blocks.get(d, 1)
+    lanes = tuple(d for d in spec.dims if d != axis and d not in inner and not any(s.as_dim == d for s in spec.steps))
+    if strategy == "row_resident":
+        if blocks[axis] < shape[axis]:
+            raise NotValid(f"row_resident needs BLOCK_{axis} >= size({axis}) = {shape[axis]}")
+        if blocks[axis] > MAX_RESIDENT_BLOCK:
+            raise NotValid(f"the row ({shape[axis]}) is too long to keep resident (max {MAX_RESIDENT_BLOCK})")
+    if strategy in ("streaming_fused", "split_fused"):
+        bad = [f for f in derivation.forms.values() if f.axis == axis and not f.fused]
+        if bad:
+            raise NotValid(f"{strategy} needs every reduction over {axis} fused; {bad[0].name} is not: {bad[0].reason}")
+    if strategy == "split_fused":
+        if config.split < 2:
+            raise NotValid("split_fused needs split >= 2")
+    elif config.split != 1:
+        raise NotValid(f"split = {config.split} is only for split_fused")
+    tile = 1
+    for d in spec.dims:
+        tile *= blocks[d]
+    if tile > MAX_TILE_ELEMENTS:
+        raise NotValid(f"a tile of {tile} elements is too large (max {MAX_TILE_ELEMENTS}); use smaller blocks")
+    return KernelPlan(spec, derivation, strategy, axis, inner, blocks, lanes, config)
+
+
+def valid_strategies(spec: Spec, derivation: Derivation, shape: dict[str, int]) -> dict[str, str | None]:
+    """strategy -> None when valid with its default config, else the reason it is not."""
+    out: dict[str, str | None] = {}
+    for strategy in STRATEGIES:
+        try:
+            make_plan(spec, derivation, strategy, shape, default_config(spec, derivation, strategy, shape))
+            out[strategy] = None
+        except NotValid as err:
+            out[strategy] = str(err)
+    return out

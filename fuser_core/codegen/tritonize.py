@@ -1,0 +1,176 @@
+"""Print sympy expressions as Triton code.
+
+Everything a generated kernel computes -- the user's elementwise steps, reduction
+integrands, and the derived pieces (tile contributions, corrections, final factors,
+Welford-style deltas) -- is a sympy expression (:mod:`fuser_core.symbolic`), printed here
+in one way. Symbols are looked up in ``names`` (symbol name -> Triton expression), so the
+caller decides what ``mx`` or ``index(n)`` means in the kernel being written.
+
+Arithmetic is float32: integer symbols (indices, sizes) promote on contact with floats.
+
+Example:
+    >>> import sympy as sp
+    >>> x, m = sp.symbols("x mx", real=True)
+    >>> to_triton(sp.exp(x - m) / sp.Symbol("den"), {"x": "x", "mx": "mx", "den": "den"})
+    'tl.exp(x - mx) / den'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import sympy as sp
+
+from fuser_core.symbolic import CAST_FUNCTIONS, Round
+
+_FUNCS = {
+    sp.exp: "tl.exp",
+    sp.log: "tl.log",
+    sp.sin: "tl.sin",
+    sp.cos: "tl.cos",
+    sp.erf: "tl.erf",
+    sp.Abs: "tl.abs",
+}
+_TRITON_DTYPE = {
+    "float8_e4m3fn": "tl.float8e4nv",
+    "float16": "tl.float16",
+    "bfloat16": "tl.bfloat16",
+    "float32": "tl.float32",
+}
+_REL = {sp.Eq: "==", sp.Ne: "!=", sp.Lt: "<", sp.Le: "<=", sp.Gt: ">", sp.Ge: ">="}
+_CAST_DTYPE = {fn: dtype for dtype, fn in CAST_FUNCTIONS.items()}
+
+# precedence for parenthesising
+_ADD, _MUL, _UNARY, _ATOM = 1, 2, 3, 4
+
+
+class UnsupportedExpression(ValueError):
+    pass
+
+
+def number(value: sp.Expr) -> str:
+    if value is sp.oo:
+        return 'float("inf")'
+    if value is -sp.oo:
+        return 'float("-inf")'
+    if value.is_Integer:
+        return f"{int(value)}.0"
+    return repr(float(value))
+
+
+def to_triton(e: sp.Expr, names: Mapping[str, str]) -> str:
+    """Triton source for ``e``; every free symbol's name must be a key of ``names``."""
+    return _Printer(names).go(e)[0]
+
+
+class _Printer:
+    def __init__(self, names: Mapping[str, str]):
+        self.names = names
+
+    def wrap(self, e: sp.Expr, prec: int) -> str:
+        text, p = self.go(e)
+        return f"({text})" if p < prec else text
+
+    def go(self, e: sp.Expr) -> tuple[str, int]:
+        if e.is_Symbol:
+            try:
+                return self.names[e.name], _ATOM
+            except KeyError:
+                raise UnsupportedExpression(f"no value for symbol {e.name!r} in this kernel") from None
+        if e.is_Number or e in (sp.oo, -sp.oo):
+            if e.is_negative or e is -sp.oo:
+                return number(e), _UNARY
+            return number(e), _ATOM
+        if e is sp.pi:
+            return repr(float(sp.pi)), _ATOM
+        if e.is_Add:
+            return self.add(e), _ADD
+        if e.is_Mul:
+            return self.mul(e)
+        if e.is_Pow:
+            return self.pow(e)
+        if isinstance(e, sp.Piecewise):
+            return self.piecewise(e), _ATOM
+        if isinstance(e, sp.Max | sp.Min):
+            fn = "tl.maximum" if isinstance(e, sp.Max) else "tl.minimum"
+            args = [self.go(a)[0] for a in e.args]
+            out = args[0]
+            for a in args[1:]:
+                out = f"{fn}({out}, {a})"
+            return out, _ATOM
+        if isinstance(e, sp.tanh):
+            a = self.go(e.args[0])[0]
+            return f"(2.0 * tl.sigmoid(2.0 * ({a})) - 1.0)", _ATOM
+        if e.func in _FUNCS:
+            return f"{_FUNCS[e.func]}({self.go(e.args[0])[0]})", _ATOM
+        if e.func in _CAST_DTYPE:
+            dtype = _CAST_DTYPE[e.func]
+            a = self.go(e.args[0])[0]
+            if dtype == "float8_e4m3fn":  # saturating, as the GPU's conversion and our reference
+                return f"fp8e4m3_round({a})", _ATOM
+            return f"({a}).to({_TRITON_DTYPE[dtype]}).to(tl.float32)", _ATOM
+        if e.func == Round:
+            return f"round_half_even({self.go(e.args[0])[0]})", _ATOM
+        if isinstance(e, sp.Rel):
+            return f"{self.wrap(e.lhs, _ADD)} {_REL[type(e)]} {self.wrap(e.rhs, _ADD)}", 0
+        raise UnsupportedExpression(f"cannot print {e} for Triton")
+
+    def add(self, e: sp.Expr) -> str:
+        terms = list(e.as_ordered_terms()) if len(e.args) < 8 else list(e.args)
+        out = self.wrap(terms[0], _ADD)
+        for t in terms[1:]:
+            coeff, rest = t.as_coeff_Mul()
+            if coeff.is_negative:
+                out += f" - {self.wrap(-t, _MUL)}"
+            else:
+                out += f" + {self.wrap(t, _MUL)}"
+        return out
+
+    def mul(self, e: sp.Expr) -> tuple[str, int]:
+        coeff, rest = e.as_coeff_Mul()
+        if coeff.is_negative:
+            return f"-{self.wrap(-e, _UNARY + 1)}", _UNARY
+        num, den = [], []
+        for f in sp.Mul.make_args(e):
+            if f.is_Pow and f.exp.is_Number and f.exp.is_negative:
+                den.append(f.base ** (-f.exp))
+            elif f.is_Rational and not f.is_Integer:
+                if f.p != 1:
+                    num.append(sp.Integer(f.p))
+                den.append(sp.Integer(f.q))
+            else:
+                num.append(f)
+        top = " * ".join(self.wrap(f, _MUL) for f in num) if num else "1.0"
+        if not den:
+            return top, _MUL
+        bottom = " * ".join(self.wrap(f, _MUL) for f in den)
+        if len(den) > 1:
+            bottom = f"({bottom})"
+        return f"{top} / {bottom}", _MUL
+
+    def pow(self, e: sp.Expr) -> tuple[str, int]:
+        base, exp = e.base, e.exp
+        if exp == sp.Rational(1, 2):
+            return f"tl.sqrt({self.go(base)[0]})", _ATOM
+        if exp == sp.Rational(-1, 2):
+            return f"tl.rsqrt({self.go(base)[0]})", _ATOM
+        if exp.is_Integer and 0 < int(exp) <= 8:
+            b = self.wrap(base, _ATOM)
+            return " * ".join([b] * int(exp)), _MUL
+        if exp.is_Integer and -8 <= int(exp) < 0:
+            b = self.wrap(base, _ATOM)
+            return f"1.0 / ({' * '.join([b] * -int(exp))})", _MUL
+        if base == 2:
+            return f"tl.exp2({self.go(exp)[0]})", _ATOM
+        if base.is_positive is True:
+            return f"tl.exp2(({self.go(exp)[0]}) * tl.log2({self.go(base)[0]}))", _ATOM
+        return f"pow_real({self.go(base)[0]}, {self.go(exp)[0]})", _ATOM
+
+    def piecewise(self, e: sp.Piecewise) -> str:
+        *branches, (last, cond) = e.args
+        if cond is not sp.true:
+            raise UnsupportedExpression(f"Piecewise without a default branch: {e}")
+        out = self.go(last)[0]
+        for value, cond in reversed(branches):
+            out = f"tl.where({self.go(cond)[0]}, {self.go(value)[0]}, {out})"
+        return out

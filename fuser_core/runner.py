@@ -1,0 +1,173 @@
+"""Generate, run and check kernels: what ``foldwise run`` does.
+
+On a machine without a GPU the kernels run through Triton's interpreter
+(``TRITON_INTERPRET=1``, set here before any kernel module is loaded).
+
+Every check compares with the float64 reference (:mod:`fuser_core.reference`) on the same
+inputs. The error measure is elementwise relative error with a floor, so that values that
+are tiny next to the rest of their output (softmax tails) do not dominate:
+``|got - ref| / max(|ref|, floor * max|ref|)``. Tolerances per storage dtype: float32 1e-4,
+float16/bfloat16 1e-2 (with floor 1e-3), float8_e4m3fn 0.13 (one e4m3 step: kernel and
+reference may round a value sitting on a rounding boundary differently).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fuser_core.codegen.plan import KernelConfig, NotValid, default_config, valid_strategies
+from fuser_core.derive import Derivation, derive_cascade
+from fuser_core.errors import SpecError
+from fuser_core.reference import bind_shape, evaluate, random_inputs
+from fuser_core.spec import Spec
+
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-2, "float8_e4m3fn": 0.13, "int32": 0.0}
+FLOOR = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-3, "float8_e4m3fn": 1e-2, "int32": 0.0}
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
+INDEX_DTYPES = ("int32", "int64")
+PREFERENCE = ("streaming_fused", "row_resident", "split_fused", "multi_pass")
+
+
+def device() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    return "cpu"
+
+
+def bind_dtypes(spec: Spec, dtype: str | Mapping[str, str]) -> dict[str, str]:
+    """One dtype for every floating input, or a map per input (SPEC.md); index inputs int64."""
+    out: dict[str, str] = {}
+    if isinstance(dtype, str):
+        if dtype not in FLOAT_DTYPES[:3]:
+            raise SpecError(f"unknown dtype {dtype!r}; one of {', '.join(FLOAT_DTYPES[:3])} (fp8 per input only)", loc=("dtype",))
+        mapping: Mapping[str, str] = {i.name: dtype for i in spec.inputs if i.kind == "float"}
+    else:
+        mapping = dtype
+        unknown = set(mapping) - {i.name for i in spec.inputs}
+        if unknown:
+            raise SpecError(f"names unknown input {sorted(unknown)[0]!r}", loc=("dtype",))
+    for i in spec.inputs:
+        allowed = INDEX_DTYPES if i.kind == "index" else FLOAT_DTYPES
+        d = mapping.get(i.name, "int64" if i.kind == "index" else "float32")
+        if d not in allowed:
+            raise SpecError(f"{d!r} is not allowed for {i.kind} input {i.name!r}; one of {', '.join(allowed)}", loc=("dtype", i.name))
+        out[i.name] = d
+    return out
+
+
+def choose_strategy(spec: Spec, derivation: Derivation, shape: dict[str, int]) -> str:
+    valid = valid_strategies(spec, derivation, shape)
+    for s in PREFERENCE:
+        if valid.get(s) is None:
+            return s
+    raise NotValid("no strategy can run this spec: " + "; ".join(f"{k}: {v}" for k, v in valid.items()))
+
+
+def to_torch(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str], dev: str) -> dict[str, Any]:
+    import torch
+
+    out = {}
+    for name, arr in arrays.items():
+        t = torch.from_numpy(np.ascontiguousarray(arr))
+        dt = dtypes[name]
+        t = t.to(torch.int64 if dt == "int64" else getattr(torch, dt if dt != "float8_e4m3fn" else "float32"))
+        if dt == "float8_e4m3fn":
+            t = t.to(torch.float8_e4m3fn)
+        out[name] = t.to(dev)
+    return out
+
+
+@dataclass
+class RunResult:
+    strategy: str
+    config: KernelConfig
+    outputs: dict[str, Any]  # torch tensors
+    source: str
+
+
+def run(
+    spec: Spec, shape: Mapping[str, int], dtype: str | Mapping[str, str], inputs: Mapping[str, np.ndarray],
+    *, strategy: str | None = None, config: KernelConfig | None = None, derivation: Derivation | None = None,
+) -> RunResult:
+    from fuser_core.codegen.module import generate
+
+    bound = bind_shape(spec, shape)
+    dtypes = bind_dtypes(spec, dtype)
+    derivation = derivation or derive_cascade(spec)
+    strategy = strategy or choose_strategy(spec, derivation, bound)
+    config = config or default_config(spec, derivation, strategy, bound)
+    dev = device()
+    module = generate(spec, derivation, strategy, bound, config, dtypes)
+    tensors = to_torch(inputs, dtypes, dev)
+    outputs = module.load().launch(tensors, bound)
+    return RunResult(strategy, config, outputs, module.source)
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray, floor: float) -> float:
+    got, ref = np.broadcast_arrays(np.asarray(got, np.float64), np.asarray(ref, np.float64))
+    same = (got == ref) | (np.isnan(got) & np.isnan(ref))
+    scale = float(np.max(np.abs(ref[np.isfinite(ref)]), initial=0.0))
+    with np.errstate(all="ignore"):
+        err = np.abs(got - ref) / np.maximum(np.abs(ref), max(floor * scale, 1e-30))
+    err = np.where(same, 0.0, err)
+    return float(np.max(np.where(np.isnan(err), np.inf, err), initial=0.0))
+
+
+def compare(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, np.ndarray], stores: Mapping[str, str]) -> dict[str, float]:
+    """Relative error per output part (indices: 1.0 where they differ and values are not tied)."""
+    errors = {}
+    for part, ref in reference.items():
+        got = outputs[part].float().cpu().numpy() if stores[part] != "int32" else outputs[part].cpu().numpy()
+        if stores[part] == "int32":
+            errors[part] = _index_error(spec, part, got, ref, reference)
+        else:
+            errors[part] = rel_err(got, ref, FLOOR[stores[part]])
+    return errors
+
+
+def _index_error(spec: Spec, part: str, got: np.ndarray, ref: np.ndarray, reference: Mapping[str, np.ndarray]) -> float:
+    wrong = got != ref
+    values = reference.get(part.replace(".indices", ".values"))
+    if values is not None and wrong.any() and values.shape[-1] > 1:
+        eq = np.diff(values, axis=-1) == 0
+        pad = [(0, 0)] * (values.ndim - 1)
+        tied = np.pad(eq, [*pad, (1, 0)]) | np.pad(eq, [*pad, (0, 1)])
+        wrong &= ~tied
+    return 1.0 if wrong.any() else 0.0
+
+
+def self_check(
+    spec: Spec, shape: Mapping[str, int], dtype: str | Mapping[str, str] = "float32", *,
+    strategy: str | None = None, config: KernelConfig | None = None, seed: int = 0,
+    derivation: Derivation | None = None,
+) -> dict[str, Any]:
+    """Run on random inputs and compare with the float64 reference; the `foldwise run` report."""
+    from fuser_core.codegen.module import output_dtypes
+
+    bound = bind_shape(spec, shape)
+    dtypes = bind_dtypes(spec, dtype)
+    inputs = random_inputs(spec, bound, np.random.default_rng(seed), dtypes)
+    result = run(spec, bound, dtypes, inputs, strategy=strategy, config=config, derivation=derivation)
+    reference = evaluate(spec, bound, inputs)
+    stores = output_dtypes(spec, dtypes)
+    errors = compare(spec, result.outputs, reference, stores)
+    passed = all(err <= TOLERANCE[stores[p]] for p, err in errors.items())
+    return {
+        "strategy": result.strategy,
+        "config": result.config.to_dict(),
+        "max_rel_err": max(errors.values(), default=0.0),
+        "passed": passed,
+        "errors": errors,
+        "tolerances": {p: TOLERANCE[stores[p]] for p in errors},
+        "shape": bound,
+        "dtype": dtypes,
+        "device": device(),
+    }
