@@ -8,7 +8,9 @@ inputs. The error measure is elementwise relative error with a floor, so that va
 are tiny next to the rest of their output (softmax tails) do not dominate:
 ``|got - ref| / max(|ref|, floor * max|ref|)``. Tolerances per storage dtype: float32 1e-4,
 float16/bfloat16 1e-2 (with floor 1e-3), float8_e4m3fn 0.13 (one e4m3 step: kernel and
-reference may round a value sitting on a rounding boundary differently).
+reference may round a value sitting on a rounding boundary differently). A fused strategy
+whose derivation is inexact (a cast inside a fused reduction) is judged normwise,
+``max|got - ref| / max|ref|``, against one e4m3 step, and the report says so.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from fuser_core.spec import Spec
 
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-2, "float8_e4m3fn": 0.13, "int32": 0.0}
 FLOOR = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-3, "float8_e4m3fn": 1e-2, "int32": 0.0}
+INEXACT_TOLERANCE = 0.125  # normwise: one float8 e4m3 step
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 INDEX_DTYPES = ("int32", "int64")
 PREFERENCE = ("streaming_fused", "row_resident", "split_fused", "multi_pass")
@@ -121,11 +124,15 @@ def rel_err(got: np.ndarray, ref: np.ndarray, floor: float) -> float:
     return float(np.max(np.where(np.isnan(err), np.inf, err), initial=0.0))
 
 
+def _as_numpy(t: Any) -> np.ndarray:
+    return t.cpu().numpy() if not t.dtype.is_floating_point else t.float().cpu().numpy()
+
+
 def compare(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, np.ndarray], stores: Mapping[str, str]) -> dict[str, float]:
     """Relative error per output part (indices: 1.0 where they differ and values are not tied)."""
     errors = {}
     for part, ref in reference.items():
-        got = outputs[part].float().cpu().numpy() if stores[part] != "int32" else outputs[part].cpu().numpy()
+        got = _as_numpy(outputs[part])
         if stores[part] == "int32":
             errors[part] = _index_error(spec, part, got, ref, reference)
         else:
@@ -158,15 +165,26 @@ def self_check(
     result = run(spec, bound, dtypes, inputs, strategy=strategy, config=config, derivation=derivation)
     reference = evaluate(spec, bound, inputs)
     stores = output_dtypes(spec, dtypes)
-    errors = compare(spec, result.outputs, reference, stores)
-    passed = all(err <= TOLERANCE[stores[p]] for p, err in errors.items())
+    derivation = derivation or derive_cascade(spec)
+    exact = result.strategy not in ("streaming_fused", "split_fused") or derivation.exact
+    if exact:
+        errors = compare(spec, result.outputs, reference, stores)
+        tolerances = {p: TOLERANCE[stores[p]] for p in errors}
+    else:
+        # A cast inside a fused reduction rounds with running values (THEORY.md 5): the result
+        # is exact in real arithmetic only. Judge it normwise against one e4m3 step.
+        errors = {p: rel_err(_as_numpy(result.outputs[p]), ref, 1.0) for p, ref in reference.items()}
+        tolerances = {p: INEXACT_TOLERANCE for p in errors}
+    passed = all(err <= tolerances[p] for p, err in errors.items())
     return {
         "strategy": result.strategy,
         "config": result.config.to_dict(),
         "max_rel_err": max(errors.values(), default=0.0),
         "passed": passed,
+        "exact": exact,
+        "error_measure": "elementwise" if exact else "normwise (fused casts round with running values)",
         "errors": errors,
-        "tolerances": {p: TOLERANCE[stores[p]] for p in errors},
+        "tolerances": tolerances,
         "shape": bound,
         "dtype": dtypes,
         "device": device(),
