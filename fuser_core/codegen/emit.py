@@ -239,9 +239,73 @@ class KernelWriter:
         var = safe_name(step.name)
         p = self.pos(step.over)
         self.emit(f"# {step.name}: {step.reduce} over {step.over} of {sp.sstr(integrand)}")
-        self.emit(f"{var} = {self.tile_reduce(step.reduce, self.tex(integrand), step.over, p)}")
+        dot = self.try_dot(integrand, step.over) if step.reduce == "sum" else None
+        self.emit(f"{var} = {dot or self.tile_reduce(step.reduce, self.tex(integrand), step.over, p)}")
         self.values[step.name] = var
         self.loaded.add(step.name)
+
+    def expr_dims(self, e: sp.Expr) -> set[str]:
+        """Dims an expression varies over within a tile (dims blocked as 1 do not count)."""
+        dims: set[str] = set()
+        for s in e.free_symbols:
+            dims.update(self.conv.leaf_dims.get(s, ()))
+            if s.name.startswith(("index(",)):
+                dims.add(s.name[6:-1])
+            if s.name in self.dep_dims:
+                dims.update(self.dep_dims[s.name])
+        return {d for d in dims if self.plan.blocks.get(d, 1) > 1}
+
+    @property
+    def dep_dims(self) -> dict[str, tuple[str, ...]]:
+        out = {}
+        for step in self.spec.steps:
+            for key in (f"{step.name}[old]", f"{step.name}[new]"):
+                out[key] = step.dims
+        return out
+
+    def try_dot(self, e: sp.Expr, over: str) -> str | None:
+        """sum over `over` of P * Q as tl.dot(P[I, over], Q[over, J]) when the tile allows it.
+
+        P carries one blocked dim I besides `over`, Q one other J; all three blocks >= 16
+        (tl.dot's minimum). Accumulates in float32; operand precision: :meth:`dot_dtype`.
+        """
+        factors = sp.Mul.make_args(e)
+        dims = [self.expr_dims(f) - {over} for f in factors]
+        free = set().union(*dims) if dims else set()
+        if len(free) != 2 or any(len(d) > 1 for d in dims):
+            return None
+        i, j = sorted(free, key=self.dims.index)
+        if min(self.plan.blocks[i], self.plan.blocks[j], self.plan.blocks[over]) < 16:
+            return None
+        p_expr = sp.Mul(*[f for f, d in zip(factors, dims) if d != {j}])
+        q_expr = sp.Mul(*[f for f, d in zip(factors, dims) if d == {j}])
+        p = f"tl.broadcast_to(tl.where(mask_{over}, {self.tex(p_expr)}, 0.0), {self.shape({i, over})})"
+        q = f"tl.broadcast_to({self.tex(q_expr)}, {self.shape({over, j})})"
+        lhs = self.as_matrix(p, i, over)
+        rhs = self.as_matrix(q, over, j)
+        dtype = self.dot_dtype()
+        if dtype == "tl.float16":
+            prod = f"tl.dot({lhs}.to(tl.float16), {rhs}.to(tl.float16))"
+        else:
+            prod = f"tl.dot({lhs}, {rhs}, input_precision=\"{dtype}\")"
+        return f"tl.reshape({prod}, {self.shape({i, j})})  # tl.dot: sum over {over} as a matrix product"
+
+    def as_matrix(self, t: str, row: str, col: str) -> str:
+        """An aligned tile over {row, col} as a [row, col] matrix."""
+        if self.dims.index(row) < self.dims.index(col):
+            return f"tl.reshape({t}, [BLOCK_{row}, BLOCK_{col}])"
+        return f"tl.trans(tl.reshape({t}, [BLOCK_{col}, BLOCK_{row}]))"
+
+    def dot_dtype(self) -> str:
+        """Operand precision of tl.dot: float16 inputs -> float16 tensor cores; bfloat16 inputs ->
+        TF32 (bf16 values are exact in TF32, and probabilities keep 10 mantissa bits instead of
+        bf16's 7, which cancelling p.v sums need); float32 and mixed inputs -> IEEE float32."""
+        floats = {self.input_dtypes[i.name] for i in self.spec.inputs if i.kind == "float"}
+        if floats == {"float16"}:
+            return "tl.float16"
+        if floats == {"bfloat16"}:
+            return "tf32"
+        return "ieee"
 
     def tile_reduce(self, op: str, value: str, over: str, p: int) -> str:
         if op == "sum":
@@ -278,12 +342,17 @@ class KernelWriter:
             return form.effective_op
         return step.reduce or ""
 
-    def fold(self, step: Step, acc: str, value: str) -> None:
-        """acc = acc (op) reduce over the tile of value."""
+    def fold(self, step: Step, acc: str, e: sp.Expr) -> None:
+        """acc = acc (op) reduce over the tile of e (a tl.dot when e is a contraction that fits one)."""
         a = self.plan.axis
         p = self.pos(a)
         op = self.effective_op(step)
+        value = self.tex(e)
         if op == "sum":
+            dot = self.try_dot(e, a)
+            if dot is not None:
+                self.emit(f"{acc} = {acc} + {dot}")
+                return
             self.emit(f"{acc} = {acc} + tl.sum(tl.where(mask_{a}, {value}, 0.0), axis={p}, keep_dims=True)")
         elif op == "max":
             self.emit(f'{acc} = tl.maximum({acc}, tl.max(tl.where(mask_{a}, {value}, float("-inf")), axis={p}, keep_dims=True))')
@@ -388,10 +457,10 @@ class KernelWriter:
             integrand = self.conv.integrand(step)
             self.need([integrand])
             self.emit(f"# {step.name} = {step.reduce} over {a} of {sp.sstr(integrand)}")
-            self.direct_reduction(step, self.tex(integrand))
+            self.direct_reduction(step, integrand)
         self.emit_outputs()
 
-    def direct_reduction(self, step: Step, value: str) -> None:
+    def direct_reduction(self, step: Step, value: sp.Expr) -> None:
         acc = self.init_state(step)[0]
         self.fold(step, acc, value)
         if step.reduce in ("topk", "argmax", "argmin"):
@@ -411,7 +480,7 @@ class KernelWriter:
             self.begin_scope()
             self.axis_tile("start")
             self.need([integrand])
-            self.fold(step, acc, self.tex(integrand))
+            self.fold(step, acc, integrand)
             self.depth -= 1
             self.begin_scope()
             if step.reduce in ("topk", "argmax", "argmin"):
@@ -499,11 +568,9 @@ class KernelWriter:
             self.emit(f"# {step.name}: shifted accumulator of {sp.sstr(form.integrand)}")
             saved = self.with_anchors(form)
             self.need([form.integrand, form.delta])
-            delta = self.tex(form.delta)
-            value = self.tex(form.integrand)
+            self.emit(f"{accs[0]} = {accs[0]} + ({self.tex(form.delta)})  # move to the new anchors")
+            self.fold(step, accs[0], form.integrand)
             self.restore(saved)
-            self.emit(f"{accs[0]} = {accs[0]} + ({delta})  # move to the new anchors")
-            self.fold(step, accs[0], value)
             self.emit(f"{var} = {accs[0]}")
             self.values[step.name] = var
             return
@@ -518,7 +585,7 @@ class KernelWriter:
                     self.emit(f"{acc}_values = rescale({acc}_values, {c})")
                 else:
                     self.emit(f"{acc} = rescale({acc}, {c})  # correction: {sp.sstr(correction)}")
-            self.fold(step, acc, self.tex(contribution))
+            self.fold(step, acc, contribution)
         self.restore(saved)
         self.running_value(step, accs)
 

@@ -160,9 +160,7 @@ def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str
             raise NotValid("split_fused needs split >= 2")
     elif config.split != 1:
         raise NotValid(f"split = {config.split} is only for split_fused")
-    tile = 1
-    for d in spec.dims:
-        tile *= blocks[d]
+    tile = max(_tile_elements(spec, s, blocks) for s in spec.steps)
     if tile > MAX_TILE_ELEMENTS:
         raise NotValid(f"a tile of {tile} elements is too large (max {MAX_TILE_ELEMENTS}); use smaller blocks")
     return KernelPlan(spec, derivation, strategy, axis, inner, blocks, lanes, config)
@@ -178,3 +176,11 @@ def valid_strategies(spec: Spec, derivation: Derivation, shape: dict[str, int]) 
         except NotValid as err:
             out[strategy] = str(err)
     return out
+
+
+def _tile_elements(spec: Spec, step: Step, blocks: dict[str, int]) -> int:
+    """Elements of the largest tensor computing ``step`` holds: its expression over one tile."""
+    n = 1
+    for d in spec.expr_dims(step.expr):
+        n *= blocks[d]
+    return n
