@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from fuser_core.codegen.plan import KernelConfig, NotValid, default_config, valid_strategies
+from fuser_core.codegen.plan import BASELINE, KernelConfig, NotValid, default_config, valid_strategies
 from fuser_core.derive import Derivation, derive_cascade
 from fuser_core.errors import SpecError
 from fuser_core.reference import bind_shape, evaluate, random_inputs
@@ -108,12 +108,18 @@ def run(
 
     bound = bind_shape(spec, shape)
     dtypes = bind_dtypes(spec, dtype)
+    dev = device()
+    tensors = to_torch(inputs, dtypes, dev)
+    if strategy == BASELINE:  # the comparison baseline: one kernel per reduction, through memory
+        from fuser_core.codegen.chain import run_chain_detailed
+
+        config = config or KernelConfig()
+        chain = run_chain_detailed(spec, bound, dtypes, tensors, config_blocks=config.blocks)
+        return RunResult(strategy, config, chain.outputs, "\n\n".join(k.source for k in chain.kernels))
     derivation = derivation or derive_cascade(spec)
     strategy = strategy or choose_strategy(spec, derivation, bound)
     config = config or default_config(spec, derivation, strategy, bound)
-    dev = device()
     module = generate(spec, derivation, strategy, bound, config, dtypes)
-    tensors = to_torch(inputs, dtypes, dev)
     outputs = module.load().launch(tensors, bound)
     return RunResult(strategy, config, outputs, module.source)
 

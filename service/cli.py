@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", default="float32", help="float32|float16|bfloat16, or a JSON map input -> dtype")
     run.add_argument("--inputs", help="npz with one array per input name; without it, random inputs are checked")
     run.add_argument("--out", help="npz to write the outputs to (by output name; topk: NAME.values, NAME.indices)")
-    run.add_argument("--strategy", help="row_resident|streaming_fused|split_fused|multi_pass (default: best valid)")
+    run.add_argument("--strategy", help="row_resident|streaming_fused|split_fused|multi_pass, or unfused_chain (the baseline); default: best valid")
     run.add_argument("--config", help='JSON, e.g. {"blocks": {"n": 64}, "num_warps": 4, "split": 1}')
     run.set_defaults(func=cmd_run)
     return parser

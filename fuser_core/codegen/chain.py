@@ -40,10 +40,8 @@ Example (``TRITON_INTERPRET=1`` on a machine without a GPU):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,8 +53,8 @@ import sympy as sp
 from fuser_core import expr as ex
 from fuser_core.canonical import canonical_json
 from fuser_core.codegen.emit import HELPERS, safe_name
-from fuser_core.codegen.module import GENERATOR_VERSION, TORCH_DTYPES, _load, cache_dir, module_source, output_dtypes
-from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan, NotValid, make_plan, next_pow2
+from fuser_core.codegen.module import GENERATOR_VERSION, TORCH_DTYPES, _load, cached_source, generate, output_dtypes
+from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan, NotValid, next_pow2
 from fuser_core.codegen.tritonize import to_triton
 from fuser_core.derive import Derivation, derive_cascade
 from fuser_core.reference import bind_shape, param_values
@@ -119,19 +117,6 @@ class ChainRun:
 
 
 # ---------------------------------------------------------------- caching
-
-
-def _cached(stem: str, key_parts: list[Any], make_source) -> tuple[str, Path, str]:
-    """(key, path, source) of a module cached like module.generate: same directory, atomic write."""
-    key = hashlib.sha256(json.dumps([*key_parts, GENERATOR_VERSION], sort_keys=True).encode()).hexdigest()
-    path = cache_dir() / f"{stem}_{key[:16]}.py"
-    if path.exists():
-        return key, path, path.read_text()
-    source = make_source()
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(source)
-    os.replace(tmp, path)
-    return key, path, source
 
 
 _DERIVATIONS: dict[str, Derivation] = {}
@@ -338,15 +323,8 @@ def _reduction_kernel(
     assert axis is not None
     blocks = reduction_blocks(sub, step, sub_shape, blocks_given)
     strategy = "row_resident" if blocks[axis] >= shape[axis] else "multi_pass"
-    config = KernelConfig(blocks)
-    plan = make_plan(sub, derivation, strategy, sub_shape, config)
-    key, path, source = _cached(
-        f"{sub.name}_chain_{strategy}",
-        ["chain-reduction", canonical_json(sub), [(i.name, i.dims, i.kind) for i in sub.inputs],
-         [s.name for s in sub.steps], sorted(plan.blocks.items()), strategy, config.to_dict(),
-         sorted(sub_dtypes.items()), sorted(stores.items())],
-        lambda: module_source(plan, stores, sub_dtypes),
-    )
+    module = generate(sub, derivation, strategy, sub_shape, KernelConfig(blocks), sub_dtypes, stores)
+    key, path, source, plan = module.key, module.path, module.source, module.plan
     permute = {}
     for part in step.parts:
         own = _part_dims(sub, part)
@@ -544,7 +522,7 @@ def _elementwise_kernel(
     blocks = elementwise_blocks(dims, shape, blocks_given)
     stores = {o: final[o] for o in outputs}
     writer = ElementwiseWriter(spec, outputs, blocks, stores, dtypes)
-    key, path, source = _cached(
+    key, path, source = cached_source(
         f"{spec.name}_chain_elementwise",
         ["chain-elementwise", canonical_json(spec), [(i.name, i.dims, i.kind) for i in spec.inputs],
          [s.name for s in spec.steps], outputs, sorted(blocks.items()), sorted(dtypes.items()), sorted(stores.items())],

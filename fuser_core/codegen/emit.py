@@ -397,7 +397,8 @@ class KernelWriter:
     def store(self, part: str, value: str) -> None:
         var = safe_name(part)
         dims = self.part_dims(part)
-        ptr = f"{var}_ptr + " + " + ".join(f"offs_{d} * stride_{var}_{d}" for d in dims) if dims else f"{var}_ptr"
+        # a scalar output still needs a block pointer: the value is a (size-1) block
+        ptr = f"{var}_ptr + " + " + ".join(f"offs_{d} * stride_{var}_{d}" for d in dims) if dims else f"{var}_ptr + tl.zeros({self.shape(())}, tl.int32)"
         mask = " & ".join(f"mask_{d}" for d in dims)
         full = f"tl.broadcast_to({value}, {self.shape(dims)})"
         line = f"tl.store({ptr}, {full}.to({var}_ptr.dtype.element_ty)"

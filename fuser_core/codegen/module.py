@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -92,25 +93,31 @@ def output_dtypes(spec: Spec, dtypes: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def generate(
-    spec: Spec, derivation: Derivation, strategy: str, shape: dict[str, int], config: KernelConfig,
-    dtypes: dict[str, str],
-) -> GeneratedModule:
-    plan = make_plan(spec, derivation, strategy, shape, config)
-    stores = output_dtypes(spec, dtypes)
-    key_src = json.dumps(
-        [canonical_json(spec), [(i.name, i.dims) for i in spec.inputs], [s.name for s in spec.steps],
-         sorted(plan.blocks.items()), strategy, config.to_dict(), sorted(dtypes.items()), GENERATOR_VERSION],
-        sort_keys=True,
-    )
-    key = hashlib.sha256(key_src.encode()).hexdigest()
-    path = cache_dir() / f"{spec.name}_{strategy}_{key[:16]}.py"
+def cached_source(stem: str, key_parts: list, make_source: Callable[[], str]) -> tuple[str, Path, str]:
+    """(key, path, source) of a generated module: read from the cache, or made and written atomically."""
+    key = hashlib.sha256(json.dumps([*key_parts, GENERATOR_VERSION], sort_keys=True).encode()).hexdigest()
+    path = cache_dir() / f"{stem}_{key[:16]}.py"
     if path.exists():
-        return GeneratedModule(key, path.read_text(), plan, path)
-    source = module_source(plan, stores, dtypes)
+        return key, path, path.read_text()
+    source = make_source()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(source)
     os.replace(tmp, path)  # atomic: concurrent writers produce the same text
+    return key, path, source
+
+
+def generate(
+    spec: Spec, derivation: Derivation, strategy: str, shape: dict[str, int], config: KernelConfig,
+    dtypes: dict[str, str], stores: dict[str, str] | None = None,
+) -> GeneratedModule:
+    """The module for (spec, strategy, config, dtypes); ``stores`` overrides the outputs' storage dtypes."""
+    plan = make_plan(spec, derivation, strategy, shape, config)
+    stores = stores or output_dtypes(spec, dtypes)
+    key_parts = [
+        canonical_json(spec), [(i.name, i.dims) for i in spec.inputs], [s.name for s in spec.steps],
+        sorted(plan.blocks.items()), strategy, config.to_dict(), sorted(dtypes.items()), sorted(stores.items()),
+    ]
+    key, path, source = cached_source(f"{spec.name}_{strategy}", key_parts, lambda: module_source(plan, stores, dtypes))
     return GeneratedModule(key, source, plan, path)
 
 

@@ -117,6 +117,7 @@ class _Printer:
 
     def add(self, e: sp.Expr) -> str:
         terms = list(e.as_ordered_terms()) if len(e.args) < 8 else list(e.args)
+        terms.sort(key=lambda t: bool(t.as_coeff_Mul()[0].is_negative))  # `x - mx`, not `-mx + x`
         out = self.wrap(terms[0], _ADD)
         for t in terms[1:]:
             coeff, rest = t.as_coeff_Mul()
