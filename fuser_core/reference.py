@@ -264,24 +264,10 @@ class Evaluator:
 
     def load_inputs(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Check and align the inputs (float64, index inputs int64)."""
-        unknown = [n for n in inputs if n not in {i.name for i in self.spec.inputs}]
-        if unknown:
-            raise ShapeError("is not an input of the spec", loc=("inputs", str(unknown[0])))
+        checked = check_inputs(self.spec, self.shape, inputs)
         env: dict[str, np.ndarray] = {}
         for inp in self.spec.inputs:
-            if inp.name not in inputs:
-                raise ShapeError("this input is missing", loc=("inputs", inp.name))
-            array = np.asarray(inputs[inp.name])
-            want = tuple(self.shape[d] for d in inp.dims)
-            if array.shape != want:
-                raise ShapeError(f"expected shape {want} over ({', '.join(inp.dims)}), got {array.shape}",
-                                 loc=("inputs", inp.name))
-            if inp.kind == "index":
-                if array.dtype.kind not in "iu":
-                    raise ShapeError(f"an index input needs integers, got {array.dtype}", loc=("inputs", inp.name))
-                array = array.astype(np.int64)
-            else:
-                array = array.astype(np.float64)
+            array = checked[inp.name].astype(np.int64 if inp.kind == "index" else np.float64)
             env[inp.name] = self.aligned(array, inp.dims)
         return env
 
@@ -307,6 +293,30 @@ class Evaluator:
             step = self.spec.step(part.split(".")[0])
             out[part] = np.ascontiguousarray(self.unaligned(env[part], step.dims))
         return out
+
+
+def check_inputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every input present, with its bound shape (in its own dims order); index inputs integer.
+
+    Raises :class:`ShapeError` naming the input. Returns the inputs as NumPy arrays.
+    """
+    names = {i.name for i in spec.inputs}
+    unknown = [n for n in inputs if n not in names]
+    if unknown:
+        raise ShapeError("is not an input of the spec", loc=("inputs", str(unknown[0])))
+    out: dict[str, np.ndarray] = {}
+    for inp in spec.inputs:
+        if inp.name not in inputs:
+            raise ShapeError("this input is missing", loc=("inputs", inp.name))
+        array = np.asarray(inputs[inp.name])
+        want = tuple(shape[d] for d in inp.dims)
+        if array.shape != want:
+            raise ShapeError(f"expected shape {want} over ({', '.join(inp.dims)}), got {array.shape}",
+                             loc=("inputs", inp.name))
+        if inp.kind == "index" and array.dtype.kind not in "iu":
+            raise ShapeError(f"an index input needs integers, got {array.dtype}", loc=("inputs", inp.name))
+        out[inp.name] = array
+    return out
 
 
 def evaluate(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -29,7 +29,7 @@ import numpy as np
 from fuser_core.codegen.plan import BASELINE, KernelConfig, NotValid, default_config, valid_strategies
 from fuser_core.derive import Derivation, derive_cascade
 from fuser_core.errors import SpecError
-from fuser_core.reference import bind_shape, evaluate, random_inputs
+from fuser_core.reference import bind_shape, check_inputs, evaluate, random_inputs
 from fuser_core.spec import Spec
 
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-2, "float8_e4m3fn": 0.13, "int32": 0.0}
@@ -109,7 +109,7 @@ def run(
     bound = bind_shape(spec, shape)
     dtypes = bind_dtypes(spec, dtype)
     dev = device()
-    tensors = to_torch(inputs, dtypes, dev)
+    tensors = to_torch(check_inputs(spec, bound, inputs), dtypes, dev)
     if strategy == BASELINE:  # the comparison baseline: one kernel per reduction, through memory
         from fuser_core.codegen.chain import run_chain_detailed
 

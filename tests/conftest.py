@@ -1,6 +1,12 @@
-"""Shared fixtures: the public catalog of specs (../shared/catalog from the repo root)."""
+"""Shared fixtures: the public catalog of specs (../shared/catalog from the repo root), and a
+per-session kernel cache directory (generated kernels never land in ~/.cache/foldwise)."""
 
 from __future__ import annotations
+
+import os
+
+# Kernels run on the CPU through Triton's interpreter: set before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import json
 from pathlib import Path
@@ -30,3 +36,12 @@ def catalog_dir() -> Path:
 def catalog_specs() -> dict[str, dict]:
     """A fresh copy per test, so tests may mutate it."""
     return load_catalog()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """FOLDWISE_CACHE_DIR for the whole session: a fresh temporary directory (subprocesses inherit it)."""
+    path = tmp_path_factory.mktemp("foldwise-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FOLDWISE_CACHE_DIR", str(path))
+        yield path

@@ -103,6 +103,7 @@ def pow_real(b, e):
     return tl.where(b > 0.0, tl.exp2(e * tl.log2(b)), tl.where(b == 0.0, tl.where(e > 0.0, 0.0, float("inf")), float("nan")))
 '''
 
+ORDER_SELECTIONS = ("topk", "bottomk", "argmax", "argmin")
 _RESERVED = {"tl", "triton", "pid", "start", "count", "count_old", "float", "range", "int", "math", "torch"}
 _PREFIXES = ("offs_", "mask_", "size_", "stride_", "BLOCK_", "nblk_", "pid_")
 
@@ -322,11 +323,7 @@ class KernelWriter:
         var = safe_name(step.name)
         shape = self.shape(step.dims)
         op = self.effective_op(step)
-        if op in ("topk", "bottomk"):
-            self.emit(f'{var}_acc_values = tl.full({shape}, float("-inf"), tl.float32)')
-            self.emit(f"{var}_acc_indices = tl.zeros({shape}, tl.int32)")
-            return [f"{var}_acc"]
-        if op in ("argmax", "argmin"):
+        if op in ORDER_SELECTIONS:  # (values, indices), selected on values (negated for bottom-k/argmin)
             self.emit(f'{var}_acc_values = tl.full({shape}, float("-inf"), tl.float32)')
             self.emit(f"{var}_acc_indices = tl.zeros({shape}, tl.int32)")
             return [f"{var}_acc"]
@@ -582,7 +579,7 @@ class KernelWriter:
         for j, (acc, contribution, correction) in enumerate(zip(accs, form.contributions, form.corrections)):
             if correction != 1:
                 c = self.tex(correction)
-                if form.effective_op in ("topk", "bottomk", "argmax", "argmin"):
+                if form.effective_op in ORDER_SELECTIONS:
                     self.emit(f"{acc}_values = rescale({acc}_values, {c})")
                 else:
                     self.emit(f"{acc} = rescale({acc}, {c})  # correction: {sp.sstr(correction)}")
@@ -594,7 +591,7 @@ class KernelWriter:
         """value = sum_j final_factor_j * acc_j + offset, with the dependencies' current values."""
         form = self.forms[step.name]
         var = safe_name(step.name)
-        if form.effective_op in ("topk", "bottomk", "argmax", "argmin"):
+        if form.effective_op in ORDER_SELECTIONS:
             return  # order results are never dependencies (derive refuses them)
         self.need(list(form.deferred) + [form.offset])
         total = sp.Integer(0)
@@ -612,7 +609,7 @@ class KernelWriter:
         for step in self.axis_steps():
             form = self.forms[step.name]
             acc = self.accs[step.name][0]
-            if form.effective_op in ("topk", "bottomk", "argmax", "argmin"):
+            if form.effective_op in ORDER_SELECTIONS:
                 self.need([form.deferred[0], form.offset])
                 scale, offset = self.tex(form.deferred[0]), self.tex(form.offset)
                 value = f"{scale} * {self.selected(step, acc)} + {offset}"
@@ -628,7 +625,7 @@ class KernelWriter:
         for step in self.axis_steps():
             form = self.forms[step.name]
             var = safe_name(step.name)
-            if form.effective_op in ("topk", "bottomk", "argmax", "argmin"):
+            if form.effective_op in ORDER_SELECTIONS:
                 out.append((f"{var}_acc_values", step.dims, "float32"))
                 out.append((f"{var}_acc_indices", step.dims, "int32"))
             else:
@@ -728,7 +725,7 @@ class KernelWriter:
             self.emit(f"{var} = {accs[0]}")
             self.values[step.name] = var
             return
-        if op in ("topk", "bottomk", "argmax", "argmin"):
+        if op in ORDER_SELECTIONS:
             acc = accs[0]
             vals = self.load_part(f"{acc}_values", ws[f"{acc}_values"])
             idx = self.load_part(f"{acc}_indices", ws[f"{acc}_indices"])
