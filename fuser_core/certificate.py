@@ -349,6 +349,12 @@ class _AxisLoop:
             values[new(s)] = a_new[name]
         return values
 
+    def reanchor(self, form: ReductionForm, accs: list, a_old: dict, a_new: dict) -> list:
+        """Taylor accumulators moved from anchors a_old to a_new (the derived binomial shift)."""
+        values = self.moved(form, a_old, a_new, 0)
+        values.update({sp.Symbol(f"acc[{k}]"): acc for k, acc in enumerate(accs)})
+        return [self.evaluate(e, values) for e in form.reanchor]
+
     def step_tile(self, st: dict[str, Any] | None, lo: int, hi: int) -> dict[str, Any]:
         """Fold tile [lo, hi) into state ``st`` (None: the part's first tile)."""
         count_old = 0 if st is None else st["count"]
@@ -366,6 +372,12 @@ class _AxisLoop:
                     delta = self.evaluate(form.delta, self.moved(form, prev[form.name]["anchor"], a_new, count_old))
                     acc = prev[form.name]["acc"] + delta + added
                 out[form.name] = {"acc": acc, "anchor": a_new}
+            elif form.kind == "taylor":
+                parts = [self.reduce(form, self.evaluate(c, known | anchored, lo, hi), lo, hi) for c in form.contributions]
+                if st is not None:
+                    moved = self.reanchor(form, prev[form.name]["T"], prev[form.name]["anchor"], a_new)
+                    parts = [m + p for m, p in zip(moved, parts)]
+                out[form.name] = {"T": parts, "anchor": a_new}
             else:
                 parts = []
                 for j, contribution in enumerate(form.contributions):
@@ -387,6 +399,9 @@ class _AxisLoop:
                 for side in (a, b):
                     acc = acc + self.evaluate(form.delta, self.moved(form, side[form.name]["anchor"], a_new, side["count"]))
                 out[form.name] = {"acc": acc, "anchor": a_new}
+            elif form.kind == "taylor":
+                moved = [self.reanchor(form, side[form.name]["T"], side[form.name]["anchor"], a_new) for side in (a, b)]
+                out[form.name] = {"T": [x + y for x, y in zip(*moved)], "anchor": a_new}
             else:
                 parts = []
                 for j in range(len(form.contributions)):

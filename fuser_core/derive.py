@@ -27,6 +27,14 @@ Each fused reduction gets a realisation, the state a loop carries and how it is 
   that tracks the running estimate of each sum dependency (the running mean), and moving
   the anchor adds a sympy-factored correction (``count (mean_new - mean_old)^2 / N``):
   Welford/Chan's update, derived rather than written in.
+- ``taylor``: for sums ``F = A(D) B(D) P(x, D)`` with ``A`` a positive factor of the max/min
+  dependencies (anchored, as in ``scaled``), ``B`` a factor applied at the end and ``P``
+  polynomial in the anchorable dependencies (running max/min, running estimates of sums):
+  the accumulators hold the Taylor coefficients ``sum A(D~) d^a P(x, D~) / a!`` at the
+  anchors, and moving the anchors by ``delta`` is the exact binomial shift
+  ``acc_a <- c * sum_{b >= a} binom(b, a) delta^(b - a) acc_b`` (Pebay's higher-moment
+  updates). Every accumulator stays centred, so ``sum (x - mx)^2`` or a softmax-weighted
+  variance never go through raw power sums.
 
 The merge of two partial states (split reduction) re-anchors both to the merged
 dependencies with the same corrections and combines them with the reduction's operator.
@@ -56,6 +64,7 @@ from fuser_core.symbolic import SymbolicSpec, has_cast, strip_casts
 
 MAX_TERMS = 32  # rank limit for multi-term separation
 MAX_EXPAND_POWER = 12  # (x + D)**p with larger p is not expanded
+MAX_TAYLOR_DEGREE = 4  # polynomial degree in the dependencies for Taylor-shifted accumulators
 
 SUM_OPS = ("sum",)
 ORDER_OPS = ("max", "min", "topk", "argmax", "argmin")
@@ -77,7 +86,7 @@ class ReductionForm:
     step: Step
     integrand: sp.Expr  # F(x, D), elementwise steps inlined, casts kept
     deps: tuple[str, ...]  # same-axis reductions F reads
-    kind: str  # first | scaled | shifted | not_fused
+    kind: str  # first | scaled | shifted | taylor | not_fused
     reason: str | None = None
     terms: tuple[Term, ...] = ()
     # scaled: per accumulator j
@@ -89,6 +98,8 @@ class ReductionForm:
     effective_op: str = ""  # the op actually run on T (max and min swap when a(D) < 0)
     # shifted
     delta: sp.Expr | None = None  # added to the accumulator when the anchors move
+    # taylor: accumulator k after the anchors move, in terms of acc[j] (all j) and dep[old]/dep[new]
+    reanchor: tuple[sp.Expr, ...] = ()
     anchors: dict[str, str] = field(default_factory=dict)  # dep -> "running" | "running estimate"
     guards: tuple[str, ...] = ()
     exact: bool = True  # False when a cast inside F makes the fused form differ from multi-pass
@@ -404,10 +415,76 @@ class _Deriver:
 
     def realise_sum(self, terms: list[Term], dep_names: tuple[str, ...]) -> ReductionForm:
         if len(terms) > 1:
-            shifted = self.shifted(terms, dep_names)
-            if shifted is not None:
-                return shifted
+            stable = self.shifted(terms, dep_names) or self.taylor(terms, dep_names)
+            if stable is not None:
+                return stable
         return self.scaled(terms, dep_names, offset=sp.Integer(0), op="sum")
+
+    def anchorable(self) -> dict[sp.Symbol, str]:
+        """Dependencies with a running anchor: max/min (running value), first-level sums (estimate)."""
+        out = {s: "running" for s in self.max_type()}
+        for name, sym in self.deps.items():
+            f = self.forms[name]
+            if f.kind == "first" and f.op == "sum":
+                out[sym] = "running estimate (partial * size / count)"
+        return out
+
+    def taylor(self, terms: list[Term], dep_names: tuple[str, ...]) -> ReductionForm | None:
+        """Taylor-shifted accumulators (module docstring), or None when F is not of that shape."""
+        if has_cast(self.F):
+            return None
+        anchorable = self.anchorable()
+        factor_sets = [set(sp.Mul.make_args(t.h)) for t in terms]
+        common = set.intersection(*factor_sets) if factor_sets else set()
+        a = b = sp.Integer(1)
+        for factor in common:
+            free = factor.free_symbols & self.dep_syms
+            if free and free <= self.max_type() and factor.is_positive:
+                a *= factor
+            elif free and not free <= set(anchorable):
+                b *= factor
+        # differentiate the unexpanded form, so that coefficients stay centred: -2 (x - mx), not 2 mx - 2 x
+        centred = sp.powsimp(strip_casts(self.F) / (a * b), combine="exp")
+        poly = sp.expand(centred, power_exp=True)
+        syms = sorted((poly.free_symbols & self.dep_syms), key=str)
+        if not syms or not set(syms) <= set(anchorable):
+            return None
+        try:
+            p = sp.Poly(poly, *syms)
+        except sp.PolynomialError:
+            return None
+        if p.total_degree() > MAX_TAYLOR_DEGREE:
+            return None
+        orders = [o for o in _multi_indices([p.degree(s) for s in syms]) if sum(o) <= p.total_degree()]
+        if len(orders) > MAX_TERMS:
+            return None
+        contributions = []
+        for order in orders:
+            d = centred
+            for s, k in zip(syms, order):
+                d = sp.diff(d, s, k) / math.factorial(k)
+            contributions.append(sp.powsimp(a * d, combine="exp"))
+        correction = self.correction(a)
+        acc = [sp.Symbol(f"acc[{k}]") for k in range(len(orders))]
+        delta = {s: new(s) - old(s) for s in syms}
+        reanchor = []
+        for order in orders:
+            total = sp.Integer(0)
+            for k, other in enumerate(orders):
+                if all(o >= q for o, q in zip(other, order)):
+                    coeff = sp.Integer(1)
+                    for s, o, q in zip(syms, other, order):
+                        coeff *= sp.binomial(o, q) * delta[s] ** (o - q)
+                    total += coeff * acc[k]
+            reanchor.append(correction * total)
+        zero = sp.Integer(0)
+        return ReductionForm(
+            self.step, self.F, dep_names, "taylor", terms=tuple(terms), contributions=tuple(contributions),
+            scales=(a,) * len(orders), deferred=(b,) + (zero,) * (len(orders) - 1), corrections=(correction,) * len(orders),
+            reanchor=tuple(reanchor), effective_op="sum",
+            anchors={n: anchorable[s] for n, s in self.deps.items() if s in set(syms) | (a.free_symbols & self.dep_syms)},
+            guards=self.guards_for([correction]),
+        )
 
     def realise_order(self, terms: list[Term], dep_names: tuple[str, ...]) -> ReductionForm:
         op = self.step.reduce
@@ -488,3 +565,11 @@ def _expanded_terms(e: sp.Expr, cap: int) -> int:
         return min(cap + 1, math.comb(base + int(e.exp) - 1, int(e.exp)))
     inner = max((_expanded_terms(a, cap) for a in e.args), default=1)  # expand(deep=True) reaches into functions
     return min(cap + 1, inner)
+
+
+def _multi_indices(degrees: list[int]) -> list[tuple[int, ...]]:
+    """All (a_1..a_k) with 0 <= a_i <= degrees[i], lowest total order first."""
+    out: list[tuple[int, ...]] = [()]
+    for d in degrees:
+        out = [o + (k,) for o in out for k in range(d + 1)]
+    return sorted(out, key=lambda o: (sum(o), o))

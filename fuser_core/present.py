@@ -20,6 +20,7 @@ REALISATIONS = {
     "first": "plain partial reduction (no dependency)",
     "scaled": "one accumulator per term, anchored at running max/min values and rescaled by the correction",
     "shifted": "shifted accumulator (Welford/Chan style): anchored at running estimates, corrected additively",
+    "taylor": "Taylor-shifted accumulators: centred at the anchors, moved by an exact binomial shift (Pebay style)",
     "not_fused": "not fused: computed by a separate pass after its dependencies are final",
 }
 
@@ -86,6 +87,11 @@ def _reduction(f: ReductionForm) -> dict[str, Any]:
         out["accumulator"] = f"acc = sum over seen {f.axis} of {text(f.integrand)}, at the anchors"
         out["finalize"] = f"{f.name} = acc (at the final anchors)"
         return out
+    if f.kind == "taylor":
+        out["anchors"] = dict(f.anchors)
+        out["accumulators"] = [{"contribution": text(c)} for c in f.contributions]
+        out["finalize"] = f"{f.name} = {text(f.deferred[0])} * acc[0] (at the final anchors)"
+        return out
     out["effective_op"] = f.effective_op
     out["anchors"] = dict(f.anchors)
     out["accumulators"] = [
@@ -101,6 +107,8 @@ def _correction(f: ReductionForm) -> str | None:
         return None
     if f.kind == "shifted":
         return f"add {text(f.delta)}"  # type: ignore[arg-type]
+    if f.kind == "taylor":
+        return "move accumulator k to: " + "; ".join(f"acc[{k}] <- {text(e)}" for k, e in enumerate(f.reanchor))
     factors = list(dict.fromkeys(text(c) for c in f.corrections if c != 1))
     if not factors:
         return "none: the dependence enters only through a factor or offset applied at the end"
@@ -125,6 +133,8 @@ def _merge(f: ReductionForm) -> str:
             "acc = acc_a + acc_b + the correction from each part's anchors to the merged ones "
             "(count[old] = that part's count)"
         )
+    if f.kind == "taylor":
+        return "move both parts' accumulators to the merged anchors (the shift above), then add them"
     op = _COMBINE[f.effective_op]
     return (
         f"re-anchor both parts to the merged dependencies (multiply each T by its correction "

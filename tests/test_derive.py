@@ -145,7 +145,7 @@ def test_a_dependent_of_a_non_fused_reduction_is_not_fused():
         ([MX, DEN, {"name": "r", "reduce": "max", "over": "n", "expr": "-exp(x - mx) / den"}], "scaled", "min"),  # a(D) < 0
         ([MEAN, {"name": "r", "reduce": "topk", "k": 3, "as": "j", "over": "n", "expr": "mean - x"}], "scaled", "bottomk"),
         ([MX, DEN, {"name": "r", "reduce": "argmax", "over": "n", "expr": "exp(x - mx) / den"}], "scaled", "argmax"),
-        ([MEAN, {"name": "r", "reduce": "sum", "over": "n", "expr": "(x - mean) ** 3"}], "scaled", "sum"),  # rank 4
+        ([MEAN, {"name": "r", "reduce": "sum", "over": "n", "expr": "(x - mean) ** 3"}], "taylor", "sum"),  # rank 4
     ],
 )
 def test_extended_forms_fuse_and_certify(steps, kind, op):
@@ -204,3 +204,41 @@ def test_a_huge_product_is_refused_before_sympy_expands_it():
     r = derive_cascade(spec_of(steps, ["r"], inputs)).forms["r"]
     assert not r.fused and "too many to separate" in r.reason
     assert time.perf_counter() - t0 < 5  # generous: this guards against a hang, not a target
+
+
+@pytest.mark.parametrize(
+    "expr, degree",
+    [
+        ("(x - mx) ** 2 / size(n)", 2),  # variance around the running max
+        ("exp(x - mx) * (x - mean) ** 2 / size(n)", 2),  # softmax-weighted variance: two anchors
+        ("(x - mean) ** 3", 3),  # third central moment
+    ],
+)
+def test_polynomial_dependence_gets_centred_taylor_accumulators(expr, degree):
+    deps = [s for s in (MX, MEAN) if s["name"] in expr]
+    d = derive_cascade(spec_of([*deps, {"name": "r", "reduce": "sum", "over": "n", "expr": expr}], ["r"]))
+    r = d.forms["r"]
+    assert r.kind == "taylor" and len(r.contributions) == degree + 1
+    # centred: the contributions hold (x - anchor), never raw powers of x alone
+    assert "x - " in str(r.contributions[0]).replace("-mean + x", "x - mean").replace("-mx + x", "x - mx")
+    cert = certify(d, trials=10, seed=2)
+    assert cert.holds and cert.max_rel_err < 1e-9
+
+
+def test_taylor_accumulators_are_stable_with_a_large_offset():
+    """The shift keeps (x - anchor) small: raw sums of x^2 at 1e6 would lose everything."""
+    import numpy as np
+
+    from fuser_core.certificate import _AxisLoop, _compiled
+    from fuser_core.reference import Evaluator
+
+    spec = spec_of([MX, {"name": "r", "reduce": "sum", "over": "n", "expr": "(x - mx) ** 2 / size(n)"}], ["r"])
+    d = derive_cascade(spec)
+    rng = np.random.default_rng(0)
+    shape = {"m": 2, "n": 500}
+    ev = Evaluator(spec, shape)
+    env = ev.run({"x": 1e6 + rng.standard_normal((2, 500))})
+    group = d.groups[0]
+    loop = _AxisLoop(d, ev, env, group.axis, [d.forms[m] for m in group.members], _compiled(d, True))
+    with np.errstate(all="ignore"):
+        assert loop.compare(d.forms["r"], loop.run_split(rng)) < 1e-6

@@ -572,6 +572,16 @@ class KernelWriter:
             self.emit(f"{var} = {accs[0]}")
             self.values[step.name] = var
             return
+        if form.kind == "taylor":
+            self.emit(f"# {step.name}: Taylor-shifted accumulators of {sp.sstr(form.integrand)} (centred at the anchors)")
+            saved = self.with_anchors(form)
+            self.need(list(form.contributions) + list(form.reanchor))
+            self.emit_reanchor(form, accs, accs, "old")
+            for acc, contribution in zip(accs, form.contributions):
+                self.fold(step, acc, contribution)
+            self.restore(saved)
+            self.running_value(step, accs)
+            return
         what = "first reduction" if form.kind == "first" else f"reads {', '.join(form.deps)}"
         self.emit(f"# {step.name}: {step.reduce} over {a} ({what})")
         saved = self.with_anchors(form)
@@ -586,6 +596,18 @@ class KernelWriter:
             self.fold(step, acc, contribution)
         self.restore(saved)
         self.running_value(step, accs)
+
+    def emit_reanchor(self, form: ReductionForm, targets: list[str], sources: list[str], side: str) -> None:
+        """targets = the Taylor accumulators `sources` moved from the `side` anchors to the new ones."""
+        names = {f"acc[{k}]": src for k, src in enumerate(sources)}
+        moved = []
+        for k, e in enumerate(form.reanchor):
+            self.values.update(names)
+            text = self.tex_moved(e, side)
+            moved.append(f"{targets[k]}_moved")
+            self.emit(f"{targets[k]}_moved = {text}")
+        for target, m in zip(targets, moved):
+            self.emit(f"{target} = {m}")
 
     def running_value(self, step: Step, accs: list[str]) -> None:
         """value = sum_j final_factor_j * acc_j + offset, with the dependencies' current values."""
@@ -739,6 +761,15 @@ class KernelWriter:
             else:
                 p = self.pos(self.plan.axis)
                 self.emit(f"{acc}_values, {acc}_indices = argmax_merge({acc}_values, {acc}_indices, {vals}, {idx}, {p})")
+            return
+        if form.kind == "taylor":
+            parts = [self.load_part(acc, ws[acc]) for acc in accs]
+            self.need(list(form.reanchor))
+            self.emit_reanchor(form, accs, accs, "old")
+            self.emit_reanchor(form, parts, parts, "part")
+            for acc, part in zip(accs, parts):
+                self.emit(f"{acc} = {acc} + {part}")
+            self.running_value(step, accs)
             return
         combine = {"sum": "{a} + {b}", "max": "tl.maximum({a}, {b})", "min": "tl.minimum({a}, {b})"}[op]
         for acc, correction in zip(accs, form.corrections):
