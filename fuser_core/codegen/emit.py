@@ -108,6 +108,19 @@ _RESERVED = {"tl", "triton", "pid", "start", "count", "count_old", "float", "ran
 _PREFIXES = ("offs_", "mask_", "size_", "stride_", "BLOCK_", "nblk_", "pid_")
 
 
+def aligned_index(all_dims: tuple[str, ...], dim: str, expr: str) -> str:
+    """A 1-d range over `dim` placed on its axis of the aligned layout: ``(expr)[:, None]``."""
+    if len(all_dims) == 1:
+        return expr
+    pos = all_dims.index(dim)
+    return f"({expr})[{', '.join(':' if i == pos else 'None' for i in range(len(all_dims)))}]"
+
+
+def block_shape(all_dims: tuple[str, ...], dims) -> str:
+    """The aligned shape of a tensor over `dims`: ``[BLOCK_m, 1]``."""
+    return "[" + ", ".join(f"BLOCK_{d}" if d in dims else "1" for d in all_dims) + "]"
+
+
 def safe_name(name: str) -> str:
     """A Python identifier for a spec name inside generated code."""
     name = name.replace(".", "_")
@@ -139,13 +152,10 @@ class KernelWriter:
         self.lines.append(("    " * self.depth + line) if line else "")
 
     def aligned(self, dim: str, expr: str) -> str:
-        if self.rank == 1:
-            return expr
-        pos = self.dims.index(dim)
-        return f"({expr})[{', '.join(':' if i == pos else 'None' for i in range(self.rank))}]"
+        return aligned_index(self.dims, dim, expr)
 
     def shape(self, dims) -> str:
-        return "[" + ", ".join(f"BLOCK_{d}" if d in dims else "1" for d in self.dims) + "]"
+        return block_shape(self.dims, dims)
 
     def pos(self, dim: str) -> int:
         return self.dims.index(dim)
