@@ -6,12 +6,13 @@ On a machine without a GPU the kernels run through Triton's interpreter
 Every check compares with the float64 reference (:mod:`fuser_core.reference`) on the same
 inputs. The error measure is elementwise relative error with a floor, so that values that
 are tiny next to the rest of their output do not dominate:
-``|got - ref| / max(|ref|, floor * max|ref|)``. An output element that is a sum which
-cancels to almost nothing (attention's ``p.v`` with signed ``v``) carries the rounding error
-of its terms, not of its value; the floor (1e-3 of the output's largest magnitude for
-float32, 1e-2 for 16-bit, where tensor cores take 16-bit operands) measures such elements
-against the output's scale. Tolerances per storage dtype: float32 1e-4, float16/bfloat16
-1e-2, float8_e4m3fn 0.13 (one e4m3 step: kernel and reference may round a value sitting on a
+``|got - ref| / max(|ref|, floor * max|ref|)``, i.e. a check
+``|got - ref| <= rtol * |ref| + atol * max|ref|`` with ``rtol`` the tolerance and
+``atol = rtol * floor``. An output element that is a sum cancelling to almost nothing
+(attention's ``p.v`` with signed ``v``) carries the rounding error of its terms, not of its
+value: 16-bit tensor-core operands round each probability by 2^-11, about 1e-3 of the
+output's scale. So: float32 rtol 1e-4, atol 1e-7; float16/bfloat16 rtol 1e-2, atol 1e-3;
+float8_e4m3fn 0.13 (one e4m3 step: kernel and reference may round a value sitting on a
 rounding boundary differently). A fused strategy
 whose derivation is inexact (a cast inside a fused reduction) is judged normwise,
 ``max|got - ref| / max|ref|``, against one e4m3 step, and the report says so.
@@ -33,7 +34,7 @@ from fuser_core.reference import bind_shape, check_inputs, evaluate, random_inpu
 from fuser_core.spec import Spec
 
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-2, "float8_e4m3fn": 0.13, "int32": 0.0}
-FLOOR = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 1e-2, "float8_e4m3fn": 1e-2, "int32": 0.0}
+FLOOR = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.1, "float8_e4m3fn": 1e-2, "int32": 0.0}
 INEXACT_TOLERANCE = 0.125  # normwise: one float8 e4m3 step
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 INDEX_DTYPES = ("int32", "int64")

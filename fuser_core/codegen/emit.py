@@ -280,7 +280,8 @@ class KernelWriter:
         P carries one blocked dim I besides `over`, Q one other J; all three blocks >= 16
         (tl.dot's minimum). Accumulates in float32; operand precision: :meth:`dot_dtype`.
         """
-        factors = sp.Mul.make_args(e)
+        scalars = [f for f in sp.Mul.make_args(e) if not self.expr_dims(f)]  # applied after the dot, unrounded
+        factors = [f for f in sp.Mul.make_args(e) if self.expr_dims(f)]
         dims = [self.expr_dims(f) - {over} for f in factors]
         free = set().union(*dims) if dims else set()
         if len(free) != 2 or any(len(d) > 1 for d in dims):
@@ -294,12 +295,26 @@ class KernelWriter:
         q = f"tl.broadcast_to({self.tex(q_expr)}, {self.shape({over, j})})"
         lhs = self.as_matrix(p, i, over)
         rhs = self.as_matrix(q, over, j)
-        dtype = self.dot_dtype()
+        dtype = self.dot_dtype(p_expr, q_expr)
         if dtype == "tl.float16":
             prod = f"tl.dot({lhs}.to(tl.float16), {rhs}.to(tl.float16))"
         else:
             prod = f"tl.dot({lhs}, {rhs}, input_precision=\"{dtype}\")"
-        return f"tl.reshape({prod}, {self.shape({i, j})})  # tl.dot: sum over {over} as a matrix product"
+        scale = f" * {self.tex(sp.Mul(*scalars))}" if scalars else ""
+        return f"tl.reshape({prod}, {self.shape({i, j})}){scale}  # tl.dot: sum over {over} as a matrix product"
+
+    def exact_in_fp16(self, e: sp.Expr) -> bool:
+        """Every factor is an fp8/fp16 input or a cast to fp8/fp16: fp16 operands lose nothing."""
+        from fuser_core.symbolic import CAST_FUNCTIONS
+
+        narrow = (CAST_FUNCTIONS["float8_e4m3fn"], CAST_FUNCTIONS["float16"])
+        for f in sp.Mul.make_args(e):
+            if f.is_Symbol and self.input_dtypes.get(f.name) in ("float8_e4m3fn", "float16"):
+                continue
+            if f.func in narrow:
+                continue
+            return False
+        return True
 
     def as_matrix(self, t: str, row: str, col: str) -> str:
         """An aligned tile over {row, col} as a [row, col] matrix."""
@@ -307,10 +322,13 @@ class KernelWriter:
             return f"tl.reshape({t}, [BLOCK_{row}, BLOCK_{col}])"
         return f"tl.trans(tl.reshape({t}, [BLOCK_{col}, BLOCK_{row}]))"
 
-    def dot_dtype(self) -> str:
-        """Operand precision of tl.dot: float16 inputs -> float16 tensor cores; bfloat16 inputs ->
+    def dot_dtype(self, p: sp.Expr, q: sp.Expr) -> str:
+        """Operand precision of tl.dot: operands exactly representable in fp16 (fp8 values, as in
+        the fp8 GEMM) -> fp16 tensor cores, exact; float16 inputs -> float16; bfloat16 inputs ->
         TF32 (bf16 values are exact in TF32, and probabilities keep 10 mantissa bits instead of
         bf16's 7, which cancelling p.v sums need); float32 and mixed inputs -> IEEE float32."""
+        if self.exact_in_fp16(p) and self.exact_in_fp16(q):
+            return "tl.float16"
         floats = {self.input_dtypes[i.name] for i in self.spec.inputs if i.kind == "float"}
         if floats == {"float16"}:
             return "tl.float16"

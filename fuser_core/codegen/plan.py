@@ -160,7 +160,8 @@ def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str
             raise NotValid("split_fused needs split >= 2")
     elif config.split != 1:
         raise NotValid(f"split = {config.split} is only for split_fused")
-    tile = max(_tile_elements(spec, s, blocks) for s in spec.steps)
+    dots = {f.name for f in derivation.forms.values() if f.contraction}
+    tile = max(_tile_elements(spec, s, blocks, s.name in dots) for s in spec.steps)
     if tile > MAX_TILE_ELEMENTS:
         raise NotValid(f"a tile of {tile} elements is too large (max {MAX_TILE_ELEMENTS}); use smaller blocks")
     return KernelPlan(spec, derivation, strategy, axis, inner, blocks, lanes, config)
@@ -178,9 +179,22 @@ def valid_strategies(spec: Spec, derivation: Derivation, shape: dict[str, int]) 
     return out
 
 
-def _tile_elements(spec: Spec, step: Step, blocks: dict[str, int]) -> int:
-    """Elements of the largest tensor computing ``step`` holds: its expression over one tile."""
-    n = 1
-    for d in spec.expr_dims(step.expr):
-        n *= blocks[d]
-    return n
+def _tile_elements(spec: Spec, step: Step, blocks: dict[str, int], contraction: bool = False) -> int:
+    """Elements of the largest tensor computing ``step`` holds: its expression over one tile.
+
+    A contraction done by tl.dot never holds the full [I, over, J] product, only its operands
+    and its [I, J] result.
+    """
+
+    def size(dims) -> int:
+        n = 1
+        for d in dims:
+            n *= blocks[d]
+        return n
+
+    if not contraction:
+        return size(spec.expr_dims(step.expr))
+    from fuser_core import expr as ex
+
+    operands = [spec.ref_dims(n) for n in ex.walk(step.expr) if isinstance(n, ex.Ref)]
+    return max([size(step.dims), *(size(d) for d in operands)])

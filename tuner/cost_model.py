@@ -1,0 +1,535 @@
+"""An analytical cost model: the time a candidate would take on a GPU profile.
+
+For machines without a GPU the ``model`` measurer predicts instead of timing. The model is a
+roofline with the three things that decide these kernels' speed on a real GPU, each term
+simple, monotone and explainable (numbers in ``Prediction.details``):
+
+1. **Bytes from HBM** (:func:`_KernelEvaluator.evaluate`). Every input is read once per pass
+   that loads it (multi_pass: once per reduction, plus once more for outputs that keep the
+   axis; streaming_fused: once, plus that second pass; row_resident: once; split_fused: once
+   for the partial states, the workspace written and read back, and the combine kernel's
+   second pass). An input that lacks a tiled lane dim (attention's K/V lack ``m``; a GEMM's W
+   lacks ``m``) is requested by every program along that dim; those re-reads, and the re-reads
+   of later passes, come from L2 when their *reuse distance* (bytes requested by all programs
+   between two reads of the same line) fits in the usable L2, else from HBM. Outputs are
+   written once.
+2. **Work** (:mod:`tuner.analysis`): ``tl.dot`` FLOPs (2*M*N*K) at the tensor-core peak of the
+   precision emit chose (fp16 inputs: fp16; bf16: TF32; mixed/fp32: IEEE fp32 on CUDA cores),
+   elementwise ops from the sympy expressions (+, *, /, compares, selects: 1 ALU op per
+   element at each node's own dims; exp/log/sqrt/rsqrt: one SFU op), reductions, top-k merges,
+   corrections, address/mask arithmetic of every loaded element, and loop overhead.
+3. **Parallelism**: occupancy (blocks per SM from registers, shared memory, warps), wave
+   quantisation (``programs / (SMs x blocks per SM)`` waves; a partial last wave runs only its
+   programs), and bandwidth that grows with the bytes each SM keeps in flight (Little's law:
+   tile bytes x num_stages per program, with a soft knee).
+
+A kernel's time is ``launch + sum over waves of max(memory time, compute time)`` (the sum when
+nothing hides the one behind the other: one program per SM and no pipelining);
+split_fused launches two kernels. :func:`predict_chain` models the unfused chain the same way
+(one kernel per reduction, intermediates written to and read from memory in float32).
+
+Example:
+    >>> from fuser_core.spec import load_spec
+    >>> from fuser_core.derive import derive_cascade
+    >>> from tuner.profiles import get_profile
+    >>> from tuner.space import SearchSpace
+    >>> spec = load_spec(open("../shared/catalog/safe_softmax.json").read())
+    >>> d, shape, h100 = derive_cascade(spec), {"m": 4096, "n": 32768}, get_profile("h100")
+    >>> space = SearchSpace(spec, d, shape, "float16", h100)
+    >>> c = space.candidate("streaming_fused", {"block_n": 2048, "block_m": 1, "num_warps": 8, "num_stages": 3})
+    >>> p = predict(spec, d, shape, "float16", c, h100)
+    >>> p.programs, p.details["kernels"][0]["bound"]
+    (4096, 'memory (HBM)')
+    >>> 512 <= p.bytes / 2**20 <= 768  # x read (its second pass, for y, partly from L2), y written
+    True
+    >>> p.time_s > p.bytes / h100.hbm_bytes_per_s
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fuser_core.codegen.plan import KernelConfig
+from fuser_core.derive import Derivation
+from fuser_core.reference import bind_shape
+from fuser_core.spec import Spec
+from tuner.analysis import (
+    ELEMENT_BYTES,
+    ITERATION_ALU,
+    KernelSketch,
+    Pass,
+    SketchBuilder,
+    Anatomy,
+    cdiv,
+    elements,
+    input_info,
+    pass_iterations,
+    resources,
+)
+from tuner.profiles import GpuProfile
+
+HBM_EFFICIENCY = 0.92  # best fraction of the datasheet bandwidth a streaming kernel reaches
+DOT_EFFICIENCY = 0.75  # fraction of tensor-core peak a Triton tl.dot loop reaches
+ALU_EFFICIENCY = 0.8  # fraction of the CUDA-core issue rate reached by elementwise code
+L2_USABLE = 0.5  # fraction of L2 that holds data for reuse (H100/A100 split L2 in two partitions)
+SM_BYTES_PER_CLOCK = 64  # what one SM can take from L2 per clock
+WARPS_TO_FILL_ALU = 8  # resident warps per SM for the CUDA cores to be busy (latency hiding)
+WARPS_TO_FILL_DOT = 4  # one warp per SM sub-partition for the tensor cores
+PRECISION_UNIT = {"tl.float16": "fp16", "tf32": "tf32", "ieee": "fp32"}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The model's answer for one candidate (or the chain). ``details`` explains it per kernel."""
+
+    time_s: float
+    bytes: float  # from/to HBM, all kernels
+    flops: float  # tl.dot FLOPs + elementwise ops (ALU + SFU), all kernels
+    programs: int  # of the first (main) kernel
+    waves: float  # programs / (SMs x blocks per SM), first kernel
+    occupancy: float  # resident warps / max warps per SM, first kernel
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def time_ms(self) -> float:
+        return self.time_s * 1e3
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"time_s": self.time_s, "bytes": self.bytes, "flops": self.flops, "programs": self.programs,
+                "waves": self.waves, "occupancy": self.occupancy, "details": self.details}
+
+
+# ---------------------------------------------------------------------- one kernel's numbers
+
+
+@dataclass
+class KernelLoad:
+    """Totals of one launched kernel, what :func:`kernel_time` turns into seconds."""
+
+    name: str
+    programs: int
+    num_warps: int
+    num_stages: int
+    looped: bool  # has a loop whose loads num_stages can pipeline
+    regs: int
+    smem: int
+    hbm_bytes: float
+    l2_bytes: float  # requested from L2 (hits and misses)
+    alu: float  # element operations on CUDA cores
+    sfu: float  # special-function operations
+    dot_flops: dict[str, float]  # precision -> FLOPs
+    bytes_in_flight: float  # per program (loads issued ahead of use)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def miss_fraction(distance_bytes: float, profile: GpuProfile) -> float:
+    """Share of re-reads that miss L2, from the reuse distance (bytes requested by everyone
+    between two reads of a line): ``1 - exp(-distance / usable L2)``. A smooth stand-in for
+    LRU's step (hashed sets, two partitions and imprecise timing blur the step on a real GPU):
+    a distance of a tenth of the usable L2 misses 10%, one usable L2 63%, three 95%."""
+    if distance_bytes <= 0:
+        return 0.0
+    return 1.0 - math.exp(-distance_bytes / (profile.l2_bytes * L2_USABLE))
+
+
+def saturation(x: float) -> float:
+    """Little's law with a soft knee: fraction of peak bandwidth for x = in flight / (bw x latency)."""
+    return 1.0 - math.exp(-x) if x > 0 else 0.0
+
+
+def blocks_per_sm(k: KernelLoad, profile: GpuProfile) -> int:
+    """Occupancy: programs one SM holds, limited by warps, registers, shared memory, blocks."""
+    regs = 8 * cdiv(k.regs, 8)  # registers are allocated in units of 8 per thread (256 per warp)
+    limits = [
+        profile.max_blocks_per_sm,
+        profile.max_warps_per_sm // k.num_warps,
+        profile.regs_per_sm // max(1, regs * 32 * k.num_warps),
+        profile.smem_per_sm // max(1, k.smem),
+    ]
+    return max(1, min(limits))
+
+
+def kernel_time(k: KernelLoad, profile: GpuProfile) -> tuple[float, dict[str, Any]]:
+    """Seconds for one kernel: launch + full waves + the partial last wave."""
+    S = profile.sm_count
+    bps = blocks_per_sm(k, profile)
+    slots = S * bps
+    P = max(1, k.programs)
+    per = {  # per program
+        "hbm": k.hbm_bytes / P, "l2": k.l2_bytes / P, "alu": k.alu / P, "sfu": k.sfu / P,
+        "dot": {prec: f / P for prec, f in k.dot_flops.items()},
+    }
+    sm_bw = SM_BYTES_PER_CLOCK * profile.clock_hz
+    alu_rate = profile.peak_flops["fp32"] / 2 / S * ALU_EFFICIENCY  # instructions/s per SM (FMA = 2 FLOPs)
+    sfu_rate = profile.sfu_ops_per_s / S
+
+    def wave(n: int) -> dict[str, float]:
+        busiest = cdiv(n, S)  # programs on the busiest SM
+        warps = busiest * k.num_warps
+        t_hbm = n * per["hbm"] / (profile.hbm_bytes_per_s * HBM_EFFICIENCY)  # the HBM roofline
+        t_l2 = n * per["l2"] / profile.l2_bytes_per_s  # every request passes L2
+        in_flight = busiest * k.bytes_in_flight  # Little's law on the busiest SM
+        t_sm = busiest * per["l2"] / (sm_bw * max(1e-9, saturation(in_flight / (sm_bw * profile.mem_latency_s))))
+        t_dot = sum(busiest * f / (profile.peak_flops[PRECISION_UNIT[prec]] / S * DOT_EFFICIENCY
+                                   * min(1.0, warps / WARPS_TO_FILL_DOT)) for prec, f in per["dot"].items())
+        fill = min(1.0, warps / WARPS_TO_FILL_ALU)
+        t_cuda = max(busiest * per["alu"] / (alu_rate * fill), busiest * per["sfu"] / (sfu_rate * fill))
+        t_mem, t_comp = max(t_hbm, t_l2, t_sm), t_dot + t_cuda  # tensor and CUDA cores take turns
+        hidden = (k.looped and k.num_stages > 1) or busiest >= 2
+        t = max(t_mem, t_comp) if hidden else t_mem + t_comp
+        return {"t": t, "hbm": t_hbm, "l2": t_l2, "sm": t_sm, "dot": t_dot, "cuda": t_cuda, "overlap": hidden}
+
+    full, rest = divmod(P, slots)
+    parts = ([(full, wave(slots))] if full else []) + ([(1, wave(rest))] if rest else [])
+    body = sum(count * w["t"] for count, w in parts)
+    main = parts[0][1]
+    terms = {"memory": max(main["hbm"], main["l2"], main["sm"]), "compute": main["dot"] + main["cuda"]}
+    bound = max(terms, key=terms.get)
+    if bound == "memory":
+        names = {main["hbm"]: "memory (HBM)", main["l2"]: "memory (L2)", main["sm"]: "memory (bytes in flight)"}
+        bound = names[terms["memory"]]
+    details = {
+        "time_s": profile.launch_overhead_s + body, "launch_s": profile.launch_overhead_s,
+        "programs": P, "blocks_per_sm": bps, "waves": P / slots,
+        "wave_quantisation": math.ceil(P / slots) / (P / slots),
+        "occupancy": bps * k.num_warps / profile.max_warps_per_sm, "regs_per_thread": k.regs, "smem_bytes": k.smem,
+        "hbm_bytes": k.hbm_bytes, "l2_bytes": k.l2_bytes, "alu_ops": k.alu, "sfu_ops": k.sfu,
+        "dot_flops": dict(k.dot_flops), "bytes_in_flight_per_program": k.bytes_in_flight,
+        "bound": bound, "first_wave_terms_s": {x: main[x] for x in ("hbm", "l2", "sm", "dot", "cuda")},
+        **k.notes,
+    }
+    return profile.launch_overhead_s + body, details
+
+
+# ---------------------------------------------------------------------- sketches -> loads
+
+
+@dataclass
+class _Layout:
+    """How a kernel's programs are laid out: lanes (slowest to fastest), loop axis, split."""
+
+    shape: Mapping[str, int]
+    blocks: Mapping[str, int]
+    lanes: tuple[str, ...]
+    axis: str | None
+    split: int = 1
+
+    def nblk(self, d: str) -> int:
+        return cdiv(self.shape[d], self.blocks.get(d, 1))
+
+    @property
+    def lane_programs(self) -> int:
+        return math.prod(self.nblk(d) for d in self.lanes)
+
+    def stride(self, d: str) -> int:
+        """Programs between neighbours along lane d (the last lane is the fastest)."""
+        i = self.lanes.index(d)
+        return math.prod(self.nblk(x) for x in self.lanes[i + 1:])
+
+
+class _KernelEvaluator:
+    """Bytes, operations and bytes in flight of one kernel sketch."""
+
+    def __init__(self, inputs: Mapping[str, tuple[tuple[str, ...], int]], stores: Mapping[str, int],
+                 layout: _Layout, config: KernelConfig, profile: GpuProfile, cache: dict | None = None):
+        self.cache = {} if cache is None else cache  # resources per (sketch, blocks, warps, stages)
+        self.inputs = inputs  # loadable name -> (dims, bytes per element)
+        self.stores = stores  # output part -> bytes per element
+        self.L = layout
+        self.config = config
+        self.profile = profile
+
+    def footprint(self, dims) -> int:
+        return math.prod(self.L.shape[d] for d in dims)
+
+    def evaluate(self, sketch: KernelSketch, earlier: Mapping[str, float] | None = None,
+                 earlier_bytes: float = 0.0) -> KernelLoad:
+        """``earlier``: names read or written by earlier kernels -> bytes requested since (their
+        reuse distance); ``earlier_bytes``: bytes requested by the earlier kernels (the workspace's)."""
+        L, c, prof = self.L, self.config, self.profile
+        split_grid = sketch.grid == "lanes x split"
+        programs = L.lane_programs * (L.split if split_grid else 1)
+        key = (id(sketch), tuple(sorted(L.blocks.items())), c.num_warps, c.num_stages)
+        r = self.cache.get(key)
+        if r is None:
+            r = self.cache[key] = resources(sketch, self.inputs, L.axis, L.blocks, c.num_warps, c.num_stages)
+        looped = any(p.kind in ("axis", "chunk", "split") and pass_iterations(p, L.axis, L.shape, L.blocks, L.split) > 1
+                     for p in sketch.passes) if L.axis else False
+        probe = KernelLoad(sketch.name, programs, c.num_warps, c.num_stages, looped, r.regs_per_thread, r.smem_bytes,
+                           0, 0, 0, 0, {}, 0)
+        concurrent = min(programs, prof.sm_count * blocks_per_sm(probe, prof))
+
+        alu = sfu = 0.0
+        dots: dict[str, float] = {}
+        passes: list[dict[str, Any]] = []
+        for p in sketch.passes:
+            it = pass_iterations(p, L.axis, L.shape, L.blocks, L.split) if L.axis else 1
+            for dims, (a, s) in p.ops.items():
+                n = elements(dims, L.blocks) * it * programs
+                alu += a * n
+                sfu += s * n
+            for d in p.dots:
+                dots[d.precision] = dots.get(d.precision, 0.0) + 2.0 * elements(d.dims, L.blocks) * it * programs
+            if p.kind != "once":
+                alu += ITERATION_ALU * 32 * c.num_warps * it * programs
+            passes.append(self.pass_traffic(p, it, programs, split_grid))
+
+        # HBM: the first read of each input, and re-reads that miss L2
+        request_per_program = sum(x["requested"] for x in passes) / programs
+        hbm = l2 = 0.0
+        first_seen: set[str] = set()
+        for x in passes:
+            pass_miss = miss_fraction(concurrent * x["requested"] / programs, prof)
+            for name, fp, reuse, dist in x["reads"]:
+                prog_miss = 0.0
+                if reuse > 1:
+                    prog_miss = 0.0 if dist < concurrent else miss_fraction(dist * request_per_program, prof)
+                once = fp * (1 + (reuse - 1) * prog_miss)
+                if name in first_seen:
+                    hbm += once * pass_miss
+                else:
+                    first_seen.add(name)
+                    hbm += once * (miss_fraction(earlier[name], prof) if earlier and name in earlier else 1.0)
+                l2 += fp * reuse
+            for _, written in x["writes"]:
+                hbm += written
+                l2 += written
+            if x["ws_read"]:
+                hbm += x["ws_read"] * miss_fraction(earlier_bytes, prof)
+                l2 += x["ws_read"]
+        ws_written = 0.0
+        for dims in sketch.ws_stores:
+            ws_written += L.split * self.footprint(dims) * 4
+        hbm += ws_written
+        l2 += ws_written
+
+        # bytes in flight per program: loads issued ahead (num_stages tiles in loops), weighted
+        # over the passes by their bytes (a harmonic mean: the time each pass takes to stream)
+        weights = [(x["requested"], x["in_flight"]) for x in passes if x["requested"] > 0 and x["in_flight"] > 0]
+        total = sum(w for w, _ in weights)
+        in_flight = total / sum(w / f for w, f in weights) if weights else 1.0
+        notes = {"passes": [p.kind for p in sketch.passes], "ws_bytes": ws_written}
+        return KernelLoad(sketch.name, programs, c.num_warps, c.num_stages, looped, r.regs_per_thread, r.smem_bytes,
+                          hbm, l2, alu, sfu, dots, in_flight, notes)
+
+    def pass_traffic(self, p: Pass, it: int, programs: int, split_grid: bool) -> dict[str, Any]:
+        L = self.L
+        reads, requested, tile_bytes = [], 0.0, 0.0
+        for name in p.loads:
+            dims, size = self.inputs[name]
+            fp = self.footprint(dims) * size
+            missing = [d for d in L.lanes if d not in dims]
+            reuse = math.prod(L.nblk(d) for d in missing)
+            dist = min((L.stride(d) for d in missing), default=0)
+            streamed_by_split = p.kind == "chunk" and L.axis in dims
+            if split_grid and not streamed_by_split:
+                reuse *= L.split  # every part re-reads what does not depend on its chunk
+                dist = dist or L.lane_programs
+            reads.append((name, fp, reuse, dist))
+            requested += fp * reuse
+            if L.axis is None or L.axis in dims or it == 1:
+                tile_bytes += elements(dims, L.blocks) * size
+        ws_read = 0.0
+        for dims in p.ws_loads:
+            ws_read += L.split * self.footprint(dims) * 4
+            tile_bytes += elements(dims, L.blocks) * 4
+        requested += ws_read
+        writes = [(part, self.footprint(dims) * self.stores.get(part, 4)) for part, dims in p.stores]
+        depth = self.config.num_stages if p.kind in ("axis", "chunk") and it > 1 else 1
+        return {"reads": reads, "requested": requested, "writes": writes, "ws_read": ws_read,
+                "in_flight": tile_bytes * depth}
+
+
+# ---------------------------------------------------------------------- fused candidates
+
+
+class _Model:
+    """Everything about one (spec, shape, dtypes) that does not depend on the candidate."""
+
+    def __init__(self, spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes: Any):
+        from fuser_core.codegen.module import output_dtypes
+        from fuser_core.runner import bind_dtypes
+
+        self.spec = spec
+        self.derivation = derivation
+        self.shape = bind_shape(spec, shape)
+        self.dtypes = bind_dtypes(spec, dtypes)
+        self.anatomy = Anatomy(spec, derivation, self.dtypes)
+        self.inputs = input_info(spec, self.dtypes)
+        self.stores = {p: ELEMENT_BYTES[d] for p, d in output_dtypes(spec, self.dtypes).items()}
+        self.resource_cache: dict = {}  # sketches live in self.anatomy's cache, so their ids are stable
+
+    def predict(self, strategy: str, config: KernelConfig, profile: GpuProfile) -> Prediction:
+        an = self.anatomy
+        blocks = an.full_blocks(config.blocks, self.shape)
+        layout = _Layout(self.shape, blocks, an.lanes, an.axis, config.split)
+        if len(self.resource_cache) > 50_000:
+            self.resource_cache.clear()
+        ev = _KernelEvaluator(self.inputs, self.stores, layout, config, profile, self.resource_cache)
+        loads: list[KernelLoad] = []
+        touched: dict[str, float] = {}  # name -> requested bytes before the kernel that last read it
+        done = 0.0
+        for sketch in an.kernels(strategy, blocks):
+            load = ev.evaluate(sketch, {n: done - at for n, at in touched.items()}, done)
+            loads.append(load)
+            for p in sketch.passes:
+                for name in p.loads:
+                    touched[name] = done
+            done += load.l2_bytes
+        return _combine(loads, profile, {"strategy": strategy, "config": config.to_dict(), "blocks": blocks})
+
+
+def _combine(loads: list[KernelLoad], profile: GpuProfile, extra: dict[str, Any]) -> Prediction:
+    kernels = []
+    for load in loads:
+        _, det = kernel_time(load, profile)
+        kernels.append({"kernel": load.name, **det})
+    first = kernels[0]
+    flops = sum(k["alu_ops"] + k["sfu_ops"] + sum(k["dot_flops"].values()) for k in kernels)
+    details = {**extra, "target": profile.name, "predicted": True, "kernels": kernels}
+    return Prediction(
+        time_s=sum(k["time_s"] for k in kernels), bytes=sum(k["hbm_bytes"] for k in kernels), flops=flops,
+        programs=first["programs"], waves=first["waves"], occupancy=first["occupancy"], details=details,
+    )
+
+
+_MODELS: dict[tuple, tuple[Spec, Derivation, _Model]] = {}
+
+
+def _model(spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes: Any) -> _Model:
+    """Per-(spec, shape, dtypes) analysis, cached (a search predicts thousands of candidates)."""
+    key = (id(spec), id(derivation), tuple(sorted(shape.items())),
+           dtypes if isinstance(dtypes, str) else tuple(sorted(dtypes.items())))
+    hit = _MODELS.get(key)
+    if hit is None or hit[0] is not spec or hit[1] is not derivation:
+        if len(_MODELS) > 64:
+            _MODELS.clear()
+        hit = (spec, derivation, _Model(spec, derivation, shape, dtypes))
+        _MODELS[key] = hit
+    return hit[2]
+
+
+def predict(spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes: Any, candidate: Any,
+            profile: GpuProfile) -> Prediction:
+    """Predicted time of a fused candidate (a :class:`tuner.space.Candidate`) on ``profile``."""
+    return _model(spec, derivation, shape, dtypes).predict(candidate.strategy, candidate.config, profile)
+
+
+def exhaustive_best(space: Any, strategies: Any = None) -> tuple[Any, Prediction, int]:
+    """(best candidate, its prediction, candidates tried) over every feasible candidate of a
+    :class:`tuner.space.SearchSpace` (the exhaustive optimum the search is compared with)."""
+    best: tuple[Any, Prediction] | None = None
+    count = 0
+    for c in space.enumerate(strategies):
+        count += 1
+        p = predict(space.spec, space.derivation, space.shape, space.dtypes, c, space.profile)
+        if best is None or p.time_s < best[1].time_s:
+            best = (c, p)
+    if best is None:
+        raise ValueError("no feasible candidate")
+    return best[0], best[1], count
+
+
+# ---------------------------------------------------------------------- the unfused chain
+
+
+def predict_chain(spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes: Any,
+                  profile: GpuProfile) -> Prediction:
+    """Predicted time of the unfused kernel chain (fuser_core/codegen/chain.py) with its
+    default blocks: one kernel per reduction reading the inputs and the earlier results, each
+    result written to memory in float32, then one elementwise kernel for the outputs."""
+    from fuser_core.codegen import chain
+    from fuser_core.codegen.module import output_dtypes
+    from fuser_core.spec import load_spec
+
+    m = _model(spec, derivation, shape, dtypes)
+    shape_, dtypes_ = m.shape, m.dtypes
+    final = output_dtypes(spec, dtypes_)
+    read_later: set[str] = set()
+    for s in spec.steps:
+        if s.is_reduction:
+            read_later.update(chain._reads(spec, s)[2])
+    elementwise_outputs = [o for o in spec.outputs if not spec.step(o).is_reduction]
+    for o in elementwise_outputs:
+        read_later.update(chain._reads(spec, spec.step(o))[2])
+
+    loads: list[KernelLoad] = []
+    touched: dict[str, float] = {}  # input or result -> requested bytes before the kernel that last touched it
+    done = 0.0
+    for step in spec.steps:
+        if not step.is_reduction:
+            continue
+        raw, reads = chain.sub_spec(spec, step, shape_)
+        sub = load_spec(raw, printed=True)
+        sub_shape = {d: shape_[d] for d in sub.dims}
+        sub_dtypes = {}
+        for name, (where, what) in reads.items():
+            if where == "input":
+                sub_dtypes[name] = dtypes_[name]
+            else:
+                sub_dtypes[name] = "int32" if chain._part_is_index(spec, what) else chain.INTERMEDIATE_DTYPE
+        stores = {}
+        for part in step.parts:
+            stored = final[part] if part in final and part not in read_later else (
+                "int32" if chain._part_is_index(spec, part) else chain.INTERMEDIATE_DTYPE)
+            stores[part] = ELEMENT_BYTES[stored]
+        sub_derivation = chain._derivation(sub, raw)
+        blocks = chain.reduction_blocks(sub, sub.step(step.name), sub_shape, {})
+        strategy = "row_resident" if blocks[step.over] >= shape_[step.over] else "multi_pass"
+        an = Anatomy(sub, sub_derivation, sub_dtypes)
+        full = an.full_blocks(blocks, sub_shape)
+        config = KernelConfig(blocks)
+        ev = _KernelEvaluator(input_info(sub, sub_dtypes), stores, _Layout(sub_shape, full, an.lanes, an.axis),
+                              config, profile)
+        sketch = an.kernels(strategy, full)[0]
+        sketch = KernelSketch(f"chain:{step.name} ({strategy})", sketch.grid, sketch.passes, sketch.state)
+        global_names = {name: what for name, (where, what) in reads.items()}
+        load = ev.evaluate(sketch, {n: done - touched[w] for n, w in global_names.items() if w in touched}, done)
+        loads.append(load)
+        for name in [*global_names.values(), *step.parts]:
+            touched[name] = done
+        done += load.l2_bytes
+
+    if elementwise_outputs:
+        earlier = {n: done - at for n, at in touched.items()}
+        loads.append(_chain_elementwise(m, elementwise_outputs, final, earlier, done, profile))
+    pred = _combine(loads, profile, {"strategy": "unfused_chain"})
+    return pred
+
+
+def _chain_elementwise(m: _Model, outputs: list[str], final: Mapping[str, str], earlier: Mapping[str, float],
+                       done: float, profile: GpuProfile) -> KernelLoad:
+    from fuser_core.codegen import chain
+    from fuser_core.spec import Input
+
+    spec = m.spec
+    dims = spec.order_dims({d for o in outputs for d in spec.step(o).dims})
+    blocks = chain.elementwise_blocks(dims, m.shape, {})
+    builder = SketchBuilder(m.anatomy, "row_resident", dict(blocks))
+    p = builder.open("once")
+    inputs: dict[str, tuple[tuple[str, ...], int]] = {}
+    for o in outputs:
+        e = m.anatomy.conv.value(o)
+        for s in sorted(e.free_symbols, key=lambda s: s.name):
+            name = s.name
+            if name.startswith(("size(", "index(")) or name in inputs:
+                continue
+            obj = spec.lookup(name)
+            if isinstance(obj, Input):
+                inputs[name] = (obj.dims, m.inputs[name][1])
+            else:
+                inputs[name] = (spec.step(name.split(".")[0]).dims, 4)
+            p.loads = (*p.loads, name)
+            p.add(inputs[name][0], 4)
+        builder.expr(e)
+        p.stores.append((o, frozenset(spec.step(o).dims)))
+        p.add(spec.step(o).dims, 2)
+    sketch = KernelSketch("chain:elementwise", "lanes", [p], [])
+    stores = {o: ELEMENT_BYTES[final[o]] for o in outputs}
+    layout = _Layout(m.shape, blocks, tuple(dims), None)
+    ev = _KernelEvaluator(inputs, stores, layout, KernelConfig(dict(blocks)), profile)
+    return ev.evaluate(sketch, {n: earlier[n] for n in inputs if n in earlier}, done)

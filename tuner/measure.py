@@ -1,0 +1,181 @@
+"""Measurers: one small interface, a time (or a failure) per candidate.
+
+``Measurer`` is what the search calls; :class:`ModelMeasurer` (``--measurer model``) answers
+with the cost model's prediction for the target profile, labelled ``predicted=True``, for
+machines without a GPU. The ``cuda`` measurer (tuner/measure_cuda.py) times on the GPU.
+
+Correctness still gates the model: before the first prediction for a strategy, that
+strategy's kernels run once under Triton's interpreter at a reduced shape (every dim shrunk,
+topk's ``k`` kept) against the float64 reference (:func:`fuser_core.runner.self_check`). The
+result is cached per (spec, strategy, dtypes); a failing strategy makes every one of its
+candidates a failed measurement carrying the error, never a time.
+
+Example (TRITON_INTERPRET=1 on a machine without a GPU):
+    >>> from fuser_core.spec import load_spec
+    >>> from fuser_core.derive import derive_cascade
+    >>> from tuner.profiles import get_profile
+    >>> from tuner.space import SearchSpace
+    >>> spec = load_spec(open("../shared/catalog/safe_softmax.json").read())
+    >>> d, shape = derive_cascade(spec), {"m": 4096, "n": 32768}
+    >>> space = SearchSpace(spec, d, shape, "float16", get_profile("h100"))
+    >>> m = ModelMeasurer(spec, d, shape, "float16", get_profile("h100"))
+    >>> values = {"block_n": 2048, "block_m": 1, "num_warps": 8, "num_stages": 3}
+    >>> r = m.measure(space.candidate("streaming_fused", values))
+    >>> r.predicted, r.error, r.time_ms > 0, r.details["verified"]["passed"]
+    (True, None, True, True)
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from fuser_core.canonical import spec_hash
+from fuser_core.codegen.plan import KernelConfig, loop_axis, next_pow2
+from fuser_core.derive import Derivation
+from fuser_core.reference import bind_shape
+from fuser_core.spec import Spec
+from tuner.cost_model import predict
+from tuner.profiles import GpuProfile
+from tuner.space import Candidate, contraction_dims
+
+REDUCED_AXIS = 40  # the loop axis at the reduced shape: three tiles of 16, the last one partial
+REDUCED_INNER = 16  # inner reduction axes (attention's d): tl.dot's minimum
+REDUCED_FREE = 20  # free dims of a contraction: one full tile of 16 and a tail
+REDUCED_LANE = 3  # other lanes
+REDUCED_BATCH = 2  # batch dims of a contraction
+
+
+@dataclass
+class Measurement:
+    """A time, or the reason there is none. ``predicted`` marks the cost model's answers."""
+
+    time_ms: float | None
+    error: str | None = None
+    predicted: bool = False
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"time_ms": self.time_ms, "error": self.error, "predicted": self.predicted, "details": self.details}
+
+
+@runtime_checkable
+class Measurer(Protocol):
+    """What the search calls: ``name`` is recorded with every result."""
+
+    name: str
+
+    def measure(self, candidate: Candidate) -> Measurement: ...
+
+
+# (spec hash, strategy, dtypes) -> self_check report (or {"passed": False, "error": ...})
+_VERIFIED: dict[tuple[str, str, str], dict[str, Any]] = {}
+
+
+def clear_verification_cache() -> None:
+    _VERIFIED.clear()
+
+
+def reduced_problem(spec: Spec, derivation: Derivation, shape: Mapping[str, int],
+                    strategy: str) -> tuple[dict[str, int], KernelConfig]:
+    """A small shape with the same structure (tails, several tiles, tl.dot-sized contraction
+    tiles) and a config for ``strategy`` on it."""
+    axis, inner = loop_axis(spec)
+    free, batch = contraction_dims(spec, derivation)
+    as_dims = {s.as_dim: s.k for s in spec.steps if s.as_dim}
+    small: dict[str, int] = {}
+    for d in spec.dims:
+        n = shape[d]
+        if d in as_dims:
+            small[d] = as_dims[d]
+        elif d == axis:
+            small[d] = min(n, max(REDUCED_AXIS, max(as_dims.values(), default=0)))
+        elif d in inner:
+            small[d] = min(n, REDUCED_INNER)
+        elif d in free:
+            small[d] = min(n, REDUCED_FREE)
+        elif d in batch:
+            small[d] = min(n, REDUCED_BATCH)
+        else:
+            small[d] = min(n, REDUCED_LANE)
+    blocks: dict[str, int] = {}
+    for d in spec.dims:
+        if d == axis:
+            blocks[d] = next_pow2(small[d]) if strategy == "row_resident" else min(16, next_pow2(small[d]))
+        elif d in inner or d in as_dims:
+            continue
+        elif d in free:
+            blocks[d] = min(16, next_pow2(small[d]))
+        elif d in batch:
+            blocks[d] = 1
+        else:
+            blocks[d] = min(2, next_pow2(small[d]))
+    split = 2 if strategy == "split_fused" else 1
+    return small, KernelConfig(blocks, num_warps=4, num_stages=2, split=split)
+
+
+class ModelMeasurer:
+    """``--measurer model``: the cost model's prediction on ``profile``, labelled as such."""
+
+    name = "model"
+
+    def __init__(self, spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes: Any,
+                 profile: GpuProfile, *, verify: bool = True):
+        from fuser_core.runner import bind_dtypes
+
+        self.spec = spec
+        self.derivation = derivation
+        self.shape = bind_shape(spec, shape)
+        self.dtypes = bind_dtypes(spec, dtypes)
+        self.profile = profile
+        self.verify_kernels = verify
+        self.interpreter_runs: list[str] = []  # strategies this instance ran under the interpreter
+        self._hash = spec_hash(spec)
+
+    def verification(self, strategy: str) -> dict[str, Any]:
+        """The strategy's correctness check at the reduced shape (run once, then cached)."""
+        key = (self._hash, strategy, json.dumps(self.dtypes, sort_keys=True))
+        if key not in _VERIFIED:
+            from fuser_core.runner import self_check
+
+            small, config = reduced_problem(self.spec, self.derivation, self.shape, strategy)
+            self.interpreter_runs.append(strategy)
+            try:
+                report = self_check(self.spec, small, self.dtypes, strategy=strategy, config=config,
+                                    derivation=self.derivation)
+                result = {"passed": bool(report["passed"]), "max_rel_err": report["max_rel_err"],
+                          "shape": small, "config": config.to_dict(), "device": report["device"]}
+                if not report["passed"]:
+                    result["error"] = (f"{strategy} is wrong at the reduced shape {small}: max relative error "
+                                       f"{report['max_rel_err']:.3g} (tolerances {report['tolerances']})")
+            except Exception as err:  # a kernel that does not compile or crashes fails its strategy
+                result = {"passed": False, "shape": small, "config": config.to_dict(),
+                          "error": f"{strategy} failed at the reduced shape {small}: {type(err).__name__}: {err}",
+                          "traceback": traceback.format_exc(limit=3)}
+            _VERIFIED[key] = result
+        return _VERIFIED[key]
+
+    def measure(self, candidate: Candidate) -> Measurement:
+        details: dict[str, Any] = {"measurer": self.name, "target": self.profile.name, "predicted": True}
+        if self.verify_kernels:
+            verified = self.verification(candidate.strategy)
+            details["verified"] = {k: v for k, v in verified.items() if k != "traceback"}
+            if not verified["passed"]:
+                return Measurement(None, verified["error"], True, details)
+        try:
+            p = predict(self.spec, self.derivation, self.shape, self.dtypes, candidate, self.profile)
+        except Exception as err:
+            return Measurement(None, f"cost model failed: {type(err).__name__}: {err}", True, details)
+        details["model"] = {
+            "time_s": p.time_s, "hbm_bytes": p.bytes, "flops": p.flops, "programs": p.programs,
+            "waves": p.waves, "occupancy": p.occupancy,
+            "kernels": [{k: v for k, v in kd.items() if k in _KERNEL_FIELDS} for kd in p.details["kernels"]],
+        }
+        return Measurement(p.time_s * 1e3, None, True, details)
+
+
+_KERNEL_FIELDS = ("kernel", "time_s", "bound", "programs", "blocks_per_sm", "waves", "occupancy", "regs_per_thread",
+                  "smem_bytes", "hbm_bytes", "l2_bytes")

@@ -1,0 +1,339 @@
+"""The search space of one (spec, shape, dtypes, target): fused strategies and their parameters.
+
+A :class:`Candidate` is a strategy and a :class:`~fuser_core.codegen.plan.KernelConfig`. The
+:class:`SearchSpace` lists, per strategy, the choices of every parameter (powers of two within
+the shape and the target), builds candidates from chosen values, and rejects candidates that
+cannot fit **before anything compiles** (:meth:`SearchSpace.check`): the plan's own rules, a
+tile larger than its dim, shared memory, registers, and warps for the tile.
+
+Parameters (Optuna-style names; ``split`` only for split_fused):
+
+- ``block_<axis>``: the loop axis tile (row_resident: the whole axis, one choice);
+- ``block_<lane>``: rows per program for each lane dim. Lanes that are the free dims of a
+  contraction (attention's ``m`` and ``e``, a GEMM's ``m`` and ``n``) start at 16 so that
+  ``tl.dot`` applies; batch dims of a contraction (``b``, ``h``) stay 1 (a blocked batch dim
+  turns a dot back into a broadcast product); other lanes take 1, 2, 4, ...;
+- ``num_warps`` 1..16, ``num_stages`` 1..5 (1 for row_resident), ``split`` 2..64.
+
+The unfused chain is a baseline, never a candidate.
+
+Example:
+    >>> from fuser_core.spec import load_spec
+    >>> from fuser_core.derive import derive_cascade
+    >>> from tuner.profiles import get_profile
+    >>> spec = load_spec(open("../shared/catalog/safe_softmax.json").read())
+    >>> space = SearchSpace(spec, derive_cascade(spec), {"m": 4096, "n": 32768}, "float16", get_profile("h100"))
+    >>> space.strategies()  # a 32768-long row does not fit in registers: no row_resident
+    ['streaming_fused', 'split_fused', 'multi_pass']
+    >>> c = space.candidate("streaming_fused", {"block_n": 2048, "block_m": 1, "num_warps": 8, "num_stages": 2})
+    >>> json.loads(c.key()) == {"strategy": "streaming_fused", "config": c.config.to_dict()}
+    True
+    >>> space.check(c) is None, space.check(space.candidate("streaming_fused", {**c.values(space), "block_n": 65536}))
+    (True, 'BLOCK_n = 65536 is larger than n (32768)')
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sympy as sp
+
+from fuser_core.codegen.plan import (
+    MAX_TILE_ELEMENTS,
+    STRATEGIES,
+    KernelConfig,
+    NotValid,
+    loop_axis,
+    make_plan,
+    next_pow2,
+    valid_strategies,
+)
+from fuser_core.derive import Derivation
+from fuser_core.reference import bind_shape
+from fuser_core.spec import Spec
+from tuner.analysis import Anatomy, Resources, cdiv, input_info, resources
+from tuner.profiles import GpuProfile
+
+WARPS = (1, 2, 4, 8, 16)
+STAGES = (1, 2, 3, 4, 5)
+MIN_AXIS_BLOCK = 16  # tl.dot's minimum; smaller loop tiles never pay on a GPU
+MAX_LANE_BLOCK = 256
+MAX_SPLIT = 64
+MAX_CANDIDATES = 20_000  # enumerate() refuses spaces with more feasible candidates than this
+RESOURCE_REASONS = ("shared memory", "registers", "num_warps")  # what warps and stages can change
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A strategy and its configuration: one point of the search."""
+
+    strategy: str
+    config: KernelConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": self.strategy, "config": self.config.to_dict()}
+
+    def key(self) -> str:
+        """Stable JSON identity: repeated suggestions are answered from stored results by it."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @staticmethod
+    def from_dict(raw: Mapping[str, Any]) -> Candidate:
+        return Candidate(str(raw["strategy"]), KernelConfig.from_dict(dict(raw["config"])))
+
+    def values(self, space: SearchSpace) -> dict[str, int]:
+        """The parameter values (``block_n``, ``num_warps``, ...) that make this candidate."""
+        return space.values_of(self)
+
+
+def contraction_dims(spec: Spec, derivation: Derivation) -> tuple[set[str], set[str]]:
+    """(free dims, batch dims) of every contraction: sums of products whose factors carry
+    other dims (inner reductions such as q.k, and reductions the derivation marks as
+    contractions such as p.v and the fp8 GEMM). Free dims are carried by some factors but not
+    all (they become tl.dot's rows and columns); batch dims by every factor."""
+    conv = derivation.symbols
+    axis, inner = loop_axis(spec)
+    free: set[str] = set()
+    batch: set[str] = set()
+    for step in spec.steps:
+        if step.reduce != "sum":
+            continue
+        form = derivation.forms.get(step.name)
+        if not (step.over in inner or (form is not None and form.contraction)):
+            continue
+        carried = []
+        for f in sp.Mul.make_args(conv.integrand(step)):
+            dims: set[str] = set()
+            for s in f.free_symbols:
+                dims |= set(conv.leaf_dims.get(s, ()))
+            dims.discard(step.over)
+            if dims:
+                carried.append(dims)
+        if len(carried) < 2:
+            continue
+        everywhere = set.intersection(*carried)
+        free |= set.union(*carried) - everywhere
+        batch |= everywhere
+    return free, batch - free
+
+
+def pow2_range(lo: int, hi: int) -> list[int]:
+    out, b = [], max(1, lo)
+    while b <= hi:
+        out.append(b)
+        b *= 2
+    return out
+
+
+class SearchSpace:
+    """The fused-kernel search space of one (spec, shape, dtypes, target)."""
+
+    def __init__(self, spec: Spec, derivation: Derivation, shape: Mapping[str, int],
+                 dtypes: str | Mapping[str, str], profile: GpuProfile):
+        from fuser_core.runner import bind_dtypes
+
+        self.spec = spec
+        self.derivation = derivation
+        self.shape = bind_shape(spec, shape)
+        self.dtypes = bind_dtypes(spec, dtypes)
+        self.profile = profile
+        self.axis, self.inner = loop_axis(spec)
+        self.anatomy = Anatomy(spec, derivation, self.dtypes)
+        self.lanes = self.anatomy.lanes
+        self.free_dims, self.batch_dims = contraction_dims(spec, derivation)
+        self._valid = valid_strategies(spec, derivation, self.shape)
+        self._checked: dict[str, str | None] = {}
+        self._empty: dict[str, str | None] = {}  # strategy -> None if some candidate fits, else a reason
+        self._last_reason: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ choices
+    def strategies(self) -> list[str]:
+        """Fused strategies valid for this spec and shape (plan.valid_strategies) that have at
+        least one candidate fitting the target, in plan order."""
+        return [s for s in STRATEGIES if self._valid.get(s) is None and self._fits(s)]
+
+    def not_valid(self) -> dict[str, str]:
+        """Strategy -> why it is not in :meth:`strategies`."""
+        out = {s: r for s, r in self._valid.items() if r is not None}
+        for s in STRATEGIES:
+            if s not in out and not self._fits(s):
+                out[s] = f"no configuration fits {self.profile.name}: {self._empty[s]}"
+        return out
+
+    def _fits(self, strategy: str) -> bool:
+        if strategy not in self._empty:
+            first = next(self._enumerate(strategy), None)
+            self._empty[strategy] = None if first is not None else self._last_reason.get(strategy, "no tiling")
+        return self._empty[strategy] is None
+
+    def lane_choices(self, d: str) -> list[int]:
+        top = next_pow2(self.shape[d])
+        if d in self.batch_dims and d not in self.free_dims:
+            return [1]
+        if d in self.free_dims and top >= 16:
+            return pow2_range(16, min(top, MAX_LANE_BLOCK))
+        return pow2_range(1, min(top, MAX_LANE_BLOCK))
+
+    def axis_choices(self, strategy: str) -> list[int]:
+        top = next_pow2(self.shape[self.axis])
+        if strategy == "row_resident":
+            return [top]
+        return pow2_range(min(MIN_AXIS_BLOCK, top), min(top, MAX_TILE_ELEMENTS))
+
+    def params(self, strategy: str) -> dict[str, list[int]]:
+        """Parameter name -> its choices (powers of two) for ``strategy``."""
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+        out: dict[str, list[int]] = {f"block_{self.axis}": self.axis_choices(strategy)}
+        for d in self.lanes:
+            out[f"block_{d}"] = self.lane_choices(d)
+        out["num_warps"] = [w for w in WARPS if 32 * w <= self.profile.threads_per_block_max]
+        out["num_stages"] = [1] if strategy == "row_resident" else list(STAGES)
+        if strategy == "split_fused":
+            most = min(MAX_SPLIT, cdiv(self.shape[self.axis], min(self.axis_choices(strategy))))
+            out["split"] = pow2_range(2, most) or [2]
+        return out
+
+    def candidate(self, strategy: str, values: Mapping[str, int]) -> Candidate:
+        """The candidate for chosen ``values``; a parameter left out takes its only choice (or,
+        with several, the plan's default). Nothing is validated here: see :meth:`check`."""
+        params = self.params(strategy)
+
+        def value(name: str, default: int) -> int:
+            if name in values:
+                return int(values[name])
+            return params[name][0] if len(params.get(name, ())) == 1 else default
+
+        blocks = {self.axis: value(f"block_{self.axis}", min(next_pow2(self.shape[self.axis]), 64))}
+        for d in self.lanes:
+            blocks[d] = value(f"block_{d}", params[f"block_{d}"][0])
+        config = KernelConfig(
+            blocks,
+            num_warps=value("num_warps", 4),
+            num_stages=value("num_stages", 2),
+            split=value("split", 2) if strategy == "split_fused" else 1,
+        )
+        return Candidate(strategy, config)
+
+    def values_of(self, candidate: Candidate) -> dict[str, int]:
+        c = candidate.config
+        out = {f"block_{d}": b for d, b in c.blocks.items()}
+        out.update(num_warps=c.num_warps, num_stages=c.num_stages)
+        if candidate.strategy == "split_fused":
+            out["split"] = c.split
+        return out
+
+    # ------------------------------------------------------------------ feasibility
+    def blocks_of(self, candidate: Candidate) -> dict[str, int]:
+        """Every dim's block as the kernel will have it (inner and topk dims whole)."""
+        return self.anatomy.full_blocks(candidate.config.blocks, self.shape)
+
+    def resources(self, candidate: Candidate) -> list[Resources]:
+        """Per launched kernel: estimated registers, shared memory, largest tile."""
+        blocks = self.blocks_of(candidate)
+        c = candidate.config
+        info = input_info(self.spec, self.dtypes)
+        return [resources(k, info, self.axis, blocks, c.num_warps, c.num_stages)
+                for k in self.anatomy.kernels(candidate.strategy, blocks)]
+
+    def check(self, candidate: Candidate) -> str | None:
+        """Why ``candidate`` cannot run on the target, or None; decided before compiling."""
+        key = candidate.key()
+        if key not in self._checked:
+            self._checked[key] = self._check(candidate)
+        return self._checked[key]
+
+    def _check(self, candidate: Candidate) -> str | None:
+        strategy, c = candidate.strategy, candidate.config
+        if strategy not in STRATEGIES:
+            return f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}"
+        if self._valid.get(strategy) is not None:
+            return f"{strategy} is not valid here: {self._valid[strategy]}"
+        params = self.params(strategy)
+        values = self.values_of(candidate)
+        for name in params:
+            if name not in values:
+                return f"{name} is missing"
+        for name, v in values.items():
+            if name not in params:
+                return f"{name} is not a parameter of {strategy}"
+            if name.startswith("block_"):
+                d = name[6:]
+                if v < 1 or v & (v - 1):
+                    return f"BLOCK_{d} = {v} is not a power of two"
+                if v > next_pow2(self.shape[d]):
+                    return f"BLOCK_{d} = {v} is larger than {d} ({self.shape[d]})"
+            if v not in params[name]:
+                return f"{name} = {v} is not among the choices {params[name]}"
+        n, block = self.shape[self.axis], c.blocks[self.axis]
+        if strategy == "split_fused" and c.split > cdiv(n, block):
+            return (f"split = {c.split} > {cdiv(n, block)} tiles of {self.axis} ({n} / BLOCK {block}): "
+                    "some parts would be empty")
+        try:
+            make_plan(self.spec, self.derivation, strategy, self.shape, c)
+        except NotValid as err:
+            return str(err)
+        return self._check_resources(candidate)
+
+    def _check_resources(self, candidate: Candidate) -> str | None:
+        strategy, c = candidate.strategy, candidate.config
+        p = self.profile
+        threads = 32 * c.num_warps
+        for kernel, r in zip(self.anatomy.kernels(strategy, self.blocks_of(candidate)), self.resources(candidate)):
+            where = "" if kernel.name == strategy else f" ({kernel.name})"
+            if r.smem_bytes > p.smem_per_block_max:
+                return (f"shared memory{where}: {r.smem_bytes // 1024} KiB > {p.smem_per_block_max // 1024} KiB per "
+                        f"block on {p.name} (tl.dot operands and pipelined loads x num_stages = {c.num_stages})")
+            if r.regs_per_thread > p.regs_per_thread_max:
+                return (f"registers{where}: ~{r.regs_per_thread} per thread > {p.regs_per_thread_max} "
+                        f"({r.live_elements} live values over {threads} threads)")
+            if r.regs_per_thread * threads > p.regs_per_sm:
+                return (f"registers{where}: ~{r.regs_per_thread} per thread x {threads} threads > "
+                        f"{p.regs_per_sm} per SM on {p.name}")
+            if kernel is self.anatomy.kernels(strategy, self.blocks_of(candidate))[0] and \
+                    threads > 4 * r.tile_elements and c.num_warps > 1:  # the combine kernel shares num_warps
+                return (f"num_warps = {c.num_warps} ({threads} threads) for a largest tile of {r.tile_elements} "
+                        "elements: more than 4 threads per element")
+        return None
+
+    # ------------------------------------------------------------------ exhaustive
+    def size(self) -> int:
+        """Combinations of parameter choices over all strategies (feasible or not)."""
+        return sum(math.prod(len(v) for v in self.params(s).values()) for s in self.strategies())
+
+    def enumerate(self, strategies: Iterable[str] | None = None) -> Iterator[Candidate]:
+        """Every feasible candidate (of ``strategies``, default all), strategy by strategy.
+        Tilings that fail the plan are skipped before their warps x stages are tried; more than
+        MAX_CANDIDATES feasible candidates is an error (the exhaustive benchmark would not be
+        exhaustive)."""
+        count = 0
+        chosen = self.strategies() if strategies is None else [s for s in self.strategies() if s in set(strategies)]
+        for strategy in chosen:
+            for c in self._enumerate(strategy):
+                count += 1
+                if count > MAX_CANDIDATES:
+                    raise ValueError(f"more than {MAX_CANDIDATES} feasible candidates: too many to enumerate")
+                yield c
+
+    def _enumerate(self, strategy: str) -> Iterator[Candidate]:
+        params = self.params(strategy)
+        tiling = [n for n in params if n not in ("num_warps", "num_stages")]
+        for combo in itertools.product(*(params[n] for n in tiling)):
+            values = dict(zip(tiling, combo))
+            probe = self.candidate(strategy, {**values, "num_warps": 1, "num_stages": 1})
+            reason = self.check(probe)
+            if reason is not None and not reason.startswith(RESOURCE_REASONS):
+                self._last_reason[strategy] = reason
+                continue
+            for warps, stages in itertools.product(params["num_warps"], params["num_stages"]):
+                c = self.candidate(strategy, {**values, "num_warps": warps, "num_stages": stages})
+                reason = self.check(c)
+                if reason is None:
+                    yield c
+                else:
+                    self._last_reason[strategy] = reason
