@@ -118,6 +118,194 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+MEASURERS = ("model", "cuda")
+
+
+def _quiet_optuna() -> None:
+    """Optuna logs every trial on stderr; the CLI prints its own progress and summary."""
+    import warnings
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="optuna")
+
+
+def _tuning_setup(spec, raw_spec: dict, shape: dict[str, int], dtype, target: str, measurer_name: str):
+    """(space, measurer, study attrs) for one tuning job; UsageError for a bad target/measurer."""
+    from fuser_core.canonical import spec_hash
+    from fuser_core.derive import derive_cascade
+    from fuser_core.reference import bind_shape
+    from fuser_core.runner import bind_dtypes
+    from tuner.profiles import PROFILES, get_profile
+    from tuner.space import SearchSpace
+
+    if measurer_name not in MEASURERS:
+        raise UsageError(f"--measurer: unknown measurer {measurer_name!r}; one of {', '.join(MEASURERS)}")
+    try:
+        profile = get_profile(target)
+    except ValueError:
+        raise UsageError(f"--target: unknown target {target!r}; one of {', '.join(sorted(PROFILES))}") from None
+    bound = bind_shape(spec, shape)
+    dtypes = bind_dtypes(spec, dtype)
+    if measurer_name == "cuda":
+        measurer_factory = _cuda_measurer(profile)
+    derivation = derive_cascade(spec)
+    space = SearchSpace(spec, derivation, bound, dtypes, profile)
+    if measurer_name == "model":
+        from tuner.measure import ModelMeasurer
+
+        measurer = ModelMeasurer(spec, derivation, bound, dtypes, profile)
+    else:
+        measurer = measurer_factory(spec, derivation, bound, dtypes, profile)
+    attrs = {"spec": raw_spec, "spec_hash": spec_hash(spec), "shape": bound, "dtype": dtypes,
+             "target": profile.name, "measurer": measurer_name}
+    return space, measurer, attrs
+
+
+def _cuda_measurer(profile):
+    """The cuda measurer's class, after checking there is a GPU and it matches the target."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("--measurer cuda: no CUDA GPU is visible on this machine (torch.cuda.is_available() is "
+                         "false); use --measurer model for predictions from the target's profile")
+    try:
+        from tuner.measure import CudaMeasurer
+    except ImportError:
+        raise UsageError("--measurer cuda: the cuda measurer is not available in this build; use --measurer model") from None
+    from tuner.profiles import profile_for_device_name
+
+    name = torch.cuda.get_device_name()
+    found = profile_for_device_name(name)
+    if found != profile.name:
+        raise UsageError(f"--measurer cuda: this GPU ({name}) is not the target {profile.name!r}; "
+                         f"pass --target {found}" if found else f"--measurer cuda: no profile matches this GPU ({name})")
+    return CudaMeasurer
+
+
+def _open_storage(url: str, heartbeat: int = 10):
+    import sqlalchemy
+
+    from tuner.search import make_storage
+
+    if heartbeat < 1:
+        raise UsageError(f"--heartbeat: must be at least 1 second, got {heartbeat}")
+    try:
+        return make_storage(url, heartbeat_interval=heartbeat)
+    except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError, ValueError) as err:
+        raise UsageError(f"--db: not a database URL this build can open ({url!r}): {err}") from None
+    except sqlalchemy.exc.OperationalError as err:
+        raise UsageError(f"--db: cannot connect to {url!r}: {str(err.orig).strip() or err}") from None
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr (an Optuna callback): trials used of the budget, best time."""
+
+    def __init__(self, budget: int, stream=None, width: int = 30):
+        self.budget, self.stream, self.width = budget, stream or sys.stderr, width
+
+    def __call__(self, study, trial) -> None:
+        from tuner.search import budget_used
+
+        done = min(budget_used(study), self.budget)
+        filled = self.width * done // max(1, self.budget)
+        try:
+            best = f"best {study.best_value:.4g} ms"
+        except ValueError:
+            best = "no time yet"
+        self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.budget} trials, {best}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def _run_tuner(tuner, budget: int, **kwargs):
+    """tuner.run with a progress bar on stderr when stdout is a terminal."""
+    bar = ProgressBar(budget) if sys.stdout.isatty() else None
+    try:
+        return tuner.run(budget, callbacks=[bar] if bar else [], **kwargs)
+    finally:
+        if bar:
+            bar.close()
+
+
+def _print_result(result, *, as_json: bool, storage_url: str | None) -> None:
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return
+    c = result.counts
+    what = "predicted by the model" if result.predicted else "measured"
+    print(f"best: {result.strategy} {json.dumps(result.config, sort_keys=True)}")
+    print(f"time: {result.time_ms:.4g} ms ({what}, target {result.target}, measurer {result.measurer})")
+    print(f"trials: {result.trials} in the study; this process: {c.get('measured', 0)} measured, "
+          f"{c.get('cached', 0)} answered from stored results, {c.get('infeasible', 0)} infeasible, "
+          f"{c.get('failed', 0)} failed; tuner overhead {result.overhead_ms:.1f} ms/trial")
+    if storage_url:
+        print(f"study: {result.study_name}")
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from tuner.search import NoResult, Tuner, study_name_for
+
+    spec = _read_spec(args.spec)
+    raw_spec = json.loads(Path(args.spec).read_bytes())
+    shape = parse_shape(args.shape)
+    dtype = parse_dtype(args.dtype)
+    if args.trials < 1:
+        raise UsageError(f"--trials: must be at least 1, got {args.trials}")
+    space, measurer, attrs = _tuning_setup(spec, raw_spec, shape, dtype, args.target, args.measurer)
+    _quiet_optuna()
+    storage = _open_storage(args.db, args.heartbeat) if args.db else None
+    name = study_name_for(attrs["spec_hash"], attrs["shape"], attrs["dtype"], attrs["target"], args.measurer)
+    tuner = Tuner(space, measurer, seed=args.seed)
+    try:
+        result = _run_tuner(tuner, args.trials, storage=storage, study_name=name,
+                            attrs={**attrs, "budget": args.trials, "seed": args.seed})
+    except NoResult as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    _print_result(result, as_json=args.json, storage_url=args.db)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import optuna
+
+    from fuser_core.spec import load_spec
+    from tuner.search import NoResult, Tuner
+
+    _quiet_optuna()
+    storage = _open_storage(args.db, args.heartbeat)
+    try:
+        study = optuna.load_study(study_name=args.study, storage=storage)
+    except KeyError:
+        raise UsageError(f"--study: no study named {args.study!r} in {args.db}") from None
+    attrs = study.user_attrs
+    missing = [k for k in ("spec", "shape", "dtype", "target", "measurer", "budget") if k not in attrs]
+    if missing:
+        raise UsageError(f"--study: {args.study!r} was not created by `foldwise tune` (its user attrs lack {missing[0]!r})")
+    for flag, key in (("--measurer", "measurer"), ("--target", "target")):
+        given = getattr(args, key)
+        if given is not None and given != attrs[key]:
+            raise UsageError(f"{flag}: study {args.study!r} tunes with {key} {attrs[key]!r}, not {given!r}")
+    if args.trials is not None and args.trials < 1:
+        raise UsageError(f"--trials: must be at least 1, got {args.trials}")
+    spec = load_spec(attrs["spec"])
+    space, measurer, _ = _tuning_setup(spec, attrs["spec"], attrs["shape"], attrs["dtype"], attrs["target"], attrs["measurer"])
+    try:
+        result = _run_tuner(Tuner(space, measurer, seed=args.seed), int(attrs["budget"]), storage=storage,
+                            study_name=args.study, max_trials=args.trials)
+    except NoResult as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    _print_result(result, as_json=args.json, storage_url=args.db)
+    return 0
+
+
 def format_report(r: dict[str, Any]) -> str:
     lines = [f"{r['name']}  spec_hash {r['spec_hash'][:16]}  fusible: {'yes' if r['fusible'] else 'no'}"]
     for axis in r["axes"]:
@@ -161,6 +349,32 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--strategy", help="row_resident|streaming_fused|split_fused|multi_pass, or unfused_chain (the baseline); default: best valid")
     run.add_argument("--config", help='JSON, e.g. {"blocks": {"n": 64}, "num_warps": 4, "split": 1}')
     run.set_defaults(func=cmd_run)
+    tune = sub.add_parser("tune", help="search kernel configurations with Optuna")
+    tune.add_argument("spec", help="path to a spec JSON file")
+    tune.add_argument("--shape", required=True, help="dim sizes, e.g. m=4,n=300")
+    tune.add_argument("--dtype", default="float32", help="float32|float16|bfloat16, or a JSON map input -> dtype")
+    tune.add_argument("--target", default="h100", help="GPU profile to tune for (h100, h200, a100, ...)")
+    tune.add_argument("--measurer", default="model", help="cuda (time on this GPU) or model (predict from the target's profile)")
+    tune.add_argument("--trials", type=int, default=40, help="trial budget, shared with workers on the same study (default 40)")
+    tune.add_argument("--db", help="SQLAlchemy URL of the study storage (sqlite:///tune.db, postgresql+psycopg://...)")
+    tune.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    tune.add_argument("--heartbeat", type=int, default=10, metavar="SECONDS",
+                        help="with --db: a running trial records a heartbeat this often; one silent for twice as long "
+                             "(its worker died) is failed and retried (default 10)")
+    tune.add_argument("--json", action="store_true", help="print one JSON object")
+    tune.set_defaults(func=cmd_tune)
+    worker = sub.add_parser("worker", help="join a stored study and run trials until its shared budget is used")
+    worker.add_argument("--db", required=True, help="SQLAlchemy URL of the study storage")
+    worker.add_argument("--study", required=True, help="study name (as `foldwise tune --db` printed it)")
+    worker.add_argument("--measurer", help="must match the study's measurer (default: the study's)")
+    worker.add_argument("--target", help="must match the study's target (default: the study's)")
+    worker.add_argument("--trials", type=int, help="run at most this many trials (default: until the budget is used)")
+    worker.add_argument("--seed", type=int, default=None, help="sampler seed (default: random, so workers differ)")
+    worker.add_argument("--heartbeat", type=int, default=10, metavar="SECONDS",
+                        help="with --db: a running trial records a heartbeat this often; one silent for twice as long "
+                             "(its worker died) is failed and retried (default 10)")
+    worker.add_argument("--json", action="store_true", help="print one JSON object")
+    worker.set_defaults(func=cmd_worker)
     return parser
 
 
@@ -171,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except SpecError as err:
-        where = f"{args.spec}: " if err.loc[:1] not in (("shape",), ("dtype",), ("inputs",)) else ""
+        spec_path = getattr(args, "spec", None) or getattr(args, "study", "")
+        where = f"{spec_path}: " if err.loc[:1] not in (("shape",), ("dtype",), ("inputs",)) else ""
         print(f"error: {where}{err}", file=sys.stderr)
         return EXIT_INVALID
     except UsageError as err:
