@@ -171,17 +171,20 @@ def _cuda_measurer(profile):
     if not torch.cuda.is_available():
         raise UsageError("--measurer cuda: no CUDA GPU is visible on this machine (torch.cuda.is_available() is "
                          "false); use --measurer model for predictions from the target's profile")
-    try:
-        from tuner.measure import CudaMeasurer
+    try:  # tuner/measure_cuda.py (its own part of issue 4); same constructor as ModelMeasurer
+        from tuner.measure_cuda import CudaMeasurer
     except ImportError:
-        raise UsageError("--measurer cuda: the cuda measurer is not available in this build; use --measurer model") from None
+        raise UsageError("--measurer cuda: the cuda measurer is not available in this build; "
+                         "use --measurer model") from None
     from tuner.profiles import profile_for_device_name
 
     name = torch.cuda.get_device_name()
     found = profile_for_device_name(name)
+    if found is None:
+        raise UsageError(f"--measurer cuda: no profile matches this GPU ({name})")
     if found != profile.name:
         raise UsageError(f"--measurer cuda: this GPU ({name}) is not the target {profile.name!r}; "
-                         f"pass --target {found}" if found else f"--measurer cuda: no profile matches this GPU ({name})")
+                         f"pass --target {found}")
     return CudaMeasurer
 
 
@@ -287,7 +290,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     attrs = study.user_attrs
     missing = [k for k in ("spec", "shape", "dtype", "target", "measurer", "budget") if k not in attrs]
     if missing:
-        raise UsageError(f"--study: {args.study!r} was not created by `foldwise tune` (its user attrs lack {missing[0]!r})")
+        raise UsageError(f"--study: {args.study!r} was not created by `foldwise tune` "
+                         f"(its user attrs lack {missing[0]!r})")
     for flag, key in (("--measurer", "measurer"), ("--target", "target")):
         given = getattr(args, key)
         if given is not None and given != attrs[key]:
@@ -295,7 +299,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.trials is not None and args.trials < 1:
         raise UsageError(f"--trials: must be at least 1, got {args.trials}")
     spec = load_spec(attrs["spec"])
-    space, measurer, _ = _tuning_setup(spec, attrs["spec"], attrs["shape"], attrs["dtype"], attrs["target"], attrs["measurer"])
+    space, measurer, _ = _tuning_setup(spec, attrs["spec"], attrs["shape"], attrs["dtype"], attrs["target"],
+                                       attrs["measurer"])
     try:
         result = _run_tuner(Tuner(space, measurer, seed=args.seed), int(attrs["budget"]), storage=storage,
                             study_name=args.study, max_trials=args.trials)
@@ -354,8 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--shape", required=True, help="dim sizes, e.g. m=4,n=300")
     tune.add_argument("--dtype", default="float32", help="float32|float16|bfloat16, or a JSON map input -> dtype")
     tune.add_argument("--target", default="h100", help="GPU profile to tune for (h100, h200, a100, ...)")
-    tune.add_argument("--measurer", default="model", help="cuda (time on this GPU) or model (predict from the target's profile)")
-    tune.add_argument("--trials", type=int, default=40, help="trial budget, shared with workers on the same study (default 40)")
+    tune.add_argument("--measurer", default="model",
+                      help="cuda (time on this GPU) or model (predict from the target's profile)")
+    tune.add_argument("--trials", type=int, default=40,
+                      help="trial budget, shared with workers on the same study (default 40)")
     tune.add_argument("--db", help="SQLAlchemy URL of the study storage (sqlite:///tune.db, postgresql+psycopg://...)")
     tune.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     tune.add_argument("--heartbeat", type=int, default=10, metavar="SECONDS",

@@ -45,3 +45,54 @@ def kernel_cache_dir(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FOLDWISE_CACHE_DIR", str(path))
         yield path
+
+
+# --- databases -------------------------------------------------------------------------------
+
+POSTGRES_URL = os.environ.get("FOLDWISE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def postgres_unreachable_reason() -> str | None:
+    """None when the PostgreSQL server of FOLDWISE_TEST_POSTGRES_URL answers, else why not."""
+    import sqlalchemy as sa
+
+    try:
+        engine = sa.create_engine(POSTGRES_URL, connect_args={"connect_timeout": 3})
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+        engine.dispose()
+    except Exception as err:  # any failure to connect means: no server for these tests
+        return f"no PostgreSQL server at FOLDWISE_TEST_POSTGRES_URL ({POSTGRES_URL}): {type(err).__name__}"
+    return None
+
+
+@pytest.fixture()
+def fresh_postgres_url():
+    """A new, empty PostgreSQL database for one test (created from FOLDWISE_TEST_POSTGRES_URL's
+    server and dropped afterwards), so concurrent test runs and migrations never meet."""
+    import uuid
+
+    import sqlalchemy as sa
+
+    reason = postgres_unreachable_reason()
+    if reason:
+        pytest.skip(reason)
+    name = f"fw_test_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = sa.engine.make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+    try:
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def service_db_url(request, tmp_path):
+    """An empty database URL for the service: an SQLite file, and a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'foldwise.db'}"
+    return request.getfixturevalue("fresh_postgres_url")

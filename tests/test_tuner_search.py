@@ -128,8 +128,9 @@ def test_seeded_runs_are_reproducible() -> None:
         result = tuner.run(25)
         runs.append(([t.params for t in tuner.study.trials], result.to_dict()))
     assert runs[0][0] == runs[1][0]
-    assert {k: v for k, v in runs[0][1].items() if not k.startswith(("overhead", "study"))} == \
-        {k: v for k, v in runs[1][1].items() if not k.startswith(("overhead", "study"))}
+    timing = ("overhead", "setup", "study")
+    assert {k: v for k, v in runs[0][1].items() if not k.startswith(timing)} == \
+        {k: v for k, v in runs[1][1].items() if not k.startswith(timing)}
     other = Tuner(FakeSpace(), FakeMeasurer(), seed=4)
     other.run(25)
     assert [t.params for t in other.study.trials] != runs[0][0]
@@ -235,6 +236,36 @@ def test_a_candidate_another_worker_is_measuring_is_waited_for() -> None:
     stuck.ask().set_user_attr("candidate", candidate.key())
     stuck.optimize(Objective(space, measurer, wait_s=0.2), n_trials=1)
     assert measurer.calls == [candidate.key()] and stuck.trials[1].user_attrs["result"]["outcome"] == "measured"
+
+
+def test_frontier_candidates_fill_what_fits(catalog_specs: dict) -> None:
+    from fuser_core.derive import derive_cascade
+    from fuser_core.spec import load_spec
+    from tuner.profiles import get_profile
+    from tuner.search import frontier_candidates
+    from tuner.space import SearchSpace
+
+    spec = load_spec(catalog_specs["safe_softmax"])
+    space = SearchSpace(spec, derive_cascade(spec), {"m": 4096, "n": 32768}, "float16", get_profile("h100"))
+    found = frontier_candidates(space)
+    assert {s for s, _ in found} == set(space.strategies())
+    for strategy, values in found:
+        assert space.check(space.candidate(strategy, values)) is None
+        for name in ("block_n", "block_m"):  # no block can grow by one step and still fit
+            choices = space.params(strategy)[name]
+            if values[name] != choices[-1]:
+                bigger = {**values, name: choices[choices.index(values[name]) + 1]}
+                assert space.check(space.candidate(strategy, bigger)) is not None
+
+
+def test_local_search_proposes_only_untried_feasible_candidates() -> None:
+    space, measurer = FakeSpace(limit=1024), FakeMeasurer()
+    tuner = Tuner(space, measurer, seed=0)
+    result = tuner.run(30)
+    assert result.counts == {"measured": 30, "cached": 0, "infeasible": 0, "failed": 0}
+    sources = [t.user_attrs.get("source", "TPE") for t in tuner.study.trials]
+    assert sum(s.startswith("local: from trial") for s in sources) >= 15
+    assert result.time_ms == pytest.approx(min(fake_time(c) for c in space.enumerate() if space.check(c) is None))
 
 
 def test_all_infeasible_is_no_result() -> None:

@@ -1,6 +1,18 @@
 """Optuna drives the configuration search.
 
-One study per (spec, shape, dtype, target, measurer). Each trial picks a strategy (a
+One study per (spec, shape, dtype, target, measurer); Optuna runs its trials, stores them
+(in memory, or an SQLite/PostgreSQL database shared by several worker processes) and
+samples with TPE. Trials are proposed three ways, all through the study:
+
+1. **start-up**, enqueued in a new study (``study.enqueue_trial``): the best configurations
+   of other shapes of the same spec, target and dtype (:func:`warm_start`), then the
+   frontier configurations of each strategy (:func:`frontier_candidates`: the largest tiles
+   that fit), then random feasible candidates (:func:`random_candidates`);
+2. **local search** (:class:`LocalSearch`, a callback): the next untried neighbour of the
+   best trial, enqueued after each trial;
+3. **TPE** (:func:`default_sampler`), whenever nothing is enqueued.
+
+Each trial picks a strategy (a
 categorical parameter) and that strategy's own parameters (conditional: named
 ``"<strategy>/<param>"``, so ``streaming_fused/block_n`` and ``split_fused/block_n`` are
 different parameters), builds a :class:`~tuner.space.Candidate`, and answers in one of four
@@ -63,8 +75,9 @@ import optuna
 from optuna.trial import FrozenTrial, Trial, TrialState
 
 __all__ = [
-    "BUDGET_STATES", "MeasurementFailed", "NoResult", "Objective", "SharedBudget", "TuneResult",
-    "Tuner", "budget_used", "trial_result", "worker_id", "default_sampler", "make_storage", "study_name_for", "warm_start",
+    "BUDGET_STATES", "LocalSearch", "MeasurementFailed", "NoResult", "Objective", "SharedBudget", "TuneResult", "Tuner",
+    "budget_used", "candidate_params", "default_sampler", "frontier_candidates", "make_storage", "random_candidates",
+    "study_name_for", "suggest_candidate", "trial_result", "warm_start", "worker_id",
 ]
 
 #: Trial states that consume the shared budget (FAIL only when the measurer failed it; see
@@ -107,6 +120,7 @@ class TuneResult:
     counts: dict[str, int] = field(default_factory=dict)  # outcome -> trials, this process
     overhead_ms: float = 0.0
     overhead_max_ms: float = 0.0
+    setup_ms: float = 0.0  # opening the study and enqueuing its start-up trials, once per run
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -207,7 +221,8 @@ def _ensure_schema(url: str, schema: str) -> None:
         engine.dispose()
 
 
-def study_name_for(spec_hash: str, shape: Mapping[str, int], dtypes: str | Mapping[str, str], target: str, measurer: str) -> str:
+def study_name_for(spec_hash: str, shape: Mapping[str, int], dtypes: str | Mapping[str, str], target: str,
+                   measurer: str) -> str:
     """The study name of one tuning job: ``foldwise:<hash16>:m=4,n=300:float16:h100:model``.
 
     A map of dtypes that gives every input the same dtype is written as that one dtype.
@@ -217,7 +232,8 @@ def study_name_for(spec_hash: str, shape: Mapping[str, int], dtypes: str | Mappi
         dtype_text = dtypes
     else:
         distinct = set(dtypes.values())
-        dtype_text = next(iter(distinct)) if len(distinct) == 1 else ",".join(f"{k}={v}" for k, v in sorted(dtypes.items()))
+        dtype_text = (next(iter(distinct)) if len(distinct) == 1
+                      else ",".join(f"{k}={v}" for k, v in sorted(dtypes.items())))
     return f"foldwise:{spec_hash[:16]}:{shape_text}:{dtype_text}:{target}:{measurer}"
 
 
@@ -305,7 +321,8 @@ def candidate_params(space: Any, strategy: str, values: Mapping[str, int]) -> di
 FRONTIER_LAYOUTS = ((4, "axis"), (16, "axis"), (4, "lanes"))
 
 
-def frontier_candidates(space: Any, layouts: Sequence[tuple[int, str]] = FRONTIER_LAYOUTS) -> list[tuple[str, dict[str, int]]]:
+def frontier_candidates(space: Any, layouts: Sequence[tuple[int, str]] = FRONTIER_LAYOUTS,
+                        ) -> list[tuple[str, dict[str, int]]]:
     """Per strategy, the largest tiles that fit: sensible first trials.
 
     These kernels are mostly memory-bound: a program should keep many bytes in flight, so the
@@ -337,7 +354,9 @@ def frontier_candidates(space: Any, layouts: Sequence[tuple[int, str]] = FRONTIE
             values: dict[str, int] | None = dict(base, num_warps=_nearest(warps, params.get("num_warps", [warps])))
             for group in ((loop, lanes) if first == "axis" else (lanes, loop)):
                 values = values and _grow(space, strategy, values, group)
-            if values is not None and space.check(space.candidate(strategy, values)) is None and (strategy, values) not in out:
+            if values is None or (strategy, values) in out:
+                continue
+            if space.check(space.candidate(strategy, values)) is None:
                 out.append((strategy, values))
     return out
 
@@ -407,7 +426,8 @@ class LocalSearch:
         if self.tpe_every and (len(trials) + 1) % self.tpe_every == 0:
             return
         tried = {t.user_attrs["candidate"] for t in trials if "candidate" in t.user_attrs}
-        done = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None and "result" in t.user_attrs]
+        done = [t for t in trials
+                if t.state == TrialState.COMPLETE and t.value is not None and "result" in t.user_attrs]
         for best in sorted(done, key=lambda t: (t.value, t.number)):
             for strategy, values in self.neighbours(best, trials):
                 candidate = self.space.candidate(strategy, values)
@@ -416,7 +436,9 @@ class LocalSearch:
                 params = candidate_params(self.space, strategy, values)
                 if params is None:
                     continue
-                study.enqueue_trial(params, user_attrs={"source": f"local: from trial {best.number}", "parent": best.number})
+                source = {"source": f"local: from trial {best.number}", "parent": best.number}
+                # skip_if_exists: another worker may have enqueued the same neighbour a moment ago
+                study.enqueue_trial(params, user_attrs=source, skip_if_exists=True)
                 return
 
     @staticmethod
@@ -718,14 +740,15 @@ def warm_start(study: optuna.Study, space: Any, storage: str | optuna.storages.B
     ident = _identity(attrs)
     if ident is None:
         return []
-    store = optuna.storages.get_storage(storage) if isinstance(storage, str) else storage
+    store = _as_storage(storage)
     peers = []
     for frozen in store.get_all_studies():
         if frozen.study_name == study.study_name or _identity(frozen.user_attrs) != ident:
             continue
         peers.append((_shape_distance(attrs.get("shape"), frozen.user_attrs.get("shape")), frozen.study_name))
     seen = {t.user_attrs.get("candidate") for t in study.get_trials(deepcopy=False)}
-    seen |= {json.dumps(t.params, sort_keys=True) for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))}
+    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    seen |= {json.dumps(t.params, sort_keys=True) for t in waiting}
     enqueued: list[dict[str, Any]] = []
     for _, name in sorted(peers):
         peer = optuna.load_study(study_name=name, storage=store)
@@ -742,12 +765,19 @@ def warm_start(study: optuna.Study, space: Any, storage: str | optuna.storages.B
             if params is None:
                 continue
             candidate = space.candidate(strategy, values)
-            if candidate.key() in seen or json.dumps(params, sort_keys=True) in seen or space.check(candidate) is not None:
+            if candidate.key() in seen or json.dumps(params, sort_keys=True) in seen:
+                continue
+            if space.check(candidate) is not None:
                 continue
             seen.add(candidate.key())
             study.enqueue_trial(params, user_attrs={"source": f"warm start: best of {name}"})
             enqueued.append(params)
     return enqueued
+
+
+def _as_storage(storage: str | optuna.storages.BaseStorage) -> optuna.storages.BaseStorage:
+    """A URL opened with :func:`make_storage` (its schema, heartbeats, SQLite settings), or the storage as given."""
+    return make_storage(storage) if isinstance(storage, str) else storage
 
 
 def _identity(attrs: Mapping[str, Any]) -> tuple[str, str, str] | None:
@@ -769,10 +799,12 @@ def _shape_distance(a: Any, b: Any) -> float:
 class Tuner:
     """Search one (spec, shape, dtype, target) with Optuna; see the module docstring.
 
-    ``sampler`` defaults to :func:`default_sampler` (TPE seeded with ``seed``); ``startup``
-    trials are enqueued first in a new study (warm start, defaults, random feasible). With several
-    workers on one study, give each its own seed (the same seed makes them suggest the same
-    random start-up trials).
+    ``sampler`` defaults to :func:`default_sampler` (TPE seeded with ``seed``). A new study
+    gets its start-up trials enqueued first (warm start, ``frontier`` configurations, then
+    random feasible ones up to ``startup``); ``local_search`` adds :class:`LocalSearch` (``tpe_every``: leave every
+    k-th trial to TPE; 0: TPE only when the local search has nothing left). With several
+    workers on one study, give each its own seed (the same seed makes their TPE suggest the
+    same points).
 
     Example::
 
@@ -781,9 +813,11 @@ class Tuner:
         best = tuner.run(40, storage=make_storage("sqlite:///t.db"), study_name="job-1")
     """
 
-    def __init__(self, space: Any, measurer: Any, *, seed: int | None = 0, sampler: optuna.samplers.BaseSampler | None = None,
-                 target: str | None = None, startup: int = 10, local_search: bool = True, tpe_every: int = 0):
+    def __init__(self, space: Any, measurer: Any, *, seed: int | None = 0,
+                 sampler: optuna.samplers.BaseSampler | None = None, target: str | None = None, startup: int = 10,
+                 frontier: bool = True, local_search: bool = True, tpe_every: int = 0):
         self.space = space
+        self.frontier = frontier
         self.measurer = measurer
         self.seed = seed
         self.startup = startup
@@ -797,7 +831,7 @@ class Tuner:
     def run(
         self,
         n_trials: int,
-        storage: str | optuna.storages.BaseStorage | None = None,
+        storage: str | optuna.storages.BaseStorage | None = None,  # a URL is opened with make_storage
         study_name: str | None = None,
         callbacks: Iterable[Callable[[optuna.Study, FrozenTrial], None]] = (),
         *,
@@ -816,6 +850,8 @@ class Tuner:
         """
         if n_trials < 1:
             raise ValueError("n_trials must be at least 1")
+        setup_start = time.perf_counter()
+        storage = _as_storage(storage) if storage is not None else None
         sampler = self.sampler or default_sampler(self.seed, n_startup_trials=self.startup)
         study = optuna.create_study(storage=storage, sampler=sampler, study_name=study_name,
                                     direction="minimize", load_if_exists=True)
@@ -837,7 +873,9 @@ class Tuner:
         remaining = n_trials - budget_used(study)
         if max_trials is not None:
             remaining = min(remaining, max_trials)
-        local = [LocalSearch(self.space, seed=self.seed, tpe_every=self.tpe_every, budget=n_trials)] if self.local_search else []
+        local = []
+        if self.local_search:
+            local.append(LocalSearch(self.space, seed=self.seed, tpe_every=self.tpe_every, budget=n_trials))
         start = time.perf_counter()
         if remaining > 0:
             study.optimize(
@@ -851,7 +889,9 @@ class Tuner:
         for number, end in ends:
             overheads.append(max(0.0, end - prev - objective.outside_s.get(number, 0.0)))
             prev = end
-        return self._result(study, objective, overheads)
+        result = self._result(study, objective, overheads)
+        result.setup_ms = 1e3 * (start - setup_start)
+        return result
 
     def _start(self, study: optuna.Study, storage: Any, warm: bool) -> None:
         """Enqueue a new study's first trials: the best of other shapes (warm start), the
@@ -860,7 +900,7 @@ class Tuner:
         enqueued = warm_start(study, self.space, storage) if warm else []
         keys = {self.space.candidate(p["strategy"], _values_from_params(self.space, p)).key() for p in enqueued}
         picks = []
-        for strategy, values in frontier_candidates(self.space):
+        for strategy, values in frontier_candidates(self.space) if self.frontier else []:
             key = self.space.candidate(strategy, values).key()
             if key not in keys:
                 keys.add(key)
@@ -876,7 +916,8 @@ class Tuner:
         try:
             best = study.best_trial
         except ValueError:
-            reasons = [trial_result(t).get("error") or trial_result(t).get("reason") for t in study.get_trials(deepcopy=False)]
+            reasons = [trial_result(t).get("error") or trial_result(t).get("reason")
+                       for t in study.get_trials(deepcopy=False)]
             first = next((r for r in reasons if r), "no trial ran")
             raise NoResult(f"no configuration succeeded in {len(reasons)} trials; first reason: {first}") from None
         return TuneResult(
