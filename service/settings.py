@@ -1,0 +1,62 @@
+"""Service settings, read from ``FOLDWISE_*`` environment variables (``FOLDWISE_DB_URL`` ...).
+
+One place for every knob of ``foldwise serve`` / ``foldwise worker`` so the API, the workers
+and the tests agree on defaults; command-line flags override them through
+:func:`get_settings` keyword arguments.
+
+Example:
+    >>> s = get_settings(db_url="sqlite:///x.db", lease_seconds=30)
+    >>> s.lease_seconds, s.heartbeat_seconds
+    (30.0, 5.0)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MEASURERS = ("cuda", "model")
+
+
+class Settings(BaseSettings):
+    """Everything the service reads from its environment; see the module docstring."""
+
+    model_config = SettingsConfigDict(env_prefix="FOLDWISE_", extra="ignore", validate_default=True)
+
+    db_url: str = Field("sqlite:///foldwise.db", min_length=1)  # relative to the working directory
+    host: str = Field("127.0.0.1", min_length=1)
+    port: int = Field(8000, ge=0, le=65535)
+    workers: int = Field(1, ge=0, le=256)  # in-process workers of `foldwise serve`
+    target: str = Field("h100", min_length=1, max_length=32)
+    measurer: str | None = None  # None: cuda when a GPU is visible, else model
+    lease_seconds: float = Field(60.0, gt=0, le=24 * 3600)
+    heartbeat_seconds: float = Field(5.0, gt=0)
+    max_trials: int = Field(1000, ge=1)  # request budget limits
+    max_seconds: float = Field(6 * 3600, gt=0)
+    max_shape_elements: int = Field(2**34, ge=1)
+    max_dim: int = Field(2**31 - 1, ge=1)
+
+    @field_validator("measurer", mode="before")
+    @classmethod
+    def _measurer(cls, value: Any) -> Any:
+        if value is None or (isinstance(value, str) and value.strip() in ("", "auto")):
+            return None  # FOLDWISE_MEASURER= (empty) or "auto" means: pick at start
+        if value not in MEASURERS:
+            raise ValueError(f"unknown measurer {value!r}; one of {', '.join(MEASURERS)} (or leave unset)")
+        return value
+
+    @model_validator(mode="after")
+    def _heartbeat_within_lease(self) -> Settings:
+        # a worker must renew its lease several times before it expires, or healthy jobs get taken over
+        if self.heartbeat_seconds >= self.lease_seconds:
+            raise ValueError(f"heartbeat_seconds ({self.heartbeat_seconds}) must be less than "
+                             f"lease_seconds ({self.lease_seconds})")
+        return self
+
+
+def get_settings(**overrides: Any) -> Settings:
+    """Settings from the environment, with ``overrides`` (None values are ignored, so CLI flags
+    that were not given keep the environment's value)."""
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})
