@@ -178,25 +178,39 @@ def self_check(
     stores = output_dtypes(spec, dtypes)
     derivation = derivation or derive_cascade(spec)
     exact = result.strategy not in ("streaming_fused", "split_fused") or derivation.exact
-    if exact:
-        errors = compare(spec, result.outputs, reference, stores)
-        tolerances = {p: TOLERANCE[stores[p]] for p in errors}
-    else:
-        # A cast inside a fused reduction rounds with running values (THEORY.md 5): the result
-        # is exact in real arithmetic only. Judge it normwise against one e4m3 step.
-        errors = {p: rel_err(_as_numpy(result.outputs[p]), ref, 1.0) for p, ref in reference.items()}
-        tolerances = {p: INEXACT_TOLERANCE for p in errors}
-    passed = all(err <= tolerances[p] for p, err in errors.items())
+    verdict = judge(spec, result.outputs, reference, stores, exact=exact)
     return {
         "strategy": result.strategy,
         "config": result.config.to_dict(),
+        **verdict,
+        "shape": bound,
+        "dtype": dtypes,
+        "device": device(),
+    }
+
+
+def judge(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, np.ndarray], stores: Mapping[str, str],
+          *, exact: bool) -> dict[str, Any]:
+    """Outputs against the float64 reference: ``passed``, ``max_rel_err``, ``errors``,
+    ``tolerances``, ``exact``, ``error_measure``, ``bad`` (the failing parts).
+
+    ``exact=False`` is for fused strategies of a cascade with a cast inside a fused reduction:
+    the cast rounds with running values (THEORY.md 5), so the result is exact in real
+    arithmetic only, and is judged normwise against one e4m3 step.
+    """
+    if exact:
+        errors = compare(spec, outputs, reference, stores)
+        tolerances = {p: TOLERANCE[stores[p]] for p in errors}
+    else:
+        errors = {p: rel_err(_as_numpy(outputs[p]), ref, 1.0) for p, ref in reference.items()}
+        tolerances = {p: INEXACT_TOLERANCE for p in errors}
+    bad = [p for p, err in errors.items() if not err <= tolerances[p]]
+    return {
         "max_rel_err": max(errors.values(), default=0.0),
-        "passed": passed,
+        "passed": not bad,
         "exact": exact,
         "error_measure": "elementwise" if exact else "normwise (fused casts round with running values)",
         "errors": errors,
         "tolerances": tolerances,
-        "shape": bound,
-        "dtype": dtypes,
-        "device": device(),
+        "bad": bad,
     }

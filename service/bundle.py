@@ -55,6 +55,7 @@ from fuser_core.runner import bind_dtypes
 from fuser_core.spec import Spec, load_spec
 
 BUNDLE_FORMAT = "foldwise-bundle/1"
+_AST_LOCK = threading.Lock()
 REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "format": str, "spec": dict, "spec_hash": str, "shape": dict, "dtype": (str, dict), "target": str,
     "strategy": str, "config": dict, "triton_source": str, "measured": dict, "derivation": dict, "sha256": str,
@@ -291,7 +292,8 @@ def _check_source(source: str) -> None:
     if len(source) > MAX_SOURCE_CHARS:
         raise BundleError(f"triton_source: longer than {MAX_SOURCE_CHARS} characters")
     try:
-        tree = ast.parse(source)
+        with _AST_LOCK:  # CPython < 3.11.8 can raise SystemError when threads parse at once (gh-106905)
+            tree = ast.parse(source)
     except SyntaxError as err:
         raise BundleError(f"triton_source: not valid Python (line {err.lineno}: {err.msg})") from None
     for node in ast.walk(tree):

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from service.tuning import MEASURERS  # noqa: F401  (the measurer names the CLI accepts)
+
 EXIT_INVALID = 2
 
 
@@ -118,74 +120,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-MEASURERS = ("model", "cuda")
-
-
 def _quiet_optuna() -> None:
     """Optuna logs every trial on stderr; the CLI prints its own progress and summary."""
-    import warnings
+    from service.tuning import quiet_optuna
 
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning, module="optuna")
+    quiet_optuna()
 
 
 def _tuning_setup(spec, raw_spec: dict, shape: dict[str, int], dtype, target: str, measurer_name: str):
-    """(space, measurer, study attrs) for one tuning job; UsageError for a bad target/measurer."""
-    from fuser_core.canonical import spec_hash
-    from fuser_core.derive import derive_cascade
-    from fuser_core.reference import bind_shape
-    from fuser_core.runner import bind_dtypes
-    from tuner.profiles import PROFILES, get_profile
-    from tuner.space import SearchSpace
+    """(space, measurer, study attrs) for one tuning job; UsageError for a bad target/measurer.
 
-    if measurer_name not in MEASURERS:
-        raise UsageError(f"--measurer: unknown measurer {measurer_name!r}; one of {', '.join(MEASURERS)}")
+    The set-up itself lives in service/tuning.py, shared with the job-queue worker."""
+    from service.tuning import SetupError, tuning_setup
+
     try:
-        profile = get_profile(target)
-    except ValueError:
-        raise UsageError(f"--target: unknown target {target!r}; one of {', '.join(sorted(PROFILES))}") from None
-    bound = bind_shape(spec, shape)
-    dtypes = bind_dtypes(spec, dtype)
-    if measurer_name == "cuda":
-        measurer_factory = _cuda_measurer(profile)
-    derivation = derive_cascade(spec)
-    space = SearchSpace(spec, derivation, bound, dtypes, profile)
-    if measurer_name == "model":
-        from tuner.measure import ModelMeasurer
-
-        measurer = ModelMeasurer(spec, derivation, bound, dtypes, profile)
-    else:
-        measurer = measurer_factory(spec, derivation, bound, dtypes, profile)
-    attrs = {"spec": raw_spec, "spec_hash": spec_hash(spec), "shape": bound, "dtype": dtypes,
-             "target": profile.name, "measurer": measurer_name}
-    return space, measurer, attrs
+        return tuning_setup(spec, raw_spec, shape, dtype, target, measurer_name)
+    except SetupError as err:
+        raise UsageError(err.cli_message) from None
 
 
 def _cuda_measurer(profile):
     """The cuda measurer's class, after checking there is a GPU and it matches the target."""
-    import torch
+    from service.tuning import SetupError, cuda_measurer
 
-    if not torch.cuda.is_available():
-        raise UsageError("--measurer cuda: no CUDA GPU is visible on this machine (torch.cuda.is_available() is "
-                         "false); use --measurer model for predictions from the target's profile")
-    try:  # tuner/measure_cuda.py (its own part of issue 4); same constructor as ModelMeasurer
-        from tuner.measure_cuda import CudaMeasurer
-    except ImportError:
-        raise UsageError("--measurer cuda: the cuda measurer is not available in this build; "
-                         "use --measurer model") from None
-    from tuner.profiles import profile_for_device_name
-
-    name = torch.cuda.get_device_name()
-    found = profile_for_device_name(name)
-    if found is None:
-        raise UsageError(f"--measurer cuda: no profile matches this GPU ({name})")
-    if found != profile.name:
-        raise UsageError(f"--measurer cuda: this GPU ({name}) is not the target {profile.name!r}; "
-                         f"pass --target {found}")
-    return CudaMeasurer
+    try:
+        return cuda_measurer(profile)
+    except SetupError as err:
+        raise UsageError(err.cli_message) from None
 
 
 def _open_storage(url: str, heartbeat: int = 10):
@@ -276,6 +237,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    if args.study is None:  # the service's job queue (service/worker.py)
+        from service.cli_service import cmd_worker_queue
+
+        if args.trials is not None:
+            raise UsageError("--trials: only with --study (a queued job carries its own budget)")
+        return cmd_worker_queue(args)
     import optuna
 
     from fuser_core.spec import load_spec
@@ -309,6 +276,64 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 1
     _print_result(result, as_json=args.json, storage_url=args.db)
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``foldwise bench``: tuned fused kernels against their baselines (tuner/bench.py). Without
+    a CUDA GPU it refuses (exit 2) unless ``--device cpu`` asks for the interpreter smoke mode."""
+    from tuner.bench import BASELINES, BenchError, run_bench
+    from tuner.measure_cuda import TimingSettings
+
+    if args.trials < 1:
+        raise UsageError(f"--trials: must be at least 1, got {args.trials}")
+    for flag, value in (("--timeout", args.timeout), ("--compile-timeout", args.compile_timeout)):
+        if value <= 0:
+            raise UsageError(f"{flag}: must be positive, got {value}")
+    baselines = BASELINES
+    if args.baselines is not None:
+        baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
+        unknown = [b for b in baselines if b not in BASELINES]
+        if unknown:
+            raise UsageError(f"--baselines: unknown baseline {unknown[0]!r}; choose from {', '.join(BASELINES)}")
+    only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
+    device = args.device or "cuda"
+    out = Path(args.out) if args.out else Path("benchmarks") / "results" / (
+        args.suite if device == "cuda" else f"{args.suite}-cpu-interpreter")
+    timing = TimingSettings(seed=args.seed)
+    try:
+        results = run_bench(args.suite, out, trials=args.trials, device=device, baselines=baselines, target=args.target,
+                            catalog_dir=Path(args.catalog) if args.catalog else None, only=only,
+                            timeout_s=args.timeout, compile_timeout_s=args.compile_timeout, timing=timing,
+                            seed=args.seed, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except BenchError as err:  # NoGpu included: exit 2 with the reason
+        raise UsageError(str(err)) from None
+    if args.json:
+        print(json.dumps(results, indent=2, default=str))
+        return 0
+    print(Path(results["files"]["markdown"]).read_text())
+    print("written: " + ", ".join(results["files"].values()))
+    return 0
+
+
+def _add_bench_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="GPU benchmark: tuned fused kernels vs the unfused chain, torch eager, "
+                                         "torch.compile and hand-written kernels")
+    bench.add_argument("--suite", default="paper", help="suite of ../shared/catalog/suites.json (paper, smoke)")
+    bench.add_argument("--out", help="directory for bench_<suite>.json/.md/.png (default benchmarks/results/<suite>)")
+    bench.add_argument("--trials", type=int, default=40, help="tuning trials per case (default 40)")
+    bench.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                       help="cuda (default; refuses without a GPU) or cpu: a smoke test through the Triton "
+                            "interpreter at tiny shapes, timings labelled 'CPU interpreter, not GPU'")
+    bench.add_argument("--baselines", help="comma-separated subset of chain,eager,compile,handwritten (default all)")
+    bench.add_argument("--only", help="comma-separated spec names: run only the suite's cases of these specs")
+    bench.add_argument("--target", help="GPU profile for the search space (default: the profile of this GPU)")
+    bench.add_argument("--catalog", help="catalog directory holding suites.json and the specs (default ../shared/catalog)")
+    bench.add_argument("--timeout", type=float, default=120.0, help="seconds per trial or baseline (default 120)")
+    bench.add_argument("--compile-timeout", type=float, default=600.0,
+                       help="seconds for the torch.compile baseline, compilation included (default 600)")
+    bench.add_argument("--seed", type=int, default=0, help="sampler and input seed (default 0)")
+    bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    bench.set_defaults(func=cmd_bench)
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -370,11 +395,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "(its worker died) is failed and retried (default 10)")
     tune.add_argument("--json", action="store_true", help="print one JSON object")
     tune.set_defaults(func=cmd_tune)
-    worker = sub.add_parser("worker", help="join a stored study and run trials until its shared budget is used")
-    worker.add_argument("--db", required=True, help="SQLAlchemy URL of the study storage")
-    worker.add_argument("--study", required=True, help="study name (as `foldwise tune --db` printed it)")
-    worker.add_argument("--measurer", help="must match the study's measurer (default: the study's)")
-    worker.add_argument("--target", help="must match the study's target (default: the study's)")
+    worker = sub.add_parser("worker", help="take tuning jobs from the service database; with --study, join a "
+                                           "stored study and run trials until its shared budget is used")
+    worker.add_argument("--db", required=True, help="SQLAlchemy URL of the service database (or the study storage)")
+    worker.add_argument("--study", help="study name (as `foldwise tune --db` printed it); without it, take jobs "
+                                        "from the job queue")
+    worker.add_argument("--measurer", help="must match the study's measurer (default: the study's); job queue: "
+                                           "cuda|model (default: cuda when a GPU is visible, else model)")
+    worker.add_argument("--target", help="must match the study's target (default: the study's); job queue: "
+                                         "the target whose jobs to take (default h100)")
     worker.add_argument("--trials", type=int, help="run at most this many trials (default: until the budget is used)")
     worker.add_argument("--seed", type=int, default=None, help="sampler seed (default: random, so workers differ)")
     worker.add_argument("--heartbeat", type=int, default=10, metavar="SECONDS",
@@ -382,6 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "(its worker died) is failed and retried (default 10)")
     worker.add_argument("--json", action="store_true", help="print one JSON object")
     worker.set_defaults(func=cmd_worker)
+    from service.cli_service import add_queue_worker_arguments, add_service_commands
+
+    add_queue_worker_arguments(worker)
+    add_service_commands(sub)
+    _add_bench_parser(sub)
     return parser
 
 
@@ -402,4 +436,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from service.cli import main as _main  # the package's module, not __main__: one set of exception classes
+
+    sys.exit(_main())

@@ -37,6 +37,7 @@ class Settings(BaseSettings):
     max_seconds: float = Field(6 * 3600, gt=0)
     max_shape_elements: int = Field(2**34, ge=1)
     max_dim: int = Field(2**31 - 1, ge=1)
+    derive_timeout_seconds: float = Field(60.0, gt=0)  # POST /v1/derivations answers 503 after this
 
     @field_validator("measurer", mode="before")
     @classmethod

@@ -1,0 +1,172 @@
+"""The FastAPI app: ``create_app(settings)`` wires the database, auth, metrics, logs, routes
+and the dashboard. ``foldwise serve`` runs it with uvicorn; tests use it through TestClient.
+
+Also usable as a uvicorn factory, configured from ``FOLDWISE_*`` variables::
+
+    FOLDWISE_DB_URL=postgresql+psycopg://... uvicorn --factory service.api:create_app
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import sqlalchemy as sa
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from fuser_core.errors import SpecError
+from fuser_core.spec import MAX_SPEC_BYTES
+from service import jobs
+from service.api import routes_jobs, routes_kernels, routes_misc
+from service.api.cache import BundleCache, SpecCache
+from service.api.deps import AppContext
+from service.api.fastpath import BundleFastPath, LoopReader
+from service.api.middleware import AccessLog, BodyLimit
+from service.api.ops import ParsedSpecs
+from service.api.problems import (
+    Problem,
+    http_error_handler,
+    problem_handler,
+    spec_problem,
+    unhandled_handler,
+    validation_handler,
+)
+from service.auth import AuthPolicy, is_loopback
+from service.db import check_current, make_engine, session_factory
+from service.metrics import Metrics
+from service.settings import Settings, get_settings
+
+log = logging.getLogger("foldwise.api")
+# a request body holds one spec (at most MAX_SPEC_BYTES, maybe as an escaped JSON string) and small fields
+MAX_BODY_BYTES = 2 * MAX_SPEC_BYTES + 16 * 1024
+DERIVE_THREADS = 2
+
+
+def read_engine_for(url: str, engine: sa.Engine) -> sa.Engine:
+    """An engine for the API's reads (see service.api.deps): on an SQLite file, connections in
+    autocommit with ``query_only`` (no ``BEGIN IMMEDIATE``, so reads never take the write
+    lock); otherwise ``engine`` itself."""
+    parsed = sa.engine.make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:") or "mode=memory" in url:
+        return engine
+    reader = sa.create_engine(parsed, connect_args={"check_same_thread": False, "timeout": 30},
+                              pool_size=16, max_overflow=16)
+
+    @sa.event.listens_for(reader, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # autocommit: a read holds no transaction open
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute("PRAGMA query_only=ON")
+        cursor.close()
+
+    return reader
+
+
+def create_app(settings: Settings | None = None, *, check_db: bool = True, dashboard: bool = True,
+               derive_timeout_s: float | None = None, fast_path: bool = True) -> FastAPI:
+    """The API for ``settings`` (default: from the environment).
+
+    ``check_db``: refuse (``service.db.DatabaseBehind``) a database that is not migrated to
+    this code's head. The server's bind address (``settings.host``) decides the auth policy
+    (service.auth). ``fast_path``: answer bundle downloads before the framework's routing
+    (service.api.fastpath; same answers).
+    """
+    settings = settings or get_settings()
+    engine = make_engine(settings.db_url)
+    if check_db:
+        try:
+            check_current(engine)
+        except Exception:
+            engine.dispose()
+            raise
+    reader = read_engine_for(settings.db_url, engine)
+    sessions, read_sessions = session_factory(engine), session_factory(reader)
+    alive_s = max(settings.lease_seconds, 3 * settings.heartbeat_seconds)
+    ctx = AppContext(
+        settings=settings, engine=engine, read_engine=reader, sessions=sessions, read_sessions=read_sessions,
+        auth=AuthPolicy(loopback=is_loopback(settings.host), writer=sessions),
+        metrics=Metrics(read_sessions, alive_within_s=alive_s), bundles=BundleCache(), specs=SpecCache(),
+        derive_pool=ThreadPoolExecutor(DERIVE_THREADS, thread_name_prefix="foldwise-derive"),
+        derive_timeout_s=derive_timeout_s or settings.derive_timeout_seconds,
+    )
+
+    ctx.extra["parsed_specs"] = ParsedSpecs()
+    if reader is not engine:  # an SQLite file: the hot path reads on the event loop (service.api.fastpath)
+        ctx.extra["loop_reader"] = LoopReader(reader)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if "loop_reader" in ctx.extra:
+            ctx.extra["loop_reader"].close()
+        ctx.derive_pool.shutdown(wait=False, cancel_futures=True)
+        if reader is not engine:
+            reader.dispose()
+        engine.dispose()
+
+    app = FastAPI(
+        title="Foldwise", version=_version(), lifespan=lifespan,
+        description="Derive, tune and serve fused kernels for cascaded reductions. Errors are "
+                    "application/problem+json naming the field; see service/auth.py for who may do what.",
+    )
+    app.state.ctx = ctx
+    # what the dashboard (service.dashboard) reads
+    app.state.settings, app.state.sessions, app.state.auth = settings, sessions, ctx.auth
+    app.state.engine = engine
+
+    app.add_exception_handler(Problem, problem_handler)
+    app.add_exception_handler(RequestValidationError, validation_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(SpecError, _spec_error)
+    app.add_exception_handler(jobs.JobError, _job_error)
+    app.add_exception_handler(sa.exc.OperationalError, _database_error)
+    app.add_exception_handler(Exception, unhandled_handler)
+
+    app.include_router(routes_jobs.router)
+    app.include_router(routes_kernels.router)
+    app.include_router(routes_misc.router)
+    if dashboard:
+        from service.dashboard import mount_dashboard
+
+        mount_dashboard(app)
+    if fast_path:
+        app.add_middleware(BundleFastPath, ctx=ctx)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(AccessLog, metrics=ctx.metrics)
+    return app
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("foldwise")
+    except metadata.PackageNotFoundError:
+        return "0"
+
+
+async def _spec_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, SpecError)
+    return spec_problem(exc).response()
+
+
+async def _job_error(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, jobs.NotFound):
+        return Problem(404, "Not found", str(exc), kind="not-found").response()
+    if isinstance(exc, jobs.BundleCorrupted):
+        log.error("corrupted bundle refused", extra={"path": request.url.path, "error": str(exc)})
+        return Problem(500, "Stored bundle corrupted", str(exc), kind="bundle-corrupted").response()
+    return Problem(503, "Try again", str(exc), kind="conflict", headers={"Retry-After": "1"}).response()
+
+
+async def _database_error(request: Request, exc: Exception) -> Response:
+    log.warning("database unavailable", extra={"path": request.url.path, "error": str(exc)[:300]})
+    return Problem(503, "Database unavailable", "the database did not answer; try again",
+                   kind="database", headers={"Retry-After": "2"}).response()

@@ -1,0 +1,212 @@
+"""The bundle download hot path: ``GET /v1/kernels/{id}/bundle`` without the framework's
+per-request machinery.
+
+Inference servers download bundles at start-up, all at once; this path is what
+``benchmarks/load_service.py`` measures. It answers before FastAPI's routing and dependency
+injection (a pure ASGI middleware, :class:`BundleFastPath`), with the same semantics as the
+documented route in routes_kernels.py, which calls the same :func:`bundle_answer`:
+
+1. the auth check (:meth:`service.auth.AuthPolicy.require` with scope ``kernels:read``);
+2. the kernel's current bundle hash: one primary-key lookup (a kernel is replaced in place
+   when a better one is found, so this is read every time, never cached);
+3. ``If-None-Match`` -> 304; else the bytes from the in-memory cache by sha256 (content
+   addressed: never stale), or from the database, re-hashed, then cached.
+
+Steps 1-2 are two indexed reads. On an SQLite file they run on the event loop itself, on a
+connection of their own (autocommit, ``query_only``, WAL: a read never waits for a writer;
+``busy_timeout`` is short, and a busy database falls back to the thread pool): a thread-pool
+hop costs more than the reads. On PostgreSQL (a network round trip) they run in the thread
+pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sqlite3
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import sqlalchemy as sa
+from starlette.concurrency import run_in_threadpool
+
+from service import jobs
+from service.api import ops
+from service.api.deps import AppContext, auth_problem
+from service.api.problems import Problem, not_found
+from service.auth import _ANY_TOKEN, _TOKEN_ROW, AuthError, TokenLookup
+from service.models import Kernel
+
+log = logging.getLogger("foldwise.api")
+BUNDLE_PATH = re.compile(r"/v1/kernels/([0-9a-f]{32})/bundle")
+ROUTE = SimpleNamespace(path="/v1/kernels/{kernel_id}/bundle")  # the metrics label
+_SHA_QUERY = sa.select(Kernel.bundle_sha256).where(Kernel.id == sa.bindparam("kernel_id"))
+
+
+class _Raw:
+    """A SQLAlchemy statement compiled once for SQLite, run on the raw sqlite3 connection."""
+
+    def __init__(self, stmt: Any):
+        from sqlalchemy.dialects import sqlite
+
+        compiled = stmt.compile(dialect=sqlite.dialect())
+        self.sql, self.names = str(compiled), list(compiled.positiontup or [])
+        self.defaults = compiled.construct_params({b.key: None for b in compiled.binds.values() if b.required})
+
+    def first(self, conn: Any, **values: Any) -> Any:
+        return conn.execute(self.sql, [values.get(n, self.defaults.get(n)) for n in self.names]).fetchone()
+
+
+_RAW_SHA = _Raw(_SHA_QUERY)
+
+
+class RawTokenLookup(TokenLookup):
+    """service.auth's token reads through a raw sqlite3 connection (the same statements)."""
+
+    any_sql = _Raw(_ANY_TOKEN)
+    row_sql = _Raw(_TOKEN_ROW)
+
+    def any_token(self) -> bool:
+        return self.any_sql.first(self.db) is not None
+
+    def token_row(self, digest: str) -> Any:
+        return self.row_sql.first(self.db, digest=digest)
+
+
+class LoopReader:
+    """One SQLite connection used only from the event loop thread (see the module docstring):
+    the raw sqlite3 connection of a read-engine connection (autocommit, ``query_only``)."""
+
+    def __init__(self, engine: sa.Engine):
+        self.engine = engine
+        self._conn: sa.Connection | None = None
+        self._lock = threading.Lock()  # only the loop thread uses it; the lock makes misuse safe
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        with self._lock:
+            if self._conn is None:
+                self._conn = self.engine.connect()
+                self._conn.exec_driver_sql("PRAGMA busy_timeout=50")
+                self._conn.commit()
+            try:
+                return fn(self._conn.connection.driver_connection, *args)
+            except sqlite3.OperationalError as err:  # busy, or a broken connection: take a new one next time
+                self._conn.invalidate()
+                self._conn = None
+                raise sa.exc.OperationalError("loop reader", None, err) from err
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+def _lookup(conn: Any, ctx: AppContext, kernel_id: str, authorization: str | None) -> str:
+    """Auth check and the kernel's bundle hash (Problem 401/403/404), on a raw sqlite3 connection."""
+    try:
+        ctx.auth.require(RawTokenLookup(conn), authorization, "kernels:read")
+    except AuthError as err:
+        raise auth_problem(err) from None
+    row = _RAW_SHA.first(conn, kernel_id=kernel_id)
+    if row is None:
+        raise not_found("kernel", kernel_id)
+    return row[0]
+
+
+def _lookup_sa(conn: Any, ctx: AppContext, kernel_id: str, authorization: str | None) -> str:
+    """The same through SQLAlchemy (any database)."""
+    try:
+        ctx.auth.require(conn, authorization, "kernels:read")
+    except AuthError as err:
+        raise auth_problem(err) from None
+    sha = conn.execute(_SHA_QUERY, {"kernel_id": kernel_id}).scalar_one_or_none()
+    if sha is None:
+        raise not_found("kernel", kernel_id)
+    return sha
+
+
+def _lookup_pooled(ctx: AppContext, kernel_id: str, authorization: str | None) -> str:
+    with ctx.read_engine.connect() as conn:
+        return _lookup_sa(conn, ctx, kernel_id, authorization)
+
+
+def _bytes(ctx: AppContext, kernel_id: str) -> tuple[str, bytes]:
+    with ctx.read_sessions() as session:
+        return ops.bundle_bytes(session, kernel_id)
+
+
+def etag_matches(if_none_match: str | None, sha: str) -> bool:
+    if if_none_match is None:
+        return False
+    for tag in if_none_match.split(","):
+        tag = tag.strip()
+        if tag == "*" or tag.removeprefix("W/").strip('"') == sha:
+            return True
+    return False
+
+
+async def bundle_answer(ctx: AppContext, kernel_id: str, authorization: str | None,
+                        if_none_match: str | None) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of a bundle request; raises Problem for errors."""
+    reader: LoopReader | None = ctx.extra.get("loop_reader")
+    sha = None
+    if reader is not None:
+        try:
+            sha = reader.run(_lookup, ctx, kernel_id, authorization)
+        except sa.exc.OperationalError:
+            sha = None  # busy: ask again from the thread pool, which may wait
+    if sha is None:
+        sha = await run_in_threadpool(_lookup_pooled, ctx, kernel_id, authorization)
+    headers = {"ETag": f'"{sha}"', "Cache-Control": "no-cache"}
+    if etag_matches(if_none_match, sha):
+        ctx.metrics.bundle_downloads.labels("304").inc()
+        return 304, headers, b""
+    content = ctx.bundles.get(sha)
+    if content is None:
+        try:
+            sha, content = await run_in_threadpool(_bytes, ctx, kernel_id)
+        except jobs.NotFound:  # removed since the lookup
+            raise not_found("kernel", kernel_id) from None
+        except jobs.BundleCorrupted as err:
+            log.error("corrupted bundle refused", extra={"kernel_id": kernel_id, "error": str(err)})
+            raise Problem(500, "Stored bundle corrupted", str(err), kind="bundle-corrupted") from None
+        ctx.bundles.put(sha, content)
+        headers["ETag"] = f'"{sha}"'
+    ctx.metrics.bundle_downloads.labels("200").inc()
+    headers["Content-Type"] = "application/json"
+    return 200, headers, content
+
+
+class BundleFastPath:
+    """ASGI middleware answering bundle downloads directly (module docstring)."""
+
+    def __init__(self, app: Any, ctx: AppContext):
+        self.app, self.ctx = app, ctx
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        match = BUNDLE_PATH.fullmatch(scope["path"])
+        if match is None:
+            await self.app(scope, receive, send)
+            return
+        scope["route"] = ROUTE
+        authorization = if_none_match = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"if-none-match":
+                if_none_match = value.decode("latin-1")[:1024]
+        try:
+            status, headers, body = await bundle_answer(self.ctx, match.group(1), authorization, if_none_match)
+        except Problem as problem:
+            await problem.response()(scope, receive, send)
+            return
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        if status == 200:
+            raw.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send({"type": "http.response.body", "body": body if scope["method"] == "GET" else b""})

@@ -1,0 +1,137 @@
+"""Errors as ``application/problem+json`` (RFC 9457), each naming the field at fault.
+
+Every error answer of the API has ``type``, ``title``, ``status`` and ``detail``; a validation
+error (422) also has ``errors``: one entry per problem, with ``field`` (a readable path such
+as ``spec.steps[2].expr`` or ``shape.n``), ``loc`` (the same path as a list), ``in`` (body,
+query, path or header) and ``message``; an error inside a spec step also names the step.
+``detail`` repeats the first error in one line, so a client that shows only ``detail`` still
+names the field.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from fuser_core.errors import SpecError
+
+PROBLEM_JSON = "application/problem+json"
+# fields of a job request besides the spec: a SpecError located there is not inside the spec
+REQUEST_FIELDS = ("shape", "dtype", "target", "measurer", "budget")
+log = logging.getLogger("foldwise.api")
+
+
+def field_path(loc: Sequence[str | int]) -> str:
+    """``("spec", "steps", 2, "expr")`` -> ``spec.steps[2].expr``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def error_entry(loc: Sequence[str | int], message: str, *, where: str = "body", step: str | None = None) -> dict:
+    entry: dict[str, Any] = {"field": field_path(loc), "loc": list(loc), "in": where, "message": message}
+    if step is not None:
+        entry["step"] = step
+    return entry
+
+
+class Problem(Exception):
+    """An error answer. Raise it from plain functions and routes; the app's handler renders it."""
+
+    def __init__(self, status: int, title: str, detail: str, *, kind: str | None = None,
+                 errors: list[dict] | None = None, headers: Mapping[str, str] | None = None, **extra: Any):
+        self.status, self.title, self.detail = status, title, detail
+        self.kind, self.errors, self.headers, self.extra = kind, errors, dict(headers or {}), extra
+        super().__init__(detail)
+
+    def body(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "type": f"urn:foldwise:problem:{self.kind}" if self.kind else "about:blank",
+            "title": self.title, "status": self.status, "detail": self.detail,
+        }
+        if self.errors:
+            out["errors"] = self.errors
+        out.update(self.extra)
+        return out
+
+    def response(self) -> Response:
+        return Response(json.dumps(self.body(), default=str), status_code=self.status, media_type=PROBLEM_JSON,
+                        headers=self.headers)
+
+
+def invalid(errors: list[dict]) -> Problem:
+    """422 for one or more field errors (entries from :func:`error_entry`)."""
+    first = errors[0]
+    detail = f"{first['field']}: {first['message']}" if first["field"] else first["message"]
+    return Problem(422, "Invalid request", detail, kind="validation", errors=errors)
+
+
+def invalid_field(loc: Sequence[str | int], message: str, *, where: str = "body") -> Problem:
+    return invalid([error_entry(loc, message, where=where)])
+
+
+def spec_problem(err: SpecError, *, body_field: str = "spec") -> Problem:
+    """422 for a SpecError. Its ``loc`` is a path in the spec (``steps, 2, expr``), or in the
+    request for shape and dtype errors (``shape, n``); a step error names the step."""
+    loc = tuple(err.loc)
+    if not loc or loc[0] not in REQUEST_FIELDS:
+        loc = (body_field, *loc)
+    message = err.message
+    problem = invalid([error_entry(loc, message, step=err.step)])
+    if err.step is not None:  # name the step as the CLI does, keeping the field path greppable
+        problem.detail = f"{field_path(loc)} (step {err.step}): {message}"
+    return problem
+
+
+def not_found(what: str, ident: str) -> Problem:
+    return Problem(404, "Not found", f"no {what} {ident!r}", kind="not-found")
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+async def problem_handler(request: Request, exc: Problem) -> Response:
+    return exc.response()
+
+
+async def validation_handler(request: Request, exc: RequestValidationError) -> Response:
+    """FastAPI's request validation errors, with the location as a field path (no ``body.`` prefix)."""
+    errors = []
+    for e in exc.errors():
+        loc = list(e.get("loc", ()))
+        where = str(loc.pop(0)) if loc and loc[0] in ("body", "query", "path", "header", "cookie") else "body"
+        # a union (spec: dict | str) reports each branch as a loc part like "dict[str,any]": drop them
+        loc = [p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool")))]
+        message = e.get("msg", "invalid")
+        if e.get("type") == "json_invalid":
+            message = f"the request body is not valid JSON: {e.get('ctx', {}).get('error', message)}"
+        errors.append(error_entry(loc, message, where=where))
+    if not errors:
+        errors = [error_entry([], "invalid request")]
+    return invalid(errors).response()
+
+
+async def http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:
+    titles = {404: "Not found", 405: "Method not allowed", 413: "Request too large", 401: "Unauthorized"}
+    detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    if exc.status_code == 404 and detail == "Not Found":
+        detail = f"no such resource: {request.method} {request.url.path}"
+    return Problem(exc.status_code, titles.get(exc.status_code, "Error"), detail,
+                   headers=getattr(exc, "headers", None)).response()
+
+
+async def unhandled_handler(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error", exc_info=exc, extra={"path": request.url.path, "method": request.method})
+    return Problem(500, "Internal server error", "the server failed to answer this request; see its log",
+                   kind="internal").response()

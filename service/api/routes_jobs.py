@@ -1,0 +1,98 @@
+"""``/v1/jobs``: submit (idempotent), list, read, trials, cancel. Thin: see service.api.ops.
+
+Status codes of ``POST /v1/jobs`` (the same request always gets the same job while it is
+queued, running or succeeded):
+
+- **202 Accepted** with ``Location: /v1/jobs/{id}`` when the answer is a job still to run or
+  running: a new job, or the same request again while its job is queued or running;
+- **200 OK** (same body, same ``Location``) when the answer is already finished: the job
+  succeeded (or a kernel for exactly this request was already cached), ``kernel_id`` is set.
+
+A job that failed or was cancelled is not reused: the same request then queues a new job (202).
+The ``Foldwise-Job-Created`` header says whether this request queued a new search.
+``POST /v1/jobs/{id}/cancel`` answers 202 while a running job is stopping (the worker stops
+after its current trial), 200 once the job is finished (cancelled, or it had already ended).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi.responses import JSONResponse
+
+from service.api import ops
+from service.api.deps import Db, context, database
+from service.api.derive import derive_with_limit
+from service.api.schemas import JobList, JobRequest, JobView, ProblemView, TrialList
+
+router = APIRouter(tags=["jobs"])
+JobId = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="a job id (32 lowercase hex)")]
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ProblemView, "content": {"application/problem+json": {}}} for code in (401, 403, 404, 422)
+}
+
+
+@router.post("/v1/jobs", status_code=202, response_model=None,
+             responses={202: {"model": JobView, "description": "queued or running"},
+                        200: {"model": JobView, "description": "already finished"}, **ERRORS})
+async def submit_job(req: JobRequest, request: Request,
+                     db: Annotated[Db, Depends(database("jobs:write", write=True))]) -> JSONResponse:
+    """Queue a tuning job for (spec, shape, dtype, target, measurer).
+
+    Idempotent: the same request (same spec_hash, shape, dtype, target, measurer; the budget
+    is not part of the identity) answers the same job while it is queued, running or
+    succeeded. **202** with ``Location`` while the job is queued or running (new or not),
+    **200** with the same body once it has succeeded (or a kernel for exactly this request was
+    already cached: ``kernel_id`` is set). A failed or cancelled job is not reused: the same
+    request queues a new one. ``Foldwise-Job-Created: true`` when this request queued a new
+    search. Needs the ``jobs:write`` scope once tokens exist (service/auth.py)."""
+    ctx = context(request)
+    parsed = ctx.extra["parsed_specs"]
+    result = await db.run(ops.find_submitted, ctx.specs, parsed, req, ctx.settings, read=True)
+    if result is None:
+        result = await db.run(ops.submit, ctx.specs, parsed, req, ctx.settings)
+    if result.needs_derivation is not None:
+        await derive_with_limit(ctx, result.needs_derivation)
+        result = await db.run(ops.submit, ctx.specs, parsed, req, ctx.settings, derived=True)
+    view = result.view
+    assert view is not None
+    finished = view["status"] in ("succeeded", "failed", "cancelled")
+    return JSONResponse(view, status_code=200 if finished else 202,
+                        headers={"Location": view["url"], "Foldwise-Job-Created": "true" if result.created else "false"})
+
+
+@router.get("/v1/jobs", response_model=JobList, responses=ERRORS)
+async def list_jobs(
+    request: Request, db: Annotated[Db, Depends(database(None))],
+    status: Annotated[Literal["queued", "running", "succeeded", "failed", "cancelled"] | None, Query()] = None,
+    spec_hash: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
+    target: Annotated[str | None, Query(max_length=32)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+) -> JSONResponse:
+    """Jobs, newest first, filtered by status, spec_hash and target."""
+    views = await db.run(ops.list_jobs, context(request).specs, status=status, spec_hash=spec_hash,
+                         target=target.strip().lower() if target else None, limit=limit, offset=offset)
+    return JSONResponse({"jobs": views, "limit": limit, "offset": offset, "count": len(views)})
+
+
+@router.get("/v1/jobs/{job_id}", response_model=JobView, responses=ERRORS)
+async def get_job(job_id: JobId, request: Request, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
+    """A job: status, progress, best so far, kernel_id, error."""
+    return JSONResponse(await db.run(ops.get_job, context(request).specs, job_id))
+
+
+@router.get("/v1/jobs/{job_id}/trials", response_model=TrialList, responses=ERRORS)
+async def list_trials(job_id: JobId, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
+    """Every recorded trial of the job: config, time or failure reason, worker."""
+    return JSONResponse({"job_id": job_id, "trials": await db.run(ops.list_trials, job_id)})
+
+
+@router.post("/v1/jobs/{job_id}/cancel", response_model=None,
+             responses={200: {"model": JobView}, 202: {"model": JobView, "description": "stopping"}, **ERRORS})
+async def cancel_job(job_id: JobId, request: Request,
+                     db: Annotated[Db, Depends(database("jobs:write", write=True))]) -> JSONResponse:
+    """Stop the job's search; finished trials are kept."""
+    view = await db.run(ops.cancel, context(request).specs, job_id)
+    return JSONResponse(view, status_code=202 if view["status"] == "running" else 200)

@@ -1,0 +1,63 @@
+"""``/v1/kernels``: lookup (exact shape, else nearest), kernel views and bundle downloads.
+
+Bundles are served as stored, byte for byte (``application/json``), with
+``ETag: "<sha256>"``; ``If-None-Match`` with that tag (or ``*``) answers 304 without a body.
+The bytes are re-hashed when read from the database and then cached in memory by sha256
+(content addressed, so never stale); the per-request database work is one primary-key
+lookup of the kernel's current bundle hash.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Path, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from service.api import ops
+from service.api.deps import Db, context, database
+from service.api.fastpath import bundle_answer
+from service.api.routes_jobs import ERRORS
+from service.api.schemas import KernelView
+
+router = APIRouter(tags=["kernels"])
+KernelId = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="a kernel id (32 lowercase hex)")]
+
+
+@router.get("/v1/kernels", response_model=KernelView, responses=ERRORS)
+async def lookup_kernel(
+    request: Request, db: Annotated[Db, Depends(database("kernels:read"))],
+    spec_hash: Annotated[str, Query(pattern=r"^[0-9a-f]{64}$", description="the spec's sha256")],
+    target: Annotated[str | None, Query(max_length=32, description="default: the server's target")] = None,
+    shape: Annotated[str | None, Query(max_length=2048, description="d0=4,d1=300 (canonical dims) or the spec's own")] = None,
+    dtype: Annotated[str, Query(max_length=2048, description="float32|float16|bfloat16 or a JSON map")] = "float32",
+) -> JSONResponse:
+    """The best kernel for exactly this shape, else the nearest tuned shape of the same spec,
+    target and dtype (``exact_match`` false)."""
+    ctx = context(request)
+    view = await db.run(ops.lookup_kernel, ctx.specs, spec_hash=spec_hash, target=target or ctx.settings.target,
+                        shape=shape, dtype=dtype)
+    return JSONResponse(view)
+
+
+@router.get("/v1/kernels/{kernel_id}", response_model=KernelView, responses=ERRORS)
+async def get_kernel(kernel_id: KernelId, db: Annotated[Db, Depends(database("kernels:read"))]) -> JSONResponse:
+    """One kernel's view."""
+    return JSONResponse(await db.run(ops.get_kernel, kernel_id))
+
+
+@router.get("/v1/kernels/{kernel_id}/bundle", response_class=Response,
+            responses={200: {"content": {"application/json": {}}, "description": "the bundle, as stored"},
+                       304: {"description": "If-None-Match matched the ETag"}, **ERRORS})
+async def get_bundle(
+    kernel_id: KernelId, request: Request,
+    _auth: Annotated[Db, Depends(database("kernels:read"))],
+    if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
+) -> Response:
+    """The kernel's bundle, byte for byte as stored; ``ETag`` is its sha256.
+
+    Served by service.api.fastpath.BundleFastPath before this route is reached (same answer);
+    this route documents it and answers when the fast path is off."""
+    status, headers, body = await bundle_answer(context(request), kernel_id, request.headers.get("authorization"),
+                                                if_none_match)
+    return Response(body, status_code=status, headers=headers)

@@ -1,0 +1,64 @@
+"""Derivations, stored specs, workers, liveness and metrics."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from service.api import ops
+from service.api.deps import Db, context, database
+from service.api.derive import derive_with_limit
+from service.api.routes_jobs import ERRORS
+from service.api.schemas import DerivationRequest, SpecView, WorkerList
+from service.api.validation import parse_spec
+
+router = APIRouter()
+SpecHash = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="the spec's sha256 (64 lowercase hex)")]
+
+
+@router.post("/v1/derivations", tags=["specs"], responses=ERRORS)
+async def derive(req: DerivationRequest, request: Request, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
+    """Validate and derive a spec: the same object as ``foldwise derive --json``. Nothing is stored."""
+    await db.authorize()
+    spec, _ = await run_in_threadpool(parse_spec, req.spec)
+    return JSONResponse(await derive_with_limit(context(request), spec))
+
+
+@router.get("/v1/specs/{spec_hash}", tags=["specs"], response_model=SpecView, responses=ERRORS)
+async def get_spec(spec_hash: SpecHash, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
+    """A stored spec (as first submitted, and canonical) with its derivation."""
+    return JSONResponse(await db.run(ops.get_spec, spec_hash))
+
+
+@router.get("/v1/workers", tags=["workers"], response_model=WorkerList, responses=ERRORS)
+async def list_workers(request: Request, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
+    """Registered workers, most recently seen first; ``alive``: a heartbeat within the lease time."""
+    alive = max(context(request).settings.lease_seconds, 3 * context(request).settings.heartbeat_seconds)
+    return JSONResponse({"workers": await db.run(ops.list_workers, alive_within_s=alive)})
+
+
+@router.get("/healthz", tags=["ops"])
+async def healthz(request: Request) -> JSONResponse:
+    """Liveness: 200 while the process serves requests; ``database`` says whether it answers."""
+    ctx = context(request)
+    try:
+        await run_in_threadpool(_ping, ctx)
+        database_state = "ok"
+    except Exception as err:  # noqa: BLE001  (reported, not raised: the process itself is alive)
+        database_state = f"unavailable: {type(err).__name__}"
+    return JSONResponse({"status": "ok", "database": database_state})
+
+
+def _ping(ctx: Any) -> None:
+    with ctx.read_sessions() as session:
+        ops.ping(session)
+
+
+@router.get("/metrics", tags=["ops"], response_class=Response)
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics (text format); job, trial, kernel and worker gauges read from the database."""
+    body, content_type = await run_in_threadpool(context(request).metrics.render)
+    return Response(body, media_type=content_type)

@@ -1,0 +1,221 @@
+"""Request models (with their limits) and the JSON views of stored rows.
+
+Requests are Pydantic models: unknown fields are refused (a typo such as ``budgt`` is an
+error naming it, not a silently ignored field), shape sizes must be JSON integers. Limits
+that come from :class:`service.settings.Settings` (budget, dim and shape sizes) are checked
+by :func:`service.api.validation.check_job_request`, since they are not known when the
+models are defined.
+
+Views are plain dicts built by the ``*_view`` functions, documented for OpenAPI by the
+``*View`` models (responses are not re-validated through them: the views are built here and
+the hot paths stay cheap).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from fuser_core.spec import MAX_DIMS
+from service.models import Job, Kernel, TrialRecord, WorkerRecord
+
+DEFAULT_TRIALS = 40
+DEFAULT_SECONDS = 3600.0
+MAX_NAME = 64
+
+
+class Budget(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    trials: StrictInt = Field(DEFAULT_TRIALS, ge=1, description="trials to run (at most the server's max_trials)")
+    seconds: float = Field(DEFAULT_SECONDS, gt=0, allow_inf_nan=False,
+                           description="wall-clock budget, checked between trials (at most max_seconds)")
+
+
+class DerivationRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    spec: dict[str, Any] | str = Field(description="the spec: a JSON object (SPEC.md), or its JSON text")
+
+
+class JobRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    spec: dict[str, Any] | str = Field(description="the spec: a JSON object (SPEC.md), or its JSON text")
+    shape: dict[str, StrictInt] = Field(max_length=MAX_DIMS, description='dim sizes, e.g. {"m": 4, "n": 300}')
+    dtype: str | dict[str, str] = Field("float32", description="float32|float16|bfloat16, or a map input -> dtype")
+    target: str | None = Field(None, max_length=32, description="GPU profile (default: the server's, h100)")
+    measurer: Literal["model", "cuda"] | None = Field(
+        None, description="cuda (timed on a worker's GPU) or model (predicted); default: the server's")
+    budget: Budget = Field(default_factory=Budget)
+
+
+# ----------------------------------------------------------------------------- views
+
+
+def iso(value: datetime | None) -> str | None:
+    if value is None:
+        return None
+    return value.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def job_view(job: Job | Any) -> dict[str, Any]:
+    """The JSON view of a job (an ORM ``Job`` or a Core row of the jobs table)."""
+    return {
+        "id": job.id, "status": job.status, "spec_hash": job.spec_hash, "shape": job.shape,
+        "dtype": _dtype(job.dtype), "target": job.target, "measurer": job.measurer,
+        "budget": {"trials": job.budget_trials, "seconds": job.budget_seconds},
+        "progress": {"trials_done": job.trials_done, "trials_budget": job.budget_trials},
+        "best": job.best, "kernel_id": job.kernel_id, "error": job.error,
+        "cancel_requested": bool(job.cancel_requested), "attempts": job.attempts, "worker_id": job.worker_id,
+        "created_at": iso(job.created_at), "started_at": iso(job.started_at), "finished_at": iso(job.finished_at),
+        "url": f"/v1/jobs/{job.id}",
+        "kernel_url": f"/v1/kernels/{job.kernel_id}" if job.kernel_id else None,
+    }
+
+
+def kernel_view(kernel: Kernel, exact: bool | None = None) -> dict[str, Any]:
+    view = {
+        "id": kernel.id, "spec_hash": kernel.spec_hash, "shape": kernel.shape, "dtype": _dtype(kernel.dtype),
+        "target": kernel.target, "strategy": kernel.strategy, "config": kernel.config, "time_ms": kernel.time_ms,
+        "measurer": kernel.measurer, "predicted": kernel.predicted, "bundle_sha256": kernel.bundle_sha256,
+        "triton_version": kernel.triton_version, "generator_version": kernel.generator_version,
+        "job_id": kernel.job_id, "baselines": kernel.baselines, "created_at": iso(kernel.created_at),
+        "bundle_url": f"/v1/kernels/{kernel.id}/bundle",
+    }
+    if exact is not None:
+        view["exact_match"] = exact
+    return view
+
+
+def trial_view(t: TrialRecord) -> dict[str, Any]:
+    return {"number": t.number, "state": t.state, "strategy": t.strategy, "config": t.config, "time_ms": t.time_ms,
+            "error": t.error, "worker_id": t.worker_id, "predicted": t.predicted, "source": t.source,
+            "created_at": iso(t.created_at)}
+
+
+def worker_view(w: WorkerRecord, *, alive_within_s: float) -> dict[str, Any]:
+    age = (datetime.now(UTC) - w.last_heartbeat).total_seconds() if w.last_heartbeat else None
+    return {"id": w.id, "hostname": w.hostname, "gpu_name": w.gpu_name, "target": w.target, "measurer": w.measurer,
+            "versions": w.versions, "current_job_id": w.current_job_id, "started_at": iso(w.started_at),
+            "last_heartbeat": iso(w.last_heartbeat), "alive": age is not None and age <= alive_within_s}
+
+
+def _dtype(text: str) -> Any:
+    import json
+
+    return json.loads(text) if text.startswith("{") else text
+
+
+# ----------------------------------------------------------------------------- OpenAPI documentation
+
+
+class BudgetView(BaseModel):
+    trials: int
+    seconds: float
+
+
+class ProgressView(BaseModel):
+    trials_done: int
+    trials_budget: int
+
+
+class JobView(BaseModel):
+    id: str
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    spec_hash: str
+    shape: dict[str, int]
+    dtype: str | dict[str, str]
+    target: str
+    measurer: str
+    budget: BudgetView
+    progress: ProgressView
+    best: dict[str, Any] | None = Field(description="{strategy, config, time_ms, trial} of the best trial so far")
+    kernel_id: str | None
+    error: str | None
+    cancel_requested: bool
+    attempts: int
+    worker_id: str | None
+    created_at: str | None
+    started_at: str | None
+    finished_at: str | None
+    url: str
+    kernel_url: str | None
+
+
+class JobList(BaseModel):
+    jobs: list[JobView]
+    limit: int
+    offset: int
+
+
+class TrialView(BaseModel):
+    number: int
+    state: Literal["complete", "failed", "pruned"]
+    strategy: str | None
+    config: dict[str, Any] | None
+    time_ms: float | None
+    error: str | None
+    worker_id: str | None
+    predicted: bool
+    source: str | None
+    created_at: str | None
+
+
+class TrialList(BaseModel):
+    job_id: str
+    trials: list[TrialView]
+
+
+class KernelView(BaseModel):
+    id: str
+    spec_hash: str
+    shape: dict[str, int]
+    dtype: str | dict[str, str]
+    target: str
+    strategy: str
+    config: dict[str, Any]
+    time_ms: float
+    measurer: str
+    predicted: bool
+    exact_match: bool | None = Field(None, description="lookups only: the kernel was tuned for exactly this shape")
+    bundle_sha256: str
+    triton_version: str
+    generator_version: str
+    job_id: str | None
+    baselines: dict[str, Any] | None
+    created_at: str | None
+    bundle_url: str
+
+
+class WorkerView(BaseModel):
+    id: str
+    hostname: str
+    gpu_name: str | None
+    target: str
+    measurer: str
+    versions: dict[str, Any]
+    current_job_id: str | None
+    started_at: str | None
+    last_heartbeat: str | None
+    alive: bool
+
+
+class WorkerList(BaseModel):
+    workers: list[WorkerView]
+
+
+class SpecView(BaseModel):
+    spec_hash: str
+    name: str
+    spec: dict[str, Any] = Field(description="the spec as first submitted")
+    canonical: dict[str, Any]
+    derivation: dict[str, Any] = Field(description="the same object as `foldwise derive --json`")
+    created_at: str | None
+
+
+class ProblemView(BaseModel):
+    type: str
+    title: str
+    status: int
+    detail: str
+    errors: list[dict[str, Any]] | None = None

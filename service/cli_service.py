@@ -1,0 +1,348 @@
+"""The service's commands of the ``foldwise`` CLI: ``serve``, ``worker`` (job-queue mode),
+``db upgrade``/``db current`` and ``token create|revoke|list``.
+
+Kept out of service/cli.py so the CLI module stays small; :func:`add_service_commands` adds
+the parsers and service/cli.py's ``worker`` command calls :func:`cmd_worker_queue` when no
+``--study`` is given. Exit codes as everywhere in the CLI: 0 ok, 2 bad input or a database
+that cannot be used as is (the message says what to run), 1 an internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+EXIT_INVALID = 2
+log = logging.getLogger("foldwise.serve")
+
+
+def _usage(message: str) -> Exception:
+    from service.cli import UsageError
+
+    return UsageError(message)
+
+
+def _settings(**overrides: Any):
+    from pydantic import ValidationError
+
+    from service.settings import get_settings
+
+    try:
+        return get_settings(**overrides)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first.get("loc", ())) or "settings"
+        raise _usage(f"--{field.replace('_', '-')} (or FOLDWISE_{field.upper()}): {first.get('msg')}") from None
+
+
+def _engine(url: str):
+    import sqlalchemy as sa
+
+    from service.db import make_engine
+
+    try:
+        engine = make_engine(url)
+        with engine.connect():
+            pass
+        return engine
+    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ValueError) as err:
+        raise _usage(f"--db: not a database URL this build can open ({url!r}): {err}") from None
+    except sa.exc.OperationalError as err:
+        raise _usage(f"--db: cannot connect to {url!r}: {str(err.orig).strip() or err}") from None
+
+
+def _is_sqlite(url: str) -> bool:
+    return url.startswith("sqlite")
+
+
+def _current_or_exit(engine) -> None:
+    from service.db import DatabaseBehind, check_current
+
+    try:
+        check_current(engine)
+    except DatabaseBehind as err:
+        raise _usage(str(err)) from None
+
+
+# ----------------------------------------------------------------------------- db
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    from service.db import current_revision, head_revision, upgrade
+
+    settings = _settings(db_url=args.db)
+    engine = _engine(settings.db_url)
+    try:
+        if args.action == "upgrade":
+            before = current_revision(engine)
+            upgrade(settings.db_url)
+            after = current_revision(engine)
+            print(f"database at revision {after}" + (" (unchanged)" if before == after else f" (was {before})"))
+        else:
+            current, head = current_revision(engine), head_revision()
+            print(f"database at revision {current}; code expects {head}" + ("" if current == head else " (behind)"))
+            return 0 if current == head else 1
+    finally:
+        engine.dispose()
+    return 0
+
+
+# ----------------------------------------------------------------------------- tokens
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    from service import auth
+    from service.db import session_factory
+
+    settings = _settings(db_url=args.db)
+    engine = _engine(settings.db_url)
+    try:
+        _current_or_exit(engine)
+        with session_factory(engine)() as session:
+            if args.action == "create":
+                try:
+                    token, secret = auth.create_token(session, args.name, args.scopes)
+                except ValueError as err:
+                    raise _usage(f"--{'scopes' if 'scope' in str(err) else 'name'}: {err}") from None
+                if args.json:
+                    print(json.dumps({"id": token.id, "name": token.name, "scopes": token.scopes.split(),
+                                      "token": secret}))
+                else:
+                    print(secret)
+                    print(f"token {token.name!r} (id {token.id}, scopes {token.scopes}); the secret above is "
+                          "shown only now: store it", file=sys.stderr)
+            elif args.action == "revoke":
+                if (args.name is None) == (args.id is None):
+                    raise _usage("token revoke: give --name or --id")
+                revoked = auth.revoke_token(session, name=args.name, token_id=args.id)
+                if not revoked:
+                    raise _usage(f"no active token with {'name ' + repr(args.name) if args.name else 'id ' + args.id}")
+                for t in revoked:
+                    print(f"revoked token {t.name!r} (id {t.id})")
+            else:
+                rows = [{"id": t.id, "name": t.name, "scopes": t.scopes.split(),
+                         "created_at": t.created_at.isoformat(), "revoked": t.revoked_at is not None,
+                         "last_used_at": t.last_used_at.isoformat() if t.last_used_at else None}
+                        for t in auth.list_tokens(session)]
+                if args.json:
+                    print(json.dumps(rows, indent=2))
+                for r in rows if not args.json else []:
+                    state = "revoked" if r["revoked"] else "active"
+                    print(f"{r['id']}  {r['name']:<24} {','.join(r['scopes']):<28} {state}")
+    finally:
+        engine.dispose()
+    return 0
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def cmd_worker_queue(args: argparse.Namespace) -> int:
+    """``foldwise worker --db URL`` without ``--study``: take jobs from the service's queue."""
+    from service.db import DatabaseBehind
+    from service.logs import configure_logging
+    from service.tuning import SetupError, default_measurer
+    from service.worker import run_worker
+
+    settings = _settings(db_url=args.db, target=args.target, measurer=args.measurer)
+    configure_logging(args.log_level)
+    engine = _engine(settings.db_url)
+    engine.dispose()
+    stop = threading.Event()
+    previous = _stop_on_signals(stop)
+    measurer = settings.measurer or default_measurer()
+    try:
+        done = run_worker(settings.db_url, measurer=measurer, target=settings.target, worker_id=args.worker_id,
+                          stop=stop, poll_s=args.poll, once=args.once, settings=settings)
+    except SetupError as err:
+        raise _usage(err.cli_message) from None
+    except DatabaseBehind as err:
+        raise _usage(str(err)) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if args.json:
+        print(json.dumps({"jobs": done}))
+    return 0
+
+
+def _stop_on_signals(stop: threading.Event) -> dict[int, Any]:
+    """SIGTERM/SIGINT: finish the current trial, give the job back, exit. Returns the handlers
+    it replaced (to restore), or none when not on the main thread."""
+    def handler(signum: int, frame: Any) -> None:
+        if stop.is_set():  # a second signal: leave now (the job's lease expires and it is taken over)
+            raise SystemExit(128 + signum)
+        stop.set()
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+# ----------------------------------------------------------------------------- serve
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Migrate (SQLite) or check (shared database) the database, then run the API with N worker threads."""
+    import uvicorn
+
+    from service import auth
+    from service.api import create_app
+    from service.db import session_factory, upgrade
+    from service.logs import configure_logging
+    from service.tuning import default_measurer
+
+    settings = _settings(db_url=args.db, host=args.host, port=args.port, workers=args.workers,
+                         target=args.target, measurer=args.measurer)
+    configure_logging(args.log_level)
+    url = settings.db_url
+    engine = _engine(url)
+    try:
+        if _is_sqlite(url):
+            upgrade(url)  # a local file: serve creates and migrates it itself
+        else:
+            _current_or_exit(engine)  # a shared database is migrated on purpose: `foldwise db upgrade`
+        with session_factory(engine)() as session:
+            try:
+                auth.check_bind_allowed(session, settings.host)
+            except PermissionError as err:
+                raise _usage(str(err)) from None
+    finally:
+        engine.dispose()
+
+    app = create_app(settings)
+    stop = threading.Event()
+    # picking the default looks for a GPU (imports torch): only when there are workers to run
+    measurer = settings.measurer or (default_measurer() if settings.workers else "model")
+    threads = [threading.Thread(target=_worker_thread, args=(settings, measurer, stop, i), daemon=True,
+                                name=f"foldwise-worker-{i}") for i in range(settings.workers)]
+    for t in threads:
+        t.start()
+    log.info("serving", extra={"url": f"http://{settings.host}:{settings.port}", "db": _shown(url),
+                               "workers": settings.workers, "measurer": measurer, "target": settings.target})
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                            log_level=args.log_level, timeout_graceful_shutdown=10)
+    server = _Server(config)
+    previous = _shutdown_on_signals(server, stop)
+    try:
+        server.run()
+    finally:
+        stop.set()  # the in-process workers finish their trial and give their jobs back
+        for t in threads:
+            t.join(timeout=15)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _server_class():
+    import contextlib
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server without its own signal handling: after a graceful shutdown uvicorn
+        re-raises the signal, which would end the process before the in-process workers give
+        their jobs back; :func:`_shutdown_on_signals` handles SIGTERM/SIGINT instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            yield
+
+    return Server
+
+
+def _Server(config: Any) -> Any:
+    return _server_class()(config)
+
+
+def _shutdown_on_signals(server: Any, stop: threading.Event) -> dict[int, Any]:
+    """SIGTERM/SIGINT: stop accepting, finish the requests in flight, stop the workers; a
+    second signal: exit at once."""
+    def handler(signum: int, frame: Any) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+        stop.set()
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _worker_thread(settings: Any, measurer: str, stop: threading.Event, index: int) -> None:
+    from service.worker import new_worker_id, run_worker
+
+    try:
+        run_worker(settings.db_url, measurer=measurer, target=settings.target, stop=stop, settings=settings,
+                   worker_id=f"{new_worker_id()}-t{index}")
+    except Exception:  # the API keeps serving; the log says why this worker is gone
+        log.exception("in-process worker stopped", extra={"worker": index})
+
+
+def _shown(url: str) -> str:
+    import sqlalchemy as sa
+
+    try:
+        return sa.engine.make_url(url).render_as_string(hide_password=True)
+    except sa.exc.ArgumentError:
+        return "?"
+
+
+# ----------------------------------------------------------------------------- parsers
+
+
+def add_service_commands(sub: Any) -> None:
+    """Add ``serve``, ``db`` and ``token`` to the CLI's subparsers."""
+    from service.logs import LEVELS
+
+    serve = sub.add_parser("serve", help="the REST API and dashboard, with in-process workers")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1; anything else needs API tokens)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--db", help="database URL (default: sqlite:///foldwise.db in the working directory, "
+                                    "created and migrated by serve; a shared database must be migrated with "
+                                    "`foldwise db upgrade`)")
+    serve.add_argument("--workers", type=int, help="in-process workers (default 1; 0: API only)")
+    serve.add_argument("--measurer", choices=("model", "cuda"), help="the workers' measurer (default: cuda when a "
+                                                                      "GPU is visible, else model)")
+    serve.add_argument("--target", help="the workers' target, and the default target of jobs (default h100)")
+    serve.add_argument("--log-level", default="info", choices=LEVELS)
+    serve.set_defaults(func=cmd_serve)
+
+    db = sub.add_parser("db", help="database migrations")
+    db_sub = db.add_subparsers(dest="action", required=True)
+    for action, text in (("upgrade", "apply the Alembic migrations (alembic upgrade head)"),
+                         ("current", "print the database's revision; exit 1 when it is behind")):
+        p = db_sub.add_parser(action, help=text)
+        p.add_argument("--db", help="database URL (default: FOLDWISE_DB_URL, else sqlite:///foldwise.db)")
+        p.set_defaults(func=cmd_db)
+
+    token = sub.add_parser("token", help="API tokens (bearer tokens with scopes)")
+    t_sub = token.add_subparsers(dest="action", required=True)
+    create = t_sub.add_parser("create", help="create a token and print its secret (once)")
+    create.add_argument("--name", required=True, help="who or what the token is for")
+    create.add_argument("--scopes", required=True, help="comma-separated: jobs:write, kernels:read, admin")
+    revoke = t_sub.add_parser("revoke", help="revoke tokens by name or id")
+    revoke.add_argument("--name", help="revoke every active token with this name")
+    revoke.add_argument("--id", help="revoke the token with this id")
+    listing = t_sub.add_parser("list", help="list tokens (never their secrets)")
+    for p in (create, revoke, listing):
+        p.add_argument("--db", help="database URL (default: FOLDWISE_DB_URL, else sqlite:///foldwise.db)")
+        p.add_argument("--json", action="store_true", help="print JSON")
+        p.set_defaults(func=cmd_token)
+
+
+def add_queue_worker_arguments(worker: argparse.ArgumentParser) -> None:
+    """The ``worker`` command's job-queue flags (used when no ``--study`` is given)."""
+    from service.logs import LEVELS
+
+    worker.add_argument("--once", action="store_true", help="job-queue mode: process at most one job, then exit")
+    worker.add_argument("--poll", type=float, default=1.0, metavar="SECONDS",
+                        help="job-queue mode: how often to look for a job when idle (default 1)")
+    worker.add_argument("--worker-id", help="job-queue mode: this worker's id (default: host-pid-random)")
+    worker.add_argument("--log-level", default="info", choices=LEVELS, help="job-queue mode: JSON log level")

@@ -1,0 +1,136 @@
+// One job: its facts, best-so-far vs trial chart, every trial, and the cancel button.
+import { api, download } from "../api.js";
+import { displayConfig, displayShape, lookupSpecs, specName } from "../names.js";
+import {
+  FINISHED, errorBox, fmtDtype, fmtDuration, fmtJson, fmtMs, fmtShape, fmtTime, h, items, poller, progressBar, replace, short,
+  statusBadge,
+} from "../util.js";
+
+export async function render(ctx) {
+  const id = ctx.parts[1];
+  const facts = h("dl", { class: "facts", id: "job-facts" });
+  const head = h("div", { class: "page-head" });
+  const message = h("div", { id: "job-message" });
+  const chartBox = h("div", { class: "chart", id: "job-chart" });
+  const chartNote = h("p", { class: "muted", id: "chart-note" });
+  const tbody = h("tbody", { id: "trials-body" });
+  const trialsTable = h("table", { class: "grid", id: "trials-table" },
+    h("thead", {}, h("tr", {}, ["#", "state", "strategy", "config", "time / failure", "source", "worker"].map((c) => h("th", {}, c)))),
+    tbody);
+  replace(ctx.root, head, message, facts,
+    h("h2", {}, "Best so far vs trial"), chartBox, chartNote,
+    h("h2", {}, "Trials ", h("span", { class: "muted", id: "trials-count" })), trialsTable);
+
+  let chart = null;
+  let lastTrialsSig = "";
+  let lastJobSig = "";
+  let stop = null;
+  let finishedSeen = false;
+  let hash = null;
+
+  const drawChart = (trials) => {
+    const xs = [];
+    const times = [];
+    const best = [];
+    let b = null;
+    const sorted = [...trials].sort((a, c) => a.number - c.number);
+    for (const t of sorted) {
+      const ok = t.time_ms !== null && t.time_ms !== undefined && (t.state === undefined || t.state === "complete");
+      xs.push(t.number);
+      times.push(ok ? t.time_ms : null);
+      if (ok && (b === null || t.time_ms < b)) b = t.time_ms;
+      best.push(b);
+    }
+    const data = [xs, times, best];
+    const width = Math.max(320, chartBox.clientWidth || 800);
+    if (chart) { chart.setData(data); chart.setSize({ width, height: 280 }); return; }
+    if (!window.uPlot) { chartBox.textContent = "chart library missing"; return; }
+    chart = new window.uPlot({
+      width, height: 280,
+      scales: { x: { time: false } },
+      axes: [{ label: "trial", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000], values: (u, vals) => vals.map((v) => String(Math.round(v))) }, { label: "time (ms)", size: 70, values: (u, vals) => vals.map((v) => (v === null ? "" : +v.toPrecision(3))) }],
+      series: [
+        { label: "trial" },
+        { label: "trial time", stroke: "#8aa4c8", width: 0, paths: () => null, points: { show: true, size: 6, fill: "#8aa4c8" }, value: (u, v) => (v === null ? "—" : fmtMs(v)) },
+        { label: "best so far", stroke: "#c0392b", width: 2, points: { show: false }, value: (u, v) => (v === null ? "—" : fmtMs(v)) },
+      ],
+      legend: { live: true },
+    }, data, chartBox);
+  };
+
+  const renderJob = async (j) => {
+    await lookupSpecs([j.spec_hash]);
+    if (!ctx.alive()) return;
+    hash = j.spec_hash;
+    const canCancel = ctx.can("jobs:write") && !FINISHED.has(j.status);
+    const cancel = canCancel ? h("button", { type: "button", class: "danger", id: "cancel-button", disabled: j.cancel_requested === true, onclick: async (e) => {
+      e.target.disabled = true;
+      try { await api(`v1/jobs/${encodeURIComponent(id)}/cancel`, { method: "POST" }); await refresh(); } catch (err) { replace(message, errorBox(err)); e.target.disabled = false; }
+    } }, j.cancel_requested ? "Cancelling…" : "Cancel") : null;
+    replace(head, h("h1", {}, "Job ", h("span", { class: "mono" }, short(j.id, 12)), " ", statusBadge(j.status)), cancel);
+    const p = j.progress || {};
+    const budget = j.budget || {};
+    const best = j.best;
+    const rows = [
+      ["spec", h("a", { href: `#/specs/${encodeURIComponent(j.spec_hash)}`, id: "job-spec-link" }, (j.spec_name || specName(j.spec_hash)) ? `${j.spec_name || specName(j.spec_hash)} ` : "", h("span", { class: "mono muted" }, short(j.spec_hash, 16)))],
+      ["shape", h("span", { class: "mono", id: "job-shape" }, fmtShape(j.display_shape || displayShape(j.spec_hash, j.shape)))],
+      ["dtype", fmtDtype(j.dtype)],
+      ["target / measurer", `${j.target} / ${j.measurer}`],
+      ["budget", `${budget.trials ?? "?"} trials, ${budget.seconds ?? "?"} s`],
+      ["progress", progressBar(p.trials_done ?? 0, p.trials_budget ?? budget.trials ?? 0)],
+      ["created", fmtTime(j.created_at)],
+      ["started", j.started_at ? `${fmtTime(j.started_at)} (ran ${fmtDuration(j.started_at, j.finished_at)})` : "not yet"],
+      ["finished", fmtTime(j.finished_at) || "—"],
+      ["worker", j.worker_id || "—"],
+      ["best", best ? h("span", {}, h("strong", { id: "job-best" }, fmtMs(best.time_ms)), ` ${best.strategy || ""} `, h("code", {}, fmtJson(displayConfig(j.spec_hash, best.config))), best.trial !== undefined ? ` (trial ${best.trial})` : "") : "—"],
+    ];
+    if (j.kernel_id) {
+      rows.push(["kernel", h("span", {},
+        h("a", { href: `#/kernels?spec_hash=${encodeURIComponent(j.spec_hash)}` }, h("span", { class: "mono" }, short(j.kernel_id, 12))), " ",
+        ctx.can("kernels:read") ? h("button", { type: "button", id: "download-bundle", onclick: () => download(`v1/kernels/${encodeURIComponent(j.kernel_id)}/bundle`, `foldwise-${short(j.spec_hash, 12)}-${j.target}.json`).catch((err) => replace(message, errorBox(err))) }, "Download bundle") : null)]);
+    }
+    if (j.error) rows.push(["error", h("span", { class: "error-text", id: "job-error" }, j.error)]);
+    replace(facts, rows.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]));
+  };
+
+  const renderTrials = (trials) => {
+    document.getElementById("trials-count").textContent = `(${trials.length})`;
+    const sorted = [...trials].sort((a, b) => b.number - a.number);
+    replace(tbody, sorted.map((t) => {
+      const failed = t.state && t.state !== "complete";
+      return h("tr", { "data-state": t.state || "" },
+        h("td", { class: "num" }, t.number),
+        h("td", {}, h("span", { class: `badge trial-${t.state}` }, t.state || "")),
+        h("td", {}, t.strategy || ""),
+        h("td", {}, h("code", { class: "config" }, fmtJson(displayConfig(hash, t.config)))),
+        h("td", { class: failed ? "error-text" : "num" }, failed ? (t.error || t.state) : [fmtMs(t.time_ms), t.predicted ? h("span", { class: "muted" }, " predicted") : null]),
+        h("td", { class: "muted" }, t.source || ""),
+        h("td", { class: "mono muted" }, t.worker_id ?? t.worker ?? ""));
+    }));
+    chartNote.textContent = trials.length ? "" : "No trials yet.";
+    drawChart(trials);
+  };
+
+  const refresh = async () => {
+    const [j, tdata] = await Promise.all([
+      api(`v1/jobs/${encodeURIComponent(id)}`),
+      api(`v1/jobs/${encodeURIComponent(id)}/trials`),
+    ]);
+    if (!ctx.alive()) return;
+    const jobSig = JSON.stringify(j);
+    if (jobSig !== lastJobSig) { lastJobSig = jobSig; await renderJob(j); }
+    const trials = items(tdata, "trials");
+    const sig = `${trials.length}:${JSON.stringify(trials[trials.length - 1] || null)}`;
+    if (sig !== lastTrialsSig) { lastTrialsSig = sig; renderTrials(trials); }
+    if (FINISHED.has(j.status)) {
+      // one more round after finishing catches trials written just before the status changed
+      if (finishedSeen && stop) { stop(); stop = null; }
+      finishedSeen = true;
+    }
+  };
+  await refresh();
+  const onResize = () => { if (chart) chart.setSize({ width: Math.max(320, chartBox.clientWidth), height: 280 }); };
+  window.addEventListener("resize", onResize);
+  stop = poller(refresh, 1500, false);
+  return () => { if (stop) stop(); window.removeEventListener("resize", onResize); if (chart) chart.destroy(); };
+}

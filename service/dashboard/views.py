@@ -1,0 +1,420 @@
+"""What the dashboard's own endpoints return, as plain functions over a Session.
+
+The general API (service.api) serves jobs, trials, workers, kernels and bundles; these are the
+few views only the dashboard needs: a spec's derivation as LaTeX, its generated Triton source,
+the kernel cache as a table with speedups, the catalog for the submit form, and the choices
+the form offers. Routes (:mod:`service.dashboard.api`) stay thin; errors are
+:class:`DashboardError` with the request field they concern, so the route answers 404/422 with
+a message naming it.
+
+Costs are bounded: a spec was validated when first stored (size and expression limits of
+:mod:`fuser_core.spec`), derivations and LaTeX are cached per spec (LRU), code generation is
+cached on disk by :mod:`fuser_core.codegen.module`, and listings are paged with a hard limit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from service.models import Job, Kernel, SpecRecord, WorkerRecord
+
+MAX_LIMIT = 500
+MAX_NAMES = 200
+DEFAULT_DIM = 128  # a dim's size for generated source when no job or kernel gives one
+MAX_DIM = 2**31 - 1
+MAX_CATALOG_FILES = 200
+MAX_CATALOG_BYTES = 64 * 1024
+HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+SHAPE_ITEM = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d{1,12})\s*$")
+SOURCE_PREFERENCE = ("streaming_fused", "row_resident", "split_fused", "multi_pass")
+
+
+class DashboardError(Exception):
+    """A request the dashboard views cannot answer: ``status`` 404 or 422, ``loc`` the field."""
+
+    def __init__(self, status: int, message: str, loc: tuple[str | int, ...] = ()):
+        self.status, self.message, self.loc = status, message, tuple(loc)
+        super().__init__(message)
+
+
+# ----------------------------------------------------------------------------- specs
+
+
+def _spec_record(session: Session, spec_hash: str) -> SpecRecord:
+    if not HASH_RE.match(spec_hash):
+        raise DashboardError(422, "must be 64 lowercase hex characters", ("path", "spec_hash"))
+    rec = session.get(SpecRecord, spec_hash)
+    if rec is None:
+        raise DashboardError(404, f"no spec with hash {spec_hash}", ("path", "spec_hash"))
+    return rec
+
+
+@lru_cache(maxsize=128)
+def _loaded(source: str) -> tuple[Any, Any]:
+    """(Spec, Derivation) for a stored spec's source; cached, since both are pure functions of it."""
+    from fuser_core.derive import derive_cascade
+    from fuser_core.spec import load_spec
+
+    spec = load_spec(source)
+    return spec, derive_cascade(spec)
+
+
+@lru_cache(maxsize=128)
+def _math(source: str) -> str:
+    """The LaTeX view as JSON text (cached as text so callers can never mutate the cached value)."""
+    from service.dashboard.mathtex import derivation_math
+
+    _, derivation = _loaded(source)
+    return json.dumps(derivation_math(derivation))
+
+
+@lru_cache(maxsize=128)
+def _user_names_cached(source: str) -> tuple[tuple[str, str], ...]:
+    from fuser_core.canonical import canonical_names
+
+    spec, _ = _loaded(source)
+    return tuple((canon, user) for user, canon in canonical_names(spec).items())
+
+
+def _user_names(source: str) -> dict[str, str]:
+    """canonical name (``d0``) -> the name in the spec as first stored."""
+    return dict(_user_names_cached(source))
+
+
+def spec_names(session: Session, hashes: list[str]) -> dict[str, dict[str, Any]]:
+    """For each known spec hash: its name and its dims' names (canonical -> as first stored).
+
+    Job and kernel shapes are stored under canonical dim names (``d0``); pages show them in the
+    spec's own names, as :func:`service.jobs.display_shape` does, one request per page of rows.
+    """
+    wanted = sorted({h for h in hashes if HASH_RE.match(h)})
+    if len(wanted) > MAX_NAMES:
+        raise DashboardError(422, f"at most {MAX_NAMES} hashes per request", ("query", "hash"))
+    if not wanted:
+        return {}
+    rows = session.execute(sa.select(SpecRecord.spec_hash, SpecRecord.name, SpecRecord.source)
+                           .where(SpecRecord.spec_hash.in_(wanted))).all()
+    out = {}
+    for row in rows:
+        names = _user_names(row.source)
+        out[row.spec_hash] = {"name": row.name, "dims": {c: u for c, u in names.items() if re.fullmatch(r"d\d+", c)}}
+    return out
+
+
+def spec_math(session: Session, spec_hash: str) -> dict[str, Any]:
+    """The spec as submitted, its derivation as LaTeX per reduction, and its certificate."""
+    rec = _spec_record(session, spec_hash)
+    out = json.loads(_math(rec.source))
+    report = rec.derivation or {}
+    out.update(
+        spec_hash=rec.spec_hash,
+        name=rec.name,
+        spec=json.loads(rec.source),
+        certificate=report.get("certificate"),
+        report_reductions=report.get("reductions", []),
+        created_at=rec.created_at.isoformat() if rec.created_at else None,
+    )
+    return out
+
+
+def parse_shape_text(text: str) -> dict[str, int]:
+    """``"m=4,n=300"`` -> {"m": 4, "n": 300}; DashboardError naming ``shape`` otherwise."""
+    out: dict[str, int] = {}
+    for item in (p for p in text.split(",") if p.strip()):
+        m = SHAPE_ITEM.match(item)
+        if not m:
+            raise DashboardError(422, f"expected dim=size pairs like m=4,n=300, got {item.strip()[:40]!r}",
+                                 ("query", "shape"))
+        n = int(m[2])
+        if not 1 <= n <= MAX_DIM:
+            raise DashboardError(422, f"{m[1]}: size must be 1..{MAX_DIM}", ("query", "shape", m[1]))
+        out[m[1]] = n
+    if not out:
+        raise DashboardError(422, "empty shape", ("query", "shape"))
+    return out
+
+
+def _dtype_value(text: str) -> str | dict[str, str]:
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DashboardError(422, f"not valid JSON: {err.msg}", ("query", "dtype")) from None
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise DashboardError(422, "expected a JSON object of input name -> dtype", ("query", "dtype"))
+        return value
+    return text
+
+
+def spec_source(
+    session: Session, spec_hash: str, *, strategy: str | None = None, shape: str | None = None,
+    dtype: str | None = None,
+) -> dict[str, Any]:
+    """Generated Triton source for the spec.
+
+    Defaults: the shape, dtype, strategy and configuration of the spec's newest kernel (the
+    tuned source), else the newest job's shape and dtype with the preferred valid strategy and
+    its default configuration, else ``DEFAULT_DIM`` per dim in float32.
+    """
+    from fuser_core.codegen.module import GENERATOR_VERSION, generate
+    from fuser_core.codegen.plan import NotValid, default_config, valid_strategies
+    from fuser_core.errors import SpecError
+    from fuser_core.reference import bind_shape
+    from fuser_core.runner import bind_dtypes
+
+    rec = _spec_record(session, spec_hash)
+    spec, derivation = _loaded(rec.source)
+    kernel = session.scalars(
+        sa.select(Kernel).where(Kernel.spec_hash == spec_hash).order_by(Kernel.created_at.desc()).limit(1)
+    ).first()
+    job = None
+    if kernel is None:
+        job = session.scalars(
+            sa.select(Job).where(Job.spec_hash == spec_hash).order_by(Job.created_at.desc()).limit(1)
+        ).first()
+    origin = kernel or job
+    # stored shapes and tuned configs use the canonical dim names (service.jobs); show the spec's own
+    back = _user_names(rec.source)
+    raw_shape: Mapping[str, int] = (
+        parse_shape_text(shape) if shape else {back.get(d, d): n for d, n in origin.shape.items()} if origin is not None
+        else {d: DEFAULT_DIM for d in spec.dims if not any(s.as_dim == d for s in spec.steps)}
+    )
+    raw_dtype: str | dict[str, str] = (
+        _dtype_value(dtype) if dtype else _dtype_value(origin.dtype) if origin is not None else "float32"
+    )
+    fallback_note = ""
+    try:
+        bound = bind_shape(spec, raw_shape)
+    except SpecError as err:
+        if shape:
+            raise DashboardError(422, err.message, ("query", *err.loc)) from None
+        # a stored shape the generator cannot take (larger than the reference's limits): show the code anyway
+        fallback_note = f"The stored shape cannot be generated here ({err}); showing {DEFAULT_DIM} per dim. "
+        bound = bind_shape(spec, {d: DEFAULT_DIM for d in spec.dims if not any(s.as_dim == d for s in spec.steps)})
+        kernel = None
+    try:
+        dtypes = bind_dtypes(spec, raw_dtype)
+    except SpecError as err:
+        raise DashboardError(422, err.message, ("query", *err.loc)) from None
+    valid = valid_strategies(spec, derivation, bound)
+    module = None
+    if kernel is not None and not shape and not dtype and strategy in (None, kernel.strategy):
+        module, config = _tuned_module(spec, derivation, kernel, bound, dtypes, back)
+    if module is not None:
+        assert kernel is not None
+        chosen, kernel_id = kernel.strategy, kernel.id
+        note = f"The tuned kernel {kernel.id[:12]} ({kernel.time_ms:.4g} ms, {kernel.measurer})."
+    else:
+        kernel_id = None
+        chosen = strategy or next((s for s in SOURCE_PREFERENCE if valid.get(s) is None), "multi_pass")
+        if chosen not in valid:
+            raise DashboardError(422, f"unknown strategy {chosen!r}; one of {', '.join(valid)}", ("query", "strategy"))
+        if valid[chosen] is not None:
+            raise DashboardError(422, f"{chosen} is not valid here: {valid[chosen]}", ("query", "strategy"))
+        config = default_config(spec, derivation, chosen, bound)
+        note = fallback_note + "The strategy's default configuration (before tuning)."
+        try:
+            module = generate(spec, derivation, chosen, bound, config, dtypes)
+        except (NotValid, ValueError) as err:
+            raise DashboardError(422, str(err), ("query", "strategy")) from None
+    return {
+        "spec_hash": spec_hash,
+        "strategy": chosen,
+        "strategies": valid,
+        "shape": bound,
+        "dtype_key": raw_dtype if isinstance(raw_dtype, str) else json.dumps(raw_dtype, sort_keys=True),
+        "config": config.to_dict(),
+        "generator_version": GENERATOR_VERSION,
+        "kernel_id": kernel_id,
+        "note": note,
+        "source": module.source,
+    }
+
+
+def _tuned_module(spec: Any, derivation: Any, kernel: Kernel, bound: dict[str, int], dtypes: dict[str, str],
+                  back: dict[str, str]) -> tuple[Any, Any]:
+    """(module, config) of a stored kernel's strategy and configuration (its blocks renamed from the
+    canonical dims), or (None, None) when this code cannot generate it (an older generator's config)."""
+    from fuser_core.codegen.module import generate
+    from fuser_core.codegen.plan import KernelConfig, NotValid
+
+    raw = dict(kernel.config or {})
+    raw["blocks"] = {back.get(d, d): b for d, b in (raw.get("blocks") or {}).items()}
+    try:
+        config = KernelConfig.from_dict(raw)
+        return generate(spec, derivation, kernel.strategy, bound, config, dtypes), config
+    except (NotValid, ValueError, KeyError):
+        return None, None
+
+
+# ----------------------------------------------------------------------------- kernels
+
+_CHAIN_KEYS = ("unfused_chain", "unfused_chain_ms", "chain", "unfused")
+_COMPILE_KEYS = ("torch_compile", "torch.compile", "torch_compile_ms", "compile", "inductor")
+_PREDICTION_KEYS = ("predicted_ms", "model_ms", "model", "prediction", "predicted")
+
+
+def _baseline(baselines: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[float, bool] | None:
+    """(time_ms, predicted) of the first baseline present under one of ``keys``.
+
+    A baseline is a number of milliseconds, or an object with ``time_ms`` (or ``ms``) and
+    optionally ``predicted``; anything else (a failure note, NaN) counts as not measured.
+    """
+    for key in keys:
+        value = baselines.get(key)
+        predicted = False
+        if isinstance(value, Mapping):
+            predicted = bool(value.get("predicted", False))
+            value = value.get("time_ms", value.get("ms"))
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+            return float(value), predicted
+    return None
+
+
+def speedups(kernel: Kernel) -> dict[str, Any]:
+    """Speedup over the unfused chain and over torch.compile, where a baseline was stored."""
+    base = kernel.baselines or {}
+    out: dict[str, Any] = {}
+    for name, keys in (("unfused_chain", _CHAIN_KEYS), ("torch_compile", _COMPILE_KEYS)):
+        found = _baseline(base, keys)
+        if found is not None and kernel.time_ms and kernel.time_ms > 0:
+            ms, predicted = found
+            out[name] = {"baseline_ms": ms, "speedup": ms / kernel.time_ms, "predicted": predicted or kernel.predicted}
+    return out
+
+
+def prediction(kernel: Kernel) -> dict[str, Any]:
+    """The model's prediction next to the measurement (a model-measured kernel is only a prediction)."""
+    if kernel.predicted:
+        return {"predicted_ms": kernel.time_ms, "measured_ms": None}
+    found = _baseline(kernel.baselines or {}, _PREDICTION_KEYS)
+    return {"predicted_ms": found[0] if found else None, "measured_ms": kernel.time_ms}
+
+
+def kernel_rows(
+    session: Session, *, spec_hash: str | None = None, target: str | None = None, dtype: str | None = None,
+    limit: int = 50, offset: int = 0,
+) -> list[dict[str, Any]]:
+    """The kernel cache, newest first, with the spec's name, speedups and prediction vs measurement."""
+    if spec_hash and not HASH_RE.match(spec_hash):
+        raise DashboardError(422, "must be 64 lowercase hex characters", ("query", "spec_hash"))
+    limit = max(1, min(int(limit), MAX_LIMIT))
+    query = sa.select(Kernel, SpecRecord.name).join(SpecRecord, SpecRecord.spec_hash == Kernel.spec_hash)
+    if spec_hash:
+        query = query.where(Kernel.spec_hash == spec_hash)
+    if target:
+        query = query.where(Kernel.target == target)
+    if dtype:
+        query = query.where(Kernel.dtype == dtype)
+    query = query.order_by(Kernel.created_at.desc(), Kernel.id).limit(limit).offset(max(0, int(offset)))
+    rows = []
+    for kernel, name in session.execute(query):
+        rows.append({
+            "id": kernel.id, "spec_hash": kernel.spec_hash, "spec_name": name, "shape": kernel.shape,
+            "shape_key": kernel.shape_key, "dtype": kernel.dtype, "target": kernel.target, "strategy": kernel.strategy,
+            "config": kernel.config, "time_ms": kernel.time_ms, "measurer": kernel.measurer,
+            "predicted": kernel.predicted, "baselines": kernel.baselines, "speedups": speedups(kernel),
+            "prediction": prediction(kernel), "bundle_sha256": kernel.bundle_sha256, "job_id": kernel.job_id,
+            "triton_version": kernel.triton_version, "generator_version": kernel.generator_version,
+            "created_at": kernel.created_at.isoformat() if kernel.created_at else None,
+            "bundle_url": f"/v1/kernels/{kernel.id}/bundle",
+        })
+    return rows
+
+
+# ----------------------------------------------------------------------------- catalog and form choices
+
+
+def catalog_dir() -> Path | None:
+    """Where the public catalog is: ``$FOLDWISE_CATALOG_DIR``, else ``../shared/catalog`` next to
+    the repository (where the project keeps it), else none (the form then takes pasted specs only)."""
+    env = os.environ.get("FOLDWISE_CATALOG_DIR")
+    if env:
+        path = Path(env).expanduser()
+        return path if path.is_dir() else None
+    repo = Path(__file__).resolve().parents[2]
+    path = repo.parent / "shared" / "catalog"
+    return path if path.is_dir() else None
+
+
+def catalog_entries(directory: Path | None = None) -> list[dict[str, Any]]:
+    """Catalog specs that load, by name, each with its suite cases (shape, dtype) from suites.json."""
+    directory = directory if directory is not None else catalog_dir()
+    if directory is None:
+        return []
+    return json.loads(_catalog_json(str(directory), _catalog_stamp(directory)))
+
+
+def _catalog_stamp(directory: Path) -> tuple[tuple[str, float], ...]:
+    files = sorted(directory.glob("*.json"))[:MAX_CATALOG_FILES]
+    return tuple((p.name, p.stat().st_mtime) for p in files)
+
+
+@lru_cache(maxsize=4)
+def _catalog_json(directory: str, stamp: tuple[tuple[str, float], ...]) -> str:
+    from fuser_core.canonical import spec_hash
+    from fuser_core.errors import SpecError
+    from fuser_core.spec import load_spec
+
+    root = Path(directory)
+    cases: dict[str, list[dict[str, Any]]] = {}
+    suites_path = root / "suites.json"
+    if suites_path.is_file() and suites_path.stat().st_size <= 16 * MAX_CATALOG_BYTES:
+        try:
+            suites = json.loads(suites_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            suites = {}
+        for suite in ("smoke", *sorted(k for k in suites if k not in ("smoke", "doc"))):
+            for case in suites.get(suite, []) if isinstance(suites.get(suite), list) else []:
+                if isinstance(case, dict) and isinstance(case.get("spec"), str):
+                    cases.setdefault(case["spec"], []).append({
+                        "suite": suite, "shape": case.get("shape"), "dtype": case.get("dtype", "float32"),
+                        "note": case.get("note")})
+    out = []
+    for name, _ in stamp:
+        path = root / name
+        if name == "suites.json" or path.stat().st_size > MAX_CATALOG_BYTES:
+            continue
+        try:
+            text = path.read_text()
+            spec = load_spec(text)
+        except (OSError, SpecError, ValueError):
+            continue  # not a spec: the catalog may hold other JSON
+        raw = json.loads(text)
+        out.append({"name": spec.name, "file": name, "doc": raw.get("doc"), "spec_hash": spec_hash(spec),
+                    "spec": raw, "cases": cases.get(spec.name, [])})
+    out.sort(key=lambda e: e["name"])
+    return json.dumps(out)
+
+
+def form_options(session: Session, *, max_trials: int, max_seconds: float, default_target: str) -> dict[str, Any]:
+    """Targets, measurers and dtypes the submit form offers, defaulting to what live workers run."""
+    from fuser_core.runner import FLOAT_DTYPES
+    from tuner.profiles import PROFILES
+
+    workers = session.execute(sa.select(WorkerRecord.target, WorkerRecord.measurer)
+                              .order_by(WorkerRecord.last_heartbeat.desc()).limit(50)).all()
+    measurers = ["model", "cuda"]
+    default_measurer = workers[0].measurer if workers and workers[0].measurer in measurers else "model"
+    target = workers[0].target if workers and workers[0].target in PROFILES else default_target
+    return {
+        "targets": sorted(PROFILES),
+        "default_target": target if target in PROFILES else min(PROFILES),
+        "measurers": measurers,
+        "default_measurer": default_measurer,
+        "dtypes": list(FLOAT_DTYPES[:3]),
+        "max_trials": max_trials,
+        "max_seconds": max_seconds,
+        "catalog": catalog_dir() is not None,
+    }

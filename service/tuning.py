@@ -1,0 +1,136 @@
+"""One tuning job's set-up: search space, measurer and study attributes.
+
+Shared by ``foldwise tune`` / ``foldwise worker --study`` (service/cli.py) and the job-queue
+worker (service/worker.py), so that a job tuned through the service searches exactly what
+the command line would. Errors are :class:`SetupError` naming the field (``measurer``,
+``target``); the CLI prints them as ``--measurer: ...`` and exits 2, the worker fails the job
+with the same text.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+MEASURERS = ("model", "cuda")
+
+
+class SetupError(ValueError):
+    """A bad target or measurer for a tuning job.
+
+    ``field`` is the request field (``measurer``, ``target``); ``flag`` what the command line
+    calls it (``--measurer`` or ``--measurer cuda``).
+    """
+
+    def __init__(self, message: str, *, field: str, flag: str | None = None):
+        self.message, self.field, self.flag = message, field, flag or f"--{field}"
+        super().__init__(f"{field}: {message}")
+
+    @property
+    def cli_message(self) -> str:
+        return f"{self.flag}: {self.message}"
+
+
+def quiet_optuna() -> None:
+    """Optuna logs every trial on stderr; the CLI and the service report trials themselves."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="optuna")
+
+
+def tuning_setup(spec: Any, raw_spec: Any, shape: Mapping[str, int], dtype: Any, target: str, measurer_name: str):
+    """(space, measurer, study attrs) for one tuning job; :class:`SetupError` for a bad
+    target or measurer, :class:`fuser_core.errors.SpecError` for a bad shape or dtype."""
+    from fuser_core.canonical import spec_hash
+    from fuser_core.derive import derive_cascade
+    from fuser_core.reference import bind_shape
+    from fuser_core.runner import bind_dtypes
+    from tuner.profiles import PROFILES, get_profile
+    from tuner.space import SearchSpace
+
+    if measurer_name not in MEASURERS:
+        raise SetupError(f"unknown measurer {measurer_name!r}; one of {', '.join(MEASURERS)}", field="measurer")
+    try:
+        profile = get_profile(target)
+    except ValueError:
+        raise SetupError(f"unknown target {target!r}; one of {', '.join(sorted(PROFILES))}", field="target") from None
+    bound = bind_shape(spec, shape)
+    dtypes = bind_dtypes(spec, dtype)
+    if measurer_name == "cuda":
+        measurer_factory = cuda_measurer(profile)
+    derivation = derive_cascade(spec)
+    space = SearchSpace(spec, derivation, bound, dtypes, profile)
+    if measurer_name == "model":
+        from tuner.measure import ModelMeasurer
+
+        measurer = ModelMeasurer(spec, derivation, bound, dtypes, profile)
+    else:
+        measurer = measurer_factory(spec, derivation, bound, dtypes, profile)
+    attrs = {"spec": raw_spec, "spec_hash": spec_hash(spec), "shape": bound, "dtype": dtypes,
+             "target": profile.name, "measurer": measurer_name}
+    return space, measurer, attrs
+
+
+def cuda_measurer(profile: Any):
+    """The cuda measurer's class, after checking there is a GPU and it matches the target."""
+    import torch
+
+    flag = "--measurer cuda"
+    if not torch.cuda.is_available():
+        raise SetupError("no CUDA GPU is visible on this machine (torch.cuda.is_available() is "
+                         "false); use --measurer model for predictions from the target's profile",
+                         field="measurer", flag=flag)
+    try:  # tuner/measure_cuda.py (its own part of issue 4); same constructor as ModelMeasurer
+        from tuner.measure_cuda import CudaMeasurer
+    except ImportError:
+        raise SetupError("the cuda measurer is not available in this build; use --measurer model",
+                         field="measurer", flag=flag) from None
+    from tuner.profiles import profile_for_device_name
+
+    name = torch.cuda.get_device_name()
+    found = profile_for_device_name(name)
+    if found is None:
+        raise SetupError(f"no profile matches this GPU ({name})", field="measurer", flag=flag)
+    if found != profile.name:
+        raise SetupError(f"this GPU ({name}) is not the target {profile.name!r}; pass --target {found}",
+                         field="target", flag=flag)
+    return CudaMeasurer
+
+
+def gpu_name() -> str | None:
+    """The visible CUDA GPU's name, or None (no GPU, or torch cannot tell)."""
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001  (a broken driver is "no GPU" when picking a measurer)
+        return None
+
+
+def default_measurer() -> str:
+    """``cuda`` when a GPU is visible and this build has the cuda measurer, else ``model``."""
+    if gpu_name() is None:
+        return "model"
+    try:
+        import tuner.measure_cuda  # noqa: F401
+    except ImportError:
+        return "model"
+    return "cuda"
+
+
+def versions() -> dict[str, str | None]:
+    """Software versions recorded with workers and bundles."""
+    import platform
+    from importlib import metadata
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"python": platform.python_version(), "torch": version("torch"), "triton": version("triton"),
+            "foldwise": version("foldwise")}

@@ -1,0 +1,371 @@
+"""The job-queue worker: claim a job, tune it, store its bundle; repeat.
+
+``run_worker(db_url, measurer=..., target=...)`` is ``foldwise worker --db URL`` (and each of
+``foldwise serve --workers N``'s threads). For each job it claims (:func:`service.jobs.claim_job`):
+
+1. sets up the search exactly as ``foldwise tune`` does (:func:`service.tuning.tuning_setup`)
+   for the job's canonical spec, shape, dtype, target and measurer;
+2. runs :class:`tuner.search.Tuner` on the job's own Optuna study, stored beside the service
+   database (:func:`service.db.study_storage_url`), so a worker that takes over a job whose
+   worker died continues the same study: finished trials are kept, the trial budget is shared;
+3. records every finished trial (:func:`service.jobs.record_trial`) from an Optuna callback;
+4. on success builds the bundle (:func:`service.bundle.make_bundle`) and finishes the job
+   (:func:`service.jobs.finish_job`); when no configuration worked, fails it with the reason.
+
+**Leases.** A trial can take long (a GPU measurement, or the interpreter's first check of a
+strategy), so the lease is renewed by a heartbeat thread (:class:`LeaseKeeper`) every
+``heartbeat_seconds``, not between trials. The search stops after the current trial when the
+lease is lost (the job was taken over: nothing more is written for it), when the job is asked
+to cancel (:func:`service.jobs.mark_cancelled`), when ``budget.seconds`` is used up (the best
+so far is stored), or when the worker is asked to stop (the job goes back to the queue,
+:func:`service.jobs.release_job`). A worker killed outright (SIGKILL) just stops renewing; the
+job is claimed again once its lease expires, and Optuna's own heartbeats fail the trial that
+was running so it is retried.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from service import jobs
+from service.models import Job
+
+log = logging.getLogger("foldwise.worker")
+STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
+
+
+def new_worker_id() -> str:
+    """``<host>-<pid>-<8 hex>``: readable in job views, unique across restarts."""
+    return f"{socket.gethostname()[:80]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class LeaseKeeper:
+    """Renews the lease of one job every ``every`` seconds in a background thread.
+
+    After a refused renewal it says why: ``cancel`` (the job was asked to cancel) or ``lost``
+    (another worker holds it, or it finished). A database error skips one beat (logged); the
+    lease is long enough for a few.
+    """
+
+    def __init__(self, sessions: sessionmaker[Session], job_id: str, worker_id: str, *, lease_s: float,
+                 every: float):
+        self.sessions, self.job_id, self.worker_id = sessions, job_id, worker_id
+        self.lease_s, self.every = lease_s, every
+        self.cancel = False
+        self.lost = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{job_id[:8]}", daemon=True)
+
+    def start(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every):
+            try:
+                with self.sessions() as session:
+                    if jobs.renew_lease(session, self.job_id, self.worker_id, self.lease_s):
+                        continue
+                    job = jobs.get_job(session, self.job_id)
+            except sa.exc.SQLAlchemyError as err:
+                log.warning("lease renewal failed; retrying", extra={"job_id": self.job_id, "error": str(err)[:300]})
+                continue
+            if job.status == "running" and job.worker_id == self.worker_id and job.cancel_requested:
+                self.cancel = True
+            else:
+                self.lost = True
+            return
+
+
+@dataclass
+class TrialRecorder:
+    """The Optuna callback: records each finished trial and decides when to stop the study."""
+
+    sessions: sessionmaker[Session]
+    job_id: str
+    worker_id: str
+    keeper: LeaseKeeper
+    stop: threading.Event
+    deadline: float  # time.monotonic() at which budget.seconds is used up
+    stopped_by: str | None = None  # cancel | lost | shutdown | deadline
+    recorded: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def __call__(self, study: Any, trial: Any) -> None:
+        from tuner.search import trial_result
+
+        state = STATES.get(trial.state.name)
+        if state is not None and not self.keeper.lost:
+            r = trial_result(trial)
+            time_ms = float(trial.value) if state == "complete" and trial.value is not None else None
+            try:
+                with self.sessions() as session:
+                    jobs.record_trial(
+                        session, self.job_id, self.worker_id, number=trial.number,
+                        strategy=r.get("strategy") or trial.params.get("strategy"), config=r.get("config"),
+                        time_ms=time_ms if time_ms is None or (math.isfinite(time_ms) and time_ms > 0) else None,
+                        error=r.get("error") or r.get("reason"),
+                        state=state if time_ms is not None or state != "complete" else "failed",
+                        predicted=bool(r.get("predicted", False)),
+                        source=str(trial.user_attrs.get("source") or "tpe"))
+                self.recorded += 1
+            except jobs.LeaseLost:
+                self.keeper.lost = True
+            except sa.exc.SQLAlchemyError as err:  # the trial stays in Optuna's storage; go on
+                self.errors.append(str(err)[:300])
+                log.warning("could not record a trial", extra={"job_id": self.job_id, "trial": trial.number,
+                                                                "error": str(err)[:300]})
+        reason = self.reason()
+        if reason is not None:
+            self.stopped_by = reason
+            study.stop()
+
+    def reason(self) -> str | None:
+        if self.keeper.lost:
+            return "lost"
+        if self.keeper.cancel:
+            return "cancel"
+        if self.stop.is_set():
+            return "shutdown"
+        if time.monotonic() >= self.deadline:
+            return "deadline"
+        return None
+
+
+class Worker:
+    """One worker's state: its id, database, study storage and what it measures."""
+
+    def __init__(self, db_url: str, *, measurer: str, target: str, worker_id: str | None = None,
+                 stop: threading.Event | None = None, settings: Any = None):
+        from service.db import check_current, make_engine, session_factory, study_storage_url
+        from service.settings import get_settings
+        from service.tuning import MEASURERS, SetupError, cuda_measurer, quiet_optuna
+        from tuner.profiles import PROFILES, get_profile
+        from tuner.search import make_storage
+
+        if measurer not in MEASURERS:
+            raise SetupError(f"unknown measurer {measurer!r}; one of {', '.join(MEASURERS)}", field="measurer")
+        try:
+            self.profile = get_profile(target)
+        except ValueError:
+            raise SetupError(f"unknown target {target!r}; one of {', '.join(sorted(PROFILES))}",
+                             field="target") from None
+        if measurer == "cuda":
+            cuda_measurer(self.profile)  # fail at start, not on the first job: no GPU, or the wrong one
+        self.settings = settings or get_settings(db_url=db_url)
+        self.db_url, self.measurer, self.target = db_url, measurer, self.profile.name
+        self.worker_id = worker_id or new_worker_id()
+        self.stop = stop or threading.Event()
+        quiet_optuna()
+        self.engine = make_engine(db_url)
+        check_current(self.engine)
+        self.sessions = session_factory(self.engine)
+        beat = max(1, round(self.settings.heartbeat_seconds))
+        # Optuna's own heartbeat: a trial whose worker died is failed (and retried) once silent this long
+        self.storage = make_storage(study_storage_url(db_url), heartbeat_interval=beat,
+                                    grace_period=max(2 * beat, math.ceil(self.settings.lease_seconds)))
+
+    def close(self) -> None:
+        self.storage.engine.dispose()
+        self.engine.dispose()
+
+    def register(self) -> None:
+        from service.tuning import gpu_name, versions
+
+        with self.sessions() as session:
+            jobs.register_worker(session, self.worker_id, hostname=socket.gethostname(), gpu_name=gpu_name(),
+                                 target=self.target, measurer=self.measurer, versions=versions())
+        log.info("worker registered", extra={"worker_id": self.worker_id, "target": self.target,
+                                             "measurer": self.measurer})
+
+    def claim(self) -> Job | None:
+        with self.sessions() as session:
+            return jobs.claim_job(session, self.worker_id, target=self.target, measurer=self.measurer,
+                                  lease_seconds=self.settings.lease_seconds)
+
+    def idle(self) -> None:
+        with self.sessions() as session:
+            jobs.worker_heartbeat(session, self.worker_id, None)
+
+    # ------------------------------------------------------------------------- one job
+    def process(self, job: Job) -> str:
+        """Tune one claimed job to its end; returns what became of it (succeeded, failed,
+        cancelled, released, lost)."""
+        log.info("job claimed", extra={"job_id": job.id, "worker_id": self.worker_id, "attempt": job.attempts})
+        keeper = LeaseKeeper(self.sessions, job.id, self.worker_id, lease_s=self.settings.lease_seconds,
+                             every=self.settings.heartbeat_seconds).start()
+        try:
+            outcome, detail = self._tune(job, keeper)
+        except Exception as err:  # a crash of the search fails the job with the reason, never the worker
+            log.exception("job crashed", extra={"job_id": job.id})
+            outcome, detail = "failed", f"{type(err).__name__}: {err}"
+        finally:
+            keeper.stop()
+        return self._settle(job, outcome, detail, keeper)
+
+    def _tune(self, job: Job, keeper: LeaseKeeper) -> tuple[str, Any]:
+        from fuser_core.errors import SpecError
+        from service.tuning import SetupError, tuning_setup
+        from tuner.search import NoResult, Tuner
+
+        with self.sessions() as session:
+            record = jobs.get_spec(session, job.spec_hash)
+            spec, canonical = jobs.job_spec(record), json.loads(record.canonical)
+        try:
+            space, measurer, attrs = tuning_setup(spec, canonical, job.shape, job.dtype_value,
+                                                  job.target, job.measurer)
+        except (SetupError, SpecError) as err:
+            return "failed", f"cannot tune this job: {err}"
+        elapsed = (jobs.utcnow() - job.started_at).total_seconds() if job.started_at else 0.0
+        recorder = TrialRecorder(self.sessions, job.id, self.worker_id, keeper, self.stop,
+                                 deadline=time.monotonic() + max(0.0, job.budget_seconds - elapsed))
+        early = recorder.reason()
+        if early in ("lost", "cancel", "shutdown"):
+            return early, None
+        # budget.seconds already used up by earlier attempts: no new trial, the best of the study so far
+        max_trials = 0 if early == "deadline" else None
+        tuner = Tuner(space, measurer, seed=job.attempts - 1)  # another seed when a job is taken over
+        try:
+            result = tuner.run(job.budget_trials, storage=self.storage, study_name=job.study_name,
+                               callbacks=[recorder], attrs={**attrs, "budget": job.budget_trials, "job_id": job.id},
+                               max_trials=max_trials)
+        except NoResult as err:
+            if recorder.stopped_by in ("lost", "cancel", "shutdown"):
+                return recorder.stopped_by, None
+            if early == "deadline":
+                return "failed", f"budget.seconds ({job.budget_seconds:g} s) was used up before any trial finished"
+            return "failed", str(err)
+        finally:
+            close = getattr(measurer, "close", None)
+            if close is not None:
+                close()
+        if recorder.stopped_by in ("lost", "cancel", "shutdown"):
+            return recorder.stopped_by, None
+        return "succeeded", (spec, space, measurer, result)
+
+    def _settle(self, job: Job, outcome: str, detail: Any, keeper: LeaseKeeper) -> str:
+        extra = {"job_id": job.id, "worker_id": self.worker_id}
+        if keeper.lost and outcome != "lost":
+            outcome = "lost"
+        try:
+            with self.sessions() as session:
+                if outcome == "succeeded":
+                    self._finish(session, job, *detail)
+                elif outcome == "failed":
+                    jobs.fail_job(session, job.id, self.worker_id, str(detail))
+                elif outcome == "cancel":
+                    jobs.mark_cancelled(session, job.id, self.worker_id)
+                    outcome = "cancelled"
+                elif outcome == "shutdown":
+                    jobs.release_job(session, job.id, self.worker_id)
+                    outcome = "released"
+                elif outcome == "deadline":  # budget.seconds used up before any trial: nothing to store
+                    jobs.fail_job(session, job.id, self.worker_id,
+                                  f"budget.seconds ({job.budget_seconds:g} s) was used up before a trial finished")
+                    outcome = "failed"
+        except jobs.LeaseLost:
+            outcome = "lost"
+        except Exception as err:  # storing the result failed (a bad bundle, ...): the job fails with why
+            log.exception("could not store the job's result", extra=extra)
+            try:
+                with self.sessions() as session:
+                    jobs.fail_job(session, job.id, self.worker_id, f"storing the result failed: "
+                                                                   f"{type(err).__name__}: {err}")
+                outcome = "failed"
+            except jobs.LeaseLost:
+                outcome = "lost"
+        log.info(f"job {outcome}", extra={**extra, "outcome": outcome,
+                                           "error": str(detail)[:500] if outcome == "failed" else None})
+        return outcome
+
+    def _finish(self, session: Session, job: Job, spec: Any, space: Any, measurer: Any, result: Any) -> None:
+        from service.bundle import make_bundle
+        from service.tuning import gpu_name
+
+        measured = {
+            "time_ms": result.time_ms, "measurer": job.measurer, "predicted": result.predicted,
+            "device": gpu_name() if job.measurer == "cuda" else None, "target": job.target,
+            "trials": result.trials, "best_trial": result.best_trial, "study": job.study_name,
+            "worker_id": self.worker_id,
+        }
+        baselines = _baselines(spec, space, result)
+        if baselines:
+            measured["baselines"] = baselines
+        bundle = make_bundle(spec, shape=job.shape, dtype=job.dtype_value, target=job.target,
+                             strategy=result.strategy, config=result.config, measured=measured)
+        jobs.finish_job(session, job.id, self.worker_id, bundle=bundle,
+                        kernel_fields={"time_ms": result.time_ms, "measurer": job.measurer,
+                                       "predicted": result.predicted, "baselines": baselines or None})
+
+
+def _baselines(spec: Any, space: Any, result: Any) -> dict[str, Any]:
+    """The cost model's predictions for the unfused kernel chain and (for measured kernels) for
+    the chosen configuration: labelled predictions, for speedup columns. Never fails a job."""
+    from tuner.cost_model import predict, predict_chain
+
+    out: dict[str, Any] = {}
+    try:
+        chain = predict_chain(spec, space.derivation, space.shape, space.dtypes, space.profile)
+        out["unfused_chain"] = {"time_ms": chain.time_s * 1e3, "predicted": True}
+        if not result.predicted:
+            from tuner.space import Candidate
+
+            candidate = Candidate.from_dict({"strategy": result.strategy, "config": result.config})
+            p = predict(spec, space.derivation, space.shape, space.dtypes, candidate, space.profile)
+            out["predicted_ms"] = p.time_s * 1e3
+    except Exception as err:  # noqa: BLE001  (a baseline is a nicety)
+        log.debug("no baseline", extra={"error": str(err)[:300]})
+    return out
+
+
+def run_worker(db_url: str, *, measurer: str, target: str, worker_id: str | None = None,
+               stop: threading.Event | None = None, poll_s: float = 1.0, once: bool = False,
+               settings: Any = None) -> int:
+    """Take jobs for (target, measurer) from the database at ``db_url`` until ``stop`` is set
+    (or, with ``once``, after at most one job); returns how many jobs it processed.
+
+    Raises :class:`service.tuning.SetupError` for a bad measurer/target (or ``cuda`` without a
+    matching GPU) and :class:`service.db.DatabaseBehind` for an unmigrated database, before
+    taking any job. Database errors while polling are logged and retried.
+    """
+    worker = Worker(db_url, measurer=measurer, target=target, worker_id=worker_id, stop=stop, settings=settings)
+    done = 0
+    try:
+        worker.register()
+        while not worker.stop.is_set():
+            try:
+                job = worker.claim()
+                if job is None:
+                    if once:
+                        break
+                    worker.idle()
+                    worker.stop.wait(poll_s)
+                    continue
+            except sa.exc.SQLAlchemyError as err:
+                log.warning("database error while polling; retrying", extra={"worker_id": worker.worker_id,
+                                                                             "error": str(err)[:300]})
+                worker.stop.wait(max(poll_s, 1.0))
+                continue
+            worker.process(job)
+            done += 1
+            if once:
+                break
+    finally:
+        worker.close()
+    return done
