@@ -173,10 +173,25 @@ def make_storage(
                 kwargs["heartbeat_stale_trial_callback"] = retry_cls(max_retry=max_retry)
             else:
                 kwargs["failed_trial_callback"] = optuna.storages.RetryFailedTrialCallback(max_retry=max_retry)
-    storage = optuna.storages.RDBStorage(url, **kwargs)
+    storage = _open_rdb_storage(url, kwargs)
     if url.startswith("sqlite"):
         _sqlite_wal(storage)
     return storage
+
+
+def _open_rdb_storage(url: str, kwargs: dict[str, Any], attempts: int = 5) -> optuna.storages.RDBStorage:
+    """Open (and on a fresh database create) Optuna's tables. Several workers starting at once
+    race on creating them (PostgreSQL: a unique violation on Optuna's enum type): retry."""
+    import sqlalchemy as sa
+
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url, **kwargs)
+        except sa.exc.IntegrityError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def _sqlite_wal(storage: optuna.storages.RDBStorage) -> None:

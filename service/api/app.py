@@ -29,6 +29,7 @@ from service.api.deps import AppContext
 from service.api.fastpath import BundleFastPath, LoopReader
 from service.api.middleware import AccessLog, BodyLimit
 from service.api.ops import ParsedSpecs
+from service.api.schemas import ProblemView
 from service.api.problems import (
     Problem,
     http_error_handler,
@@ -140,7 +141,42 @@ def create_app(settings: Settings | None = None, *, check_db: bool = True, dashb
         app.add_middleware(BundleFastPath, ctx=ctx)
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(AccessLog, metrics=ctx.metrics)
+    _document_problems(app)
     return app
+
+
+def _document_problems(app: FastAPI) -> None:
+    """Make the OpenAPI document say what the API answers on errors: every error response is
+    ``application/problem+json`` with the ProblemView schema (FastAPI's generated 422 says
+    ``application/json`` with its own validation schema, which we never send), and every
+    operation has a ``default`` problem response for the errors any route can give (400 for a
+    body that is not UTF-8 JSON, 401 for a presented bad token, 413, 500, 503). Checked by
+    tests/test_api_fuzz.py (schemathesis: status codes, content types and bodies)."""
+    from fastapi.openapi.utils import get_openapi
+
+    from service.api.problems import PROBLEM_JSON
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.pop("HTTPValidationError", None)
+            components.pop("ValidationError", None)
+            components["ProblemView"] = ProblemView.model_json_schema(ref_template="#/components/schemas/{model}")
+            problem = {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/ProblemView"}}}
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    responses = operation.setdefault("responses", {})
+                    for code, response in responses.items():
+                        if code[:1] in ("4", "5"):
+                            response["content"] = dict(problem)
+                    responses["default"] = {"description": "an error (RFC 9457 problem+json naming the field)",
+                                            "content": dict(problem)}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _version() -> str:

@@ -1,8 +1,8 @@
 """Pure ASGI middleware (cheaper than Starlette's BaseHTTPMiddleware on every request).
 
 - :class:`BodyLimit`: refuses request bodies larger than a limit with 413, by the declared
-  ``Content-Length`` and, for chunked bodies, by counting as they arrive, so an oversized
-  request is never read into memory.
+  ``Content-Length`` and, for chunked bodies, by reading them here up to the limit before the
+  app sees them, so an oversized request is never read into memory past the limit.
 - :class:`AccessLog`: times every request, records it in the latency histogram (by route
   template, so ids in paths do not multiply the series) and logs one JSON line.
 """
@@ -35,10 +35,36 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        chunked = False
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and (not value.isdigit() or int(value) > self.max_bytes):
                 await self._problem().response()(scope, receive, send)
                 return
+            if name == b"transfer-encoding" and b"chunked" in value.lower():
+                chunked = True
+        if chunked:
+            # No declared length: read the body here, up to the limit, before the app sees it.
+            # (An exception raised from inside the app's receive would be caught by FastAPI's
+            # body parsing and answered as a 400; the limit is small, so buffering is cheap.)
+            buffered: list[dict] = []
+            seen = 0
+            while True:
+                message = await receive()
+                buffered.append(message)
+                if message["type"] != "http.request":
+                    break
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    await self._problem().response()(scope, receive, send)
+                    return
+                if not message.get("more_body", False):
+                    break
+
+            async def replay() -> dict:
+                return buffered.pop(0) if buffered else await receive()
+
+            await self.app(scope, replay, send)
+            return
         seen = 0
         started = False
 

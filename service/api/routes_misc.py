@@ -57,7 +57,8 @@ def _ping(ctx: Any) -> None:
         ops.ping(session)
 
 
-@router.get("/metrics", tags=["ops"], response_class=Response)
+@router.get("/metrics", tags=["ops"], response_class=Response,
+            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
 async def metrics(request: Request) -> Response:
     """Prometheus metrics (text format); job, trial, kernel and worker gauges read from the database."""
     body, content_type = await run_in_threadpool(context(request).metrics.render)
