@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=2.0, help="seconds between submissions")
     p.add_argument("--kill-every", type=float, default=40.0, help="seconds between worker SIGKILLs")
     p.add_argument("--lease", type=float, default=6.0, help="job lease seconds (how soon a dead worker's job moves)")
-    p.add_argument("--rss-growth", type=float, default=20.0, help="allowed RSS growth, last vs first third, in %")
+    p.add_argument("--rss-growth", type=float, default=20.0, help="allowed RSS growth, last vs first third, in %%")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir")
     p.add_argument("--keep", action="store_true", help="keep the database")

@@ -28,7 +28,7 @@ from service import jobs
 from service.api import create_app
 from service.auth import create_token, revoke_token
 from service.bundle import bundle_sha256, canonical_spec, make_bundle
-from service.db import DatabaseBehind, make_engine, session_factory, upgrade
+from service.db import DatabaseBehind
 from service.models import ApiToken, Job
 from service.settings import get_settings
 from tests.conftest import CATALOG_DIR, load_catalog
@@ -36,19 +36,6 @@ from tests.conftest import CATALOG_DIR, load_catalog
 SOFTMAX = load_catalog()["safe_softmax"]
 SHAPE = {"m": 4, "n": 64}
 PROBLEM = "application/problem+json"
-
-
-@pytest.fixture()
-def db_url(service_db_url):
-    upgrade(service_db_url)
-    return service_db_url
-
-
-@pytest.fixture()
-def sessions(db_url):
-    engine = make_engine(db_url)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def make_client(db_url: str, **kwargs) -> TestClient:

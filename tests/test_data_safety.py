@@ -29,26 +29,13 @@ from fuser_core.spec import load_spec
 from service import jobs
 from service.api import create_app
 from service.bundle import canonical_spec, make_bundle
-from service.db import make_engine, session_factory, upgrade
+from service.db import make_engine
 from service.models import Bundle, Job, Kernel
 from service.settings import get_settings
 from service.worker import Worker, run_worker
 from tests.conftest import load_catalog
 
 SOFTMAX = load_catalog()["safe_softmax"]
-
-
-@pytest.fixture()
-def db_url(service_db_url):
-    upgrade(service_db_url)
-    return service_db_url
-
-
-@pytest.fixture()
-def sessions(db_url):
-    engine = make_engine(db_url)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 # ----------------------------------------------------------------------------- submissions

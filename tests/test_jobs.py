@@ -21,7 +21,7 @@ from fuser_core.spec import load_spec
 from service import jobs
 from service.bundle import bundle_sha256, canonical_bytes, canonical_spec, make_bundle
 from service.db import make_engine, session_factory, upgrade
-from service.models import Bundle, Job, Kernel, TrialRecord, utcnow
+from service.models import Bundle, Job, Kernel, utcnow
 
 LSE = {"foldwise": 1, "name": "lse", "inputs": {"x": {"dims": ["m", "n"]}},
        "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},

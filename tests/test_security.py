@@ -34,7 +34,7 @@ from service import auth
 from service.api import create_app
 from service.api.app import MAX_BODY_BYTES
 from service.auth import create_token, revoke_token
-from service.db import make_engine, session_factory, upgrade
+from service.db import upgrade
 from service.models import ApiToken
 from service.settings import get_settings
 from tests.conftest import load_catalog
@@ -42,19 +42,6 @@ from tests.conftest import load_catalog
 SOFTMAX = load_catalog()["safe_softmax"]
 PROBLEM = "application/problem+json"
 HEX32, HEX64 = "a" * 32, "a" * 64
-
-
-@pytest.fixture()
-def db_url(service_db_url):
-    upgrade(service_db_url)
-    return service_db_url
-
-
-@pytest.fixture()
-def sessions(db_url):
-    engine = make_engine(db_url)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def make_app(db_url: str, **kwargs):

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from fuser_core.spec import load_spec
 from service import jobs
 from service.bundle import verify_bundle
-from service.db import DatabaseBehind, make_engine, session_factory, study_storage_url, upgrade
+from service.db import DatabaseBehind, study_storage_url
 from service.models import Job
 from service.settings import get_settings
 from service.tuning import SetupError
@@ -30,19 +30,6 @@ from tuner.search import make_storage
 RAW = load_catalog()["safe_softmax"]
 SPEC = load_spec(RAW)
 SHAPE = {"m": 4, "n": 64}
-
-
-@pytest.fixture()
-def db_url(service_db_url):
-    upgrade(service_db_url)
-    return service_db_url
-
-
-@pytest.fixture()
-def sessions(db_url):
-    engine = make_engine(db_url)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def settings(db_url: str, **kw):
