@@ -60,11 +60,15 @@ import sympy as sp
 
 from fuser_core import expr as ex
 from fuser_core.spec import Spec, Step
-from fuser_core.symbolic import SymbolicSpec, has_cast, strip_casts
+from fuser_core.symbolic import Deadline, SymbolicSpec, has_cast, strip_casts
 
 MAX_TERMS = 32  # rank limit for multi-term separation
 MAX_EXPAND_POWER = 12  # (x + D)**p with larger p is not expanded
+MAX_SEPARATE_EXPONENT = 64  # x**p * D**p (sympy splits (x*D)**p) is not separated beyond this |p|
 MAX_TAYLOR_DEGREE = 4  # polynomial degree in the dependencies for Taylor-shifted accumulators
+# Wall-clock budget of one derivation: derive_cascade raises DerivationLimitError past it (the
+# size limits of fuser_core.symbolic keep each sympy operation between two checks short).
+DERIVE_TIME_LIMIT_S = 5.0
 
 SUM_OPS = ("sum",)
 ORDER_OPS = ("max", "min", "topk", "argmax", "argmin")
@@ -182,12 +186,21 @@ def new(sym: sp.Symbol) -> sp.Symbol:
 COUNT_OLD = sp.Symbol("count[old]", integer=True, nonnegative=True)
 
 
-def derive_cascade(spec: Spec) -> Derivation:
-    """Derive every reduction of ``spec``; see the module docstring for what comes out."""
-    conv = SymbolicSpec(spec)
+def derive_cascade(spec: Spec, *, time_limit_s: float | None = DERIVE_TIME_LIMIT_S) -> Derivation:
+    """Derive every reduction of ``spec``; see the module docstring for what comes out.
+
+    Raises :class:`~fuser_core.errors.DerivationLimitError` (naming the step) when the work
+    would exceed ``time_limit_s`` seconds (None: no limit) or a size limit of
+    :mod:`fuser_core.symbolic`; it never hangs on a crafted spec and is safe in any thread.
+    """
+    conv = SymbolicSpec(spec, deadline=Deadline(time_limit_s))
+    for step in spec.steps:  # every step within the limits and defined, not only those reductions read
+        if not step.is_reduction:
+            conv.value(step.name)
     forms: dict[str, ReductionForm] = {}
     for step in spec.steps:
         if step.is_reduction:
+            conv.deadline.check(f"step {step.name!r}")
             forms[step.name] = _Deriver(conv, step, forms).derive()
     groups: dict[str, list[str]] = {}
     for form in forms.values():
@@ -196,6 +209,7 @@ def derive_cascade(spec: Spec) -> Derivation:
         AxisGroup(axis, tuple(members), tuple((d, m) for m in members for d in forms[m].deps))
         for axis, members in groups.items()
     )
+    conv.deadline = Deadline(None)  # the budget was this derivation's; later users (codegen) convert freely
     return Derivation(spec, forms, axis_groups, _epilogue(spec), conv)
 
 
@@ -309,6 +323,16 @@ class _Deriver:
         carriers = [c for c in carriers if c]
         return len(carriers) >= 2 and not any(out <= c for c in carriers)
 
+    def check(self, stage: str) -> None:
+        self.conv.deadline.check(f"step {self.step.name!r}, {stage}")
+
+    def along_axis(self, sym: sp.Symbol) -> bool:
+        """Does ``sym`` vary along the axis or is it a same-axis result (not a constant of the loop)?
+        Checked on every symbol, not only F's: a ratio of G to a dependency's integrand may bring in
+        streamed values F itself does not read (``w / (logits * w)``)."""
+        step = self.conv.leaf_step.get(sym)
+        return self.axis in self.conv.leaf_dims.get(sym, ()) or (step is not None and step.over == self.axis)
+
     # -- separation
     def separate(self, F: sp.Expr) -> list[Term]:
         """F as sum_j G_j(x) H_j(D), grouped by G; raises NotSeparable naming the mixing factor."""
@@ -316,13 +340,21 @@ class _Deriver:
         for p in F.atoms(sp.Pow):
             if p.exp.is_Integer and abs(int(p.exp)) > MAX_EXPAND_POWER and p.base.free_symbols & xs and p.base.free_symbols & ds:
                 raise NotSeparable(f"{p} has a power above {MAX_EXPAND_POWER}: too many terms to separate")
+            if p.exp.is_number and p.base.free_symbols & (xs | ds) and not _at_most(p.exp, MAX_SEPARATE_EXPONENT):
+                # sum(x**p) * D**p over- and underflows where the product x**p * D**p does not
+                raise NotSeparable(
+                    f"{sp.sstr(p.base)[:60]} is raised to an exponent beyond {MAX_SEPARATE_EXPONENT}: "
+                    "its separated factors would over- or underflow"
+                )
         estimate = _expanded_terms(F, 4 * MAX_TERMS)
         if estimate > 4 * MAX_TERMS:
             raise NotSeparable(f"would expand to more than {4 * MAX_TERMS} terms: too many to separate")
+        self.check("before expanding")
         E = sp.expand(F, deep=True, mul=True, multinomial=True, power_exp=True, power_base=False, log=True)
         parts = sp.Add.make_args(E)
         groups: dict[sp.Expr, sp.Expr] = {}
         for part in parts:
+            self.check("separating terms")
             g, h = sp.Integer(1), sp.Integer(1)
             for factor in sp.Mul.make_args(part):
                 free = factor.free_symbols
@@ -387,6 +419,7 @@ class _Deriver:
         contributions, scales, deferred, corrections = [], [], [], []
         anchors = self.max_type()
         for t in terms:
+            self.check("realising terms")
             a = self.anchored_factor(t.h)
             rest = sp.powsimp(sp.cancel(t.h / a), combine="exp")
             contribution = None
@@ -460,6 +493,7 @@ class _Deriver:
             return None
         contributions = []
         for order in orders:
+            self.check("Taylor coefficients")
             d = centred
             for s, k in zip(syms, order):
                 d = sp.diff(d, s, k) / math.factorial(k)
@@ -519,6 +553,7 @@ class _Deriver:
             return None
         delta = sp.Integer(0)
         for t in terms:
+            self.check("shifted terms")
             if not (t.h.free_symbols & self.dep_syms):
                 continue  # this term never changes with the anchors
             if t.g == 1:
@@ -527,7 +562,7 @@ class _Deriver:
                 seen_sum = None
                 for name, sym in sum_deps.items():
                     ratio = sp.cancel(t.g / strip_casts(self.forms[name].integrand))
-                    if not (ratio.free_symbols & (self.streamed | self.dep_syms)):
+                    if not any(self.along_axis(s) for s in ratio.free_symbols):
                         # sum of G over what was seen = ratio * partial(dep); partial = anchor * count / N
                         seen_sum = ratio * old(sym) * COUNT_OLD / n
                         break
@@ -542,6 +577,14 @@ class _Deriver:
             guards=self.guards_for([]) + ("count[old] = 0: the anchor is 0 and the correction vanishes",),
             effective_op="sum",
         )
+
+
+def _at_most(value: sp.Expr, bound: float) -> bool:
+    """|value| <= bound for a sympy number (False for nan, oo or a complex number)."""
+    try:
+        return abs(float(value)) <= bound
+    except (TypeError, ValueError, OverflowError):
+        return False
 
 
 def _names(syms: set[sp.Symbol]) -> str:

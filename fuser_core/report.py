@@ -26,6 +26,7 @@ from functools import lru_cache
 from typing import Any
 
 from fuser_core.canonical import canonical_json, canonical_names, hash_canonical_json
+from fuser_core.errors import DerivationLimitError, SpecError
 from fuser_core.spec import Spec, load_spec
 
 REPORT_CACHE_SIZE = 512
@@ -38,8 +39,23 @@ def derivation_report(spec: Spec) -> dict[str, Any]:
     names = canonical_names(spec)
     back = {canon: user for user, canon in names.items()}
     canonical = canonical_json(spec)
-    report = _rename(_canonical_report(canonical), back)
+    try:
+        report = _rename(_canonical_report(canonical), back)
+    except DerivationLimitError as err:  # raised on the canonical spec: name the caller's step
+        raise DerivationLimitError(_rename(str(err), back)) from None
+    except SpecError as err:  # found while deriving (x / (x - x)): the caller's step, field and names
+        raise _user_spec_error(err, spec, back) from None
     return {"spec_hash": hash_canonical_json(canonical), "name": spec.name, **report}
+
+
+def _user_spec_error(err: SpecError, spec: Spec, back: dict[str, str]) -> SpecError:
+    loc = list(err.loc)
+    step = back.get(err.step, err.step) if err.step else None
+    if loc[:1] == ["steps"] and step is not None:
+        loc[1] = [s.name for s in spec.steps].index(step)
+    elif loc[:1] == ["params"] and len(loc) > 1:
+        loc[1] = back.get(str(loc[1]), loc[1])
+    return SpecError(_rename(err.message, back), loc=tuple(loc), step=step)
 
 
 def clear_cache() -> None:

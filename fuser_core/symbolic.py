@@ -27,12 +27,25 @@ Example:
 
 from __future__ import annotations
 
+import math
+import time
+from fractions import Fraction
 from functools import cached_property
 
 import sympy as sp
 
 from fuser_core import expr as ex
+from fuser_core.errors import DerivationLimitError, SpecError
 from fuser_core.spec import Param, Spec, Step
+
+# Limits that keep sympy's own work bounded (each stops a derivation with DerivationLimitError,
+# or, for numbers, does what float64 arithmetic -- the reference's -- does):
+MAX_EXACT_POWER = 64  # number ** p with |p| above this is evaluated in float64, never as an exact integer
+MAX_NUMBER_BITS = 1100  # an exact rational beyond float64's range (or this many bits) becomes a float
+MAX_SYMBOLIC_NODES = 50_000  # a step's sympy tree (nodes counted with repetition)
+MAX_WHERE_IN_CONDITION = 3  # where() values inside one where() condition: sympy unfolds them exponentially
+MAX_FOLDED_CONDITION = 100  # nodes of a where() condition that reads a where() value (folding takes ~1 s at this size)
+MAX_FOLDED_NODES = 1000  # arguments of one maximum/minimum/clamp/where: sympy compares them pairwise
 
 CAST_FUNCTIONS: dict[str, type[sp.Function]] = {
     dtype: sp.Function(f"cast_{dtype}", real=True) for dtype in ex.CAST_DTYPES  # type: ignore[misc]
@@ -90,10 +103,32 @@ def has_cast(e: sp.Expr) -> bool:
     return any(f.func in CAST_FUNCTIONS.values() for f in e.atoms(sp.Function))
 
 
+class Deadline:
+    """A wall-clock budget for a derivation, checked between sympy operations.
+
+    Safe in any thread (no signals, nothing killed): work stops at the next check after the
+    budget is spent, with :class:`~fuser_core.errors.DerivationLimitError`. The size limits
+    above keep each single sympy operation between two checks short.
+    """
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def check(self, where: str) -> None:
+        if self.end is not None and time.monotonic() > self.end:
+            raise DerivationLimitError(
+                f"the derivation took longer than its time limit of {self.seconds:g} s (stopped at {where})"
+            )
+
+
 class SymbolicSpec:
     """sympy views of a spec's steps: every elementwise step inlined, reductions as symbols."""
 
-    def __init__(self, spec: Spec):
+    def __init__(self, spec: Spec, *, deadline: Deadline | None = None):
+        self.deadline = deadline or Deadline(None)
+        self.where = "the params"  # the step being converted, for limit errors
+        self._sizes: dict[sp.Expr, int] = {}
         self.spec = spec
         self._value: dict[str, sp.Expr] = {}
         self.symbols: dict[str, sp.Symbol] = {}
@@ -120,7 +155,10 @@ class SymbolicSpec:
     def params(self) -> dict[str, sp.Expr]:
         out: dict[str, sp.Expr] = {}
         for p in self.spec.params:
-            out[p.name] = self.convert(p.expr)
+            try:
+                out[p.name] = self.convert(p.expr)
+            except _Undefined as err:
+                raise SpecError(str(err), loc=("params", p.name)) from None
         return out
 
     # -- steps
@@ -133,7 +171,7 @@ class SymbolicSpec:
         if isinstance(obj, Param):
             out = self.params[name]
         elif isinstance(obj, Step) and not obj.is_reduction:
-            out = self.convert(obj.expr)
+            out = self.convert_step(obj)
         elif isinstance(obj, Step):
             integer = obj.is_integer or part == "indices"
             sign = None if integer else self.sign_of(obj)
@@ -156,9 +194,38 @@ class SymbolicSpec:
 
     def integrand(self, step: Step) -> sp.Expr:
         """The expression a reduction reduces, with elementwise steps inlined."""
-        return self.convert(step.expr)
+        return self.convert_step(step)
+
+    def convert_step(self, step: Step) -> sp.Expr:
+        """A step's expression in sympy, within the size limits; limit errors name the step."""
+        outer, self.where = self.where, f"step {step.name!r}"
+        try:
+            return self.check_size(self.convert(step.expr))
+        except _Undefined as err:
+            raise SpecError(str(err), loc=("steps", self.spec.steps.index(step), "expr"), step=step.name) from None
+        finally:
+            self.where = outer
+
+    def size(self, e: sp.Expr) -> int:
+        """Nodes of ``e``'s tree counted with repetition (what printing or lambdify walk),
+        in time linear in its distinct nodes."""
+        n = self._sizes.get(e)
+        if n is None:
+            n = 1 + sum(self.size(a) for a in e.args)
+            self._sizes[e] = n
+        return n
+
+    def check_size(self, e: sp.Expr) -> sp.Expr:
+        n = self.size(e)
+        if n > MAX_SYMBOLIC_NODES:
+            raise DerivationLimitError(
+                f"{self.where}: its symbolic form has {n} nodes once earlier steps are substituted; "
+                f"the limit is {MAX_SYMBOLIC_NODES}"
+            )
+        return e
 
     def convert(self, e: ex.Expr) -> sp.Expr:
+        self.deadline.check(self.where)
         if isinstance(e, ex.Num):
             return number(e.value)
         if isinstance(e, ex.Ref):
@@ -176,22 +243,31 @@ class SymbolicSpec:
         if isinstance(e, ex.BinOp):
             a, b = self.convert(e.left), self.convert(e.right)
             if e.op == "+":
-                return a + b
+                return tame_numbers(a + b)
             if e.op == "-":
-                return a - b
+                return tame_numbers(a - b)
             if e.op == "*":
-                return a * b
+                return tame_numbers(a * b)
             if e.op == "/":
-                return a / b
-            return a**b
+                return tame_numbers(a / b)
+            if a.is_number and b.is_number and not _small_exponent(b):
+                return float_power(a, b)  # 9 ** 9 ** 9: never an exact 370-million-digit integer
+            return tame_numbers(a**b)
         if isinstance(e, ex.Compare):
             return _COMPARE[e.op](self.convert(e.left), self.convert(e.right))
         if isinstance(e, ex.Cast):
             return CAST_FUNCTIONS[e.dtype](self.convert(e.operand))
         if isinstance(e, ex.Call):
             args = [self.convert(a) for a in e.args]
+            if e.func in ("maximum", "minimum", "clamp", "where"):
+                n = sum(self.size(a) for a in args)
+                if n > MAX_FOLDED_NODES:
+                    raise DerivationLimitError(
+                        f"{self.where}: the arguments of {e.func}() have {n} nodes once earlier steps are "
+                        f"substituted; the limit is {MAX_FOLDED_NODES} (sympy compares them pairwise)"
+                    )
             if e.func in _UNARY:
-                return _UNARY[e.func](args[0])
+                return tame_numbers(_UNARY[e.func](args[0]))
             if e.func == "maximum":
                 return sp.Max(*args)
             if e.func == "minimum":
@@ -199,5 +275,102 @@ class SymbolicSpec:
             if e.func == "clamp":
                 return sp.Min(sp.Max(args[0], args[1]), args[2])
             if e.func == "where":
-                return sp.Piecewise((args[1], args[0]), (args[2], True))
+                nested = len(args[0].atoms(sp.Piecewise))
+                if nested > MAX_WHERE_IN_CONDITION:
+                    raise DerivationLimitError(
+                        f"{self.where}: a where() condition reads {nested} where() values once earlier steps are "
+                        f"substituted; the limit is {MAX_WHERE_IN_CONDITION} (sympy unfolds them exponentially)"
+                    )
+                if nested and self.size(args[0]) > MAX_FOLDED_CONDITION:
+                    raise DerivationLimitError(
+                        f"{self.where}: a where() condition that reads a where() value has {self.size(args[0])} nodes "
+                        f"once earlier steps are substituted; the limit is {MAX_FOLDED_CONDITION} (sympy folds it)"
+                    )
+                try:
+                    return sp.Piecewise((args[1], args[0]), (args[2], True))
+                except (ValueError, TypeError) as err:  # sympy folds a where() inside the condition, and may fail
+                    raise DerivationLimitError(
+                        f"{self.where}: sympy cannot fold the where() inside this where() condition ({err})"
+                    ) from None
         raise TypeError(f"cannot convert {e!r}")
+
+
+# ---------------------------------------------------------------- numbers
+
+
+def _small_exponent(b: sp.Expr) -> bool:
+    try:
+        return abs(float(b)) <= MAX_EXACT_POWER
+    except (TypeError, ValueError, OverflowError):  # complex or undefined: leave it to sympy
+        return True
+
+
+def _float(value: float) -> sp.Expr:
+    if math.isnan(value):
+        return sp.nan
+    if math.isinf(value):
+        return sp.oo if value > 0 else -sp.oo
+    return number(value)
+
+
+def float_power(a: sp.Expr, b: sp.Expr) -> sp.Expr:
+    """``a ** b`` for numbers with a large exponent, in float64 (inf on overflow, 0 on underflow,
+    nan for a negative base and a fractional exponent), as the reference computes it."""
+    import numpy as np
+
+    try:
+        x, y = float(a), float(b)
+    except (TypeError, OverflowError):
+        return sp.nan
+    with np.errstate(all="ignore"):
+        return _float(float(np.power(np.float64(x), np.float64(y))))
+
+
+def _too_big(r: sp.Rational) -> bool:
+    p, q = abs(int(r.p)), int(r.q)
+    if max(p.bit_length(), q.bit_length()) > MAX_NUMBER_BITS:
+        return True
+    if p.bit_length() - q.bit_length() < 1020:
+        return False
+    try:  # within a few bits of float64's largest value
+        float(Fraction(p, q))
+    except OverflowError:
+        return True
+    return False
+
+
+def _round_rational(r: sp.Rational) -> sp.Expr:
+    try:
+        value = float(Fraction(int(r.p), int(r.q)))
+    except OverflowError:
+        value = math.inf if r.p > 0 else -math.inf
+    return _float(value)
+
+
+class _Undefined(Exception):
+    """An expression that is infinite or undefined for every input (x / (x - x), log(0))."""
+
+
+def tame_numbers(e: sp.Expr) -> sp.Expr:
+    """``e`` with a numeric coefficient that left float64's range (or grew too many digits to
+    print) replaced by what float64 makes of it: ``x * 1e300 * 1e300`` is ``oo*x``, not
+    ``10**600*x``; ``sin(inf)`` is nan. Numbers combine only in the coefficient of the node
+    just built, so this check of one node after each operation is enough.
+
+    sympy's complex infinity (``x / 0`` is ``zoo*x``, ``log(0)`` is ``zoo``) means the spec
+    divides by, or takes log/rsqrt of, something that is identically 0 once earlier steps are
+    substituted: the converter reports that as a SpecError naming the step."""
+    if e is sp.zoo or (e.is_Mul and sp.zoo in e.args):
+        raise _Undefined(
+            "is infinite or undefined for every input: it divides by, or takes log or rsqrt of, an expression "
+            "that is identically 0 once earlier steps are substituted"
+        )
+    if isinstance(e, sp.AccumBounds):  # sin(inf), cos(inf): nan in float arithmetic
+        return sp.nan
+    if e.is_Rational:
+        return _round_rational(e) if _too_big(e) else e
+    if e.is_Mul or e.is_Add:
+        c, rest = e.as_coeff_Mul() if e.is_Mul else e.as_coeff_Add()
+        if c.is_Rational and _too_big(c):
+            return _round_rational(c) * rest if e.is_Mul else _round_rational(c) + rest
+    return e

@@ -11,12 +11,13 @@ converted to their storage dtype on the way out.
 from __future__ import annotations
 
 import keyword
+import re
 
 import sympy as sp
 
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.tritonize import to_triton
-from fuser_core.derive import ReductionForm
+from fuser_core.derive import COUNT_OLD, ReductionForm
 from fuser_core.spec import Step
 
 HELPERS = '''
@@ -90,6 +91,29 @@ else:
         return tl.clamp(x, -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
 
 
+if INTERPRETED:
+    # Triton's interpreter truncates float32 -> bfloat16 (1.01171875 -> 1.0078125); round to
+    # nearest even on the bits, as the GPU's conversion does.
+    @triton.jit
+    def bf16_round(x):
+        """x rounded to bfloat16 (nearest even; inf and nan kept)."""
+        bits = x.to(tl.uint32, bitcast=True)
+        up = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, up.to(tl.float32, bitcast=True))
+else:
+    @triton.jit
+    def bf16_round(x):
+        """x rounded to bfloat16 (the GPU's round-to-nearest-even conversion)."""
+        return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def log1p_accurate(x):
+    """log(1 + x), accurate for small x: log(u) * x / (u - 1) with u = 1 + x (Kahan)."""
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.where(u == float("inf"), u, tl.log(u) * (x / (u - 1.0))))
+
+
 @triton.jit
 def round_half_even(x):
     r = tl.floor(x + 0.5)
@@ -104,6 +128,7 @@ def pow_real(b, e):
 '''
 
 ORDER_SELECTIONS = ("topk", "bottomk", "argmax", "argmin")
+_CONSTANT = re.compile(r'\(*-?(?:[0-9.]+(?:e[+-]?[0-9]+)?|float\("-?(?:inf|nan)"\))\)*')
 _RESERVED = {"tl", "triton", "pid", "start", "count", "count_old", "float", "range", "int", "math", "torch"}
 _PREFIXES = ("offs_", "mask_", "size_", "stride_", "BLOCK_", "nblk_", "pid_")
 
@@ -143,7 +168,7 @@ class KernelWriter:
         self.lines: list[str] = []
         self.depth = 1
         self.loaded: set[str] = set()  # inputs / inner reductions already in the current scope
-        self.values: dict[str, str] = {}  # sympy symbol name -> Triton expression, current scope
+        self.values: dict[str | sp.Symbol, str] = {}  # sympy symbol (or its name) -> Triton expression, current scope
         self.store_dtypes = store_dtypes
         self.input_dtypes = input_dtypes
 
@@ -425,6 +450,8 @@ class KernelWriter:
         # a scalar output still needs a block pointer: the value is a (size-1) block
         ptr = f"{var}_ptr + " + " + ".join(f"offs_{d} * stride_{var}_{d}" for d in dims) if dims else f"{var}_ptr + tl.zeros({self.shape(())}, tl.int32)"
         mask = " & ".join(f"mask_{d}" for d in dims)
+        if _CONSTANT.fullmatch(value.strip()):  # a constant step: tl.broadcast_to takes tensors only
+            value = f"tl.full({self.shape(())}, {value}, tl.float32)"
         full = f"tl.broadcast_to({value}, {self.shape(dims)})"
         line = f"tl.store({ptr}, {full}.to({var}_ptr.dtype.element_ty)"
         self.emit(line + (f", mask={mask})" if mask else ")"))
@@ -554,7 +581,7 @@ class KernelWriter:
             self.emit(f"{safe_name(dep)}_anchor_old = {safe_name(dep)}_anchor")
             self.values[f"{dep}[old]"] = f"{safe_name(dep)}_anchor_old"
             self.values[f"{dep}[new]"] = f"{safe_name(dep)}_anchor"
-        self.values["count[old]"] = "count_old"
+        self.values[COUNT_OLD] = "count_old"  # by symbol: a step named `count` has its own count[old]
         for step in steps:
             self.streaming_update(step, accs[step.name])
             if step.name in anchors:
@@ -694,9 +721,10 @@ class KernelWriter:
         return args + ["SPLIT", "chunk"]
 
     def ws_ptr(self, name: str, dims: tuple[str, ...], split: str) -> str:
+        # a state without dims (a scalar result) still needs a block pointer, as in store()
         return f"ws_{name}_ptr + {split} * stride_ws_{name}_split" + "".join(
             f" + offs_{d} * stride_ws_{name}_{d}" for d in dims
-        )
+        ) + ("" if dims else f" + tl.zeros({self.shape(())}, tl.int32)")
 
     def write_split_fused(self) -> None:
         a = self.plan.axis
@@ -814,5 +842,5 @@ class KernelWriter:
         for dep in self.anchored_deps():
             names[f"{dep}[old]"] = f"{safe_name(dep)}_anchor_{side}"
             names[f"{dep}[new]"] = f"{safe_name(dep)}_anchor"
-        names["count[old]"] = count
+        names[COUNT_OLD] = count
         return to_triton(e, names)

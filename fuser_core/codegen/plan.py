@@ -33,6 +33,7 @@ BASELINE = "unfused_chain"
 MAX_INNER_BLOCK = 1024  # an inner axis is held whole; beyond this a tile no longer fits
 MAX_TILE_ELEMENTS = 1 << 16  # elements of the largest tensor a program holds
 MAX_RESIDENT_BLOCK = 1 << 16
+MAX_KERNEL_NODES = 2000  # a step's expression once inlined (nodes with repetition): kernels print it whole
 
 
 def next_pow2(n: int) -> int:
@@ -130,6 +131,16 @@ def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str
     if strategy not in STRATEGIES:
         raise NotValid(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
     axis, inner = loop_axis(spec)
+    conv = derivation.symbols
+    for s in spec.steps:  # the generated source holds every inlined expression, uncommoned
+        n = conv.size(conv.integrand(s) if s.is_reduction else conv.value(s.name))
+        if n > MAX_KERNEL_NODES:
+            raise NotValid(f"{s.name}: its expression has {n} nodes once earlier steps are inlined; kernels are "
+                           f"generated for at most {MAX_KERNEL_NODES}")
+    for s in spec.steps:  # an inner reduction is computed whole inside each tile: sum, max and min only
+        if s.is_reduction and s.over in inner and s.reduce not in ("sum", "max", "min"):
+            raise NotValid(f"{s.name}: {s.reduce} over {s.over} inside the loop over {axis} is not supported "
+                           "(inner reductions are sum, max or min)")
     for name, b in config.blocks.items():
         if name not in spec.dims:
             raise NotValid(f"config.blocks names unknown dim {name!r}")

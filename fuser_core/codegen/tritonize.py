@@ -53,31 +53,45 @@ def number(value: sp.Expr) -> str:
         return 'float("inf")'
     if value is -sp.oo:
         return 'float("-inf")'
+    if value is sp.nan:
+        return 'float("nan")'
     if value.is_Integer:
         return f"{int(value)}.0"
     return repr(float(value))
 
 
-def to_triton(e: sp.Expr, names: Mapping[str, str]) -> str:
-    """Triton source for ``e``; every free symbol's name must be a key of ``names``."""
+def to_triton(e: sp.Expr, names: Mapping[str | sp.Symbol, str]) -> str:
+    """Triton source for ``e``; every free symbol, or its name, must be a key of ``names``
+    (a symbol key wins: two symbols may share a name, as a step named ``count`` does with
+    the count of values seen)."""
     return _Printer(names).go(e)[0]
 
 
 class _Printer:
-    def __init__(self, names: Mapping[str, str]):
+    def __init__(self, names: Mapping[str | sp.Symbol, str]):
         self.names = names
 
     def wrap(self, e: sp.Expr, prec: int) -> str:
         text, p = self.go(e)
         return f"({text})" if p < prec else text
 
+    def arg(self, e: sp.Expr) -> str:
+        """A float function's argument: integer values (indices, argmax results, index
+        inputs) are int32 tensors in a kernel, and tl.exp & co. take floating point only."""
+        text = self.go(e)[0]
+        if e.is_integer and not e.is_Number and any(not s.name.startswith("size(") for s in e.free_symbols):
+            return f"({text}).to(tl.float32)"
+        return text
+
     def go(self, e: sp.Expr) -> tuple[str, int]:
         if e.is_Symbol:
+            if e in self.names:  # an exact symbol first: two symbols may share a name (count[old])
+                return self.names[e], _ATOM
             try:
                 return self.names[e.name], _ATOM
             except KeyError:
                 raise UnsupportedExpression(f"no value for symbol {e.name!r} in this kernel") from None
-        if e.is_Number or e in (sp.oo, -sp.oo):
+        if e.is_Number or e in (sp.oo, -sp.oo, sp.nan):
             if e.is_negative or e is -sp.oo:
                 return number(e), _UNARY
             return number(e), _ATOM
@@ -99,20 +113,37 @@ class _Printer:
                 out = f"{fn}({out}, {a})"
             return out, _ATOM
         if isinstance(e, sp.tanh):
-            a = self.go(e.args[0])[0]
+            a = self.arg(e.args[0])
             return f"(2.0 * tl.sigmoid(2.0 * ({a})) - 1.0)", _ATOM
+        if isinstance(e, sp.log) and e.args[0].is_Add and e.args[0].as_coeff_Add()[0] == 1:
+            # log(1 + a) (the spec's log1p): tl.log(1.0 + a) would lose a small a in float32
+            return f"log1p_accurate({self.arg(e.args[0] - 1)})", _ATOM
         if e.func in _FUNCS:
-            return f"{_FUNCS[e.func]}({self.go(e.args[0])[0]})", _ATOM
+            return f"{_FUNCS[e.func]}({self.arg(e.args[0])})", _ATOM
         if e.func in _CAST_DTYPE:
             dtype = _CAST_DTYPE[e.func]
-            a = self.go(e.args[0])[0]
+            if e.args[0].is_number:  # a constant: round it here (a Python float has no .to())
+                return self.go(_cast_constant(e.args[0], dtype))
+            a = self.arg(e.args[0])
             if dtype == "float8_e4m3fn":  # saturating, as the GPU's conversion and our reference
                 return f"fp8e4m3_round({a})", _ATOM
+            if dtype == "bfloat16":  # nearest even (the interpreter's own conversion truncates)
+                return f"bf16_round({a})", _ATOM
             return f"({a}).to({_TRITON_DTYPE[dtype]}).to(tl.float32)", _ATOM
         if e.func == Round:
-            return f"round_half_even({self.go(e.args[0])[0]})", _ATOM
+            return f"round_half_even({self.arg(e.args[0])})", _ATOM
         if isinstance(e, sp.Rel):
             return f"{self.wrap(e.lhs, _ADD)} {_REL[type(e)]} {self.wrap(e.rhs, _ADD)}", 0
+        if isinstance(e, sp.ITE):  # a where() inside a where()'s condition, folded by sympy
+            c, a, b = (self.go(x)[0] for x in e.args)
+            return f"tl.where({c}, {a}, {b})", _ATOM
+        if isinstance(e, sp.And | sp.Or):
+            sep = " & " if isinstance(e, sp.And) else " | "
+            return sep.join(f"({self.go(a)[0]})" for a in e.args), 0
+        if isinstance(e, sp.Not):
+            return f"~({self.go(e.args[0])[0]})", _ATOM
+        if e is sp.true or e is sp.false:
+            return ("(0.0 == 0.0)" if e is sp.true else "(0.0 != 0.0)"), _ATOM
         raise UnsupportedExpression(f"cannot print {e} for Triton")
 
     def add(self, e: sp.Expr) -> str:
@@ -144,17 +175,18 @@ class _Printer:
         top = " * ".join(self.wrap(f, _MUL) for f in num) if num else "1.0"
         if not den:
             return top, _MUL
-        bottom = " * ".join(self.wrap(f, _MUL) for f in den)
         if len(den) > 1:
-            bottom = f"({bottom})"
+            bottom = "(" + " * ".join(self.wrap(f, _MUL) for f in den) + ")"
+        else:  # a lone factor that prints as a product (size(n)**2: `s * s`) needs parentheses too
+            bottom = self.wrap(den[0], _MUL + 1)
         return f"{top} / {bottom}", _MUL
 
     def pow(self, e: sp.Expr) -> tuple[str, int]:
         base, exp = e.base, e.exp
         if exp == sp.Rational(1, 2):
-            return f"tl.sqrt({self.go(base)[0]})", _ATOM
+            return f"tl.sqrt({self.arg(base)})", _ATOM
         if exp == sp.Rational(-1, 2):
-            return f"tl.rsqrt({self.go(base)[0]})", _ATOM
+            return f"tl.rsqrt({self.arg(base)})", _ATOM
         if exp.is_Integer and 0 < int(exp) <= 8:
             b = self.wrap(base, _ATOM)
             return " * ".join([b] * int(exp)), _MUL
@@ -162,10 +194,14 @@ class _Printer:
             b = self.wrap(base, _ATOM)
             return f"1.0 / ({' * '.join([b] * -int(exp))})", _MUL
         if base == 2:
-            return f"tl.exp2({self.go(exp)[0]})", _ATOM
+            return f"tl.exp2({self.arg(exp)})", _ATOM
         if base.is_positive is True:
-            return f"tl.exp2(({self.go(exp)[0]}) * tl.log2({self.go(base)[0]}))", _ATOM
-        return f"pow_real({self.go(base)[0]}, {self.go(exp)[0]})", _ATOM
+            return f"tl.exp2(({self.arg(exp)}) * tl.log2({self.arg(base)}))", _ATOM
+        if exp.is_Integer:  # any base: |b| ** n, negated for a negative base and odd n
+            b = self.arg(base)
+            p = f"pow_real(tl.abs({b}), {self.go(exp)[0]})"
+            return (f"tl.where({b} < 0.0, -{p}, {p})" if int(exp) % 2 else p), _ATOM
+        return f"pow_real({self.arg(base)}, {self.arg(exp)})", _ATOM
 
     def piecewise(self, e: sp.Piecewise) -> str:
         *branches, (last, cond) = e.args
@@ -175,3 +211,16 @@ class _Printer:
         for value, cond in reversed(branches):
             out = f"tl.where({self.go(cond)[0]}, {self.go(value)[0]}, {out})"
         return out
+
+
+def _cast_constant(value: sp.Expr, dtype: str) -> sp.Expr:
+    """A constant rounded to ``dtype`` as the reference rounds it."""
+    import numpy as np
+
+    from fuser_core.reference import cast_to
+
+    try:
+        x = float(value)
+    except (TypeError, OverflowError):
+        return value
+    return sp.Float(float(cast_to(np.array(x), dtype)))

@@ -1,0 +1,286 @@
+"""Regression tests for the bugs the cascade fuzzer (tests/fuzz_strategies.py) found in
+fuser_core, each with the smallest spec that showed it. Kernels run through Triton's
+interpreter at small ragged shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import sympy as sp
+
+from fuser_core.certificate import certify
+from fuser_core.codegen.plan import KernelConfig, NotValid, valid_strategies
+from fuser_core.derive import derive_cascade
+from fuser_core.reference import evaluate
+from fuser_core.runner import run, self_check
+from fuser_core.spec import load_spec
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+
+
+def spec_of(steps, outputs, inputs=None, params=None, name="reg"):
+    raw = {"foldwise": 1, "name": name, "inputs": inputs or {"x": {"dims": ["m", "n"]}}, "steps": steps,
+           "outputs": outputs}
+    if params:
+        raw["params"] = params
+    return load_spec(raw)
+
+
+def red(name, op, expr, over="n", **extra):
+    return {"name": name, "reduce": op, "over": over, "expr": expr, **extra}
+
+
+def every_strategy_passes(spec, shape, block=4):
+    """self_check with the default choice and every valid strategy (tiles of `block` on the axis)."""
+    d = derive_cascade(spec)
+    valid = [s for s, why in valid_strategies(spec, d, shape).items() if why is None]
+    assert valid, valid_strategies(spec, d, shape)
+    reports = [self_check(spec, shape, derivation=d)]
+    axis = next(s.over for s in spec.steps if s.is_reduction)
+    for strategy in valid:
+        config = None if strategy == "row_resident" else KernelConfig({axis: block}, split=2 if strategy == "split_fused" else 1)
+        reports.append(self_check(spec, shape, strategy=strategy, config=config, derivation=d))
+    for r in reports:
+        assert r["passed"], r
+    return reports
+
+
+# ---------------------------------------------------------------- the certificate
+
+
+def test_steps_named_like_the_certificate_state_keys():
+    """A step named `count` or `run` met the loop state's own keys (TypeError: dict + int)."""
+    spec = spec_of([red("count", "max", "x"), red("run", "sum", "exp(x - count)")], ["run"])
+    cert = certify(derive_cascade(spec), trials=4)
+    assert cert.holds and cert.max_rel_err < 1e-12
+
+
+def test_argmax_of_values_tied_across_tiles():
+    """Exactly tied values (a constant branch of a where) rescaled by running corrections may
+    come out in either order: both positions are the first maximum, not an error."""
+    spec = spec_of(
+        [red("mx", "max", "q", over="c"), red("den", "sum", "exp(q - mx) + 1", over="c"),
+         red("am", "argmax", "exp(where(s < -s, q, -1) - mx) / den", over="c")],
+        ["am"], inputs={"q": {"dims": ["c"]}, "s": {"dims": []}},
+    )
+    d = derive_cascade(spec)
+    assert d.forms["am"].fused
+    assert certify(d, trials=12).holds
+
+
+def test_a_wrong_argmax_still_fails_the_certificate():
+    spec = spec_of([red("mx", "max", "x"), red("am", "argmax", "x - mx")], ["am"])
+    d = derive_cascade(spec)
+    d.forms["am"].effective_op = "argmin"  # a deliberately wrong realisation
+    assert not certify(d, trials=4).holds
+
+
+def test_sum_that_cancels_to_zero_is_judged_against_its_terms():
+    """sum (x - mean) is 0 in real arithmetic: float64 leaves ~1e-16, and relative to that the
+    fused and multi-pass rounding differed by 1e12. A wrong algebra still fails."""
+    mean = red("mean", "sum", "x / size(n)")
+    spec = spec_of([mean, red("r", "sum", "x - mean")], ["r"])
+    d = derive_cascade(spec)
+    assert certify(d, trials=12).holds
+    form = d.forms["r"]
+    assert form.kind == "shifted"
+    form.delta = 2 * form.delta + sp.Integer(1)  # wrong anchor move: off by a multiple of the terms
+    assert not certify(d, trials=4).holds
+
+
+def test_dependency_that_cancels_does_not_fail_its_dependent():
+    """acc, a mean of quantised values, can cancel to ~1e-17; the dependent mx = sum w * acc then
+    differed from multi-pass by 3e-7 through acc's own rounding. Dependents are checked against
+    multi-pass at the dependencies' fused values."""
+    spec = spec_of(
+        [red("acc", "sum", "round(w * 4) * 0.25 / size(seq)", over="seq"), red("mx", "sum", "w * acc", over="seq")],
+        ["mx"], inputs={"w": {"dims": ["seq", "m"]}},
+    )
+    cert = certify(derive_cascade(spec), trials=24, seed=3)
+    assert cert.holds, cert
+
+
+def test_a_rule_that_reads_streamed_values_outside_a_tile_fails():
+    """The certificate evaluated such a rule on an empty slice and compared empty arrays (error 0)."""
+    mean = red("mean", "sum", "x / size(n)")
+    spec = spec_of([mean, red("r", "sum", "(x - mean) ** 2")], ["r"])
+    d = derive_cascade(spec)
+    form = d.forms["r"]
+    assert form.kind == "shifted"
+    x = next(s for s in form.integrand.free_symbols if s.name == "x")
+    form.delta = form.delta * x  # reads the streamed x when moving anchors: never valid
+    assert not certify(d, trials=4).holds
+
+
+def test_two_topk_with_different_k_over_one_axis():
+    """The certificate's random shapes took the last k, not the largest (ShapeError)."""
+    spec = spec_of([red("a", "topk", "x", k=3, **{"as": "i"}), red("b", "topk", "-x", k=1, **{"as": "j"})], ["a", "b"])
+    assert certify(derive_cascade(spec), trials=12).holds
+
+
+def test_nested_where_conditions_in_the_certificate():
+    """sympy folds a where() in a where() condition into Or(...): lambdify printed
+    logical_or.reduce((a, b)), which cannot stack arrays of different shapes."""
+    spec = spec_of(
+        [red("y", "sum", "where(where(index(m) == label, eps, 0) != size(e), x, 0)", over="e"),
+         red("t", "topk", "x * y", over="e", k=1, **{"as": "kk"})],
+        ["t"], inputs={"x": {"dims": ["m", "e"]}, "label": {"dims": [], "kind": "index"}},
+        params={"eps": "1 / sqrt(size(m))"},
+    )
+    assert certify(derive_cascade(spec), trials=4).holds
+
+
+# ---------------------------------------------------------------- the derivation
+
+
+def test_shifted_form_never_reads_streamed_values_the_integrand_lacks():
+    """h = sum (w - y)**2 with y = sum logits * w: the shifted realisation expressed sum(w) as
+    (1/logits) * partial(y) -- a streamed value in the anchor move (kernels off by 100x)."""
+    spec = spec_of(
+        [red("y", "sum", "logits * w", over="e"), red("h", "sum", "(w - y) ** 2", over="e")], ["h"],
+        inputs={"logits": {"dims": ["e"]}, "w": {"dims": ["e"]}},
+    )
+    d = derive_cascade(spec)
+    h = d.forms["h"]
+    streamed = {"logits", "w"}
+    if h.kind == "shifted":
+        assert not {s.name for s in h.delta.free_symbols} & streamed
+    assert certify(d, trials=8).holds
+    every_strategy_passes(spec, {"e": 13})
+
+
+# ---------------------------------------------------------------- the code generator
+
+
+def test_split_fused_with_scalar_results():
+    """A split kernel stored a size-1 block through a scalar workspace pointer (InterpreterError)."""
+    spec = spec_of(
+        [red("mx", "max", "x", over="m"), red("den", "sum", "exp(x - mx)", over="m"),
+         red("v", "sum", "(x - mx) ** 2", over="m"), red("am", "argmax", "x - mx", over="m"),
+         red("g", "topk", "exp(x - mx) / den", over="m", k=3, **{"as": "j"})],
+        ["mx", "den", "v", "am", "g"], inputs={"x": {"dims": ["m"]}},
+    )
+    report = self_check(spec, {"m": 11}, strategy="split_fused", config=KernelConfig({"m": 4}, split=2))
+    assert report["passed"], report
+
+
+def test_powers_above_eight_of_negative_values():
+    """x ** 9 and x ** 10 printed as exp2(e * log2(x)): NaN for every negative x."""
+    spec = spec_of([red("a", "sum", "x ** 9"), red("b", "max", "x ** 10"), {"name": "y", "expr": "(x - a) ** 11"}],
+                   ["a", "b", "y"])
+    every_strategy_passes(spec, {"m": 2, "n": 13})
+
+
+def test_a_lone_product_in_a_denominator():
+    """(x / size(n)) ** 2 printed as `x * x / s * s` (= x * x)."""
+    spec = spec_of([red("r", "min", "(x / size(n)) ** 2")], ["r"])
+    every_strategy_passes(spec, {"m": 2, "n": 13})
+
+
+def test_integer_values_in_float_functions():
+    """exp(cos(argmin)) and sqrt(index(n)) gave tl.cos(int32): Triton takes floats only."""
+    spec = spec_of([red("am", "argmin", "x"), {"name": "y", "expr": "exp(cos(am)) * x + sqrt(index(n)) * log(index(m) + 1)"}],
+                   ["y"])
+    every_strategy_passes(spec, {"m": 3, "n": 13})
+
+
+def test_cast_of_a_constant_and_a_constant_output():
+    """cast(alpha, ...) printed as (2.0).to(...), and a constant step as tl.broadcast_to(1e-10, ...)."""
+    spec = spec_of([red("mx", "max", "x"), {"name": "y", "expr": 'cast(alpha, "float32") * x + cast(1.7, "bfloat16")'},
+                    {"name": "c", "expr": "alpha * alpha"}], ["mx", "y", "c"], params={"alpha": 1e-5})
+    every_strategy_passes(spec, {"m": 2, "n": 13})
+
+
+def test_bfloat16_casts_round_to_nearest_even_under_the_interpreter():
+    """The interpreter's float32 -> bfloat16 conversion truncates (1.01171875 -> 1.0078125)."""
+    spec = spec_of([red("mx", "max", "x"), {"name": "y", "expr": 'cast(x, "bfloat16") * 1'}], ["mx", "y"],
+                   inputs={"x": {"dims": ["n"]}})
+    values = np.array([1.00390625, 1.01171875, 1 + 2**-8 + 2**-20, -1.00390625, 3.3, 0.1, 1e38, -0.0], np.float32)
+    shape = {"n": values.size}
+    out = run(spec, shape, "float32", {"x": values.astype(np.float64)})
+    ref = evaluate(spec, shape, {"x": values.astype(np.float64)})
+    np.testing.assert_array_equal(out.outputs["y"].float().numpy(), ref["y"])
+
+
+def test_where_inside_a_where_condition():
+    """sympy folds it into ITE(...), which the printer refused (UnsupportedExpression)."""
+    spec = spec_of(
+        [red("h", "argmax", "x", over="m"), red("r", "min", "maximum(x, where(alpha >= where(index(m) == h, size(m), -1), w, -1))", over="m")],
+        ["r"], inputs={"x": {"dims": ["n", "m"]}, "w": {"dims": ["n"]}}, params={"alpha": "log(size(m) + 1)"},
+    )
+    every_strategy_passes(spec, {"n": 2, "m": 13})
+
+
+def test_a_step_named_count_as_an_anchor():
+    """A dependency named `count` printed its own count[old] as the tile counter."""
+    spec = spec_of([red("count", "max", "v", over="t"), red("idx", "sum", "(v - count) ** 2", over="t")],
+                   ["count", "idx"], inputs={"v": {"dims": ["t", "d"]}})
+    every_strategy_passes(spec, {"t": 13, "d": 2})
+
+
+def test_log1p_of_small_values_keeps_float32_accuracy():
+    """log1p(a) was printed tl.log(a + 1.0): for |a| ~ 1e-5 that loses ~1e-3 of the result."""
+    spec = spec_of([red("out", "sum", "x * 1e-5"), {"name": "y", "expr": "log1p(abs(out)) + 0 * x"}], ["y"])
+    every_strategy_passes(spec, {"m": 2, "n": 13})
+
+
+def test_inner_argmax_or_topk_is_not_valid_rather_than_a_crash():
+    """An argmax over an inner axis raised NotImplementedError while writing the kernel."""
+    spec = spec_of(
+        [red("s", "sum", "v * q", over="j"), red("am", "argmax", "z", over="s2")],
+        ["s", "am"], inputs={"v": {"dims": ["d", "j", "s2"]}, "q": {"dims": ["d", "j", "s2"]}, "z": {"dims": ["s2", "j"]}},
+    )
+    d = derive_cascade(spec)
+    shape = {"d": 2, "j": 5, "s2": 3}
+    reasons = valid_strategies(spec, d, shape)
+    assert all(r is not None for r in reasons.values()), reasons
+    with pytest.raises(NotValid):
+        self_check(spec, shape, derivation=d)
+
+
+@pytest.mark.parametrize("expr", ["x / (x - x)", "-x / 0 + 1", "log(x - x) + x", "rsqrt(x - x) * x", "exp(x - mx) / (mx - mx)"])
+def test_division_by_zero_is_a_spec_error_naming_the_step(expr):
+    """sympy makes x / 0 and log(0) complex infinity (zoo): lambdify cannot print it (KeyError
+    'ComplexInfinity' in the certificate, so `foldwise derive` crashed), and fused forms of an
+    expression that is infinite everywhere mean nothing. It is an invalid spec, found once
+    earlier steps are substituted, and reported in the caller's names."""
+    from fuser_core.errors import SpecError
+    from fuser_core.report import derivation_report
+
+    raw = {"foldwise": 1, "name": "reg", "inputs": {"x": {"dims": ["m", "n"]}},
+           "steps": [red("mx", "max", "x"), red("myred", "sum", expr), {"name": "y", "expr": "myred + mx"}],
+           "outputs": ["y"]}
+    spec = load_spec(raw)
+    for derive in (derive_cascade, derivation_report):
+        with pytest.raises(SpecError, match="identically 0") as err:
+            derive(spec)
+        assert err.value.loc == ("steps", 1, "expr") and err.value.step == "myred", (err.value.loc, err.value.step)
+
+
+def test_inf_literals_and_overflowing_constants_stay_ieee():
+    """`inf` in a where() branch (causal masks) and constants that overflow float64 are fine."""
+    spec = spec_of([red("mx", "max", "where(index(n) <= index(m), x, -inf)"),
+                    red("den", "sum", "exp(where(index(n) <= index(m), x, -inf) - mx) + sin(inf) * 0 + x * 1e300 * 1e300 * 0")],
+                   ["den"])
+    d = derive_cascade(spec)
+    assert certify(d, trials=4).holds
+
+
+def test_an_undefined_output_step_is_found_by_derive():
+    """An elementwise output no reduction reads was converted only when a kernel was planned."""
+    from fuser_core.errors import SpecError
+
+    spec = spec_of([red("mx", "max", "x"), {"name": "sel", "expr": "x / (x - x)"}], ["mx", "sel"])
+    with pytest.raises(SpecError, match="identically 0") as err:
+        derive_cascade(spec)
+    assert err.value.loc == ("steps", 1, "expr")
+
+
+def test_a_where_condition_sympy_cannot_fold_is_reported():
+    """sympy's Piecewise raised ValueError ('-I' is not comparable) out of derive_cascade."""
+    from fuser_core.errors import DerivationLimitError
+
+    spec = spec_of([red("r", "sum", "where(x + x < where(sqrt(abs(eps) + 1) < clamp(eps, -1, 1), x, 0), x, x)")],
+                   ["r"], params={"eps": "1 / sqrt(size(n))"})
+    with pytest.raises(DerivationLimitError, match="step 'r': sympy cannot fold"):
+        derive_cascade(spec)
