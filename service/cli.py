@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fuser_core.errors import SpecError
+    from fuser_core.errors import DerivationLimitError, SpecError
 
     args = build_parser().parse_args(argv)
     try:
@@ -429,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         spec_path = getattr(args, "spec", None) or getattr(args, "study", "")
         where = f"{spec_path}: " if err.loc[:1] not in (("shape",), ("dtype",), ("inputs",)) else ""
         print(f"error: {where}{err}", file=sys.stderr)
+        return EXIT_INVALID
+    except DerivationLimitError as err:
+        print(f"error: {getattr(args, 'spec', '')}: the derivation exceeds its limits: {err}", file=sys.stderr)
         return EXIT_INVALID
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)

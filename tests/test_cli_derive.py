@@ -108,3 +108,13 @@ def test_renamed_spec_shares_the_hash_but_keeps_its_own_names():
     assert [r["name"] for r in b["reductions"]] == ["peak", "den"]
     assert b["reductions"][1]["correction"] == "multiply by exp(peak[old] - peak[new])"
     assert b["reductions"][1]["over"] == "cols"
+
+
+def test_derivation_over_its_limits_exits_2_naming_the_step(tmp_path, capsys):
+    from tests.test_limits import CRAFTED
+
+    path = tmp_path / "maximum_chain.json"
+    path.write_text(json.dumps(CRAFTED["maximum_chain"][0]))
+    assert main(["derive", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "the derivation exceeds its limits" in err and "step 'e8'" in err, err

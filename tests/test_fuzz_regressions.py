@@ -284,3 +284,19 @@ def test_a_where_condition_sympy_cannot_fold_is_reported():
                    ["r"], params={"eps": "1 / sqrt(size(n))"})
     with pytest.raises(DerivationLimitError, match="step 'r': sympy cannot fold"):
         derive_cascade(spec)
+
+
+def test_split_topk_of_negative_values():
+    """The combine kernel loaded the padding slots of each part's top-k list (BLOCK_as > k) as 0,
+    which beat every negative value: the top 3 of -|x| - 1 came out as [0, 0, -1.04]."""
+    spec = spec_of([red("g", "topk", "-abs(x) - 1", k=3, **{"as": "j"})], ["g"])
+    report = self_check(spec, {"m": 2, "n": 13}, strategy="split_fused", config=KernelConfig({"n": 4}, split=2))
+    assert report["passed"], report
+
+
+def test_split_bottomk_of_positive_values():
+    """The same padding for the smallest-k list: +inf, never 0 (nor -inf, which would win every merge)."""
+    spec = spec_of([red("mx", "max", "x"), red("g", "topk", "-(abs(x) + 1) * exp(mx)", k=3, **{"as": "j"})], ["g"])
+    assert derive_cascade(spec).forms["g"].effective_op == "bottomk"  # the negative factor -exp(mx) swaps the order
+    report = self_check(spec, {"m": 2, "n": 13}, strategy="split_fused", config=KernelConfig({"n": 4}, split=2))
+    assert report["passed"], report

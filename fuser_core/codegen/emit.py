@@ -784,9 +784,9 @@ class KernelWriter:
         self.depth -= 1
         self.accs = accs
 
-    def load_part(self, name: str, dims: tuple[str, ...]) -> str:
+    def load_part(self, name: str, dims: tuple[str, ...], other: str = "0") -> str:
         mask = " & ".join(f"mask_{d}" for d in dims)
-        self.emit(f"{name}_part = tl.load({self.ws_ptr(name, dims, 'split')}" + (f", mask={mask}, other=0)" if mask else ")"))
+        self.emit(f"{name}_part = tl.load({self.ws_ptr(name, dims, 'split')}" + (f", mask={mask}, other={other})" if mask else ")"))
         return f"{name}_part"
 
     def merge_part(self, step: Step, accs: list[str], ws: dict[str, tuple[str, ...]]) -> None:
@@ -805,7 +805,9 @@ class KernelWriter:
             return
         if op in ORDER_SELECTIONS:
             acc = accs[0]
-            vals = self.load_part(f"{acc}_values", ws[f"{acc}_values"])
+            # the padding slots of a top-k list (BLOCK_as > k) must never win a merge: -inf, not 0
+            # (lists are kept largest-first: a bottomk accumulates negated values)
+            vals = self.load_part(f"{acc}_values", ws[f"{acc}_values"], other='float("-inf")')
             idx = self.load_part(f"{acc}_indices", ws[f"{acc}_indices"])
             c_m, c_p = self.tex_moved(form.corrections[0], "old"), self.tex_moved(form.corrections[0], "part")
             if form.corrections[0] != 1:
