@@ -435,6 +435,7 @@ class _Deriver:
                     )
             if contribution is None:
                 contribution = sp.powsimp(t.g * a, combine="exp")
+            self.check_range(contribution)
             contributions.append(contribution)
             scales.append(a)
             deferred.append(rest)
@@ -462,6 +463,56 @@ class _Deriver:
                 out[sym] = "running estimate (partial * size / count)"
         return out
 
+    def mean_like(self, sym: sp.Symbol) -> bool:
+        """Is ``sym`` a sum over the axis of an integrand carrying 1/size(axis)? Its running estimate
+        (partial * size / count) is then a running average, within the range of the values averaged."""
+        form = self.forms[self.conv.leaf_step[sym].name]
+        n = sp.Symbol(f"size({self.axis})", integer=True, positive=True)
+        return form.op == "sum" and n not in sp.cancel(strip_casts(form.integrand) * n).free_symbols
+
+    def check_range(self, contribution: sp.Expr) -> None:
+        """Refuse an anchored contribution whose running state can overflow where the final value cannot.
+
+        The state holds ``G(x) * A(D~)`` at the running max/min ``D~``. An exponent ``E(x) + s * m``
+        with the running ``m`` moving away from the final value in the direction that grows it
+        (``s < 0`` for a running max, which only rises to its final value) is largest right after
+        the element that set ``m``, where ``m`` equals that element's own integrand ``I_m(x)``.
+        So the state is bounded when ``E(x) + s * I_m(x)`` is bounded above (:func:`_bounded`): for
+        softmax, ``x - mx`` becomes ``x - x = 0`` and every term is at most 1. ``exp(x - mx)`` with
+        ``mx = max(x**3)`` is refused: early running maxima can be far below the final one.
+        """
+        anchors = {sym: self.forms[name] for name, sym in self.deps.items() if sym in self.max_type()}
+        if not anchors:
+            return
+        for power in sp.powsimp(contribution, combine="exp").atoms(sp.exp, sp.Pow):
+            if isinstance(power, sp.exp):
+                exponent = power.args[0]
+            elif power.base.is_number and power.base.is_positive:
+                exponent = power.exp * sp.log(power.base)
+            else:
+                continue
+            exponent = sp.expand(exponent)
+            if not exponent.free_symbols & set(anchors):
+                continue
+            bound, below_final = exponent, set()
+            for sym, form in anchors.items():
+                s = sp.diff(exponent, sym)
+                if s == 0:
+                    continue
+                if any(self.along_axis(v) for v in s.free_symbols) or s.is_positive is None and s.is_negative is None:
+                    raise NotSeparable(f"the exponent {exponent} is not linear in {sym} with a known sign")
+                rising = form.op == "max"  # a running max only rises, a running min only falls
+                if bool(s.is_negative) == rising:
+                    bound = bound.xreplace({sym: strip_casts(form.integrand)})
+                else:
+                    below_final.add(sym)  # the running value keeps the term below its final size
+            if not _bounded(sp.expand(bound), upper=True, varies=lambda v: self.along_axis(v) and v not in below_final):
+                raise NotSeparable(
+                    f"exp({exponent}) is not bounded by the running value of "
+                    f"{_names(exponent.free_symbols & set(anchors))}: the fused state could overflow before "
+                    "the anchor reaches its final value"
+                )
+
     def taylor(self, terms: list[Term], dep_names: tuple[str, ...]) -> ReductionForm | None:
         """Taylor-shifted accumulators (module docstring), or None when F is not of that shape."""
         if has_cast(self.F):
@@ -488,6 +539,16 @@ class _Deriver:
             return None
         if p.total_degree() > MAX_TAYLOR_DEGREE:
             return None
+        raw = [s for s in syms if s not in self.max_type() and not self.mean_like(s)]
+        if raw and sp.Poly(poly, *raw).total_degree() >= 3:
+            # The estimate partial * N / count of a raw sum strays from its final value by about
+            # N / sqrt(count) rows' worth early on, and a cubic around it cancels that away in float32
+            # (errors of 1e-4 to 5e-3 measured with fuzz_long.py --wild); a mean's estimate stays
+            # within the values averaged, and the quadratic (shifted) form keeps its accuracy.
+            raise NotSeparable(
+                f"a polynomial of degree >= 3 in {_names(set(raw))} would be centred on the running estimate "
+                "of a raw sum, which loses float32 accuracy; written as a mean (sum(x / size(axis))) it fuses"
+            )
         orders = [o for o in _multi_indices([p.degree(s) for s in syms]) if sum(o) <= p.total_degree()]
         if len(orders) > MAX_TERMS:
             return None
@@ -498,6 +559,7 @@ class _Deriver:
             for s, k in zip(syms, order):
                 d = sp.diff(d, s, k) / math.factorial(k)
             contributions.append(sp.powsimp(a * d, combine="exp"))
+            self.check_range(contributions[-1])
         correction = self.correction(a)
         acc = [sp.Symbol(f"acc[{k}]") for k in range(len(orders))]
         delta = {s: new(s) - old(s) for s in syms}
@@ -585,6 +647,38 @@ def _at_most(value: sp.Expr, bound: float) -> bool:
         return abs(float(value)) <= bound
     except (TypeError, ValueError, OverflowError):
         return False
+
+
+def _bounded(e: sp.Expr, *, upper: bool, varies) -> bool:
+    """Is ``e`` provably bounded above (``upper``) or below, whatever the values of the symbols
+    ``varies`` accepts? Interval reasoning over sums, constant multiples, min/max, where and a
+    few bounded functions; ``False`` when unsure (the caller then refuses to fuse)."""
+    if not any(varies(v) for v in e.free_symbols):
+        return True
+    if isinstance(e, sp.Piecewise):
+        return all(_bounded(branch, upper=upper, varies=varies) for branch, _ in e.args)
+    if e.is_Add:
+        for arg in e.args:  # push the rest of the sum into a min, max or where, where it may cancel
+            if isinstance(arg, (sp.Min, sp.Max)):
+                rest = e - arg
+                return _bounded(arg.func(*(a + rest for a in arg.args), evaluate=False), upper=upper, varies=varies)
+            if isinstance(arg, sp.Piecewise):
+                return _bounded(sp.piecewise_fold(e), upper=upper, varies=varies)
+        return all(_bounded(arg, upper=upper, varies=varies) for arg in e.args)
+    if e.is_Mul:
+        coeff, rest = e.as_coeff_Mul()
+        if coeff.is_number and coeff != 1:
+            return _bounded(sp.expand(rest), upper=upper if coeff > 0 else not upper, varies=varies)
+        return False
+    if isinstance(e, (sp.Min, sp.Max)):
+        one_suffices = isinstance(e, sp.Min) == upper  # min(a, b) <= a; max(a, b) >= a
+        test = any if one_suffices else all
+        return test(_bounded(sp.expand(a), upper=upper, varies=varies) for a in e.args)
+    if isinstance(e, (sp.sin, sp.cos, sp.tanh)):
+        return True
+    if isinstance(e, sp.exp):
+        return not upper or _bounded(e.args[0], upper=True, varies=varies)
+    return False
 
 
 def _names(syms: set[sp.Symbol]) -> str:

@@ -13,7 +13,15 @@ are tiny next to the rest of their output do not dominate:
 value: 16-bit tensor-core operands round each probability by 2^-11, about 1e-3 of the
 output's scale. So: float32 rtol 1e-4, atol 1e-7; float16/bfloat16 rtol 1e-2, atol 1e-3;
 float8_e4m3fn 0.13 (one e4m3 step: kernel and reference may round a value sitting on a
-rounding boundary differently). A fused strategy
+rounding boundary differently). An output whose reference is 0 everywhere (``x - x`` once
+sympy has reordered it) takes 1 as its scale: it is judged with the absolute ``atol``.
+
+Two more allowances come from float32 itself, not from the kernel: an output that is a small
+difference of large terms (``max(q + acc0)`` where ``acc0`` nearly cancels ``q``) moves in
+float64 when its inputs move by one float32 ulp, and no float32 program can do better than
+that. :func:`rounding_noise` measures that movement (the reference at inputs perturbed by
+about one ulp); each element may err by ``NOISE_FACTOR`` times it on top of the tolerance.
+A wrong formula still errs at the scale of the values, far above the noise. A fused strategy
 whose derivation is inexact (a cast inside a fused reduction) is judged normwise,
 ``max|got - ref| / max|ref|``, against one e4m3 step, and the report says so.
 """
@@ -21,7 +29,7 @@ whose derivation is inexact (a cast inside a fused reduction) is judged normwise
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +43,11 @@ from fuser_core.spec import Spec
 
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-2, "float8_e4m3fn": 0.13, "int32": 0.0}
 FLOOR = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.1, "float8_e4m3fn": 1e-2, "int32": 0.0}
+# Each float32 operation of a kernel rounds by up to 2^-24; the noise perturbs the inputs by up
+# to 2^-23. The cancelling max(q + acc0) the fuzzer found errs by 1.2 times its noise in float32
+# (numpy, the unfused chain and our kernels alike); 32 leaves room for longer chains of roundings.
+NOISE_FACTOR = 32.0
+NOISE_ULP = 2.0**-23
 INEXACT_TOLERANCE = 0.125  # normwise: one float8 e4m3 step
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 INDEX_DTYPES = ("int32", "int64")
@@ -125,12 +138,14 @@ def run(
     return RunResult(strategy, config, outputs, module.source)
 
 
-def rel_err(got: np.ndarray, ref: np.ndarray, floor: float) -> float:
+def rel_err(got: np.ndarray, ref: np.ndarray, floor: float, allowance: np.ndarray | float = 0.0) -> float:
+    """max |got - ref| / max(|ref|, floor * scale, allowance), with scale = max |ref| (1 when the
+    reference is 0 everywhere); equal values (inf, nan included) count as 0."""
     got, ref = np.broadcast_arrays(np.asarray(got, np.float64), np.asarray(ref, np.float64))
     same = (got == ref) | (np.isnan(got) & np.isnan(ref))
-    scale = float(np.max(np.abs(ref[np.isfinite(ref)]), initial=0.0))
+    scale = float(np.max(np.abs(ref[np.isfinite(ref)]), initial=0.0)) or 1.0
     with np.errstate(all="ignore"):
-        err = np.abs(got - ref) / np.maximum(np.abs(ref), max(floor * scale, 1e-30))
+        err = np.abs(got - ref) / np.maximum(np.maximum(np.abs(ref), max(floor * scale, 1e-30)), allowance)
     err = np.where(same, 0.0, err)
     return float(np.max(np.where(np.isnan(err), np.inf, err), initial=0.0))
 
@@ -139,7 +154,29 @@ def _as_numpy(t: Any) -> np.ndarray:
     return t.cpu().numpy() if not t.dtype.is_floating_point else t.float().cpu().numpy()
 
 
-def compare(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, np.ndarray], stores: Mapping[str, str]) -> dict[str, float]:
+def rounding_noise(evaluate_outputs: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]],
+                   inputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], seed: int = 0) -> dict[str, np.ndarray]:
+    """|reference(inputs perturbed by about one float32 ulp) - reference(inputs)| per float output.
+
+    ``evaluate_outputs`` is the float64 reference as a function of the inputs. Non-finite
+    movements (a value crossing overflow) count as 0: they widen nothing."""
+    rng = np.random.default_rng(seed)
+    perturbed = {
+        name: arr * (1.0 + rng.uniform(-NOISE_ULP, NOISE_ULP, arr.shape)) if arr.dtype.kind == "f" else arr
+        for name, arr in inputs.items()
+    }
+    moved = evaluate_outputs(perturbed)
+    out = {}
+    for part, ref in reference.items():
+        if np.asarray(ref).dtype.kind == "f":
+            with np.errstate(all="ignore"):
+                diff = np.abs(np.asarray(moved[part], np.float64) - np.asarray(ref, np.float64))
+            out[part] = np.where(np.isfinite(diff), diff, 0.0)
+    return out
+
+
+def compare(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, np.ndarray], stores: Mapping[str, str],
+            noise: Mapping[str, np.ndarray] | None = None) -> dict[str, float]:
     """Relative error per output part (indices: 1.0 where they differ and values are not tied)."""
     errors = {}
     for part, ref in reference.items():
@@ -147,7 +184,8 @@ def compare(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, np.n
         if stores[part] == "int32":
             errors[part] = _index_error(spec, part, got, ref, reference)
         else:
-            errors[part] = rel_err(got, ref, FLOOR[stores[part]])
+            allowance = NOISE_FACTOR * noise[part] / TOLERANCE[stores[part]] if noise and part in noise else 0.0
+            errors[part] = rel_err(got, ref, FLOOR[stores[part]], allowance)
     return errors
 
 
@@ -175,10 +213,11 @@ def self_check(
     inputs = random_inputs(spec, bound, np.random.default_rng(seed), dtypes)
     result = run(spec, bound, dtypes, inputs, strategy=strategy, config=config, derivation=derivation)
     reference = evaluate(spec, bound, inputs)
+    noise = rounding_noise(lambda arrays: evaluate(spec, bound, arrays), inputs, reference, seed)
     stores = output_dtypes(spec, dtypes)
     derivation = derivation or derive_cascade(spec)
     exact = result.strategy not in ("streaming_fused", "split_fused") or derivation.exact
-    verdict = judge(spec, result.outputs, reference, stores, exact=exact)
+    verdict = judge(spec, result.outputs, reference, stores, exact=exact, noise=noise)
     return {
         "strategy": result.strategy,
         "config": result.config.to_dict(),
@@ -190,16 +229,17 @@ def self_check(
 
 
 def judge(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, np.ndarray], stores: Mapping[str, str],
-          *, exact: bool) -> dict[str, Any]:
+          *, exact: bool, noise: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
     """Outputs against the float64 reference: ``passed``, ``max_rel_err``, ``errors``,
-    ``tolerances``, ``exact``, ``error_measure``, ``bad`` (the failing parts).
+    ``tolerances``, ``exact``, ``error_measure``, ``bad`` (the failing parts). ``noise`` is
+    :func:`rounding_noise` of the reference (module docstring).
 
     ``exact=False`` is for fused strategies of a cascade with a cast inside a fused reduction:
     the cast rounds with running values (THEORY.md 5), so the result is exact in real
     arithmetic only, and is judged normwise against one e4m3 step.
     """
     if exact:
-        errors = compare(spec, outputs, reference, stores)
+        errors = compare(spec, outputs, reference, stores, noise)
         tolerances = {p: TOLERANCE[stores[p]] for p in errors}
     else:
         errors = {p: rel_err(_as_numpy(outputs[p]), ref, 1.0) for p, ref in reference.items()}

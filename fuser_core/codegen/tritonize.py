@@ -122,7 +122,7 @@ class _Printer:
             return f"{_FUNCS[e.func]}({self.arg(e.args[0])})", _ATOM
         if e.func in _CAST_DTYPE:
             dtype = _CAST_DTYPE[e.func]
-            if e.args[0].is_number:  # a constant: round it here (a Python float has no .to())
+            if not e.args[0].free_symbols:  # a constant: round it here (a Python float has no .to())
                 return self.go(_cast_constant(e.args[0], dtype))
             a = self.arg(e.args[0])
             if dtype == "float8_e4m3fn":  # saturating, as the GPU's conversion and our reference
@@ -214,11 +214,12 @@ class _Printer:
 
 
 def _cast_constant(value: sp.Expr, dtype: str) -> sp.Expr:
-    """A constant rounded to ``dtype`` as the reference rounds it."""
+    """A constant rounded to ``dtype`` as the reference rounds it (casts inside it first)."""
     import numpy as np
 
     from fuser_core.reference import cast_to
 
+    value = value.replace(lambda a: a.func in _CAST_DTYPE, lambda a: _cast_constant(a.args[0], _CAST_DTYPE[a.func]))
     try:
         x = float(value)
     except (TypeError, OverflowError):
