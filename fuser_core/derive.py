@@ -36,6 +36,18 @@ Each fused reduction gets a realisation, the state a loop carries and how it is 
   updates). Every accumulator stays centred, so ``sum (x - mx)^2`` or a softmax-weighted
   variance never go through raw power sums.
 
+Two realisations are refused (the step is then not fused, and the reason says why) because
+they are exact in real arithmetic but not in floating point, found by fuzzing
+(``benchmarks/fuzz_long.py --wild``):
+
+- an anchored exponent the running max/min does not bound (``exp(x - mx)`` with
+  ``mx = max(x**3)``): early running maxima sit far below the final one and the state
+  overflows where the unfused value does not (:meth:`_Deriver.check_range`);
+- a polynomial of degree 3 or more centred on the running estimate of a *raw* sum (one
+  without ``1/size(axis)``): the estimate ``partial * N / count`` strays by about
+  ``N / sqrt(count)`` values' worth early on, and the cubic cancels float32 accuracy away.
+  Means, maxima and minima stay within the range of their values and keep the Taylor form.
+
 The merge of two partial states (split reduction) re-anchors both to the merged
 dependencies with the same corrections and combines them with the reduction's operator.
 :mod:`fuser_core.certificate` checks all of it numerically.
@@ -485,6 +497,7 @@ class _Deriver:
         if not anchors:
             return
         for power in sp.powsimp(contribution, combine="exp").atoms(sp.exp, sp.Pow):
+            self.check("range of the anchored state")
             if isinstance(power, sp.exp):
                 exponent = power.args[0]
             elif power.base.is_number and power.base.is_positive:

@@ -122,9 +122,12 @@ class _Printer:
             return f"{_FUNCS[e.func]}({self.arg(e.args[0])})", _ATOM
         if e.func in _CAST_DTYPE:
             dtype = _CAST_DTYPE[e.func]
-            if not e.args[0].free_symbols:  # a constant: round it here (a Python float has no .to())
-                return self.go(_cast_constant(e.args[0], dtype))
             a = self.arg(e.args[0])
+            if not e.args[0].free_symbols:  # a constant: round it here (a Python float has no .to())
+                x = _constant_value(e.args[0])
+                if x is not None:
+                    return self.go(sp.Float(_rounded(x, dtype)))
+                a = f"tl.full([], {a}, tl.float32)"  # not a real number: round it as a tensor
             if dtype == "float8_e4m3fn":  # saturating, as the GPU's conversion and our reference
                 return f"fp8e4m3_round({a})", _ATOM
             if dtype == "bfloat16":  # nearest even (the interpreter's own conversion truncates)
@@ -213,15 +216,30 @@ class _Printer:
         return out
 
 
-def _cast_constant(value: sp.Expr, dtype: str) -> sp.Expr:
-    """A constant rounded to ``dtype`` as the reference rounds it (casts inside it first)."""
+def _rounded(x: float, dtype: str) -> float:
     import numpy as np
 
     from fuser_core.reference import cast_to
 
-    value = value.replace(lambda a: a.func in _CAST_DTYPE, lambda a: _cast_constant(a.args[0], _CAST_DTYPE[a.func]))
+    return float(cast_to(np.array(x), dtype))
+
+
+def _constant_value(e: sp.Expr) -> float | None:
+    """The float64 value of a constant expression, evaluated as the reference does (round half
+    to even, casts rounding); None when sympy cannot evaluate it to a real number."""
+    import numpy as np
+
+    if e.is_Number:
+        return float(e)
+    args = [_constant_value(a) for a in e.args]
+    if not e.args or None in args:
+        return None
+    if e.func in _CAST_DTYPE:
+        return _rounded(args[0], _CAST_DTYPE[e.func])
+    if e.func == Round:
+        return float(np.round(args[0]))
     try:
-        x = float(value)
-    except (TypeError, OverflowError):
-        return value
-    return sp.Float(float(cast_to(np.array(x), dtype)))
+        x = complex(e.func(*(sp.Float(a) for a in args)))
+    except (TypeError, ValueError, OverflowError, ZeroDivisionError):
+        return None
+    return x.real if x.imag == 0 else None
