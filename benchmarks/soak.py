@@ -7,11 +7,11 @@ Creates a fresh database on the server of ``--db`` (dropped at the end unless ``
 migrates it, starts ``foldwise serve --workers 0`` and N ``foldwise worker --measurer model``
 subprocesses (this checkout's code: PYTHONPATH is set to it), then for ``--minutes``:
 
-- submits a job every ``--interval`` s: catalog specs x small shapes, small trial budgets,
+- submits a job every ``--interval`` s: catalog specs x small shapes, budgets of 3-12 or 30-60 trials,
   about one in five an exact duplicate of an earlier request (must answer the same job);
 - asks about one in eight known jobs to cancel;
-- every ``--kill-every`` s SIGKILLs a random worker and starts a new one (its job is taken
-  over once the lease expires);
+- every ``--kill-every`` s SIGKILLs a worker that holds a running job (any worker when none
+  does) and starts a new one (its job is taken over once the lease expires);
 - samples the server's RSS every 5 s.
 
 Then it stops submitting, waits for the queue to drain, and checks:
@@ -73,6 +73,7 @@ class Soak:
                     "FOLDWISE_LEASE_SECONDS": str(args.lease), "FOLDWISE_HEARTBEAT_SECONDS": str(max(0.5, args.lease / 6)),
                     "FOLDWISE_CACHE_DIR": str(self.dir / "kernel-cache")}
         self.n = 0
+        self.worker_ids: dict[int, str] = {}  # pid -> --worker-id
         self.workers: list[subprocess.Popen] = []
         self.specs = {name: json.loads((CATALOG / f"{name}.json").read_text()) for name in SPECS}
         self.counts: Counter[str] = Counter()
@@ -104,8 +105,25 @@ class Soak:
         self.admin.dispose()
 
     def start_worker(self, i: int) -> None:
-        self.workers.append(self.start("worker", "--db", self.url, "--measurer", "model", "--target", "h100",
-                                       "--worker-id", f"soak-{i}", "--poll", "0.3"))
+        proc = self.start("worker", "--db", self.url, "--measurer", "model", "--target", "h100",
+                          "--worker-id", f"soak-{i}", "--poll", "0.3")
+        self.worker_ids[proc.pid] = f"soak-{i}"
+        self.workers.append(proc)
+
+    def pick_victim(self, client: httpx.Client) -> int:
+        """A worker that holds a running job when there is one (so that its job is taken over),
+        else any."""
+        give_up = time.monotonic() + 5  # model-measured jobs run for about a second: wait for one
+        while True:
+            running = client.get("/v1/jobs", params={"status": "running"}).json()["jobs"]
+            holders = {j["worker_id"] for j in running}
+            busy = [i for i, proc in enumerate(self.workers) if self.worker_ids[proc.pid] in holders]
+            if busy:
+                self.counts["SIGKILLs of a worker holding a job"] += 1
+                return self.rng.choice(busy)
+            if time.monotonic() > give_up:
+                return self.rng.randrange(len(self.workers))
+            time.sleep(0.05)
 
     def body(self) -> dict:
         name = self.rng.choice(SPECS)
@@ -113,7 +131,8 @@ class Soak:
         dims = sorted({d for inp in raw["inputs"].values() for d in inp["dims"]})
         shape = {d: self.rng.choice([4, 8, 16, 32, 64, 96]) for d in dims}
         return {"spec": raw, "shape": shape, "dtype": "float32", "target": "h100", "measurer": "model",
-                "budget": {"trials": self.rng.randint(3, 12), "seconds": 300}}
+                "budget": {"trials": self.rng.choice([self.rng.randint(3, 12), self.rng.randint(30, 60)]),
+                           "seconds": 300}}  # the longer jobs are the ones a SIGKILL catches running
 
     # ------------------------------------------------------------------------- phases
     def run(self) -> int:
@@ -149,8 +168,7 @@ class Soak:
                     self.submit(client)
                     next_submit += a.interval
                 if now >= next_kill and self.workers:
-                    victim = self.rng.randrange(len(self.workers))
-                    proc = self.workers.pop(victim)
+                    proc = self.workers.pop(self.pick_victim(client))
                     proc.send_signal(signal.SIGKILL)
                     proc.wait(10)
                     self.counts["workers SIGKILLed"] += 1

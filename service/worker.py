@@ -217,7 +217,23 @@ class Worker:
             outcome, detail = "failed", f"{type(err).__name__}: {err}"
         finally:
             keeper.stop()
-        return self._settle(job, outcome, detail, keeper)
+        outcome = self._settle(job, outcome, detail, keeper)
+        if outcome in ("succeeded", "failed", "cancelled"):
+            self.close_orphans(job)
+        return outcome
+
+    def close_orphans(self, job: Job) -> None:
+        """Fail the RUNNING trials of the job's study that are not ours: we hold (or just ended)
+        the job, so they belong to a worker that lost it. Nothing else would ever end them."""
+        from tuner.search import fail_orphaned_trials
+
+        try:
+            n = fail_orphaned_trials(self.storage, job.study_name, f"its worker lost job {job.id}")
+        except Exception:  # closing them is housekeeping: never fail the job for it
+            log.exception("could not close orphaned trials", extra={"job_id": job.id})
+            return
+        if n:
+            log.info("orphaned trials failed", extra={"job_id": job.id, "worker_id": self.worker_id, "trials": n})
 
     def _tune(self, job: Job, keeper: LeaseKeeper) -> tuple[str, Any]:
         from fuser_core.errors import SpecError
@@ -238,6 +254,8 @@ class Worker:
         early = recorder.reason()
         if early in ("lost", "cancel", "shutdown"):
             return early, None
+        if job.attempts > 1:  # the previous holder's running trial would otherwise wait for its heartbeat grace
+            self.close_orphans(job)
         # budget.seconds already used up by earlier attempts: no new trial, the best of the study so far
         max_trials = 0 if early == "deadline" else None
         tuner = Tuner(space, measurer, seed=job.attempts - 1)  # another seed when a job is taken over

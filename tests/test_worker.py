@@ -221,6 +221,32 @@ def test_takeover_continues_the_dead_workers_study(db_url, sessions) -> None:
     assert len([t for t in study.trials if t.state.is_finished()]) >= 8
 
 
+def test_a_trial_left_running_by_a_dead_worker_is_failed_by_the_next(db_url, sessions) -> None:
+    """SIGKILLed mid-trial, a worker leaves an Optuna trial RUNNING; when the job was taken over
+    and finished before Optuna's heartbeat grace period ran out, nothing ended it (the soak found
+    one). The worker that takes the job over fails it, and it uses none of the trial budget."""
+    job_id = submit(sessions, trials=5)
+    cfg = settings(db_url, lease_seconds=1.0, heartbeat_seconds=0.2)
+    dead = Worker(db_url, measurer="model", target="h100", worker_id="w-dead", settings=cfg)
+    try:
+        dead.register()
+        job = dead.claim()
+        study = optuna.create_study(study_name=job.study_name, storage=dead.storage, load_if_exists=True)
+        orphan = study.ask()  # the trial it was measuring when it died
+    finally:
+        dead.close()
+    time.sleep(1.1)  # the dead worker's lease expires
+    assert run_worker(db_url, measurer="model", target="h100", once=True, worker_id="w-next", settings=cfg) == 1
+    job = reload(sessions, job_id)
+    assert job.status == "succeeded" and job.attempts == 2
+    storage = make_storage(study_storage_url(db_url), heartbeat_interval=None)
+    trials = optuna.load_study(study_name=job.study_name, storage=storage).get_trials(deepcopy=False)
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    left = next(t for t in trials if t.number == orphan.number)
+    assert left.state == optuna.trial.TrialState.FAIL and "lost job" in left.user_attrs["orphaned"]
+    assert job.trials_done == 5  # the orphan took none of the budget
+
+
 def test_bad_measurer_target_and_database_are_refused_before_any_job(db_url, tmp_path) -> None:
     with pytest.raises(SetupError, match="unknown measurer 'tpu'"):
         run_worker(db_url, measurer="tpu", target="h100", once=True)

@@ -252,6 +252,31 @@ def study_name_for(spec_hash: str, shape: Mapping[str, int], dtypes: str | Mappi
     return f"foldwise:{spec_hash[:16]}:{shape_text}:{dtype_text}:{target}:{measurer}"
 
 
+def fail_orphaned_trials(storage: optuna.storages.BaseStorage, study_name: str, reason: str) -> int:
+    """Mark the study's RUNNING trials FAIL (with ``reason`` as user attr ``orphaned``); returns how many.
+
+    For the holder of a job's lease, whose own trials have finished: every trial still RUNNING
+    belongs to a worker that lost the job (killed before Optuna's heartbeat grace period ran
+    out, or cut off by a takeover). They carry no result, so they use none of the trial budget.
+
+    Example::
+
+        fail_orphaned_trials(storage, job.study_name, "its worker lost the job")
+    """
+    try:
+        study_id = storage.get_study_id_from_name(study_name)
+    except KeyError:
+        return 0
+    failed = 0
+    for t in storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
+        try:
+            storage.set_trial_user_attr(t._trial_id, "orphaned", reason)
+            failed += bool(storage.set_trial_state_values(t._trial_id, TrialState.FAIL))
+        except (optuna.exceptions.UpdateFinishedTrialError, RuntimeError):
+            continue  # its worker finished it meanwhile
+    return failed
+
+
 def default_sampler(seed: int | None = 0, n_startup_trials: int = 10) -> optuna.samplers.TPESampler:
     """TPE, seeded; multivariate over each strategy's own parameters.
 
