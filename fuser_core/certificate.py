@@ -37,6 +37,7 @@ import sympy as sp
 
 from fuser_core import expr as ex
 from fuser_core.derive import COUNT_OLD, Derivation, ReductionForm, new, old
+from fuser_core.errors import DerivationLimitError
 from fuser_core.reference import Evaluator, cast_to, random_inputs
 from fuser_core.spec import Spec, load_spec
 from fuser_core.symbolic import CAST_FUNCTIONS
@@ -80,15 +81,20 @@ def certify(derivation: Derivation, *, trials: int = 12, seed: int = 0) -> Certi
     per: dict[str, float] = {f.name: 0.0 for f in fused}
     algebra_err = 0.0
     plain_spec = spec if exact else _without_casts(spec)
-    for _ in range(trials):
-        shape = _random_shape(spec, rng)
-        inputs = random_inputs(spec, shape, rng, "float32")
-        for name, err in _trial(derivation, spec, shape, inputs, rng, keep_casts=True).items():
-            per[name] = max(per[name], err)
-        if exact:
-            continue
-        for err in _trial(derivation, plain_spec, shape, inputs, rng, keep_casts=False).values():
-            algebra_err = max(algebra_err, err)
+    try:
+        for _ in range(trials):
+            shape = _random_shape(spec, rng)
+            inputs = random_inputs(spec, shape, rng, "float32")
+            for name, err in _trial(derivation, spec, shape, inputs, rng, keep_casts=True).items():
+                per[name] = max(per[name], err)
+            if exact:
+                continue
+            for err in _trial(derivation, plain_spec, shape, inputs, rng, keep_casts=False).values():
+                algebra_err = max(algebra_err, err)
+    except RecursionError:  # lambdify rebuilds a where() whose Piecewise.eval recurses without end
+        raise DerivationLimitError(
+            "the certificate cannot evaluate this derivation: sympy recursed without end rebuilding a where()"
+        ) from None
     max_err = max(per.values(), default=0.0)
     if exact:
         algebra_err = max_err

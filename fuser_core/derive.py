@@ -636,6 +636,8 @@ class _Deriver:
             else:
                 seen_sum = None
                 for name, sym in sum_deps.items():
+                    if has_cast(self.forms[name].integrand):
+                        continue  # its partial sums the cast values, not G: sum(cast(a)) is not sum(a)
                     ratio = sp.cancel(t.g / strip_casts(self.forms[name].integrand))
                     if not any(self.along_axis(s) for s in ratio.free_symbols):
                         # sum of G over what was seen = ratio * partial(dep); partial = anchor * count / N

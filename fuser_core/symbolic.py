@@ -292,6 +292,10 @@ class SymbolicSpec:
                     raise DerivationLimitError(
                         f"{self.where}: sympy cannot fold the where() inside this where() condition ({err})"
                     ) from None
+                except RecursionError:  # Piecewise.eval can rebuild itself without end (Ne(x - x**2, ...))
+                    raise DerivationLimitError(
+                        f"{self.where}: sympy cannot simplify this where() condition (it recursed without end)"
+                    ) from None
         raise TypeError(f"cannot convert {e!r}")
 
 

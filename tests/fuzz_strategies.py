@@ -650,6 +650,8 @@ def check_cascade(raw: dict, *, kernels: bool = False, time_limit_s: float | Non
     reasons = {f.name: f.reason for f in derivation.forms.values() if not f.fused}
     try:
         cert = certify(derivation, trials=cert_trials)
+    except DerivationLimitError as err:
+        return Outcome("limit_stopped", detail={"error": str(err)})
     except Exception as err:  # noqa: BLE001
         return Outcome(status, failure=crash("certify", err))
     if not cert.holds:

@@ -191,6 +191,37 @@ def test_exponent_the_running_max_does_not_bound_is_not_fused():
     every_strategy_passes(spec, {"m": 2, "n": 13})
 
 
+def test_shifted_form_does_not_take_a_cast_sum_for_the_plain_one():
+    """o = sum (a - tl)^2 with tl = sum cast(a, float16): the shifted form took partial(tl) for the
+    sum of a seen so far, off by the float16 rounding (certificate error 5.8e-4)."""
+    spec = spec_of([red("tl", "sum", 'cast(a, "float16")', over="c"), red("o", "sum", "(a - tl) ** 2", over="c")],
+                   ["o"], inputs={"a": {"dims": ["e", "c"]}})
+    d = derive_cascade(spec)
+    assert d.forms["o"].fused
+    assert certify(d, trials=8).holds
+    every_strategy_passes(spec, {"e": 2, "c": 13})
+
+
+@pytest.mark.parametrize("steps, inputs", [
+    # Piecewise.eval rebuilt itself without end while converting the where()
+    ([red("mean", "sum", "kk", over="m"), red("r", "sum", "(kk / (1 + kk * w)) * rsqrt(mean * mean + 1)", over="m"),
+     {"name": "p", "expr": "kk ** 2"}, red("mask", "max", "where((kk - p) != (p - r), (kk - kk), -1)", over="m"),
+     red("scale2", "sum", "exp(where((kk - p) != (p - r), (kk - kk), -1) - mask)", over="m")], ["kk", "w"]),
+    # ... and while the certificate's lambdify rebuilt one
+    ([red("s", "max", "kk", over="m"),
+     red("sel", "sum", "(where(minimum(index(m) * 0.25, kk) == (kk - size(m) * 0.5), kk, 0) - s) ** 2", over="m")],
+     ["kk"]),
+])
+def test_sympy_recursing_without_end_is_a_limit_naming_the_cause(steps, inputs):
+    """RecursionError escaped derive_cascade and certify, unexpected by `foldwise derive` and the API."""
+    from fuser_core.errors import DerivationLimitError
+    from fuser_core.report import derivation_report
+
+    spec = spec_of(steps, [steps[-1]["name"]], inputs={n: {"dims": ["m"]} for n in inputs})
+    with pytest.raises(DerivationLimitError, match="recursed without end"):
+        derivation_report(spec)
+
+
 # ---------------------------------------------------------------- the code generator
 
 
