@@ -16,7 +16,7 @@ float8_e4m3fn 0.13 (one e4m3 step: kernel and reference may round a value sittin
 rounding boundary differently). An output whose reference is 0 everywhere (``x - x`` once
 sympy has reordered it) takes 1 as its scale: it is judged with the absolute ``atol``.
 
-Two more allowances come from float32 itself, not from the kernel: an output that is a small
+One more allowance comes from float32 itself, not from the kernel: an output that is a small
 difference of large terms (``max(q + acc0)`` where ``acc0`` nearly cancels ``q``) moves in
 float64 when its inputs move by one float32 ulp, and no float32 program can do better than
 that. :func:`rounding_noise` measures that movement (the reference at inputs perturbed by

@@ -427,13 +427,15 @@ def _set_worker_job(session: Session, worker_id: str, job_id: str | None, now: d
 # ----------------------------------------------------------------------------- claiming and leases
 
 
-def claim_job(session: Session, worker_id: str, *, target: str, measurer: str, lease_seconds: float) -> Job | None:
+def claim_job(session: Session, worker_id: str, *, target: str, measurer: str, lease_seconds: float,
+              closed: list[tuple[str, str]] | None = None) -> Job | None:
     """The oldest queued job for (target, measurer), or a running one whose lease expired;
     None when there is none. The claim holds for ``lease_seconds``. Commits.
 
     A registered worker may only claim jobs for the target it registered. Expired jobs that
     were asked to cancel are cancelled, and those already claimed ``MAX_ATTEMPTS`` times fail
-    ("worker lost ..."), instead of being claimed.
+    ("worker lost ..."), instead of being claimed; their ``(id, study_name)`` are appended to
+    ``closed`` (their lost worker's trials are the caller's to end).
     """
     if not lease_seconds > 0:
         raise InvalidRequest("must be positive", loc=("lease_seconds",))
@@ -447,6 +449,8 @@ def claim_job(session: Session, worker_id: str, *, target: str, measurer: str, l
             session.commit()
             return None
         if candidate.status == "running" and _close_expired(candidate, now):
+            if closed is not None:
+                closed.append((candidate.id, candidate.study_name))
             session.commit()
             continue
         if _take(session, candidate.id, worker_id, now, lease_seconds):

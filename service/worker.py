@@ -195,9 +195,13 @@ class Worker:
                                              "measurer": self.measurer})
 
     def claim(self) -> Job | None:
+        closed: list[tuple[str, str]] = []  # jobs of lost workers closed on the way (cancelled, or failed)
         with self.sessions() as session:
-            return jobs.claim_job(session, self.worker_id, target=self.target, measurer=self.measurer,
-                                  lease_seconds=self.settings.lease_seconds)
+            job = jobs.claim_job(session, self.worker_id, target=self.target, measurer=self.measurer,
+                                 lease_seconds=self.settings.lease_seconds, closed=closed)
+        for job_id, study_name in closed:
+            self.close_orphans(job_id, study_name)
+        return job
 
     def idle(self) -> None:
         with self.sessions() as session:
@@ -219,21 +223,22 @@ class Worker:
             keeper.stop()
         outcome = self._settle(job, outcome, detail, keeper)
         if outcome in ("succeeded", "failed", "cancelled"):
-            self.close_orphans(job)
+            self.close_orphans(job.id, job.study_name)
         return outcome
 
-    def close_orphans(self, job: Job) -> None:
-        """Fail the RUNNING trials of the job's study that are not ours: we hold (or just ended)
-        the job, so they belong to a worker that lost it. Nothing else would ever end them."""
+    def close_orphans(self, job_id: str, study_name: str) -> None:
+        """Fail the RUNNING trials of the job's study that are not ours: we hold (or just ended or
+        closed) the job, so they belong to a worker that lost it. Nothing else would end them
+        before Optuna's heartbeat grace period, and then only if another trial of the study starts."""
         from tuner.search import fail_orphaned_trials
 
         try:
-            n = fail_orphaned_trials(self.storage, job.study_name, f"its worker lost job {job.id}")
+            n = fail_orphaned_trials(self.storage, study_name, f"its worker lost job {job_id}")
         except Exception:  # closing them is housekeeping: never fail the job for it
-            log.exception("could not close orphaned trials", extra={"job_id": job.id})
+            log.exception("could not close orphaned trials", extra={"job_id": job_id})
             return
         if n:
-            log.info("orphaned trials failed", extra={"job_id": job.id, "worker_id": self.worker_id, "trials": n})
+            log.info("orphaned trials failed", extra={"job_id": job_id, "worker_id": self.worker_id, "trials": n})
 
     def _tune(self, job: Job, keeper: LeaseKeeper) -> tuple[str, Any]:
         from fuser_core.errors import SpecError
@@ -255,7 +260,7 @@ class Worker:
         if early in ("lost", "cancel", "shutdown"):
             return early, None
         if job.attempts > 1:  # the previous holder's running trial would otherwise wait for its heartbeat grace
-            self.close_orphans(job)
+            self.close_orphans(job.id, job.study_name)
         # budget.seconds already used up by earlier attempts: no new trial, the best of the study so far
         max_trials = 0 if early == "deadline" else None
         tuner = Tuner(space, measurer, seed=job.attempts - 1)  # another seed when a job is taken over

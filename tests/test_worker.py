@@ -221,30 +221,51 @@ def test_takeover_continues_the_dead_workers_study(db_url, sessions) -> None:
     assert len([t for t in study.trials if t.state.is_finished()]) >= 8
 
 
-def test_a_trial_left_running_by_a_dead_worker_is_failed_by_the_next(db_url, sessions) -> None:
-    """SIGKILLed mid-trial, a worker leaves an Optuna trial RUNNING; when the job was taken over
-    and finished before Optuna's heartbeat grace period ran out, nothing ended it (the soak found
-    one). The worker that takes the job over fails it, and it uses none of the trial budget."""
-    job_id = submit(sessions, trials=5)
-    cfg = settings(db_url, lease_seconds=1.0, heartbeat_seconds=0.2)
+def die_mid_trial(db_url: str, cfg, job_id: str) -> int:
+    """A worker claims the job, starts an Optuna trial and dies (no release, no finish); returns
+    the trial's number once the dead worker's lease has expired."""
     dead = Worker(db_url, measurer="model", target="h100", worker_id="w-dead", settings=cfg)
     try:
         dead.register()
         job = dead.claim()
+        assert job.id == job_id
         study = optuna.create_study(study_name=job.study_name, storage=dead.storage, load_if_exists=True)
-        orphan = study.ask()  # the trial it was measuring when it died
+        number = study.ask().number  # the trial it was measuring when it died
     finally:
         dead.close()
-    time.sleep(1.1)  # the dead worker's lease expires
-    assert run_worker(db_url, measurer="model", target="h100", once=True, worker_id="w-next", settings=cfg) == 1
-    job = reload(sessions, job_id)
-    assert job.status == "succeeded" and job.attempts == 2
+    time.sleep(1.1)
+    return number
+
+
+def orphan_state(db_url: str, study_name: str, number: int) -> tuple[int, optuna.trial.FrozenTrial]:
     storage = make_storage(study_storage_url(db_url), heartbeat_interval=None)
-    trials = optuna.load_study(study_name=job.study_name, storage=storage).get_trials(deepcopy=False)
-    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
-    left = next(t for t in trials if t.number == orphan.number)
+    trials = optuna.load_study(study_name=study_name, storage=storage).get_trials(deepcopy=False)
+    running = len([t for t in trials if t.state == optuna.trial.TrialState.RUNNING])
+    return running, next(t for t in trials if t.number == number)
+
+
+@pytest.mark.parametrize("then", ["taken over", "cancelled"])
+def test_a_trial_left_running_by_a_dead_worker_is_failed_by_the_next(db_url, sessions, then) -> None:
+    """SIGKILLed mid-trial, a worker leaves an Optuna trial RUNNING; when the job was taken over
+    and finished, or cancelled, before Optuna's heartbeat grace period ran out, nothing ended it
+    (the soak found both). The next worker that takes or closes the job fails it, and it uses
+    none of the trial budget."""
+    job_id = submit(sessions, trials=5)
+    cfg = settings(db_url, lease_seconds=1.0, heartbeat_seconds=0.2)
+    orphan = die_mid_trial(db_url, cfg, job_id)
+    if then == "cancelled":
+        with sessions() as s:
+            assert jobs.cancel_job(s, job_id).cancel_requested  # nobody renews the lease to see it
+    assert run_worker(db_url, measurer="model", target="h100", once=True, worker_id="w-next",
+                      settings=cfg) == (1 if then == "taken over" else 0)
+    job = reload(sessions, job_id)
+    if then == "taken over":
+        assert job.status == "succeeded" and job.attempts == 2 and job.trials_done == 5  # none for the orphan
+    else:
+        assert job.status == "cancelled" and job.attempts == 1
+    running, left = orphan_state(db_url, job.study_name, orphan)
+    assert running == 0
     assert left.state == optuna.trial.TrialState.FAIL and "lost job" in left.user_attrs["orphaned"]
-    assert job.trials_done == 5  # the orphan took none of the budget
 
 
 def test_bad_measurer_target_and_database_are_refused_before_any_job(db_url, tmp_path) -> None:
