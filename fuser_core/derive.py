@@ -72,7 +72,7 @@ import sympy as sp
 
 from fuser_core import expr as ex
 from fuser_core.spec import Spec, Step
-from fuser_core.symbolic import Deadline, SymbolicSpec, has_cast, strip_casts
+from fuser_core.symbolic import Deadline, SymbolicSpec, cast_decides, has_cast, strip_casts
 
 MAX_TERMS = 32  # rank limit for multi-term separation
 MAX_EXPAND_POWER = 12  # (x + D)**p with larger p is not expanded
@@ -307,6 +307,11 @@ class _Deriver:
                 )
             if not dep_form.fused:
                 return self.not_fused(dep_names, f"reads {name}, which is not fused")
+        if cast_decides(F):
+            return self.not_fused(
+                dep_names, "a cast inside a comparison or round() decides a branch there; the fused forms work "
+                "without casts, which could flip it"
+            )
         self.deps = deps
         self.dep_syms = set(deps.values())
         self.streamed = streamed

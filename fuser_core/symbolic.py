@@ -103,6 +103,12 @@ def has_cast(e: sp.Expr) -> bool:
     return any(f.func in CAST_FUNCTIONS.values() for f in e.atoms(sp.Function))
 
 
+def cast_decides(e: sp.Expr) -> bool:
+    """Does a cast feed a discrete decision (a comparison, ``round``)? Then stripping it, as the
+    fused realisations do, may flip the decision rather than move a value by a rounding."""
+    return any(has_cast(node) for node in e.atoms(sp.Rel, Round))
+
+
 class Deadline:
     """A wall-clock budget for a derivation, checked between sympy operations.
 
