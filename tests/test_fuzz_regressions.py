@@ -300,6 +300,16 @@ def test_nested_casts_of_constants():
     every_strategy_passes(spec, {"m": 2, "n": 13})
 
 
+def test_folded_conditions_on_a_size_and_a_block():
+    """sympy folds where() conditions into And/Or/Not of a comparison on size(e) (a scalar in the
+    kernel) and one on the values (a block); Triton's interpreter cannot `|`, `&` or `~` those
+    (TypeError: ufunc 'bitwise_or' not supported)."""
+    spec = spec_of([red("r", "max", "where(where(bias >= 0, 1, 0) != where(size(e) > 20, 0, 1), bias, -bias)", over="e"),
+                    red("s", "sum", "where(where(bias >= 0, 1, 0) == where(size(e) > 3, 1, 0), bias, 0)", over="e")],
+                   ["r", "s"], inputs={"bias": {"dims": ["e"]}})
+    every_strategy_passes(spec, {"e": 13})
+
+
 def test_bfloat16_casts_round_to_nearest_even_under_the_interpreter():
     """The interpreter's float32 -> bfloat16 conversion truncates (1.01171875 -> 1.0078125)."""
     spec = spec_of([red("mx", "max", "x"), {"name": "y", "expr": 'cast(x, "bfloat16") * 1'}], ["mx", "y"],

@@ -141,10 +141,14 @@ class _Printer:
             c, a, b = (self.go(x)[0] for x in e.args)
             return f"tl.where({c}, {a}, {b})", _ATOM
         if isinstance(e, sp.And | sp.Or):
-            sep = " & " if isinstance(e, sp.And) else " | "
-            return sep.join(f"({self.go(a)[0]})" for a in e.args), 0
+            # as tl.where (so is Not): Triton's interpreter cannot `&`, `|` or `~` a scalar condition (on a
+            # size) with a block
+            *rest, out = (self.go(a)[0] for a in e.args)
+            for c in reversed(rest):
+                out = f"tl.where({c}, {out}, {c})" if isinstance(e, sp.And) else f"tl.where({c}, {c}, {out})"
+            return out, _ATOM
         if isinstance(e, sp.Not):
-            return f"~({self.go(e.args[0])[0]})", _ATOM
+            return f"tl.where({self.go(e.args[0])[0]}, False, True)", _ATOM
         if e is sp.true or e is sp.false:
             return ("(0.0 == 0.0)" if e is sp.true else "(0.0 != 0.0)"), _ATOM
         raise UnsupportedExpression(f"cannot print {e} for Triton")
