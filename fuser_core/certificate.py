@@ -81,20 +81,15 @@ def certify(derivation: Derivation, *, trials: int = 12, seed: int = 0) -> Certi
     per: dict[str, float] = {f.name: 0.0 for f in fused}
     algebra_err = 0.0
     plain_spec = spec if exact else _without_casts(spec)
-    try:
-        for _ in range(trials):
-            shape = _random_shape(spec, rng)
-            inputs = random_inputs(spec, shape, rng, "float32")
-            for name, err in _trial(derivation, spec, shape, inputs, rng, keep_casts=True).items():
-                per[name] = max(per[name], err)
-            if exact:
-                continue
-            for err in _trial(derivation, plain_spec, shape, inputs, rng, keep_casts=False).values():
-                algebra_err = max(algebra_err, err)
-    except RecursionError:  # lambdify rebuilds a where() whose Piecewise.eval recurses without end
-        raise DerivationLimitError(
-            "the certificate cannot evaluate this derivation: sympy recursed without end rebuilding a where()"
-        ) from None
+    for _ in range(trials):
+        shape = _random_shape(spec, rng)
+        inputs = random_inputs(spec, shape, rng, "float32")
+        for name, err in _trial(derivation, spec, shape, inputs, rng, keep_casts=True).items():
+            per[name] = max(per[name], err)
+        if exact:
+            continue
+        for err in _trial(derivation, plain_spec, shape, inputs, rng, keep_casts=False).values():
+            algebra_err = max(algebra_err, err)
     max_err = max(per.values(), default=0.0)
     if exact:
         algebra_err = max_err
@@ -191,13 +186,22 @@ class _Compiled:
         self.modules = [funcs, "numpy"]
 
     def __call__(self, e: sp.Expr, values: dict[sp.Symbol, Any]) -> np.ndarray:
-        hit = self.cache.get(e)
-        if hit is None:
-            syms = sorted(e.free_symbols, key=str)
-            hit = (sp.lambdify(syms, e, modules=self.modules), syms)
-            self.cache[e] = hit
-        fn, syms = hit
-        return np.asarray(fn(*[values[s] for s in syms]), dtype=np.float64)
+        try:
+            hit = self.cache.get(e)
+            if hit is None:
+                syms = sorted(e.free_symbols, key=str)
+                hit = (sp.lambdify(syms, e, modules=self.modules), syms)
+                self.cache[e] = hit
+            fn, syms = hit
+            return np.asarray(fn(*[values[s] for s in syms]), dtype=np.float64)
+        except RecursionError:  # lambdify rebuilds a where() whose Piecewise.eval recurses without end
+            raise DerivationLimitError(
+                "the certificate cannot evaluate this derivation: sympy recursed without end rebuilding a where()"
+            ) from None
+        except (TypeError, ValueError) as err:  # sympy rebuilding max(zoo, ..), numpy.select of a scalar condition
+            raise DerivationLimitError(
+                f"the certificate cannot evaluate {sp.sstr(e)[:80]}: {type(err).__name__}: {str(err)[:120]}"
+            ) from None
 
 
 _COMPILED: dict[tuple[int, bool], _Compiled] = {}

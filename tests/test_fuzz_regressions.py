@@ -246,6 +246,24 @@ def test_a_cast_deciding_a_where_is_not_stripped_by_a_fused_form():
     every_strategy_passes(spec, {"c": 13})
 
 
+CERTIFICATE_CANNOT_EVALUATE = [
+    # numpy.select got a scalar condition from lambdify's Piecewise (TypeError)
+    {"foldwise": 1, "name": "dhho51vppwc", "inputs": {"x": {"dims": ["d"]}, "kk": {"dims": ["d"]}, "v": {"dims": ["d"]}}, "steps": [{"name": "vals", "expr": "(-where((kk * v) >= where(where(x < log(2 + v * v), x, -1) >= where(x != (kk * v), v, -1), alpha, -1), clamp(x, -1, 1), -1))"}, {"name": "s", "expr": "(clamp((alpha + alpha), -1, 2) + where(vals == cast(alpha, \"float8_e4m3fn\"), (v) ** 4, 0))"}, {"name": "acc", "reduce": "max", "over": "d", "expr": "x"}, {"name": "var", "reduce": "sum", "over": "d", "expr": "((exp2(sin(alpha)) / size(d)) * exp(sigmoid(where(where((vals + eps) == (v) ** 2, kk, kk) > (vals + vals), kk, 0))))"}], "outputs": ["s", "acc", "var"], "params": {"eps": "size(d) * 0.5", "alpha": "log(size(d) + 1)"}},
+    # sympy rebuilt max(zoo, ...) while substituting (ValueError: not comparable)
+    {"foldwise": 1, "name": "oc7y9z_", "inputs": {"kk": {"dims": ["c"]}, "x": {"dims": ["c"]}, "bias": {"dims": []}}, "steps": [{"name": "tmp", "reduce": "min", "over": "c", "expr": "sin((-x))"}, {"name": "r", "reduce": "min", "over": "c", "expr": "where((round(kk * 4) * 0.25 + 0.1) > (bias) ** 3, x, beta0) - tmp"}, {"name": "BLOCK", "reduce": "argmax", "over": "c", "expr": "where((bias) ** 3 > where((kk * 0.5) != maximum(beta0, bias), kk, -1), kk, -1)"}, {"name": "z", "reduce": "max", "over": "c", "expr": "(log(2 + (kk / (1 + x * bias)) * (kk / (1 + x * bias))) + where(bias < where(index(c) == BLOCK, bias, 0), (beta0 * 4), 0))"}], "outputs": ["r", "z"], "params": {"beta0": "1 / sqrt(size(c))"}},
+]
+
+
+@pytest.mark.parametrize("raw", CERTIFICATE_CANNOT_EVALUATE, ids=["condlist", "zoo"])
+def test_a_certificate_that_cannot_evaluate_is_a_limit(raw):
+    """sympy/numpy errors escaped certify (a crash of `foldwise derive`); now a DerivationLimitError."""
+    from fuser_core.errors import DerivationLimitError
+    from fuser_core.report import derivation_report
+
+    with pytest.raises(DerivationLimitError, match="the certificate cannot evaluate"):
+        derivation_report(load_spec(raw))
+
+
 # ---------------------------------------------------------------- the code generator
 
 
@@ -308,6 +326,15 @@ def test_folded_conditions_on_a_size_and_a_block():
                     red("s", "sum", "where(where(bias >= 0, 1, 0) == where(size(e) > 3, 1, 0), bias, 0)", over="e")],
                    ["r", "s"], inputs={"bias": {"dims": ["e"]}})
     every_strategy_passes(spec, {"e": 13})
+
+
+def test_constant_functions_are_evaluated_in_float64():
+    """log1p(abs(1e-5)) printed as tl.log(1.00001): in float32 that is 1.0014e-5, so a constant
+    comparison with 1e-5 went the other way (error 72) and tanh(log1p(eps)) * x was off by 1.4e-3."""
+    spec = spec_of([red("mean", "max", "where(minimum(eps, scale) < log1p(abs(scale)), x, -1)"),
+                    {"name": "y", "expr": "x * tanh(log1p(abs(scale))) + mean"}], ["y"],
+                   params={"eps": "1 / sqrt(size(m))", "scale": 1e-05})
+    every_strategy_passes(spec, {"m": 1, "n": 13})
 
 
 def test_bfloat16_casts_round_to_nearest_even_under_the_interpreter():
