@@ -332,7 +332,9 @@ def test_constant_functions_are_evaluated_in_float64():
     """log1p(abs(1e-5)) printed as tl.log(1.00001): in float32 that is 1.0014e-5, so a constant
     comparison with 1e-5 went the other way (error 72) and tanh(log1p(eps)) * x was off by 1.4e-3."""
     spec = spec_of([red("mean", "max", "where(minimum(eps, scale) < log1p(abs(scale)), x, -1)"),
-                    {"name": "y", "expr": "x * tanh(log1p(abs(scale))) + mean"}], ["y"],
+                    {"name": "y", "expr": "x * tanh(log1p(abs(scale))) + mean"},
+                    # a whole step of constants folded to one number still stores as a block
+                    {"name": "c", "expr": "log2(sigmoid(clamp(2, -1, 0.5)) + 1) + round(0.3 * 4)"}], ["y", "c"],
                    params={"eps": "1 / sqrt(size(m))", "scale": 1e-05})
     every_strategy_passes(spec, {"m": 1, "n": 13})
 

@@ -95,7 +95,7 @@ class _Printer:
             if e.is_negative or e is -sp.oo:
                 return number(e), _UNARY
             return number(e), _ATOM
-        if isinstance(e, sp.Function) and not e.free_symbols:
+        if e.args and not e.free_symbols and not isinstance(e, sp.logic.boolalg.Boolean):
             # log(1.00001) and the like in float64, as the reference computes them: in float32 a
             # constant comparison with them may decide the other way
             x = _constant_value(e)
