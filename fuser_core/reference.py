@@ -172,10 +172,13 @@ assert set(FUNCTIONS) == set(ex.FUNCTIONS)
 class Evaluator:
     """Runs one spec at one bound shape. Arrays are in the aligned layout (module doc)."""
 
-    def __init__(self, spec: Spec, shape: Mapping[str, int]):
+    def __init__(self, spec: Spec, shape: Mapping[str, int], *, tie_choice: int | None = None):
         self.spec = spec
         self.shape = bind_shape(spec, shape)
         self.axis = {d: i for i, d in enumerate(spec.dims)}
+        # None: argmax/argmin give the first exact extreme. k: the k-th position (the last when fewer)
+        # among those within float32 resolution of it, which a float32 kernel may find instead
+        self.tie_choice = tie_choice
 
     # -- layout
     def aligned_shape(self, dims: tuple[str, ...] | list[str]) -> tuple[int, ...]:
@@ -243,10 +246,12 @@ class Evaluator:
                 return {step.name: np.max(value, axis=ax, keepdims=True)}
             if step.reduce == "min":
                 return {step.name: np.min(value, axis=ax, keepdims=True)}
-            if step.reduce == "argmax":
-                return {step.name: np.argmax(value, axis=ax, keepdims=True).astype(np.int64)}
-            if step.reduce == "argmin":
-                return {step.name: np.argmin(value, axis=ax, keepdims=True).astype(np.int64)}
+            if step.reduce in ("argmax", "argmin"):
+                pick = np.argmax if step.reduce == "argmax" else np.argmin
+                first = pick(value, axis=ax, keepdims=True)
+                if self.tie_choice is not None:
+                    first = _near_tie(value, first, ax, self.tie_choice)
+                return {step.name: first.astype(np.int64)}
             assert step.reduce == "topk"
             return self.topk(step, value)
 
@@ -295,6 +300,22 @@ class Evaluator:
         return out
 
 
+FLOAT32_TIE = 2.0**-22  # two float32 ulps: values closer than this to the extreme may come out on top in float32
+
+
+def _near_tie(value: np.ndarray, first: np.ndarray, ax: int, choice: int) -> np.ndarray:
+    """The ``choice``-th position (0 = first; the last when fewer) whose value is within
+    FLOAT32_TIE (relative) of the extreme at ``first``."""
+    extreme = np.take_along_axis(value, first, ax)
+    with np.errstate(all="ignore"):
+        near = np.abs(value - extreme) <= FLOAT32_TIE * np.abs(extreme)
+    near |= np.isnan(value) & np.isnan(extreme)
+    rank = np.cumsum(near, axis=ax) - 1  # 0 at the first near position
+    wanted = np.minimum(choice, np.sum(near, axis=ax, keepdims=True) - 1)
+    hit = near & (rank == wanted)
+    return np.where(np.any(hit, axis=ax, keepdims=True), np.argmax(hit, axis=ax, keepdims=True), first)
+
+
 def check_inputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Every input present, with its bound shape (in its own dims order); index inputs integer.
 
@@ -319,9 +340,10 @@ def check_inputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.n
     return out
 
 
-def evaluate(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def evaluate(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarray], *,
+             tie_choice: int | None = None) -> dict[str, np.ndarray]:
     """The spec's outputs (see :meth:`Evaluator.outputs`)."""
-    return Evaluator(spec, shape).outputs(inputs)
+    return Evaluator(spec, shape, tie_choice=tie_choice).outputs(inputs)
 
 
 # ---------------------------------------------------------------- random inputs

@@ -21,7 +21,11 @@ difference of large terms (``max(q + acc0)`` where ``acc0`` nearly cancels ``q``
 float64 when its inputs move by one float32 ulp, and no float32 program can do better than
 that. :func:`rounding_noise` measures that movement (the reference at inputs perturbed by
 about one ulp); each element may err by ``NOISE_FACTOR`` times it on top of the tolerance.
-A wrong formula still errs at the scale of the values, far above the noise. A fused strategy
+A wrong formula still errs at the scale of the values, far above the noise. Likewise an
+argmax/argmin over values distinct in float64 but equal in float32 (``tanh`` of large values)
+is rounding's choice in a kernel: :func:`tie_alternatives` re-evaluates the reference with each
+of the first ``TIE_VARIANTS`` positions within float32 resolution of the extreme, and every
+element may match any of them (the index and all that reads it). A fused strategy
 whose derivation is inexact (a cast inside a fused reduction) is judged normwise,
 ``max|got - ref| / max|ref|``, against one e4m3 step, and the report says so.
 """
@@ -29,7 +33,7 @@ whose derivation is inexact (a cast inside a fused reduction) is judged normwise
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +52,7 @@ FLOOR = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.1, "float8_e4m3fn": 1e-2
 # (numpy, the unfused chain and our kernels alike); 32 leaves room for longer chains of roundings.
 NOISE_FACTOR = 32.0
 NOISE_ULP = 2.0**-23
+TIE_VARIANTS = 4  # argmax/argmin positions within float32 resolution of the extreme, tried in order
 INEXACT_TOLERANCE = 0.125  # normwise: one float8 e4m3 step
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 INDEX_DTYPES = ("int32", "int64")
@@ -138,16 +143,21 @@ def run(
     return RunResult(strategy, config, outputs, module.source)
 
 
-def rel_err(got: np.ndarray, ref: np.ndarray, floor: float, allowance: np.ndarray | float = 0.0) -> float:
+def rel_err(got: np.ndarray, ref: np.ndarray, floor: float, allowance: np.ndarray | float = 0.0,
+            alternatives: Sequence[np.ndarray] = ()) -> float:
     """max |got - ref| / max(|ref|, floor * scale, allowance), with scale = max |ref| (1 when the
-    reference is 0 everywhere); equal values (inf, nan included) count as 0."""
-    got, ref = np.broadcast_arrays(np.asarray(got, np.float64), np.asarray(ref, np.float64))
-    same = (got == ref) | (np.isnan(got) & np.isnan(ref))
+    reference is 0 everywhere); equal values (inf, nan included) count as 0. Each element is
+    judged against whichever of ``ref`` and ``alternatives`` (same scale) it is closest to."""
+    ref = np.asarray(ref, np.float64)
     scale = float(np.max(np.abs(ref[np.isfinite(ref)]), initial=0.0)) or 1.0
-    with np.errstate(all="ignore"):
-        err = np.abs(got - ref) / np.maximum(np.maximum(np.abs(ref), max(floor * scale, 1e-30)), allowance)
-    err = np.where(same, 0.0, err)
-    return float(np.max(np.where(np.isnan(err), np.inf, err), initial=0.0))
+    err = None
+    for r in (ref, *alternatives):
+        g, r = np.broadcast_arrays(np.asarray(got, np.float64), np.asarray(r, np.float64))
+        with np.errstate(all="ignore"):
+            e = np.abs(g - r) / np.maximum(np.maximum(np.abs(r), max(floor * scale, 1e-30)), allowance)
+        e = np.where((g == r) | (np.isnan(g) & np.isnan(r)), 0.0, np.where(np.isnan(e), np.inf, e))
+        err = e if err is None else np.minimum(err, e)
+    return float(np.max(err, initial=0.0))
 
 
 def _as_numpy(t: Any) -> np.ndarray:
@@ -175,22 +185,47 @@ def rounding_noise(evaluate_outputs: Callable[[dict[str, np.ndarray]], Mapping[s
     return out
 
 
+def tie_alternatives(evaluate_outputs: Callable[[int], Mapping[str, np.ndarray]], spec: Spec,
+                     reference: Mapping[str, np.ndarray]) -> list[Mapping[str, np.ndarray]]:
+    """The reference again with each argmax/argmin taking the k-th position within float32
+    resolution of its extreme (k < TIE_VARIANTS), where that changes anything: values distinct in
+    float64 but equal in float32 make the kernel's choice, and all that reads it, rounding's.
+
+    ``evaluate_outputs(k)`` is the float64 reference with ``tie_choice=k``."""
+    if not any(s.reduce in ("argmax", "argmin") for s in spec.steps):
+        return []
+    out: list[Mapping[str, np.ndarray]] = []
+    for k in range(TIE_VARIANTS):
+        alt = evaluate_outputs(k)
+        if all(np.array_equal(alt[p], prev[p], equal_nan=True) for prev in (reference, *out) for p in reference):
+            if k:  # no position further down the ties: later choices repeat this one
+                break
+            continue
+        out.append(alt)
+    return out
+
+
 def compare(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, np.ndarray], stores: Mapping[str, str],
-            noise: Mapping[str, np.ndarray] | None = None) -> dict[str, float]:
+            noise: Mapping[str, np.ndarray] | None = None,
+            alternatives: Sequence[Mapping[str, np.ndarray]] = ()) -> dict[str, float]:
     """Relative error per output part (indices: 1.0 where they differ and values are not tied)."""
     errors = {}
     for part, ref in reference.items():
         got = _as_numpy(outputs[part])
+        others = [alt[part] for alt in alternatives]
         if stores[part] == "int32":
-            errors[part] = _index_error(spec, part, got, ref, reference)
+            errors[part] = _index_error(spec, part, got, ref, reference, others)
         else:
             allowance = NOISE_FACTOR * noise[part] / TOLERANCE[stores[part]] if noise and part in noise else 0.0
-            errors[part] = rel_err(got, ref, FLOOR[stores[part]], allowance)
+            errors[part] = rel_err(got, ref, FLOOR[stores[part]], allowance, others)
     return errors
 
 
-def _index_error(spec: Spec, part: str, got: np.ndarray, ref: np.ndarray, reference: Mapping[str, np.ndarray]) -> float:
+def _index_error(spec: Spec, part: str, got: np.ndarray, ref: np.ndarray, reference: Mapping[str, np.ndarray],
+                 alternatives: Sequence[np.ndarray] = ()) -> float:
     wrong = got != ref
+    for alt in alternatives:
+        wrong &= got != alt
     values = reference.get(part.replace(".indices", ".values"))
     if values is not None and wrong.any() and values.shape[-1] > 1:
         eq = np.diff(values, axis=-1) == 0
@@ -214,10 +249,11 @@ def self_check(
     result = run(spec, bound, dtypes, inputs, strategy=strategy, config=config, derivation=derivation)
     reference = evaluate(spec, bound, inputs)
     noise = rounding_noise(lambda arrays: evaluate(spec, bound, arrays), inputs, reference, seed)
+    ties = tie_alternatives(lambda k: evaluate(spec, bound, inputs, tie_choice=k), spec, reference)
     stores = output_dtypes(spec, dtypes)
     derivation = derivation or derive_cascade(spec)
     exact = result.strategy not in ("streaming_fused", "split_fused") or derivation.exact
-    verdict = judge(spec, result.outputs, reference, stores, exact=exact, noise=noise)
+    verdict = judge(spec, result.outputs, reference, stores, exact=exact, noise=noise, alternatives=ties)
     return {
         "strategy": result.strategy,
         "config": result.config.to_dict(),
@@ -229,20 +265,23 @@ def self_check(
 
 
 def judge(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, np.ndarray], stores: Mapping[str, str],
-          *, exact: bool, noise: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+          *, exact: bool, noise: Mapping[str, np.ndarray] | None = None,
+          alternatives: Sequence[Mapping[str, np.ndarray]] = ()) -> dict[str, Any]:
     """Outputs against the float64 reference: ``passed``, ``max_rel_err``, ``errors``,
     ``tolerances``, ``exact``, ``error_measure``, ``bad`` (the failing parts). ``noise`` is
-    :func:`rounding_noise` of the reference (module docstring).
+    :func:`rounding_noise` of the reference and ``alternatives`` :func:`tie_alternatives`
+    (module docstring).
 
     ``exact=False`` is for fused strategies of a cascade with a cast inside a fused reduction:
     the cast rounds with running values (THEORY.md 5), so the result is exact in real
     arithmetic only, and is judged normwise against one e4m3 step.
     """
     if exact:
-        errors = compare(spec, outputs, reference, stores, noise)
+        errors = compare(spec, outputs, reference, stores, noise, alternatives)
         tolerances = {p: TOLERANCE[stores[p]] for p in errors}
     else:
-        errors = {p: rel_err(_as_numpy(outputs[p]), ref, 1.0) for p, ref in reference.items()}
+        errors = {p: rel_err(_as_numpy(outputs[p]), ref, 1.0, 0.0, [a[p] for a in alternatives])
+                  for p, ref in reference.items()}
         tolerances = {p: INEXACT_TOLERANCE for p in errors}
     bad = [p for p, err in errors.items() if not err <= tolerances[p]]
     return {
