@@ -527,6 +527,7 @@ class Problem:
         self.rows = {d: torch.as_tensor(v, device=device) for d, v in self.rows_np.items()}
         self._reference: dict[str, np.ndarray] | None = None
         self._noise: dict[str, np.ndarray] = {}
+        self._ties: list[dict[str, np.ndarray]] = []
         self._sets: list[dict[str, Any]] | None = None
         self.input_bytes = sum(t.numel() * t.element_size() for t in self.inputs.values())
 
@@ -553,18 +554,25 @@ class Problem:
 
     def reference(self) -> dict[str, np.ndarray]:
         if self._reference is None:
-            from fuser_core.runner import rounding_noise
+            from fuser_core.runner import rounding_noise, tie_alternatives
 
             arrays = {i.name: _to_numpy(_select(self.inputs[i.name], i.dims, self.rows)) for i in self.spec.inputs}
             evaluator = SampledEvaluator(self.spec, self.shape, self.rows_np)
             self._reference = evaluator.outputs(arrays)
             self._noise = rounding_noise(evaluator.outputs, arrays, self._reference)
+
+            def with_ties(k: int) -> dict[str, np.ndarray]:
+                tied = SampledEvaluator(self.spec, self.shape, self.rows_np)
+                tied.tie_choice = k
+                return tied.outputs(arrays)
+
+            self._ties = tie_alternatives(with_ties, self.spec, self._reference)
         return self._reference
 
-    def noise(self) -> dict[str, np.ndarray]:
-        """The reference's float32 rounding noise (fuser_core.runner.rounding_noise)."""
+    def allowances(self) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
+        """The reference's float32 rounding noise and tie alternatives (fuser_core.runner)."""
         self.reference()
-        return self._noise
+        return self._noise, self._ties
 
     def timing_sets(self, settings: Mapping[str, Any], l2_bytes: int) -> list[dict[str, Any]]:
         """Set 0 is the checked set; more sets until their total exceeds 4 x L2 (bounded by
@@ -870,7 +878,8 @@ def check_outputs(problem: Problem, outputs: Mapping[str, Any], variant: Mapping
         sliced[part] = _select(t, spec.step(part.split(".")[0]).dims, problem.rows)
     strategy = variant.get("strategy")
     exact = variant["kind"] != "fused" or strategy not in ("streaming_fused", "split_fused") or problem.derivation.exact
-    report: dict[str, Any] = judge(spec, sliced, reference, problem.stores, exact=exact, noise=problem.noise())
+    noise, ties = problem.allowances()
+    report: dict[str, Any] = judge(spec, sliced, reference, problem.stores, exact=exact, noise=noise, alternatives=ties)
     bad, errors, tolerances = report.pop("bad"), report["errors"], report["tolerances"]
     report["rows_checked"] = {d: len(v) for d, v in problem.rows_np.items()} or "all"
     if bad:
