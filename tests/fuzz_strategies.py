@@ -264,6 +264,8 @@ class _Cascade:
     # ---------------------------------------------------------------- steps
     def add_step(self, expr: str, *, reduce: str | None = None, over: str | None = None, k: int | None = None,
                  positive: bool = False) -> Atom:
+        if reduce == "topk" and not self.as_names:  # every `as` name taken: a max instead
+            reduce, k = "max", None
         name = self.new_name()
         step: dict = {"name": name}
         if reduce is not None:

@@ -266,6 +266,7 @@ def test_a_trial_left_running_by_a_dead_worker_is_failed_by_the_next(db_url, ses
     running, left = orphan_state(db_url, job.study_name, orphan)
     assert running == 0
     assert left.state == optuna.trial.TrialState.FAIL and "lost job" in left.user_attrs["orphaned"]
+    assert left.user_attrs["result"]["outcome"] == "orphaned"  # whatever it had set, it uses no budget
 
 
 def test_bad_measurer_target_and_database_are_refused_before_any_job(db_url, tmp_path) -> None:

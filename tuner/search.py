@@ -271,6 +271,8 @@ def fail_orphaned_trials(storage: optuna.storages.BaseStorage, study_name: str, 
     for t in storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
         try:
             storage.set_trial_user_attr(t._trial_id, "orphaned", reason)
+            # a result its worker set before dying (even a failed measurement) must not count
+            storage.set_trial_user_attr(t._trial_id, "result", {"outcome": "orphaned", "error": reason})
             failed += bool(storage.set_trial_state_values(t._trial_id, TrialState.FAIL))
         except (optuna.exceptions.UpdateFinishedTrialError, RuntimeError):
             continue  # its worker finished it meanwhile
