@@ -120,6 +120,66 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    """``foldwise compile``: the GPU compiler on each generated kernel, for a target's arch, with no
+    GPU needed. Exit 0 when every kernel compiles, 1 when one fails, 2 on bad input."""
+    from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest, capability_of
+    from fuser_core.codegen.plan import BASELINE, STRATEGIES, KernelConfig, valid_strategies
+    from fuser_core.derive import derive_cascade
+    from fuser_core.reference import bind_shape
+    from fuser_core.runner import bind_dtypes
+    from tuner.profiles import get_profile
+
+    spec = _read_spec(args.spec)
+    shape = bind_shape(spec, parse_shape(args.shape))
+    dtypes = bind_dtypes(spec, parse_dtype(args.dtype))
+    try:
+        profile = get_profile(args.target)
+    except ValueError as err:
+        raise UsageError(f"--target: {err}") from None
+    config = None
+    if args.config:
+        try:
+            config = KernelConfig.from_dict(json.loads(args.config)).to_dict()
+        except (json.JSONDecodeError, ValueError, TypeError) as err:
+            raise UsageError(f"--config: {err}") from None
+    refused: dict[str, str] = {}
+    if args.strategy == "all":
+        valid = valid_strategies(spec, derive_cascade(spec), shape)
+        refused = {s: why for s, why in valid.items() if why}
+        strategies = [s for s in STRATEGIES if s in valid and not valid[s]] + [BASELINE]
+    elif args.strategy in (*STRATEGIES, BASELINE):
+        strategies = [args.strategy]
+    else:
+        raise UsageError(f"--strategy: unknown strategy {args.strategy!r}; one of {', '.join((*STRATEGIES, BASELINE))}, all")
+    capability = capability_of(profile.arch)
+    requests = [CompileRequest(spec, shape, dtypes, s, config, capability) for s in strategies]
+    with CompilePool(min(len(requests), 4)) as pool:
+        modules = pool.compile(requests)
+    for module in modules:
+        if module.refused:
+            refused[module.strategy] = module.refused
+    kernels = [{"strategy": m.strategy, **k.to_dict()} for m in modules for k in m.kernels]
+    failed = sum(not k["ok"] for k in kernels)
+    if args.json:
+        print(json.dumps({"spec": spec.name, "target": profile.name, "arch": profile.arch, "shape": shape,
+                          "dtypes": dtypes, "kernels": kernels, "refused": refused,
+                          "configs": {m.strategy: m.config for m in modules if not m.refused}}, indent=2))
+    else:
+        print(f"{spec.name} for {profile.name} ({profile.arch}): {len(kernels) - failed} of {len(kernels)} kernels compile")
+        print(f"{'strategy':<16} {'kernel':<44} {'ok':<4} {'regs':>5} {'spill':>6} {'shared':>7}")
+        for k in kernels:
+            regs = "" if k["registers"] is None else k["registers"]
+            spill = "" if k["spill_bytes"] is None else k["spill_bytes"]
+            shared = "" if k["shared_bytes"] is None else k["shared_bytes"]
+            print(f"{k['strategy']:<16} {k['kernel']:<44} {'yes' if k['ok'] else 'NO':<4} {regs:>5} {spill:>6} {shared:>7}")
+            if not k["ok"]:
+                print(f"    {k['error']}")
+        for s, why in refused.items():
+            print(f"{s:<16} refused: {why}")
+    return 1 if failed else 0
+
+
 def _quiet_optuna() -> None:
     """Optuna logs every trial on stderr; the CLI prints its own progress and summary."""
     from service.tuning import quiet_optuna
@@ -379,6 +439,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--strategy", help="row_resident|streaming_fused|split_fused|multi_pass, or unfused_chain (the baseline); default: best valid")
     run.add_argument("--config", help='JSON, e.g. {"blocks": {"n": 64}, "num_warps": 4, "split": 1}')
     run.set_defaults(func=cmd_run)
+    compile_ = sub.add_parser(
+        "compile", help="compile the generated kernels with Triton's GPU compiler for a target (no GPU needed)",
+        description="Compile every kernel of the generated module(s) for the target's arch (h100/h200: sm_90, "
+                    "a100: sm_80) and report registers, spills and shared memory. Exit 0 when all compile, 1 when "
+                    "one fails, 2 on bad input.")
+    compile_.add_argument("spec", help="path to a spec JSON file")
+    compile_.add_argument("--shape", required=True, help="dim sizes, e.g. m=4,n=300")
+    compile_.add_argument("--dtype", default="float32", help="float32|float16|bfloat16, or a JSON map input -> dtype")
+    compile_.add_argument("--target", default="h100", help="GPU profile whose arch to compile for (h100, h200, a100)")
+    compile_.add_argument("--strategy", default="all",
+                          help="one strategy, unfused_chain, or all (every valid strategy plus the chain; default)")
+    compile_.add_argument("--config", help='JSON, e.g. {"blocks": {"n": 64}, "num_warps": 4}; default: each '
+                                           "strategy's default configuration")
+    compile_.add_argument("--json", action="store_true", help="print one JSON object (one entry per kernel)")
+    compile_.set_defaults(func=cmd_compile)
     tune = sub.add_parser("tune", help="search kernel configurations with Optuna")
     tune.add_argument("spec", help="path to a spec JSON file")
     tune.add_argument("--shape", required=True, help="dim sizes, e.g. m=4,n=300")

@@ -115,3 +115,16 @@ def sessions(db_url):
     engine = make_engine(db_url)
     yield session_factory(engine)
     engine.dispose()
+
+
+# --- the GPU compiler ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def compile_pool(kernel_cache_dir):
+    """Worker processes that run Triton's GPU compiler (interpreter off in them), shared by every
+    test of the session; they inherit the session's FOLDWISE_CACHE_DIR."""
+    from fuser_core.codegen.gpu_compile import CompilePool
+
+    with CompilePool() as pool:
+        yield pool

@@ -52,7 +52,7 @@ import sympy as sp
 
 from fuser_core import expr as ex
 from fuser_core.canonical import canonical_json
-from fuser_core.codegen.emit import aligned_index, block_shape, safe_name
+from fuser_core.codegen.emit import aligned_index, block_shape, kernel_arg, load_expr, safe_name, store_expr
 from fuser_core.codegen.module import TORCH_DTYPES, _load, cached_source, generate, module_header, output_dtypes
 from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan, NotValid, next_pow2
 from fuser_core.codegen.tritonize import to_triton
@@ -433,10 +433,9 @@ class ElementwiseWriter:
             var, dims = self.var[name], self.leaf_dims(name)
             ptr = f"{var}_ptr + " + " + ".join(f"offs_{d} * stride_{var}_{d}" for d in dims) if dims else f"{var}_ptr"
             mask = " & ".join(f"mask_{d}" for d in dims)
-            other = "" if self.input_dtypes.get(name) == "float8_e4m3fn" else ", other=0"
-            args = f"{ptr}, mask={mask}{other}" if mask else ptr
+            args = f"{ptr}, mask={mask}, other=0" if mask else ptr
             kind = "tl.int32" if self.leaf_is_index(name) else "tl.float32"
-            emit(f"    {var} = tl.load({args}).to({kind})")
+            emit(f"    {var} = {load_expr(args, self.input_dtypes.get(name), kind)}")
             values[name] = var
         for o in self.outputs:
             var, dims = self.var[o], self.spec.step(o).dims
@@ -454,7 +453,7 @@ class ElementwiseWriter:
             else:  # a scalar output: a pointer block of size 1 (a block value needs a block pointer)
                 ptr = f"{var}_ptr + tl.zeros({shape}, tl.int32)"
             mask = " & ".join(f"mask_{d}" for d in dims)
-            store = f"tl.store({ptr}, {full}.to({var}_ptr.dtype.element_ty)" + (f", mask={mask})" if mask else ")")
+            store = f"tl.store({ptr}, {store_expr(full, self.stores[o], var)}" + (f", mask={mask})" if mask else ")")
             others = [d for d in self.dims if d not in dims]
             if others:
                 emit(f"    # over ({', '.join(dims)}) only: stored by the programs at block 0 of {', '.join(others)}")
@@ -480,7 +479,8 @@ class ElementwiseWriter:
             size = "(" + "".join(f"size_{d}, " for d in self.spec.step(o).dims) + ")"
             lines.append(f"    {self.var[o]} = torch.empty({size}, device={device}, dtype={TORCH_DTYPES[self.stores[o]]})")
         grid = " * ".join(f"triton.cdiv(size_{d}, {self.blocks[d]})" for d in self.dims) or "1"
-        args = [self.var[n] for n in self.leaves] + [self.var[o] for o in self.outputs]
+        args = [kernel_arg(self.var[n], self.input_dtypes.get(n)) for n in self.leaves]
+        args += [kernel_arg(self.var[o], self.stores[o]) for o in self.outputs]
         args += [f"size_{d}" for d in self.spec.dims]
         for n in self.leaves:
             args += [f"{self.var[n]}.stride({k})" for k in range(len(self.leaf_dims(n)))]

@@ -73,22 +73,39 @@ def topk_merge(vals, idx, tile, tile_idx, slot, AXIS: tl.constexpr, SLOTS: tl.co
     return new_vals, new_idx
 
 
-if INTERPRETED:
-    # Triton's interpreter converts to float8e4nv without round-to-even, saturation or
-    # subnormals (17 -> 18, 500 -> 256); emulate the GPU's conversion exactly in float32.
-    @triton.jit
-    def fp8e4m3_round(x):
-        """x rounded to float8 e4m3fn (nearest even, saturating at 448, with subnormals)."""
-        a = tl.minimum(tl.abs(x), 448.0)
-        e = tl.maximum(tl.floor(tl.log2(a)), -6.0)
-        step = tl.exp2(e - 3.0)
-        r = tl.minimum(round_half_even(a / step) * step, 448.0)
-        return tl.where(x != x, x, tl.where(x < 0.0, -r, r))
-else:
-    @triton.jit
-    def fp8e4m3_round(x):
-        """x rounded to float8 e4m3fn (the GPU's saturating round-to-nearest-even conversion)."""
-        return tl.clamp(x, -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
+# float8 e4m3fn crosses into and out of kernels as its bits (uint8): sm_80 has no fp8 type, and
+# Triton's interpreter converts without round-to-even, saturation or subnormals. The conversion
+# is done here, exactly, in integer and power-of-two arithmetic, the same on every target.
+@triton.jit
+def fp8e4m3_bits(x):
+    """The e4m3fn bits of x rounded to nearest even (saturating at 448, subnormals kept)."""
+    a = tl.minimum(tl.abs(x), 448.0)
+    e = tl.maximum((a.to(tl.uint32, bitcast=True) >> 23).to(tl.int32) - 127, -6)  # subnormals share -6
+    scale = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e): exact
+    m = round_half_even(a * scale).to(tl.int32)  # the significand in eighths; 16 carries into e + 1
+    code = (e + 6) * 8 + m
+    sign = (x.to(tl.uint32, bitcast=True) >> 31).to(tl.int32) * 0x80  # -0.0 keeps its sign
+    code = tl.where(x != x, 0x7F, code) + sign
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def fp8e4m3_to_float(bits):
+    """The float32 value of e4m3fn bits (uint8)."""
+    b = bits.to(tl.int32)
+    code = b & 0x7F
+    e = code >> 3
+    m = code & 7
+    normal = ((e + 120) << 23 | m << 20).to(tl.float32, bitcast=True)
+    value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormals: m * 2**-9
+    value = tl.where(code == 0x7F, float("nan"), value)
+    return tl.where(b >= 0x80, -value, value)
+
+
+@triton.jit
+def fp8e4m3_round(x):
+    """x rounded to float8 e4m3fn, as a float32."""
+    return fp8e4m3_to_float(fp8e4m3_bits(x))
 
 
 if INTERPRETED:
@@ -128,6 +145,7 @@ def pow_real(b, e):
 '''
 
 ORDER_SELECTIONS = ("topk", "bottomk", "argmax", "argmin")
+FP8 = "float8_e4m3fn"  # kernels see it as uint8 bits: see fp8e4m3_bits in HELPERS
 _CONSTANT = re.compile(r'\(*-?(?:[0-9.]+(?:e[+-]?[0-9]+)?|float\("-?(?:inf|nan)"\))\)*')
 _RESERVED = {"tl", "triton", "pid", "start", "count", "count_old", "float", "range", "int", "math", "torch"}
 _PREFIXES = ("offs_", "mask_", "size_", "stride_", "BLOCK_", "nblk_", "pid_")
@@ -152,6 +170,26 @@ def safe_name(name: str) -> str:
     if keyword.iskeyword(name) or name in _RESERVED or name.startswith(_PREFIXES) or name.endswith(("_ptr", "_anchor", "_old")):
         return f"v_{name}"
     return name
+
+
+def load_expr(load_args: str, dtype: str | None, kind: str) -> str:
+    """``tl.load(load_args)`` as float32 (``kind`` tl.int32 for index inputs); fp8 arrives as bits.
+    Masked lanes are never used (every reduction and store masks them): ``other`` is 0."""
+    if dtype == FP8:
+        return f"fp8e4m3_to_float(tl.load({load_args}))"
+    return f"tl.load({load_args}).to({kind})"
+
+
+def store_expr(value: str, dtype: str, var: str) -> str:
+    """``value`` converted for ``{var}_ptr``: fp8 leaves as its bits."""
+    if dtype == FP8:
+        return f"fp8e4m3_bits({value})"
+    return f"{value}.to({var}_ptr.dtype.element_ty)"
+
+
+def kernel_arg(var: str, dtype: str | None) -> str:
+    """A launcher's tensor argument: an fp8 tensor is passed as its bits (uint8)."""
+    return f"{var}.view(torch.uint8)" if dtype == FP8 else var
 
 
 class KernelWriter:
@@ -262,10 +300,8 @@ class KernelWriter:
         ptr = f"{var}_ptr + " + " + ".join(f"offs_{d} * stride_{var}_{d}" for d in inp.dims) if inp.dims else f"{var}_ptr"
         mask = " & ".join(f"mask_{d}" for d in inp.dims)
         kind = "tl.int32" if inp.kind == "index" else "tl.float32"
-        # masked lanes are never used (every reduction and store masks them); fp8 takes no `other`
-        other = "" if self.input_dtypes.get(name) == "float8_e4m3fn" else ", other=0"
-        args = f"{ptr}, mask={mask}{other}" if mask else ptr
-        self.emit(f"{var} = tl.load({args}).to({kind})")
+        args = f"{ptr}, mask={mask}, other=0" if mask else ptr
+        self.emit(f"{var} = {load_expr(args, self.input_dtypes.get(name), kind)}")
         self.values[name] = var
         self.loaded.add(name)
 
@@ -453,7 +489,7 @@ class KernelWriter:
         if _CONSTANT.fullmatch(value.strip()):  # a constant step: tl.broadcast_to takes tensors only
             value = f"tl.full({self.shape(())}, {value}, tl.float32)"
         full = f"tl.broadcast_to({value}, {self.shape(dims)})"
-        line = f"tl.store({ptr}, {full}.to({var}_ptr.dtype.element_ty)"
+        line = f"tl.store({ptr}, {store_expr(full, self.store_dtypes[part], var)}"
         self.emit(line + (f", mask={mask})" if mask else ")"))
 
     def output_value(self, part: str) -> str:
@@ -692,8 +728,13 @@ class KernelWriter:
                 value = f"{scale} * {self.selected(step, acc)} + {offset}"
                 self.emit(f"# {step.name}: final values from the accumulated {form.effective_op}")
                 self.set_result(step, value, f"{acc}_indices")
-            else:
+            elif form.kind == "shifted":
+                self.emit(f"{safe_name(step.name)} = {acc}")
                 self.values[step.name] = safe_name(step.name)
+            else:
+                # Triton's compiler scopes names assigned inside a loop to its body: the final
+                # value is recomputed here from the loop-carried accumulators
+                self.running_value(step, self.accs[step.name])
 
     # -- split: partial states over chunks of the axis, then a derived combine
     def workspace(self) -> list[tuple[str, tuple[str, ...], str]]:

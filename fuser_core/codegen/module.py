@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 from fuser_core.canonical import canonical_json
-from fuser_core.codegen.emit import HELPERS, KernelWriter, safe_name
+from fuser_core.codegen.emit import HELPERS, KernelWriter, kernel_arg, safe_name
 from fuser_core.codegen.plan import KernelConfig, KernelPlan, make_plan
 from fuser_core.derive import Derivation
 from fuser_core.spec import Spec
@@ -130,7 +130,7 @@ def module_source(plan: KernelPlan, stores: dict[str, str], dtypes: dict[str, st
         f"{spec.name}, strategy {plan.strategy}.",
         [f"config: {json.dumps(plan.config.to_dict(), sort_keys=True)}", f"blocks: {json.dumps(plan.blocks, sort_keys=True)}"],
     )
-    return header + "\n\n" + body + "\n\n" + launcher_source(plan, kernel, stores, writer)
+    return header + "\n\n" + body + "\n\n" + launcher_source(plan, kernel, stores, dtypes, writer)
 
 
 def module_header(title: str, details: list[str]) -> str:
@@ -140,7 +140,8 @@ def module_header(title: str, details: list[str]) -> str:
     return "\n".join(lines) + HELPERS
 
 
-def launcher_source(plan: KernelPlan, kernel: str, stores: dict[str, str], writer: KernelWriter) -> str:
+def launcher_source(plan: KernelPlan, kernel: str, stores: dict[str, str], dtypes: dict[str, str],
+                    writer: KernelWriter) -> str:
     spec = plan.spec
     lines = [
         "def launch(inputs, shape):",
@@ -159,7 +160,8 @@ def launcher_source(plan: KernelPlan, kernel: str, stores: dict[str, str], write
         lines.append(f"    {var} = torch.empty({size}, device={first}.device, dtype={TORCH_DTYPES[stores[part]]})")
         outs.append((part, var, dims))
     lanes = " * ".join(f"triton.cdiv(size_{d}, {plan.blocks[d]})" for d in plan.lanes) or "1"
-    args = [f"{safe_name(i.name)}" for i in spec.inputs] + [v for _, v, _ in outs]
+    args = [kernel_arg(safe_name(i.name), dtypes.get(i.name)) for i in spec.inputs]
+    args += [kernel_arg(v, stores[p]) for p, v, _ in outs]
     args += [f"size_{d}" for d in spec.dims]
     for i in spec.inputs:
         args += [f"{safe_name(i.name)}.stride({k})" for k in range(len(i.dims))]
