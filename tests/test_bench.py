@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CATALOG_DIR, load_catalog
+from conftest import load_catalog, load_catalog_suites
 
 from fuser_core.canonical import spec_hash
 from fuser_core.codegen.module import output_dtypes
@@ -38,7 +38,7 @@ from tuner.torch_ref import HANDWRITTEN_TEMPLATES, build, contraction_flops, han
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked tile lanes compute 0/0
 
 CATALOG = load_catalog()
-SUITES = json.loads((CATALOG_DIR / "suites.json").read_text())
+SUITES = load_catalog_suites()
 HAS_CUDA = __import__("torch").cuda.is_available()
 
 

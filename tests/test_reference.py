@@ -24,9 +24,10 @@ from fuser_core.reference import (
     param_values,
     random_inputs,
 )
+from fuser_core.catalog import PACKAGED_DIR
 from fuser_core.spec import load_spec
 
-CATALOG = Path(__file__).resolve().parents[1].parent / "shared" / "catalog"
+CATALOG = PACKAGED_DIR
 F8 = ml_dtypes.float8_e4m3fn
 
 
