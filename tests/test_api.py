@@ -227,6 +227,28 @@ def test_submit_validation_names_the_field(client) -> None:
     assert client.get("/v1/jobs").json()["jobs"] == []  # nothing stored
 
 
+def test_body_errors_name_the_body_or_the_content_type(client) -> None:
+    def post(content: str, content_type: str | None = "application/json") -> list[dict]:
+        r = client.post("/v1/jobs", content=content, headers={"content-type": content_type} if content_type else {})
+        assert r.status_code == 422 and r.headers["content-type"].startswith(PROBLEM)
+        return r.json()["errors"]
+
+    # the README's curl when the command inside $(...) failed: the spec's value is missing
+    [e] = post('{"spec": , "shape": {"m": 64, "n": 4096}}')
+    assert (e["field"], e["in"]) == ("body", "body")
+    assert e["message"] == ("the request body is not valid JSON: the value of 'spec' is missing (line 1 column 10); "
+                            "was it made by a command that failed?")
+    [e] = post('{"spec": {},\n "shape": 3')
+    assert e["field"] == "body" and "Expecting ',' delimiter at line 2 column 12, near" in e["message"]
+    assert post("")[0] == {"field": "body", "loc": ["body"], "in": "body",
+                           "message": "the request body is empty; expected a JSON object"}
+    assert post("[1]")[0]["field"] == "body"
+    for content_type, shown in (("text/plain", "got 'text/plain'"), (None, "none was sent")):
+        [e] = post(json.dumps(job_body()), content_type)
+        assert (e["field"], e["in"]) == ("content-type", "header") and e["message"].endswith(shown)
+        assert e["message"].startswith("must be application/json")
+
+
 PAPER_ATTENTION = {"b": 128, "h": 16, "m": 512, "n": 512, "d": 64, "e": 64}  # suites.json "paper", its first case
 
 
