@@ -9,7 +9,7 @@ NumPy broadcasting. Inputs arrive in their own dims order and are aligned on the
 :meth:`Evaluator.outputs` squeezes each output back to its step's own dims, in
 ``step.dims`` order (the interface's output dim order rule).
 
-**Semantics** (../shared/docs/SPEC.md):
+**Semantics** (docs/SPEC.md):
 
 - ``sum``/``max``/``min`` reduce over ``over``; ``argmax``/``argmin`` give the first position
   of the extreme value (NaN counts as the extreme, as in NumPy); ``topk`` gives the k

@@ -81,7 +81,7 @@ def interpreter_quiet() -> contextlib.AbstractContextManager:
 
 
 def bind_dtypes(spec: Spec, dtype: str | Mapping[str, str]) -> dict[str, str]:
-    """One dtype for every floating input, or a map per input (SPEC.md); index inputs int64."""
+    """One dtype for every floating input, or a map per input (docs/SPEC.md); index inputs int64."""
     out: dict[str, str] = {}
     if isinstance(dtype, str):
         if dtype not in FLOAT_DTYPES[:3]:
@@ -286,7 +286,7 @@ def judge(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, np.nda
     (module docstring).
 
     ``exact=False`` is for fused strategies of a cascade with a cast inside a fused reduction:
-    the cast rounds with running values (THEORY.md 5), so the result is exact in real
+    the cast rounds with running values (docs/THEORY.md 5), so the result is exact in real
     arithmetic only, and is judged normwise against one e4m3 step.
     """
     if exact:

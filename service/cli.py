@@ -1,4 +1,4 @@
-"""The ``foldwise`` command line (../shared/docs/INTERFACE.md).
+"""The ``foldwise`` command line (docs/API.md).
 
 Exit codes: 0 success (a valid spec that does not fuse is a success), 2 invalid input
 (the message on stderr names the field), 1 an internal error.
@@ -471,7 +471,7 @@ class HelpFormatter(argparse.HelpFormatter):
         if ("default" in text or not action.option_strings or action.default in (None, False)
                 or action.default is argparse.SUPPRESS):
             return text
-        return f"{text} (default: %(default)s)"
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 class Parser(argparse.ArgumentParser):

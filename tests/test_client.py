@@ -1,6 +1,6 @@
 """service/client.py's KernelCache against a fake kernel server (httpx.MockTransport).
 
-The fake server follows INTERFACE.md: ``GET /v1/kernels?spec_hash=&target=&shape=&dtype=`` answers
+The fake server follows docs/API.md: ``GET /v1/kernels?spec_hash=&target=&shape=&dtype=`` answers
 a kernel view (exact match, else the nearest shape, marked), ``GET /v1/kernels/{id}/bundle`` the
 bundle bytes with ``ETag`` = sha256 and ``304`` for a matching ``If-None-Match``. Bundles are
 real ones from make_bundle; kernels run through Triton's interpreter.

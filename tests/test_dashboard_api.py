@@ -286,7 +286,8 @@ def test_catalog_dir_adds_a_users_folder(client, tmp_path, monkeypatch):
     (tmp_path / "mine.json").write_text((CATALOG_DIR / "rmsnorm.json").read_text())
     (tmp_path / "junk.json").write_text('{"not": "a spec"}')
     (tmp_path / "broken.json").write_text("{")
-    (tmp_path / "safe_softmax.json").write_text((CATALOG_DIR / "logsumexp.json").read_text())  # shadows the packaged one
+    # a spec named like a packaged one shadows it
+    (tmp_path / "safe_softmax.json").write_text((CATALOG_DIR / "logsumexp.json").read_text())
     (tmp_path / "suites.json").write_text('{"mine": [{"spec": "mine", "shape": {"t": 2, "c": 8}}]}')
     monkeypatch.setenv("FOLDWISE_CATALOG_DIR", str(tmp_path))
     specs = {s["name"]: s for s in client.get("/v1/catalog").json()["specs"]}
