@@ -297,8 +297,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                        attrs["measurer"])
     try:
         result = _run_tuner(Tuner(space, measurer, seed=args.seed), int(attrs["budget"]), as_json=args.json,
-                            storage=storage,
-                            study_name=args.study, max_trials=args.trials)
+                            storage=storage, study_name=args.study, max_trials=args.trials)
     except NoResult as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
