@@ -39,7 +39,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import sqlalchemy as sa
 
-CATALOG = Path(__file__).resolve().parents[1].parent / "shared" / "catalog"
+from fuser_core.catalog import PACKAGED_DIR
+
+CATALOG = PACKAGED_DIR
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 PAGE = 50  # rows per list page, as the dashboard asks (it requests PAGE + 1 to know if there are more)
 

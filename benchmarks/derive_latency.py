@@ -14,14 +14,14 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import sympy.core.cache
 
+from fuser_core.catalog import PACKAGED_DIR, catalog_entries
 from fuser_core.report import clear_cache, derivation_report
 from fuser_core.spec import load_spec
 
-CATALOG = Path(__file__).resolve().parents[1].parent / "shared" / "catalog"
+CATALOG = [entry.path for entry in catalog_entries([PACKAGED_DIR])]
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--cached-repeat", type=int, default=200, help="cached runs per spec")
     args = parser.parse_args()
 
-    texts = {p.stem: p.read_text() for p in sorted(CATALOG.glob("*.json")) if p.stem != "suites"}
+    texts = {p.stem: p.read_text() for p in CATALOG}
     derivation_report(load_spec(texts["safe_softmax"]))  # warm the imports, not the specs
 
     rows = []

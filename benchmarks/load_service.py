@@ -46,8 +46,10 @@ from pathlib import Path
 
 import httpx
 
+from fuser_core.catalog import PACKAGED_DIR
+
 ROOT = Path(__file__).resolve().parents[1]
-CATALOG = ROOT.parent / "shared" / "catalog"
+CATALOG = PACKAGED_DIR
 SPEC, SHAPE = "safe_softmax.json", {"m": 4, "n": 64}
 
 

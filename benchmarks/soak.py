@@ -44,8 +44,10 @@ from pathlib import Path
 import httpx
 import sqlalchemy as sa
 
+from fuser_core.catalog import PACKAGED_DIR
+
 REPO = Path(__file__).resolve().parents[1]
-CATALOG = REPO.parent / "shared" / "catalog"
+CATALOG = PACKAGED_DIR
 SPECS = ["safe_softmax", "layernorm", "rmsnorm", "logsumexp", "moe_routing"]
 TERMINAL = ("succeeded", "failed", "cancelled")
 

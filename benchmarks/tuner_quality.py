@@ -1,6 +1,6 @@
 """Tuner quality on the paper suite with the model measurer (a benchmark, not a test).
 
-For every case of ../shared/catalog/suites.json "paper", target h100, the ``model``
+For every case of the catalog's suite "paper" (fuser_core/catalog/suites.json), target h100, the ``model``
 measurer: the exhaustive optimum (every feasible candidate of ``SearchSpace.enumerate()``
 predicted) against Optuna's best after ``--trials`` trials (seed 0, in memory), the gap in
 percent, the worst gap over ``--seeds`` seeds, and the tuner's own overhead per trial
@@ -16,7 +16,6 @@ Prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,10 +26,9 @@ import optuna
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-CATALOG = REPO.parent / "shared" / "catalog"
 
 from fuser_core.derive import derive_cascade  # noqa: E402
-from fuser_core.spec import load_spec  # noqa: E402
+from fuser_core.catalog import load_catalog_spec, load_suites  # noqa: E402
 from tuner.measure import ModelMeasurer  # noqa: E402
 from tuner.profiles import get_profile  # noqa: E402
 from tuner.search import Tuner  # noqa: E402
@@ -76,7 +74,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
     profile = get_profile(args.target)
-    cases = json.loads((CATALOG / "suites.json").read_text())[args.suite]
+    cases = load_suites()[args.suite]
     header = ("| case | shape | dtype | feasible | exhaustive best | Optuna best (seed 0) | gap | worst gap, "
               f"{args.seeds} seeds | overhead ms/trial (mean / max) | measured / cached / infeasible | gap, no local search | gap, plain TPE |")
     lines = [f"Tuner quality: {args.suite} suite, target {profile.name}, model measurer, {args.trials} trials", "",
@@ -85,7 +83,7 @@ def main() -> None:
     for case in cases:
         if args.only and case["spec"] != args.only:
             continue
-        spec = load_spec((CATALOG / f"{case['spec']}.json").read_text())
+        spec = load_catalog_spec(case["spec"])
         derivation = derive_cascade(spec)
         space = SearchSpace(spec, derivation, case["shape"], case["dtype"], profile)
         model = ModelMeasurer(spec, derivation, case["shape"], case["dtype"], profile)

@@ -2,7 +2,7 @@
 
 Two specs that differ only in key order, whitespace, ``name``/``doc``, or a consistent
 renaming of dims, steps or params get the same canonical form, hence the same hash
-(SPEC.md, "Canonical form and identity"). The rules, decided here:
+(docs/SPEC.md, "Canonical form and identity"). The rules, decided here:
 
 - inputs keep their names (they are the kernel's interface) and are listed sorted by name;
   input declaration order is JSON key order, so it does not count;
@@ -15,7 +15,7 @@ renaming of dims, steps or params get the same canonical form, hence the same ha
 - expressions are printed from the parsed AST (whitespace, redundant parentheses and number
   spelling such as ``1e-5`` vs ``0.00001`` disappear).
 
-Because the canonical input order is sorted, the dim order of outputs (INTERFACE.md's rule)
+Because the canonical input order is sorted, the dim order of outputs (docs/API.md's rule)
 is defined on each user's own spec; layers that store kernels translate between the two
 with :func:`canonical_names`.
 

@@ -1,5 +1,5 @@
 """The derivation certificate: the derived incremental forms, run in float64, against the
-multi-pass reference (THEORY.md section 7).
+multi-pass reference (docs/THEORY.md section 7).
 
 Each trial draws a random shape and random inputs, evaluates the spec step by step with
 :mod:`fuser_core.reference` (the multi-pass truth), and then, for every axis, runs the

@@ -1,11 +1,11 @@
-"""The derivation: does a cascade fuse into one incremental loop, and how (THEORY.md 2-5).
+"""The derivation: does a cascade fuse into one incremental loop, and how (docs/THEORY.md 2-5).
 
 For every reduction of a spec, :func:`derive_cascade` finds its cascade axis (``over``),
 the earlier reductions over that axis it reads (its dependencies D, after inlining
 elementwise steps), and decides with sympy whether its integrand F(x, D) separates:
 
 - ``sum``: F = sum_j G_j(x) H_j(D) with finitely many terms (rank 1 is RedFuser's
-  multiplicative case; rank > 1 is THEORY.md section 5's multi-term case);
+  multiplicative case; rank > 1 is docs/THEORY.md section 5's multi-term case);
 - ``max``/``min``/``topk``/``argmax``/``argmin``: F = a(D) G(x) + b(D) with a(D) provably
   positive (order kept) or negative (max and min swap), decided by sympy's assumptions.
 
@@ -175,7 +175,7 @@ class Derivation:
 
     @property
     def fusible(self) -> bool:
-        """True when every dependent reduction fused (THEORY.md: one loop per axis)."""
+        """True when every dependent reduction fused (docs/THEORY.md: one loop per axis)."""
         return all(f.fused for f in self.forms.values())
 
     @property

@@ -1,6 +1,6 @@
 """Render a :class:`~fuser_core.derive.Derivation` and its certificate as plain JSON data.
 
-Field names follow INTERFACE.md (``spec_hash``, ``fusible``, ``reductions`` with ``name``,
+Field names follow docs/API.md (``spec_hash``, ``fusible``, ``reductions`` with ``name``,
 ``op``, ``over``, ``fused``, ``correction``, ``reason``; ``certificate`` with
 ``max_rel_err``, ``trials``, ``exact``); everything else is extra detail for people and
 for the code generator: the terms G/H, each accumulator's tile contribution and

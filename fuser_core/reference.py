@@ -9,7 +9,7 @@ NumPy broadcasting. Inputs arrive in their own dims order and are aligned on the
 :meth:`Evaluator.outputs` squeezes each output back to its step's own dims, in
 ``step.dims`` order (the interface's output dim order rule).
 
-**Semantics** (../shared/docs/SPEC.md):
+**Semantics** (docs/SPEC.md):
 
 - ``sum``/``max``/``min`` reduce over ``over``; ``argmax``/``argmin`` give the first position
   of the extreme value (NaN counts as the extreme, as in NumPy); ``topk`` gives the k
@@ -47,7 +47,10 @@ from fuser_core import expr as ex
 from fuser_core.errors import SpecError
 from fuser_core.spec import Spec, Step
 
-MAX_ELEMENTS = 2**31  # the most elements any input or step may have
+# Size limits of a bound shape, per tensor rather than for the product of every dim (attention's
+# b, h, m, n, d, e multiply to 2**41 though its largest tensor has 2**29 elements).
+MAX_ELEMENTS = 2**31  # the most elements any input or step (an intermediate a strategy may store) may have
+MAX_WORK = 2**48  # the most points of any step's iteration space (its dims and the dim it reduces over)
 
 FLOAT_DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
@@ -103,12 +106,32 @@ def bind_shape(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
         if step.k > bound[step.over]:
             raise ShapeError(f"topk step {step.name!r} takes k={step.k} of {step.over!r}, which has only "
                              f"{bound[step.over]}", loc=("shape", step.over))
-    for name, dims in [(i.name, i.dims) for i in spec.inputs] + [(s.name, s.dims) for s in spec.steps]:
-        n = math.prod(bound[d] for d in dims)
-        if n > MAX_ELEMENTS:
-            big = max(dims, key=bound.__getitem__)
-            raise ShapeError(f"{name!r} would have {n} elements; the limit is {MAX_ELEMENTS}", loc=("shape", big))
+    check_sizes(spec, bound)
     return bound
+
+
+def check_sizes(spec: Spec, bound: Mapping[str, int], *, max_elements: int = MAX_ELEMENTS,
+                max_work: int = MAX_WORK) -> None:
+    """ShapeError (field ``shape``) naming the first tensor, an input or a step, with more than
+    ``max_elements`` elements, or the first step whose iteration space has more than ``max_work``
+    points. Every step counts as a tensor, since some strategy stores it (the unfused chain stores
+    attention's ``s``); a step's iteration space adds the dim it reduces over (a topk step's own
+    ``as`` dim is not iterated)."""
+    def sizes(dims) -> str:
+        return ", ".join(f"{d}={bound[d]}" for d in dims)
+
+    tensors = [(f"input {i.name!r}", i.dims) for i in spec.inputs] + [(f"step {s.name!r}", s.dims) for s in spec.steps]
+    for what, dims in tensors:
+        n = math.prod(bound[d] for d in dims)
+        if n > max_elements:
+            raise ShapeError(f"{what} ({sizes(dims)}) would have {n} elements; the limit per tensor is {max_elements}",
+                             loc=("shape",))
+    for step in spec.steps:
+        dims = [d for d in step.dims if d != step.as_dim] + ([step.over] if step.over else [])
+        n = math.prod(bound[d] for d in dims)
+        if n > max_work:
+            raise ShapeError(f"step {step.name!r} iterates over {sizes(dims)}: {n} points; the limit is {max_work}",
+                             loc=("shape",))
 
 
 def param_values(spec: Spec, shape: Mapping[str, int]) -> dict[str, float]:

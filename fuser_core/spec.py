@@ -1,4 +1,4 @@
-"""Cascade spec v1: load, validate and infer dims (../shared/docs/SPEC.md).
+"""Cascade spec v1: load, validate and infer dims (docs/SPEC.md).
 
 :func:`load_spec` is the only way a spec enters Foldwise. It accepts JSON text, bytes or
 an already-decoded dict, checks every field, parses every expression with our own grammar
@@ -120,7 +120,7 @@ class Spec:
         raise KeyError(ref.name)
 
     def order_dims(self, dims: set[str] | tuple[str, ...]) -> tuple[str, ...]:
-        """Dims in the spec's order (the output dim order rule of INTERFACE.md)."""
+        """Dims in the spec's order (the output dim order rule of docs/API.md)."""
         return tuple(d for d in self.dims if d in dims)
 
     def expr_dims(self, e: ex.Expr) -> tuple[str, ...]:

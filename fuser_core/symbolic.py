@@ -5,7 +5,7 @@ so that what remains are *leaves*:
 
 - streamed leaves: values that vary along the cascade axis (inputs with that dim,
   ``index(axis)``, results of reductions over other axes that keep the axis, like
-  attention's ``s = q.k``) -- the ``x`` of THEORY.md;
+  attention's ``s = q.k``) -- the ``x`` of docs/THEORY.md;
 - dependency symbols: results of earlier reductions over the same axis -- the ``D``;
 - neutral leaves: constant along the axis (other inputs, ``size(d)``, ``index(other)``).
 

@@ -9,7 +9,7 @@ close a guess was), and the stored hash is compared again with :func:`hmac.compa
 **Scopes.** ``jobs:write`` (submit and cancel jobs), ``kernels:read`` (kernel lookups and
 bundle downloads), ``admin`` (implies every scope).
 
-**Policy** (INTERFACE.md says writes need a token; where it is silent, decided here):
+**Policy** (docs/API.md says writes need a token; where it is silent, decided here):
 
 - *open mode*: the server is bound to a loopback address **and** the database holds no token
   at all. Everything is open, so ``foldwise serve`` on a laptop just works.

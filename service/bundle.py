@@ -1,6 +1,6 @@
 """Kernel bundles: one self-contained, hash-checked JSON document per tuned kernel.
 
-A bundle is what inference servers download (../shared/docs/INTERFACE.md, "The kernel bundle").
+A bundle is what inference servers download (docs/API.md, "The kernel bundle").
 Its fixed fields are ``format``, ``spec`` (canonical), ``spec_hash``, ``shape``, ``dtype``,
 ``target``, ``strategy``, ``config``, ``triton_source``, ``measured``, ``derivation`` and
 ``sha256``. Format ``foldwise-bundle/1`` also requires ``inputs`` and ``outputs`` (dims and
@@ -73,7 +73,7 @@ class BundleError(ValueError):
 
 
 def canonical_bytes(obj: dict) -> bytes:
-    """The bytes a bundle is hashed and served as (INTERFACE.md): sorted keys, no spaces, UTF-8.
+    """The bytes a bundle is hashed and served as (docs/API.md): sorted keys, no spaces, UTF-8.
 
     NaN and infinities are refused (``allow_nan=False``): they are not JSON, and other clients
     could not parse the bundle; every finite document serialises exactly as the contract says.

@@ -1,4 +1,4 @@
-"""The ``foldwise`` command line (../shared/docs/INTERFACE.md).
+"""The ``foldwise`` command line (docs/API.md).
 
 Exit codes: 0 success (a valid spec that does not fuse is a success), 2 invalid input
 (the message on stderr names the field), 1 an internal error.
@@ -24,17 +24,20 @@ class UsageError(Exception):
     """Bad input from the command line (exit 2)."""
 
 
-def _read_spec(path: str):
-    from fuser_core.spec import MAX_SPEC_BYTES, load_spec
+def _read_spec_source(name_or_path: str) -> bytes:
+    """The bytes of the spec a command-line argument means: a file, else a catalog name."""
+    from fuser_core.catalog import CatalogError, spec_source
 
-    p = Path(path)
     try:
-        if p.stat().st_size > MAX_SPEC_BYTES:
-            raise UsageError(f"{path}: spec file is larger than {MAX_SPEC_BYTES} bytes")
-        data = p.read_bytes()
-    except OSError as err:
-        raise UsageError(f"{path}: cannot read: {err.strerror}") from None
-    return load_spec(data)
+        return spec_source(name_or_path)
+    except CatalogError as err:
+        raise UsageError(str(err)) from None
+
+
+def _read_spec(name_or_path: str):
+    from fuser_core.spec import load_spec
+
+    return load_spec(_read_spec_source(name_or_path))
 
 
 def cmd_derive(args: argparse.Namespace) -> int:
@@ -46,6 +49,27 @@ def cmd_derive(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(format_report(report))
+    return 0
+
+
+def cmd_catalog(args: argparse.Namespace) -> int:
+    """``foldwise catalog``: the specs known by name; ``foldwise catalog NAME``: one spec's JSON."""
+    from fuser_core.catalog import PACKAGED_DIR, catalog_dirs, catalog_entries
+
+    if args.name:
+        sys.stdout.write(_read_spec_source(args.name).decode("utf-8", "replace"))
+        return 0
+    entries = catalog_entries()
+    if args.json:
+        print(json.dumps([{"name": e.name, "doc": e.doc, "path": str(e.path), "packaged": e.packaged}
+                          for e in entries], indent=2))
+        return 0
+    width = max((len(e.name) for e in entries), default=4)
+    for e in entries:
+        print(f"{e.name:<{width}}  {e.doc or '(no doc)'}" + ("" if e.packaged else f"  [{e.path}]"))
+    users = [str(d) for d in catalog_dirs() if d != PACKAGED_DIR]
+    print(f"\n{len(entries)} specs; packaged catalog {PACKAGED_DIR}"
+          + (f"; searched first: {', '.join(users)}" if users else "; add folders with $FOLDWISE_CATALOG_DIR"))
     return 0
 
 
@@ -247,9 +271,10 @@ class ProgressBar:
         self.stream.flush()
 
 
-def _run_tuner(tuner, budget: int, **kwargs):
-    """tuner.run with a progress bar on stderr when stdout is a terminal."""
-    bar = ProgressBar(budget) if sys.stdout.isatty() else None
+def _run_tuner(tuner, budget: int, *, as_json: bool, **kwargs):
+    """tuner.run with a progress bar on stderr when stderr is a terminal and the output is not
+    --json (a pipe or a log file gets no carriage-return noise)."""
+    bar = ProgressBar(budget) if sys.stderr.isatty() and not as_json else None
     try:
         return tuner.run(budget, callbacks=[bar] if bar else [], **kwargs)
     finally:
@@ -273,10 +298,12 @@ def _print_result(result, *, as_json: bool, storage_url: str | None) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from fuser_core.spec import load_spec
     from tuner.search import NoResult, Tuner, study_name_for
 
-    spec = _read_spec(args.spec)
-    raw_spec = json.loads(Path(args.spec).read_bytes())
+    source = _read_spec_source(args.spec)
+    spec = load_spec(source)
+    raw_spec = json.loads(source)
     shape = parse_shape(args.shape)
     dtype = parse_dtype(args.dtype)
     if args.trials < 1:
@@ -287,7 +314,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     name = study_name_for(attrs["spec_hash"], attrs["shape"], attrs["dtype"], attrs["target"], args.measurer)
     tuner = Tuner(space, measurer, seed=args.seed)
     try:
-        result = _run_tuner(tuner, args.trials, storage=storage, study_name=name,
+        result = _run_tuner(tuner, args.trials, as_json=args.json, storage=storage, study_name=name,
                             attrs={**attrs, "budget": args.trials, "seed": args.seed})
     except NoResult as err:
         print(f"error: {err}", file=sys.stderr)
@@ -329,8 +356,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     space, measurer, _ = _tuning_setup(spec, attrs["spec"], attrs["shape"], attrs["dtype"], attrs["target"],
                                        attrs["measurer"])
     try:
-        result = _run_tuner(Tuner(space, measurer, seed=args.seed), int(attrs["budget"]), storage=storage,
-                            study_name=args.study, max_trials=args.trials)
+        result = _run_tuner(Tuner(space, measurer, seed=args.seed), int(attrs["budget"]), as_json=args.json,
+                            storage=storage, study_name=args.study, max_trials=args.trials)
     except NoResult as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -378,7 +405,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _add_bench_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="GPU benchmark: tuned fused kernels vs the unfused chain, torch eager, "
                                          "torch.compile and hand-written kernels")
-    bench.add_argument("--suite", default="paper", help="suite of ../shared/catalog/suites.json (paper, smoke)")
+    bench.add_argument("--suite", default="paper", help="a suite of the catalog's suites.json (paper, smoke; "
+                                                        "`foldwise catalog` lists the catalog)")
     bench.add_argument("--out", help="directory for bench_<suite>.json/.md/.png (default benchmarks/results/<suite>)")
     bench.add_argument("--trials", type=int, default=40, help="tuning trials per case (default 40)")
     bench.add_argument("--device", choices=("cuda", "cpu"), default=None,
@@ -387,7 +415,8 @@ def _add_bench_parser(sub: Any) -> None:
     bench.add_argument("--baselines", help="comma-separated subset of chain,eager,compile,handwritten (default all)")
     bench.add_argument("--only", help="comma-separated spec names: run only the suite's cases of these specs")
     bench.add_argument("--target", help="GPU profile for the search space (default: the profile of this GPU)")
-    bench.add_argument("--catalog", help="catalog directory holding suites.json and the specs (default ../shared/catalog)")
+    bench.add_argument("--catalog", help="an extra catalog folder (specs and suites.json), searched before "
+                                         "$FOLDWISE_CATALOG_DIR and the packaged catalog")
     bench.add_argument("--timeout", type=float, default=120.0, help="seconds per trial or baseline (default 120)")
     bench.add_argument("--compile-timeout", type=float, default=600.0,
                        help="seconds for the torch.compile baseline, compilation included (default 600)")
@@ -424,14 +453,23 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="foldwise", description="Kernel search for cascaded reductions.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    derive = sub.add_parser("derive", help="validate a spec and derive its fused form")
-    derive.add_argument("spec", help="path to a spec JSON file")
+    from fuser_core import __version__
+
+    parser = Parser(prog="foldwise", description="Kernel search for cascaded reductions: derive fused forms, generate "
+                                                 "Triton kernels, tune them, serve the best from a cache.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    catalog = sub.add_parser("catalog", help="list the specs known by name (packaged catalog and "
+                                             "$FOLDWISE_CATALOG_DIR), or print one spec's JSON")
+    catalog.add_argument("name", nargs="?", help="a catalog name (or path): print that spec's JSON")
+    catalog.add_argument("--json", action="store_true", help="list as JSON (name, doc, path, packaged)")
+    catalog.set_defaults(func=cmd_catalog)
+    derive = sub.add_parser("derive", help="validate a spec and derive its fused form, with its certificate")
+    derive.add_argument("spec", help=SPEC_HELP)
     derive.add_argument("--json", action="store_true", help="print one JSON object")
     derive.set_defaults(func=cmd_derive)
     run = sub.add_parser("run", help="generate the Triton kernel(s) and run them (interpreter without a GPU)")
-    run.add_argument("spec", help="path to a spec JSON file")
+    run.add_argument("spec", help=SPEC_HELP)
     run.add_argument("--shape", required=True, help="dim sizes, e.g. m=4,n=300")
     run.add_argument("--dtype", default="float32", help="float32|float16|bfloat16, or a JSON map input -> dtype")
     run.add_argument("--inputs", help="npz with one array per input name; without it, random inputs are checked")
@@ -455,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--json", action="store_true", help="print one JSON object (one entry per kernel)")
     compile_.set_defaults(func=cmd_compile)
     tune = sub.add_parser("tune", help="search kernel configurations with Optuna")
-    tune.add_argument("spec", help="path to a spec JSON file")
+    tune.add_argument("spec", help=SPEC_HELP)
     tune.add_argument("--shape", required=True, help="dim sizes, e.g. m=4,n=300")
     tune.add_argument("--dtype", default="float32", help="float32|float16|bfloat16, or a JSON map input -> dtype")
     tune.add_argument("--target", default="h100", help="GPU profile to tune for (h100, h200, a100, ...)")
@@ -491,7 +529,42 @@ def build_parser() -> argparse.ArgumentParser:
     add_queue_worker_arguments(worker)
     add_service_commands(sub)
     _add_bench_parser(sub)
+    _describe_commands(parser)
     return parser
+
+
+SPEC_HELP = "a catalog name (see `foldwise catalog`) or a path to a spec JSON file"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Adds an option's default to its help, unless the help already states it or there is
+    none to state (no value, a flag that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.default in (None, False)
+                or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+class Parser(argparse.ArgumentParser):
+    """The CLI's parsers (subcommands' too: argparse makes them of the parent's class) show defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def _describe_commands(parser: argparse.ArgumentParser) -> None:
+    """Give each subcommand's --help its one-line help from the command list as description
+    (argparse keeps the two apart, so `foldwise derive --help` said nothing of what it does)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                command = action.choices[choice.dest]
+                command.description = command.description or choice.help
+                _describe_commands(command)
 
 
 def main(argv: list[str] | None = None) -> int:

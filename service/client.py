@@ -5,13 +5,13 @@ Example::
     from service.client import KernelCache
 
     cache = KernelCache("https://foldwise.example", token="...")
-    kernel = cache.get("attention.json", {"b": 8, "h": 16, "m": 1024, "n": 1024, "d": 64, "e": 64},
+    kernel = cache.get("attention", {"b": 8, "h": 16, "m": 1024, "n": 1024, "d": 64, "e": 64},
                        dtype="float16", target="h100")
     out = kernel(q=q, k=k, v=v)["o"]
 
 How ``get`` works:
 
-1. the spec (a dict, JSON text, a path or a loaded Spec) is validated and hashed *locally*;
+1. the spec (a catalog name, a path, a dict, JSON text or a loaded Spec) is validated and hashed *locally*;
    shape and dtype are validated and put in canonical form (bundles speak the canonical
    spec's dim names, see :mod:`service.bundle`), so the query is
    ``GET /v1/kernels?spec_hash=...&target=h100&shape=d0=4,d1=300&dtype=float32``;
@@ -55,7 +55,8 @@ import httpx
 
 from fuser_core.canonical import canonical_names, spec_hash
 from fuser_core.errors import SpecError
-from fuser_core.spec import MAX_SPEC_BYTES, Spec, load_spec
+from fuser_core.catalog import CatalogError, spec_source
+from fuser_core.spec import Spec, load_spec
 from service.bundle import (
     BundleError,
     BundleKernel,
@@ -102,7 +103,8 @@ def default_cache_dir() -> Path:
 
 
 def as_spec(spec: Spec | Mapping[str, Any] | str | bytes | os.PathLike) -> Spec:
-    """A spec from a loaded Spec, a dict, JSON text/bytes, or a path to a JSON file."""
+    """A spec from a loaded Spec, a dict, JSON text/bytes, a path to a JSON file or a catalog
+    name (``"safe_softmax"``, :mod:`fuser_core.catalog`)."""
     if isinstance(spec, Spec):
         return spec
     if isinstance(spec, Mapping | bytes):
@@ -110,14 +112,12 @@ def as_spec(spec: Spec | Mapping[str, Any] | str | bytes | os.PathLike) -> Spec:
     if isinstance(spec, str) and spec.lstrip().startswith("{"):
         return load_spec(spec)
     if isinstance(spec, str | os.PathLike):
-        path = Path(spec)
         try:
-            if path.stat().st_size > MAX_SPEC_BYTES:
-                raise SpecError(f"{path}: spec file is larger than {MAX_SPEC_BYTES} bytes", loc=("spec",))
-            return load_spec(path.read_bytes())
-        except OSError as err:
-            raise SpecError(f"{path}: cannot read: {err.strerror}", loc=("spec",)) from None
-    raise SpecError(f"expected a spec dict, JSON text or a path, got {type(spec).__name__}", loc=("spec",))
+            return load_spec(spec_source(spec))
+        except CatalogError as err:
+            raise SpecError(str(err), loc=("spec",)) from None
+    raise SpecError(f"expected a spec dict, JSON text, a path or a catalog name, got {type(spec).__name__}",
+                    loc=("spec",))
 
 
 def parse_shape(shape: Mapping[str, int] | str) -> dict[str, int]:

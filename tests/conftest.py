@@ -1,5 +1,6 @@
-"""Shared fixtures: the public catalog of specs (../shared/catalog from the repo root), and a
-per-session kernel cache directory (generated kernels never land in ~/.cache/foldwise)."""
+"""Shared fixtures: the packaged catalog of specs (fuser_core/catalog, the one the package
+ships), and a per-session kernel cache directory (generated kernels never land in
+~/.cache/foldwise)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,22 @@ from pathlib import Path
 
 import pytest
 
-CATALOG_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "catalog"
-NOT_SPECS = {"suites.json"}
+from fuser_core.catalog import CATALOG_ENV, PACKAGED_DIR, catalog_entries, load_suites
+
+# Tests read the packaged catalog only: a user's $FOLDWISE_CATALOG_DIR must not change what they see
+# (tests of that variable set it themselves).
+os.environ.pop(CATALOG_ENV, None)
+CATALOG_DIR = PACKAGED_DIR
 
 
 def load_catalog() -> dict[str, dict]:
-    """{spec name: raw dict} for every catalog spec (suites.json is not a spec)."""
-    out = {}
-    for path in sorted(CATALOG_DIR.glob("*.json")):
-        if path.name in NOT_SPECS:
-            continue
-        out[path.stem] = json.loads(path.read_text())
-    return out
+    """{spec name: raw dict} for every spec of the packaged catalog."""
+    return {e.name: json.loads(e.path.read_bytes()) for e in catalog_entries([CATALOG_DIR])}
+
+
+def load_catalog_suites() -> dict[str, list[dict]]:
+    """The packaged catalog's benchmark suites (suite name -> cases)."""
+    return load_suites([CATALOG_DIR])
 
 
 @pytest.fixture(scope="session")

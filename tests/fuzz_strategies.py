@@ -1,4 +1,4 @@
-"""Hypothesis strategies that build VALID random cascade specs over SPEC.md's grammar, and
+"""Hypothesis strategies that build VALID random cascade specs over docs/SPEC.md's grammar, and
 targeted mutations of them that are (mostly) invalid.
 
 :func:`cascade_specs` draws raw JSON dicts (so that :func:`fuser_core.spec.load_spec` is
@@ -113,7 +113,7 @@ class _Cascade:
         return out
 
     def deps(self, *ops: str) -> list[Atom]:
-        """Earlier reductions over the cascade axis (the D of THEORY.md)."""
+        """Earlier reductions over the cascade axis (the D of docs/THEORY.md)."""
         return [a for a in self.atoms if a.over == self.axis and a.kind == "float" and a.op in ops]
 
     def note(self, text: str) -> None:

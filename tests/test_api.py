@@ -207,7 +207,8 @@ BAD_SUBMISSIONS = [
     ({"shape": {"m": 4, "n": "64"}}, "shape.n", None),
     ({"shape": {"m": 4, "n": 64.0}}, "shape.n", None),
     ({"shape": {"m": 2**31, "n": 64}}, "shape.m", "2147483647"),
-    ({"shape": {"m": 2**20, "n": 2**20}}, "shape.m", "limit"),
+    ({"shape": {"m": 2**20, "n": 2**20}}, "shape", "input 'x' (m=1048576, n=1048576) would have 1099511627776 "
+                                                 "elements; the limit per tensor is 2147483648"),
     ({"budget": {"trials": 501}}, "budget.trials", "at most 500"),
     ({"budget": {"trials": 0}}, "budget.trials", None),
     ({"budget": {"trials": 5, "seconds": 10**9}}, "budget.seconds", "at most"),
@@ -224,6 +225,53 @@ def test_submit_validation_names_the_field(client) -> None:
     for change, field, text in BAD_SUBMISSIONS:
         assert_problem(client.post("/v1/jobs", json=job_body(**change)), 422, field, text)
     assert client.get("/v1/jobs").json()["jobs"] == []  # nothing stored
+
+
+def test_body_errors_name_the_body_or_the_content_type(client) -> None:
+    def post(content: str, content_type: str | None = "application/json") -> list[dict]:
+        r = client.post("/v1/jobs", content=content, headers={"content-type": content_type} if content_type else {})
+        assert r.status_code == 422 and r.headers["content-type"].startswith(PROBLEM)
+        return r.json()["errors"]
+
+    # the README's curl when the command inside $(...) failed: the spec's value is missing
+    [e] = post('{"spec": , "shape": {"m": 64, "n": 4096}}')
+    assert (e["field"], e["in"]) == ("body", "body")
+    assert e["message"] == ("the request body is not valid JSON: the value of 'spec' is missing (line 1 column 10); "
+                            "was it made by a command that failed?")
+    [e] = post('{"spec": {},\n "shape": 3')
+    assert e["field"] == "body" and "Expecting ',' delimiter at line 2 column 12, near" in e["message"]
+    assert post("")[0] == {"field": "body", "loc": ["body"], "in": "body",
+                           "message": "the request body is empty; expected a JSON object"}
+    assert post("[1]")[0]["field"] == "body"
+    for content_type, shown in (("text/plain", "got 'text/plain'"), (None, "none was sent")):
+        [e] = post(json.dumps(job_body()), content_type)
+        assert (e["field"], e["in"]) == ("content-type", "header") and e["message"].endswith(shown)
+        assert e["message"].startswith("must be application/json")
+
+
+PAPER_ATTENTION = {"b": 128, "h": 16, "m": 512, "n": 512, "d": 64, "e": 64}  # suites.json "paper", its first case
+
+
+def test_the_papers_attention_shape_is_accepted(client) -> None:
+    """Its dims multiply to 2**41, but its largest tensor (the step s, b*h*m*n) has 2**29 elements."""
+    attention = load_catalog()["attention"]
+    r = client.post("/v1/jobs", json=job_body(spec=attention, shape=PAPER_ATTENTION, dtype="float16"))
+    assert r.status_code == 202, r.text
+    job = client.get(r.headers["location"]).json()
+    assert job["status"] == "queued" and job["display_shape"] == PAPER_ATTENTION
+
+
+def test_size_limits_name_the_tensor(client) -> None:
+    attention = load_catalog()["attention"]
+    too_big = {**PAPER_ATTENTION, "m": 4096, "n": 4096}  # s: 128*16*4096*4096 = 2**35 elements
+    assert_problem(client.post("/v1/jobs", json=job_body(spec=attention, shape=too_big)), 422, "shape",
+                   "step 's' (b=128, h=16, m=4096, n=4096) would have 34359738368 elements")
+    outer = {"foldwise": 1, "name": "outer", "inputs": {"x": {"dims": ["m", "n"]}, "y": {"dims": ["k", "l"]}},
+             "steps": [{"name": "s", "reduce": "sum", "over": "n", "expr": "x * y"}], "outputs": ["s"]}
+    wide = {"m": 1, "n": 2**30, "k": 2**15, "l": 2**15}  # every tensor 2**30, the sum iterates 2**60 points
+    assert_problem(client.post("/v1/jobs", json=job_body(spec=outer, shape=wide)), 422, "shape",
+                   "step 's' iterates over m=1, k=32768, l=32768, n=1073741824: 1152921504606846976 points; "
+                   "the limit is 281474976710656")
 
 
 def test_many_parallel_identical_submissions_make_one_job(db_url) -> None:

@@ -1,4 +1,4 @@
-"""Canonical form and spec_hash (fuser_core.canonical): SPEC.md "Canonical form and identity"."""
+"""Canonical form and spec_hash (fuser_core.canonical): docs/SPEC.md "Canonical form and identity"."""
 
 from __future__ import annotations
 

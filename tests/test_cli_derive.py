@@ -1,4 +1,4 @@
-"""`foldwise derive` as INTERFACE.md specifies it: JSON fields, exit codes, messages."""
+"""`foldwise derive` as docs/API.md specifies it: JSON fields, exit codes, messages."""
 
 from __future__ import annotations
 

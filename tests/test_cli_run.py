@@ -1,4 +1,4 @@
-"""``foldwise run`` end to end, as a subprocess (INTERFACE.md): the random self-check report,
+"""``foldwise run`` end to end, as a subprocess (docs/API.md): the random self-check report,
 npz in / npz out by output name, and exit code 2 with a message for every bad argument."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """service/client.py's KernelCache against a fake kernel server (httpx.MockTransport).
 
-The fake server follows INTERFACE.md: ``GET /v1/kernels?spec_hash=&target=&shape=&dtype=`` answers
+The fake server follows docs/API.md: ``GET /v1/kernels?spec_hash=&target=&shape=&dtype=`` answers
 a kernel view (exact match, else the nearest shape, marked), ``GET /v1/kernels/{id}/bundle`` the
 bundle bytes with ``ETag`` = sha256 and ``304`` for a matching ``If-None-Match``. Bundles are
 real ones from make_bundle; kernels run through Triton's interpreter.
@@ -136,12 +136,13 @@ def test_fetch_verifies_caches_and_runs(server, tmp_path):
     assert len(list((tmp_path / "index").glob("*.json"))) == 1
 
 
-def test_spec_as_path_or_text_and_shape_as_text(server, tmp_path):
+def test_spec_as_path_text_or_catalog_name_and_shape_as_text(server, tmp_path):
     with client(server, tmp_path) as cache:
         k1 = cache.get(str(CATALOG_DIR / "safe_softmax.json"), "m=3,n=37")
         k2 = cache.get(json.dumps(RAW), SHAPE, dtype={"x": "float32"}, target="H100")
         k3 = cache.get(CATALOG_DIR / "safe_softmax.json", SHAPE)
-    assert k1.sha256 == k2.sha256 == k3.sha256 == BUNDLE["sha256"]
+        k4 = cache.get("safe_softmax", SHAPE)  # a catalog name
+    assert k1.sha256 == k2.sha256 == k3.sha256 == k4.sha256 == BUNDLE["sha256"]
 
 
 def test_bad_request_is_refused_before_asking(server, tmp_path):
@@ -150,8 +151,10 @@ def test_bad_request_is_refused_before_asking(server, tmp_path):
             cache.get(RAW, {"m": 3})
         with pytest.raises(ValueError, match="unknown dtype"):
             cache.get(RAW, SHAPE, dtype="float64")
-        with pytest.raises(ValueError, match="cannot read"):
+        with pytest.raises(ValueError, match="no such file, and no catalog spec of that name"):
             cache.get("/nonexistent/spec.json", SHAPE)
+        with pytest.raises(ValueError, match="no catalog spec.*catalog names: attention,"):
+            cache.get("safe_softmaxx", SHAPE)
         with pytest.raises(ValueError, match="target: unknown target 'tpu'"):
             cache.get(RAW, SHAPE, target="tpu")
     assert server.requests == []

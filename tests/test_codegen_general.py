@@ -129,7 +129,7 @@ SHIFT_CASES = {
 @pytest.mark.parametrize("name", sorted(SHIFT_CASES))
 def test_fused_sums_are_stable_away_from_zero(name: str, strategy: str) -> None:
     """Rows of 100 + N(0, 1): the unfused strategies evaluate these in float32 to ~1e-7, so the
-    fused realisation must stay within float32's tolerance too (THEORY.md 5: prefer shifted /
+    fused realisation must stay within float32's tolerance too (docs/THEORY.md 5: prefer shifted /
     Welford-style updates over raw power sums, whose terms cancel catastrophically here)."""
     spec = SHIFT_CASES[name]
     shape = bind_shape(spec, {"m": 3, "n": N})

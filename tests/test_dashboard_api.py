@@ -282,15 +282,22 @@ def test_catalog_lists_the_specs_with_their_suite_cases(client):
     assert all(set(c) == {"suite", "shape", "dtype", "note"} for c in att["cases"])
 
 
-def test_catalog_dir_setting(client, tmp_path, monkeypatch):
+def test_catalog_dir_adds_a_users_folder(client, tmp_path, monkeypatch):
     (tmp_path / "mine.json").write_text((CATALOG_DIR / "rmsnorm.json").read_text())
     (tmp_path / "junk.json").write_text('{"not": "a spec"}')
     (tmp_path / "broken.json").write_text("{")
+    # a spec named like a packaged one shadows it
+    (tmp_path / "safe_softmax.json").write_text((CATALOG_DIR / "logsumexp.json").read_text())
+    (tmp_path / "suites.json").write_text('{"mine": [{"spec": "mine", "shape": {"t": 2, "c": 8}}]}')
     monkeypatch.setenv("FOLDWISE_CATALOG_DIR", str(tmp_path))
-    specs = client.get("/v1/catalog").json()["specs"]
-    assert [(s["name"], s["file"]) for s in specs] == [("rmsnorm", "mine.json")]
+    specs = {s["name"]: s for s in client.get("/v1/catalog").json()["specs"]}
+    assert sorted(specs) == sorted([*load_catalog(), "mine"])  # junk and broken are not specs
+    assert specs["mine"]["file"] == "mine.json" and specs["mine"]["spec"]["name"] == "rmsnorm"
+    assert specs["mine"]["cases"] == [{"suite": "mine", "shape": {"t": 2, "c": 8}, "dtype": "float32", "note": None}]
+    assert specs["safe_softmax"]["spec"]["name"] == "logsumexp"
+    assert {c["suite"] for c in specs["attention"]["cases"]} >= {"paper", "smoke"}  # packaged suites still there
     monkeypatch.setenv("FOLDWISE_CATALOG_DIR", str(tmp_path / "missing"))
-    assert client.get("/v1/catalog").json()["specs"] == []
+    assert [s["name"] for s in client.get("/v1/catalog").json()["specs"]] == sorted(load_catalog())
 
 
 def test_form_options(client):

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import CATALOG_DIR, load_catalog
 
 CHROMIUM = os.environ.get("FOLDWISE_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("FOLDWISE_CHROMEDRIVER", "/usr/bin/chromedriver")
@@ -363,7 +364,7 @@ def test_submit_watch_chart_derivation_download(server, page):
 
 
 def test_cancel_from_the_job_page(server, page):
-    raw = json.loads((ROOT.parent / "shared" / "catalog" / "logsumexp.json").read_text())
+    raw = json.loads((CATALOG_DIR / "logsumexp.json").read_text())
     r = _api(server, "POST", "/v1/jobs", server["writer"], json={
         "spec": raw, "shape": {"m": 8, "n": 128}, "dtype": "float32", "target": "h100", "measurer": "model",
         "budget": {"trials": 500, "seconds": 600}})
@@ -391,7 +392,7 @@ def test_cancel_from_the_job_page(server, page):
 
 def _finished_job(server, name: str, shape: dict) -> dict:
     """A job submitted through the API (writer token), waited for until it finished."""
-    raw = json.loads((ROOT.parent / "shared" / "catalog" / f"{name}.json").read_text())
+    raw = json.loads((CATALOG_DIR / f"{name}.json").read_text())
     r = _api(server, "POST", "/v1/jobs", server["writer"], json={
         "spec": raw, "shape": shape, "dtype": "float32", "target": "h100", "measurer": "model",
         "budget": {"trials": 4, "seconds": 300}})
@@ -451,10 +452,8 @@ def test_every_catalog_derivation_renders_in_katex(server, page):
     from service.dashboard.mathtex import derivation_math
 
     formulas = []
-    for path in sorted((ROOT.parent / "shared" / "catalog").glob("*.json")):
-        if path.name == "suites.json":
-            continue
-        m = derivation_math(derive_cascade(load_spec(path.read_text())))
+    for raw in load_catalog().values():
+        m = derivation_math(derive_cascade(load_spec(raw)))
         for r in m["reductions"]:
             items = [r["integrand"], r["definition"], r["finalize"], *r["update"], *r["correction"], *r["merge"]]
             items += [t[k] for t in r["terms"] for k in ("G", "H")]

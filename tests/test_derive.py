@@ -1,4 +1,4 @@
-"""The derivation: which reductions fuse, how, and why not (THEORY.md 2-5)."""
+"""The derivation: which reductions fuse, how, and why not (docs/THEORY.md 2-5)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from fuser_core.spec import load_spec
 
 CATALOG = load_catalog()
 
-# THEORY.md and the catalog README: every catalog cascade fuses; the interesting ones and how.
+# docs/THEORY.md and the catalog: every catalog cascade fuses; the interesting ones and how.
 EXPECTED_KIND = {
     ("attention", "den"): "scaled",
     ("attention", "o"): "scaled",

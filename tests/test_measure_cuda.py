@@ -72,11 +72,10 @@ def softmax_candidate():
 
 
 def test_sample_rows_fit_the_budget_and_keep_tails() -> None:
-    import json
 
-    from conftest import CATALOG_DIR
+    from conftest import load_catalog_suites
 
-    for case in json.loads((CATALOG_DIR / "suites.json").read_text())["paper"]:
+    for case in load_catalog_suites()["paper"]:
         spec, _ = loaded(case["spec"])
         shape = bind_shape(spec, case["shape"])
         rows = sample_rows(spec, shape, 1 << 24, np.random.default_rng(0))

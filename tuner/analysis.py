@@ -13,9 +13,9 @@ Every decision depends only on whether each block is 1, between 2 and 15, or at 
 sketches are cached per (strategy, that pattern).
 
 Example:
-    >>> from fuser_core.spec import load_spec
+    >>> from fuser_core.catalog import load_catalog_spec
     >>> from fuser_core.derive import derive_cascade
-    >>> spec = load_spec(open("../shared/catalog/safe_softmax.json").read())
+    >>> spec = load_catalog_spec("safe_softmax")
     >>> an = Anatomy(spec, derive_cascade(spec), {"x": "float16"})
     >>> [(p.kind, p.loads) for p in an.kernels("streaming_fused", {"m": 1, "n": 1024})[0].passes]
     [('axis', ('x',)), ('once', ()), ('axis', ('x',))]

@@ -1,6 +1,6 @@
 """``foldwise bench``: the tuned fused kernel against its baselines, on the GPU.
 
-For every case of a suite (``../shared/catalog/suites.json``: a catalog spec, sizes, dtype)
+For every case of a suite (the catalog's ``suites.json``, :mod:`fuser_core.catalog`: a catalog spec, sizes, dtype)
 the bench
 
 1. tunes the fused kernel with the ``cuda`` measurer (:class:`tuner.measure_cuda.CudaMeasurer`,
@@ -45,7 +45,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
-import os
 import platform
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -87,33 +86,35 @@ class NoGpu(BenchError):
 # ---------------------------------------------------------------------------- suites
 
 
-def default_catalog_dir() -> Path:
-    """``$FOLDWISE_CATALOG_DIR``, else ``../shared/catalog`` next to the repository."""
-    env = os.environ.get("FOLDWISE_CATALOG_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "catalog"
+def _catalog_dirs(catalog_dir: Path | None) -> list[Path]:
+    """The catalog folders a bench reads: ``catalog_dir`` (``--catalog``) first, then
+    ``$FOLDWISE_CATALOG_DIR`` and the packaged catalog (:mod:`fuser_core.catalog`)."""
+    from fuser_core.catalog import catalog_dirs
+
+    if catalog_dir is not None and not Path(catalog_dir).is_dir():
+        raise BenchError(f"catalog: {catalog_dir} is not a folder")
+    return catalog_dirs(extra=[catalog_dir] if catalog_dir is not None else [])
 
 
 def load_suite(suite: str, catalog_dir: Path | None = None) -> list[dict[str, Any]]:
-    """The cases of ``suite`` from ``suites.json``; BenchError naming the suite or the case."""
-    catalog_dir = catalog_dir or default_catalog_dir()
-    path = catalog_dir / "suites.json"
+    """The cases of ``suite`` from the catalog's suites (``catalog_dir`` first, see
+    :func:`_catalog_dirs`); BenchError naming the suite or the case."""
+    from fuser_core.catalog import CatalogError, catalog_names, load_suites
+
+    dirs = _catalog_dirs(catalog_dir)
     try:
-        suites = json.loads(path.read_text())
-    except OSError as err:
-        raise BenchError(f"cannot read the suites file {path}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise BenchError(f"{path}: not valid JSON: {err.msg}") from None
-    names = sorted(k for k, v in suites.items() if isinstance(v, list))
-    if suite not in names:
-        raise BenchError(f"unknown suite {suite!r}; {path} has {', '.join(names)}")
+        suites = load_suites(dirs)
+    except CatalogError as err:
+        raise BenchError(str(err)) from None
+    if suite not in suites:
+        raise BenchError(f"unknown suite {suite!r}; the catalog has {', '.join(sorted(suites)) or 'none'}")
     cases = suites[suite]
+    names = set(catalog_names(dirs))
     for i, case in enumerate(cases):
         if not isinstance(case, dict) or not isinstance(case.get("spec"), str) or not isinstance(case.get("shape"), dict):
             raise BenchError(f"{suite}[{i}]: a case needs 'spec' (a catalog name) and 'shape' (dim -> size)")
-        if not (catalog_dir / f"{case['spec']}.json").is_file():
-            raise BenchError(f"{suite}[{i}].spec: no catalog spec {case['spec']!r} in {catalog_dir}")
+        if case["spec"] not in names:
+            raise BenchError(f"{suite}[{i}].spec: no catalog spec {case['spec']!r} in {', '.join(map(str, dirs))}")
     return cases
 
 
@@ -225,7 +226,7 @@ def run_bench(
     from fuser_core.derive import derive_cascade
     from fuser_core.reference import bind_shape
     from fuser_core.runner import bind_dtypes
-    from fuser_core.spec import load_spec
+    from fuser_core.catalog import load_catalog_spec
     from tuner.measure import reduced_problem
     from tuner.profiles import get_profile, profile_for_device_name
     from tuner.search import NoResult, Tuner
@@ -247,7 +248,7 @@ def run_bench(
         raise NoGpu("foldwise bench times kernels on a CUDA GPU, and none is visible here (torch.cuda.is_available() "
                     "is false); --device cpu runs a smoke test through the Triton interpreter instead (tiny shapes, "
                     "timings labelled 'CPU interpreter, not GPU')")
-    catalog_dir = catalog_dir or default_catalog_dir()
+    dirs = _catalog_dirs(catalog_dir)
     cases = load_suite(suite, catalog_dir)
     if only is not None:
         keep = set(only)
@@ -285,7 +286,7 @@ def run_bench(
 
         results_cases = []
         for i, case in enumerate(cases):
-            spec = load_spec((catalog_dir / f"{case['spec']}.json").read_bytes())
+            spec = load_catalog_spec(case["spec"], dirs)
             derivation = derive_cascade(spec)
             suite_shape = bind_shape(spec, case["shape"])
             dtypes = bind_dtypes(spec, case.get("dtype", "float32"))
@@ -348,7 +349,8 @@ def run_bench(
         "copy_bandwidth": copy_entry,
         "settings": {"trials": trials, "baselines": list(baselines), "timeout_s": timeout_s,
                      "compile_timeout_s": compile_timeout_s, "timing": timing.to_dict(), "seed": seed,
-                     "long_axis": LONG_AXIS, "catalog_dir": str(catalog_dir), "only": sorted(only) if only else None,
+                     "long_axis": LONG_AXIS, "catalog_dirs": [str(d) for d in dirs],
+                     "only": sorted(only) if only else None,
                      "shapes": "suite shapes" if device == "cuda" else "reduced (tuner.measure.reduced_problem)"},
         "cases": results_cases,
         "summary": summarize_targets(results_cases),
@@ -574,7 +576,6 @@ __all__ = [
     "BenchError",
     "NoGpu",
     "case_id",
-    "default_catalog_dir",
     "dependent_long_axes",
     "evaluate_case",
     "load_suite",

@@ -29,11 +29,11 @@ split_fused launches two kernels. :func:`predict_chain` models the unfused chain
 (one kernel per reduction, intermediates written to and read from memory in float32).
 
 Example:
-    >>> from fuser_core.spec import load_spec
+    >>> from fuser_core.catalog import load_catalog_spec
     >>> from fuser_core.derive import derive_cascade
     >>> from tuner.profiles import get_profile
     >>> from tuner.space import SearchSpace
-    >>> spec = load_spec(open("../shared/catalog/safe_softmax.json").read())
+    >>> spec = load_catalog_spec("safe_softmax")
     >>> d, shape, h100 = derive_cascade(spec), {"m": 4096, "n": 32768}, get_profile("h100")
     >>> space = SearchSpace(spec, d, shape, "float16", h100)
     >>> c = space.candidate("streaming_fused", {"block_n": 2048, "block_m": 1, "num_warps": 8, "num_stages": 3})

@@ -11,11 +11,11 @@ result is cached per (spec, strategy, dtypes); a failing strategy makes every on
 candidates a failed measurement carrying the error, never a time.
 
 Example (TRITON_INTERPRET=1 on a machine without a GPU):
-    >>> from fuser_core.spec import load_spec
+    >>> from fuser_core.catalog import load_catalog_spec
     >>> from fuser_core.derive import derive_cascade
     >>> from tuner.profiles import get_profile
     >>> from tuner.space import SearchSpace
-    >>> spec = load_spec(open("../shared/catalog/safe_softmax.json").read())
+    >>> spec = load_catalog_spec("safe_softmax")
     >>> d, shape = derive_cascade(spec), {"m": 4096, "n": 32768}
     >>> space = SearchSpace(spec, d, shape, "float16", get_profile("h100"))
     >>> m = ModelMeasurer(spec, d, shape, "float16", get_profile("h100"))

@@ -934,6 +934,14 @@ def _worker_main(conn: Any, settings: Mapping[str, Any]) -> None:
         conn.send(("startup_error", f"the measurement worker could not start on {device}: {type(err).__name__}: {err}"))
         return
     conn.send(("ready", child.info))
+    from fuser_core.runner import interpreter_quiet
+
+    with interpreter_quiet():  # every kernel's outputs are checked against the reference before timing
+        _serve_jobs(conn, child)
+
+
+def _serve_jobs(conn: Any, child: _Child) -> None:
+    """The child's loop: run jobs until told to stop or until the parent's end of the pipe closes."""
     while True:
         try:
             message = conn.recv()

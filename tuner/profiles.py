@@ -1,4 +1,4 @@
-"""GPU profiles: the numbers a target names (INTERFACE.md "Targets").
+"""GPU profiles: the numbers a target names (docs/API.md "Targets").
 
 A :class:`GpuProfile` is what the ``model`` measurer predicts from and what the search space
 checks candidates against before anything compiles (shared memory, registers, warps).

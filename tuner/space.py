@@ -18,10 +18,10 @@ Parameters (Optuna-style names; ``split`` only for split_fused):
 The unfused chain is a baseline, never a candidate.
 
 Example:
-    >>> from fuser_core.spec import load_spec
+    >>> from fuser_core.catalog import load_catalog_spec
     >>> from fuser_core.derive import derive_cascade
     >>> from tuner.profiles import get_profile
-    >>> spec = load_spec(open("../shared/catalog/safe_softmax.json").read())
+    >>> spec = load_catalog_spec("safe_softmax")
     >>> space = SearchSpace(spec, derive_cascade(spec), {"m": 4096, "n": 32768}, "float16", get_profile("h100"))
     >>> space.strategies()  # a 32768-long row does not fit in registers: no row_resident
     ['streaming_fused', 'split_fused', 'multi_pass']

@@ -495,7 +495,7 @@ _ATTENTION_INPUTS = {"q": {"dims": ["b", "h", "m", "d"]}, "k": {"dims": ["b", "h
 _SOFTMAX_STEPS = [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
                   {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"}]
 
-# The structure each hand-written kernel computes: the catalog specs (../shared/catalog) as of
+# The structure each hand-written kernel computes: the catalog specs (fuser_core/catalog) as of
 # issue 4. A spec gets the kernel only when its spec_hash equals its template's.
 HANDWRITTEN_TEMPLATES: dict[str, dict] = {
     "attention": _spec("attention", _ATTENTION_INPUTS, [

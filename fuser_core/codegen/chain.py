@@ -32,8 +32,8 @@ Modules are cached on disk like :mod:`fuser_core.codegen.module` (same directory
 everything that changes the source, generator version included) and loaded from there.
 
 Example (``TRITON_INTERPRET=1`` on a machine without a GPU):
-    >>> from fuser_core.spec import load_spec
-    >>> spec = load_spec(open("../shared/catalog/safe_softmax.json").read())
+    >>> from fuser_core.catalog import load_catalog_spec
+    >>> spec = load_catalog_spec("safe_softmax")
     >>> [k.name for k in chain_modules(spec, {"m": 3, "n": 37}, "float32")]
     ['mx', 'den', 'elementwise']
 """

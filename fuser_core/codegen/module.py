@@ -74,7 +74,7 @@ def _load(key: str, path: Path) -> ModuleType:
 
 
 def output_dtypes(spec: Spec, dtypes: dict[str, str]) -> dict[str, str]:
-    """Storage dtype of each output part (SPEC.md: the floating inputs' dtype unless a cast says otherwise)."""
+    """Storage dtype of each output part (docs/SPEC.md: the floating inputs' dtype unless a cast says otherwise)."""
     from fuser_core import expr as ex
 
     floats = [dtypes[i.name] for i in spec.inputs if i.kind == "float"]

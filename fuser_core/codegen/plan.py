@@ -11,7 +11,7 @@ broadcasting by name is Triton's ordinary broadcasting. Each dim has a block siz
 - **lane dims** (everything else, e.g. rows) are split over programs, ``BLOCK_<dim>`` at a
   time (1 by default: one row per program); a topk ``as`` dim is held whole.
 
-Strategies (THEORY.md section 6) and when each is valid, decided before anything runs:
+Strategies (docs/THEORY.md section 6) and when each is valid, decided before anything runs:
 
 - ``row_resident``: any cascade, while the loop axis fits one block (and the tile fits);
 - ``streaming_fused``: when every reduction over the loop axis fused;

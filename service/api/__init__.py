@@ -1,4 +1,4 @@
-"""The HTTP API (INTERFACE.md, ``/v1``): ``create_app(settings)``; see service/api/app.py."""
+"""The HTTP API (docs/API.md, ``/v1``): ``create_app(settings)``; see service/api/app.py."""
 
 from service.api.app import create_app
 

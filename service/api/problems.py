@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -106,7 +107,11 @@ async def problem_handler(request: Request, exc: Problem) -> Response:
 
 
 async def validation_handler(request: Request, exc: RequestValidationError) -> Response:
-    """FastAPI's request validation errors, with the location as a field path (no ``body.`` prefix)."""
+    """FastAPI's request validation errors, with the location as a field path (no ``body.`` prefix).
+
+    Errors about the body as a whole name the field ``body`` (never a character offset, which
+    FastAPI puts in ``loc`` for malformed JSON), or ``content-type`` when the body was not sent
+    as JSON."""
     errors = []
     for e in exc.errors():
         loc = list(e.get("loc", ()))
@@ -115,11 +120,46 @@ async def validation_handler(request: Request, exc: RequestValidationError) -> R
         loc = [p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool")))]
         message = e.get("msg", "invalid")
         if e.get("type") == "json_invalid":
-            message = f"the request body is not valid JSON: {e.get('ctx', {}).get('error', message)}"
+            position = loc[0] if loc and isinstance(loc[0], int) else None
+            loc, message = ["body"], json_error_message(exc.body, position, e.get("ctx", {}).get("error", message))
+        elif where == "body" and not loc:
+            loc, where, message = whole_body_error(request, message)
         errors.append(error_entry(loc, message, where=where))
     if not errors:
-        errors = [error_entry([], "invalid request")]
+        errors = [error_entry(["body"], "invalid request")]
     return invalid(errors).response()
+
+
+def json_error_message(body: Any, position: int | None, reason: str) -> str:
+    """Why a body is not JSON, with where: the key whose value is missing (the README's curl
+    sends ``{"spec": , ...}`` when the command inside ``$(...)`` fails), else line, column and
+    the text around the error."""
+    text = body if isinstance(body, str) else body.decode("utf-8", "replace") if isinstance(body, bytes) else ""
+    if position is None or not text:
+        return f"the request body is not valid JSON: {reason}"
+    position = min(position, len(text))
+    line = text.count("\n", 0, position) + 1
+    column = position - (text.rfind("\n", 0, position) + 1) + 1
+    where = f"line {line} column {column}"
+    key = re.search(r'"([^"\\]{1,64})"\s*:\s*\Z', text[max(0, position - 80):position])
+    if reason == "Expecting value" and key:
+        return (f"the request body is not valid JSON: the value of {key.group(1)!r} is missing ({where}); "
+                f"was it made by a command that failed?")
+    near = text[max(0, position - 20):position + 20].replace("\n", " ")
+    return f"the request body is not valid JSON: {reason} at {where}, near {near!r}"
+
+
+def whole_body_error(request: Request, message: str) -> tuple[list[str], str, str]:
+    """(loc, in, message) for an error about the whole body: a content type that is not JSON
+    names the header, anything else the body."""
+    content_type = request.headers.get("content-type", "")
+    media_type = content_type.split(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        shown = f"got {content_type[:60]!r}" if content_type else "none was sent"
+        return ["content-type"], "header", f"must be application/json (the body is a JSON object); {shown}"
+    if message == "Field required":
+        return ["body"], "body", "the request body is empty; expected a JSON object"
+    return ["body"], "body", f"expected a JSON object: {message}"
 
 
 async def http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:

@@ -35,12 +35,12 @@ class Budget(BaseModel):
 
 class DerivationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    spec: dict[str, Any] | str = Field(description="the spec: a JSON object (SPEC.md), or its JSON text")
+    spec: dict[str, Any] | str = Field(description="the spec: a JSON object (docs/SPEC.md), or its JSON text")
 
 
 class JobRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    spec: dict[str, Any] | str = Field(description="the spec: a JSON object (SPEC.md), or its JSON text")
+    spec: dict[str, Any] | str = Field(description="the spec: a JSON object (docs/SPEC.md), or its JSON text")
     shape: dict[str, StrictInt] = Field(max_length=MAX_DIMS, description='dim sizes, e.g. {"m": 4, "n": 300}')
     dtype: str | dict[str, str] = Field("float32", description="float32|float16|bfloat16, or a map input -> dtype")
     target: str | None = Field(None, max_length=32, description="GPU profile (default: the server's, h100)")

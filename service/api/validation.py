@@ -4,7 +4,6 @@ specs through :func:`fuser_core.spec.load_spec`); every failure is a 422 naming 
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from fuser_core.errors import SpecError
@@ -35,7 +34,7 @@ def check_job_request(req: JobRequest, spec: Spec, settings: Settings) -> dict[s
     Budget and size limits come from ``settings``; the shape and dtype are checked against
     the spec (``fuser_core.reference.bind_shape``, ``fuser_core.runner.bind_dtypes``).
     """
-    from fuser_core.reference import bind_shape
+    from fuser_core.reference import bind_shape, check_sizes
     from fuser_core.runner import bind_dtypes
     from tuner.profiles import PROFILES
 
@@ -47,10 +46,6 @@ def check_job_request(req: JobRequest, spec: Spec, settings: Settings) -> dict[s
     for dim, size in req.shape.items():
         if not 1 <= size <= settings.max_dim:
             errors.append(error_entry(("shape", dim), f"must be an integer from 1 to {settings.max_dim}, got {size}"))
-    if not errors and math.prod(req.shape.values()) > settings.max_shape_elements:
-        big = max(req.shape, key=req.shape.__getitem__)
-        errors.append(error_entry(("shape", big), f"the shape has {math.prod(req.shape.values())} elements in all; "
-                                                  f"the limit is {settings.max_shape_elements}"))
     target = (req.target or settings.target).strip().lower()
     if target not in PROFILES:
         errors.append(error_entry(("target",), f"unknown target {target!r}; one of {', '.join(sorted(PROFILES))}"))
@@ -61,6 +56,7 @@ def check_job_request(req: JobRequest, spec: Spec, settings: Settings) -> dict[s
         raise invalid(errors)
     try:
         shape = bind_shape(spec, req.shape)
+        check_sizes(spec, shape, max_elements=settings.max_tensor_elements, max_work=settings.max_work)
         bind_dtypes(spec, req.dtype)
     except SpecError as err:
         raise spec_problem(err) from None

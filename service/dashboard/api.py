@@ -92,7 +92,7 @@ async def dashboard_kernels(
 
 @router.get("/v1/catalog")
 async def catalog(db: StatusRead) -> dict[str, Any]:
-    """The public catalog's specs ($FOLDWISE_CATALOG_DIR, default ../shared/catalog beside the repository)."""
+    """The catalog's specs (fuser_core.catalog: $FOLDWISE_CATALOG_DIR's folders, then the packaged catalog)."""
     return {"specs": await _run(db, lambda _session: views.catalog_entries())}
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Mapping
 from functools import lru_cache
@@ -32,8 +31,6 @@ MAX_LIMIT = 500
 MAX_NAMES = 200
 DEFAULT_DIM = 128  # a dim's size for generated source when no job or kernel gives one
 MAX_DIM = 2**31 - 1
-MAX_CATALOG_FILES = 200
-MAX_CATALOG_BYTES = 64 * 1024
 HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 SHAPE_ITEM = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d{1,12})\s*$")
 SOURCE_PREFERENCE = ("streaming_fused", "row_resident", "split_fused", "multi_pass")
@@ -336,65 +333,54 @@ def kernel_rows(
 # ----------------------------------------------------------------------------- catalog and form choices
 
 
-def catalog_dir() -> Path | None:
-    """Where the public catalog is: ``$FOLDWISE_CATALOG_DIR``, else ``../shared/catalog`` next to
-    the repository (where the project keeps it), else none (the form then takes pasted specs only)."""
-    env = os.environ.get("FOLDWISE_CATALOG_DIR")
-    if env:
-        path = Path(env).expanduser()
-        return path if path.is_dir() else None
-    repo = Path(__file__).resolve().parents[2]
-    path = repo.parent / "shared" / "catalog"
-    return path if path.is_dir() else None
+def catalog_entries() -> list[dict[str, Any]]:
+    """The catalog's specs that load (:mod:`fuser_core.catalog`: $FOLDWISE_CATALOG_DIR's folders,
+    then the packaged catalog), by name, each with its suite cases (shape, dtype)."""
+    from fuser_core.catalog import catalog_dirs, catalog_entries as entries
+
+    dirs = catalog_dirs()
+    found = entries(dirs)
+    stamp = tuple((str(e.path), _mtime(e.path)) for e in found) + tuple(
+        (str(d / "suites.json"), _mtime(d / "suites.json")) for d in dirs)
+    return json.loads(_catalog_json(tuple(str(d) for d in dirs), stamp))
 
 
-def catalog_entries(directory: Path | None = None) -> list[dict[str, Any]]:
-    """Catalog specs that load, by name, each with its suite cases (shape, dtype) from suites.json."""
-    directory = directory if directory is not None else catalog_dir()
-    if directory is None:
-        return []
-    return json.loads(_catalog_json(str(directory), _catalog_stamp(directory)))
-
-
-def _catalog_stamp(directory: Path) -> tuple[tuple[str, float], ...]:
-    files = sorted(directory.glob("*.json"))[:MAX_CATALOG_FILES]
-    return tuple((p.name, p.stat().st_mtime) for p in files)
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 @lru_cache(maxsize=4)
-def _catalog_json(directory: str, stamp: tuple[tuple[str, float], ...]) -> str:
+def _catalog_json(dirs: tuple[str, ...], stamp: tuple[tuple[str, float], ...]) -> str:
+    """The catalog as JSON, cached on the files' modification times (``stamp``)."""
     from fuser_core.canonical import spec_hash
+    from fuser_core.catalog import CatalogError, catalog_entries as entries, load_suites, spec_source
     from fuser_core.errors import SpecError
     from fuser_core.spec import load_spec
 
-    root = Path(directory)
+    paths = [Path(d) for d in dirs]
+    try:
+        suites = load_suites(paths)
+    except CatalogError:
+        suites = {}  # a broken suites file costs the form its shapes, not its specs
     cases: dict[str, list[dict[str, Any]]] = {}
-    suites_path = root / "suites.json"
-    if suites_path.is_file() and suites_path.stat().st_size <= 16 * MAX_CATALOG_BYTES:
-        try:
-            suites = json.loads(suites_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            suites = {}
-        for suite in ("smoke", *sorted(k for k in suites if k not in ("smoke", "doc"))):
-            for case in suites.get(suite, []) if isinstance(suites.get(suite), list) else []:
-                if isinstance(case, dict) and isinstance(case.get("spec"), str):
-                    cases.setdefault(case["spec"], []).append({
-                        "suite": suite, "shape": case.get("shape"), "dtype": case.get("dtype", "float32"),
-                        "note": case.get("note")})
+    for suite in ("smoke", *sorted(k for k in suites if k != "smoke")):
+        for case in suites.get(suite, []):
+            if isinstance(case, dict) and isinstance(case.get("spec"), str):
+                cases.setdefault(case["spec"], []).append({
+                    "suite": suite, "shape": case.get("shape"), "dtype": case.get("dtype", "float32"),
+                    "note": case.get("note")})
     out = []
-    for name, _ in stamp:
-        path = root / name
-        if name == "suites.json" or path.stat().st_size > MAX_CATALOG_BYTES:
-            continue
+    for entry in entries(paths):
         try:
-            text = path.read_text()
-            spec = load_spec(text)
-        except (OSError, SpecError, ValueError):
-            continue  # not a spec: the catalog may hold other JSON
-        raw = json.loads(text)
-        out.append({"name": spec.name, "file": name, "doc": raw.get("doc"), "spec_hash": spec_hash(spec),
-                    "spec": raw, "cases": cases.get(spec.name, [])})
-    out.sort(key=lambda e: e["name"])
+            source = spec_source(entry.path)
+            spec = load_spec(source)
+        except (CatalogError, SpecError, ValueError):
+            continue  # not a spec: a user's catalog folder may hold other JSON
+        out.append({"name": entry.name, "file": entry.path.name, "doc": entry.doc, "spec_hash": spec_hash(spec),
+                    "spec": json.loads(source), "cases": cases.get(entry.name, [])})
     return json.dumps(out)
 
 
@@ -416,5 +402,4 @@ def form_options(session: Session, *, max_trials: int, max_seconds: float, defau
         "dtypes": list(FLOAT_DTYPES[:3]),
         "max_trials": max_trials,
         "max_seconds": max_seconds,
-        "catalog": catalog_dir() is not None,
     }
