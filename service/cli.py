@@ -482,12 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compile every kernel of the generated module(s) for the target's arch (h100/h200: sm_90, "
                     "a100: sm_80) and report registers, spills and shared memory. Exit 0 when all compile, 1 when "
                     "one fails, 2 on bad input.")
-    compile_.add_argument("spec", help="path to a spec JSON file")
+    compile_.add_argument("spec", help=SPEC_HELP)
     compile_.add_argument("--shape", required=True, help="dim sizes, e.g. m=4,n=300")
     compile_.add_argument("--dtype", default="float32", help="float32|float16|bfloat16, or a JSON map input -> dtype")
     compile_.add_argument("--target", default="h100", help="GPU profile whose arch to compile for (h100, h200, a100)")
     compile_.add_argument("--strategy", default="all",
-                          help="one strategy, unfused_chain, or all (every valid strategy plus the chain; default)")
+                          help="one strategy, unfused_chain, or all (every valid strategy plus the chain)")
     compile_.add_argument("--config", help='JSON, e.g. {"blocks": {"n": 64}, "num_warps": 4}; default: each '
                                            "strategy's default configuration")
     compile_.add_argument("--json", action="store_true", help="print one JSON object (one entry per kernel)")
