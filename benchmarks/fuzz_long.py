@@ -1,6 +1,7 @@
 """The long fuzz run: random valid cascades (and mutated, mostly invalid ones) through
 load_spec, derive_cascade, the certificate and, for a share of them, every valid kernel
-strategy under Triton's interpreter (or the GPU, where there is one).
+strategy under Triton's interpreter (or the GPU, where there is one); every kernel that
+ran is also compiled for sm_90 by Triton's GPU compiler (``--no-compile`` skips that).
 
     python benchmarks/fuzz_long.py --examples 2000 --minutes 20 --kernel-share 0.2 --seed 1
 
@@ -40,16 +41,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wild", action="store_true",
                         help="also draw exponents the anchor does not bound and cubics around raw-sum estimates "
                              "(known range/accuracy weaknesses of fused forms; expect failures)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the GPU compiler (sm_90) on checked kernels")
     parser.add_argument("--json", type=Path, default=None, help="also write counts and failures to this file")
     parser.add_argument("--replay", type=Path, default=None, help="check one spec JSON file and print the outcome")
     args = parser.parse_args(argv)
 
+    from fuser_core.codegen.gpu_compile import CompilePool
+
+    pool = None if args.no_compile else CompilePool()
+    try:
+        return fuzz(args, pool)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def fuzz(args: argparse.Namespace, pool) -> int:
     from fuzz_strategies import cascade_specs, check_cascade, mutated_specs
     from hypothesis import HealthCheck, Phase, given, seed, settings
 
     if args.replay:
         raw = json.loads(args.replay.read_text())
-        outcome = check_cascade(raw, kernels=True, time_limit_s=args.time_limit, cert_trials=args.cert_trials)
+        outcome = check_cascade(raw, kernels=True, time_limit_s=args.time_limit, cert_trials=args.cert_trials,
+                                compile_pool=pool)
         print(json.dumps(outcome.__dict__, indent=2, default=str))
         return 1 if outcome.failure else 0
 
@@ -72,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             reasons[key] += 1
         counts["kernels checked"] += outcome.kernels_checked
         counts["kernels not valid (NotValid)"] += outcome.kernels_not_valid
+        counts["modules compiled (sm_90)"] += outcome.kernels_compiled
         if outcome.failure:
             counts["FAILURES"] += 1
             failures.append({"finding": outcome.failure, "spec": raw})
@@ -89,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         counts["drawn"] += 1
         kernels = bool(share_every) and counts["drawn"] % share_every == 0
         start = time.perf_counter()
-        outcome = check_cascade(raw, kernels=kernels, time_limit_s=args.time_limit, cert_trials=args.cert_trials)
+        outcome = check_cascade(raw, kernels=kernels, time_limit_s=args.time_limit, cert_trials=args.cert_trials,
+                                compile_pool=pool)
         record(raw, outcome, time.perf_counter() - start, "")
         if counts["drawn"] % 50 == 0:
             print(f"{counts['drawn']} drawn, {time.monotonic() - deadline + 60 * args.minutes:.0f} s: {dict(counts)}",
@@ -116,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - started
     print(f"\n== fuzz_long: {elapsed:.0f} s, seed {args.seed}")
     for key in ("drawn", "fusible", "not_fusible", "limit_stopped", "undefined", "invalid", "kernels checked",
-                "kernels not valid (NotValid)", "mutated drawn", "mutated: invalid", "mutated: undefined", "mutated: fusible",
+                "kernels not valid (NotValid)", "modules compiled (sm_90)", "mutated drawn", "mutated: invalid", "mutated: undefined", "mutated: fusible",
                 "mutated: not_fusible", "mutated: limit_stopped", "FAILURES"):
         print(f"  {key:32s} {counts.get(key, 0)}")
     for reason, n in reasons.most_common(10):

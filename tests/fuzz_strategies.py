@@ -593,6 +593,7 @@ class Outcome:
     failure: str | None = None
     kernels_checked: int = 0
     kernels_not_valid: int = 0  # (strategy, shape) pairs the planner refused with NotValid
+    kernels_compiled: int = 0  # modules that passed the interpreter and went through the GPU compiler
     detail: dict | None = None
 
 
@@ -615,8 +616,10 @@ def kernel_configs(spec, derivation, shape):
 
 
 def check_cascade(raw: dict, *, kernels: bool = False, time_limit_s: float | None = None,
-                  cert_trials: int = CERT_TRIALS) -> Outcome:
-    """Load, derive, certify and (optionally) run every valid kernel strategy of ``raw``.
+                  cert_trials: int = CERT_TRIALS, compile_pool=None, capabilities: tuple[int, ...] = (90,)) -> Outcome:
+    """Load, derive, certify and (optionally) run every valid kernel strategy of ``raw``; with a
+    ``compile_pool`` (fuser_core.codegen.gpu_compile.CompilePool), every kernel that ran is also
+    compiled for each of ``capabilities`` (90: sm_90) by Triton's GPU compiler.
 
     Never raises for a finding: a wrong result or an unexpected exception is returned as
     ``Outcome.failure`` (with the traceback's last line), so a long run can count them.
@@ -664,7 +667,29 @@ def check_cascade(raw: dict, *, kernels: bool = False, time_limit_s: float | Non
     outcome = Outcome(status, detail={"reasons": reasons, "forms": {f.name: f.kind for f in derivation.forms.values()}})
     if not kernels:
         return outcome
-    return check_kernels(spec, derivation, outcome, crash)
+    outcome = check_kernels(spec, derivation, outcome, crash)
+    if compile_pool is None or outcome.failure:
+        return outcome
+    return check_compiles(spec, outcome, compile_pool, capabilities)
+
+
+def check_compiles(spec, outcome: Outcome, pool, capabilities: tuple[int, ...]) -> Outcome:
+    """The GPU compiler on every module the interpreter ran (the interpreter accepts code the
+    compiler rejects)."""
+    from fuser_core.codegen.gpu_compile import CompileRequest
+    from fuser_core.runner import bind_dtypes
+
+    shape = outcome.detail["shape"]
+    dtypes = bind_dtypes(spec, "float32")
+    requests = [CompileRequest(spec, shape, dtypes, strategy, config, cap)
+                for strategy, config in outcome.detail.get("ran", []) for cap in capabilities]
+    for request, build in zip(requests, pool.compile(requests)):
+        if build.refused or not build.ok:
+            outcome.failure = (f"compile {request.strategy} {request.config} for sm_{request.capability}: "
+                               f"{build.refused or build.first_error()}")
+            return outcome
+        outcome.kernels_compiled += 1
+    return outcome
 
 
 def check_kernels(spec, derivation, outcome: Outcome, crash) -> Outcome:
@@ -695,6 +720,9 @@ def check_kernels(spec, derivation, outcome: Outcome, crash) -> Outcome:
             outcome.failure = crash(f"kernel {label}", err)
             return outcome
         outcome.kernels_checked += 1
+        ran = (report["strategy"], report["config"])
+        if ran not in outcome.detail.setdefault("ran", []):
+            outcome.detail["ran"].append(ran)
         if not report["passed"]:
             bad = {p: e for p, e in report["errors"].items() if e > report["tolerances"][p]}
             outcome.failure = (f"kernel {label} ({report['strategy']}, {report['config']}) does not match the "

@@ -5,7 +5,8 @@
   "reported as such");
 - every fused reduction's certificate holds (exact ones to float64 rounding);
 - for a subset, the default strategy and every valid strategy pass self_check against the
-  float64 reference at a small ragged shape under Triton's interpreter (float32);
+  float64 reference at a small ragged shape under Triton's interpreter (float32), and each of
+  those kernels compiles with Triton's GPU compiler for sm_90 and sm_80;
 - targeted mutations of generated specs raise only SpecError (or load and derive).
 
 Examples are derandomised (the same specs on every run). Raise FOLDWISE_FUZZ_EXAMPLES for a
@@ -66,21 +67,24 @@ def test_random_cascades_derive_and_certify():
     assert counts["fusible"] >= 0.3 * total and counts["not_fusible"] >= 0.05 * total, counts
 
 
-def test_random_cascades_kernels_match_the_reference():
+def test_random_cascades_kernels_match_the_reference_and_compile(compile_pool):
+    """Every kernel that passes the interpreter also compiles for sm_90 and sm_80."""
     counts: Counter[str] = Counter()
 
-    @bounded(24, deadline_s=120, shrink=False)
+    @bounded(24, deadline_s=240, shrink=False)
     @given(cascade_specs(max_steps=4))
     def check(raw):
-        outcome = check_cascade(raw, kernels=True)
+        outcome = check_cascade(raw, kernels=True, compile_pool=compile_pool, capabilities=(90, 80))
         assert outcome.failure is None, f"{outcome.failure}\n{show(raw)}"
         counts["specs"] += 1
         counts["kernels checked"] += outcome.kernels_checked
         counts["not valid (NotValid)"] += outcome.kernels_not_valid
+        counts["modules compiled"] += outcome.kernels_compiled
 
     check()
     print(f"\nkernels: {dict(counts)}")
     assert counts["kernels checked"] >= 2 * counts["specs"], counts  # most specs run several strategies
+    assert counts["modules compiled"] >= 2 * counts["specs"], counts
 
 
 def test_mutated_cascades_raise_only_spec_errors():

@@ -228,3 +228,18 @@ def test_cli_bad_input_exits_2_naming_the_flag(args, field):
     done = foldwise(*base, *args)
     assert done.returncode == 2, done.stdout + done.stderr
     assert field in done.stderr
+
+
+def test_specs_equal_up_to_names_compile_in_one_worker(compile_pool):
+    """A worker keeps derivations between requests: one per spec, names included (two specs with
+    the same canonical hash once shared one, and the second's launcher failed; found by fuzzing)."""
+    def spec_named(mx: str, total: str):
+        return load_spec({"foldwise": 1, "name": "a", "inputs": {"x": {"dims": ["m"]}},
+                          "steps": [{"name": mx, "reduce": "max", "over": "m", "expr": "x"},
+                                    {"name": total, "reduce": "sum", "over": "m", "expr": f"(x - {mx}) ** 2"}],
+                          "outputs": [total]})
+
+    requests = [CompileRequest(spec_named(a, b), {"m": 13}, {"x": "float32"}, "streaming_fused", None, 90)
+                for a, b in [("h", "total"), ("u", "total"), ("o", "idx")] * 2]  # both workers see each
+    builds = compile_pool.compile(requests)
+    assert all(b.ok and b.kernels for b in builds), [b.first_error() for b in builds]

@@ -160,13 +160,12 @@ def meta_inputs(spec, shape: Mapping[str, int], dtypes: Mapping[str, str]) -> di
     return out
 
 
-_DERIVATIONS: dict[str, Any] = {}
+_DERIVATIONS: dict[Spec, Any] = {}  # by the spec itself: a derivation carries the spec's own names
 
 
 def request_launches(request: CompileRequest) -> tuple[dict[str, Any], list[KernelLaunch]]:
     """Generate the request's module(s) and run the launcher on meta tensors, intercepted;
     returns the config used and the launches (NotValid when the strategy cannot run)."""
-    from fuser_core.canonical import spec_hash
     from fuser_core.codegen.chain import run_chain_detailed
     from fuser_core.codegen.module import generate
     from fuser_core.codegen.plan import BASELINE, KernelConfig, default_config
@@ -183,10 +182,9 @@ def request_launches(request: CompileRequest) -> tuple[dict[str, Any], list[Kern
         with intercepted_launches() as launches:
             run_chain_detailed(spec, shape, dtypes, inputs, config_blocks=config.blocks)
         return config.to_dict(), launches
-    key = spec_hash(spec)
-    if key not in _DERIVATIONS:
-        _DERIVATIONS[key] = derive_cascade(spec)
-    derivation = _DERIVATIONS[key]
+    if spec not in _DERIVATIONS:
+        _DERIVATIONS[spec] = derive_cascade(spec)
+    derivation = _DERIVATIONS[spec]
     if request.config is None:
         config = default_config(spec, derivation, request.strategy, shape)
     else:
