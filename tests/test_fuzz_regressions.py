@@ -518,3 +518,17 @@ def test_argmin_over_values_equal_in_float32():
     got = {"am": torch.tensor([far], dtype=torch.int32), "v": torch.tensor([x[far]], dtype=torch.float32)}
     stores = {"am": "int32", "v": "float32"}
     assert judge(spec, got, reference, stores, exact=True, alternatives=ties)["bad"] == ["am", "v"]
+
+
+def test_tanh_of_tiny_values_keeps_float32_accuracy():
+    """tanh printed as 2 sigmoid(2x) - 1 cancelled to 0 for tiny x (max of tanh(erf(a v)^10):
+    relative error 1.0); the kernel helper uses a series near 0."""
+    spec = spec_of([red("s", "min", "erf(x) ** 10", over="n"), red("t", "max", "tanh(s)", over="m")], ["t"],
+                   inputs={"x": {"dims": ["m", "n"]}})
+    rng = np.random.default_rng(0)
+    x = (rng.random((13, 13)) * 0.2 + 0.01).astype(np.float32)  # erf(x)^10 ~ 1e-20 .. 1e-8
+    result = run(spec, {"m": 13, "n": 13}, "float32", {"x": x})
+    got = result.outputs["t"].double().numpy()
+    ref = evaluate(spec, {"m": 13, "n": 13}, {"x": x.astype(np.float64)})["t"]
+    assert 0 < ref.max() < 1e-6
+    np.testing.assert_allclose(got, ref, rtol=1e-5)

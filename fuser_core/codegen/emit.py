@@ -132,6 +132,15 @@ def log1p_accurate(x):
 
 
 @triton.jit
+def tanh_accurate(x):
+    """tanh(x), accurate near 0: 2 sigmoid(2x) - 1 cancels to 0 for tiny x, so a Taylor series
+    (truncation below 1e-11 relative) serves |x| < 1/16."""
+    x2 = x * x
+    series = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 - x2 * 0.05396825396825397)))
+    return tl.where(tl.abs(x) < 0.0625, series, 2.0 * tl.sigmoid(2.0 * x) - 1.0)
+
+
+@triton.jit
 def round_half_even(x):
     r = tl.floor(x + 0.5)
     tie = (r - x) == 0.5

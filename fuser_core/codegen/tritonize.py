@@ -119,8 +119,7 @@ class _Printer:
                 out = f"{fn}({out}, {a})"
             return out, _ATOM
         if isinstance(e, sp.tanh):
-            a = self.arg(e.args[0])
-            return f"(2.0 * tl.sigmoid(2.0 * ({a})) - 1.0)", _ATOM
+            return f"tanh_accurate({self.arg(e.args[0])})", _ATOM
         if isinstance(e, sp.log) and e.args[0].is_Add and e.args[0].as_coeff_Add()[0] == 1:
             # log(1 + a) (the spec's log1p): tl.log(1.0 + a) would lose a small a in float32
             return f"log1p_accurate({self.arg(e.args[0] - 1)})", _ATOM
