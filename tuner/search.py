@@ -80,7 +80,7 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 
 __all__ = [
     "BUDGET_STATES", "LocalSearch", "MeasurementFailed", "NoResult", "Objective", "SharedBudget", "TuneResult", "Tuner",
-    "budget_used", "candidate_params", "default_sampler", "frontier_candidates", "make_storage", "random_candidates",
+    "budget_used", "candidate_params", "compile_pruned_trials", "default_sampler", "frontier_candidates", "make_storage", "random_candidates",
     "study_name_for", "suggest_candidate", "trial_result", "warm_start", "worker_id",
 ]
 
@@ -125,6 +125,9 @@ class TuneResult:
     overhead_ms: float = 0.0
     overhead_max_ms: float = 0.0
     setup_ms: float = 0.0  # opening the study and enqueuing its start-up trials, once per run
+    compile: list[dict[str, Any]] | None = None  # the best trial's compile facts (with a gate)
+    # trials of the study the compile gate pruned: number, strategy, config, reason (the compiler's)
+    compile_pruned_trials: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -595,6 +598,18 @@ def _nearest(value: int, choices: Sequence[int]) -> int:
     return min(choices, key=lambda c: (abs(math.log2(max(c, 1)) - math.log2(max(value, 1))), c))
 
 
+def compile_pruned_trials(study: optuna.Study) -> list[dict[str, Any]]:
+    """The study's trials that the compile gate pruned (infeasible with compile facts that
+    failed or exceeded the target): number, strategy, config and the reason."""
+    out = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)):
+        r = trial_result(t)
+        if r.get("outcome") == "infeasible" and "compile" in r:
+            out.append({"number": t.number, "strategy": r.get("strategy"), "config": r.get("config"),
+                        "reason": r.get("reason")})
+    return out
+
+
 def trial_result(t: FrozenTrial) -> dict[str, Any]:
     """The ``result`` user attr of a trial that finished through :class:`Objective` ({} otherwise)."""
     r = t.user_attrs.get("result")
@@ -1001,4 +1016,6 @@ class Tuner:
             counts=dict(objective.counts),
             overhead_ms=1e3 * sum(overheads) / len(overheads) if overheads else 0.0,
             overhead_max_ms=1e3 * max(overheads, default=0.0),
+            compile=trial_result(best).get("compile"),
+            compile_pruned_trials=compile_pruned_trials(study),
         )
