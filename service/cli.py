@@ -211,14 +211,15 @@ def _quiet_optuna() -> None:
     quiet_optuna()
 
 
-def _tuning_setup(spec, raw_spec: dict, shape: dict[str, int], dtype, target: str, measurer_name: str):
-    """(space, measurer, study attrs) for one tuning job; UsageError for a bad target/measurer.
+def _tuning_setup(spec, raw_spec: dict, shape: dict[str, int], dtype, target: str, measurer_name: str,
+                  compile_check: bool = True):
+    """(space, measurer, gate, study attrs) for one tuning job; UsageError for a bad target/measurer.
 
     The set-up itself lives in service/tuning.py, shared with the job-queue worker."""
     from service.tuning import SetupError, tuning_setup
 
     try:
-        return tuning_setup(spec, raw_spec, shape, dtype, target, measurer_name)
+        return tuning_setup(spec, raw_spec, shape, dtype, target, measurer_name, compile_check=compile_check)
     except SetupError as err:
         raise UsageError(err.cli_message) from None
 
@@ -291,10 +292,17 @@ def _print_result(result, *, as_json: bool, storage_url: str | None) -> None:
     print(f"best: {result.strategy} {json.dumps(result.config, sort_keys=True)}")
     print(f"time: {result.time_ms:.4g} ms ({what}, target {result.target}, measurer {result.measurer})")
     print(f"trials: {result.trials} in the study; this process: {c.get('measured', 0)} measured, "
-          f"{c.get('cached', 0)} answered from stored results, {c.get('infeasible', 0)} infeasible, "
+          f"{c.get('cached', 0)} answered from stored results, {c.get('infeasible', 0)} infeasible"
+          f"{_compile_pruned_note(c)}, "
           f"{c.get('failed', 0)} failed; tuner overhead {result.overhead_ms:.1f} ms/trial")
     if storage_url:
         print(f"study: {result.study_name}")
+
+
+def _compile_pruned_note(counts: dict[str, int]) -> str:
+    if "compile_pruned" not in counts:
+        return " (no compile check)"
+    return f" ({counts['compile_pruned']} by the compiler)"
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -308,11 +316,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype)
     if args.trials < 1:
         raise UsageError(f"--trials: must be at least 1, got {args.trials}")
-    space, measurer, attrs = _tuning_setup(spec, raw_spec, shape, dtype, args.target, args.measurer)
+    space, measurer, gate, attrs = _tuning_setup(spec, raw_spec, shape, dtype, args.target, args.measurer,
+                                                 compile_check=args.compile_check)
     _quiet_optuna()
     storage = _open_storage(args.db, args.heartbeat) if args.db else None
     name = study_name_for(attrs["spec_hash"], attrs["shape"], attrs["dtype"], attrs["target"], args.measurer)
-    tuner = Tuner(space, measurer, seed=args.seed)
+    tuner = Tuner(space, measurer, seed=args.seed, gate=gate)
     try:
         result = _run_tuner(tuner, args.trials, as_json=args.json, storage=storage, study_name=name,
                             attrs={**attrs, "budget": args.trials, "seed": args.seed})
@@ -353,10 +362,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.trials is not None and args.trials < 1:
         raise UsageError(f"--trials: must be at least 1, got {args.trials}")
     spec = load_spec(attrs["spec"])
-    space, measurer, _ = _tuning_setup(spec, attrs["spec"], attrs["shape"], attrs["dtype"], attrs["target"],
-                                       attrs["measurer"])
+    space, measurer, gate, _ = _tuning_setup(spec, attrs["spec"], attrs["shape"], attrs["dtype"], attrs["target"],
+                                             attrs["measurer"])
     try:
-        result = _run_tuner(Tuner(space, measurer, seed=args.seed), int(attrs["budget"]), as_json=args.json,
+        result = _run_tuner(Tuner(space, measurer, seed=args.seed, gate=gate), int(attrs["budget"]), as_json=args.json,
                             storage=storage, study_name=args.study, max_trials=args.trials)
     except NoResult as err:
         print(f"error: {err}", file=sys.stderr)
@@ -507,6 +516,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --db: a running trial records a heartbeat this often; one silent for twice as long "
                              "(its worker died) is failed and retried (default 10)")
     tune.add_argument("--json", action="store_true", help="print one JSON object")
+    tune.add_argument("--no-compile-check", dest="compile_check", action="store_false",
+                      help="do not compile candidates for the target before measuring them (by default each is "
+                           "compiled with Triton's compiler, no GPU needed; failures and kernels beyond the target's "
+                           "shared memory or registers are pruned with the compiler's reason)")
     tune.set_defaults(func=cmd_tune)
     worker = sub.add_parser("worker", help="take tuning jobs from the service database; with --study, join a "
                                            "stored study and run trials until its shared budget is used")

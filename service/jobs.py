@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any
@@ -54,6 +54,7 @@ MAX_ATTEMPTS = 3  # claims of one job; a job whose worker was lost this often fa
 RETRIES = 5  # attempts of an insert that lost a race (IntegrityError) before giving up
 MAX_ERROR_CHARS = 10_000
 MAX_LIST = 1000
+MAX_COMPILE_FACTS = 64  # kernels per trial (the unfused chain has one per reduction)
 
 
 class JobError(Exception):
@@ -563,8 +564,11 @@ def fail_job(session: Session, job_id: str, worker_id: str, error: str) -> None:
 
 def record_trial(session: Session, job_id: str, worker_id: str, *, number: int, strategy: str | None,
                  config: Mapping[str, Any] | None, time_ms: float | None, error: str | None, state: str,
-                 predicted: bool, source: str | None) -> None:
+                 predicted: bool, source: str | None, compile: Sequence[Mapping[str, Any]] | None = None) -> None:
     """Store (or overwrite) trial ``number`` of the job, and update the job's progress and best.
+
+    ``compile``: the compile gate's facts per kernel (tuner.compile_gate.CompileVerdict.facts),
+    stored as given (at most MAX_COMPILE_FACTS kernels, errors clipped).
 
     :class:`LeaseLost` if ``worker_id`` does not hold the job. Commits.
     """
@@ -577,6 +581,9 @@ def record_trial(session: Session, job_id: str, worker_id: str, *, number: int, 
         raise InvalidRequest(f"must be an object or null, got {type(config).__name__}", loc=("config",))
     if state == "complete" and time_ms is None:
         raise InvalidRequest("a complete trial needs its time", loc=("time_ms",))
+    if compile is not None and (isinstance(compile, str | bytes | Mapping)
+                                or not all(isinstance(k, Mapping) for k in compile)):
+        raise InvalidRequest("must be a list of objects or null", loc=("compile",))
     job = _held(session, job_id, worker_id)
     now = utcnow()
     trial = session.execute(sa.select(TrialRecord).where(TrialRecord.job_id == job_id, TrialRecord.number == number)
@@ -589,6 +596,9 @@ def record_trial(session: Session, job_id: str, worker_id: str, *, number: int, 
     trial.time_ms = float(time_ms) if time_ms is not None else None
     trial.error, trial.state, trial.predicted = _clip(error), state, bool(predicted)
     trial.source = _clip(source, 512)
+    trial.compile = None if compile is None else [
+        {k: (_clip(v) if isinstance(v, str) else v) for k, v in dict(kernel).items()}
+        for kernel in list(compile)[:MAX_COMPILE_FACTS]]
     session.flush()
     job.trials_done = session.scalar(sa.select(sa.func.count()).select_from(TrialRecord)
                                      .where(TrialRecord.job_id == job_id)) or 0

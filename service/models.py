@@ -201,6 +201,8 @@ class TrialRecord(Base):
     state: Mapped[str] = mapped_column(sa.String(16))
     predicted: Mapped[bool] = mapped_column(sa.Boolean, default=False)
     source: Mapped[str | None] = mapped_column(sa.String(512))
+    # the compile gate's facts per kernel: kernel, ok, registers, spill_bytes, shared_bytes, ...
+    compile: Mapped[list[dict[str, Any]] | None] = mapped_column(_json())
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

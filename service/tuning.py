@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 MEASURERS = ("model", "cuda")
 
@@ -41,9 +41,24 @@ def quiet_optuna() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="optuna")
 
 
-def tuning_setup(spec: Any, raw_spec: Any, shape: Mapping[str, int], dtype: Any, target: str, measurer_name: str):
-    """(space, measurer, study attrs) for one tuning job; :class:`SetupError` for a bad
-    target or measurer, :class:`fuser_core.errors.SpecError` for a bad shape or dtype."""
+class TuningSetup(NamedTuple):
+    """What one tuning job searches with: pass ``gate`` to :class:`tuner.search.Tuner`."""
+
+    space: Any  # tuner.space.SearchSpace
+    measurer: Any
+    gate: Any  # tuner.compile_gate.CompileGate, or None when compile checks are off
+    attrs: dict[str, Any]  # the study's user attrs
+
+
+def tuning_setup(spec: Any, raw_spec: Any, shape: Mapping[str, int], dtype: Any, target: str, measurer_name: str,
+                 *, compile_check: bool = True) -> TuningSetup:
+    """The search space, measurer, compile gate and study attrs of one tuning job;
+    :class:`SetupError` for a bad target or measurer, :class:`fuser_core.errors.SpecError` for
+    a bad shape or dtype.
+
+    With ``compile_check`` (the default) every candidate is compiled for the target's arch
+    before it is measured or predicted (:mod:`tuner.compile_gate`; no GPU needed), and the
+    model measurer predicts from the compiled registers, shared memory and spills."""
     from fuser_core.canonical import spec_hash
     from fuser_core.derive import derive_cascade
     from fuser_core.reference import bind_shape
@@ -63,15 +78,20 @@ def tuning_setup(spec: Any, raw_spec: Any, shape: Mapping[str, int], dtype: Any,
         measurer_factory = cuda_measurer(profile)
     derivation = derive_cascade(spec)
     space = SearchSpace(spec, derivation, bound, dtypes, profile)
+    gate = None
+    if compile_check:
+        from tuner.compile_gate import CompileGate
+
+        gate = CompileGate.for_space(space)
     if measurer_name == "model":
         from tuner.measure import ModelMeasurer
 
-        measurer = ModelMeasurer(spec, derivation, bound, dtypes, profile)
+        measurer = ModelMeasurer(spec, derivation, bound, dtypes, profile, gate=gate)
     else:
         measurer = measurer_factory(spec, derivation, bound, dtypes, profile)
     attrs = {"spec": raw_spec, "spec_hash": spec_hash(spec), "shape": bound, "dtype": dtypes,
              "target": profile.name, "measurer": measurer_name}
-    return space, measurer, attrs
+    return TuningSetup(space, measurer, gate, attrs)
 
 
 def cuda_measurer(profile: Any):

@@ -123,7 +123,7 @@ class TrialRecorder:
                         error=r.get("error") or r.get("reason"),
                         state=state if time_ms is not None or state != "complete" else "failed",
                         predicted=bool(r.get("predicted", False)),
-                        source=str(trial.user_attrs.get("source") or "tpe"))
+                        source=str(trial.user_attrs.get("source") or "tpe"), compile=r.get("compile"))
                 self.recorded += 1
             except jobs.LeaseLost:
                 self.keeper.lost = True
@@ -249,8 +249,8 @@ class Worker:
             record = jobs.get_spec(session, job.spec_hash)
             spec, canonical = jobs.job_spec(record), json.loads(record.canonical)
         try:
-            space, measurer, attrs = tuning_setup(spec, canonical, job.shape, job.dtype_value,
-                                                  job.target, job.measurer)
+            space, measurer, gate, attrs = tuning_setup(spec, canonical, job.shape, job.dtype_value,
+                                                        job.target, job.measurer)
         except (SetupError, SpecError) as err:
             return "failed", f"cannot tune this job: {err}"
         elapsed = (jobs.utcnow() - job.started_at).total_seconds() if job.started_at else 0.0
@@ -263,7 +263,7 @@ class Worker:
             self.close_orphans(job.id, job.study_name)
         # budget.seconds already used up by earlier attempts: no new trial, the best of the study so far
         max_trials = 0 if early == "deadline" else None
-        tuner = Tuner(space, measurer, seed=job.attempts - 1)  # another seed when a job is taken over
+        tuner = Tuner(space, measurer, seed=job.attempts - 1, gate=gate)  # another seed when a job is taken over
         try:
             result = tuner.run(job.budget_trials, storage=self.storage, study_name=job.study_name,
                                callbacks=[recorder], attrs={**attrs, "budget": job.budget_trials, "job_id": job.id},

@@ -286,6 +286,10 @@ def test_many_parallel_identical_submissions_make_one_job(db_url) -> None:
         assert a.get("/v1/jobs").json()["count"] == 1
 
 
+COMPILED = {"kernel": "safe_softmax_row_resident_kernel", "ok": True, "registers": 40, "spill_bytes": 0,
+            "shared_bytes": 1040, "num_warps": 4, "num_stages": 1}
+
+
 def test_trials_cancel_of_a_running_job_and_workers(client, sessions) -> None:
     job = client.post("/v1/jobs", json=job_body()).json()
     with sessions() as s:
@@ -293,7 +297,8 @@ def test_trials_cancel_of_a_running_job_and_workers(client, sessions) -> None:
                              versions={"python": "3"})
         assert jobs.claim_job(s, "w-1", target="h100", measurer="model", lease_seconds=60).id == job["id"]
         jobs.record_trial(s, job["id"], "w-1", number=0, strategy="row_resident", config={"num_warps": 4},
-                          time_ms=0.5, error=None, state="complete", predicted=True, source="frontier")
+                          time_ms=0.5, error=None, state="complete", predicted=True, source="frontier",
+                          compile=[COMPILED])
         jobs.record_trial(s, job["id"], "w-1", number=1, strategy="split_fused", config=None, time_ms=None,
                           error="too much shared memory", state="pruned", predicted=False, source="tpe")
     view = client.get(f"/v1/jobs/{job['id']}").json()
@@ -301,6 +306,7 @@ def test_trials_cancel_of_a_running_job_and_workers(client, sessions) -> None:
     trials = client.get(f"/v1/jobs/{job['id']}/trials").json()["trials"]
     assert [(t["number"], t["state"], t["worker_id"]) for t in trials] == [(0, "complete", "w-1"), (1, "pruned", "w-1")]
     assert trials[1]["error"] == "too much shared memory" and trials[0]["source"] == "frontier"
+    assert trials[0]["compile"] == [COMPILED] and trials[1]["compile"] is None  # the compile gate's facts
 
     r = client.post(f"/v1/jobs/{job['id']}/cancel")  # running: the worker is asked to stop
     assert r.status_code == 202 and r.json()["cancel_requested"] and r.json()["status"] == "running"

@@ -304,7 +304,10 @@ def test_submit_watch_chart_derivation_download(server, page):
     cells = page.driver.execute_script(
         "return [...document.querySelectorAll('#trials-body tr')].map(tr => [...tr.cells].map(c => c.innerText))")
     assert sorted(int(c[0]) for c in cells) == sorted(t["number"] for t in api_trials)
-    assert all(c[6] and c[4] for c in cells)  # every trial names its worker and its time (or failure)
+    assert all(c[7] and c[4] for c in cells)  # every trial names its worker and its time (or failure)
+    # the compile gate compiled every candidate for the job's target: its facts per trial, as the API has them
+    assert all("regs" in c[5] or "does not compile" in c[5] for c in cells), cells
+    assert all(t["compile"] and t["compile"][0]["registers"] for t in api_trials if t["state"] == "complete")
     assert not page.all("#cancel-button")  # finished: nothing to cancel
     page.shot("05-job-succeeded", full=True)
 

@@ -63,11 +63,11 @@ def test_settings_reject_bad_values(overrides, field):
 
 
 def test_migrate_from_empty(service_db_url, engine):
-    with pytest.raises(db.DatabaseBehind, match=r"revision none .*code expects 0001: run `foldwise db upgrade --db "):
+    with pytest.raises(db.DatabaseBehind, match=r"revision none .*code expects 0002: run `foldwise db upgrade --db "):
         db.check_current(engine)
     db.upgrade(service_db_url)
     db.check_current(engine)
-    assert db.current_revision(engine) == db.head_revision() == "0001"
+    assert db.current_revision(engine) == db.head_revision() == "0002"
     assert TABLES <= set(sa.inspect(engine).get_table_names())
     db.upgrade(service_db_url)  # already at head: nothing to do
     db.check_current(engine)
@@ -97,27 +97,27 @@ def test_downgrade_to_base_is_behind(service_db_url, engine):
 
 
 def test_database_behind_a_newer_migration(service_db_url, engine, tmp_path, monkeypatch):
-    """Code with a migration 0002 refuses a database at 0001 until it is upgraded."""
+    """Code with a newer migration (0099) refuses a database at the current head until it is upgraded."""
     db.upgrade(service_db_url)
     newer = tmp_path / "migrations"
     shutil.copytree(db.MIGRATIONS_DIR, newer, ignore=shutil.ignore_patterns("__pycache__"))
-    (newer / "versions" / "0002_extra.py").write_text(
-        'import sqlalchemy as sa\nfrom alembic import op\n\nrevision = "0002"\ndown_revision = "0001"\n'
+    (newer / "versions" / "0099_extra.py").write_text(
+        'import sqlalchemy as sa\nfrom alembic import op\n\nrevision = "0099"\ndown_revision = "0002"\n'
         'branch_labels = None\ndepends_on = None\n\n\n'
         'def upgrade():\n    op.create_table("extra", sa.Column("id", sa.Integer, primary_key=True))\n\n\n'
         'def downgrade():\n    op.drop_table("extra")\n')
     monkeypatch.setattr(db, "MIGRATIONS_DIR", newer)
-    assert db.head_revision() == "0002"
+    assert db.head_revision() == "0099"
     with pytest.raises(db.DatabaseBehind) as info:
         db.check_current(engine)
     assert not isinstance(info.value, db.DatabaseAhead)
-    assert "database at revision 0001, code expects 0002: run `foldwise db upgrade --db" in str(info.value)
+    assert "database at revision 0002, code expects 0099: run `foldwise db upgrade --db" in str(info.value)
     db.upgrade(service_db_url)
     db.check_current(engine)
     assert "extra" in sa.inspect(engine).get_table_names()
     # ... and the older code then refuses the newer database
     monkeypatch.undo()
-    with pytest.raises(db.DatabaseAhead, match="revision 0002, which this code does not know"):
+    with pytest.raises(db.DatabaseAhead, match="revision 0099, which this code does not know"):
         db.check_current(engine)
 
 

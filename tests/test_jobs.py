@@ -88,7 +88,7 @@ def trial(Session, job_id, worker="w1", number=0, time_ms=1.0, state="complete",
     with Session() as s:
         jobs.record_trial(s, job_id, worker, number=number, strategy=kw.get("strategy", "streaming_fused"),
                           config=kw.get("config", {"blocks": {}}), time_ms=time_ms, error=kw.get("error"),
-                          state=state, predicted=True, source=kw.get("source", "tpe"))
+                          state=state, predicted=True, source=kw.get("source", "tpe"), compile=kw.get("compile"))
 
 
 def reload(Session, job_id) -> Job:
@@ -238,8 +238,16 @@ def test_record_trial_validation(Session):
     with pytest.raises(jobs.InvalidRequest) as info:
         trial(Session, job.id, time_ms=-1.0)
     assert info.value.loc == ("time_ms",)
+    with pytest.raises(jobs.InvalidRequest) as info:
+        trial(Session, job.id, compile={"kernel": "k"})  # one object per kernel, in a list
+    assert info.value.loc == ("compile",)
     with pytest.raises(jobs.NotFound):
         trial(Session, "0" * 32)
+    long_error = {"kernel": "k", "ok": False, "error": "x" * (jobs.MAX_ERROR_CHARS + 50)}
+    trial(Session, job.id, number=3, time_ms=None, state="pruned", compile=[long_error] * (jobs.MAX_COMPILE_FACTS + 1))
+    with Session() as s:
+        [kept] = [t for t in jobs.list_trials(s, job.id) if t.number == 3]
+    assert len(kept.compile) == jobs.MAX_COMPILE_FACTS and len(kept.compile[0]["error"]) <= jobs.MAX_ERROR_CHARS
 
 
 def test_kernel_short_circuit(Session):

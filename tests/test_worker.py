@@ -82,6 +82,9 @@ def test_worker_tunes_a_job_to_a_verified_bundle(db_url, sessions) -> None:
         workers = {w.id: w for w in jobs.list_workers(s)}
     assert [t.number for t in trials] == list(range(6)) and {t.worker_id for t in trials} == {"w-main"}
     assert all(t.state in ("complete", "pruned", "failed") and t.source for t in trials)
+    # every candidate the space accepted went through the compile gate for the job's target (sm_90)
+    gated = [t for t in trials if t.state == "complete"]
+    assert gated and all(t.compile and all(k["ok"] and k["registers"] > 0 for k in t.compile) for t in gated)
     complete = [t for t in trials if t.state == "complete"]
     assert job.best["time_ms"] == min(t.time_ms for t in complete) == kernel.time_ms
     assert kernel.measurer == "model" and kernel.predicted and kernel.strategy == job.best["strategy"]

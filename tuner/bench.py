@@ -227,6 +227,7 @@ def run_bench(
     from fuser_core.reference import bind_shape
     from fuser_core.runner import bind_dtypes
     from fuser_core.catalog import load_catalog_spec
+    from tuner.compile_gate import CompileGate
     from tuner.measure import reduced_problem
     from tuner.profiles import get_profile, profile_for_device_name
     from tuner.search import NoResult, Tuner
@@ -304,9 +305,11 @@ def run_bench(
             measurer = CudaMeasurer(spec, derivation, shape, dtypes, profile, device=device, timeout_s=timeout_s,
                                     timing=timing, worker=worker)
             try:
-                tuned = Tuner(space, measurer, seed=seed).run(trials)
+                # compiled for the target before it is timed: what does not compile or fit is pruned
+                tuned = Tuner(space, measurer, seed=seed, gate=CompileGate.for_space(space)).run(trials)
                 entry["tuning"] = {"strategy": tuned.strategy, "config": tuned.config, "time_ms": tuned.time_ms,
-                                   "trials": tuned.trials, "counts": tuned.counts, "measurer": tuned.measurer}
+                                   "trials": tuned.trials, "counts": tuned.counts, "measurer": tuned.measurer,
+                                   "compile": tuned.compile, "compile_pruned_trials": tuned.compile_pruned_trials}
             except NoResult as err:
                 entry["tuning"] = {"error": str(err)}
             problem = problem_payload(spec, derivation, shape, dtypes)

@@ -23,6 +23,15 @@ simple, monotone and explainable (numbers in ``Prediction.details``):
    programs), and bandwidth that grows with the bytes each SM keeps in flight (Little's law:
    tile bytes x num_stages per program, with a soft knee).
 
+4. **Compile facts** (when the compile gate, :mod:`tuner.compile_gate`, compiled the candidate):
+   occupancy uses the compiler's registers per thread and shared bytes per program instead of
+   the estimates (blocks per SM = min(regs_per_sm / registers per program, smem_per_sm / shared,
+   max_warps / warps, max_blocks)), and a kernel that spills pays an estimated local-memory
+   traffic: spill bytes per thread x 2 (stored and loaded) x threads x programs x iterations of
+   its longest loop, through L2, and from HBM as far as the resident programs' spilled bytes
+   miss L2. It is an estimate (ptxas' spill placement is not known: a spill outside the loop
+   costs far less), meant to rank a spilling candidate below an equal one that does not spill.
+
 A kernel's time is ``launch + sum over waves of max(memory time, compute time)`` (the sum when
 nothing hides the one behind the other: one program per SM and no pipelining);
 split_fused launches two kernels. :func:`predict_chain` models the unfused chain the same way
@@ -53,6 +62,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fuser_core.codegen.gpu_compile import KernelBuild
 from fuser_core.codegen.plan import KernelConfig
 from fuser_core.derive import Derivation
 from fuser_core.reference import bind_shape
@@ -70,6 +80,7 @@ from tuner.analysis import (
     pass_iterations,
     resources,
 )
+from tuner.compile_gate import CompileVerdict, kernel_facts_for
 from tuner.profiles import GpuProfile
 
 HBM_EFFICIENCY = 0.92  # best fraction of the datasheet bandwidth a streaming kernel reaches
@@ -79,6 +90,7 @@ L2_USABLE = 0.5  # fraction of L2 that holds data for reuse (H100/A100 split L2 
 SM_BYTES_PER_CLOCK = 64  # what one SM can take from L2 per clock
 WARPS_TO_FILL_ALU = 8  # resident warps per SM for the CUDA cores to be busy (latency hiding)
 WARPS_TO_FILL_DOT = 4  # one warp per SM sub-partition for the tensor cores
+SPILL_ACCESSES = 2  # a spilled byte is written to local memory and read back (per loop iteration)
 PRECISION_UNIT = {"tl.float16": "fp16", "tf32": "tf32", "ieee": "fp32"}
 
 
@@ -143,11 +155,10 @@ def saturation(x: float) -> float:
 
 def blocks_per_sm(k: KernelLoad, profile: GpuProfile) -> int:
     """Occupancy: programs one SM holds, limited by warps, registers, shared memory, blocks."""
-    regs = 8 * cdiv(k.regs, 8)  # registers are allocated in units of 8 per thread (256 per warp)
     limits = [
         profile.max_blocks_per_sm,
         profile.max_warps_per_sm // k.num_warps,
-        profile.regs_per_sm // max(1, regs * 32 * k.num_warps),
+        profile.regs_per_sm // max(1, profile.registers_per_program(k.regs, k.num_warps)),
         profile.smem_per_sm // max(1, k.smem),
     ]
     return max(1, min(limits))
@@ -247,9 +258,11 @@ class _KernelEvaluator:
         return math.prod(self.L.shape[d] for d in dims)
 
     def evaluate(self, sketch: KernelSketch, earlier: Mapping[str, float] | None = None,
-                 earlier_bytes: float = 0.0) -> KernelLoad:
+                 earlier_bytes: float = 0.0, compiled: KernelBuild | None = None) -> KernelLoad:
         """``earlier``: names read or written by earlier kernels -> bytes requested since (their
-        reuse distance); ``earlier_bytes``: bytes requested by the earlier kernels (the workspace's)."""
+        reuse distance); ``earlier_bytes``: bytes requested by the earlier kernels (the workspace's);
+        ``compiled``: the compiler's facts for this kernel, which replace the estimated registers
+        and shared memory and add the spills' local-memory traffic."""
         L, c, prof = self.L, self.config, self.profile
         split_grid = sketch.grid == "lanes x split"
         programs = L.lane_programs * (L.split if split_grid else 1)
@@ -257,10 +270,12 @@ class _KernelEvaluator:
         r = self.cache.get(key)
         if r is None:
             r = self.cache[key] = resources(sketch, self.inputs, L.axis, L.blocks, c.num_warps, c.num_stages)
+        regs, smem, spill = r.regs_per_thread, r.smem_bytes, 0
+        if compiled is not None and compiled.registers is not None:
+            regs, smem, spill = compiled.registers, compiled.shared_bytes or 0, compiled.spill_bytes or 0
         looped = any(p.kind in ("axis", "chunk", "split") and pass_iterations(p, L.axis, L.shape, L.blocks, L.split) > 1
                      for p in sketch.passes) if L.axis else False
-        probe = KernelLoad(sketch.name, programs, c.num_warps, c.num_stages, looped, r.regs_per_thread, r.smem_bytes,
-                           0, 0, 0, 0, {}, 0)
+        probe = KernelLoad(sketch.name, programs, c.num_warps, c.num_stages, looped, regs, smem, 0, 0, 0, 0, {}, 0)
         concurrent = min(programs, prof.sm_count * blocks_per_sm(probe, prof))
 
         alu = sfu = 0.0
@@ -307,13 +322,28 @@ class _KernelEvaluator:
         hbm += ws_written
         l2 += ws_written
 
+        spill_l2 = spill_hbm = 0.0
+        if spill:
+            # An estimate: every spilled byte is stored and loaded back once per iteration of the
+            # kernel's longest loop, by every thread of every program; local memory goes through
+            # L1 to L2, and to HBM as far as the resident programs' spill footprint misses L2.
+            longest = max((pass_iterations(p, L.axis, L.shape, L.blocks, L.split) if L.axis else 1
+                           for p in sketch.passes), default=1)
+            threads = 32 * c.num_warps
+            spill_l2 = SPILL_ACCESSES * spill * threads * programs * max(1, longest)
+            spill_hbm = spill_l2 * miss_fraction(spill * threads * concurrent, prof)
+            l2 += spill_l2
+            hbm += spill_hbm
+
         # bytes in flight per program: loads issued ahead (num_stages tiles in loops), weighted
         # over the passes by their bytes (a harmonic mean: the time each pass takes to stream)
         weights = [(x["requested"], x["in_flight"]) for x in passes if x["requested"] > 0 and x["in_flight"] > 0]
         total = sum(w for w, _ in weights)
         in_flight = total / sum(w / f for w, f in weights) if weights else 1.0
-        notes = {"passes": [p.kind for p in sketch.passes], "ws_bytes": ws_written}
-        return KernelLoad(sketch.name, programs, c.num_warps, c.num_stages, looped, r.regs_per_thread, r.smem_bytes,
+        notes: dict[str, Any] = {"passes": [p.kind for p in sketch.passes], "ws_bytes": ws_written,
+                                 "compiled": compiled is not None and compiled.registers is not None,
+                                 "spill_bytes": spill, "spill_l2_bytes": spill_l2, "spill_hbm_bytes": spill_hbm}
+        return KernelLoad(sketch.name, programs, c.num_warps, c.num_stages, looped, regs, smem,
                           hbm, l2, alu, sfu, dots, in_flight, notes)
 
     def pass_traffic(self, p: Pass, it: int, programs: int, split_grid: bool) -> dict[str, Any]:
@@ -363,7 +393,8 @@ class _Model:
         self.stores = {p: ELEMENT_BYTES[d] for p, d in output_dtypes(spec, self.dtypes).items()}
         self.resource_cache: dict = {}  # sketches live in self.anatomy's cache, so their ids are stable
 
-    def predict(self, strategy: str, config: KernelConfig, profile: GpuProfile) -> Prediction:
+    def predict(self, strategy: str, config: KernelConfig, profile: GpuProfile,
+                compiled: CompileVerdict | None = None) -> Prediction:
         an = self.anatomy
         blocks = an.full_blocks(config.blocks, self.shape)
         layout = _Layout(self.shape, blocks, an.lanes, an.axis, config.split)
@@ -373,8 +404,9 @@ class _Model:
         loads: list[KernelLoad] = []
         touched: dict[str, float] = {}  # name -> requested bytes before the kernel that last read it
         done = 0.0
-        for sketch in an.kernels(strategy, blocks):
-            load = ev.evaluate(sketch, {n: done - at for n, at in touched.items()}, done)
+        sketches = an.kernels(strategy, blocks)
+        for sketch, built in zip(sketches, kernel_facts_for([k.name for k in sketches], compiled)):
+            load = ev.evaluate(sketch, {n: done - at for n, at in touched.items()}, done, built)
             loads.append(load)
             for p in sketch.passes:
                 for name in p.loads:
@@ -414,9 +446,11 @@ def _model(spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes:
 
 
 def predict(spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes: Any, candidate: Any,
-            profile: GpuProfile) -> Prediction:
-    """Predicted time of a fused candidate (a :class:`tuner.space.Candidate`) on ``profile``."""
-    return _model(spec, derivation, shape, dtypes).predict(candidate.strategy, candidate.config, profile)
+            profile: GpuProfile, compiled: CompileVerdict | None = None) -> Prediction:
+    """Predicted time of a fused candidate (a :class:`tuner.space.Candidate`) on ``profile``;
+    ``compiled``: the compile gate's verdict on it, whose registers, shared memory and spills
+    replace the model's estimates (see the module docstring, item 3)."""
+    return _model(spec, derivation, shape, dtypes).predict(candidate.strategy, candidate.config, profile, compiled)
 
 
 def exhaustive_best(space: Any, strategies: Any = None) -> tuple[Any, Prediction, int]:

@@ -38,6 +38,7 @@ from fuser_core.codegen.plan import KernelConfig, loop_axis, next_pow2
 from fuser_core.derive import Derivation
 from fuser_core.reference import bind_shape
 from fuser_core.spec import Spec
+from tuner.compile_gate import CompileGate
 from tuner.cost_model import predict
 from tuner.profiles import GpuProfile
 from tuner.space import Candidate, contraction_dims
@@ -118,12 +119,17 @@ def reduced_problem(spec: Spec, derivation: Derivation, shape: Mapping[str, int]
 
 
 class ModelMeasurer:
-    """``--measurer model``: the cost model's prediction on ``profile``, labelled as such."""
+    """``--measurer model``: the cost model's prediction on ``profile``, labelled as such.
+
+    With a ``gate`` (:class:`tuner.compile_gate.CompileGate`) the prediction uses the compiled
+    kernels' registers, shared memory and spills (recorded in ``details["compile"]``), and a
+    candidate the gate prunes is a failed measurement with the gate's reason.
+    """
 
     name = "model"
 
     def __init__(self, spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes: Any,
-                 profile: GpuProfile, *, verify: bool = True):
+                 profile: GpuProfile, *, verify: bool = True, gate: CompileGate | None = None):
         from fuser_core.runner import bind_dtypes
 
         self.spec = spec
@@ -132,6 +138,7 @@ class ModelMeasurer:
         self.dtypes = bind_dtypes(spec, dtypes)
         self.profile = profile
         self.verify_kernels = verify
+        self.gate = gate  # its verdicts give the model compiled registers, shared memory and spills
         self.interpreter_runs: list[str] = []  # strategies this instance ran under the interpreter
         self._hash = spec_hash(spec)
 
@@ -165,8 +172,14 @@ class ModelMeasurer:
             details["verified"] = {k: v for k, v in verified.items() if k != "traceback"}
             if not verified["passed"]:
                 return Measurement(None, verified["error"], True, details)
+        compiled = None
+        if self.gate is not None:  # the Objective asked the same gate first: this is its cached verdict
+            compiled = self.gate.check(candidate)
+            details["compile"] = compiled.facts()
+            if compiled.pruned:
+                return Measurement(None, compiled.reason, True, details)
         try:
-            p = predict(self.spec, self.derivation, self.shape, self.dtypes, candidate, self.profile)
+            p = predict(self.spec, self.derivation, self.shape, self.dtypes, candidate, self.profile, compiled)
         except Exception as err:
             return Measurement(None, f"cost model failed: {type(err).__name__}: {err}", True, details)
         details["model"] = {
@@ -178,4 +191,4 @@ class ModelMeasurer:
 
 
 _KERNEL_FIELDS = ("kernel", "time_s", "bound", "programs", "blocks_per_sm", "waves", "occupancy", "regs_per_thread",
-                  "smem_bytes", "hbm_bytes", "l2_bytes")
+                  "smem_bytes", "hbm_bytes", "l2_bytes", "compiled", "spill_bytes", "spill_l2_bytes")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 KB = 1024
 MB = 1024 * 1024
+REGISTER_UNIT = 8  # registers per thread are allocated in multiples of 8 (CUDA occupancy calculator)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,12 @@ class GpuProfile:
     regs_per_thread_max: int = 255
     threads_per_block_max: int = 1024
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def registers_per_program(self, regs_per_thread: int, num_warps: int) -> int:
+        """Registers one program (block) holds: the hardware allocates them per warp, in units
+        of 256 (8 per thread), so 26 registers per thread take 32."""
+        per_thread = REGISTER_UNIT * -(-max(0, regs_per_thread) // REGISTER_UNIT)
+        return per_thread * 32 * num_warps
 
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -34,6 +34,10 @@ ways, recorded in the trial's user attr ``result`` (a dict) under ``outcome``:
     time ever enters the study (``best_trial``, plots and statistics see real times only,
     and a study whose candidates are all infeasible has no best trial rather than a best of
     ``inf``). FAIL would be wrong: TPE ignores failed trials and would keep proposing them.
+    With a compile gate (:mod:`tuner.compile_gate`), a candidate the check accepts is then
+    compiled for the target: one that fails to compile, or whose compiled kernels exceed the
+    target's shared memory or registers, is infeasible too, with the compiler's reason, and
+    every gated trial keeps the compiler's facts in ``compile``.
 ``failed``
     the measurer returned an error (a wrong result, a crash, a timeout): the trial FAILs,
     the error kept in ``error``; it never gets a time.
@@ -76,7 +80,7 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 
 __all__ = [
     "BUDGET_STATES", "LocalSearch", "MeasurementFailed", "NoResult", "Objective", "SharedBudget", "TuneResult", "Tuner",
-    "budget_used", "candidate_params", "default_sampler", "frontier_candidates", "make_storage", "random_candidates",
+    "budget_used", "candidate_params", "compile_pruned_trials", "default_sampler", "frontier_candidates", "make_storage", "random_candidates",
     "study_name_for", "suggest_candidate", "trial_result", "warm_start", "worker_id",
 ]
 
@@ -117,10 +121,13 @@ class TuneResult:
     predicted: bool
     study_name: str | None = None
     best_trial: int | None = None
-    counts: dict[str, int] = field(default_factory=dict)  # outcome -> trials, this process
+    counts: dict[str, int] = field(default_factory=dict)  # outcome -> trials, this process; compile_pruned ⊆ infeasible
     overhead_ms: float = 0.0
     overhead_max_ms: float = 0.0
     setup_ms: float = 0.0  # opening the study and enqueuing its start-up trials, once per run
+    compile: list[dict[str, Any]] | None = None  # the best trial's compile facts (with a gate)
+    # trials of the study the compile gate pruned: number, strategy, config, reason (the compiler's)
+    compile_pruned_trials: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -591,6 +598,18 @@ def _nearest(value: int, choices: Sequence[int]) -> int:
     return min(choices, key=lambda c: (abs(math.log2(max(c, 1)) - math.log2(max(value, 1))), c))
 
 
+def compile_pruned_trials(study: optuna.Study) -> list[dict[str, Any]]:
+    """The study's trials that the compile gate pruned (infeasible with compile facts that
+    failed or exceeded the target): number, strategy, config and the reason."""
+    out = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)):
+        r = trial_result(t)
+        if r.get("outcome") == "infeasible" and "compile" in r:
+            out.append({"number": t.number, "strategy": r.get("strategy"), "config": r.get("config"),
+                        "reason": r.get("reason")})
+    return out
+
+
 def trial_result(t: FrozenTrial) -> dict[str, Any]:
     """The ``result`` user attr of a trial that finished through :class:`Objective` ({} otherwise)."""
     r = t.user_attrs.get("result")
@@ -601,7 +620,9 @@ class Objective:
     """The function Optuna minimises: one candidate's time in ms.
 
     Answers from the study's stored results when the candidate was already measured, prunes
-    infeasible candidates without measuring, and raises :class:`MeasurementFailed` (a FAIL
+    infeasible candidates without measuring (those :meth:`SearchSpace.check` rejects, then, with
+    a ``gate`` (:class:`tuner.compile_gate.CompileGate`), those the GPU compiler rejects or that
+    exceed the target's shared memory or registers once compiled), and raises :class:`MeasurementFailed` (a FAIL
     trial, its error kept) when the measurer fails. Keeps the time spent in the measurer and
     waiting on other workers per trial, so the tuner's own overhead can be told apart.
 
@@ -610,7 +631,9 @@ class Objective:
     candidates), ``measuring`` (this trial claimed the measurement), and at the end
     ``result``: ``{"outcome", "strategy", "values", "config"}`` plus ``time_ms`` and
     ``predicted`` (measured, cached), ``cached_from`` (cached), ``reason`` (infeasible),
-    ``error`` (failed), ``details`` (the measurer's).
+    ``error`` (failed), ``details`` (the measurer's), ``compile`` (with a gate: per kernel
+    ``kernel, ok, registers, spill_bytes, shared_bytes, num_warps, num_stages`` and ``error``
+    where it failed; a compile-pruned trial's ``reason`` is the gate's).
 
     Example::
 
@@ -619,13 +642,16 @@ class Objective:
         study.best_trial.user_attrs["result"]["config"]
     """
 
-    def __init__(self, space: Any, measurer: Any, *, wait_s: float = 300.0, poll_s: float = 0.05):
+    def __init__(self, space: Any, measurer: Any, *, gate: Any = None, wait_s: float = 300.0, poll_s: float = 0.05):
         self.space = space
         self.measurer = measurer
+        self.gate = gate
         self.wait_s = wait_s
         self.poll_s = poll_s
         self.outside_s: dict[int, float] = {}  # trial number -> seconds in the measurer / waiting
         self.counts: dict[str, int] = {k: 0 for k in _FINISHED_WITH_RESULT}
+        if gate is not None:
+            self.counts["compile_pruned"] = 0  # of the infeasible ones: pruned by the compile gate
 
     def __call__(self, trial: Trial) -> float:
         inherited = trial.user_attrs  # a retried trial starts with its predecessor's attrs
@@ -641,7 +667,19 @@ class Objective:
         key = candidate.key()
         if inherited.get("measuring"):
             trial.set_user_attr("measuring", False)
+        # set before the gate too: LocalSearch reads it as "tried", so a candidate the compiler
+        # rejects is not enqueued again
         trial.set_user_attr("candidate", key)
+        if self.gate is not None:
+            start = time.perf_counter()
+            try:
+                verdict = self.gate.check(candidate)
+            finally:  # compiling is the measurement's own cost, not the tuner's overhead
+                self.outside_s[trial.number] = self.outside_s.get(trial.number, 0.0) + time.perf_counter() - start
+            result["compile"] = verdict.facts()
+            if verdict.pruned:
+                self.counts["compile_pruned"] += 1
+                return self._finish(trial, result, "infeasible", reason=verdict.reason)
         stored = self._stored_result(trial, key)
         if stored is not None:
             source, value = stored
@@ -846,7 +884,9 @@ class Tuner:
     random feasible ones up to ``startup``); ``local_search`` adds :class:`LocalSearch` (``tpe_every``: leave every
     k-th trial to TPE; 0: TPE only when the local search has nothing left). With several
     workers on one study, give each its own seed (the same seed makes their TPE suggest the
-    same points).
+    same points). ``gate``: a :class:`tuner.compile_gate.CompileGate` every candidate passes
+    before it is measured (give the model measurer the same gate, so it predicts from the
+    compiled facts); ``TuneResult.counts["compile_pruned"]`` counts the candidates it pruned.
 
     Example::
 
@@ -857,8 +897,9 @@ class Tuner:
 
     def __init__(self, space: Any, measurer: Any, *, seed: int | None = 0,
                  sampler: optuna.samplers.BaseSampler | None = None, target: str | None = None, startup: int = 10,
-                 frontier: bool = True, local_search: bool = True, tpe_every: int = 0):
+                 frontier: bool = True, local_search: bool = True, tpe_every: int = 0, gate: Any = None):
         self.space = space
+        self.gate = gate
         self.frontier = frontier
         self.measurer = measurer
         self.seed = seed
@@ -906,7 +947,7 @@ class Tuner:
 
         if max_trials is None and study.user_attrs.get("budget", n_trials) != n_trials:
             study.set_user_attr("budget", n_trials)  # workers joining later share the new budget
-        objective = Objective(self.space, self.measurer)
+        objective = Objective(self.space, self.measurer, gate=self.gate)
         ends: list[tuple[int, float]] = []
 
         def clock(study: optuna.Study, trial: FrozenTrial) -> None:
@@ -975,4 +1016,6 @@ class Tuner:
             counts=dict(objective.counts),
             overhead_ms=1e3 * sum(overheads) / len(overheads) if overheads else 0.0,
             overhead_max_ms=1e3 * max(overheads, default=0.0),
+            compile=trial_result(best).get("compile"),
+            compile_pruned_trials=compile_pruned_trials(study),
         )

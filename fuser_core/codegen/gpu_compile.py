@@ -357,7 +357,22 @@ def compile_request(request: CompileRequest) -> ModuleBuild:
 # ---------------------------------------------------------------- worker processes
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A worker outlives a parent that was killed (SIGKILL gives the pool no chance to stop it)
+    or that exited without shutting the pool down: it then waits on its queue for ever. Poll."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _worker_init(cache_dir: str | None) -> None:
+    _exit_with_parent(os.getppid())
     os.environ["TRITON_INTERPRET"] = "0"
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
     if cache_dir:

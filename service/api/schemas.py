@@ -90,7 +90,7 @@ def kernel_view(kernel: Kernel, exact: bool | None = None) -> dict[str, Any]:
 def trial_view(t: TrialRecord) -> dict[str, Any]:
     return {"number": t.number, "state": t.state, "strategy": t.strategy, "config": t.config, "time_ms": t.time_ms,
             "error": t.error, "worker_id": t.worker_id, "predicted": t.predicted, "source": t.source,
-            "created_at": iso(t.created_at)}
+            "compile": t.compile, "created_at": iso(t.created_at)}
 
 
 def worker_view(w: WorkerRecord, *, alive_within_s: float) -> dict[str, Any]:
@@ -158,6 +158,9 @@ class TrialView(BaseModel):
     worker_id: str | None
     predicted: bool
     source: str | None
+    compile: list[dict[str, Any]] | None = Field(
+        None, description="the compile gate's facts per kernel (kernel, ok, registers, spill_bytes, shared_bytes, "
+                          "num_warps, num_stages; error where it failed to compile); null without a compile check")
     created_at: str | None
 
 

@@ -6,6 +6,20 @@ import {
   statusBadge,
 } from "../util.js";
 
+// The compile gate's facts of one trial, one line per kernel: registers, shared memory, spills
+// (the full facts, and the compiler's error, in the tooltip); "—" for a trial tuned without it.
+const fmtBytes = (n) => (n >= 1024 ? `${+(n / 1024).toPrecision(3)} KiB` : `${n} B`);
+function compileCell(kernels) {
+  if (!Array.isArray(kernels) || !kernels.length) return h("td", { class: "muted compile" }, "—");
+  const lines = kernels.map((k) => {
+    const name = String(k.kernel || "").replace(/_kernel$/, "");
+    if (!k.ok) return h("div", { class: "error-text" }, `${name}: does not compile`);
+    const spill = k.spill_bytes ? h("span", { class: "error-text" }, `, spills ${fmtBytes(k.spill_bytes)}`) : null;
+    return h("div", {}, `${kernels.length > 1 ? `${name}: ` : ""}${k.registers} regs, ${fmtBytes(k.shared_bytes || 0)} smem`, spill);
+  });
+  return h("td", { class: "compile", title: JSON.stringify(kernels, null, 1) }, lines);
+}
+
 export async function render(ctx) {
   const id = ctx.parts[1];
   const facts = h("dl", { class: "facts", id: "job-facts" });
@@ -15,7 +29,7 @@ export async function render(ctx) {
   const chartNote = h("p", { class: "muted", id: "chart-note" });
   const tbody = h("tbody", { id: "trials-body" });
   const trialsTable = h("table", { class: "grid", id: "trials-table" },
-    h("thead", {}, h("tr", {}, ["#", "state", "strategy", "config", "time / failure", "source", "worker"].map((c) => h("th", {}, c)))),
+    h("thead", {}, h("tr", {}, ["#", "state", "strategy", "config", "time / failure", "compiled", "source", "worker"].map((c) => h("th", {}, c)))),
     tbody);
   replace(ctx.root, head, message, facts,
     h("h2", {}, "Best so far vs trial"), chartBox, chartNote,
@@ -104,6 +118,7 @@ export async function render(ctx) {
         h("td", {}, t.strategy || ""),
         h("td", {}, h("code", { class: "config" }, fmtJson(displayConfig(hash, t.config)))),
         h("td", { class: failed ? "error-text" : "num" }, failed ? (t.error || t.state) : [fmtMs(t.time_ms), t.predicted ? h("span", { class: "muted" }, " predicted") : null]),
+        compileCell(t.compile),
         h("td", { class: "muted" }, t.source || ""),
         h("td", { class: "mono muted" }, t.worker_id ?? t.worker ?? ""));
     }));
