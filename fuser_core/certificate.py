@@ -190,7 +190,7 @@ class _Compiled:
             hit = self.cache.get(e)
             if hit is None:
                 syms = sorted(e.free_symbols, key=str)
-                hit = (sp.lambdify(syms, e, modules=self.modules), syms)
+                hit = (sp.lambdify(syms, _float_literals(e), modules=self.modules), syms)
                 self.cache[e] = hit
             fn, syms = hit
             return np.asarray(fn(*[values[s] for s in syms]), dtype=np.float64)
@@ -202,6 +202,17 @@ class _Compiled:
             raise DerivationLimitError(
                 f"the certificate cannot evaluate {sp.sstr(e)[:80]}: {type(err).__name__}: {str(err)[:120]}"
             ) from None
+
+
+EXACT_INTEGER_LIMIT = 2**53  # float64 holds every integer up to here; beyond, an integer literal is a float
+
+
+def _float_literals(e: sp.Expr) -> sp.Expr:
+    """``e`` with integers beyond float64's exact range as floats: a spec's ``-1e30`` is an exact
+    sympy Integer, which lambdify prints as a Python int that NumPy stores as an object array
+    (where() then cannot select it into float64). The reference computes with the float."""
+    big = {i: sp.Float(float(i)) for i in e.atoms(sp.Integer) if abs(int(i)) > EXACT_INTEGER_LIMIT}
+    return e.xreplace(big) if big else e
 
 
 _COMPILED: dict[tuple[int, bool], _Compiled] = {}
@@ -314,9 +325,12 @@ class _AxisLoop:
         return self.select(op, values, idx, form.step.k or 1)
 
     def select(self, op: str, values: np.ndarray, idx: np.ndarray, k: int):
-        """Top (or bottom) k candidates along the axis, ties to the lower index."""
+        """Top (or bottom) k candidates along the axis, ties to the lower index. NaN follows the
+        reference (NumPy): argmax/argmin take the first NaN as the extreme, topk sorts NaN last."""
         descending = op in ("topk", "argmax")
-        keys = (idx, -values if descending else values)
+        keys: tuple[np.ndarray, ...] = (idx, -values if descending else values)
+        if op in ("argmax", "argmin"):
+            keys += (~np.isnan(values),)  # the last key sorts first: False (NaN) before any number
         order = np.lexsort(keys, axis=self.pos)[(slice(None),) * self.pos + (slice(0, k),)]
         return (np.take_along_axis(values, order, self.pos), np.take_along_axis(idx, order, self.pos))
 

@@ -518,3 +518,33 @@ def test_argmin_over_values_equal_in_float32():
     got = {"am": torch.tensor([far], dtype=torch.int32), "v": torch.tensor([x[far]], dtype=torch.float32)}
     stores = {"am": "int32", "v": "float32"}
     assert judge(spec, got, reference, stores, exact=True, alternatives=ties)["bad"] == ["am", "v"]
+
+
+# ---------------------------------------------------------------- cascades a new user writes (issue 14)
+
+
+def test_a_large_sentinel_constant_in_a_where():
+    """-1e30 is an exact sympy Integer beyond int64: lambdify printed it as a Python int, NumPy's
+    select made an object array, and the certificate crashed (reported as a derivation limit)."""
+    spec = spec_of(
+        [{"name": "xm", "expr": "where(index(n) < len, x, -1e30)"}, red("mx", "max", "xm"),
+         red("den", "sum", "exp(xm - mx)"), {"name": "y", "expr": "exp(xm - mx) / den"}],
+        ["y"], inputs={"x": {"dims": ["m", "n"]}, "len": {"dims": ["m"], "kind": "index"}},
+    )
+    d = derive_cascade(spec)
+    assert d.fusible
+    cert = certify(d, trials=12)
+    assert cert.holds and cert.max_rel_err < 1e-12, cert
+    every_strategy_passes(spec, {"m": 3, "n": 13})
+
+
+def test_argmax_and_argmin_take_the_first_nan_as_numpy_does():
+    """log(x) is NaN for x < 0. NumPy's argmax/argmin (the reference) return the first NaN; the
+    certificate's tiled run sorted NaN last (algebra error 1.0), and the kernels' tl.max skipped it."""
+    spec = spec_of([red("mx", "max", "x"), red("am", "argmin", "exp(x - mx) * log(x)"), red("ax", "argmax", "log(x)")],
+                   ["am", "ax"])
+    d = derive_cascade(spec)
+    assert d.forms["am"].fused
+    cert = certify(d, trials=12)
+    assert cert.holds and cert.per_reduction["am"] == 0.0 and cert.per_reduction["ax"] == 0.0, cert
+    every_strategy_passes(spec, {"m": 3, "n": 13})
