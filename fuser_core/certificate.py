@@ -372,10 +372,8 @@ class _AxisLoop:
             vals, idx = parts[0]
             scale = self.evaluate(form.deferred[0], known)
             return (scale * vals + self.evaluate(form.offset, known), idx)
-        total = self.evaluate(form.offset, known)
-        for deferred, t in zip(form.deferred, parts):
-            total = total + self.evaluate(deferred, known) * t
-        return total
+        syms = [sp.Symbol(f"acc[{j}]") for j in range(len(parts))]
+        return self.evaluate(form.final_value(syms), known | dict(zip(syms, parts)))
 
     def dep_values(self, form: ReductionForm, st: dict[str, Any]) -> dict[sp.Symbol, Any]:
         return {self.sym.symbols[n]: st["run"][n] for n in form.deps}

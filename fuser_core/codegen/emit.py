@@ -713,14 +713,9 @@ class KernelWriter:
         if form.effective_op in ORDER_SELECTIONS:
             return  # order results are never dependencies (derive refuses them)
         self.need(list(form.deferred) + [form.offset])
-        total = sp.Integer(0)
-        names = {}
-        for j, acc in enumerate(accs):
-            sym = sp.Symbol(f"__acc{j}")
-            names[sym.name] = acc
-            total += form.deferred[j] * sym
-        total += form.offset
-        self.values.update(names)
+        syms = [sp.Symbol(f"__acc{j}") for j in range(len(accs))]
+        total = form.final_value(syms)
+        self.values.update({sym.name: acc for sym, acc in zip(syms, accs)})
         self.emit(f"{var} = {self.tex(total)}")
         self.values[step.name] = var
 
