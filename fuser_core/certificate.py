@@ -190,10 +190,11 @@ class _Compiled:
             hit = self.cache.get(e)
             if hit is None:
                 syms = sorted(e.free_symbols, key=str)
-                hit = (sp.lambdify(syms, _float_literals(e), modules=self.modules), syms)
+                literal, big = _float_literals(e)
+                hit = (sp.lambdify(syms + list(big), literal, modules=self.modules), syms, list(big.values()))
                 self.cache[e] = hit
-            fn, syms = hit
-            return np.asarray(fn(*[values[s] for s in syms]), dtype=np.float64)
+            fn, syms, big_values = hit
+            return np.asarray(fn(*[values[s] for s in syms], *big_values), dtype=np.float64)
         except RecursionError:  # lambdify rebuilds a where() whose Piecewise.eval recurses without end
             raise DerivationLimitError(
                 "the certificate cannot evaluate this derivation: sympy recursed without end rebuilding a where()"
@@ -207,12 +208,16 @@ class _Compiled:
 EXACT_INTEGER_LIMIT = 2**53  # float64 holds every integer up to here; beyond, an integer literal is a float
 
 
-def _float_literals(e: sp.Expr) -> sp.Expr:
-    """``e`` with integers beyond float64's exact range as floats: a spec's ``-1e30`` is an exact
-    sympy Integer, which lambdify prints as a Python int that NumPy stores as an object array
-    (where() then cannot select it into float64). The reference computes with the float."""
-    big = {i: sp.Float(float(i)) for i in e.atoms(sp.Integer) if abs(int(i)) > EXACT_INTEGER_LIMIT}
-    return e.xreplace(big) if big else e
+def _float_literals(e: sp.Expr) -> tuple[sp.Expr, dict[sp.Dummy, np.float64]]:
+    """``e`` with integers beyond float64's exact range as arguments holding their float64 value:
+    a spec's ``-1e30`` is an exact sympy Integer, which lambdify prints as a Python int that
+    NumPy stores as an object array (where() then cannot select it into float64). They become
+    symbols, not sympy Floats, which sympy would fold (``exp(-1e30)`` to a 434-million-digit
+    exponent). The reference computes with the float."""
+    big = {i: sp.Dummy(f"big{k}") for k, i in enumerate(e.atoms(sp.Integer)) if abs(int(i)) > EXACT_INTEGER_LIMIT}
+    if not big:
+        return e, {}
+    return e.xreplace(big), {d: np.float64(float(i)) for i, d in big.items()}
 
 
 _COMPILED: dict[tuple[int, bool], _Compiled] = {}
