@@ -190,10 +190,11 @@ class _Compiled:
             hit = self.cache.get(e)
             if hit is None:
                 syms = sorted(e.free_symbols, key=str)
-                hit = (sp.lambdify(syms, e, modules=self.modules), syms)
+                literal, big = _float_literals(e)
+                hit = (sp.lambdify(syms + list(big), literal, modules=self.modules), syms, list(big.values()))
                 self.cache[e] = hit
-            fn, syms = hit
-            return np.asarray(fn(*[values[s] for s in syms]), dtype=np.float64)
+            fn, syms, big_values = hit
+            return np.asarray(fn(*[values[s] for s in syms], *big_values), dtype=np.float64)
         except RecursionError:  # lambdify rebuilds a where() whose Piecewise.eval recurses without end
             raise DerivationLimitError(
                 "the certificate cannot evaluate this derivation: sympy recursed without end rebuilding a where()"
@@ -202,6 +203,21 @@ class _Compiled:
             raise DerivationLimitError(
                 f"the certificate cannot evaluate {sp.sstr(e)[:80]}: {type(err).__name__}: {str(err)[:120]}"
             ) from None
+
+
+EXACT_INTEGER_LIMIT = 2**53  # float64 holds every integer up to here; beyond, an integer literal is a float
+
+
+def _float_literals(e: sp.Expr) -> tuple[sp.Expr, dict[sp.Dummy, np.float64]]:
+    """``e`` with integers beyond float64's exact range as arguments holding their float64 value:
+    a spec's ``-1e30`` is an exact sympy Integer, which lambdify prints as a Python int that
+    NumPy stores as an object array (where() then cannot select it into float64). They become
+    symbols, not sympy Floats, which sympy would fold (``exp(-1e30)`` to a 434-million-digit
+    exponent). The reference computes with the float."""
+    big = {i: sp.Dummy(f"big{k}") for k, i in enumerate(e.atoms(sp.Integer)) if abs(int(i)) > EXACT_INTEGER_LIMIT}
+    if not big:
+        return e, {}
+    return e.xreplace(big), {d: np.float64(float(i)) for i, d in big.items()}
 
 
 _COMPILED: dict[tuple[int, bool], _Compiled] = {}
@@ -314,9 +330,12 @@ class _AxisLoop:
         return self.select(op, values, idx, form.step.k or 1)
 
     def select(self, op: str, values: np.ndarray, idx: np.ndarray, k: int):
-        """Top (or bottom) k candidates along the axis, ties to the lower index."""
+        """Top (or bottom) k candidates along the axis, ties to the lower index. NaN follows the
+        reference (NumPy): argmax/argmin take the first NaN as the extreme, topk sorts NaN last."""
         descending = op in ("topk", "argmax")
-        keys = (idx, -values if descending else values)
+        keys: tuple[np.ndarray, ...] = (idx, -values if descending else values)
+        if op in ("argmax", "argmin"):
+            keys += (~np.isnan(values),)  # the last key sorts first: False (NaN) before any number
         order = np.lexsort(keys, axis=self.pos)[(slice(None),) * self.pos + (slice(0, k),)]
         return (np.take_along_axis(values, order, self.pos), np.take_along_axis(idx, order, self.pos))
 
@@ -358,10 +377,8 @@ class _AxisLoop:
             vals, idx = parts[0]
             scale = self.evaluate(form.deferred[0], known)
             return (scale * vals + self.evaluate(form.offset, known), idx)
-        total = self.evaluate(form.offset, known)
-        for deferred, t in zip(form.deferred, parts):
-            total = total + self.evaluate(deferred, known) * t
-        return total
+        syms = [sp.Symbol(f"acc[{j}]") for j in range(len(parts))]
+        return self.evaluate(form.final_value(syms), known | dict(zip(syms, parts)))
 
     def dep_values(self, form: ReductionForm, st: dict[str, Any]) -> dict[sp.Symbol, Any]:
         return {self.sym.symbols[n]: st["run"][n] for n in form.deps}

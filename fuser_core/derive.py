@@ -112,6 +112,10 @@ class ReductionForm:
     corrections: tuple[sp.Expr, ...] = ()  # A_j(D_new) / A_j(D_old)
     offset: sp.Expr = sp.Integer(0)  # b(D) for order reductions (value = deferred * T + offset)
     effective_op: str = ""  # the op actually run on T (max and min swap when a(D) < 0)
+    # per accumulator: its deferred factor may be infinite where the reference has 0 -- it reads a
+    # max/min (-inf while every element is masked out) or divides by a result that may be 0 (a
+    # masked sum); an accumulator still 0 then adds 0, not 0 * inf (see final_value)
+    empty_adds_zero: tuple[bool, ...] = ()
     # shifted
     delta: sp.Expr | None = None  # added to the accumulator when the anchors move
     # taylor: accumulator k after the anchors move, in terms of acc[j] (all j) and dep[old]/dep[new]
@@ -138,6 +142,17 @@ class ReductionForm:
     @property
     def fused(self) -> bool:
         return self.kind != "not_fused"
+
+    def final_value(self, accs: list[sp.Expr]) -> sp.Expr:
+        """The reduction's value from its accumulators ``accs`` (scaled and taylor forms):
+        ``sum_j deferred_j * acc_j + offset``, where a guarded empty accumulator adds 0."""
+        total = self.offset
+        for j, (factor, acc) in enumerate(zip(self.deferred, accs)):
+            term = factor * acc
+            if j < len(self.empty_adds_zero) and self.empty_adds_zero[j]:
+                term = sp.Piecewise((sp.Integer(0), sp.Eq(acc, 0)), (term, True))
+            total += term
+        return total
 
 
 @dataclass
@@ -373,9 +388,15 @@ class _Deriver:
         for part in parts:
             self.check("separating terms")
             g, h = sp.Integer(1), sp.Integer(1)
-            for factor in sp.Mul.make_args(part):
+            factors = sp.Mul.make_args(part)
+            for i, factor in enumerate(factors):
                 free = factor.free_symbols
                 if free & xs and free & ds:
+                    if self.is_mask(factor):
+                        rest = sp.Mul(*factors[:i], *factors[i + 1 :])  # part / factor leaves Piecewise uncancelled
+                        for t in self.separate_mask(factor, rest):
+                            groups[t.g] = groups.get(t.g, sp.Integer(0)) + t.h
+                        break
                     raise NotSeparable(
                         f"the term {factor} mixes the streamed values ({_names(free & xs)}) with {_names(free & ds)}, "
                         "so it cannot be split into G(x) * H(D)"
@@ -384,11 +405,37 @@ class _Deriver:
                     g *= factor
                 else:
                     h *= factor
-            groups[g] = groups.get(g, sp.Integer(0)) + h
+            else:
+                groups[g] = groups.get(g, sp.Integer(0)) + h
         terms = [Term(g, sp.factor_terms(h)) for g, h in groups.items() if h != 0]
         if len(terms) > MAX_TERMS:
             raise NotSeparable(f"has {len(terms)} separable terms; the limit is {MAX_TERMS}")
         return terms
+
+    def is_mask(self, factor: sp.Expr) -> bool:
+        """A where() whose conditions read no dependency (``index(n) < len``): it selects per
+        element, whatever the running values are, so it belongs to G whole."""
+        return isinstance(factor, sp.Piecewise) and not any(
+            cond.free_symbols & self.dep_syms for _, cond in factor.args
+        )
+
+    def live_branch(self, F: sp.Expr) -> sp.Expr | None:
+        """For ``F = where(c, V, +-inf)`` (conditions free of D, every other branch infinite): V."""
+        if not self.is_mask(F):
+            return None
+        live = [v for v, _ in F.args if v not in (sp.oo, -sp.oo)]
+        return live[0] if len(live) == 1 else None
+
+    def separate_mask(self, mask: sp.Piecewise, rest: sp.Expr) -> list[Term]:
+        """``rest * where(c, v_1, ..., v_k)`` is ``sum_i where(c, 0, .., G, .., 0) * H`` over the terms
+        G * H of each branch's ``rest * v_i``: masking G (not multiplying by a 0/1 indicator)
+        keeps the user's guard, so a masked lane never evaluates 0 * inf."""
+        out: list[Term] = []
+        for i, (value, _) in enumerate(mask.args):
+            for t in self.separate(rest * value):
+                branches = [(t.g if j == i else sp.Integer(0), cond) for j, (_, cond) in enumerate(mask.args)]
+                out.append(Term(sp.Piecewise(*branches), t.h))
+        return out
 
     # -- realisations
     def max_type(self) -> set[sp.Symbol]:
@@ -417,6 +464,14 @@ class _Deriver:
         to_old = {s: old(s) for s in self.dep_syms}
         return sp.powsimp(a.xreplace(to_new) / a.xreplace(to_old), combine="exp")
 
+    def may_be_infinite(self, factor: sp.Expr) -> bool:
+        """Can a deferred factor be infinite: does it read a running max/min, or divide by a
+        dependency not provably nonzero?"""
+        if factor.free_symbols & self.max_type():
+            return True
+        _, den = sp.fraction(sp.together(factor))
+        return any(f.free_symbols & self.dep_syms and f.is_zero is not False for f in sp.Mul.make_args(den))
+
     def guards_for(self, corrections: list[sp.Expr]) -> tuple[str, ...]:
         out = []
         anchors = self.max_type()
@@ -442,7 +497,7 @@ class _Deriver:
             contribution = None
             if len(terms) == 1:
                 # Keep the user's own form (casts included) when it divides out cleanly.
-                candidate = sp.powsimp((self.F - offset) / rest, combine="exp")
+                candidate = _combined((self.F - offset) / rest)
                 if not (candidate.free_symbols & (self.dep_syms - anchors)):
                     contribution = candidate
                 elif has_cast(self.F):
@@ -451,7 +506,7 @@ class _Deriver:
                         "a sum result with no running anchor"
                     )
             if contribution is None:
-                contribution = sp.powsimp(t.g * a, combine="exp")
+                contribution = _combined(t.g * a)
             self.check_range(contribution)
             contributions.append(contribution)
             scales.append(a)
@@ -461,7 +516,7 @@ class _Deriver:
             self.step, self.F, dep_names, "scaled", terms=tuple(terms), contributions=tuple(contributions),
             scales=tuple(scales), deferred=tuple(deferred), corrections=tuple(corrections), offset=offset,
             effective_op=op, anchors={n: "running" for n, s in self.deps.items() if s in anchors},
-            guards=self.guards_for(corrections),
+            guards=self.guards_for(corrections), empty_adds_zero=tuple(self.may_be_infinite(d) for d in deferred),
         )
 
     def realise_sum(self, terms: list[Term], dep_names: tuple[str, ...]) -> ReductionForm:
@@ -485,7 +540,9 @@ class _Deriver:
         (partial * size / count) is then a running average, within the range of the values averaged."""
         form = self.forms[self.conv.leaf_step[sym].name]
         n = sp.Symbol(f"size({self.axis})", integer=True, positive=True)
-        return form.op == "sum" and n not in sp.cancel(strip_casts(form.integrand) * n).free_symbols
+        scaled_up = _combined(strip_casts(form.integrand) * n)
+        branches = [v for v, _ in scaled_up.args] if isinstance(scaled_up, sp.Piecewise) else [scaled_up]
+        return form.op == "sum" and not any(n in sp.cancel(b).free_symbols for b in branches)
 
     def check_range(self, contribution: sp.Expr) -> None:
         """Refuse an anchored contribution whose running state can overflow where the final value cannot.
@@ -501,7 +558,7 @@ class _Deriver:
         anchors = {sym: self.forms[name] for name, sym in self.deps.items() if sym in self.max_type()}
         if not anchors:
             return
-        for power in sp.powsimp(contribution, combine="exp").atoms(sp.exp, sp.Pow):
+        for power, known in _powers_under_conditions(sp.powsimp(contribution, combine="exp")):
             self.check("range of the anchored state")
             if isinstance(power, sp.exp):
                 exponent = power.args[0]
@@ -521,7 +578,9 @@ class _Deriver:
                     raise NotSeparable(f"the exponent {exponent} is not linear in {sym} with a known sign")
                 rising = form.op == "max"  # a running max only rises, a running min only falls
                 if bool(s.is_negative) == rising:
-                    bound = bound.xreplace({sym: strip_casts(form.integrand)})
+                    # under the where() branch that evaluates this power, the dependency's own mask
+                    # (the same condition on the same element) has taken its branch too
+                    bound = bound.xreplace({sym: _given(strip_casts(form.integrand), known)})
                 else:
                     below_final.add(sym)  # the running value keeps the term below its final size
             if not _bounded(sp.expand(bound), upper=True, varies=lambda v: self.along_axis(v) and v not in below_final):
@@ -546,19 +605,26 @@ class _Deriver:
             elif free and not free <= set(anchorable):
                 b *= factor
         # differentiate the unexpanded form, so that coefficients stay centred: -2 (x - mx), not 2 mx - 2 x
-        centred = sp.powsimp(strip_casts(self.F) / (a * b), combine="exp")
+        centred = _combined(strip_casts(self.F) / (a * b))
         poly = sp.expand(centred, power_exp=True)
+        if isinstance(poly, sp.Piecewise):  # a mask: each branch a polynomial, the conditions free of D
+            if any(c.free_symbols & self.dep_syms for _, c in poly.args):
+                return None
+            branches = [v for v, _ in poly.args]
+        else:
+            branches = [poly]
         syms = sorted((poly.free_symbols & self.dep_syms), key=str)
         if not syms or not set(syms) <= set(anchorable):
             return None
         try:
-            p = sp.Poly(poly, *syms)
+            polys = [sp.Poly(b, *syms) for b in branches]
         except sp.PolynomialError:
             return None
-        if p.total_degree() > MAX_TAYLOR_DEGREE:
+        total_degree = max(p.total_degree() for p in polys)
+        if total_degree > MAX_TAYLOR_DEGREE:
             return None
         raw = [s for s in syms if s not in self.max_type() and not self.mean_like(s)]
-        if raw and sp.Poly(poly, *raw).total_degree() >= 3:
+        if raw and max(sp.Poly(b, *raw).total_degree() for b in branches) >= 3:
             # The estimate partial * N / count of a raw sum strays from its final value by about
             # N / sqrt(count) rows' worth early on, and a cubic around it cancels that away in float32
             # (errors of 1e-4 to 5e-3 measured with fuzz_long.py --wild); a mean's estimate stays
@@ -567,7 +633,8 @@ class _Deriver:
                 f"a polynomial of degree >= 3 in {_names(set(raw))} would be centred on the running estimate "
                 "of a raw sum, which loses float32 accuracy; written as a mean (sum(x / size(axis))) it fuses"
             )
-        orders = [o for o in _multi_indices([p.degree(s) for s in syms]) if sum(o) <= p.total_degree()]
+        degrees = [max(p.degree(s) for p in polys) for s in syms]
+        orders = [o for o in _multi_indices(degrees) if sum(o) <= total_degree]
         if len(orders) > MAX_TERMS:
             return None
         contributions = []
@@ -576,7 +643,7 @@ class _Deriver:
             d = centred
             for s, k in zip(syms, order):
                 d = sp.diff(d, s, k) / math.factorial(k)
-            contributions.append(sp.powsimp(a * d, combine="exp"))
+            contributions.append(_combined(a * d))
             self.check_range(contributions[-1])
         correction = self.correction(a)
         acc = [sp.Symbol(f"acc[{k}]") for k in range(len(orders))]
@@ -603,6 +670,12 @@ class _Deriver:
     def realise_order(self, terms: list[Term], dep_names: tuple[str, ...]) -> ReductionForm:
         op = self.step.reduce
         assert op is not None
+        live = self.live_branch(strip_casts(self.F))
+        if live is not None:
+            # where(c, a(D) G(x) + b(D), -inf): a masked-out element stays -inf (or +inf) under any
+            # a(D) > 0 and finite b(D), so the order form is that of the live branch; the
+            # contribution keeps the user's where()
+            terms = self.separate(live)
         offset = sum((t.h for t in terms if t.g == 1), sp.Integer(0))
         varying = [t for t in terms if t.g != 1]
         if len(varying) != 1:
@@ -643,7 +716,9 @@ class _Deriver:
                 for name, sym in sum_deps.items():
                     if has_cast(self.forms[name].integrand):
                         continue  # its partial sums the cast values, not G: sum(cast(a)) is not sum(a)
-                    ratio = sp.cancel(t.g / strip_casts(self.forms[name].integrand))
+                    ratio = _masked_ratio(t.g, strip_casts(self.forms[name].integrand))
+                    if ratio is None:
+                        continue
                     if not any(self.along_axis(s) for s in ratio.free_symbols):
                         # sum of G over what was seen = ratio * partial(dep); partial = anchor * count / N
                         seen_sum = ratio * old(sym) * COUNT_OLD / n
@@ -699,6 +774,62 @@ def _bounded(e: sp.Expr, *, upper: bool, varies) -> bool:
     if isinstance(e, sp.exp):
         return not upper or _bounded(e.args[0], upper=True, varies=varies)
     return False
+
+
+def _combined(e: sp.Expr) -> sp.Expr:
+    """``e`` with factors moved into a where() (a mask) and exponentials combined in each branch:
+    ``exp(-mx) * where(c, exp(x), 0)`` is ``where(c, exp(x - mx), 0)``, so that the anchor stays
+    inside the exponent the range check and the kernel see."""
+    e = sp.piecewise_fold(e)
+    if isinstance(e, sp.Piecewise):
+        return sp.Piecewise(*((sp.powsimp(v, combine="exp"), c) for v, c in e.args))
+    return sp.powsimp(e, combine="exp")
+
+
+def _masked_ratio(g: sp.Expr, integrand: sp.Expr) -> sp.Expr | None:
+    """``g / integrand`` when it is one value wherever either is nonzero: the plain ratio, or
+    for two where()s with the same conditions, zero in the same branches, the ratio of their
+    other branches when it is the same in all of them. None otherwise."""
+    if not isinstance(g, sp.Piecewise) and not isinstance(integrand, sp.Piecewise):
+        return sp.cancel(g / integrand)
+    if not (isinstance(g, sp.Piecewise) and isinstance(integrand, sp.Piecewise)) or len(g.args) != len(integrand.args):
+        return None
+    ratios = set()
+    for (v, c), (w, d) in zip(g.args, integrand.args):
+        if c != d or (v == 0) != (w == 0):
+            return None
+        if v != 0:
+            ratios.add(sp.cancel(v / w))
+    return ratios.pop() if len(ratios) == 1 else None
+
+
+def _powers_under_conditions(e: sp.Expr, known: tuple[tuple[sp.Basic, bool], ...] = ()):
+    """Every exp/power in ``e`` with the where() conditions known to hold (True) or fail (False)
+    where it is evaluated: branch i of a Piecewise runs when its condition holds and every
+    earlier one failed."""
+    if isinstance(e, sp.Piecewise):
+        before: tuple[tuple[sp.Basic, bool], ...] = ()
+        for value, cond in e.args:
+            yield from _powers_under_conditions(value, known + before + ((cond, True),))
+            before += ((cond, False),)
+        return
+    if isinstance(e, (sp.exp, sp.Pow)):
+        yield e, known
+    for arg in e.args:
+        yield from _powers_under_conditions(arg, known)
+
+
+def _given(e: sp.Expr, known: tuple[tuple[sp.Basic, bool], ...]) -> sp.Expr:
+    """``e`` with a top-level where() resolved by the ``known`` conditions, where they decide it."""
+    if not isinstance(e, sp.Piecewise):
+        return e
+    decided = dict(known)
+    for value, cond in e.args:
+        if cond is sp.true or decided.get(cond) is True:
+            return _given(value, known)
+        if decided.get(cond) is not False:
+            return e  # undecided here: the whole where()
+    return e
 
 
 def _names(syms: set[sp.Symbol]) -> str:

@@ -8,7 +8,9 @@ from templates of the cascaded-reduction shape -- a first reduction ``max``/``su
 of a streamed expression G(x), then reductions that read it (``sum exp(G - mx)``,
 ``sum (G - mean) ** 2``, ``max G - mean``, ``topk exp(G - mx) / den``, contractions
 ``sum over d of q * k`` ...) -- and from free random expressions over everything defined
-so far, so that a good share of the specs fuse and some do not. Elementwise steps use
+so far, so that a good share of the specs fuse and some do not. Dependent terms are often
+masked, ``where(cond(index, inputs), f(x) * g(D), fill)`` with a condition free of D (a per-row
+length, a causal mask, a test of an input) and a fill of 0, +-inf or a large sentinel (-1e30). Elementwise steps use
 every function of the grammar, params, masks with ``index(dim)`` and casts, and rarely a
 division by an expression that is identically 0 (which derive must refuse with SpecError).
 
@@ -253,6 +255,31 @@ class _Cascade:
             return f"index({a}) {self.pick(['<=', '<', '>='])} index({b})"
         return f"{self.tree(1, pool)} {op} {self.tree(1, pool)}"
 
+    def mask_condition(self) -> str:
+        """A condition free of the cascade's results, as real masks are: a per-row length
+        (``index(axis) < len``), a causal mask, or a test of an input; it masks a dependent term."""
+        lengths = [a for a in self.atoms if a.kind == "index" and a.op is None]
+        others = [d for d in self.dims if d != self.axis]
+        roll = self.roll()
+        if lengths and roll < 0.5:
+            atom = self.pick(lengths)
+            self.note(atom.text)
+            return f"index({self.axis}) {self.pick(['<', '>=', '!='])} {atom.text}"
+        if others and roll < 0.75:
+            return f"index({self.axis}) {self.pick(['<=', '>'])} index({self.pick(others)})"
+        atom = self.pick(self.floats(with_axis=True))
+        atom = atom if atom.op is None else self.pick([a for a in self.floats(with_axis=True) if a.op is None] or [atom])
+        self.note(atom.text)
+        return f"{atom.text} {self.pick(['>', '<'])} {self.pick(['0', '0.5', '-1'])}"
+
+    def masked(self, expr: str, op: str) -> str:
+        """``where(mask, expr, fill)`` with the fill that masks ``op``: 0 for a sum, the infinity
+        that loses for an order reduction, or a large sentinel constant (-1e30, as models write)."""
+        fill = {"sum": "0", "max": "-inf", "topk": "-inf", "argmax": "-inf", "min": "inf", "argmin": "inf"}[op]
+        if op in ("max", "min") and self.chance(0.5):
+            fill = "-1e30" if op == "max" else "1e30"
+        return f"where({self.mask_condition()}, {expr}, {fill})"
+
     def streamed(self, depth: int | None = None) -> str:
         """G(x): an expression that varies along the cascade axis."""
         carriers = self.floats(with_axis=True)
@@ -309,6 +336,8 @@ class _Cascade:
         if op == "topk":
             self.add_step(G, reduce="topk", over=self.axis, k=self.draw(st.integers(1, 4)))
             return
+        if op in ("max", "min") and self.chance(0.2):
+            G = self.masked(G, op)  # exp(G - mx) of a dependent term reads the masked G whole
         self.add_step(G, reduce=op, over=self.axis)
 
     def exp_shift(self, G: str, m: Atom) -> str:
@@ -370,10 +399,14 @@ class _Cascade:
             if m and p:
                 choices += [f"{self.exp_shift(G, m)} / {p}"] * 2
             expr = self.pick(choices)
+        masked = self.chance(0.3)
+        if masked:  # where(cond(index, inputs), f(x) * g(D), fill): the mask separates into G
+            expr = self.masked(expr, op)
         if op == "topk":
             self.add_step(expr, reduce="topk", over=self.axis, k=self.draw(st.integers(1, 4)))
             return
-        self.add_step(expr, reduce=op, over=self.axis, positive=op == "sum" and expr.startswith("exp(") and "*" not in expr)
+        positive = op == "sum" and expr.startswith("exp(") and "*" not in expr and not masked  # masked: may be 0
+        self.add_step(expr, reduce=op, over=self.axis, positive=positive)
 
     def free_reduction(self) -> None:
         """A reduction of a free random expression over everything so far (often not fusible)."""

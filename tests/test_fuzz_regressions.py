@@ -532,3 +532,102 @@ def test_tanh_of_tiny_values_keeps_float32_accuracy():
     ref = evaluate(spec, {"m": 13, "n": 13}, {"x": x.astype(np.float64)})["t"]
     assert 0 < ref.max() < 1e-6
     np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- cascades a new user writes (issue 14)
+
+
+def test_a_large_sentinel_constant_in_a_where():
+    """-1e30 is an exact sympy Integer beyond int64: lambdify printed it as a Python int, NumPy's
+    select made an object array, and the certificate crashed (reported as a derivation limit)."""
+    spec = spec_of(
+        [{"name": "xm", "expr": "where(index(n) < len, x, -1e30)"}, red("mx", "max", "xm"),
+         red("den", "sum", "exp(xm - mx)"), {"name": "y", "expr": "exp(xm - mx) / den"}],
+        ["y"], inputs={"x": {"dims": ["m", "n"]}, "len": {"dims": ["m"], "kind": "index"}},
+    )
+    d = derive_cascade(spec)
+    assert d.fusible
+    cert = certify(d, trials=12)
+    assert cert.holds and cert.max_rel_err < 1e-12, cert
+    every_strategy_passes(spec, {"m": 3, "n": 13})
+
+
+def test_argmax_and_argmin_take_the_first_nan_as_numpy_does():
+    """log(x) is NaN for x < 0. NumPy's argmax/argmin (the reference) return the first NaN; the
+    certificate's tiled run sorted NaN last (algebra error 1.0), and the kernels' tl.max skipped it."""
+    spec = spec_of([red("mx", "max", "x"), red("am", "argmin", "exp(x - mx) * log(x)"), red("ax", "argmax", "log(x)")],
+                   ["am", "ax"])
+    d = derive_cascade(spec)
+    assert d.forms["am"].fused
+    cert = certify(d, trials=12)
+    assert cert.holds and cert.per_reduction["am"] == 0.0 and cert.per_reduction["ax"] == 0.0, cert
+    every_strategy_passes(spec, {"m": 3, "n": 13})
+
+
+LENGTHS = {"x": {"dims": ["m", "n"]}, "len": {"dims": ["m"], "kind": "index"}}  # a per-row length (0 included)
+
+
+def test_masked_softmax_with_a_per_row_length():
+    """where(index(n) < len, exp(x - mx), 0) around the dependent term was 'not fused': the where()
+    mixed x and mx. Its condition reads no dependency, so it masks G: G = where(c, exp(x), 0)."""
+    spec = spec_of(
+        [red("mx", "max", "where(index(n) < len, x, -inf)"), red("den", "sum", "where(index(n) < len, exp(x - mx), 0)"),
+         {"name": "y", "expr": "where(index(n) < len, exp(x - mx) / den, 0)"}],
+        ["y"], inputs=LENGTHS,
+    )
+    d = derive_cascade(spec)
+    assert d.forms["den"].kind == "scaled"
+    assert certify(d, trials=12).holds
+    every_strategy_passes(spec, {"m": 5, "n": 13})
+
+
+def test_masked_attention_keeps_the_anchor_inside_the_mask():
+    """o = sum where(c, exp(s - mx) * v / den, 0): the anchor exp(-mx) is moved into the where()
+    (exp(s - mx), bounded), and 1/den of a fully masked row (den = 0) times an empty accumulator
+    is 0, as the reference's where() gives, not 0 * inf."""
+    spec = spec_of(
+        [red("mx", "max", "where(index(n) < len, s, -inf)"), red("den", "sum", "where(index(n) < len, exp(s - mx), 0)"),
+         red("o", "sum", "where(index(n) < len, exp(s - mx) * v / den, 0)"),
+         red("ent", "sum", "where(index(n) < len, exp(s - mx) * (s - mx), 0.5)")],
+        ["o", "ent"], inputs={"s": {"dims": ["m", "n"]}, "v": {"dims": ["n", "e"]}, "len": {"dims": ["m"], "kind": "index"}},
+    )
+    d = derive_cascade(spec)
+    assert d.fusible and d.forms["o"].empty_adds_zero == (True,)
+    assert certify(d, trials=12).holds
+    every_strategy_passes(spec, {"m": 4, "n": 13, "e": 3})
+
+
+def test_masked_variance_stays_centred():
+    """A masked variance around a masked mean separates into masked power sums; the Taylor form
+    (per branch of the mask) keeps the accumulators centred instead of raw power sums."""
+    spec = spec_of(
+        [red("mean", "sum", "where(index(n) < len, x, 0) / size(n)"),
+         red("var", "sum", "where(index(n) < len, (x - mean) ** 2, 0) / size(n)")],
+        ["var"], inputs=LENGTHS,
+    )
+    d = derive_cascade(spec)
+    assert d.forms["var"].kind == "taylor"
+    assert certify(d, trials=12).holds
+    every_strategy_passes(spec, {"m": 3, "n": 13})
+
+
+def test_masked_order_reductions_with_infinite_sentinels():
+    """where(c, a(D) G(x) + b(D), -inf) is -inf on masked elements under any a(D) > 0: the order
+    form is the live branch's. argmin with +inf, and a negative factor (max and min swap)."""
+    spec = spec_of(
+        [red("mx", "max", "x"), red("den", "sum", "exp(x - mx)"),
+         red("g", "topk", "where(index(n) < len, exp(x - mx) / den, -inf)", k=3, **{"as": "j"}),
+         red("am", "argmin", "where(index(n) < len, x - mx, inf)"),
+         red("an", "argmax", "where(index(n) >= len, -exp(x - mx), inf)")],
+        ["g", "am", "an"], inputs=LENGTHS,
+    )
+    d = derive_cascade(spec)
+    assert d.fusible, {f.name: f.reason for f in d.forms.values()}
+    assert certify(d, trials=12).holds
+    every_strategy_passes(spec, {"m": 3, "n": 13, "j": 3})
+
+
+def test_a_where_whose_condition_reads_a_dependency_still_does_not_fuse():
+    """Only a condition free of D is a mask: where(x > mx / 2, ...) decides with the running value."""
+    spec = spec_of([red("mx", "max", "x"), red("den", "sum", "where(x > mx / 2, exp(x - mx), 0)")], ["den"])
+    assert not derive_cascade(spec).forms["den"].fused

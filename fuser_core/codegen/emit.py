@@ -44,10 +44,16 @@ def rescale(acc, c):
 
 @triton.jit
 def argmax_merge(best, best_idx, tile, tile_idx, AXIS: tl.constexpr):
-    """Running (max value, first index) along AXIS; the earlier index wins ties."""
-    m = tl.max(tile, axis=AXIS, keep_dims=True)
+    """Running (max value, first index) along AXIS; the earlier index wins ties. NaN is the
+    extreme, as NumPy's argmax/argmin (the reference) have it: the first NaN wins (tl.max
+    alone would skip NaN on the GPU)."""
+    nan_t = tile != tile
+    has_nan = tl.max(nan_t.to(tl.int32), axis=AXIS, keep_dims=True) > 0
+    m = tl.max(tl.where(nan_t, float("-inf"), tile), axis=AXIS, keep_dims=True)
     i = tl.min(tl.where(tile == m, tile_idx, 2147483647), axis=AXIS, keep_dims=True)
-    take = m > best
+    m = tl.where(has_nan, float("nan"), m)
+    i = tl.where(has_nan, tl.min(tl.where(nan_t, tile_idx, 2147483647), axis=AXIS, keep_dims=True), i)
+    take = (best == best) & (has_nan | (m > best))
     return tl.where(take, m, best), tl.where(take, i, best_idx)
 
 
@@ -716,14 +722,9 @@ class KernelWriter:
         if form.effective_op in ORDER_SELECTIONS:
             return  # order results are never dependencies (derive refuses them)
         self.need(list(form.deferred) + [form.offset])
-        total = sp.Integer(0)
-        names = {}
-        for j, acc in enumerate(accs):
-            sym = sp.Symbol(f"__acc{j}")
-            names[sym.name] = acc
-            total += form.deferred[j] * sym
-        total += form.offset
-        self.values.update(names)
+        syms = [sp.Symbol(f"__acc{j}") for j in range(len(accs))]
+        total = form.final_value(syms)
+        self.values.update({sym.name: acc for sym, acc in zip(syms, accs)})
         self.emit(f"{var} = {self.tex(total)}")
         self.values[step.name] = var
 
