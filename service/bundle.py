@@ -387,6 +387,65 @@ def bundle_v1(bundle: dict) -> dict:
     return out
 
 
+def device_arch(capability: tuple[int, int]) -> str:
+    """The arch name a device of this compute capability runs binaries of, as Triton 3.9
+    names its targets: ``sm_90a`` for 9.0 (the arch-specific variant), ``sm_80`` for 8.0."""
+    major, minor = capability
+    return f"sm_{major}{minor}{'a' if major * 10 + minor >= 90 else ''}"
+
+
+def compile_env(variant: Mapping[str, Any]) -> dict[str, str]:
+    """The cache-invalidating TRITON_* variables the variant was compiled with (Triton records
+    them in each kernel's metadata; they are part of its cache key)."""
+    return {k: v for kernel in variant["kernels"] for k, v in kernel["metadata"].items()
+            if k.startswith("TRITON_") and k.isupper()}
+
+
+def choose_binary(bundle: Mapping[str, Any], *, capability: tuple[int, int] | None, triton_version: str | None,
+                  interpreted: bool, env_vars: Mapping[str, str] | None = None) -> tuple[dict | None, str]:
+    """(variant to load or None, why): the client's whole decision between the stored cubin and
+    compiling the source. ``capability``: the CUDA device's, None without one."""
+    binaries = bundle.get("binaries") if bundle.get("format") == BUNDLE_FORMAT_2 else None
+    if not binaries:
+        return None, "the bundle carries no compiled binary (format 1, or none stored for it)"
+    if interpreted:
+        return None, "TRITON_INTERPRET=1: Triton's interpreter runs the source"
+    if capability is None:
+        return None, "no CUDA device: the source is loaded (a GPU launch would compile it)"
+    arch = device_arch(capability)
+    variant = binaries.get(arch)
+    if variant is None:
+        return None, f"no binary for this device's {arch}; stored: {', '.join(sorted(binaries))}"
+    if variant["triton_version"] != triton_version:
+        return None, (f"the {arch} binary was built with Triton {variant['triton_version']}, this is "
+                      f"Triton {triton_version}: its launcher and cache key differ")
+    if env_vars is not None and dict(env_vars) != compile_env(variant):
+        return None, (f"Triton's cache-invalidating variables here {dict(env_vars)} are not the ones the "
+                      f"binary was compiled with {compile_env(variant)}: its cache key would differ")
+    return variant, f"stored {arch} cubin (Triton {variant['triton_version']}, {variant['ptxas_version']})"
+
+
+def install_variant(variant: dict) -> list[str]:
+    """Put a variant's kernels into Triton's kernel cache, each under the cache key Triton
+    computed when it compiled it (``triton_hash``): the module's first launch then finds the
+    cubin there (``triton.compile``'s cache hit, a ``CompiledKernel`` loaded from these files)
+    and compiles nothing. Cubins are re-verified first (a bad hash raises, nothing is written).
+    Returns the cache keys."""
+    from triton.runtime.cache import get_cache_manager
+
+    cubins = verify_variant(variant)
+    keys = []
+    for kernel, cubin in zip(variant["kernels"], cubins):
+        name = kernel["name"][:150]  # Triton truncates its file names the same way
+        manager = get_cache_manager(kernel["triton_hash"])
+        group = {f"{name}.cubin": manager.put(cubin, f"{name}.cubin", binary=True),
+                 f"{name}.ptx": manager.put(kernel["ptx"], f"{name}.ptx", binary=False),
+                 f"{name}.json": manager.put(json.dumps(kernel["metadata"]), f"{name}.json", binary=False)}
+        manager.put_group(f"{name}.json", group)
+        keys.append(kernel["triton_hash"])
+    return keys
+
+
 def _verify_v2(bundle: dict) -> None:
     if not isinstance(bundle.get("sha256"), str) or not _HEX64.match(bundle["sha256"]):
         raise BundleError("sha256: not 64 lowercase hex digits")
@@ -469,7 +528,7 @@ def _load_module(source: str, directory: Path | None) -> tuple[ModuleType, bool]
 
 
 def load_bundle(bundle: dict, *, spec: Spec | None = None, exact_shape: bool = False,
-                directory: Path | None = None) -> BundleKernel:
+                directory: Path | None = None, info: dict | None = None) -> BundleKernel:
     """Verify ``bundle`` and load its kernel; a callable over torch tensors.
 
     With ``spec`` (same ``spec_hash``, any naming) the callable speaks that spec's names;
@@ -478,7 +537,7 @@ def load_bundle(bundle: dict, *, spec: Spec | None = None, exact_shape: bool = F
     """
     verify_bundle(bundle)
     module, interpreted = _load_module(bundle["triton_source"], directory)
-    kernel = BundleKernel(bundle, module, interpreted, exact_shape=exact_shape)
+    kernel = BundleKernel(bundle, module, interpreted, exact_shape=exact_shape, info=info)
     return kernel.for_spec(spec) if spec is not None else kernel
 
 
@@ -490,8 +549,10 @@ class BundleKernel:
     """
 
     def __init__(self, bundle: dict, module: ModuleType, interpreted: bool, *, exact_shape: bool = False,
-                 user: Spec | None = None):
+                 user: Spec | None = None, info: dict | None = None):
         self.bundle = bundle
+        # how the kernel was loaded: {"loaded": "cubin"|"source", "reason": ...} (service.client)
+        self.info = dict(info) if info else {"loaded": "source", "reason": "loaded with load_bundle (source)"}
         self._module = module
         self._interpreted = interpreted
         self.exact_shape = exact_shape
@@ -551,7 +612,8 @@ class BundleKernel:
         if spec_hash(spec) != self.spec_hash:
             raise BundleError(f"spec: its spec_hash {spec_hash(spec)[:16]}... is not the bundle's "
                               f"{self.spec_hash[:16]}...")
-        return BundleKernel(self.bundle, self._module, self._interpreted, exact_shape=self.exact_shape, user=spec)
+        return BundleKernel(self.bundle, self._module, self._interpreted, exact_shape=self.exact_shape, user=spec,
+                            info=self.info)
 
     def __repr__(self) -> str:
         return (f"BundleKernel({self._user.name}, {self.strategy}, shape={shape_text(self.shape)}, "

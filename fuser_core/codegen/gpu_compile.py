@@ -315,9 +315,19 @@ def compile_artifacts(request: CompileRequest) -> dict[str, Any]:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_artifacts needs TRITON_INTERPRET=0 (use CompilePool.artifacts)")
     config, launches = request_launches(request)
+    # Triton's cache key hashes the cache-invalidating TRITON_* variables that are *set*; an
+    # inference server sets none, so compile with none set (the workers set the FP-fusion
+    # default to silence a warning; unset, the value is the same), or the key it computes at
+    # its first launch would differ and it would compile instead of loading the stored cubin
+    saved = os.environ.pop("TRITON_DEFAULT_FP_FUSION", None)
+    try:
+        kernels = [launch_artifact(launch, request.capability) for launch in launches]
+    finally:
+        if saved is not None:
+            os.environ["TRITON_DEFAULT_FP_FUSION"] = saved
     return {"arch": cubin_arch(request.capability), "capability": request.capability,
             "triton_version": triton.__version__, "ptxas_version": ptxas_version(request.capability),
-            "config": config, "kernels": [launch_artifact(launch, request.capability) for launch in launches]}
+            "config": config, "kernels": kernels}
 
 
 def compile_launch(launch: KernelLaunch, capability: int) -> KernelBuild:
