@@ -35,6 +35,7 @@ trust, over HTTPS.
 from __future__ import annotations
 
 import ast
+import base64
 import copy
 import datetime as _dt
 import hashlib
@@ -55,6 +56,7 @@ from fuser_core.runner import bind_dtypes
 from fuser_core.spec import Spec, load_spec
 
 BUNDLE_FORMAT = "foldwise-bundle/1"
+BUNDLE_FORMAT_2 = "foldwise-bundle/2"  # /1 plus "binaries": compiled cubins per arch (binaries section below)
 _AST_LOCK = threading.Lock()
 REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "format": str, "spec": dict, "spec_hash": str, "shape": dict, "dtype": (str, dict), "target": str,
@@ -63,6 +65,10 @@ REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
 ALLOWED_IMPORTS = {"os", "torch", "triton", "triton.language"}
 MAX_SOURCE_CHARS = 4 * 1024 * 1024  # generated modules are tens of KiB
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_ARCH = re.compile(r"sm_\d{2,3}a?\Z")
+MAX_CUBIN_BYTES = 8 * 1024 * 1024  # Foldwise's cubins are tens of KiB
+MAX_PTX_CHARS = 8 * 1024 * 1024
+MAX_KERNELS_PER_VARIANT = 16  # a module launches one kernel, two when split, one per chain step
 
 
 class BundleError(ValueError):
@@ -247,8 +253,11 @@ def verify_bundle(bundle: Any) -> None:
     if not isinstance(bundle, dict):
         raise BundleError(f"a bundle is a JSON object, got {type(bundle).__name__}")
     fmt = bundle.get("format")
+    if fmt == BUNDLE_FORMAT_2:
+        _verify_v2(bundle)
+        return
     if fmt != BUNDLE_FORMAT:
-        raise BundleError(f"format: expected {BUNDLE_FORMAT!r}, got {fmt!r:.60}")
+        raise BundleError(f"format: expected {BUNDLE_FORMAT!r} or {BUNDLE_FORMAT_2!r}, got {fmt!r:.60}")
     for name, kind in REQUIRED_FIELDS.items():
         if name not in bundle:
             raise BundleError(f"{name}: missing")
@@ -285,6 +294,173 @@ def verify_bundle(bundle: Any) -> None:
             d in canon.dims and isinstance(n, int) and not isinstance(n, bool) and n >= 1 for d, n in limits.items()):
         raise BundleError("size_limits: missing, or not a map of the spec's dims to positive integers")
     _check_source(bundle["triton_source"])
+
+
+# ----------------------------------------------------------------------------- binaries (format 2)
+#
+# A format-2 bundle is the format-1 bundle (every field but sha256 unchanged) with
+# ``format: "foldwise-bundle/2"`` and ``binaries: {arch: variant}``, hashed as a whole, so the
+# sha256 and the ETag cover every cubin byte. Dropping ``binaries`` gives back the format-1
+# bundle and its sha256 exactly (:func:`bundle_v1`): the kernel view's ``bundle_sha256`` names
+# that one, and a client checks a format-2 bundle against it through this projection. A variant
+# is what the server stores per (bundle, arch): Triton's compile of every kernel of the module,
+#   {"arch": "sm_90a", "capability": 90, "triton_version", "ptxas_version",
+#    "kernels": [{"name", "cubin" (base64), "cubin_sha256", "cubin_size", "ptx", "metadata"
+#                 (Triton's own metadata JSON: shared, num_warps, global_scratch_size, ...),
+#                 "triton_hash" (Triton's cache key), "registers", "spill_bytes", "shared_bytes"}]}
+
+
+def make_variant(artifacts: Mapping[str, Any]) -> dict:
+    """A variant from :func:`fuser_core.codegen.gpu_compile.compile_artifacts`' answer."""
+    kernels = []
+    for k in artifacts["kernels"]:
+        cubin = bytes(k["cubin"])
+        kernels.append({"name": k["name"], "cubin": base64.b64encode(cubin).decode("ascii"),
+                        "cubin_sha256": hashlib.sha256(cubin).hexdigest(), "cubin_size": len(cubin),
+                        "ptx": k["ptx"], "metadata": k["metadata"], "triton_hash": k["triton_hash"],
+                        "registers": k.get("registers"), "spill_bytes": k.get("spill_bytes"),
+                        "shared_bytes": k.get("shared_bytes")})
+    variant = {"arch": artifacts["arch"], "capability": int(artifacts["capability"]),
+               "triton_version": str(artifacts["triton_version"]), "ptxas_version": str(artifacts["ptxas_version"]),
+               "kernels": kernels}
+    verify_variant(variant)
+    return variant
+
+
+def verify_variant(variant: Any, where: str = "variant") -> list[bytes]:
+    """Check a variant's fields and that every cubin decodes to its recorded size and sha256;
+    returns the cubins. A cubin whose hash does not verify raises BundleError naming it."""
+    if not isinstance(variant, dict):
+        raise BundleError(f"{where}: expected an object, got {type(variant).__name__}")
+    for name, kind in (("arch", str), ("capability", int), ("triton_version", str), ("ptxas_version", str),
+                       ("kernels", list)):
+        if not isinstance(variant.get(name), kind) or isinstance(variant.get(name), bool):
+            raise BundleError(f"{where}.{name}: missing or not a {kind.__name__}")
+    if not _ARCH.match(variant["arch"]):
+        raise BundleError(f"{where}.arch: {variant['arch']!r:.40} is not an NVIDIA arch like sm_90a")
+    if not 1 <= len(variant["kernels"]) <= MAX_KERNELS_PER_VARIANT:
+        raise BundleError(f"{where}.kernels: expected 1 to {MAX_KERNELS_PER_VARIANT} kernels")
+    cubins = []
+    for n, k in enumerate(variant["kernels"]):
+        at = f"{where}.kernels[{n}]"
+        if not isinstance(k, dict):
+            raise BundleError(f"{at}: expected an object")
+        for name, kind in (("name", str), ("cubin", str), ("cubin_sha256", str), ("cubin_size", int), ("ptx", str),
+                           ("metadata", dict), ("triton_hash", str)):
+            if not isinstance(k.get(name), kind):
+                raise BundleError(f"{at}.{name}: missing or not a {kind.__name__}")
+        if k["cubin_size"] > MAX_CUBIN_BYTES or len(k["cubin"]) > MAX_CUBIN_BYTES * 4 // 3 + 4:
+            raise BundleError(f"{at}.cubin: larger than {MAX_CUBIN_BYTES} bytes")
+        if len(k["ptx"]) > MAX_PTX_CHARS:
+            raise BundleError(f"{at}.ptx: longer than {MAX_PTX_CHARS} characters")
+        if k["metadata"].get("name") != k["name"]:
+            raise BundleError(f"{at}.metadata: its name is not the kernel's {k['name']!r:.80}")
+        try:
+            cubin = base64.b64decode(k["cubin"], validate=True)
+        except ValueError:
+            raise BundleError(f"{at}.cubin: not base64") from None
+        digest = hashlib.sha256(cubin).hexdigest()
+        if len(cubin) != k["cubin_size"] or digest != k["cubin_sha256"]:
+            raise BundleError(f"{at}.cubin: {len(cubin)} bytes hashing to {digest}, not the recorded "
+                              f"{k['cubin_size']} bytes with cubin_sha256 {k['cubin_sha256']:.64}: the binary "
+                              "was changed; it is never loaded")
+        cubins.append(cubin)
+    return cubins
+
+
+def bundle_v2(bundle: dict, variants: Mapping[str, dict]) -> dict:
+    """The format-2 bundle of a (verified) format-1 ``bundle`` with ``variants`` by arch."""
+    out = {k: v for k, v in bundle.items() if k != "sha256"}
+    out["format"] = BUNDLE_FORMAT_2
+    out["binaries"] = {arch: variants[arch] for arch in sorted(variants)}
+    out["sha256"] = bundle_sha256(out)
+    return out
+
+
+def bundle_v1(bundle: dict) -> dict:
+    """The format-1 bundle inside a format-2 one (itself for a format-1 bundle)."""
+    if bundle.get("format") != BUNDLE_FORMAT_2:
+        return bundle
+    out = {k: v for k, v in bundle.items() if k not in ("sha256", "binaries")}
+    out["format"] = BUNDLE_FORMAT
+    out["sha256"] = bundle_sha256(out)
+    return out
+
+
+def device_arch(capability: tuple[int, int]) -> str:
+    """The arch name a device of this compute capability runs binaries of, as Triton 3.9
+    names its targets: ``sm_90a`` for 9.0 (the arch-specific variant), ``sm_80`` for 8.0."""
+    major, minor = capability
+    return f"sm_{major}{minor}{'a' if major * 10 + minor >= 90 else ''}"
+
+
+def compile_env(variant: Mapping[str, Any]) -> dict[str, str]:
+    """The cache-invalidating TRITON_* variables the variant was compiled with (Triton records
+    them in each kernel's metadata; they are part of its cache key)."""
+    return {k: v for kernel in variant["kernels"] for k, v in kernel["metadata"].items()
+            if k.startswith("TRITON_") and k.isupper()}
+
+
+def choose_binary(bundle: Mapping[str, Any], *, capability: tuple[int, int] | None, triton_version: str | None,
+                  interpreted: bool, env_vars: Mapping[str, str] | None = None) -> tuple[dict | None, str]:
+    """(variant to load or None, why): the client's whole decision between the stored cubin and
+    compiling the source. ``capability``: the CUDA device's, None without one."""
+    binaries = bundle.get("binaries") if bundle.get("format") == BUNDLE_FORMAT_2 else None
+    if not binaries:
+        return None, "the bundle carries no compiled binary (format 1, or none stored for it)"
+    if interpreted:
+        return None, "TRITON_INTERPRET=1: Triton's interpreter runs the source"
+    if capability is None:
+        return None, "no CUDA device: the source is loaded (a GPU launch would compile it)"
+    arch = device_arch(capability)
+    variant = binaries.get(arch)
+    if variant is None:
+        return None, f"no binary for this device's {arch}; stored: {', '.join(sorted(binaries))}"
+    if variant["triton_version"] != triton_version:
+        return None, (f"the {arch} binary was built with Triton {variant['triton_version']}, this is "
+                      f"Triton {triton_version}: its launcher and cache key differ")
+    if env_vars is not None and dict(env_vars) != compile_env(variant):
+        return None, (f"Triton's cache-invalidating variables here {dict(env_vars)} are not the ones the "
+                      f"binary was compiled with {compile_env(variant)}: its cache key would differ")
+    return variant, f"stored {arch} cubin (Triton {variant['triton_version']}, {variant['ptxas_version']})"
+
+
+def install_variant(variant: dict) -> list[str]:
+    """Put a variant's kernels into Triton's kernel cache, each under the cache key Triton
+    computed when it compiled it (``triton_hash``): the module's first launch then finds the
+    cubin there (``triton.compile``'s cache hit, a ``CompiledKernel`` loaded from these files)
+    and compiles nothing. Cubins are re-verified first (a bad hash raises, nothing is written).
+    Returns the cache keys."""
+    from triton.runtime.cache import get_cache_manager
+
+    cubins = verify_variant(variant)
+    keys = []
+    for kernel, cubin in zip(variant["kernels"], cubins):
+        name = kernel["name"][:150]  # Triton truncates its file names the same way
+        manager = get_cache_manager(kernel["triton_hash"])
+        group = {f"{name}.cubin": manager.put(cubin, f"{name}.cubin", binary=True),
+                 f"{name}.ptx": manager.put(kernel["ptx"], f"{name}.ptx", binary=False),
+                 f"{name}.json": manager.put(json.dumps(kernel["metadata"]), f"{name}.json", binary=False)}
+        manager.put_group(f"{name}.json", group)
+        keys.append(kernel["triton_hash"])
+    return keys
+
+
+def _verify_v2(bundle: dict) -> None:
+    if not isinstance(bundle.get("sha256"), str) or not _HEX64.match(bundle["sha256"]):
+        raise BundleError("sha256: not 64 lowercase hex digits")
+    actual = bundle_sha256(bundle)
+    if actual != bundle["sha256"]:
+        raise BundleError(f"sha256: the bundle hashes to {actual}, not its recorded {bundle['sha256']}: "
+                          "it was changed after it was made")
+    binaries = bundle.get("binaries")
+    if not isinstance(binaries, dict):
+        raise BundleError("binaries: missing, or not an object of arch -> variant")
+    for arch, variant in binaries.items():
+        verify_variant(variant, f"binaries.{arch}")
+        if variant["arch"] != arch:
+            raise BundleError(f"binaries.{arch}.arch: {variant['arch']!r:.40} is not its key")
+    verify_bundle(bundle_v1(bundle))
 
 
 def _check_source(source: str) -> None:
@@ -352,7 +528,7 @@ def _load_module(source: str, directory: Path | None) -> tuple[ModuleType, bool]
 
 
 def load_bundle(bundle: dict, *, spec: Spec | None = None, exact_shape: bool = False,
-                directory: Path | None = None) -> BundleKernel:
+                directory: Path | None = None, info: dict | None = None) -> BundleKernel:
     """Verify ``bundle`` and load its kernel; a callable over torch tensors.
 
     With ``spec`` (same ``spec_hash``, any naming) the callable speaks that spec's names;
@@ -361,7 +537,7 @@ def load_bundle(bundle: dict, *, spec: Spec | None = None, exact_shape: bool = F
     """
     verify_bundle(bundle)
     module, interpreted = _load_module(bundle["triton_source"], directory)
-    kernel = BundleKernel(bundle, module, interpreted, exact_shape=exact_shape)
+    kernel = BundleKernel(bundle, module, interpreted, exact_shape=exact_shape, info=info)
     return kernel.for_spec(spec) if spec is not None else kernel
 
 
@@ -373,8 +549,10 @@ class BundleKernel:
     """
 
     def __init__(self, bundle: dict, module: ModuleType, interpreted: bool, *, exact_shape: bool = False,
-                 user: Spec | None = None):
+                 user: Spec | None = None, info: dict | None = None):
         self.bundle = bundle
+        # how the kernel was loaded: {"loaded": "cubin"|"source", "reason": ...} (service.client)
+        self.info = dict(info) if info else {"loaded": "source", "reason": "loaded with load_bundle (source)"}
         self._module = module
         self._interpreted = interpreted
         self.exact_shape = exact_shape
@@ -434,7 +612,8 @@ class BundleKernel:
         if spec_hash(spec) != self.spec_hash:
             raise BundleError(f"spec: its spec_hash {spec_hash(spec)[:16]}... is not the bundle's "
                               f"{self.spec_hash[:16]}...")
-        return BundleKernel(self.bundle, self._module, self._interpreted, exact_shape=self.exact_shape, user=spec)
+        return BundleKernel(self.bundle, self._module, self._interpreted, exact_shape=self.exact_shape, user=spec,
+                            info=self.info)
 
     def __repr__(self) -> str:
         return (f"BundleKernel({self._user.name}, {self.strategy}, shape={shape_text(self.shape)}, "

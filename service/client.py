@@ -34,6 +34,19 @@ shape of the same spec, target and dtype when no exact one exists.
 the stored bundle's hash; a nearest-shape entry is used only with ``allow_nearest=True``. With
 nothing on disk it raises :class:`KernelNotFound` saying the server was unreachable.
 
+**Compiled kernels (format 2).** ``get`` asks for ``foldwise-bundle/2`` (``?format=2``): the
+bundle plus the cubins the server compiled per arch. A format-2 bundle is checked like a
+format-1 one, and more: every cubin must decode to its recorded ``cubin_sha256`` (else
+:class:`KernelIntegrityError`, nothing cached or loaded), its ``sha256`` must be the ETag, and
+its format-1 projection (:func:`service.bundle.bundle_v1`) must hash to the kernel view's
+``bundle_sha256``. On a CUDA device with a stored binary for its arch, built by this Triton
+version with the same cache-invalidating environment, the cubins are installed into Triton's
+kernel cache under the key Triton compiled them with, so the first launch loads the stored
+cubin and compiles nothing; otherwise the source is compiled at the first launch as before.
+Either way ``kernel.info`` says which (``{"loaded": "cubin"|"source", "reason": ...}``) and a
+log line on ``foldwise.client`` says why. The disk cache keeps the format-2 bundle, cubins
+included, so an offline restart needs neither the network nor a compile.
+
 **Trust.** The bundle carries Python source that is executed. Its hash proves it is the bundle
 the server stored and that it arrived intact, not who wrote it: use HTTPS and a server you trust.
 """
@@ -42,6 +55,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 import uuid
@@ -60,14 +74,19 @@ from fuser_core.spec import Spec, load_spec
 from service.bundle import (
     BundleError,
     BundleKernel,
+    bundle_v1,
     canonical_bytes,
+    choose_binary,
     canonical_shape,
     dtype_text,
     load_bundle,
     normalize_dtype,
     shape_text,
+    install_variant,
     verify_bundle,
 )
+
+log = logging.getLogger("foldwise.client")
 
 MAX_BUNDLE_BYTES = 32 * 1024 * 1024  # a bundle is tens of KiB; refuse anything absurd
 
@@ -200,7 +219,8 @@ class KernelCache:
     """
 
     def __init__(self, base_url: str, token: str | None = None, cache_dir: str | os.PathLike | None = None,
-                 timeout: float = 30, transport: Any = None, *, http_client: httpx.Client | None = None):
+                 timeout: float = 30, transport: Any = None, *, http_client: httpx.Client | None = None,
+                 binaries: bool = True):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url: expected an http(s) URL, got {base_url!r:.80}")
         self.base_url = base_url.rstrip("/")
@@ -224,6 +244,7 @@ class KernelCache:
         else:
             self._http = httpx.Client(timeout=timeout, transport=transport)
         self._timeout = timeout
+        self.binaries = binaries  # ask for format 2 (compiled binaries); False: format 1, source only
         self._kernels: dict[str, BundleKernel] = {}
         self._lock = threading.Lock()
 
@@ -329,8 +350,13 @@ class KernelCache:
     def _fetch_bundle(self, view: dict, req: _Request) -> dict:
         want = view.get("bundle_sha256")
         path = f"/v1/kernels/{quote(str(view['id']), safe='')}/bundle"
-        have = want if isinstance(want, str) and self._read_disk(want) is not None else None
-        status, headers, body = self._send(path, headers={"If-None-Match": f'"{have}"'} if have else None)
+        have = None
+        if isinstance(want, str):
+            # the view names the format-1 bundle; the disk copy may be its format-2 bundle
+            have = self._v2_of(want) if self.binaries else None
+            have = have or (want if self._read_disk(want) is not None else None)
+        status, headers, body = self._send(path, params={"format": "2"} if self.binaries else None,
+                                           headers={"If-None-Match": f'"{have}"'} if have else None)
         self._check_status(status, body, path, req)
         etag = _etag_value(headers.get("etag"))
         if status == 304:
@@ -350,9 +376,10 @@ class KernelCache:
             raise KernelIntegrityError(f"GET {path}: the bundle failed verification, not cached: {err}") from None
         if etag is None and not isinstance(want, str):
             raise KernelIntegrityError(f"GET {path}: no ETag and no bundle_sha256 to check the bundle's hash against")
-        for name, expected in (("ETag", etag), ("kernel view's bundle_sha256", want)):
-            if isinstance(expected, str) and expected != bundle["sha256"]:
-                raise KernelIntegrityError(f"GET {path}: the bundle's sha256 {bundle['sha256']} is not the "
+        v1_sha = bundle_v1(bundle)["sha256"]  # the view names the format-1 bundle
+        for name, expected, actual in (("ETag", etag, bundle["sha256"]), ("kernel view's bundle_sha256", want, v1_sha)):
+            if isinstance(expected, str) and expected != actual:
+                raise KernelIntegrityError(f"GET {path}: the bundle's sha256 {actual} is not the "
                                            f"{name} {expected}; not cached")
         return bundle
 
@@ -401,6 +428,15 @@ class KernelCache:
             path.unlink(missing_ok=True)
             return None
 
+    def _v2_of(self, v1_sha: str) -> str | None:
+        """The sha256 of the format-2 bundle stored for a format-1 one, when it is on disk."""
+        try:
+            self._bundle_path(v1_sha)
+            v2 = (self.cache_dir / "v2" / v1_sha).read_text().strip()
+        except (OSError, KernelServiceError):
+            return None
+        return v2 if self._read_disk(v2) is not None else None
+
     def _write_atomic(self, path: Path, data: bytes) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         tmp.write_bytes(data)
@@ -410,6 +446,9 @@ class KernelCache:
         path = self._bundle_path(bundle["sha256"])
         if self._read_disk(bundle["sha256"]) is None:
             self._write_atomic(path, canonical_bytes(bundle))
+        if bundle["format"] != bundle_v1(bundle)["format"]:  # a format-2 bundle: link it from its format-1 hash
+            (self.cache_dir / "v2").mkdir(exist_ok=True)
+            self._write_atomic(self.cache_dir / "v2" / bundle_v1(bundle)["sha256"], bundle["sha256"].encode())
         entry = {**entry, "sha256": bundle["sha256"], "tuned_shape": bundle["shape"]}
         self._write_atomic(self.cache_dir / "index" / f"{key}.json", json.dumps(entry, sort_keys=True).encode())
 
@@ -434,8 +473,44 @@ class KernelCache:
         with self._lock:
             kernel = self._kernels.get(bundle["sha256"])
             if kernel is None:
-                kernel = self._kernels[bundle["sha256"]] = load_bundle(bundle)
+                info = self._prepare_binary(bundle)
+                kernel = self._kernels[bundle["sha256"]] = load_bundle(bundle, info=info)
             return kernel
+
+    @staticmethod
+    def _prepare_binary(bundle: dict) -> dict:
+        """Install the stored cubin for this device into Triton's cache when it can be used
+        (:func:`service.bundle.choose_binary`); the kernel's ``info`` either way."""
+        variant, reason = choose_binary(bundle, **_device_facts())
+        if variant is not None:
+            try:
+                install_variant(variant)
+            except BundleError as err:  # verified on download and from disk; a change since is refused
+                raise KernelIntegrityError(f"bundle {bundle['sha256']}: {err}") from None
+            except OSError as err:
+                variant, reason = None, f"the cubin could not be put in Triton's cache: {err}"
+        info = {"loaded": "cubin" if variant is not None else "source", "reason": reason}
+        log.info("kernel %s loaded from %s: %s", bundle["sha256"][:12], info["loaded"], reason,
+                 extra={"bundle_sha256": bundle["sha256"], **info})
+        return info
+
+
+def _device_facts() -> dict[str, Any]:
+    """What :func:`service.bundle.choose_binary` decides on, from this process: the CUDA
+    device's capability (None without one), Triton's version, the interpreter flag, and
+    Triton's cache-invalidating variables."""
+    import torch
+    import triton
+
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    capability = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    env_vars = None
+    if capability is not None:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+
+        env_vars = get_cache_invalidating_env_vars()
+    return {"capability": capability, "triton_version": triton.__version__, "interpreted": interpreted,
+            "env_vars": env_vars}
 
 
 def _detail(body: bytes) -> str:

@@ -107,6 +107,23 @@ class Bundle(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class KernelBinary(Base):
+    """One compiled variant of a bundle for one GPU arch (issue 15): the canonical JSON of
+    :func:`service.bundle.make_variant` (every kernel's cubin, PTX and Triton metadata) and its
+    sha256. Keyed by the bundle it was compiled from: the binary is a function of that source."""
+
+    __tablename__ = "kernel_binaries"
+
+    bundle_sha256: Mapped[str] = mapped_column(sa.String(64), sa.ForeignKey("bundles.sha256"), primary_key=True)
+    arch: Mapped[str] = mapped_column(sa.String(16), primary_key=True)
+    content: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    sha256: Mapped[str] = mapped_column(sa.String(64))
+    size: Mapped[int] = mapped_column(sa.Integer)
+    triton_version: Mapped[str] = mapped_column(sa.String(64))
+    ptxas_version: Mapped[str] = mapped_column(sa.String(128))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class Kernel(Base):
     """The best kernel found for one cache key (spec, shape, dtype, target, Triton and generator versions)."""
 

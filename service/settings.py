@@ -42,6 +42,8 @@ class Settings(BaseSettings):
     max_work: int = Field(MAX_WORK, ge=1, le=MAX_WORK)  # per step's iteration space
     max_dim: int = Field(2**31 - 1, ge=1)
     derive_timeout_seconds: float = Field(60.0, gt=0)  # POST /v1/derivations answers 503 after this
+    # workers compile each finished job's bundle for its target's arch and store the cubin (issue 15)
+    compile_binaries: bool = True
 
     @field_validator("measurer", mode="before")
     @classmethod

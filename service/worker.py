@@ -332,9 +332,24 @@ class Worker:
             measured["baselines"] = baselines
         bundle = make_bundle(spec, shape=job.shape, dtype=job.dtype_value, target=job.target,
                              strategy=result.strategy, config=result.config, measured=measured)
-        jobs.finish_job(session, job.id, self.worker_id, bundle=bundle,
-                        kernel_fields={"time_ms": result.time_ms, "measurer": job.measurer,
-                                       "predicted": result.predicted, "baselines": baselines or None})
+        kernel = jobs.finish_job(session, job.id, self.worker_id, bundle=bundle,
+                                 kernel_fields={"time_ms": result.time_ms, "measurer": job.measurer,
+                                                "predicted": result.predicted, "baselines": baselines or None})
+        # the kernel keeps an earlier, better bundle when this job's was not better: compile only ours
+        if self.settings.compile_binaries and kernel.bundle_sha256 == bundle["sha256"]:
+            self._store_binary(session, kernel.bundle_sha256, bundle)
+
+    def _store_binary(self, session: Session, bundle_sha256: str, bundle: dict) -> None:
+        """Compile the stored bundle for its target's arch on this host (no GPU needed) and store
+        the cubins; a failure is logged and leaves the kernel served as source only."""
+        from service.binaries import compile_variant, store_variant
+
+        try:
+            store_variant(session, bundle_sha256, compile_variant(bundle))
+            session.commit()
+        except Exception as err:  # noqa: BLE001 - the kernel is stored; its binary is an extra
+            session.rollback()
+            log.warning("kernel binary not stored", extra={"bundle_sha256": bundle_sha256, "error": str(err)})
 
 
 def _baselines(spec: Any, space: Any, result: Any) -> dict[str, Any]:

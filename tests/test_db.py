@@ -18,7 +18,7 @@ from service import db
 from service.models import Base, WorkerRecord
 from service.settings import Settings, get_settings
 
-TABLES = {"specs", "bundles", "kernels", "jobs", "trials", "workers", "api_tokens"}
+TABLES = {"specs", "bundles", "kernels", "jobs", "trials", "workers", "api_tokens", "kernel_binaries"}
 
 
 @pytest.fixture()
@@ -63,11 +63,11 @@ def test_settings_reject_bad_values(overrides, field):
 
 
 def test_migrate_from_empty(service_db_url, engine):
-    with pytest.raises(db.DatabaseBehind, match=r"revision none .*code expects 0002: run `foldwise db upgrade --db "):
+    with pytest.raises(db.DatabaseBehind, match=r"revision none .*code expects 0003: run `foldwise db upgrade --db "):
         db.check_current(engine)
     db.upgrade(service_db_url)
     db.check_current(engine)
-    assert db.current_revision(engine) == db.head_revision() == "0002"
+    assert db.current_revision(engine) == db.head_revision() == "0003"
     assert TABLES <= set(sa.inspect(engine).get_table_names())
     db.upgrade(service_db_url)  # already at head: nothing to do
     db.check_current(engine)
@@ -102,7 +102,7 @@ def test_database_behind_a_newer_migration(service_db_url, engine, tmp_path, mon
     newer = tmp_path / "migrations"
     shutil.copytree(db.MIGRATIONS_DIR, newer, ignore=shutil.ignore_patterns("__pycache__"))
     (newer / "versions" / "0099_extra.py").write_text(
-        'import sqlalchemy as sa\nfrom alembic import op\n\nrevision = "0099"\ndown_revision = "0002"\n'
+        'import sqlalchemy as sa\nfrom alembic import op\n\nrevision = "0099"\ndown_revision = "0003"\n'
         'branch_labels = None\ndepends_on = None\n\n\n'
         'def upgrade():\n    op.create_table("extra", sa.Column("id", sa.Integer, primary_key=True))\n\n\n'
         'def downgrade():\n    op.drop_table("extra")\n')
@@ -111,7 +111,7 @@ def test_database_behind_a_newer_migration(service_db_url, engine, tmp_path, mon
     with pytest.raises(db.DatabaseBehind) as info:
         db.check_current(engine)
     assert not isinstance(info.value, db.DatabaseAhead)
-    assert "database at revision 0002, code expects 0099: run `foldwise db upgrade --db" in str(info.value)
+    assert "database at revision 0003, code expects 0099: run `foldwise db upgrade --db" in str(info.value)
     db.upgrade(service_db_url)
     db.check_current(engine)
     assert "extra" in sa.inspect(engine).get_table_names()
@@ -247,3 +247,17 @@ def test_migrations_found_from_any_directory(tmp_path, monkeypatch):
     engine = db.make_engine(url)
     db.check_current(engine)
     engine.dispose()
+
+
+def test_upgrade_0002_to_0003_keeps_bundles_and_adds_kernel_binaries(service_db_url, engine):
+    """Issue 15's migration is a new table: bundles stored before it are kept byte for byte."""
+    db.upgrade(service_db_url, "0002")
+    now = "2026-11-30 12:00:00"
+    with engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO bundles (sha256, content, size, created_at) VALUES (:s, :c, 3, :t)"),
+                     {"s": "a" * 64, "c": b"abc", "t": now})
+    db.upgrade(service_db_url)
+    assert db.current_revision(engine) == "0003"
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT content FROM bundles")).scalar() == b"abc"
+        assert conn.execute(sa.text("SELECT count(*) FROM kernel_binaries")).scalar() == 0

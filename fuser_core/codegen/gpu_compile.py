@@ -260,6 +260,76 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
     return {key: int(value) for key, value in _RESOURCE.findall(out)}
 
 
+def _triton_files(compiled) -> dict[str, Any]:
+    """The files Triton's cache keeps for a compiled kernel that a launch needs: the cubin,
+    the PTX and Triton's own metadata JSON (name, shared, num_warps, global scratch, target...),
+    read back from the cache group so they are exactly what ``CompiledKernel`` loads."""
+    name = compiled.metadata.name
+    group = compiled.metadata_group
+    meta_path = next(p for c, p in group.items() if c.endswith(".json") and not c.startswith("__grp__"))
+    return {"name": name, "cubin": bytes(compiled.asm["cubin"]), "ptx": str(compiled.asm["ptx"]),
+            "metadata": json.loads(Path(meta_path).read_text()), "triton_hash": compiled.hash}
+
+
+def ptxas_version(capability: int) -> str:
+    """The version line of the ptxas Triton uses for ``sm_<capability>`` (it ships in the wheel)."""
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    text = get_ptxas_version(capability)
+    found = re.findall(r"release [^\n]*", text)
+    return (found[-1] if found else text.strip().splitlines()[-1])[:120]
+
+
+def cubin_arch(capability: int) -> str:
+    """The arch Triton's ptxas really targets for a capability (Triton 3.9: ``sm_90a`` for 90,
+    the arch-specific variant with wgmma/TMA; ``sm_80`` for 80)."""
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
+
+    return sm_arch_from_capability(capability)
+
+
+def launch_artifact(launch: KernelLaunch, capability: int) -> dict[str, Any]:
+    """Compile one launch and return its artifacts (:func:`_triton_files` plus the resource
+    facts of :class:`KernelBuild`); raises RuntimeError with the compiler's message on failure."""
+    import triton
+    from triton.compiler import ASTSource
+
+    target, (options, signature, constexprs, attrs) = _bound(launch, capability)
+    try:
+        compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target,
+                                  options=options.__dict__)
+    except Exception as error:  # noqa: BLE001 - the message names the kernel and module line
+        raise RuntimeError(_error_text(launch.fn, error)) from None
+    used = cubin_resources(compiled.asm["cubin"])
+    return {**_triton_files(compiled), "registers": used.get("REG"),
+            "spill_bytes": used.get("STACK", 0) + used.get("LOCAL", 0),
+            "shared_bytes": int(compiled.metadata.shared) + used.get("SHARED", 0)}
+
+
+def compile_artifacts(request: CompileRequest) -> dict[str, Any]:
+    """Every kernel of one request compiled, with its artifacts: ``{"arch", "capability",
+    "triton_version", "ptxas_version", "config", "kernels": [launch_artifact, ...]}`` in launch
+    order (a split kernel has two). Needs TRITON_INTERPRET=0 (:meth:`CompilePool.artifacts`)."""
+    import triton
+
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("compile_artifacts needs TRITON_INTERPRET=0 (use CompilePool.artifacts)")
+    config, launches = request_launches(request)
+    # Triton's cache key hashes the cache-invalidating TRITON_* variables that are *set*; an
+    # inference server sets none, so compile with none set (the workers set the FP-fusion
+    # default to silence a warning; unset, the value is the same), or the key it computes at
+    # its first launch would differ and it would compile instead of loading the stored cubin
+    saved = os.environ.pop("TRITON_DEFAULT_FP_FUSION", None)
+    try:
+        kernels = [launch_artifact(launch, request.capability) for launch in launches]
+    finally:
+        if saved is not None:
+            os.environ["TRITON_DEFAULT_FP_FUSION"] = saved
+    return {"arch": cubin_arch(request.capability), "capability": request.capability,
+            "triton_version": triton.__version__, "ptxas_version": ptxas_version(request.capability),
+            "config": config, "kernels": kernels}
+
+
 def compile_launch(launch: KernelLaunch, capability: int) -> KernelBuild:
     """Compile one intercepted launch for ``sm_<capability>``; errors become ``ok=False``."""
     import triton
@@ -406,6 +476,10 @@ class CompilePool:
             if progress:
                 progress(k + 1, len(requests))
         return out
+
+    def artifacts(self, requests: Iterable[CompileRequest]) -> list[dict[str, Any]]:
+        """:func:`compile_artifacts` of each request, in order (errors are raised)."""
+        return [f.result() for f in [self._pool.submit(compile_artifacts, r) for r in list(requests)]]
 
     def close(self) -> None:
         self._pool.shutdown(cancel_futures=True)

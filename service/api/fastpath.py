@@ -190,7 +190,7 @@ class BundleFastPath:
             await self.app(scope, receive, send)
             return
         match = BUNDLE_PATH.fullmatch(scope["path"])
-        if match is None:
+        if match is None or scope.get("query_string"):  # ?format=2 / ?arch=: the documented route answers
             await self.app(scope, receive, send)
             return
         scope["route"] = ROUTE

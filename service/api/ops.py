@@ -19,6 +19,7 @@ from service.api.cache import SpecCache
 from service.api.problems import Problem, error_entry, invalid, not_found
 from service.api.schemas import JobRequest, iso, job_view, kernel_view, trial_view, worker_view
 from service.api.validation import check_job_request, parse_dtype_query, parse_shape_query, parse_spec
+from service.bundle import canonical_bytes
 from service.models import Job, Kernel, SpecRecord
 from service.settings import Settings
 
@@ -215,6 +216,18 @@ def bundle_bytes(session: Session, kernel_id: str) -> tuple[str, bytes]:
     """(sha256, bytes) of the kernel's bundle, re-hashed against its sha256 before it is served."""
     kernel = jobs.get_kernel(session, kernel_id)
     return kernel.bundle_sha256, jobs.get_bundle_bytes(session, kernel)
+
+
+def bundle2_bytes(session: Session, kernel_id: str, arch: str | None) -> tuple[str, bytes]:
+    """(sha256, bytes) of the kernel's format-2 bundle: its stored format-1 bundle (re-hashed)
+    with the stored binaries of ``arch`` (None: every arch; none stored: ``binaries`` is {})."""
+    from service.binaries import stored_variants
+    from service.bundle import bundle_v2
+
+    _, content = bundle_bytes(session, kernel_id)
+    bundle = json.loads(content)
+    out = bundle_v2(bundle, stored_variants(session, bundle["sha256"], arch))
+    return out["sha256"], canonical_bytes(out)
 
 
 # ----------------------------------------------------------------------------- specs, workers

@@ -53,11 +53,44 @@ async def get_bundle(
     kernel_id: KernelId, request: Request,
     _auth: Annotated[Db, Depends(database("kernels:read"))],
     if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
+    format: Annotated[int, Query(ge=1, le=2, description="1 (default): source only; 2: with compiled binaries")] = 1,
+    arch: Annotated[str | None, Query(pattern=r"^sm_\d{2,3}a?$", description="one binary variant, e.g. sm_90a; implies format=2")] = None,
 ) -> Response:
     """The kernel's bundle, byte for byte as stored; ``ETag`` is its sha256.
 
     Served by service.api.fastpath.BundleFastPath before this route is reached (same answer);
-    this route documents it and answers when the fast path is off."""
+    this route documents it and answers when the fast path is off.
+
+    ``?format=2`` (or ``?arch=``) serves ``foldwise-bundle/2``: the same bundle with its compiled
+    binaries (service.bundle, "binaries"), ETag the format-2 sha256. Format 1 stays the default
+    so clients written for it are served what they understand."""
+    if format == 2 or arch is not None:
+        return await _bundle2(request, kernel_id, arch, if_none_match)
     status, headers, body = await bundle_answer(context(request), kernel_id, request.headers.get("authorization"),
                                                 if_none_match)
     return Response(body, status_code=status, headers=headers)
+
+
+async def _bundle2(request: Request, kernel_id: str, arch: str | None, if_none_match: str | None) -> Response:
+    from starlette.concurrency import run_in_threadpool
+
+    from service import jobs
+    from service.api.fastpath import etag_matches
+    from service.api.problems import Problem, not_found
+
+    ctx = context(request)
+
+    def build() -> tuple[str, bytes]:
+        with ctx.read_sessions() as session:
+            return ops.bundle2_bytes(session, kernel_id, arch)
+
+    try:
+        sha, body = await run_in_threadpool(build)
+    except jobs.NotFound:
+        raise not_found("kernel", kernel_id) from None
+    except jobs.BundleCorrupted as err:
+        raise Problem(500, "Stored bundle corrupted", str(err), kind="bundle-corrupted") from None
+    headers = {"ETag": f'"{sha}"', "Cache-Control": "no-cache"}
+    if etag_matches(if_none_match, sha):
+        return Response(b"", status_code=304, headers=headers)
+    return Response(body, status_code=200, headers=headers, media_type="application/json")
