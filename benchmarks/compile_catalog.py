@@ -17,28 +17,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]  # this checkout's packages, whatever is installed
-
-
-def small_shape(spec) -> dict[str, int]:
-    """Ragged against every block: loop axis 37 (19 with an inner axis), inner axes 5, lanes 3."""
-    from fuser_core.codegen.plan import loop_axis
-
-    axis, inner = loop_axis(spec)
-    as_dims = {s.as_dim: s.k for s in spec.steps if s.as_dim}
-    shape = {}
-    for d in spec.dims:
-        if d in as_dims:
-            shape[d] = as_dims[d]
-        elif d == axis:
-            shape[d] = 19 if inner else 37
-        else:
-            shape[d] = 5 if d in inner else 3
-    return shape
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's packages, whatever is installed
 
 
 def main(argv: list[str] | None = None) -> int:
     import triton
+    from catalog_shapes import small_shape
 
     from fuser_core.catalog import catalog_names, load_catalog_spec, load_suites
     from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest, capability_of

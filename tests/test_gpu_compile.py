@@ -17,15 +17,15 @@ import random
 import re
 import subprocess
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from catalog_shapes import small_shape
 from conftest import CATALOG_DIR, load_catalog
 
 from fuser_core.codegen.gpu_compile import CompileRequest, capability_of
 from fuser_core.codegen.module import generate
-from fuser_core.codegen.plan import BASELINE, KernelConfig, loop_axis, valid_strategies
+from fuser_core.codegen.plan import BASELINE, KernelConfig, valid_strategies
 from fuser_core.derive import derive_cascade
 from fuser_core.reference import bind_shape
 from fuser_core.runner import bind_dtypes
@@ -39,23 +39,6 @@ FLOATS = ("float16", "bfloat16", "float32")
 SAMPLED_CONFIGS = 2  # per strategy, from the tuner's search space
 SEED = 12
 FP8_INPUTS = {"fp8_quant_gemm": {"w": "float8_e4m3fn", "w_scale": "float32"}}  # as suites.json has it
-
-
-def small_shape(spec) -> dict[str, int]:
-    """Ragged against every block: loop axis 37 (19 for attention-like), inner axes 5, lanes 3."""
-    axis, inner = loop_axis(spec)
-    as_dims = {s.as_dim: s.k for s in spec.steps if s.as_dim}
-    shape = {}
-    for d in spec.dims:
-        if d in as_dims:
-            shape[d] = as_dims[d]
-        elif d == axis:
-            shape[d] = 19 if inner else 37
-        elif d in inner:
-            shape[d] = 5
-        else:
-            shape[d] = 3
-    return bind_shape(spec, shape)
 
 
 def paper_shapes(name: str) -> list[dict[str, int]]:
