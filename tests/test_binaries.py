@@ -10,6 +10,7 @@ import base64
 import copy
 import hashlib
 import json
+import logging
 
 import pytest
 
@@ -167,8 +168,14 @@ def test_client_round_trip_cache_on_disk_and_offline_restart(db_url, sessions, s
     spec = load_spec(spec_source("safe_softmax"))
     with TestClient(create_app(get_settings(db_url=db_url))) as http:
         cache = KernelCache("http://testserver", cache_dir=tmp_path, http_client=http)
-        with caplog.at_level("INFO", logger="foldwise.client"):
-            kernel = cache.get(spec, {"m": 4, "n": 3000}, dtype="float16")
+        # the app's logging set-up stops "foldwise" loggers propagating: listen on the client's own
+        client_log = logging.getLogger("foldwise.client")
+        client_log.addHandler(caplog.handler)
+        try:
+            with caplog.at_level("INFO", logger="foldwise.client"):
+                kernel = cache.get(spec, {"m": 4, "n": 3000}, dtype="float16")
+        finally:
+            client_log.removeHandler(caplog.handler)
     assert kernel.bundle["format"] == BUNDLE_FORMAT_2 and kid
     # no CUDA here (and the interpreter on): the source, and why, in info and in the log
     assert kernel.info["loaded"] == "source" and "TRITON_INTERPRET=1" in kernel.info["reason"]
