@@ -108,6 +108,27 @@ class TrialRecorder:
     errors: list[str] = field(default_factory=list)
 
     def __call__(self, study: Any, trial: Any) -> None:
+        self.record(trial)
+        reason = self.reason()
+        if reason is not None:
+            self.stopped_by = reason
+            study.stop()
+
+    def catch_up(self, trials: Any) -> int:
+        """Record the finished trials the job lacks (not those failed as orphans): a worker killed
+        between Optuna's tell and this callback left a trial that used the budget but was never
+        recorded. Returns how many were recorded."""
+        from tuner.search import trial_result
+
+        with self.sessions() as session:
+            have = {t.number for t in jobs.list_trials(session, self.job_id)}
+        missing = [t for t in trials if t.number not in have and STATES.get(t.state.name)
+                   and trial_result(t).get("outcome") != "orphaned"]
+        for t in missing:
+            self.record(t)
+        return len(missing)
+
+    def record(self, trial: Any) -> None:
         from tuner.search import trial_result
 
         state = STATES.get(trial.state.name)
@@ -131,10 +152,6 @@ class TrialRecorder:
                 self.errors.append(str(err)[:300])
                 log.warning("could not record a trial", extra={"job_id": self.job_id, "trial": trial.number,
                                                                 "error": str(err)[:300]})
-        reason = self.reason()
-        if reason is not None:
-            self.stopped_by = reason
-            study.stop()
 
     def reason(self) -> str | None:
         if self.keeper.lost:
@@ -280,6 +297,13 @@ class Worker:
                 close()
         if recorder.stopped_by in ("lost", "cancel", "shutdown"):
             return recorder.stopped_by, None
+        if job.attempts > 1:
+            import optuna
+
+            study = optuna.load_study(study_name=job.study_name, storage=self.storage)
+            n = recorder.catch_up(study.get_trials(deepcopy=False))
+            if n:
+                log.info("trials of a lost worker recorded", extra={"job_id": job.id, "trials": n})
         return "succeeded", (spec, space, measurer, result)
 
     def _settle(self, job: Job, outcome: str, detail: Any, keeper: LeaseKeeper) -> str:
