@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from fuser_core.catalog import load_catalog_spec, load_suites  # noqa: E402
 from fuser_core.derive import derive_cascade  # noqa: E402
+from fuser_core.problem import make_problem  # noqa: E402
 from tuner.compile_gate import CompileGate  # noqa: E402
 from tuner.cost_model import predict  # noqa: E402
 from tuner.profiles import get_profile  # noqa: E402
@@ -93,11 +94,11 @@ def main() -> None:
         start = time.perf_counter()
         spec = load_catalog_spec(case["spec"])
         derivation = derive_cascade(spec)
-        space = SearchSpace(spec, derivation, case["shape"], case.get("dtype", "float32"), profile)
+        space = SearchSpace(make_problem(spec, case["shape"], case.get("dtype", "float32")), derivation, profile)
         gate = CompileGate.for_space(space)
         ranked = []
         for c in space.enumerate():
-            p = predict(spec, derivation, space.shape, space.dtypes, c, profile)
+            p = predict(space.problem, derivation, c, profile)
             ranked.append((p.time_s, c.key(), c))
         ranked.sort(key=lambda r: (r[0], r[1]))
         head, verdicts, rescored = [], [], []
@@ -108,7 +109,7 @@ def main() -> None:
             verdicts += found
             for c, v in zip(batch, found):
                 if not v.pruned:
-                    p = predict(spec, derivation, space.shape, space.dtypes, c, profile, v)
+                    p = predict(space.problem, derivation, c, profile, v)
                     rescored.append((p.time_s, c.key(), c, v))
             rescored.sort(key=lambda r: (r[0], r[1]))
             # the compile facts only raise a time (spills, lower occupancy) far more often than they

@@ -1,7 +1,7 @@
 """Server time of every dashboard page with 1,000 jobs and 50,000 trials (a benchmark, not a test).
 
 Seeds a fresh database through the service's models (``service.models``; specs through
-``service.jobs.ensure_spec``, so each carries its real derivation report): the catalog's specs,
+``service.spec_store.ensure_spec``, so each carries its real derivation report): the catalog's specs,
 ``--jobs`` jobs over them in every status, ``--trials`` trials (one job holds ``--max-trials``
 of them, the largest job page there can be; the rest are spread over the others), a kernel
 with its bundle for each succeeded job, and a few workers. Then it times, in-process through
@@ -53,7 +53,7 @@ def seed(url: str, *, n_jobs: int, n_trials: int, max_trials: int, seed_value: i
     """Fill a migrated database; returns ids the page timings need."""
     from fuser_core.canonical import canonical_names
     from fuser_core.spec import load_spec
-    from service import jobs
+    from service import spec_store
     from service.db import make_engine, session_factory
     from service.models import Bundle, Job, Kernel, TrialRecord, WorkerRecord
 
@@ -68,7 +68,7 @@ def seed(url: str, *, n_jobs: int, n_trials: int, max_trials: int, seed_value: i
                 continue
             text = path.read_text()
             spec = load_spec(text)
-            record = jobs.ensure_spec(s, spec, text)
+            record = spec_store.ensure_spec(s, spec, text)
             names = canonical_names(spec)
             canon_dims = [names[d] for d in spec.dims if not any(st.as_dim == d for st in spec.steps)]
             specs.append((record.spec_hash, canon_dims))

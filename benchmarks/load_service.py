@@ -6,8 +6,8 @@ What it does (bounded in count and time):
 
 1. prepares an SQLite database in a temporary directory: one catalog spec tuned once by an
    in-process worker (model measurer, a few trials), so one kernel and its bundle exist;
-2. starts ``foldwise serve --workers 0`` on a free loopback port (API only, so no tuning
-   competes for the CPU) and waits for ``/healthz``;
+2. starts ``foldwise serve --workers 0 --processes N`` (``--processes``, default 1) on a free
+   loopback port (API only, so no tuning competes for the CPU) and waits for ``/healthz``;
 3. runs each scenario with ``--clients`` concurrent clients (asyncio, one ``httpx.AsyncClient``
    and one keep-alive connection per client; a single shared AsyncClient pool is much slower
    at this concurrency), each until ``--requests`` requests or ``--seconds`` have passed:
@@ -78,18 +78,19 @@ def prepare(db_url: str) -> dict:
     run_worker(db_url, measurer="model", target="h100", once=True)
     engine = make_engine(db_url)
     with session_factory(engine)() as s:
-        from service import jobs
+        from service import job_queue
 
-        job = jobs.get_job(s, r.json()["id"])
+        job = job_queue.get_job(s, r.json()["id"])
         assert job.status == "succeeded", job.error
     engine.dispose()
     return request
 
 
-def start_server(db_url: str, port: int, workdir: Path) -> subprocess.Popen:
+def start_server(db_url: str, port: int, workdir: Path, processes: int = 1) -> subprocess.Popen:
     log = open(workdir / "serve.log", "wb")  # noqa: SIM115 (the server writes it while it runs)
+    more = ["--processes", str(processes)] if processes != 1 else []  # (a server from before the option)
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--db", db_url, "--port", str(port),
-                             "--workers", "0", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                             "--workers", "0", *more, "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
                             cwd=workdir)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -102,6 +103,17 @@ def start_server(db_url: str, port: int, workdir: Path) -> subprocess.Popen:
             time.sleep(0.2)
     proc.kill()
     raise SystemExit("the server did not answer /healthz within 60 s")
+
+
+def importable(name: str) -> bool:
+    """Whether uvicorn's ``auto`` would take ``name`` (it tries the import)."""
+    import importlib
+
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        return False
 
 
 def quantile(sorted_values: list[float], q: float) -> float:
@@ -145,8 +157,7 @@ async def scenario(base: str, make_request, expect: int, *, clients: int, total:
     latencies: list[float] = []
     errors: dict[str, int] = {}
     issued = 0
-    start = time.perf_counter()
-    deadline = start + seconds
+    start = deadline = 0.0  # set once every client is ready (below)
     host, port = base.removeprefix("http://").split(":")
 
     def next_slot() -> float | None:
@@ -161,32 +172,43 @@ async def scenario(base: str, make_request, expect: int, *, clients: int, total:
         if status != expect:
             errors[str(status)] = errors.get(str(status), 0) + 1
 
-    async def client_loop() -> None:
-        raw = RawConnection(host, int(port)) if client == "raw" else None
-        async with httpx.AsyncClient(base_url=base, timeout=30,
-                                     limits=httpx.Limits(max_connections=1, max_keepalive_connections=1)) as http:
-            while (slot := next_slot()) is not None:
-                delay = slot - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                method, path, kwargs = make_request()
-                try:
-                    if raw is not None:
-                        count(await raw.request(method, path, kwargs.get("headers"), kwargs.get("content", b"")))
-                    else:
-                        r = await http.request(method, path, **kwargs)
-                        _ = r.content
-                        count(r.status_code)
-                except (httpx.HTTPError, OSError, asyncio.IncompleteReadError) as err:
-                    errors[type(err).__name__] = errors.get(type(err).__name__, 0) + 1
-                    if raw is not None:
-                        await raw.close()
-                        raw = RawConnection(host, int(port))
-                latencies.append(time.perf_counter() - slot)
+    async def client_loop(http: httpx.AsyncClient | None) -> None:
+        raw = RawConnection(host, int(port)) if http is None else None
+        while (slot := next_slot()) is not None:
+            delay = slot - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            method, path, kwargs = make_request()
+            try:
+                if raw is not None:
+                    count(await raw.request(method, path, kwargs.get("headers"), kwargs.get("content", b"")))
+                else:
+                    assert http is not None
+                    r = await http.request(method, path, **kwargs)
+                    _ = r.content
+                    count(r.status_code)
+            except (httpx.HTTPError, OSError, asyncio.IncompleteReadError) as err:
+                errors[type(err).__name__] = errors.get(type(err).__name__, 0) + 1
+                if raw is not None:
+                    await raw.close()
+                    raw = RawConnection(host, int(port))
+            latencies.append(time.perf_counter() - slot)
         if raw is not None:
             await raw.close()
 
-    await asyncio.gather(*(client_loop() for _ in range(clients)))
+    # the clients are made before the clock starts: making 64 httpx clients takes seconds on a
+    # busy 2-core machine, which an open loop would otherwise count as the first requests' latency
+    https = [httpx.AsyncClient(base_url=base, timeout=30,
+                               limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+             if client != "raw" else None for _ in range(clients)]
+    start = time.perf_counter()
+    deadline = start + seconds
+    try:
+        await asyncio.gather(*(client_loop(http) for http in https))
+    finally:
+        for http in https:
+            if http is not None:
+                await http.aclose()
     elapsed = time.perf_counter() - start
     latencies.sort()
     return {"requests": len(latencies), "errors": errors, "seconds": elapsed, "rps": len(latencies) / elapsed,
@@ -229,16 +251,18 @@ def main() -> None:
     parser.add_argument("--client", choices=("httpx", "raw", "both"), default="httpx",
                         help="httpx.AsyncClient per client (default), a minimal asyncio HTTP/1.1 client (the "
                              "server's capacity, without httpx's own CPU cost), or both")
+    parser.add_argument("--processes", type=int, default=1, help="the server's HTTP processes (serve --processes)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+    load_start = os.getloadavg()[0]
     workdir = Path(tempfile.mkdtemp(prefix="foldwise-load-"))
     db_url = f"sqlite:///{workdir / 'load.db'}"
     request = prepare(db_url)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    server = start_server(db_url, port, workdir)
+    server = start_server(db_url, port, workdir, args.processes)
     try:
         first = httpx.post(base + "/v1/jobs", json=request, timeout=30)
         assert first.status_code == 200, first.text  # the job already succeeded: the same job again
@@ -273,11 +297,11 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(timeout=30)
-    import importlib.util
-
-    fast = [m for m in ("httptools", "uvloop") if importlib.util.find_spec(m) is not None]
+    fast = [m for m in ("httptools", "uvloop") if importable(m)]
     load = os.getloadavg()[0]
-    print(f"\nloopback load, {args.clients} clients, bundle {len(bundle.content)} bytes, "
+    print(f"\nload average at the start {load_start:.1f}")
+    print(f"\n{' '.join(['python', *sys.argv])}")
+    print(f"\nloopback load, serve --processes {args.processes}, {args.clients} clients, bundle {len(bundle.content)} bytes, "
           f"{os.cpu_count()} CPUs shared by client and server (load average {load:.1f} at the end), "
           f"uvicorn with {' + '.join(fast) if fast else 'h11 + asyncio (no httptools/uvloop installed)'}\n")
     print("| scenario | client | mode | requests | errors | req/s | p50 ms | p99 ms | server p50 / p99 |")

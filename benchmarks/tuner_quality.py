@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fuser_core.derive import derive_cascade  # noqa: E402
+from fuser_core.problem import make_problem  # noqa: E402
 from fuser_core.catalog import load_catalog_spec, load_suites  # noqa: E402
 from tuner.measure import ModelMeasurer  # noqa: E402
 from tuner.profiles import get_profile  # noqa: E402
@@ -85,8 +86,9 @@ def main() -> None:
             continue
         spec = load_catalog_spec(case["spec"])
         derivation = derive_cascade(spec)
-        space = SearchSpace(spec, derivation, case["shape"], case["dtype"], profile)
-        model = ModelMeasurer(spec, derivation, case["shape"], case["dtype"], profile)
+        problem = make_problem(spec, case["shape"], case["dtype"])
+        space = SearchSpace(problem, derivation, profile)
+        model = ModelMeasurer(problem, derivation, profile)
         best, best_strategy, n, _ = exhaustive(space, model)
         runs = []
         for seed in range(args.seeds):

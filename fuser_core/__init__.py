@@ -1,3 +1,55 @@
-"""Foldwise's core: specs, derivation, certificate, reference and code generation."""
+"""Foldwise's core: specs, derivation, certificate, reference and code generation.
+
+The package's public API is ``__all__``: other packages (tuner, service) import these names
+from ``fuser_core`` itself, never from its modules. Each name is imported from its module on
+first use (PEP 562 ``__getattr__``), so ``from fuser_core import Spec`` loads the light spec
+modules only, and the derivation (sympy), the reference (numpy, scipy) and the code generator
+load when a name of theirs is first asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"  # the project's version (pyproject.toml reads it from here)
+
+# public name -> (module, name there); grouped by module. Light: errors, spec, canonical,
+# problem, catalog. Heavy (sympy, numpy, scipy, triton): the rest.
+_EXPORTS: dict[str, tuple[str, str]] = {
+    **{n: ("fuser_core.errors", n) for n in ("SpecError", "DerivationLimitError")},
+    **{n: ("fuser_core.spec", n) for n in ("Spec", "load_spec", "MAX_DIMS", "MAX_SPEC_BYTES")},
+    **{n: ("fuser_core.canonical", n) for n in ("spec_hash", "canonical_json", "canonical_names", "canonical_form")},
+    **{n: ("fuser_core.problem", n) for n in (
+        "Problem", "make_problem", "ShapeError", "bind_shape", "bind_dtypes", "check_sizes", "output_dtypes",
+        "canonical_shape", "bound_to_canonical", "normalize_dtype", "FLOAT_DTYPES", "INDEX_DTYPES",
+        "MAX_ELEMENTS", "MAX_WORK")},
+    **{n: ("fuser_core.catalog", n) for n in (
+        "CatalogError", "PACKAGED_DIR", "catalog_dirs", "catalog_entries", "load_suites", "spec_source")},
+    **{n: ("fuser_core.derive", n) for n in ("Derivation", "ReductionForm", "derive_cascade")},
+    **{n: ("fuser_core.report", n) for n in ("derivation_report",)},
+    **{n: ("fuser_core.present", n) for n in ("REALISATIONS", "accumulator_names", "correction_text", "merge_text")},
+    **{n: ("fuser_core.realisation", n) for n in ("Realisation", "Rescale", "part_acc", "unguarded")},
+    "new_anchor": ("fuser_core.realisation", "new"),  # "new" alone says too little at package level
+    **{n: ("fuser_core.runner", n) for n in ("PREFERENCE", "run", "self_check")},
+    **{n: ("fuser_core.codegen.plan", n) for n in (
+        "BASELINE", "STRATEGIES", "KernelConfig", "NotValid", "default_config", "valid_strategies")},
+    **{n: ("fuser_core.codegen.module", n) for n in ("GENERATOR_VERSION", "generate")},
+    **{n: ("fuser_core.codegen.gpu_compile", n) for n in ("CompilePool", "CompileRequest", "capability_of")},
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'fuser_core' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

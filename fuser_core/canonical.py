@@ -79,7 +79,7 @@ def canonical_form(spec: Spec) -> dict[str, Any]:
     inputs = {}
     for inp in sorted(spec.inputs, key=lambda i: i.name):
         decl: dict[str, Any] = {"dims": [names[d] for d in inp.dims]}
-        if inp.kind != "float":
+        if not inp.is_float:
             decl["kind"] = inp.kind
         inputs[inp.name] = decl
     params = {names[p.name]: ex.to_text(p.expr, names) for p in spec.params if p.name in names}

@@ -36,7 +36,8 @@ import scipy.special
 import sympy as sp
 
 from fuser_core import expr as ex
-from fuser_core.derive import COUNT_OLD, Derivation, ReductionForm, new, old
+from fuser_core.derive import Derivation, ReductionForm
+from fuser_core.realisation import COUNT_OLD, Combine, Realisation, new, old, part_acc, part_anchor, part_count
 from fuser_core.errors import DerivationLimitError
 from fuser_core.reference import Evaluator, cast_to, random_inputs
 from fuser_core.spec import Spec, load_spec
@@ -171,7 +172,15 @@ class _Broadcasting:
         return out
 
 
-_NUMPY_FUNCS = {"round": np.rint, "erf": scipy.special.erf,
+def _rescale(acc: Any, c: Any) -> np.ndarray:
+    """:data:`fuser_core.realisation.Rescale` in float64: acc * c, an empty (0) or infinite accumulator kept,
+    a non-finite correction taken as 0 (as the kernels' ``rescale``)."""
+    acc, c = np.asarray(acc, dtype=np.float64), np.asarray(c, dtype=np.float64)
+    keep = (acc == 0) | np.isinf(acc)
+    return np.where(keep, acc, acc * np.where(np.isfinite(c), c, 0.0))
+
+
+_NUMPY_FUNCS = {"round": np.rint, "rescale": _rescale, "erf": scipy.special.erf,
                 "logical_or": _Broadcasting(np.logical_or), "logical_and": _Broadcasting(np.logical_and)}
 
 
@@ -264,6 +273,11 @@ def _state(form: ReductionForm) -> tuple[str, str]:
     return ("form", form.name)
 
 
+def _real(form: ReductionForm) -> Realisation:
+    assert form.realisation is not None, f"{form.name} is fused but has no realisation"
+    return form.realisation
+
+
 def _safe(v: np.ndarray) -> np.ndarray:
     """A running max/min that is still infinite (nothing finite seen) anchors at 0."""
     return np.where(np.isfinite(v), v, 0.0)
@@ -315,9 +329,9 @@ class _AxisLoop:
         )
 
     # -- reductions on one tile
-    def reduce(self, form: ReductionForm, values: np.ndarray, lo: int, hi: int):
+    def reduce(self, form: ReductionForm, op: str, values: np.ndarray, lo: int, hi: int):
+        """One tile of ``values`` folded with ``op`` (a selection: its candidates, (values, indices))."""
         values = np.broadcast_to(values, self.full_shape(form, hi - lo))
-        op = form.effective_op
         if op == "sum":
             return values.sum(axis=self.pos, keepdims=True)
         if op == "max":
@@ -339,8 +353,8 @@ class _AxisLoop:
         order = np.lexsort(keys, axis=self.pos)[(slice(None),) * self.pos + (slice(0, k),)]
         return (np.take_along_axis(values, order, self.pos), np.take_along_axis(idx, order, self.pos))
 
-    def combine(self, form: ReductionForm, a, b):
-        op = form.effective_op
+    def combine(self, form: ReductionForm, op: str, a, b):
+        """``op`` of two states of one accumulator (a selection's are (values, indices))."""
         if op == "sum":
             return a + b
         if op == "max":
@@ -359,26 +373,16 @@ class _AxisLoop:
         idx = np.concatenate([widen(ia), widen(ib)], axis=self.pos)
         return self.select(op, values, idx, form.step.k or 1)
 
-    @staticmethod
-    def rescale(state, c: np.ndarray):
-        c = np.where(np.isfinite(c), c, 0.0)
-        if isinstance(state, tuple):
-            return (state[0] * c, state[1])
-        return np.where(state == 0, state, state * c)
-
-    # -- states
-    def value(self, form: ReductionForm, st: dict[str, Any]) -> np.ndarray:
-        """The running (or, at the end, final) value of a reduction in a state."""
-        if form.kind == "shifted":
-            return st[_state(form)]["acc"]
+    # -- states: {"accs": [state per accumulator], "anchor": {dep: value}}, a selection's state (values, indices)
+    def value(self, form: ReductionForm, st: dict[str, Any]) -> Any:
+        """The running (or, at the end, final) value of a reduction in a state: the realisation's value."""
+        real = _real(form)
+        accs = st[_state(form)]["accs"]
         known = self.dep_values(form, st)
-        parts = st[_state(form)]["T"]
-        if isinstance(parts[0], tuple):
-            vals, idx = parts[0]
-            scale = self.evaluate(form.deferred[0], known)
-            return (scale * vals + self.evaluate(form.offset, known), idx)
-        syms = [sp.Symbol(f"acc[{j}]") for j in range(len(parts))]
-        return self.evaluate(form.final_value(syms), known | dict(zip(syms, parts)))
+        if real.selection:
+            vals, idx = accs[0]
+            return (self.evaluate(real.value, known | {real.symbols[0]: vals}), idx)
+        return self.evaluate(real.value, known | dict(zip(real.symbols, accs)))
 
     def dep_values(self, form: ReductionForm, st: dict[str, Any]) -> dict[sp.Symbol, Any]:
         return {self.sym.symbols[n]: st["run"][n] for n in form.deps}
@@ -395,79 +399,64 @@ class _AxisLoop:
                 out[name] = run * self.n / max(count, 1)
         return out
 
-    def moved(self, form: ReductionForm, a_old: dict, a_new: dict, count_old: int) -> dict[sp.Symbol, Any]:
-        values: dict[sp.Symbol, Any] = {COUNT_OLD: np.float64(count_old)}
-        for name in a_new:
+    def side_values(self, form: ReductionForm, state: dict[str, Any], count: int, side: str | None) -> dict[sp.Symbol, Any]:
+        """Values of one state's accumulators, anchors and count under the symbols of the realisation's
+        moved expressions (``side`` None: acc[j], dep[old], count[old]; "a"/"b": a part of a merge)."""
+        real = _real(form)
+        values: dict[sp.Symbol, Any] = {}
+        for j, acc in enumerate(state["accs"]):
+            sym = real.symbols[j] if side is None else part_acc(j, side)
+            values[sym] = acc[0] if real.selection else acc
+        for name, anchor in state["anchor"].items():
             s = self.sym.symbols[name]
-            values[old(s)] = a_old[name]
-            values[new(s)] = a_new[name]
+            values[old(s) if side is None else part_anchor(s, side)] = anchor
+        values[COUNT_OLD if side is None else part_count(side)] = np.float64(count)
         return values
 
-    def reanchor(self, form: ReductionForm, accs: list, a_old: dict, a_new: dict) -> list:
-        """Taylor accumulators moved from anchors a_old to a_new (the derived binomial shift)."""
-        values = self.moved(form, a_old, a_new, 0)
-        values.update({sp.Symbol(f"acc[{k}]"): acc for k, acc in enumerate(accs)})
-        return [self.evaluate(e, values) for e in form.reanchor]
+    def moved_state(self, real: Realisation, e: sp.Expr, values: dict[sp.Symbol, Any], acc: Any) -> Any:
+        """A moved accumulator (``e``) evaluated; a selection keeps its indices."""
+        moved = self.evaluate(e, values)
+        return (moved, acc[1]) if real.selection else moved
+
+    def apply(self, form: ReductionForm, rules: tuple[Combine, ...], left: list, right: list) -> list:
+        return [self.combine(form, rule.op, a, b) for rule, a, b in zip(rules, left, right)]
 
     def step_tile(self, st: dict[str, Any] | None, lo: int, hi: int) -> dict[str, Any]:
-        """Fold tile [lo, hi) into state ``st`` (None: the part's first tile)."""
+        """Fold tile [lo, hi) into state ``st`` (None: the part's first tile, which starts from each
+        accumulator's identity, op(identity, x) = x) with the realisation's step rule."""
         count_old = 0 if st is None else st["count"]
         out: dict[str, Any] = {"count": count_old + hi - lo, "run": {}}
-        prev = st or {"run": {}}
         for form in self.forms:
+            real = _real(form)
             known = dict(self.dep_values(form, out))
             a_new = self.anchors(form, out, out["count"])
-            anchored = {self.sym.symbols[n]: v for n, v in a_new.items()}
-            if form.kind == "shifted":
-                added = self.reduce(form, self.evaluate(form.integrand, known | anchored, lo, hi), lo, hi)
-                if st is None:
-                    acc = added
-                else:
-                    delta = self.evaluate(form.delta, self.moved(form, prev[_state(form)]["anchor"], a_new, count_old))
-                    acc = prev[_state(form)]["acc"] + delta + added
-                out[_state(form)] = {"acc": acc, "anchor": a_new}
-            elif form.kind == "taylor":
-                parts = [self.reduce(form, self.evaluate(c, known | anchored, lo, hi), lo, hi) for c in form.contributions]
-                if st is not None:
-                    moved = self.reanchor(form, prev[_state(form)]["T"], prev[_state(form)]["anchor"], a_new)
-                    parts = [m + p for m, p in zip(moved, parts)]
-                out[_state(form)] = {"T": parts, "anchor": a_new}
+            at_new = known | {self.sym.symbols[n]: v for n, v in a_new.items()}
+            rules = real.step()
+            tiles = [self.reduce(form, rule.op, self.evaluate(rule.right, at_new, lo, hi), lo, hi) for rule in rules]
+            if st is None:
+                accs = tiles
             else:
-                parts = []
-                for j, contribution in enumerate(form.contributions):
-                    added = self.reduce(form, self.evaluate(contribution, known | anchored, lo, hi), lo, hi)
-                    if st is not None:
-                        c = self.evaluate(form.corrections[j], self.moved(form, prev[_state(form)]["anchor"], a_new, count_old))
-                        added = self.combine(form, self.rescale(prev[_state(form)]["T"][j], c), added)
-                    parts.append(added)
-                out[_state(form)] = {"T": parts, "anchor": a_new}
+                prev = st[_state(form)]
+                values = self.side_values(form, prev, count_old, None) | {new(self.sym.symbols[n]): v for n, v in a_new.items()}
+                moved = [self.moved_state(real, rule.left, values, acc) for rule, acc in zip(rules, prev["accs"])]
+                accs = self.apply(form, rules, moved, tiles)
+            out[_state(form)] = {"accs": accs, "anchor": a_new}
             out["run"][form.name] = self.value(form, out)
         return out
 
     def merge(self, a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        """Two partial states merged with the realisation's merge rule."""
         out: dict[str, Any] = {"count": a["count"] + b["count"], "run": {}}
         for form in self.forms:
+            real = _real(form)
             a_new = self.anchors(form, out, out["count"])
-            if form.kind == "shifted":
-                acc = a[_state(form)]["acc"] + b[_state(form)]["acc"]
-                for side in (a, b):
-                    acc = acc + self.evaluate(form.delta, self.moved(form, side[_state(form)]["anchor"], a_new, side["count"]))
-                out[_state(form)] = {"acc": acc, "anchor": a_new}
-            elif form.kind == "taylor":
-                moved = [self.reanchor(form, side[_state(form)]["T"], side[_state(form)]["anchor"], a_new) for side in (a, b)]
-                out[_state(form)] = {"T": [x + y for x, y in zip(*moved)], "anchor": a_new}
-            else:
-                parts = []
-                for j in range(len(form.contributions)):
-                    rescaled = [
-                        self.rescale(
-                            side[_state(form)]["T"][j],
-                            self.evaluate(form.corrections[j], self.moved(form, side[_state(form)]["anchor"], a_new, side["count"])),
-                        )
-                        for side in (a, b)
-                    ]
-                    parts.append(self.combine(form, *rescaled))
-                out[_state(form)] = {"T": parts, "anchor": a_new}
+            values = {new(self.sym.symbols[n]): v for n, v in a_new.items()}
+            for side, state in (("a", a), ("b", b)):
+                values |= self.side_values(form, state[_state(form)], state["count"], side)
+            rules = real.merge()
+            left = [self.moved_state(real, r.left, values, acc) for r, acc in zip(rules, a[_state(form)]["accs"])]
+            right = [self.moved_state(real, r.right, values, acc) for r, acc in zip(rules, b[_state(form)]["accs"])]
+            out[_state(form)] = {"accs": self.apply(form, rules, left, right), "anchor": a_new}
             out["run"][form.name] = self.value(form, out)
         return out
 

@@ -48,9 +48,11 @@ they are exact in real arithmetic but not in floating point, found by fuzzing
   ``N / sqrt(count)`` values' worth early on, and the cubic cancels float32 accuracy away.
   Means, maxima and minima stay within the range of their values and keep the Taylor form.
 
-The merge of two partial states (split reduction) re-anchors both to the merged
-dependencies with the same corrections and combines them with the reduction's operator.
-:mod:`fuser_core.certificate` checks all of it numerically.
+Each fused form is then turned, once, into a :class:`~fuser_core.realisation.Realisation`
+(``Derivation.realisations``): its accumulators as data, with the one tile-step and merge rule
+for every kind (a merge re-anchors both parts to the merged dependencies and combines them with
+the reduction's operator). The certificate, the kernel printer, the report and the tuner read
+that object; :mod:`fuser_core.certificate` checks it numerically.
 
 Example:
     >>> from fuser_core.spec import load_spec
@@ -71,6 +73,7 @@ from dataclasses import dataclass, field
 import sympy as sp
 
 from fuser_core import expr as ex
+from fuser_core.realisation import COUNT_OLD, Realisation, empty_adds_zero, new, old, realise
 from fuser_core.spec import Spec, Step
 from fuser_core.symbolic import Deadline, SymbolicSpec, cast_decides, has_cast, strip_casts
 
@@ -78,6 +81,7 @@ MAX_TERMS = 32  # rank limit for multi-term separation
 MAX_EXPAND_POWER = 12  # (x + D)**p with larger p is not expanded
 MAX_SEPARATE_EXPONENT = 64  # x**p * D**p (sympy splits (x*D)**p) is not separated beyond this |p|
 MAX_TAYLOR_DEGREE = 4  # polynomial degree in the dependencies for Taylor-shifted accumulators
+SENTINEL_MAGNITUDE = 1e15  # a constant this large in a where() is a mask value, not data
 # Wall-clock budget of one derivation: derive_cascade raises DerivationLimitError past it (the
 # size limits of fuser_core.symbolic keep each sympy operation between two checks short).
 DERIVE_TIME_LIMIT_S = 5.0
@@ -102,7 +106,7 @@ class ReductionForm:
     step: Step
     integrand: sp.Expr  # F(x, D), elementwise steps inlined, casts kept
     deps: tuple[str, ...]  # same-axis reductions F reads
-    kind: str  # first | scaled | shifted | taylor | not_fused
+    kind: str  # first | scaled | shifted | taylor | not_fused (read only by fuser_core.realisation)
     reason: str | None = None
     terms: tuple[Term, ...] = ()
     # scaled: per accumulator j
@@ -124,6 +128,8 @@ class ReductionForm:
     guards: tuple[str, ...] = ()
     exact: bool = True  # False when a cast inside F makes the fused form differ from multi-pass
     contraction: bool = False  # a sum of a product that tl.dot should compute
+    # what every consumer reads (fuser_core.realisation): built once by derive_cascade, None when not fused
+    realisation: Realisation | None = None
 
     @property
     def name(self) -> str:
@@ -141,7 +147,12 @@ class ReductionForm:
 
     @property
     def fused(self) -> bool:
-        return self.kind != "not_fused"
+        return self.reason is None
+
+    @property
+    def independent(self) -> bool:
+        """Fused with no dependency: a plain partial reduction (its running value is exact)."""
+        return self.fused and not self.deps
 
     def final_value(self, accs: list[sp.Expr]) -> sp.Expr:
         """The reduction's value from its accumulators ``accs`` (scaled and taylor forms):
@@ -150,7 +161,7 @@ class ReductionForm:
         for j, (factor, acc) in enumerate(zip(self.deferred, accs)):
             term = factor * acc
             if j < len(self.empty_adds_zero) and self.empty_adds_zero[j]:
-                term = sp.Piecewise((sp.Integer(0), sp.Eq(acc, 0)), (term, True))
+                term = empty_adds_zero(term, acc)
             total += term
         return total
 
@@ -197,20 +208,21 @@ class Derivation:
     def exact(self) -> bool:
         return all(f.exact for f in self.forms.values())
 
+    def realise(self, name: str) -> Realisation:
+        """(Re)build the realisation of fused reduction ``name`` from its form: what derive_cascade
+        does once; a test that edits a form calls it so that every consumer sees the edit."""
+        form = self.forms[name]
+        form.realisation = realise(form, tuple(self.symbols.symbols[d] for d in form.deps))
+        return form.realisation
+
+    @property
+    def realisations(self) -> dict[str, Realisation]:
+        """The realisation of every fused reduction, by name."""
+        return {n: f.realisation for n, f in self.forms.items() if f.realisation is not None}
+
 
 class NotSeparable(Exception):
     """F does not separate; the message names the offending term."""
-
-
-def old(sym: sp.Symbol) -> sp.Symbol:
-    return sp.Symbol(f"{sym.name}[old]", **sym.assumptions0)
-
-
-def new(sym: sp.Symbol) -> sp.Symbol:
-    return sp.Symbol(f"{sym.name}[new]", **sym.assumptions0)
-
-
-COUNT_OLD = sp.Symbol("count[old]", integer=True, nonnegative=True)
 
 
 def derive_cascade(spec: Spec, *, time_limit_s: float | None = DERIVE_TIME_LIMIT_S) -> Derivation:
@@ -237,7 +249,11 @@ def derive_cascade(spec: Spec, *, time_limit_s: float | None = DERIVE_TIME_LIMIT
         for axis, members in groups.items()
     )
     conv.deadline = Deadline(None)  # the budget was this derivation's; later users (codegen) convert freely
-    return Derivation(spec, forms, axis_groups, _epilogue(spec), conv)
+    derivation = Derivation(spec, forms, axis_groups, _epilogue(spec), conv)
+    for name, form in forms.items():
+        if form.fused:
+            derivation.realise(name)  # once: every consumer reads this object
+    return derivation
 
 
 def _epilogue(spec: Spec) -> tuple[EpilogueStep, ...]:
@@ -531,7 +547,7 @@ class _Deriver:
         out = {s: "running" for s in self.max_type()}
         for name, sym in self.deps.items():
             f = self.forms[name]
-            if f.kind == "first" and f.op == "sum":
+            if f.independent and f.op == "sum":
                 out[sym] = "running estimate (partial * size / count)"
         return out
 
@@ -590,6 +606,38 @@ class _Deriver:
                     "the anchor reaches its final value"
                 )
 
+    def masked_alike(self, sym: sp.Symbol, dep: sp.Expr) -> bool:
+        """Every branch of F that reads ``sym`` is taken only under a condition of ``dep``'s own
+        finite branches (masked attention's ``where(c, exp(s - mx) (s - mx), 0.5)`` with
+        ``mx = max where(c, s, -inf)``): where the dependency is infinite, no element reaches it."""
+        if not isinstance(dep, sp.Piecewise) or not isinstance(self.F, sp.Piecewise):
+            return False
+        live = {c for v, c in dep.args if v.is_finite is not False and c is not sp.true}
+        for value, cond in self.F.args:
+            if sym in value.free_symbols:
+                parts = set(cond.args) if isinstance(cond, sp.And) else {cond}
+                if not (parts & live):
+                    return False
+        return bool(live)
+
+    def check_sentinel_anchors(self, syms) -> None:
+        """A polynomial centred on a dependency that can be infinite or a huge sentinel at the end
+        (a max/min whose every element a where() masks to +-inf or +-1e30: a fully masked row) is
+        not exact: the shift cancels inf against inf (NaN where the unfused value is inf), or 1e30
+        against 1e30 (fuzz seeds 43 and 44). Scaled forms keep their guards; these are refused."""
+        names = {sym: name for name, sym in self.deps.items()}
+        for sym in sorted(set(syms) & set(names), key=str):
+            dep = self.forms[names[sym]].integrand
+            atoms = dep.atoms(sp.Number)
+            if not any(not a.is_finite or abs(float(a)) >= SENTINEL_MAGNITUDE for a in atoms if a.is_extended_real):
+                continue
+            if self.masked_alike(sym, dep):
+                continue
+            raise NotSeparable(
+                    f"{sym} can be infinite or a sentinel (|value| >= {SENTINEL_MAGNITUDE:g}) where every element "
+                    "is masked, and a polynomial centred on it would cancel inf against inf"
+                )
+
     def taylor(self, terms: list[Term], dep_names: tuple[str, ...]) -> ReductionForm | None:
         """Taylor-shifted accumulators (module docstring), or None when F is not of that shape."""
         if has_cast(self.F):
@@ -620,6 +668,7 @@ class _Deriver:
             polys = [sp.Poly(b, *syms) for b in branches]
         except sp.PolynomialError:
             return None
+        self.check_sentinel_anchors(syms)
         total_degree = max(p.total_degree() for p in polys)
         if total_degree > MAX_TAYLOR_DEGREE:
             return None
@@ -699,11 +748,12 @@ class _Deriver:
         """Welford/Chan-style realisation when every changing term's sum is known from partials."""
         n = sp.Symbol(f"size({self.axis})", integer=True, positive=True)
         sum_deps = {
-            name: sym for name, sym in self.deps.items() if self.forms[name].kind == "first" and self.forms[name].op == "sum"
+            name: sym for name, sym in self.deps.items() if self.forms[name].independent and self.forms[name].op == "sum"
         }
         anchors = self.max_type()
         if set(self.deps.values()) - anchors - set(sum_deps.values()):
             return None
+        self.check_sentinel_anchors(self.deps.values())
         delta = sp.Integer(0)
         for t in terms:
             self.check("shifted terms")

@@ -173,7 +173,7 @@ _TOKEN = re.compile(
 
 @dataclass(frozen=True, slots=True)
 class Token:
-    kind: str  # num, str, name, op, end
+    type: str  # num, str, name, op, end
     text: str
     pos: int
 
@@ -219,7 +219,7 @@ class _Parser:
     # -- helpers
     def error(self, message: str, tok: Token | None = None) -> SpecError:
         tok = tok or self.peek()
-        where = "at the end" if tok.kind == "end" else f"at column {tok.pos + 1} ({tok.text!r})"
+        where = "at the end" if tok.type == "end" else f"at column {tok.pos + 1} ({tok.text!r})"
         return SpecError(f"{message} {where} in {self.text!r}", loc=self.loc, step=self.step)
 
     def peek(self) -> Token:
@@ -231,7 +231,7 @@ class _Parser:
         return tok
 
     def accept(self, text: str) -> bool:
-        if self.peek().kind == "op" and self.peek().text == text:
+        if self.peek().type == "op" and self.peek().text == text:
             self.i += 1
             return True
         return False
@@ -254,31 +254,31 @@ class _Parser:
     # -- grammar
     def parse(self) -> Expr:
         e = self.compare()
-        if self.peek().kind != "end":
+        if self.peek().type != "end":
             raise self.error("unexpected token")
         return e
 
     def compare(self) -> Expr:
         left = self.sum()
         tok = self.peek()
-        if tok.kind == "op" and tok.text in COMPARE_OPS:
+        if tok.type == "op" and tok.text in COMPARE_OPS:
             self.next()
             right = self.sum()
-            if self.peek().kind == "op" and self.peek().text in COMPARE_OPS:
+            if self.peek().type == "op" and self.peek().text in COMPARE_OPS:
                 raise self.error("chained comparisons are not supported")
             return self.node(Compare(tok.text, left, right))
         return left
 
     def sum(self) -> Expr:
         left = self.product()
-        while self.peek().kind == "op" and self.peek().text in ("+", "-"):
+        while self.peek().type == "op" and self.peek().text in ("+", "-"):
             op = self.next().text
             left = self.node(BinOp(op, left, self.product()))
         return left
 
     def product(self) -> Expr:
         left = self.unary()
-        while self.peek().kind == "op" and self.peek().text in ("*", "/"):
+        while self.peek().type == "op" and self.peek().text in ("*", "/"):
             op = self.next().text
             left = self.node(BinOp(op, left, self.unary()))
         return left
@@ -304,27 +304,27 @@ class _Parser:
 
     def atom(self) -> Expr:
         tok = self.next()
-        if tok.kind == "num":
+        if tok.type == "num":
             value = float(tok.text)
             if not math.isfinite(value):
                 raise self.error("number out of range", tok)
             return self.node(Num(value))
-        if tok.kind == "str":
+        if tok.type == "str":
             return self.node(Str(tok.text[1:-1]))
-        if tok.kind == "op" and tok.text == "(":
+        if tok.type == "op" and tok.text == "(":
             self.enter()
             e = self.compare()
             self.expect(")")
             self.depth -= 1
             return e
-        if tok.kind == "name":
+        if tok.type == "name":
             if tok.text == "inf":
                 return self.node(Num(math.inf))
-            if self.peek().kind == "op" and self.peek().text == "(":
+            if self.peek().type == "op" and self.peek().text == "(":
                 return self.call(tok)
             if self.accept("."):
                 attr = self.next()
-                if attr.kind != "name" or attr.text not in TOPK_PARTS:
+                if attr.type != "name" or attr.text not in TOPK_PARTS:
                     raise self.error(
                         "attribute access is not allowed; only .values and .indices of a topk step", attr
                     )

@@ -15,27 +15,10 @@ import sympy as sp
 
 from fuser_core.certificate import Certificate
 from fuser_core.derive import Derivation, ReductionForm
+from fuser_core.realisation import DOCS, Realisation, unguarded
 
-REALISATIONS = {
-    "first": "plain partial reduction (no dependency)",
-    "scaled": "one accumulator per term, anchored at running max/min values and rescaled by the correction",
-    "shifted": "shifted accumulator (Welford/Chan style): anchored at running estimates, corrected additively",
-    "taylor": "Taylor-shifted accumulators: centred at the anchors, moved by an exact binomial shift (Pebay style)",
-    "not_fused": "not fused: computed by a separate pass after its dependencies are final",
-}
-
-_FIRST_MERGE = {
-    "sum": "a + b",
-    "max": "max(a, b)",
-    "min": "min(a, b)",
-    "topk": "the k largest of both candidate lists (lower index first on ties)",
-    "argmax": "the larger (value, index) pair, lower index on ties",
-    "argmin": "the smaller (value, index) pair, lower index on ties",
-}
-_COMBINE = {
-    "sum": "+", "max": "max", "min": "min", "topk": "top-k", "bottomk": "bottom-k",
-    "argmax": "argmax", "argmin": "argmin",
-}
+REALISATIONS = DOCS  # realisation kind -> one line of explanation
+SHORT_NAMES = "T"  # accumulators are shown as T (one) or T1, T2, ... (several)
 
 
 def text(e: sp.Expr) -> str:
@@ -62,13 +45,29 @@ def present(derivation: Derivation, certificate: Certificate) -> dict[str, Any]:
     }
 
 
+def accumulator_names(real: Realisation) -> list[sp.Symbol]:
+    """How people see a realisation's accumulators: T, or T1, T2, ... (the dashboard too)."""
+    n = len(real.accumulators)
+    return [sp.Symbol("T" if n == 1 else f"T{j + 1}") for j in range(n)]
+
+
+def correction_text(f: ReductionForm) -> str | None:
+    """The re-anchoring correction in words (None: nothing moves, or not fused)."""
+    return f.realisation.correction_text(text) if f.realisation is not None else None
+
+
+def merge_text(f: ReductionForm) -> str | None:
+    """The merge rule of two partial states in words (the expressions: Realisation.merge)."""
+    return f.realisation.merge_text() if f.realisation is not None else None
+
+
 def _reduction(f: ReductionForm) -> dict[str, Any]:
     out: dict[str, Any] = {
         "name": f.name,
         "op": f.op,
         "over": f.axis,
         "fused": f.fused,
-        "correction": _correction(f),
+        "correction": correction_text(f),
         "reason": f.reason,
         "depends_on": list(f.deps),
         "realisation": f.kind,
@@ -77,66 +76,29 @@ def _reduction(f: ReductionForm) -> dict[str, Any]:
         "exact": f.exact,
         "contraction": f.contraction,
     }
-    if not f.fused:
+    real = f.realisation
+    if real is None:
         return out
     out["terms"] = [{"G": text(t.g), "H": text(t.h)} for t in f.terms]
-    out["merge"] = _merge(f)
+    out["merge"] = real.merge_text()
     out["guards"] = list(f.guards)
-    if f.kind == "shifted":
-        out["anchors"] = dict(f.anchors)
-        out["accumulator"] = f"acc = sum over seen {f.axis} of {text(f.integrand)}, at the anchors"
-        out["finalize"] = f"{f.name} = acc (at the final anchors)"
-        return out
-    if f.kind == "taylor":
-        out["anchors"] = dict(f.anchors)
-        out["accumulators"] = [{"contribution": text(c)} for c in f.contributions]
-        out["finalize"] = f"{f.name} = {text(f.deferred[0])} * acc[0] (at the final anchors)"
-        return out
-    out["effective_op"] = f.effective_op
-    out["anchors"] = dict(f.anchors)
-    out["accumulators"] = [
-        {"contribution": text(c), "anchored_factor": text(a), "correction": text(k), "final_factor": text(d)}
-        for c, a, k, d in zip(f.contributions, f.scales, f.corrections, f.deferred)
-    ]
-    out["finalize"] = _finalize(f)
+    out["effective_op"] = real.op
+    out["anchors"] = dict(real.anchors)
+    out["accumulators"] = [_accumulator(a) for a in real.accumulators]
+    out["finalize"] = _finalize(real)
     return out
 
 
-def _correction(f: ReductionForm) -> str | None:
-    if f.kind in ("first", "not_fused"):
-        return None
-    if f.kind == "shifted":
-        return f"add {text(f.delta)}"  # type: ignore[arg-type]
-    if f.kind == "taylor":
-        return "move accumulator k to: " + "; ".join(f"acc[{k}] <- {text(e)}" for k, e in enumerate(f.reanchor))
-    factors = list(dict.fromkeys(text(c) for c in f.corrections if c != 1))
-    if not factors:
-        return "none: the dependence enters only through a factor or offset applied at the end"
-    return "multiply by " + "; ".join(factors) if len(factors) == 1 else "multiply term j by: " + "; ".join(factors)
+def _accumulator(a) -> dict[str, str]:
+    out = {"contribution": text(a.contribution)}
+    for key, e in (("anchored_factor", a.anchored_factor), ("correction", a.correction), ("final_factor", a.final_factor)):
+        if e is not None:
+            out[key] = text(e)
+    return out
 
 
-def _finalize(f: ReductionForm) -> str:
-    if len(f.contributions) == 1:
-        acc = [sp.Symbol("T")]
-    else:
-        acc = [sp.Symbol(f"T{j + 1}") for j in range(len(f.contributions))]
-    value = sum((d * t for d, t in zip(f.deferred, acc)), f.offset)
-    tail = " (indices: those of T)" if f.effective_op in ("topk", "bottomk", "argmax", "argmin") else ""
-    return f"{f.name} = {text(value)}{tail}"
-
-
-def _merge(f: ReductionForm) -> str:
-    if f.kind == "first":
-        return _FIRST_MERGE[f.op]
-    if f.kind == "shifted":
-        return (
-            "acc = acc_a + acc_b + the correction from each part's anchors to the merged ones "
-            "(count[old] = that part's count)"
-        )
-    if f.kind == "taylor":
-        return "move both parts' accumulators to the merged anchors (the shift above), then add them"
-    op = _COMBINE[f.effective_op]
-    return (
-        f"re-anchor both parts to the merged dependencies (multiply each T by its correction "
-        f"with [old] = the part's anchor, [new] = the merged one), then combine with {op}"
-    )
+def _finalize(real: Realisation) -> str:
+    names = accumulator_names(real)
+    value = unguarded(real.value).xreplace(dict(zip(real.symbols, names)))
+    tail = " (indices: those of T)" if real.selection else ""
+    return f"{real.name} = {text(value)}{tail}"

@@ -35,22 +35,15 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from numbers import Integral
 
 import ml_dtypes
 import numpy as np
 import scipy.special
 
 from fuser_core import expr as ex
-from fuser_core.errors import SpecError
+from fuser_core.problem import MAX_ELEMENTS, MAX_WORK, ShapeError, bind_shape, check_sizes  # noqa: F401  (re-exported)
 from fuser_core.spec import Spec, Step
-
-# Size limits of a bound shape, per tensor rather than for the product of every dim (attention's
-# b, h, m, n, d, e multiply to 2**41 though its largest tensor has 2**29 elements).
-MAX_ELEMENTS = 2**31  # the most elements any input or step (an intermediate a strategy may store) may have
-MAX_WORK = 2**48  # the most points of any step's iteration space (its dims and the dim it reduces over)
 
 FLOAT_DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
@@ -59,79 +52,6 @@ FLOAT_DTYPES: dict[str, np.dtype] = {
     "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
-
-
-class ShapeError(SpecError):
-    """Sizes or arrays that do not fit the spec; ``loc`` names the dim or the input.
-
-    Example:
-        >>> str(ShapeError("must be a positive integer, got 0", loc=("shape", "n")))
-        'shape.n: must be a positive integer, got 0'
-    """
-
-
-# ---------------------------------------------------------------- sizes
-
-
-def bind_shape(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
-    """Check ``shape`` (dim -> positive int) against the spec; return a new, complete dict.
-
-    A topk ``as`` dim may be left out (it is then ``k``); if given it must equal ``k``.
-    """
-    if not isinstance(shape, Mapping):
-        raise ShapeError(f"expected an object of dim -> size, got {type(shape).__name__}", loc=("shape",))
-    unknown = [d for d in shape if d not in spec.dims]
-    if unknown:
-        raise ShapeError(
-            f"unknown dim{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-            f"the spec's dims are {', '.join(spec.dims)}",
-            loc=("shape", str(unknown[0])),
-        )
-    as_dims = {s.as_dim: s for s in spec.steps if s.reduce == "topk"}
-    bound: dict[str, int] = {}
-    for d in spec.dims:
-        if d not in shape and d in as_dims:
-            bound[d] = as_dims[d].k
-            continue
-        if d not in shape:
-            raise ShapeError("no size given for this dim", loc=("shape", d))
-        n = shape[d]
-        if isinstance(n, bool) or not isinstance(n, Integral) or n < 1:
-            raise ShapeError(f"must be a positive integer, got {n!r:.40}", loc=("shape", d))
-        bound[d] = int(n)
-    for d, step in as_dims.items():
-        if bound[d] != step.k:
-            raise ShapeError(f"is topk step {step.name!r}'s 'as' dim, so its size must be k={step.k}, got {bound[d]}",
-                             loc=("shape", d))
-        if step.k > bound[step.over]:
-            raise ShapeError(f"topk step {step.name!r} takes k={step.k} of {step.over!r}, which has only "
-                             f"{bound[step.over]}", loc=("shape", step.over))
-    check_sizes(spec, bound)
-    return bound
-
-
-def check_sizes(spec: Spec, bound: Mapping[str, int], *, max_elements: int = MAX_ELEMENTS,
-                max_work: int = MAX_WORK) -> None:
-    """ShapeError (field ``shape``) naming the first tensor, an input or a step, with more than
-    ``max_elements`` elements, or the first step whose iteration space has more than ``max_work``
-    points. Every step counts as a tensor, since some strategy stores it (the unfused chain stores
-    attention's ``s``); a step's iteration space adds the dim it reduces over (a topk step's own
-    ``as`` dim is not iterated)."""
-    def sizes(dims) -> str:
-        return ", ".join(f"{d}={bound[d]}" for d in dims)
-
-    tensors = [(f"input {i.name!r}", i.dims) for i in spec.inputs] + [(f"step {s.name!r}", s.dims) for s in spec.steps]
-    for what, dims in tensors:
-        n = math.prod(bound[d] for d in dims)
-        if n > max_elements:
-            raise ShapeError(f"{what} ({sizes(dims)}) would have {n} elements; the limit per tensor is {max_elements}",
-                             loc=("shape",))
-    for step in spec.steps:
-        dims = [d for d in step.dims if d != step.as_dim] + ([step.over] if step.over else [])
-        n = math.prod(bound[d] for d in dims)
-        if n > max_work:
-            raise ShapeError(f"step {step.name!r} iterates over {sizes(dims)}: {n} points; the limit is {max_work}",
-                             loc=("shape",))
 
 
 def param_values(spec: Spec, shape: Mapping[str, int]) -> dict[str, float]:
@@ -187,6 +107,8 @@ COMPARE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "==": np.equal, "!=": np.not_equal,
 }
 assert set(FUNCTIONS) == set(ex.FUNCTIONS)
+# functions whose float32 result is exact (no rounding of their own)
+EXACT_FUNCTIONS = frozenset({"abs", "round", "maximum", "minimum", "where", "clamp"})
 
 
 # ---------------------------------------------------------------- the evaluator
@@ -195,13 +117,31 @@ assert set(FUNCTIONS) == set(ex.FUNCTIONS)
 class Evaluator:
     """Runs one spec at one bound shape. Arrays are in the aligned layout (module doc)."""
 
-    def __init__(self, spec: Spec, shape: Mapping[str, int], *, tie_choice: int | None = None):
+    def __init__(self, spec: Spec, shape: Mapping[str, int], *, tie_choice: int | None = None,
+                 rounding: tuple[np.random.Generator, float] | None = None):
         self.spec = spec
         self.shape = bind_shape(spec, shape)
         self.axis = {d: i for i, d in enumerate(spec.dims)}
         # None: argmax/argmin give the first exact extreme. k: the k-th position (the last when fewer)
         # among those within float32 resolution of it, which a float32 kernel may find instead
         self.tie_choice = tie_choice
+        # None: exact float64. (rng, u): every rounding operation's result (arithmetic, functions,
+        # casts, non-integer constants, sums) is multiplied by 1 + uniform(-u, u): one of the
+        # evaluations a float32 program may compute (see :meth:`rounded`)
+        self.rounding = rounding
+
+    def rounded(self, value: np.ndarray) -> np.ndarray:
+        """``value`` moved by a random relative error within the evaluator's ``rounding`` (as is
+        without one). Exact operations (comparisons, where, min/max, abs, round, negation,
+        casts, indices, sizes) are never moved, nor integer values below 2**24 (index arithmetic,
+        counts): a float32 program computes those exactly too."""
+        if self.rounding is None:
+            return value
+        rng, u = self.rounding
+        value = np.asarray(value, np.float64)
+        with np.errstate(all="ignore"):
+            exact = (value == np.round(value)) & (np.abs(value) < 2.0**24)
+            return np.where(exact, value, value * (1.0 + rng.uniform(-u, u, value.shape)))
 
     # -- layout
     def aligned_shape(self, dims: tuple[str, ...] | list[str]) -> tuple[int, ...]:
@@ -236,7 +176,7 @@ class Evaluator:
 
     def _eval(self, e: ex.Expr, env: Mapping[str, np.ndarray]) -> np.ndarray:
         if isinstance(e, ex.Num):
-            return np.float64(e.value)
+            return self.rounded(np.float64(e.value))
         if isinstance(e, ex.Ref):
             key = e.name if e.part is None else f"{e.name}.{e.part}"
             return np.asarray(env[key], np.float64)
@@ -247,13 +187,14 @@ class Evaluator:
         if isinstance(e, ex.Neg):
             return np.negative(self._eval(e.operand, env))
         if isinstance(e, ex.BinOp):
-            return BINARY[e.op](self._eval(e.left, env), self._eval(e.right, env))
+            return self.rounded(BINARY[e.op](self._eval(e.left, env), self._eval(e.right, env)))
         if isinstance(e, ex.Compare):
             return COMPARE[e.op](self._eval(e.left, env), self._eval(e.right, env))
         if isinstance(e, ex.Call):
-            return FUNCTIONS[e.func](*(self._eval(a, env) for a in e.args))
+            value = FUNCTIONS[e.func](*(self._eval(a, env) for a in e.args))
+            return value if e.func in EXACT_FUNCTIONS else self.rounded(value)
         if isinstance(e, ex.Cast):
-            return cast_to(self._eval(e.operand, env), e.dtype)
+            return cast_to(self._eval(e.operand, env), e.dtype)  # rounds as the kernel does; its operand moved
         raise TypeError(f"cannot evaluate {e!r}")
 
     # -- steps
@@ -264,7 +205,7 @@ class Evaluator:
             value = np.broadcast_to(self.eval_expr(step.expr, env), self.aligned_shape(edims))
             ax = self.axis[step.over]
             if step.reduce == "sum":
-                return {step.name: np.sum(value, axis=ax, keepdims=True)}
+                return {step.name: self.rounded(np.sum(value, axis=ax, keepdims=True))}
             if step.reduce == "max":
                 return {step.name: np.max(value, axis=ax, keepdims=True)}
             if step.reduce == "min":
@@ -290,12 +231,36 @@ class Evaluator:
             f"{step.name}.indices": np.swapaxes(indices, ax, as_ax).astype(np.int64),
         }
 
+    def selected(self, inputs: Mapping[str, np.ndarray], part: str, indices: np.ndarray) -> np.ndarray:
+        """The float64 values that ``part``'s argmax/argmin/topk step ranks, taken at ``indices``
+        (an index output over the step's dims, as a kernel returns it; out-of-range positions
+        give NaN). Judges a selection by what it selects (fuser_core.runner)."""
+        step = self.spec.step(part.split(".")[0])
+        assert step.reduce in ("argmax", "argmin", "topk"), step
+        env = self.run(inputs)
+        ax = self.axis[step.over]
+        value = np.asarray(self.eval_expr(step.expr, env), np.float64)
+        value = np.broadcast_to(value, self.aligned_shape(self.spec.expr_dims(step.expr)))
+        idx = self.aligned(np.asarray(indices, np.int64), step.dims)
+        if step.reduce == "topk":  # the k slots lie on the `as` axis: move them to `over`
+            idx = np.swapaxes(idx, ax, self.axis[step.as_dim])
+        size = value.shape[ax]
+        outside = (idx < 0) | (idx >= size)
+        full = list(np.broadcast_shapes(value.shape[:ax] + (1,) + value.shape[ax + 1:],
+                                        idx.shape[:ax] + (1,) + idx.shape[ax + 1:]))
+        value = np.broadcast_to(value, tuple(full[:ax] + [size] + full[ax + 1:]))
+        idx = np.broadcast_to(np.where(outside, 0, idx), tuple(full[:ax] + [idx.shape[ax]] + full[ax + 1:]))
+        picked = np.where(np.broadcast_to(outside, idx.shape), np.nan, np.take_along_axis(value, idx, ax))
+        if step.reduce == "topk":
+            picked = np.swapaxes(picked, ax, self.axis[step.as_dim])
+        return np.ascontiguousarray(self.unaligned(picked, step.dims))
+
     def load_inputs(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Check and align the inputs (float64, index inputs int64)."""
         checked = check_inputs(self.spec, self.shape, inputs)
         env: dict[str, np.ndarray] = {}
         for inp in self.spec.inputs:
-            array = checked[inp.name].astype(np.int64 if inp.kind == "index" else np.float64)
+            array = checked[inp.name].astype(np.int64 if inp.is_index else np.float64)
             env[inp.name] = self.aligned(array, inp.dims)
         return env
 
@@ -357,16 +322,17 @@ def check_inputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.n
         if array.shape != want:
             raise ShapeError(f"expected shape {want} over ({', '.join(inp.dims)}), got {array.shape}",
                              loc=("inputs", inp.name))
-        if inp.kind == "index" and array.dtype.kind not in "iu":
+        if inp.is_index and not np.issubdtype(array.dtype, np.integer):
             raise ShapeError(f"an index input needs integers, got {array.dtype}", loc=("inputs", inp.name))
         out[inp.name] = array
     return out
 
 
 def evaluate(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarray], *,
-             tie_choice: int | None = None) -> dict[str, np.ndarray]:
+             tie_choice: int | None = None,
+             rounding: tuple[np.random.Generator, float] | None = None) -> dict[str, np.ndarray]:
     """The spec's outputs (see :meth:`Evaluator.outputs`)."""
-    return Evaluator(spec, shape, tie_choice=tie_choice).outputs(inputs)
+    return Evaluator(spec, shape, tie_choice=tie_choice, rounding=rounding).outputs(inputs)
 
 
 # ---------------------------------------------------------------- random inputs
@@ -404,7 +370,7 @@ def random_inputs(
     out: dict[str, np.ndarray] = {}
     for inp in spec.inputs:
         dims = tuple(bound[d] for d in inp.dims)
-        if inp.kind == "index":
+        if inp.is_index:
             out[inp.name] = rng.integers(0, index_input_bound(spec, inp.name, bound), size=dims, dtype=np.int64)
             continue
         dt = dtype if isinstance(dtype, str) else dtype.get(inp.name, "float32")

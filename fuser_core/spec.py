@@ -46,11 +46,23 @@ STEP_KEYS = {"name", "expr", "reduce", "over", "k", "as", "doc"}
 INPUT_KEYS = {"dims", "kind", "doc"}
 
 
+INPUT_KINDS = {"float": False, "index": True}  # input kind -> integer valued (positions, lengths)
+
+
 @dataclass(frozen=True)
 class Input:
     name: str
     dims: tuple[str, ...]
     kind: str = "float"  # "float" or "index"
+
+    @property
+    def is_index(self) -> bool:
+        """An integer input (positions, lengths): loaded as int32, compared, never rescaled."""
+        return INPUT_KINDS[self.kind]
+
+    @property
+    def is_float(self) -> bool:
+        return not self.is_index
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ class SymbolicSpec:
             self.leaf_step[out] = obj
         else:
             assert obj is not None
-            out = self.leaf(name, obj.dims, integer=obj.kind == "index")
+            out = self.leaf(name, obj.dims, integer=obj.is_index)
         self._value[key] = out
         return out
 
@@ -294,7 +294,8 @@ class SymbolicSpec:
                     )
                 try:
                     return sp.Piecewise((args[1], args[0]), (args[2], True))
-                except (ValueError, TypeError) as err:  # sympy folds a where() inside the condition, and may fail
+                except (ValueError, TypeError, KeyError) as err:  # sympy folds a where() inside the condition, and may
+                    # fail (KeyError: Piecewise's ITE rewrite pops a free symbol of a condition that has none)
                     raise DerivationLimitError(
                         f"{self.where}: sympy cannot fold the where() inside this where() condition ({err})"
                     ) from None

@@ -4,6 +4,12 @@ A bundle's kernels are compiled for its target's arch with Triton's GPU compiler
 no GPU (:mod:`fuser_core.codegen.gpu_compile`), in compile-pool workers (the interpreter must
 be off there). The result is a *variant* (:func:`service.bundle.make_variant`) stored in
 ``kernel_binaries`` beside the bundle and served in format-2 bundles. Not imported by the client.
+
+Also here: which variant a finished job stores (:func:`job_variant`: the cuda measurer's
+measured binary, else the host compile), one binary served on its own (:func:`kernel_binaries`,
+:func:`binary_file`, the routes in service/api/routes_kernels.py) and the backfill of kernels
+stored without binaries (:func:`backfill`, ``foldwise binaries backfill``). A request never
+compiles: the backfill is a command, so a download stays bounded in time.
 """
 
 from __future__ import annotations
@@ -14,10 +20,14 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from service import kernel_cache
+from service.errors import BundleCorrupted, NotFound
+from service.served_bundles import bundle_intact, store_served
 from service.bundle import BundleError, canonical_bytes, make_variant, verify_variant
-from service.models import Bundle, KernelBinary, utcnow
+from service.models import Bundle, Kernel, KernelBinary, utcnow
 
 log = logging.getLogger("foldwise.binaries")
 
@@ -25,9 +35,7 @@ log = logging.getLogger("foldwise.binaries")
 def compile_request_for(bundle: Mapping[str, Any], capability: int) -> Any:
     """The CompileRequest that generates exactly ``bundle``'s module (its canonical spec, shape,
     dtypes, strategy and config)."""
-    from fuser_core.codegen.gpu_compile import CompileRequest
-    from fuser_core.runner import bind_dtypes
-    from fuser_core.spec import load_spec
+    from fuser_core import CompileRequest, bind_dtypes, load_spec
 
     canon = load_spec(bundle["spec"], printed=True)
     return CompileRequest(canon, dict(bundle["shape"]), bind_dtypes(canon, bundle["dtype"]), bundle["strategy"],
@@ -38,19 +46,44 @@ def compile_variant(bundle: Mapping[str, Any], arch: str | None = None, *, pool:
     """Compile ``bundle`` for ``arch`` (default: its target's, e.g. sm_90 for h100) -> a variant.
 
     ``pool``: a CompilePool (default the process's shared one, tuner.compile_gate)."""
-    from fuser_core.codegen.gpu_compile import capability_of
-    from tuner.compile_gate import shared_compile_pool
-    from tuner.profiles import get_profile
+    from fuser_core import capability_of
+    from tuner import get_profile, shared_compile_pool
 
     capability = capability_of(arch or get_profile(bundle["target"]).arch)
     [artifacts] = (pool or shared_compile_pool()).artifacts([compile_request_for(bundle, capability)])
     return make_variant(artifacts)
 
 
+def measured_binary_of(measurer: Any, strategy: str, config: Mapping[str, Any]) -> dict | None:
+    """With a cuda measurer, the compiled kernels of the winning candidate as it measured them
+    (``measurer.measured_binary``, tuner.measured_binary), read before the measurer closes;
+    None for another measurer, or when they cannot be had (logged: the host compile follows)."""
+    measured = getattr(measurer, "measured_binary", None)
+    if measured is None or getattr(measurer, "name", None) != "cuda":
+        return None
+    try:
+        return measured(strategy, config)
+    except Exception as err:  # noqa: BLE001 - job_variant's host compile is the fallback
+        log.warning("measured binary not available, the kernel is compiled on this host instead",
+                    extra={"error": str(err)[:500]})
+        return None
+
+
+def job_variant(bundle: Mapping[str, Any], measured: Mapping[str, Any] | None = None, *, pool: Any = None) -> dict:
+    """The variant a finished job stores for its bundle: the ``measured`` artifacts of a cuda
+    measurer (:func:`measured_binary_of`) when there are some, else the bundle compiled on this
+    host for its target's arch (no GPU needed)."""
+    if measured is not None:
+        return make_variant(measured)
+    return compile_variant(bundle, pool=pool)
+
+
 def store_variant(session: Session, bundle_sha256: str, variant: dict) -> KernelBinary:
-    """Store (or replace) the variant of a stored bundle for its arch; flushes, does not commit."""
+    """Store (or replace) the variant of a stored bundle for its arch, and rebuild the bundle's
+    served format-2 copies (service.served_bundles); flushes, does not commit."""
     verify_variant(variant)
-    if session.get(Bundle, bundle_sha256) is None:
+    stored = session.get(Bundle, bundle_sha256)
+    if stored is None:
         raise LookupError(f"bundle_sha256: no stored bundle {bundle_sha256:.64}")
     content = canonical_bytes(variant)
     values = {"content": content, "sha256": hashlib.sha256(content).hexdigest(), "size": len(content),
@@ -64,6 +97,9 @@ def store_variant(session: Session, bundle_sha256: str, variant: dict) -> Kernel
         for k, v in values.items():
             setattr(row, k, v)
     session.flush()
+    if not bundle_intact(stored.content, bundle_sha256):
+        raise BundleCorrupted(f"stored bundle {bundle_sha256}: hash mismatch; its format-2 copies are not rebuilt")
+    store_served(session, json.loads(stored.content), stored_variants(session, bundle_sha256))
     return row
 
 
@@ -90,13 +126,99 @@ def stored_variants(session: Session, bundle_sha256: str, arch: str | None = Non
 
 def variant_summaries(session: Session, bundle_sha256: str) -> list[dict[str, Any]]:
     """What the dashboard shows per stored variant: arch, versions, and per kernel its name,
-    cubin size and sha256, registers, spills and shared memory (no binary bytes)."""
+    cubin size and sha256, PTX size and sha256, registers, spills and shared memory (no binary bytes)."""
     out = []
     for arch, v in stored_variants(session, bundle_sha256).items():
         out.append({"arch": arch, "triton_version": v["triton_version"], "ptxas_version": v["ptxas_version"],
                     "kernels": [{"index": n, "name": k["name"], "cubin_size": k["cubin_size"],
                                  "cubin_sha256": k["cubin_sha256"], "ptx_chars": len(k["ptx"]),
+                                 "ptx_sha256": hashlib.sha256(k["ptx"].encode()).hexdigest(),
                                  "registers": k.get("registers"), "spill_bytes": k.get("spill_bytes"),
                                  "shared_bytes": k.get("shared_bytes"), "num_warps": k["metadata"].get("num_warps")}
                                 for n, k in enumerate(v["kernels"])]})
     return out
+
+
+# ----------------------------------------------------------------------------- single binaries (API)
+
+BINARY_KINDS = {"cubin": "application/octet-stream", "ptx": "text/plain; charset=utf-8"}
+
+
+def binaries_path(kernel_id: str, arch: str, name: str, kind: str) -> str:
+    """The API path that serves one binary (:func:`binary_file`); one place for its shape."""
+    return f"/v1/kernels/{kernel_id}/binaries/{arch}/{name}.{kind}"
+
+
+def kernel_binaries(session: Session, kernel_id: str) -> dict[str, Any]:
+    """``GET /v1/kernels/{id}/binaries``: the kernel's stored variants (:func:`variant_summaries`),
+    each kernel with the paths of its cubin and PTX downloads. No variant stored: ``variants`` []."""
+    kernel = kernel_cache.get_kernel(session, kernel_id)
+    variants = variant_summaries(session, kernel.bundle_sha256)
+    for v in variants:
+        for k in v["kernels"]:
+            k["cubin_path"] = binaries_path(kernel_id, v["arch"], k["name"], "cubin")
+            k["ptx_path"] = binaries_path(kernel_id, v["arch"], k["name"], "ptx")
+    return {"kernel_id": kernel_id, "bundle_sha256": kernel.bundle_sha256, "target": kernel.target,
+            "variants": variants}
+
+
+def binary_file(session: Session, kernel_id: str, arch: str, name: str, kind: str) -> tuple[str, bytes]:
+    """(sha256, bytes) of one stored binary of a kernel: the cubin (its verified ``cubin_sha256``)
+    or the PTX of kernel ``name`` in the ``arch`` variant. Raises NotFound naming what is missing."""
+    if kind not in BINARY_KINDS:
+        raise NotFound(f"kind: {kind!r:.20} is not one of {', '.join(BINARY_KINDS)}")
+    kernel = kernel_cache.get_kernel(session, kernel_id)
+    variant = stored_variants(session, kernel.bundle_sha256, arch).get(arch)
+    if variant is None:
+        raise NotFound(f"arch: kernel {kernel_id} has no stored {arch:.16} binary")
+    found = [(k, c) for k, c in zip(variant["kernels"], verify_variant(variant)) if k["name"] == name]
+    if not found:
+        raise NotFound(f"name: the {arch} variant of kernel {kernel_id} has no kernel {name!r:.160}; "
+                            f"it has {', '.join(k['name'] for k in variant['kernels'])}")
+    entry, cubin = found[0]
+    if kind == "cubin":
+        return entry["cubin_sha256"], cubin
+    ptx = entry["ptx"].encode()
+    return hashlib.sha256(ptx).hexdigest(), ptx
+
+
+# ----------------------------------------------------------------------------- backfill
+
+
+def bundles_without_binaries(session: Session, limit: int | None = None) -> list[str]:
+    """sha256 of the bundles that kernels serve and that have no stored variant (kernels stored
+    before migration 0003, or whose compile failed), oldest kernel first."""
+    query = (sa.select(Kernel.bundle_sha256).outerjoin(KernelBinary, KernelBinary.bundle_sha256 == Kernel.bundle_sha256)
+             .where(KernelBinary.bundle_sha256.is_(None)).group_by(Kernel.bundle_sha256)
+             .order_by(sa.func.min(Kernel.created_at)))
+    if limit is not None:
+        query = query.limit(limit)
+    return list(session.execute(query).scalars())
+
+
+def backfill(sessions: Any, *, limit: int | None = None, pool: Any = None,
+             progress: Any = None) -> dict[str, int]:
+    """Compile and store the binaries of every served bundle that has none (its target's arch):
+    ``foldwise binaries backfill``. One bundle at a time, each committed on its own; a bundle
+    that does not compile is logged, counted and skipped (it stays served as source).
+    ``sessions``: a session factory. ``progress(sha256, outcome, detail)`` is told each one."""
+    with sessions() as session:
+        todo = bundles_without_binaries(session, limit)
+    counts = {"stored": 0, "failed": 0}
+    for sha in todo:
+        with sessions() as session:
+            try:
+                kernel = session.execute(sa.select(Kernel).where(Kernel.bundle_sha256 == sha).limit(1)).scalar_one()
+                content = kernel_cache.get_bundle_bytes(session, kernel)  # re-hashed: a corrupted bundle is skipped
+                variant = compile_variant(json.loads(content), pool=pool)
+                store_variant(session, sha, variant)
+                session.commit()
+                outcome, detail = "stored", variant["arch"]
+            except Exception as err:  # noqa: BLE001 - one bad bundle must not stop the others
+                session.rollback()
+                log.warning("backfill: kernel binary not stored", extra={"bundle_sha256": sha, "error": str(err)})
+                outcome, detail = "failed", f"{type(err).__name__}: {err}"
+        counts[outcome] += 1
+        if progress is not None:
+            progress(sha, outcome, detail)
+    return counts

@@ -10,12 +10,12 @@ dtypes of every tensor, canonical names) and ``size_limits`` (below), and carrie
 **Names.** Bundles are shared by everyone whose spec has the same ``spec_hash``, so a bundle
 speaks the *canonical* spec's names: dims ``d0, d1, ...``, steps ``s0, s1, ...`` (inputs keep
 their own names; see :mod:`fuser_core.canonical`). ``shape`` and ``config.blocks`` are keyed by
-canonical dims and the kernel is generated from the canonical spec. :func:`make_bundle`
-accepts a spec in any naming and translates; :meth:`BundleKernel.for_spec` (or
-``load_bundle(bundle, spec=...)``) gives a callable that speaks the caller's own names:
-output parts by the caller's step names, each with its dims in the caller's order (the
-canonical spec lists inputs sorted by name, so its output dim order can differ; such outputs
-are returned as permuted views, no copy).
+canonical dims and the kernel is generated from the canonical spec.
+:func:`service.bundle_maker.make_bundle` accepts a spec in any naming and translates;
+:meth:`BundleKernel.for_spec` (or ``load_bundle(bundle, spec=...)``) gives a callable that
+speaks the caller's own names: output parts by the caller's step names, each with its dims in
+the caller's order (the canonical spec lists inputs sorted by name, so its output dim order
+can differ; such outputs are returned as permuted views, no copy).
 
 **Other sizes.** A bundle's kernel was tuned for ``shape``, but the generated launcher takes
 the sizes at call time, every dim is masked, and params like ``1/sqrt(size(d))`` are computed
@@ -30,14 +30,18 @@ server, never text a user wrote. It first verifies the bundle's sha256 (the clie
 it against the ``ETag``) and that the source imports only os, torch and triton. The hash proves
 the bundle is the one the server stored, not who wrote it: only point a client at a server you
 trust, over HTTPS.
+
+**Light.** This module is the bundle format, its verification and the runtime loader: what
+:mod:`service.client` needs on an inference server's start-up path. It imports neither sympy,
+scipy nor numpy (nor torch and triton until a kernel is run or a binary installed);
+tests/test_client.py checks it. Making a bundle (derivation and code generation) is the
+server's: :mod:`service.bundle_maker`.
 """
 
 from __future__ import annotations
 
 import ast
 import base64
-import copy
-import datetime as _dt
 import hashlib
 import importlib.util
 import json
@@ -50,10 +54,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from fuser_core.canonical import canonical_form, canonical_json, canonical_names, spec_hash
-from fuser_core.errors import SpecError
-from fuser_core.runner import bind_dtypes
-from fuser_core.spec import Spec, load_spec
+from fuser_core import Spec, SpecError, bind_dtypes, bind_shape, canonical_json, canonical_names, load_spec, spec_hash
+# the shape and dtype normalisers live with the Problem; importable from here as before
+from fuser_core import canonical_shape
 
 BUNDLE_FORMAT = "foldwise-bundle/1"
 BUNDLE_FORMAT_2 = "foldwise-bundle/2"  # /1 plus "binaries": compiled cubins per arch (binaries section below)
@@ -64,6 +67,7 @@ REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 ALLOWED_IMPORTS = {"os", "torch", "triton", "triton.language"}
 MAX_SOURCE_CHARS = 4 * 1024 * 1024  # generated modules are tens of KiB
+MAX_SHAPE_CHARS = 2048  # shape text ("m=4,n=300") of a query or command line
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _ARCH = re.compile(r"sm_\d{2,3}a?\Z")
 MAX_CUBIN_BYTES = 8 * 1024 * 1024  # Foldwise's cubins are tens of KiB
@@ -103,35 +107,25 @@ def canonical_spec(spec: Spec) -> Spec:
     return load_spec(canonical_json(spec), printed=True)
 
 
-def canonical_shape(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
-    """``shape`` in ``spec``'s dim names -> the complete shape in canonical dim names.
-
-    Validated with :func:`fuser_core.reference.bind_shape` (a topk ``as`` dim may be left out).
-    """
-    from fuser_core.reference import bind_shape
-
-    names = canonical_names(spec)
-    return {names[d]: n for d, n in sorted(bind_shape(spec, shape).items(), key=lambda kv: names[kv[0]])}
-
-
-def normalize_dtype(spec: Spec, dtype: str | Mapping[str, str]) -> str | dict[str, str]:
-    """One canonical form of a dtype request: a string when every floating input shares one
-    of float32/float16/bfloat16 (and index inputs are int64), else the complete per-input map.
-
-    So ``{"x": "float16"}`` and ``"float16"`` name the same kernel. Input names are the same
-    in every naming of a spec, so the result needs no translation.
-    """
-    bound = bind_dtypes(spec, dtype)
-    floats = {bound[i.name] for i in spec.inputs if i.kind == "float"}
-    index_default = all(bound[i.name] == "int64" for i in spec.inputs if i.kind == "index")
-    if len(floats) == 1 and index_default and next(iter(floats)) in ("float32", "float16", "bfloat16"):
-        return next(iter(floats))
-    return dict(sorted(bound.items()))
-
-
 def dtype_text(dtype: str | Mapping[str, str]) -> str:
     """A normalized dtype as query text: the string, or compact sorted JSON for a map."""
     return dtype if isinstance(dtype, str) else json.dumps(dict(sorted(dtype.items())), separators=(",", ":"))
+
+
+def parse_dtype_text(text: str) -> str | dict[str, str]:
+    """``"float16"``, or a JSON object of input name -> dtype: the one reader of dtype text (the
+    inverse of :func:`dtype_text`), for the CLI's ``--dtype`` and the ``dtype`` query of the API
+    and dashboard. Names are checked against a spec later (:func:`fuser_core.normalize_dtype`); here only
+    the text's form: :class:`SpecError` on ``dtype`` otherwise."""
+    if not text.lstrip().startswith("{"):
+        return text.strip()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SpecError(f"not valid JSON: {err.msg}", loc=("dtype",)) from None
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise SpecError("expected a JSON object of input name -> dtype", loc=("dtype",))
+    return value
 
 
 def shape_text(shape: Mapping[str, int]) -> str:
@@ -139,105 +133,38 @@ def shape_text(shape: Mapping[str, int]) -> str:
     return ",".join(f"{k}={int(v)}" for k, v in sorted(shape.items()))
 
 
-# ----------------------------------------------------------------------------- making
+def parse_shape_text(text: str) -> dict[str, int]:
+    """``"m=4,n=300"`` -> ``{"m": 4, "n": 300}``: the one reader of shape text (the inverse of
+    :func:`shape_text`), for the CLI's ``--shape``, the API's and dashboard's ``shape`` query and
+    the client. Sizes are checked against a spec later (:func:`fuser_core.problem.bind_shape`);
+    here only the text's form: :class:`SpecError` on ``shape`` otherwise."""
+    if not isinstance(text, str):
+        raise SpecError(f"expected dim=size pairs like m=4,n=300, got {type(text).__name__}", loc=("shape",))
+    if len(text) > MAX_SHAPE_CHARS:
+        raise SpecError(f"longer than {MAX_SHAPE_CHARS} characters", loc=("shape",))
+    shape: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not name or not value.isdigit() or not value.isascii() or len(value) > 19:
+            raise SpecError(f"expected dim=size pairs like m=4,n=300, got {item[:40]!r}", loc=("shape",))
+        if name in shape:
+            raise SpecError(f"dim {name[:40]!r} is given twice", loc=("shape",))
+        shape[name] = int(value)
+    if not shape:
+        raise SpecError("expected dim=size pairs like m=4,n=300", loc=("shape",))
+    return shape
 
 
-def make_bundle(
-    spec: Spec, *, shape: Mapping[str, int], dtype: str | Mapping[str, str], target: str, strategy: str,
-    config: Mapping[str, Any], measured: Mapping[str, Any], derivation: Mapping[str, Any] | None = None,
-) -> dict:
-    """Generate the kernel for (spec, shape, dtype, strategy, config) and wrap it in a bundle.
+def user_names(spec: Spec) -> dict[str, str]:
+    """Canonical name (``d0``, ``s0``) -> ``spec``'s own name for it: how a canonical shape,
+    config or output part is shown in the names of the spec someone submitted."""
+    return {canon: user for user, canon in canonical_names(spec).items()}
 
-    ``spec``, ``shape`` and ``config.blocks`` may use any naming of the spec (translated to the
-    canonical names). ``measured`` is stored as given (time, baselines, device, measurer...),
-    with ``triton_version``, ``torch_version`` and ``date`` filled in when absent.
-    ``derivation`` is the derivation report; None computes it for the canonical spec
-    (recommended: then its text uses the bundle's own names).
-    """
-    import torch
-    import triton
 
-    from fuser_core.codegen.module import GENERATOR_VERSION, generate, output_dtypes
-    from fuser_core.codegen.plan import STRATEGIES, KernelConfig, NotValid
-    from fuser_core.derive import derive_cascade
-    from tuner.profiles import get_profile
-
-    if not isinstance(spec, Spec):
-        raise BundleError(f"spec: expected a loaded Spec (fuser_core.spec.load_spec), got {type(spec).__name__}")
-    names = canonical_names(spec)
-    canon = canonical_spec(spec)
-    try:
-        cshape = canonical_shape(spec, shape)
-        norm_dtype = normalize_dtype(spec, dtype)
-    except SpecError as err:
-        raise BundleError(str(err)) from None
-    try:
-        target_name = get_profile(target).name
-    except ValueError as err:
-        raise BundleError(f"target: {err}") from None
-    if strategy not in STRATEGIES:
-        raise BundleError(f"strategy: {strategy!r} cannot be bundled; one of {', '.join(STRATEGIES)}")
-    try:
-        raw = dict(config)
-        blocks = raw.get("blocks", {})
-        if isinstance(blocks, Mapping):
-            unknown = [d for d in blocks if d not in names or d not in spec.dims]
-            if unknown:
-                raise ValueError(f"blocks names unknown dim {unknown[0]!r}; the spec's dims are {', '.join(spec.dims)}")
-            raw["blocks"] = {names[d]: b for d, b in blocks.items()}
-        kconfig = KernelConfig.from_dict(raw)
-    except (ValueError, TypeError) as err:
-        raise BundleError(f"config: {err}") from None
-    if not isinstance(measured, Mapping):
-        raise BundleError(f"measured: expected an object, got {type(measured).__name__}")
-    if derivation is not None and not isinstance(derivation, Mapping):
-        raise BundleError(f"derivation: expected an object, got {type(derivation).__name__}")
-
-    dtypes = bind_dtypes(canon, norm_dtype)
-    derived = derive_cascade(canon)
-    try:
-        module = generate(canon, derived, strategy, cshape, kconfig, dtypes)
-    except NotValid as err:
-        shown = json.dumps(kconfig.to_dict(), sort_keys=True)
-        raise BundleError(f"strategy {strategy} with config {shown}: {err}") from None
-    plan = module.plan
-    stores = output_dtypes(canon, dtypes)
-    if derivation is None:
-        from fuser_core.report import derivation_report
-
-        derivation = derivation_report(canon)
-    elif derivation.get("spec_hash", spec_hash(spec)) != spec_hash(spec):
-        raise BundleError("derivation: its spec_hash is not the spec's")
-
-    held_whole = set(plan.inner) | {s.as_dim for s in canon.steps if s.as_dim}
-    if strategy == "row_resident":
-        held_whole.add(plan.axis)
-    record = dict(measured)
-    record.setdefault("triton_version", triton.__version__)
-    record.setdefault("torch_version", torch.__version__)
-    record.setdefault("date", _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
-    bundle: dict[str, Any] = {
-        "format": BUNDLE_FORMAT,
-        "spec": canonical_form(spec),
-        "spec_hash": spec_hash(spec),
-        "shape": cshape,
-        "dtype": norm_dtype,
-        "target": target_name,
-        "strategy": strategy,
-        "config": kconfig.to_dict(),
-        "blocks": dict(sorted(plan.blocks.items())),
-        "size_limits": {d: plan.blocks[d] for d in sorted(held_whole)},
-        "inputs": {i.name: {"dims": list(i.dims), "dtype": dtypes[i.name]} for i in canon.inputs},
-        "outputs": {p: {"dims": list(canon.step(p.split(".")[0]).dims), "dtype": stores[p]}
-                    for p in canon.output_parts},
-        "triton_source": module.source,
-        "generator_version": GENERATOR_VERSION,
-        "triton_version": triton.__version__,
-        "measured": copy.deepcopy(record),
-        "derivation": copy.deepcopy(dict(derivation)),
-    }
-    bundle["sha256"] = bundle_sha256(bundle)
-    return bundle
+def display_shape(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
+    """A canonical shape in ``spec``'s own dim names."""
+    back = user_names(spec)
+    return {back.get(d, d): n for d, n in shape.items()}
 
 
 # ----------------------------------------------------------------------------- verifying
@@ -463,6 +390,18 @@ def _verify_v2(bundle: dict) -> None:
     verify_bundle(bundle_v1(bundle))
 
 
+def _statements(tree: ast.Module):
+    """Every statement of ``tree``, nested ones included. Imports are statements, so this finds
+    every one that ``ast.walk`` would, without visiting the (many more) expression nodes: the
+    walk was most of a bundle's verification time, which a cubin load pays at start-up."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            todo.extend(getattr(node, field, None) or ())
+
+
 def _check_source(source: str) -> None:
     """The generated module's shape: parses, imports only os/torch/triton, defines launch()."""
     if len(source) > MAX_SOURCE_CHARS:
@@ -472,7 +411,7 @@ def _check_source(source: str) -> None:
             tree = ast.parse(source)
     except SyntaxError as err:
         raise BundleError(f"triton_source: not valid Python (line {err.lineno}: {err.msg})") from None
-    for node in ast.walk(tree):
+    for node in _statements(tree):
         if isinstance(node, ast.Import):
             bad = [a.name for a in node.names if a.name not in ALLOWED_IMPORTS]
         elif isinstance(node, ast.ImportFrom):
@@ -560,7 +499,7 @@ class BundleKernel:
         self._user = user or self._canon
         # caller's dim/step name -> canonical name (identity for the canonical spec itself)
         self._names = canonical_names(user) if user is not None else {n: n for n in self._all_names(self._canon)}
-        self._back = {c: u for u, c in self._names.items()}
+        self._back = user_names(user) if user is not None else {n: n for n in self._names}
 
     @staticmethod
     def _all_names(spec: Spec) -> list[str]:
@@ -666,8 +605,6 @@ class BundleKernel:
         return self._to_user(outputs)
 
     def _check_sizes(self, sizes: dict[str, int]) -> dict[str, int]:
-        from fuser_core.reference import bind_shape
-
         try:
             bind_shape(self._user, sizes)
         except SpecError as err:

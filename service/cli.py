@@ -15,18 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from service.tuning import MEASURERS  # noqa: F401  (the measurer names the CLI accepts)
-
-EXIT_INVALID = 2
-
-
-class UsageError(Exception):
-    """Bad input from the command line (exit 2)."""
+from service.cli_errors import EXIT_INVALID, UsageError
 
 
 def _read_spec_source(name_or_path: str) -> bytes:
     """The bytes of the spec a command-line argument means: a file, else a catalog name."""
-    from fuser_core.catalog import CatalogError, spec_source
+    from fuser_core import CatalogError, spec_source
 
     try:
         return spec_source(name_or_path)
@@ -35,13 +29,13 @@ def _read_spec_source(name_or_path: str) -> bytes:
 
 
 def _read_spec(name_or_path: str):
-    from fuser_core.spec import load_spec
+    from fuser_core import load_spec
 
     return load_spec(_read_spec_source(name_or_path))
 
 
 def cmd_derive(args: argparse.Namespace) -> int:
-    from fuser_core.report import derivation_report
+    from fuser_core import derivation_report
 
     spec = _read_spec(args.spec)
     report = derivation_report(spec)
@@ -54,7 +48,7 @@ def cmd_derive(args: argparse.Namespace) -> int:
 
 def cmd_catalog(args: argparse.Namespace) -> int:
     """``foldwise catalog``: the specs known by name; ``foldwise catalog NAME``: one spec's JSON."""
-    from fuser_core.catalog import PACKAGED_DIR, catalog_dirs, catalog_entries
+    from fuser_core import PACKAGED_DIR, catalog_dirs, catalog_entries
 
     if args.name:
         sys.stdout.write(_read_spec_source(args.name).decode("utf-8", "replace"))
@@ -73,39 +67,25 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_shape(text: str) -> dict[str, int]:
-    """``m=4,n=300`` -> {"m": 4, "n": 300}."""
-    shape: dict[str, int] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip() or not value.strip().lstrip("-").isdigit():
-            raise UsageError(f"--shape: expected dim=size pairs like m=4,n=300, got {item!r}")
-        shape[name.strip()] = int(value)
-    return shape
+def shape_and_dtype(args: argparse.Namespace) -> tuple[dict[str, int], str | dict[str, str]]:
+    """``--shape m=4,n=300`` and ``--dtype float16`` (or a JSON object of input -> dtype), read
+    by :func:`service.bundle.parse_shape_text` and ``parse_dtype_text``; UsageError naming the flag."""
+    from fuser_core import SpecError
+    from service.bundle import parse_dtype_text, parse_shape_text
 
-
-def parse_dtype(text: str) -> str | dict[str, str]:
-    """``float16``, or a JSON object of input -> dtype."""
-    if text.lstrip().startswith("{"):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise UsageError(f"--dtype: not valid JSON: {err.msg}") from None
-        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-            raise UsageError("--dtype: expected a JSON object of input name -> dtype")
-        return value
-    return text
+    try:
+        return parse_shape_text(args.shape), parse_dtype_text(args.dtype)
+    except SpecError as err:
+        raise UsageError(f"--{err.loc[0]}: {err.message}") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from fuser_core.codegen.plan import KernelConfig, NotValid
-    from fuser_core.runner import run, self_check
+    from fuser_core import KernelConfig, NotValid, run, self_check
 
     spec = _read_spec(args.spec)
-    shape = parse_shape(args.shape)
-    dtype = parse_dtype(args.dtype)
+    shape, dtype = shape_and_dtype(args)
     config = None
     if args.config:
         try:
@@ -147,16 +127,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     """``foldwise compile``: the GPU compiler on each generated kernel, for a target's arch, with no
     GPU needed. Exit 0 when every kernel compiles, 1 when one fails, 2 on bad input."""
-    from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest, capability_of
-    from fuser_core.codegen.plan import BASELINE, STRATEGIES, KernelConfig, valid_strategies
-    from fuser_core.derive import derive_cascade
-    from fuser_core.reference import bind_shape
-    from fuser_core.runner import bind_dtypes
-    from tuner.profiles import get_profile
+    from fuser_core import (
+        BASELINE, STRATEGIES, CompilePool, CompileRequest, KernelConfig, bind_dtypes, bind_shape, capability_of,
+        derive_cascade, valid_strategies,
+    )
+    from tuner import get_profile
 
     spec = _read_spec(args.spec)
-    shape = bind_shape(spec, parse_shape(args.shape))
-    dtypes = bind_dtypes(spec, parse_dtype(args.dtype))
+    raw_shape, raw_dtype = shape_and_dtype(args)
+    shape = bind_shape(spec, raw_shape)
+    dtypes = bind_dtypes(spec, raw_dtype)
     try:
         profile = get_profile(args.target)
     except ValueError as err:
@@ -180,11 +160,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
     requests = [CompileRequest(spec, shape, dtypes, s, config, capability) for s in strategies]
     with CompilePool(min(len(requests), 4)) as pool:
         modules = pool.compile(requests)
+        kernels = [{"strategy": m.strategy, **k.to_dict()} for m in modules for k in m.kernels]
+        failed = sum(not k["ok"] for k in kernels)
+        if args.out and not failed:
+            _write_binaries(pool, [r for r, m in zip(requests, modules) if not m.refused], Path(args.out))
     for module in modules:
         if module.refused:
             refused[module.strategy] = module.refused
-    kernels = [{"strategy": m.strategy, **k.to_dict()} for m in modules for k in m.kernels]
-    failed = sum(not k["ok"] for k in kernels)
     if args.json:
         print(json.dumps({"spec": spec.name, "target": profile.name, "arch": profile.arch, "shape": shape,
                           "dtypes": dtypes, "kernels": kernels, "refused": refused,
@@ -202,6 +184,17 @@ def cmd_compile(args: argparse.Namespace) -> int:
         for s, why in refused.items():
             print(f"{s:<16} refused: {why}")
     return 1 if failed else 0
+
+
+def _write_binaries(pool, requests: list, out: Path) -> None:
+    """``compile --out DIR``: each module's cubin and PTX per kernel, as the kernel store keeps
+    them (``CompilePool.artifacts``), in ``DIR/<strategy>/<kernel name>.cubin|.ptx``."""
+    for request, artifacts in zip(requests, pool.artifacts(requests)):
+        folder = out / request.strategy
+        folder.mkdir(parents=True, exist_ok=True)
+        for kernel in artifacts["kernels"]:
+            (folder / f"{kernel['name']}.cubin").write_bytes(kernel["cubin"])
+            (folder / f"{kernel['name']}.ptx").write_text(kernel["ptx"])
 
 
 def _quiet_optuna() -> None:
@@ -237,7 +230,7 @@ def _cuda_measurer(profile):
 def _open_storage(url: str, heartbeat: int = 10):
     import sqlalchemy
 
-    from tuner.search import make_storage
+    from tuner import make_storage
 
     if heartbeat < 1:
         raise UsageError(f"--heartbeat: must be at least 1 second, got {heartbeat}")
@@ -256,7 +249,7 @@ class ProgressBar:
         self.budget, self.stream, self.width = budget, stream or sys.stderr, width
 
     def __call__(self, study, trial) -> None:
-        from tuner.search import budget_used
+        from tuner import budget_used
 
         done = min(budget_used(study), self.budget)
         filled = self.width * done // max(1, self.budget)
@@ -283,6 +276,20 @@ def _run_tuner(tuner, budget: int, *, as_json: bool, **kwargs):
             bar.close()
 
 
+def _tune_and_print(tuner, budget: int, args: argparse.Namespace, **kwargs) -> int:
+    """Run the search (:func:`_run_tuner`) and print its result: exit 0, or 1 when no
+    configuration worked."""
+    from tuner import NoResult
+
+    try:
+        result = _run_tuner(tuner, budget, as_json=args.json, **kwargs)
+    except NoResult as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    _print_result(result, as_json=args.json, storage_url=args.db)
+    return 0
+
+
 def _print_result(result, *, as_json: bool, storage_url: str | None) -> None:
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -306,30 +313,22 @@ def _compile_pruned_note(counts: dict[str, int]) -> str:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from fuser_core.spec import load_spec
-    from tuner.search import NoResult, Tuner, study_name_for
+    from fuser_core import load_spec
+    from tuner import Tuner, study_name_for
 
     source = _read_spec_source(args.spec)
     spec = load_spec(source)
     raw_spec = json.loads(source)
-    shape = parse_shape(args.shape)
-    dtype = parse_dtype(args.dtype)
+    shape, dtype = shape_and_dtype(args)
     if args.trials < 1:
         raise UsageError(f"--trials: must be at least 1, got {args.trials}")
     space, measurer, gate, attrs = _tuning_setup(spec, raw_spec, shape, dtype, args.target, args.measurer,
                                                  compile_check=args.compile_check)
     _quiet_optuna()
     storage = _open_storage(args.db, args.heartbeat) if args.db else None
-    name = study_name_for(attrs["spec_hash"], attrs["shape"], attrs["dtype"], attrs["target"], args.measurer)
-    tuner = Tuner(space, measurer, seed=args.seed, gate=gate)
-    try:
-        result = _run_tuner(tuner, args.trials, as_json=args.json, storage=storage, study_name=name,
-                            attrs={**attrs, "budget": args.trials, "seed": args.seed})
-    except NoResult as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    _print_result(result, as_json=args.json, storage_url=args.db)
-    return 0
+    name = study_name_for(attrs["spec_hash"], attrs["shape"], attrs["dtype"], attrs["target"], attrs["measurer"])
+    return _tune_and_print(Tuner(space, measurer, seed=args.seed, gate=gate), args.trials, args, storage=storage,
+                           study_name=name, attrs={**attrs, "budget": args.trials, "seed": args.seed})
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -341,8 +340,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return cmd_worker_queue(args)
     import optuna
 
-    from fuser_core.spec import load_spec
-    from tuner.search import NoResult, Tuner
+    from fuser_core import load_spec
+    from tuner import Tuner
 
     _quiet_optuna()
     storage = _open_storage(args.db, args.heartbeat)
@@ -364,21 +363,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     spec = load_spec(attrs["spec"])
     space, measurer, gate, _ = _tuning_setup(spec, attrs["spec"], attrs["shape"], attrs["dtype"], attrs["target"],
                                              attrs["measurer"])
-    try:
-        result = _run_tuner(Tuner(space, measurer, seed=args.seed, gate=gate), int(attrs["budget"]), as_json=args.json,
-                            storage=storage, study_name=args.study, max_trials=args.trials)
-    except NoResult as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    _print_result(result, as_json=args.json, storage_url=args.db)
-    return 0
+    return _tune_and_print(Tuner(space, measurer, seed=args.seed, gate=gate), int(attrs["budget"]), args,
+                           storage=storage, study_name=args.study, max_trials=args.trials)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """``foldwise bench``: tuned fused kernels against their baselines (tuner/bench.py). Without
     a CUDA GPU it refuses (exit 2) unless ``--device cpu`` asks for the interpreter smoke mode."""
-    from tuner.bench import BASELINES, BenchError, run_bench
-    from tuner.measure_cuda import TimingSettings
+    from tuner import BASELINES, BenchError, TimingSettings, run_bench
 
     if args.trials < 1:
         raise UsageError(f"--trials: must be at least 1, got {args.trials}")
@@ -461,6 +453,13 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(line for line in lines if line)
 
 
+def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
+    """The spec, ``--shape`` and ``--dtype`` of the commands that generate kernels."""
+    parser.add_argument("spec", help=SPEC_HELP)
+    parser.add_argument("--shape", required=True, help="dim sizes, e.g. m=4,n=300")
+    parser.add_argument("--dtype", default="float32", help="float32|float16|bfloat16, or a JSON map input -> dtype")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fuser_core import __version__
 
@@ -478,9 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     derive.add_argument("--json", action="store_true", help="print one JSON object")
     derive.set_defaults(func=cmd_derive)
     run = sub.add_parser("run", help="generate the Triton kernel(s) and run them (interpreter without a GPU)")
-    run.add_argument("spec", help=SPEC_HELP)
-    run.add_argument("--shape", required=True, help="dim sizes, e.g. m=4,n=300")
-    run.add_argument("--dtype", default="float32", help="float32|float16|bfloat16, or a JSON map input -> dtype")
+    _add_problem_arguments(run)
     run.add_argument("--inputs", help="npz with one array per input name; without it, random inputs are checked")
     run.add_argument("--out", help="npz to write the outputs to (by output name; topk: NAME.values, NAME.indices)")
     run.add_argument("--strategy", help="row_resident|streaming_fused|split_fused|multi_pass, or unfused_chain (the baseline); default: best valid")
@@ -491,20 +488,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compile every kernel of the generated module(s) for the target's arch (h100/h200: sm_90, "
                     "a100: sm_80) and report registers, spills and shared memory. Exit 0 when all compile, 1 when "
                     "one fails, 2 on bad input.")
-    compile_.add_argument("spec", help=SPEC_HELP)
-    compile_.add_argument("--shape", required=True, help="dim sizes, e.g. m=4,n=300")
-    compile_.add_argument("--dtype", default="float32", help="float32|float16|bfloat16, or a JSON map input -> dtype")
+    _add_problem_arguments(compile_)
     compile_.add_argument("--target", default="h100", help="GPU profile whose arch to compile for (h100, h200, a100)")
     compile_.add_argument("--strategy", default="all",
                           help="one strategy, unfused_chain, or all (every valid strategy plus the chain)")
     compile_.add_argument("--config", help='JSON, e.g. {"blocks": {"n": 64}, "num_warps": 4}; default: each '
                                            "strategy's default configuration")
     compile_.add_argument("--json", action="store_true", help="print one JSON object (one entry per kernel)")
+    compile_.add_argument("--out", metavar="DIR", help="also write each kernel's cubin and PTX to "
+                                                      "DIR/<strategy>/<kernel>.cubin|.ptx (when every kernel compiles)")
     compile_.set_defaults(func=cmd_compile)
     tune = sub.add_parser("tune", help="search kernel configurations with Optuna")
-    tune.add_argument("spec", help=SPEC_HELP)
-    tune.add_argument("--shape", required=True, help="dim sizes, e.g. m=4,n=300")
-    tune.add_argument("--dtype", default="float32", help="float32|float16|bfloat16, or a JSON map input -> dtype")
+    _add_problem_arguments(tune)
     tune.add_argument("--target", default="h100", help="GPU profile to tune for (h100, h200, a100, ...)")
     tune.add_argument("--measurer", default="model",
                       help="cuda (time on this GPU) or model (predict from the target's profile)")
@@ -581,7 +576,7 @@ def _describe_commands(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fuser_core.errors import DerivationLimitError, SpecError
+    from fuser_core import DerivationLimitError, SpecError
 
     args = build_parser().parse_args(argv)
     try:

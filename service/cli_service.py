@@ -1,5 +1,5 @@
 """The service's commands of the ``foldwise`` CLI: ``serve``, ``worker`` (job-queue mode),
-``db upgrade``/``db current`` and ``token create|revoke|list``.
+``db upgrade``/``db current``, ``binaries backfill`` and ``token create|revoke|list``.
 
 Kept out of service/cli.py so the CLI module stays small; :func:`add_service_commands` adds
 the parsers and service/cli.py's ``worker`` command calls :func:`cmd_worker_queue` when no
@@ -11,20 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import sys
 import threading
 from typing import Any
 
-EXIT_INVALID = 2
-log = logging.getLogger("foldwise.serve")
-
-
-def _usage(message: str) -> Exception:
-    from service.cli import UsageError
-
-    return UsageError(message)
+from service.cli_errors import UsageError
 
 
 def _settings(**overrides: Any):
@@ -37,7 +29,7 @@ def _settings(**overrides: Any):
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(p) for p in first.get("loc", ())) or "settings"
-        raise _usage(f"--{field.replace('_', '-')} (or FOLDWISE_{field.upper()}): {first.get('msg')}") from None
+        raise UsageError(f"--{field.replace('_', '-')} (or FOLDWISE_{field.upper()}): {first.get('msg')}") from None
 
 
 def _engine(url: str):
@@ -51,9 +43,9 @@ def _engine(url: str):
             pass
         return engine
     except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ValueError) as err:
-        raise _usage(f"--db: not a database URL this build can open ({url!r}): {err}") from None
+        raise UsageError(f"--db: not a database URL this build can open ({url!r}): {err}") from None
     except sa.exc.OperationalError as err:
-        raise _usage(f"--db: cannot connect to {url!r}: {str(err.orig).strip() or err}") from None
+        raise UsageError(f"--db: cannot connect to {url!r}: {str(err.orig).strip() or err}") from None
 
 
 def _is_sqlite(url: str) -> bool:
@@ -66,7 +58,7 @@ def _current_or_exit(engine) -> None:
     try:
         check_current(engine)
     except DatabaseBehind as err:
-        raise _usage(str(err)) from None
+        raise UsageError(str(err)) from None
 
 
 # ----------------------------------------------------------------------------- db
@@ -108,7 +100,7 @@ def cmd_token(args: argparse.Namespace) -> int:
                 try:
                     token, secret = auth.create_token(session, args.name, args.scopes)
                 except ValueError as err:
-                    raise _usage(f"--{'scopes' if 'scope' in str(err) else 'name'}: {err}") from None
+                    raise UsageError(f"--{'scopes' if 'scope' in str(err) else 'name'}: {err}") from None
                 if args.json:
                     print(json.dumps({"id": token.id, "name": token.name, "scopes": token.scopes.split(),
                                       "token": secret}))
@@ -118,10 +110,11 @@ def cmd_token(args: argparse.Namespace) -> int:
                           "shown only now: store it", file=sys.stderr)
             elif args.action == "revoke":
                 if (args.name is None) == (args.id is None):
-                    raise _usage("token revoke: give --name or --id")
+                    raise UsageError("token revoke: give --name or --id")
                 revoked = auth.revoke_token(session, name=args.name, token_id=args.id)
                 if not revoked:
-                    raise _usage(f"no active token with {'name ' + repr(args.name) if args.name else 'id ' + args.id}")
+                    which = f"name {args.name!r}" if args.name else f"id {args.id}"
+                    raise UsageError(f"no active token with {which}")
                 for t in revoked:
                     print(f"revoked token {t.name!r} (id {t.id})")
             else:
@@ -160,9 +153,9 @@ def cmd_worker_queue(args: argparse.Namespace) -> int:
         done = run_worker(settings.db_url, measurer=measurer, target=settings.target, worker_id=args.worker_id,
                           stop=stop, poll_s=args.poll, once=args.once, settings=settings)
     except SetupError as err:
-        raise _usage(err.cli_message) from None
+        raise UsageError(err.cli_message) from None
     except DatabaseBehind as err:
-        raise _usage(str(err)) from None
+        raise UsageError(str(err)) from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -188,17 +181,18 @@ def _stop_on_signals(stop: threading.Event) -> dict[int, Any]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Migrate (SQLite) or check (shared database) the database, then run the API with N worker threads."""
-    import uvicorn
-
+    """Migrate (SQLite) or check (shared database) the database, then run the API in N processes
+    and the tuning workers in one process of their own (service/serve.py)."""
     from service import auth
-    from service.api import create_app
     from service.db import session_factory, upgrade
     from service.logs import configure_logging
+    from service.serve import serve
     from service.tuning import default_measurer
 
     settings = _settings(db_url=args.db, host=args.host, port=args.port, workers=args.workers,
                          target=args.target, measurer=args.measurer)
+    if args.processes < 1:
+        raise UsageError(f"--processes: at least 1, got {args.processes}")
     configure_logging(args.log_level)
     url = settings.db_url
     engine = _engine(url)
@@ -211,78 +205,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             try:
                 auth.check_bind_allowed(session, settings.host)
             except PermissionError as err:
-                raise _usage(str(err)) from None
+                raise UsageError(str(err)) from None
     finally:
         engine.dispose()
 
-    app = create_app(settings)
-    stop = threading.Event()
     # picking the default looks for a GPU (imports torch): only when there are workers to run
     measurer = settings.measurer or (default_measurer() if settings.workers else "model")
-    threads = [threading.Thread(target=_worker_thread, args=(settings, measurer, stop, i), daemon=True,
-                                name=f"foldwise-worker-{i}") for i in range(settings.workers)]
-    for t in threads:
-        t.start()
-    log.info("serving", extra={"url": f"http://{settings.host}:{settings.port}", "db": _shown(url),
-                               "workers": settings.workers, "measurer": measurer, "target": settings.target})
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            log_level=args.log_level, timeout_graceful_shutdown=10)
-    server = _Server(config)
-    previous = _shutdown_on_signals(server, stop)
-    try:
-        server.run()
-    finally:
-        stop.set()  # the in-process workers finish their trial and give their jobs back
-        for t in threads:
-            t.join(timeout=15)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    serve(settings, processes=args.processes, measurer=measurer, log_level=args.log_level)
     return 0
-
-
-def _server_class():
-    import contextlib
-
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn's server without its own signal handling: after a graceful shutdown uvicorn
-        re-raises the signal, which would end the process before the in-process workers give
-        their jobs back; :func:`_shutdown_on_signals` handles SIGTERM/SIGINT instead."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):  # type: ignore[override]
-            yield
-
-    return Server
-
-
-def _Server(config: Any) -> Any:
-    return _server_class()(config)
-
-
-def _shutdown_on_signals(server: Any, stop: threading.Event) -> dict[int, Any]:
-    """SIGTERM/SIGINT: stop accepting, finish the requests in flight, stop the workers; a
-    second signal: exit at once."""
-    def handler(signum: int, frame: Any) -> None:
-        if server.should_exit:
-            server.force_exit = True
-        server.should_exit = True
-        stop.set()
-
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-
-def _worker_thread(settings: Any, measurer: str, stop: threading.Event, index: int) -> None:
-    from service.worker import new_worker_id, run_worker
-
-    try:
-        run_worker(settings.db_url, measurer=measurer, target=settings.target, stop=stop, settings=settings,
-                   worker_id=f"{new_worker_id()}-t{index}")
-    except Exception:  # the API keeps serving; the log says why this worker is gone
-        log.exception("in-process worker stopped", extra={"worker": index})
 
 
 def _shown(url: str) -> str:
@@ -294,22 +224,51 @@ def _shown(url: str) -> str:
         return "?"
 
 
+# ----------------------------------------------------------------------------- binaries
+
+
+def cmd_binaries(args: argparse.Namespace) -> int:
+    """``binaries backfill``: compile and store the binaries of kernels that have none."""
+    from service.binaries import backfill
+    from service.db import session_factory
+    from tuner import shared_compile_pool
+
+    settings = _settings(db_url=args.db)
+    engine = _engine(settings.db_url)
+    try:
+        _current_or_exit(engine)
+
+        def progress(sha: str, outcome: str, detail: str) -> None:
+            print(f"{sha[:16]}  {outcome}  {detail}", flush=True)
+
+        counts = backfill(session_factory(engine), limit=args.limit, pool=shared_compile_pool(), progress=progress)
+    finally:
+        engine.dispose()
+    print(f"{counts['stored']} bundle(s) compiled and stored, {counts['failed']} failed")
+    return 1 if counts["failed"] else 0
+
+
 # ----------------------------------------------------------------------------- parsers
 
 
 def add_service_commands(sub: Any) -> None:
     """Add ``serve``, ``db`` and ``token`` to the CLI's subparsers."""
     from service.logs import LEVELS
+    from service.tuning_request import MEASURERS
 
-    serve = sub.add_parser("serve", help="the REST API and dashboard, with in-process workers")
+    serve = sub.add_parser("serve", help="the REST API and dashboard, with tuning workers")
     serve.add_argument("--host", help="bind address (default 127.0.0.1; anything else needs API tokens)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--db", help="database URL (default: sqlite:///foldwise.db in the working directory, "
                                     "created and migrated by serve; a shared database must be migrated with "
                                     "`foldwise db upgrade`)")
-    serve.add_argument("--workers", type=int, help="in-process workers (default 1; 0: API only)")
-    serve.add_argument("--measurer", choices=("model", "cuda"), help="the workers' measurer (default: cuda when a "
-                                                                      "GPU is visible, else model)")
+    serve.add_argument("--processes", type=int, default=1,
+                       help="HTTP processes sharing the port and the database (default 1; e.g. the number of "
+                            "cores on a server)")
+    serve.add_argument("--workers", type=int, help="tuning workers, run in one process apart from the HTTP "
+                                                   "processes (default 1; 0: API only)")
+    serve.add_argument("--measurer", choices=MEASURERS, help="the workers' measurer (default: cuda when a "
+                                                             "GPU is visible, else model)")
     serve.add_argument("--target", help="the workers' target, and the default target of jobs (default h100)")
     serve.add_argument("--log-level", default="info", choices=LEVELS)
     serve.set_defaults(func=cmd_serve)
@@ -321,6 +280,14 @@ def add_service_commands(sub: Any) -> None:
         p = db_sub.add_parser(action, help=text)
         p.add_argument("--db", help="database URL (default: FOLDWISE_DB_URL, else sqlite:///foldwise.db)")
         p.set_defaults(func=cmd_db)
+
+    binaries = sub.add_parser("binaries", help="compiled kernel binaries (cubins) in the kernel store")
+    b_sub = binaries.add_subparsers(dest="action", required=True)
+    fill = b_sub.add_parser("backfill", help="compile (no GPU needed) and store the binaries of stored kernels "
+                                             "that have none, e.g. kernels stored before migration 0003")
+    fill.add_argument("--db", help="database URL (default: FOLDWISE_DB_URL, else sqlite:///foldwise.db)")
+    fill.add_argument("--limit", type=int, help="at most this many bundles (default: all)")
+    fill.set_defaults(func=cmd_binaries)
 
     token = sub.add_parser("token", help="API tokens (bearer tokens with scopes)")
     t_sub = token.add_subparsers(dest="action", required=True)

@@ -40,9 +40,14 @@ format-1 one, and more: every cubin must decode to its recorded ``cubin_sha256``
 :class:`KernelIntegrityError`, nothing cached or loaded), its ``sha256`` must be the ETag, and
 its format-1 projection (:func:`service.bundle.bundle_v1`) must hash to the kernel view's
 ``bundle_sha256``. On a CUDA device with a stored binary for its arch, built by this Triton
-version with the same cache-invalidating environment, the cubins are installed into Triton's
-kernel cache under the key Triton compiled them with, so the first launch loads the stored
-cubin and compiles nothing; otherwise the source is compiled at the first launch as before.
+version with the same cache-invalidating environment, the stored cubins are handed to Triton's
+JIT directly (:mod:`service.cubin_loader`: a ``CompiledKernel`` built from the stored metadata
+and cubin, kept in the JIT's device cache under the key Triton computes for the bundle's tuned
+shape), so the first launch at that shape loads the stored cubin and compiles nothing, and
+start-up pays neither Triton's cache files nor its cache key (which hashes Triton itself once
+per process); a Triton version that loader does not know gets them through Triton's own cache
+instead (:func:`service.bundle.install_variant`). Otherwise the source is compiled at the
+first launch as before.
 Either way ``kernel.info`` says which (``{"loaded": "cubin"|"source", "reason": ...}``) and a
 log line on ``foldwise.client`` says why. The disk cache keeps the format-2 bundle, cubins
 included, so an offline restart needs neither the network nor a compile.
@@ -67,24 +72,25 @@ from urllib.parse import quote
 
 import httpx
 
-from fuser_core.canonical import canonical_names, spec_hash
-from fuser_core.errors import SpecError
-from fuser_core.catalog import CatalogError, spec_source
-from fuser_core.spec import Spec, load_spec
+from fuser_core import (
+    CatalogError, Spec, SpecError, canonical_shape, load_spec, normalize_dtype, spec_hash, spec_source,
+)
+from service import cubin_loader
 from service.bundle import (
     BundleError,
     BundleKernel,
     bundle_v1,
     canonical_bytes,
     choose_binary,
-    canonical_shape,
     dtype_text,
-    load_bundle,
-    normalize_dtype,
-    shape_text,
     install_variant,
+    load_bundle,
+    parse_shape_text,
+    shape_text,
+    user_names,
     verify_bundle,
 )
+from service.tuning_request import check_target
 
 log = logging.getLogger("foldwise.client")
 
@@ -140,28 +146,10 @@ def as_spec(spec: Spec | Mapping[str, Any] | str | bytes | os.PathLike) -> Spec:
 
 
 def parse_shape(shape: Mapping[str, int] | str) -> dict[str, int]:
-    """A shape dict, or ``"m=4,n=300"``."""
+    """A shape dict, or ``"m=4,n=300"`` (:func:`service.bundle.parse_shape_text`)."""
     if isinstance(shape, Mapping):
         return dict(shape)
-    if not isinstance(shape, str):
-        raise SpecError(f"expected a dict of dim -> size or 'm=4,n=300', got {type(shape).__name__}", loc=("shape",))
-    out: dict[str, int] = {}
-    for item in filter(None, (p.strip() for p in shape.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or not value.strip().isdigit():
-            raise SpecError(f"expected dim=size pairs like m=4,n=300, got {item!r}", loc=("shape",))
-        out[name.strip()] = int(value)
-    return out
-
-
-def _target(name: str) -> str:
-    """A known GPU profile name (lower case); SpecError naming the known ones otherwise."""
-    from tuner.profiles import get_profile
-
-    try:
-        return get_profile(name).name
-    except ValueError as err:
-        raise SpecError(str(err), loc=("target",)) from None
+    return parse_shape_text(shape)
 
 
 def _etag_value(header: str | None) -> str | None:
@@ -188,9 +176,8 @@ class _Request:
     @staticmethod
     def make(spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str], target: str) -> _Request:
         user = as_spec(spec)
-        back = {c: u for u, c in canonical_names(user).items()}
         return _Request(user, spec_hash(user), canonical_shape(user, parse_shape(shape)), normalize_dtype(user, dtype),
-                        _target(target), back)
+                        check_target(target), user_names(user))
 
     @property
     def key(self) -> str:
@@ -473,20 +460,28 @@ class KernelCache:
         with self._lock:
             kernel = self._kernels.get(bundle["sha256"])
             if kernel is None:
-                info = self._prepare_binary(bundle)
-                kernel = self._kernels[bundle["sha256"]] = load_bundle(bundle, info=info)
+                kernel = load_bundle(bundle)
+                kernel.info = self._prepare_binary(bundle, kernel)
+                self._kernels[bundle["sha256"]] = kernel
             return kernel
 
     @staticmethod
-    def _prepare_binary(bundle: dict) -> dict:
-        """Install the stored cubin for this device into Triton's cache when it can be used
+    def _prepare_binary(bundle: dict, kernel: BundleKernel) -> dict:
+        """Hand the stored cubin for this device to Triton when it can be used
         (:func:`service.bundle.choose_binary`); the kernel's ``info`` either way."""
         variant, reason = choose_binary(bundle, **_device_facts())
         if variant is not None:
             try:
-                install_variant(variant)
+                if cubin_loader.supports(variant["triton_version"]):
+                    cubin_loader.seed_jit_caches(kernel._module, bundle, variant)
+                    reason += "; in Triton's JIT cache, nothing to compile"
+                else:
+                    install_variant(variant)
+                    reason += "; in Triton's kernel cache (this Triton is not one service.cubin_loader knows)"
             except BundleError as err:  # verified on download and from disk; a change since is refused
                 raise KernelIntegrityError(f"bundle {bundle['sha256']}: {err}") from None
+            except cubin_loader.CubinLoadError as err:
+                variant, reason = None, f"the stored cubin does not fit the module's launches: {err}"
             except OSError as err:
                 variant, reason = None, f"the cubin could not be put in Triton's cache: {err}"
         info = {"loaded": "cubin" if variant is not None else "source", "reason": reason}

@@ -10,7 +10,7 @@ SQLite (a file; the default) and PostgreSQL (production) behave the same for the
   every open transaction holds the write lock, so **keep sessions short** (commit or close
   them; never hold one across a tuning run).
 - **PostgreSQL**: ``pool_pre_ping`` (a restarted server does not break the pool); row locks
-  (``FOR UPDATE [SKIP LOCKED]``) in :mod:`service.jobs` do the rest.
+  (``FOR UPDATE [SKIP LOCKED]``) in :mod:`service.job_queue` do the rest.
 
 Migrations are Alembic's, in ``migrations/`` next to the ``service`` package; the config is
 built here, so they run from any working directory. A shared database is migrated with
@@ -193,3 +193,50 @@ def study_storage_url(db_url: str) -> str:
         return db_url
     path = Path(url.database)  # type: ignore[arg-type]
     return url.set(database=str(path.with_name(f"{path.stem}.optuna.sqlite"))).render_as_string(hide_password=False)
+
+
+MAX_LIST = 1000  # rows one listing answers at most
+
+
+def page(session: Session, query: sa.Select, limit: int, offset: int) -> list[Any]:
+    """One page of a listing query's rows (``limit`` clipped to MAX_LIST); ends the transaction."""
+    query = query.limit(max(0, min(int(limit), MAX_LIST))).offset(max(0, int(offset)))
+    rows = list(session.execute(query.execution_options(populate_existing=True)).scalars())
+    session.commit()
+    return rows
+
+
+def newest_first(session: Session, model: Any, limit: int, offset: int, **equal: Any) -> list[Any]:
+    """A page of ``model`` rows (jobs, kernels), newest first, where each given column equals its
+    value (None: not filtered on)."""
+    query = sa.select(model).order_by(model.created_at.desc(), model.id)
+    for column, value in equal.items():
+        if value is not None:
+            query = query.where(getattr(model, column) == value)
+    return page(session, query, limit, offset)
+
+
+def get_row(session: Session, model: Any, key: str, what: str) -> Any:
+    """The ``model`` row with primary key ``key``, read afresh; :class:`service.errors.NotFound`
+    saying "no {what} {key}" otherwise. Ends the transaction."""
+    from service.errors import NotFound
+
+    row = session.get(model, key, populate_existing=True)
+    session.commit()
+    if row is None:
+        raise NotFound(f"no {what} {key!r:.80}")
+    return row
+
+
+RETRIES = 5  # attempts of a write that lost a race (IntegrityError) before giving up
+
+
+def committed(session: Session) -> bool:
+    """Commit; False, rolled back, when a concurrent writer took a unique key first
+    (IntegrityError): the caller reads the winner's row and tries again."""
+    try:
+        session.commit()
+        return True
+    except sa.exc.IntegrityError:
+        session.rollback()
+        return False

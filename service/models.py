@@ -13,7 +13,7 @@ Conventions, decided here:
   so comparisons in SQL such as ``lease_expires_at < :now`` order correctly) and reads it
   back as UTC. A naive datetime is refused rather than guessed at;
 - shapes are stored in the dim names of the spec as first stored (``SpecRecord.source``), see
-  :mod:`service.jobs`; ``shape_key`` is ``"m=4,n=300"`` sorted by dim name;
+  :mod:`service.spec_store`; ``shape_key`` is ``"m=4,n=300"`` sorted by dim name;
 - constraint and index names follow :data:`NAMING`, so migrations name them identically on
   every backend.
 """
@@ -124,6 +124,22 @@ class KernelBinary(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class ServedBundle(Base):
+    """A format-2 bundle as served, precomputed when its bundle or a binary is stored
+    (service/served_bundles.py), so a ``?format=2`` download is one indexed read: ``view``
+    ``"2"`` (every stored arch), ``"2:<arch>"`` (one arch) or ``"2:none"`` (no binaries, the
+    answer for an arch without one); ``sha256`` is the served bytes' hash and their ETag."""
+
+    __tablename__ = "served_bundles"
+
+    bundle_sha256: Mapped[str] = mapped_column(sa.String(64), sa.ForeignKey("bundles.sha256"), primary_key=True)
+    view: Mapped[str] = mapped_column(sa.String(24), primary_key=True)
+    sha256: Mapped[str] = mapped_column(sa.String(64))
+    content: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    size: Mapped[int] = mapped_column(sa.Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class Kernel(Base):
     """The best kernel found for one cache key (spec, shape, dtype, target, Triton and generator versions)."""
 
@@ -155,7 +171,7 @@ class Kernel(Base):
 
 
 class Job(Base):
-    """One tuning request. ``dedupe_key`` makes identical live submissions one job (see service.jobs)."""
+    """One tuning request. ``dedupe_key`` makes identical live submissions one job (see service.job_queue)."""
 
     __tablename__ = "jobs"
     __table_args__ = (

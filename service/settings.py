@@ -17,9 +17,8 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fuser_core.reference import MAX_ELEMENTS, MAX_WORK
-
-MEASURERS = ("cuda", "model")
+from fuser_core import MAX_ELEMENTS, MAX_WORK
+from service.tuning_request import MEASURERS
 
 
 class Settings(BaseSettings):
@@ -37,7 +36,7 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = Field(5.0, gt=0)
     max_trials: int = Field(1000, ge=1)  # request budget limits
     max_seconds: float = Field(6 * 3600, gt=0)
-    # size limits of a job's shape (fuser_core.reference.check_sizes): a server may lower the core's, not raise them
+    # size limits of a job's shape (fuser_core.problem.check_sizes): a server may lower the core's, not raise them
     max_tensor_elements: int = Field(MAX_ELEMENTS, ge=1, le=MAX_ELEMENTS)  # per input and step
     max_work: int = Field(MAX_WORK, ge=1, le=MAX_WORK)  # per step's iteration space
     max_dim: int = Field(2**31 - 1, ge=1)

@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-MEASURERS = ("model", "cuda")
+from service.tuning_request import check_measurer, check_target
 
 
 class SetupError(ValueError):
@@ -30,6 +30,17 @@ class SetupError(ValueError):
     @property
     def cli_message(self) -> str:
         return f"{self.flag}: {self.message}"
+
+
+def checked_choice(check: Any, value: Any) -> str:
+    """``check(value)`` (:func:`service.tuning_request.check_target` or ``check_measurer``), its
+    InvalidRequest as a SetupError naming the same field."""
+    from service.errors import InvalidRequest
+
+    try:
+        return check(value)
+    except InvalidRequest as err:
+        raise SetupError(err.message, field=str(err.loc[0])) from None
 
 
 def quiet_optuna() -> None:
@@ -59,37 +70,28 @@ def tuning_setup(spec: Any, raw_spec: Any, shape: Mapping[str, int], dtype: Any,
     With ``compile_check`` (the default) every candidate is compiled for the target's arch
     before it is measured or predicted (:mod:`tuner.compile_gate`; no GPU needed), and the
     model measurer predicts from the compiled registers, shared memory and spills."""
-    from fuser_core.canonical import spec_hash
-    from fuser_core.derive import derive_cascade
-    from fuser_core.reference import bind_shape
-    from fuser_core.runner import bind_dtypes
-    from tuner.profiles import PROFILES, get_profile
-    from tuner.space import SearchSpace
+    from fuser_core import derive_cascade, make_problem, spec_hash
+    from tuner import SearchSpace, get_profile
 
-    if measurer_name not in MEASURERS:
-        raise SetupError(f"unknown measurer {measurer_name!r}; one of {', '.join(MEASURERS)}", field="measurer")
-    try:
-        profile = get_profile(target)
-    except ValueError:
-        raise SetupError(f"unknown target {target!r}; one of {', '.join(sorted(PROFILES))}", field="target") from None
-    bound = bind_shape(spec, shape)
-    dtypes = bind_dtypes(spec, dtype)
+    measurer_name = checked_choice(check_measurer, measurer_name)
+    profile = get_profile(checked_choice(check_target, target))
+    problem = make_problem(spec, shape, dtype)
     if measurer_name == "cuda":
         measurer_factory = cuda_measurer(profile)
     derivation = derive_cascade(spec)
-    space = SearchSpace(spec, derivation, bound, dtypes, profile)
+    space = SearchSpace(problem, derivation, profile)
     gate = None
     if compile_check:
-        from tuner.compile_gate import CompileGate
+        from tuner import CompileGate
 
         gate = CompileGate.for_space(space)
     if measurer_name == "model":
-        from tuner.measure import ModelMeasurer
+        from tuner import ModelMeasurer
 
-        measurer = ModelMeasurer(spec, derivation, bound, dtypes, profile, gate=gate)
+        measurer = ModelMeasurer(problem, derivation, profile, gate=gate)
     else:
-        measurer = measurer_factory(spec, derivation, bound, dtypes, profile)
-    attrs = {"spec": raw_spec, "spec_hash": spec_hash(spec), "shape": bound, "dtype": dtypes,
+        measurer = measurer_factory(problem, derivation, profile)
+    attrs = {"spec": raw_spec, "spec_hash": spec_hash(spec), "shape": problem.shape, "dtype": problem.dtypes,
              "target": profile.name, "measurer": measurer_name}
     return TuningSetup(space, measurer, gate, attrs)
 
@@ -104,11 +106,11 @@ def cuda_measurer(profile: Any):
                          "false); use --measurer model for predictions from the target's profile",
                          field="measurer", flag=flag)
     try:  # tuner/measure_cuda.py (its own part of issue 4); same constructor as ModelMeasurer
-        from tuner.measure_cuda import CudaMeasurer
+        from tuner import CudaMeasurer
     except ImportError:
         raise SetupError("the cuda measurer is not available in this build; use --measurer model",
                          field="measurer", flag=flag) from None
-    from tuner.profiles import profile_for_device_name
+    from tuner import profile_for_device_name
 
     name = torch.cuda.get_device_name()
     found = profile_for_device_name(name)
@@ -135,7 +137,7 @@ def default_measurer() -> str:
     if gpu_name() is None:
         return "model"
     try:
-        import tuner.measure_cuda  # noqa: F401
+        from tuner import CudaMeasurer  # noqa: F401
     except ImportError:
         return "model"
     return "cuda"

@@ -1,24 +1,24 @@
 """The job-queue worker: claim a job, tune it, store its bundle; repeat.
 
 ``run_worker(db_url, measurer=..., target=...)`` is ``foldwise worker --db URL`` (and each of
-``foldwise serve --workers N``'s threads). For each job it claims (:func:`service.jobs.claim_job`):
+``foldwise serve --workers N``'s threads). For each job it claims (:func:`service.job_queue.claim_job`):
 
 1. sets up the search exactly as ``foldwise tune`` does (:func:`service.tuning.tuning_setup`)
    for the job's canonical spec, shape, dtype, target and measurer;
 2. runs :class:`tuner.search.Tuner` on the job's own Optuna study, stored beside the service
    database (:func:`service.db.study_storage_url`), so a worker that takes over a job whose
    worker died continues the same study: finished trials are kept, the trial budget is shared;
-3. records every finished trial (:func:`service.jobs.record_trial`) from an Optuna callback;
+3. records every finished trial (:func:`service.job_queue.record_trial`) from an Optuna callback;
 4. on success builds the bundle (:func:`service.bundle.make_bundle`) and finishes the job
-   (:func:`service.jobs.finish_job`); when no configuration worked, fails it with the reason.
+   (:func:`service.job_queue.finish_job`); when no configuration worked, fails it with the reason.
 
 **Leases.** A trial can take long (a GPU measurement, or the interpreter's first check of a
 strategy), so the lease is renewed by a heartbeat thread (:class:`LeaseKeeper`) every
 ``heartbeat_seconds``, not between trials. The search stops after the current trial when the
 lease is lost (the job was taken over: nothing more is written for it), when the job is asked
-to cancel (:func:`service.jobs.mark_cancelled`), when ``budget.seconds`` is used up (the best
+to cancel (:func:`service.job_queue.mark_cancelled`), when ``budget.seconds`` is used up (the best
 so far is stored), or when the worker is asked to stop (the job goes back to the queue,
-:func:`service.jobs.release_job`). A worker killed outright (SIGKILL) just stops renewing; the
+:func:`service.job_queue.release_job`). A worker killed outright (SIGKILL) just stops renewing; the
 job is claimed again once its lease expires, and Optuna's own heartbeats fail the trial that
 was running so it is retried.
 """
@@ -39,8 +39,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import jobs
-from service.models import Job
+from service import job_queue, spec_store
+from service.errors import LeaseLost
+from service.models import Job, utcnow
 
 log = logging.getLogger("foldwise.worker")
 STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
@@ -80,9 +81,9 @@ class LeaseKeeper:
         while not self._done.wait(self.every):
             try:
                 with self.sessions() as session:
-                    if jobs.renew_lease(session, self.job_id, self.worker_id, self.lease_s):
+                    if job_queue.renew_lease(session, self.job_id, self.worker_id, self.lease_s):
                         continue
-                    job = jobs.get_job(session, self.job_id)
+                    job = job_queue.get_job(session, self.job_id)
             except sa.exc.SQLAlchemyError as err:
                 log.warning("lease renewal failed; retrying", extra={"job_id": self.job_id, "error": str(err)[:300]})
                 continue
@@ -118,10 +119,10 @@ class TrialRecorder:
         """Record the finished trials the job lacks (not those failed as orphans): a worker killed
         between Optuna's tell and this callback left a trial that used the budget but was never
         recorded. Returns how many were recorded."""
-        from tuner.search import trial_result
+        from tuner import trial_result
 
         with self.sessions() as session:
-            have = {t.number for t in jobs.list_trials(session, self.job_id)}
+            have = {t.number for t in job_queue.list_trials(session, self.job_id)}
         missing = [t for t in trials if t.number not in have and STATES.get(t.state.name)
                    and trial_result(t).get("outcome") != "orphaned"]
         for t in missing:
@@ -129,7 +130,7 @@ class TrialRecorder:
         return len(missing)
 
     def record(self, trial: Any) -> None:
-        from tuner.search import trial_result
+        from tuner import trial_result
 
         state = STATES.get(trial.state.name)
         if state is not None and not self.keeper.lost:
@@ -137,7 +138,7 @@ class TrialRecorder:
             time_ms = float(trial.value) if state == "complete" and trial.value is not None else None
             try:
                 with self.sessions() as session:
-                    jobs.record_trial(
+                    job_queue.record_trial(
                         session, self.job_id, self.worker_id, number=trial.number,
                         strategy=r.get("strategy") or trial.params.get("strategy"), config=r.get("config"),
                         time_ms=time_ms if time_ms is None or (math.isfinite(time_ms) and time_ms > 0) else None,
@@ -146,7 +147,7 @@ class TrialRecorder:
                         predicted=bool(r.get("predicted", False)),
                         source=str(trial.user_attrs.get("source") or "tpe"), compile=r.get("compile"))
                 self.recorded += 1
-            except jobs.LeaseLost:
+            except LeaseLost:
                 self.keeper.lost = True
             except sa.exc.SQLAlchemyError as err:  # the trial stays in Optuna's storage; go on
                 self.errors.append(str(err)[:300])
@@ -172,17 +173,12 @@ class Worker:
                  stop: threading.Event | None = None, settings: Any = None):
         from service.db import check_current, make_engine, session_factory, study_storage_url
         from service.settings import get_settings
-        from service.tuning import MEASURERS, SetupError, cuda_measurer, quiet_optuna
-        from tuner.profiles import PROFILES, get_profile
-        from tuner.search import make_storage
+        from service.tuning import checked_choice, cuda_measurer, quiet_optuna
+        from service.tuning_request import check_measurer, check_target
+        from tuner import get_profile, make_storage
 
-        if measurer not in MEASURERS:
-            raise SetupError(f"unknown measurer {measurer!r}; one of {', '.join(MEASURERS)}", field="measurer")
-        try:
-            self.profile = get_profile(target)
-        except ValueError:
-            raise SetupError(f"unknown target {target!r}; one of {', '.join(sorted(PROFILES))}",
-                             field="target") from None
+        measurer = checked_choice(check_measurer, measurer)
+        self.profile = get_profile(checked_choice(check_target, target))
         if measurer == "cuda":
             cuda_measurer(self.profile)  # fail at start, not on the first job: no GPU, or the wrong one
         self.settings = settings or get_settings(db_url=db_url)
@@ -206,7 +202,7 @@ class Worker:
         from service.tuning import gpu_name, versions
 
         with self.sessions() as session:
-            jobs.register_worker(session, self.worker_id, hostname=socket.gethostname(), gpu_name=gpu_name(),
+            job_queue.register_worker(session, self.worker_id, hostname=socket.gethostname(), gpu_name=gpu_name(),
                                  target=self.target, measurer=self.measurer, versions=versions())
         log.info("worker registered", extra={"worker_id": self.worker_id, "target": self.target,
                                              "measurer": self.measurer})
@@ -214,7 +210,7 @@ class Worker:
     def claim(self) -> Job | None:
         closed: list[tuple[str, str]] = []  # jobs of lost workers closed on the way (cancelled, or failed)
         with self.sessions() as session:
-            job = jobs.claim_job(session, self.worker_id, target=self.target, measurer=self.measurer,
+            job = job_queue.claim_job(session, self.worker_id, target=self.target, measurer=self.measurer,
                                  lease_seconds=self.settings.lease_seconds, closed=closed)
         for job_id, study_name in closed:
             self.close_orphans(job_id, study_name)
@@ -222,7 +218,7 @@ class Worker:
 
     def idle(self) -> None:
         with self.sessions() as session:
-            jobs.worker_heartbeat(session, self.worker_id, None)
+            job_queue.worker_heartbeat(session, self.worker_id, None)
 
     # ------------------------------------------------------------------------- one job
     def process(self, job: Job) -> str:
@@ -247,7 +243,7 @@ class Worker:
         """Fail the RUNNING trials of the job's study that are not ours: we hold (or just ended or
         closed) the job, so they belong to a worker that lost it. Nothing else would end them
         before Optuna's heartbeat grace period, and then only if another trial of the study starts."""
-        from tuner.search import fail_orphaned_trials
+        from tuner import fail_orphaned_trials
 
         try:
             n = fail_orphaned_trials(self.storage, study_name, f"its worker lost job {job_id}")
@@ -258,19 +254,19 @@ class Worker:
             log.info("orphaned trials failed", extra={"job_id": job_id, "worker_id": self.worker_id, "trials": n})
 
     def _tune(self, job: Job, keeper: LeaseKeeper) -> tuple[str, Any]:
-        from fuser_core.errors import SpecError
+        from fuser_core import SpecError
         from service.tuning import SetupError, tuning_setup
-        from tuner.search import NoResult, Tuner
+        from tuner import NoResult, Tuner
 
         with self.sessions() as session:
-            record = jobs.get_spec(session, job.spec_hash)
-            spec, canonical = jobs.job_spec(record), json.loads(record.canonical)
+            record = spec_store.get_spec(session, job.spec_hash)
+            spec, canonical = spec_store.job_spec(record), json.loads(record.canonical)
         try:
             space, measurer, gate, attrs = tuning_setup(spec, canonical, job.shape, job.dtype_value,
                                                         job.target, job.measurer)
         except (SetupError, SpecError) as err:
             return "failed", f"cannot tune this job: {err}"
-        elapsed = (jobs.utcnow() - job.started_at).total_seconds() if job.started_at else 0.0
+        elapsed = (utcnow() - job.started_at).total_seconds() if job.started_at else 0.0
         recorder = TrialRecorder(self.sessions, job.id, self.worker_id, keeper, self.stop,
                                  deadline=time.monotonic() + max(0.0, job.budget_seconds - elapsed))
         early = recorder.reason()
@@ -285,6 +281,11 @@ class Worker:
             result = tuner.run(job.budget_trials, storage=self.storage, study_name=job.study_name,
                                callbacks=[recorder], attrs={**attrs, "budget": job.budget_trials, "job_id": job.id},
                                max_trials=max_trials)
+            binary = None
+            if self.settings.compile_binaries:  # the binary the cuda measurer ran, before it closes
+                from service.binaries import measured_binary_of
+
+                binary = measured_binary_of(measurer, result.strategy, result.config)
         except NoResult as err:
             if recorder.stopped_by in ("lost", "cancel", "shutdown"):
                 return recorder.stopped_by, None
@@ -304,7 +305,7 @@ class Worker:
             n = recorder.catch_up(study.get_trials(deepcopy=False))
             if n:
                 log.info("trials of a lost worker recorded", extra={"job_id": job.id, "trials": n})
-        return "succeeded", (spec, space, measurer, result)
+        return "succeeded", (spec, space, measurer, result, binary)
 
     def _settle(self, job: Job, outcome: str, detail: Any, keeper: LeaseKeeper) -> str:
         extra = {"job_id": job.id, "worker_id": self.worker_id}
@@ -315,34 +316,35 @@ class Worker:
                 if outcome == "succeeded":
                     self._finish(session, job, *detail)
                 elif outcome == "failed":
-                    jobs.fail_job(session, job.id, self.worker_id, str(detail))
+                    job_queue.fail_job(session, job.id, self.worker_id, str(detail))
                 elif outcome == "cancel":
-                    jobs.mark_cancelled(session, job.id, self.worker_id)
+                    job_queue.mark_cancelled(session, job.id, self.worker_id)
                     outcome = "cancelled"
                 elif outcome == "shutdown":
-                    jobs.release_job(session, job.id, self.worker_id)
+                    job_queue.release_job(session, job.id, self.worker_id)
                     outcome = "released"
                 elif outcome == "deadline":  # budget.seconds used up before any trial: nothing to store
-                    jobs.fail_job(session, job.id, self.worker_id,
+                    job_queue.fail_job(session, job.id, self.worker_id,
                                   f"budget.seconds ({job.budget_seconds:g} s) was used up before a trial finished")
                     outcome = "failed"
-        except jobs.LeaseLost:
+        except LeaseLost:
             outcome = "lost"
         except Exception as err:  # storing the result failed (a bad bundle, ...): the job fails with why
             log.exception("could not store the job's result", extra=extra)
             try:
                 with self.sessions() as session:
-                    jobs.fail_job(session, job.id, self.worker_id, f"storing the result failed: "
+                    job_queue.fail_job(session, job.id, self.worker_id, f"storing the result failed: "
                                                                    f"{type(err).__name__}: {err}")
                 outcome = "failed"
-            except jobs.LeaseLost:
+            except LeaseLost:
                 outcome = "lost"
         log.info(f"job {outcome}", extra={**extra, "outcome": outcome,
                                            "error": str(detail)[:500] if outcome == "failed" else None})
         return outcome
 
-    def _finish(self, session: Session, job: Job, spec: Any, space: Any, measurer: Any, result: Any) -> None:
-        from service.bundle import make_bundle
+    def _finish(self, session: Session, job: Job, spec: Any, space: Any, measurer: Any, result: Any,
+                binary: dict | None = None) -> None:
+        from service.bundle_maker import make_bundle
         from service.tuning import gpu_name
 
         measured = {
@@ -354,22 +356,22 @@ class Worker:
         baselines = _baselines(spec, space, result)
         if baselines:
             measured["baselines"] = baselines
-        bundle = make_bundle(spec, shape=job.shape, dtype=job.dtype_value, target=job.target,
-                             strategy=result.strategy, config=result.config, measured=measured)
-        kernel = jobs.finish_job(session, job.id, self.worker_id, bundle=bundle,
+        bundle = make_bundle(space.problem, target=job.target, strategy=result.strategy, config=result.config,
+                             measured=measured)
+        kernel = job_queue.finish_job(session, job.id, self.worker_id, bundle=bundle,
                                  kernel_fields={"time_ms": result.time_ms, "measurer": job.measurer,
                                                 "predicted": result.predicted, "baselines": baselines or None})
         # the kernel keeps an earlier, better bundle when this job's was not better: compile only ours
         if self.settings.compile_binaries and kernel.bundle_sha256 == bundle["sha256"]:
-            self._store_binary(session, kernel.bundle_sha256, bundle)
+            self._store_binary(session, kernel.bundle_sha256, bundle, binary)
 
-    def _store_binary(self, session: Session, bundle_sha256: str, bundle: dict) -> None:
-        """Compile the stored bundle for its target's arch on this host (no GPU needed) and store
-        the cubins; a failure is logged and leaves the kernel served as source only."""
-        from service.binaries import compile_variant, store_variant
+    def _store_binary(self, session: Session, bundle_sha256: str, bundle: dict, binary: dict | None) -> None:
+        """Store the bundle's binary (service.binaries.job_variant: the one the cuda measurer ran,
+        else compiled on this host); a failure is logged and leaves the kernel served as source only."""
+        from service.binaries import job_variant, store_variant
 
         try:
-            store_variant(session, bundle_sha256, compile_variant(bundle))
+            store_variant(session, bundle_sha256, job_variant(bundle, binary))
             session.commit()
         except Exception as err:  # noqa: BLE001 - the kernel is stored; its binary is an extra
             session.rollback()
@@ -379,17 +381,17 @@ class Worker:
 def _baselines(spec: Any, space: Any, result: Any) -> dict[str, Any]:
     """The cost model's predictions for the unfused kernel chain and (for measured kernels) for
     the chosen configuration: labelled predictions, for speedup columns. Never fails a job."""
-    from tuner.cost_model import predict, predict_chain
+    from tuner import predict, predict_chain
 
     out: dict[str, Any] = {}
     try:
-        chain = predict_chain(spec, space.derivation, space.shape, space.dtypes, space.profile)
+        chain = predict_chain(space.problem, space.derivation, space.profile)
         out["unfused_chain"] = {"time_ms": chain.time_s * 1e3, "predicted": True}
         if not result.predicted:
-            from tuner.space import Candidate
+            from tuner import Candidate
 
             candidate = Candidate.from_dict({"strategy": result.strategy, "config": result.config})
-            p = predict(spec, space.derivation, space.shape, space.dtypes, candidate, space.profile)
+            p = predict(space.problem, space.derivation, candidate, space.profile)
             out["predicted_ms"] = p.time_s * 1e3
     except Exception as err:  # noqa: BLE001  (a baseline is a nicety)
         log.debug("no baseline", extra={"error": str(err)[:300]})

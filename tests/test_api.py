@@ -3,7 +3,7 @@
 idempotent submissions (also many at once, from two apps), the auth matrix, path validation
 before any query, ETag/304, metrics and JSON logs.
 
-Kernels are stored with service.jobs directly (claim, a real generated bundle, finish): the
+Kernels are stored with service.job_queue directly (claim, a real generated bundle, finish): the
 tuner itself is tested in test_worker.py and end to end in test_e2e_service.py.
 """
 
@@ -24,14 +24,17 @@ from fastapi.testclient import TestClient
 
 from fuser_core.canonical import spec_hash as compute_spec_hash
 from fuser_core.report import derivation_report
+from fuser_core.problem import make_problem
 from fuser_core.spec import MAX_SPEC_BYTES, load_spec
-from service import jobs
+from service import job_queue, kernel_cache
 from service.api import create_app
 from service.auth import create_token, revoke_token
-from service.bundle import bundle_sha256, canonical_spec, make_bundle
+from service.bundle import bundle_sha256, canonical_spec
+from service.bundle_maker import make_bundle
 from service.db import DatabaseBehind
 from service.models import ApiToken, Job
 from service.settings import get_settings
+from service.tuning_request import tuning_request
 from tests.conftest import CATALOG_DIR, load_catalog
 
 SOFTMAX = load_catalog()["safe_softmax"]
@@ -75,13 +78,14 @@ def store_kernel(sessions, raw: dict = SOFTMAX, shape: dict = SHAPE, *, time_ms:
     """A succeeded job with a real bundle (generated kernel) for (raw, shape); returns the kernel id."""
     spec = load_spec(raw)
     with sessions() as s:
-        job, _ = jobs.submit_job(s, spec, json.dumps(raw), shape, "float32", "h100", "model", 4, 600)
-        claimed = jobs.claim_job(s, "test-worker", target="h100", measurer="model", lease_seconds=600)
+        request = tuning_request(spec, json.dumps(raw), shape, "float32", "h100", "model", 4, 600)
+        job, _ = job_queue.submit_job(s, request)
+        claimed = job_queue.claim_job(s, "test-worker", target="h100", measurer="model", lease_seconds=600)
         assert claimed is not None and claimed.id == job.id
-        bundle = make_bundle(canonical_spec(spec), shape=claimed.shape, dtype=claimed.dtype_value, target="h100",
+        bundle = make_bundle(make_problem(canonical_spec(spec), claimed.shape, claimed.dtype_value), target="h100",
                              strategy="streaming_fused", config={},
                              measured={"time_ms": time_ms, "measurer": "model", "predicted": True})
-        kernel = jobs.finish_job(s, job.id, "test-worker", bundle=bundle, kernel_fields={"time_ms": time_ms})
+        kernel = job_queue.finish_job(s, job.id, "test-worker", bundle=bundle, kernel_fields={"time_ms": time_ms})
         return kernel.id
 
 
@@ -301,13 +305,13 @@ COMPILED = {"kernel": "safe_softmax_row_resident_kernel", "ok": True, "registers
 def test_trials_cancel_of_a_running_job_and_workers(client, sessions) -> None:
     job = client.post("/v1/jobs", json=job_body()).json()
     with sessions() as s:
-        jobs.register_worker(s, "w-1", hostname="h", gpu_name=None, target="h100", measurer="model",
+        job_queue.register_worker(s, "w-1", hostname="h", gpu_name=None, target="h100", measurer="model",
                              versions={"python": "3"})
-        assert jobs.claim_job(s, "w-1", target="h100", measurer="model", lease_seconds=60).id == job["id"]
-        jobs.record_trial(s, job["id"], "w-1", number=0, strategy="row_resident", config={"num_warps": 4},
+        assert job_queue.claim_job(s, "w-1", target="h100", measurer="model", lease_seconds=60).id == job["id"]
+        job_queue.record_trial(s, job["id"], "w-1", number=0, strategy="row_resident", config={"num_warps": 4},
                           time_ms=0.5, error=None, state="complete", predicted=True, source="frontier",
                           compile=[COMPILED])
-        jobs.record_trial(s, job["id"], "w-1", number=1, strategy="split_fused", config=None, time_ms=None,
+        job_queue.record_trial(s, job["id"], "w-1", number=1, strategy="split_fused", config=None, time_ms=None,
                           error="too much shared memory", state="pruned", predicted=False, source="tpe")
     view = client.get(f"/v1/jobs/{job['id']}").json()
     assert view["status"] == "running" and view["progress"]["trials_done"] == 2 and view["best"]["time_ms"] == 0.5
@@ -319,7 +323,7 @@ def test_trials_cancel_of_a_running_job_and_workers(client, sessions) -> None:
     r = client.post(f"/v1/jobs/{job['id']}/cancel")  # running: the worker is asked to stop
     assert r.status_code == 202 and r.json()["cancel_requested"] and r.json()["status"] == "running"
     with sessions() as s:
-        assert not jobs.renew_lease(s, job["id"], "w-1", 60)
+        assert not job_queue.renew_lease(s, job["id"], "w-1", 60)
 
     workers = client.get("/v1/workers").json()["workers"]
     assert [(w["id"], w["alive"], w["current_job_id"]) for w in workers] == [("w-1", True, job["id"])]
@@ -352,7 +356,7 @@ def test_kernel_lookup_bundle_etag_and_304(db_url, sessions, fast_path) -> None:
         r = client.get(exact["bundle_url"])
         assert r.status_code == 200 and r.headers["content-type"] == "application/json"
         with sessions() as s:
-            stored = jobs.get_bundle_bytes(s, jobs.get_kernel(s, kernel_id))
+            stored = kernel_cache.get_bundle_bytes(s, kernel_cache.get_kernel(s, kernel_id))
         assert r.content == stored  # byte for byte as stored
         bundle = json.loads(r.content)
         assert r.headers["etag"] == f'"{bundle["sha256"]}"' == f'"{exact["bundle_sha256"]}"'
@@ -374,7 +378,7 @@ def test_kernel_lookup_bundle_etag_and_304(db_url, sessions, fast_path) -> None:
 def test_a_corrupted_bundle_is_never_served(client, sessions) -> None:
     kernel_id = store_kernel(sessions)
     with sessions() as s:
-        kernel = jobs.get_kernel(s, kernel_id)
+        kernel = kernel_cache.get_kernel(s, kernel_id)
         s.execute(sa.text("UPDATE bundles SET content = :c WHERE sha256 = :h"),
                   {"c": b'{"sha256": "x"}', "h": kernel.bundle_sha256})
         s.commit()

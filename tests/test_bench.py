@@ -25,6 +25,7 @@ from conftest import load_catalog, load_catalog_suites
 from fuser_core.canonical import spec_hash
 from fuser_core.codegen.module import output_dtypes
 from fuser_core.derive import derive_cascade
+from fuser_core.problem import make_problem
 from fuser_core.reference import bind_shape, evaluate, random_inputs
 from fuser_core.runner import TOLERANCE, bind_dtypes, compare, to_torch
 from fuser_core.spec import load_spec
@@ -67,7 +68,7 @@ def test_torch_eager_and_handwritten_match_the_reference(case: dict) -> None:
     stores = output_dtypes(spec, dtypes)
     tensors = to_torch(inputs, dtypes, "cpu")
     hand = handwritten(spec)
-    variants = [build(spec, shape, dtypes)] + ([lambda t: hand.fn(t, shape)] if hand is not None else [])
+    variants = [build(make_problem(spec, shape, dtypes))] + ([lambda t: hand.fn(t, shape)] if hand is not None else [])
     for fn in variants:
         out = fn(tensors)
         for part in reference:
@@ -100,7 +101,7 @@ def test_contractions_use_einsum_not_the_broadcast_product() -> None:
     assert contraction_flops(spec, shape) == 2 * 512 * 512 * 1024 + 2 * 512 * 512 * 16
     g = torch.Generator().manual_seed(0)
     t = {k: torch.randn(1, 1, 512, n, generator=g) for k, n in (("q", 1024), ("k", 1024), ("v", 16))}
-    o = build(spec, shape, "float32")(t)["o"]
+    o = build(make_problem(spec, shape, "float32"))(t)["o"]
     expected = torch.softmax(t["q"] @ t["k"].transpose(-1, -2) / 32.0, dim=-1) @ t["v"]
     assert torch.allclose(o, expected, atol=1e-5)
 
@@ -219,7 +220,7 @@ def test_torch_compile_baseline_runs_on_cpu() -> None:
     spec, d = loaded("safe_softmax")
     shape = {"m": 3, "n": 40}
     with WorkerProcess("cpu") as worker:
-        r = worker.call("variant", {"problem": problem_payload(spec, d, shape, {"x": "float32"}),
+        r = worker.call("variant", {"problem": problem_payload(make_problem(spec, shape, {"x": "float32"}), d),
                                     "variant": {"kind": "compile"},
                                     "timing": TimingSettings(cpu_warmup=0, cpu_reps=1).to_dict()}, timeout_s=300)
     assert r.ok, r.error

@@ -16,16 +16,18 @@ import pytest
 
 from fuser_core.catalog import spec_source
 from fuser_core.codegen.gpu_compile import capability_of
+from fuser_core.problem import make_problem
 from fuser_core.spec import load_spec
 from service.binaries import compile_request_for, compile_variant, store_variant, stored_variants, variant_summaries
 from service.bundle import (BUNDLE_FORMAT, BUNDLE_FORMAT_2, BundleError, bundle_sha256, bundle_v1, bundle_v2,
-                            canonical_bytes, make_bundle, verify_bundle, verify_variant)
-from service.jobs import _store_bundle
+                            canonical_bytes, verify_bundle, verify_variant)
+from service.bundle_maker import make_bundle
+from service.kernel_cache import _store_bundle
 
 
 def softmax_bundle(target: str = "h100", strategy: str = "split_fused") -> dict:
     spec = load_spec(spec_source("safe_softmax"))
-    return make_bundle(spec, shape={"m": 4, "n": 3000}, dtype="float16", target=target, strategy=strategy,
+    return make_bundle(make_problem(spec, {"m": 4, "n": 3000}, "float16"), target=target, strategy=strategy,
                        config={"blocks": {"n": 256}, "num_warps": 4, "num_stages": 2,
                                "split": 2 if strategy == "split_fused" else 1},
                        measured={"time_ms": 0.01, "measurer": "model"})
@@ -124,29 +126,40 @@ def test_store_and_read_variants(sessions, split_bundle, sm90):
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from service import jobs  # noqa: E402
+from service import job_queue  # noqa: E402
 from service.api import create_app  # noqa: E402
 from service.bundle import choose_binary, device_arch, install_variant  # noqa: E402
 from service.client import KernelCache, KernelIntegrityError  # noqa: E402
 from service.settings import get_settings  # noqa: E402
+from service.tuning_request import tuning_request  # noqa: E402
 
 
 def stored_kernel(sessions, bundle: dict, variant: dict | None) -> str:
     spec = load_spec(bundle["spec"], printed=True)
     with sessions() as s:
-        job, _ = jobs.submit_job(s, spec, json.dumps(bundle["spec"]), bundle["shape"], bundle["dtype"], "h100",
-                                 "model", 4, 600)
-        jobs.claim_job(s, "w", target="h100", measurer="model", lease_seconds=600)
-        kernel = jobs.finish_job(s, job.id, "w", bundle=bundle, kernel_fields={"time_ms": 0.01})
+        job, _ = job_queue.submit_job(s, tuning_request(spec, json.dumps(bundle["spec"]), bundle["shape"],
+                                                        bundle["dtype"], "h100", "model", 4, 600))
+        job_queue.claim_job(s, "w", target="h100", measurer="model", lease_seconds=600)
+        kernel = job_queue.finish_job(s, job.id, "w", bundle=bundle, kernel_fields={"time_ms": 0.01})
         if variant is not None:
             store_variant(s, bundle["sha256"], variant)
         s.commit()
         return kernel.id
 
 
-def test_bundle_formats_served_arch_selection_and_etag(db_url, sessions, split_bundle, sm90):
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_bundle_formats_served_arch_selection_and_etag(db_url, sessions, split_bundle, sm90, fast_path, monkeypatch):
     kid = stored_kernel(sessions, split_bundle, sm90)
-    with TestClient(create_app(get_settings(db_url=db_url))) as http:
+
+    def built_per_request(*args, **kwargs):
+        raise AssertionError("a format-2 bundle was built for a download: it is precomputed when stored")
+
+    import service.bundle
+    import service.served_bundles
+
+    monkeypatch.setattr(service.served_bundles, "bundle_v2", built_per_request)  # the stores have run
+    monkeypatch.setattr(service.bundle, "bundle_v2", built_per_request)
+    with TestClient(create_app(get_settings(db_url=db_url), fast_path=fast_path)) as http:
         v1 = http.get(f"/v1/kernels/{kid}/bundle")
         assert v1.json() == split_bundle and v1.headers["etag"] == f'"{split_bundle["sha256"]}"'
         v2 = http.get(f"/v1/kernels/{kid}/bundle", params={"format": 2})
@@ -161,6 +174,10 @@ def test_bundle_formats_served_arch_selection_and_etag(db_url, sessions, split_b
         bad = http.get(f"/v1/kernels/{kid}/bundle", params={"arch": "sm90"})
         assert bad.status_code == 422 and "arch" in bad.text
         assert http.get(f"/v1/kernels/{kid}/bundle", params={"format": 3}).status_code == 422
+        assert http.get(f"/v1/kernels/{kid}/bundle", params={"format": 2, "x": 1}).status_code == 200  # route: ignored
+        assert http.get(f"/v1/kernels/{'f' * 32}/bundle", params={"format": 2}).status_code == 404
+        none = http.get(f"/v1/kernels/{kid}/bundle", params={"arch": "sm_80"})
+        assert none.headers["etag"] == f'"{none.json()["sha256"]}"' and none.json()["sha256"] != body["sha256"]
 
 
 def test_client_round_trip_cache_on_disk_and_offline_restart(db_url, sessions, split_bundle, sm90, tmp_path, caplog):
@@ -281,3 +298,311 @@ def test_installed_cubins_are_what_triton_finds_at_launch_without_compiling(spli
     request = compile_request_for(split_bundle, 90)
     cubins = compile_pool._pool.submit(_cache_hit, request, sm90, str(tmp_path / "triton")).result()
     assert cubins == [base64.b64decode(k["cubin"]) for k in sm90["kernels"]]
+
+
+def _fast_path(b2: dict, v1_sha: str, cache_dir: str) -> dict:
+    """In a compile worker (interpreter off, no GPU; a stand-in driver answers the device,
+    stream and sm_90 target Triton's JITFunction.run asks for): the client's cubin path with
+    Triton's compiler and triton.compile made to fail. Returns what it saw."""
+    import os
+
+    import httpx
+    import triton
+    import triton.compiler
+    import triton.compiler.compiler
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    import service.client as client
+    from service import cubin_loader
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("triton.compile ran on the cubin path")
+
+    variant = b2["binaries"]["sm_90a"]
+    seen: dict = {}
+    saved = (triton.compile, triton.compiler.compile, triton.compiler.compiler.compile, CUDABackend.make_cubin,
+             CUDABackend.make_ptx, client._device_facts, os.environ.get("TRITON_DEFAULT_FP_FUSION"))
+    os.environ.pop("TRITON_DEFAULT_FP_FUSION", None)  # as in an inference server
+    triton.compile = triton.compiler.compile = triton.compiler.compiler.compile = refuse
+    CUDABackend.make_cubin = CUDABackend.make_ptx = refuse
+    client._device_facts = lambda: {"capability": (9, 0), "triton_version": triton.__version__,
+                                    "interpreted": False, "env_vars": {}}
+    driver.set_active(cubin_loader.TargetOnlyDriver(90))
+    try:
+        def serve(request: httpx.Request) -> httpx.Response:
+            if request.url.path.endswith("/bundle"):
+                return httpx.Response(200, content=canonical_bytes(b2), headers={"ETag": f'"{b2["sha256"]}"'})
+            return httpx.Response(200, json={"id": "k1", "bundle_sha256": v1_sha, "exact_match": True})
+
+        cache = KernelCache("http://fake", cache_dir=cache_dir, transport=httpx.MockTransport(serve))
+        spec = load_spec(spec_source("safe_softmax"))
+        kernel = cache.get(spec, {"m": 4, "n": 3000}, dtype="float16")
+        seen["info"] = kernel.info
+        module = kernel._module
+        fns = [v for v in vars(module).values() if isinstance(v, JITFunction)]
+        seen["cached"] = sorted((fn.__name__, len(fn.device_caches[0][0])) for fn in fns if 0 in fn.device_caches)
+
+        # the first launch at the tuned shape (as a warm-up: nothing can launch here) finds them
+        ready, original = [], JITFunction.run
+        JITFunction.run = lambda self, *a, grid, warmup, **kw: ready.append(original(self, *a, grid=grid,
+                                                                                     warmup=True, **kw))
+        try:
+            module.launch(cubin_loader.meta_inputs(kernel.bundle), dict(kernel.bundle["shape"]))
+        finally:
+            JITFunction.run = original
+        seen["launched"] = [(type(k).__name__, k.name, bytes(k.asm["cubin"]), k.hash, k.metadata.num_warps)
+                            for k in ready]
+
+        # a corrupted cubin byte, or a variant compiled with other options, is refused: nothing kept
+        for fn in fns:
+            fn.device_caches.clear()
+        bad = copy.deepcopy(variant)
+        raw = bytearray(base64.b64decode(bad["kernels"][1]["cubin"]))
+        raw[100] ^= 1
+        bad["kernels"][1]["cubin"] = base64.b64encode(bytes(raw)).decode()
+        other = copy.deepcopy(variant)
+        other["kernels"][1]["metadata"]["num_warps"] *= 2
+        seen["refused"] = []
+        for wrong in (bad, other):
+            try:
+                cubin_loader.seed_jit_caches(module, kernel.bundle, wrong)
+                seen["refused"].append(None)
+            except (BundleError, cubin_loader.CubinLoadError) as err:
+                seen["refused"].append(str(err))
+            seen.setdefault("left", []).append(sum(len(c[0]) for fn in fns for c in fn.device_caches.values()))
+
+        # the client, given a bundle whose variant does not fit the launches, loads the source and says why
+        mismatched = bundle_v2(bundle_v1(b2), {"sm_90a": other})
+        b2 = mismatched
+        fallback = KernelCache("http://fake", cache_dir=os.path.join(cache_dir, "other"),
+                               transport=httpx.MockTransport(serve)).get(spec, {"m": 4, "n": 3000}, dtype="float16")
+        seen["fallback"] = fallback.info
+        seen["left"].append(sum(len(c[0]) for fn in fns for c in fn.device_caches.values()))
+        return seen
+    finally:  # the worker is shared by the session's other compile tests
+        (triton.compile, triton.compiler.compile, triton.compiler.compiler.compile, CUDABackend.make_cubin,
+         CUDABackend.make_ptx, client._device_facts, fp_fusion) = saved
+        if fp_fusion is not None:
+            os.environ["TRITON_DEFAULT_FP_FUSION"] = fp_fusion
+        driver.set_active(None)
+
+
+def test_the_client_hands_the_cubins_to_triton_s_jit_and_never_compiles(split_bundle, sm90, compile_pool, tmp_path):
+    """The cubin fast path (service.cubin_loader) on a matching device: the stored kernels are
+    in the JIT caches before any launch, the first launch at the tuned shape finds them, and
+    triton.compile never runs. A corrupted cubin, or one compiled with other options, is
+    refused and leaves nothing in any cache. (No GPU here: module load and launch not run.)"""
+    b2 = bundle_v2(split_bundle, {"sm_90a": sm90})
+    seen = compile_pool._pool.submit(_fast_path, b2, split_bundle["sha256"], str(tmp_path)).result()
+    assert seen["info"]["loaded"] == "cubin" and "nothing to compile" in seen["info"]["reason"]
+    assert [n for n, count in seen["cached"] if count] == sorted(k["name"] for k in sm90["kernels"])
+    assert all(count == 1 for _, count in seen["cached"])
+    assert seen["launched"] == [("StoredKernel", k["name"], base64.b64decode(k["cubin"]), k["triton_hash"],
+                                 k["metadata"]["num_warps"]) for k in sm90["kernels"]]
+    corrupted, other_options = seen["refused"]
+    assert corrupted and "kernels[1].cubin" in corrupted and "never loaded" in corrupted
+    assert other_options and "option num_warps" in other_options
+    assert seen["left"] == [0, 0, 0]
+    assert seen["fallback"]["loaded"] == "source" and "does not fit" in seen["fallback"]["reason"]
+    assert "option num_warps" in seen["fallback"]["reason"]
+
+
+# ----------------------------------------------------------------------------- single binaries, backfill
+
+from service.binaries import backfill, bundles_without_binaries  # noqa: E402
+
+
+def test_binaries_listing_and_single_downloads_with_their_sha256(db_url, sessions, split_bundle, sm90):
+    kid = stored_kernel(sessions, split_bundle, sm90)
+    with TestClient(create_app(get_settings(db_url=db_url))) as http:
+        listing = http.get(f"/v1/kernels/{kid}/binaries").json()
+        [variant] = listing["variants"]
+        assert listing["bundle_sha256"] == split_bundle["sha256"] and variant["arch"] == "sm_90a"
+        assert variant["triton_version"] == sm90["triton_version"] and variant["ptxas_version"] == sm90["ptxas_version"]
+        assert [k["name"] for k in variant["kernels"]] == [k["name"] for k in sm90["kernels"]]
+        for entry, stored in zip(variant["kernels"], sm90["kernels"]):
+            assert entry["registers"] == stored["registers"] and entry["shared_bytes"] == stored["shared_bytes"]
+            cubin = http.get(entry["cubin_path"])
+            assert cubin.status_code == 200 and cubin.headers["content-type"] == "application/octet-stream"
+            assert cubin.content == base64.b64decode(stored["cubin"]) and cubin.content[:4] == b"\x7fELF"
+            assert cubin.headers["etag"] == f'"{stored["cubin_sha256"]}"' == f'"{entry["cubin_sha256"]}"'
+            assert hashlib.sha256(cubin.content).hexdigest() == cubin.headers["x-content-sha256"]
+            assert len(cubin.content) == entry["cubin_size"]
+            assert "sm_90a-" in cubin.headers["content-disposition"]
+            assert http.get(entry["cubin_path"], headers={"If-None-Match": cubin.headers["etag"]}).status_code == 304
+            ptx = http.get(entry["ptx_path"])
+            assert ptx.text == stored["ptx"] and ".target sm_90a" in ptx.text
+            assert ptx.headers["etag"] == f'"{entry["ptx_sha256"]}"' == f'"{hashlib.sha256(ptx.content).hexdigest()}"'
+        base = f"/v1/kernels/{kid}/binaries"
+        missing = http.get(f"{base}/sm_80/{sm90['kernels'][0]['name']}.cubin")
+        assert missing.status_code == 404 and "no stored sm_80 binary" in missing.json()["detail"]
+        unknown = http.get(f"{base}/sm_90a/no_such_kernel.cubin")
+        assert unknown.status_code == 404 and "no kernel 'no_such_kernel'" in unknown.json()["detail"]
+        assert http.get(f"{base}/sm_90a/x.so").status_code == 422
+        assert http.get(f"{base}/sm90/x.cubin").status_code == 422
+        assert http.get(f"/v1/kernels/{'0' * 32}/binaries").status_code == 404
+
+
+def test_backfill_compiles_kernels_stored_without_binaries(db_url, sessions, split_bundle, sm90, compile_pool):
+    kid = stored_kernel(sessions, split_bundle, None)  # as a kernel stored before migration 0003
+    with sessions() as s:
+        assert bundles_without_binaries(s) == [split_bundle["sha256"]]
+    seen = []
+    counts = backfill(sessions, pool=compile_pool, progress=lambda *a: seen.append(a))
+    assert counts == {"stored": 1, "failed": 0} and seen == [(split_bundle["sha256"], "stored", "sm_90a")]
+    with sessions() as s:
+        stored = stored_variants(s, split_bundle["sha256"])["sm_90a"]
+        assert [k["cubin_sha256"] for k in stored["kernels"]] == [k["cubin_sha256"] for k in sm90["kernels"]]
+        assert bundles_without_binaries(s) == []
+    assert backfill(sessions, pool=compile_pool) == {"stored": 0, "failed": 0}  # nothing left to do
+    with TestClient(create_app(get_settings(db_url=db_url))) as http:
+        assert list(http.get(f"/v1/kernels/{kid}/bundle", params={"format": 2}).json()["binaries"]) == ["sm_90a"]
+
+
+def test_backfill_skips_a_bundle_that_does_not_compile_and_says_so(sessions, split_bundle, monkeypatch, compile_pool):
+    stored_kernel(sessions, split_bundle, None)
+    import service.binaries as binaries
+
+    def broken(bundle, arch=None, *, pool=None):
+        raise RuntimeError("ptxas: out of registers")
+
+    monkeypatch.setattr(binaries, "compile_variant", broken)
+    seen = []
+    assert backfill(sessions, progress=lambda *a: seen.append(a)) == {"stored": 0, "failed": 1}
+    assert seen == [(split_bundle["sha256"], "failed", "RuntimeError: ptxas: out of registers")]
+    with sessions() as s:
+        assert bundles_without_binaries(s) == [split_bundle["sha256"]]  # still to do, still served as source
+
+
+def test_backfill_command(db_url, capsys):
+    from service.cli import main
+
+    assert main(["binaries", "backfill", "--db", db_url]) == 0
+    assert "0 bundle(s) compiled and stored, 0 failed" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- the cuda measurer's binary
+
+from service.binaries import job_variant, measured_binary_of  # noqa: E402
+from tuner.measured_binary import compiled_kernels, measured_artifacts  # noqa: E402
+
+
+def _jit_stand_in(compiled: list) -> object:
+    """An object laid out as Triton 3.9's JITFunction keeps what it compiled at launches:
+    ``device_caches[device] = (kernel_cache, kernel_key_cache, target, backend, binder)``,
+    ``kernel_cache`` a map of specialization key -> CompiledKernel."""
+    import types
+
+    return types.SimpleNamespace(device_caches={0: ({f"key{n}": c for n, c in enumerate(compiled)}, {}, None, None, None)})
+
+
+def _compiled_kernels_from_cache(variant: dict, cache_dir, monkeypatch) -> list:
+    """Real ``triton.compiler.CompiledKernel`` objects, loaded as Triton loads a cache hit
+    (``CompiledKernel(src, metadata_group, hash)``) from a cache holding the variant's files."""
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.cache import get_cache_manager
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache_dir))
+    install_variant(variant)
+    out = []
+    for k in variant["kernels"]:
+        group = get_cache_manager(k["triton_hash"]).get_group(f"{k['name']}.json")
+        out.append(CompiledKernel(None, group, k["triton_hash"]))
+    return out
+
+
+def test_the_measured_binary_is_read_from_the_jit_cache_of_the_launched_module(sm90, tmp_path, monkeypatch):
+    """tuner.measured_binary on what a cuda measurement leaves in the child: the launched module's
+    JIT caches (stand-ins laid out as Triton 3.9's) holding real CompiledKernel objects. The
+    variant it makes is the stored one, byte for byte. (The GPU launch itself is not run here.)"""
+    import types
+
+    compiled = _compiled_kernels_from_cache(sm90, tmp_path / "triton", monkeypatch)
+    assert isinstance(compiled[0].asm["cubin"], bytes) and compiled[0].metadata.target.arch == 90
+    module = types.ModuleType("foldwise_kernel_standin")
+    module.first_kernel = _jit_stand_in([compiled[0]])
+    module.not_a_kernel = 3
+    module.second_kernel = _jit_stand_in([compiled[1]])
+    module.never_launched = _jit_stand_in([])
+    assert compiled_kernels(module) == compiled
+    variant = job_variant({}, measured_artifacts(compiled_kernels(module)))
+    assert variant == sm90
+
+    module.second_kernel = _jit_stand_in(compiled)  # two specializations: which one ran?
+    with pytest.raises(ValueError, match="second_kernel: 2 compiled specializations"):
+        compiled_kernels(module)
+    with pytest.raises(ValueError, match="no compiled kernel in the module's JIT cache"):
+        measured_artifacts([])
+
+
+def test_a_cuda_measurer_s_binary_is_stored_else_the_host_compile(split_bundle, sm90, tmp_path, monkeypatch):
+    compiled = _compiled_kernels_from_cache(sm90, tmp_path / "triton", monkeypatch)
+    artifacts = measured_artifacts(compiled)
+    asked = []
+
+    class Cuda:
+        name = "cuda"
+
+        def measured_binary(self, strategy, config):
+            asked.append((strategy, config))
+            return artifacts
+
+    assert measured_binary_of(Cuda(), "split_fused", {"split": 2}) is artifacts and asked == [("split_fused", {"split": 2})]
+
+    class Broken(Cuda):
+        def measured_binary(self, strategy, config):
+            raise RuntimeError("the child crashed")
+
+    assert measured_binary_of(Broken(), "split_fused", {}) is None  # logged; the worker compiles on the host
+
+    class Model:
+        name = "model"
+
+    assert measured_binary_of(Model(), "split_fused", {}) is None
+    import service.binaries as binaries
+
+    monkeypatch.setattr(binaries, "compile_variant", lambda bundle, arch=None, *, pool=None: {"compiled": bundle["sha256"]})
+    assert job_variant(split_bundle, None) == {"compiled": split_bundle["sha256"]}
+    assert job_variant(split_bundle, artifacts) == sm90
+
+
+
+def test_served_cubins_equal_what_foldwise_compile_writes_for_the_same_module(split_bundle, sm90, tmp_path, capsys):
+    """The bundle's module (its canonical spec, shape, dtype, strategy and config) through the
+    command line, ``foldwise compile --out``: the same cubin bytes as the stored variant."""
+    from service.cli import main
+
+    spec_file = tmp_path / "canonical.json"
+    spec_file.write_text(json.dumps(split_bundle["spec"]))
+    shape = ",".join(f"{d}={n}" for d, n in split_bundle["shape"].items())
+    out = tmp_path / "out"
+    assert main(["compile", str(spec_file), "--shape", shape, "--dtype", split_bundle["dtype"] if isinstance(split_bundle["dtype"], str) else json.dumps(split_bundle["dtype"]),
+                 "--target", "h100", "--strategy", split_bundle["strategy"],
+                 "--config", json.dumps(split_bundle["config"]), "--out", str(out)]) == 0
+    assert "2 of 2 kernels compile" in capsys.readouterr().out
+    for k in sm90["kernels"]:
+        assert (out / split_bundle["strategy"] / f"{k['name']}.cubin").read_bytes() == base64.b64decode(k["cubin"])
+        assert (out / split_bundle["strategy"] / f"{k['name']}.ptx").read_text() == k["ptx"]
+
+
+def test_a_damaged_precomputed_format_2_bundle_is_never_served(db_url, sessions, split_bundle, sm90):
+    """A served format-2 row is re-checked against its hash before its bytes are first served."""
+    import sqlalchemy as sa
+
+    from service.models import ServedBundle
+
+    kid = stored_kernel(sessions, split_bundle, sm90)
+    with sessions() as s:
+        row = s.get(ServedBundle, (split_bundle["sha256"], "2"))
+        good = row.content
+        s.execute(sa.update(ServedBundle).where(ServedBundle.bundle_sha256 == split_bundle["sha256"],
+                                                ServedBundle.view == "2")
+                  .values(content=good.replace(b'"sm_90a"', b'"sm_91a"', 1)))
+        s.commit()
+    with TestClient(create_app(get_settings(db_url=db_url))) as http:
+        r = http.get(f"/v1/kernels/{kid}/bundle", params={"format": 2})
+        assert r.status_code == 500 and r.headers["content-type"].startswith("application/problem+json")
+        assert "hash mismatch" in r.text and b"sm_91a" not in r.content
+        assert http.get(f"/v1/kernels/{kid}/bundle", params={"arch": "sm_90a"}).status_code == 200  # another view

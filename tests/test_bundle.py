@@ -21,6 +21,8 @@ from fuser_core.canonical import canonical_json, spec_hash
 from fuser_core.codegen.module import output_dtypes
 from fuser_core.codegen.plan import default_config, loop_axis
 from fuser_core.derive import derive_cascade
+from fuser_core.errors import SpecError
+from fuser_core.problem import make_problem, normalize_dtype
 from fuser_core.reference import bind_shape, evaluate, random_inputs
 from fuser_core.runner import INEXACT_TOLERANCE, TOLERANCE, bind_dtypes, choose_strategy, compare, rel_err, to_torch
 from fuser_core.spec import load_spec
@@ -30,10 +32,9 @@ from service.bundle import (
     bundle_sha256,
     canonical_bytes,
     load_bundle,
-    make_bundle,
-    normalize_dtype,
     verify_bundle,
 )
+from service.bundle_maker import make_bundle
 
 # masked-off lanes of a tile compute on fill values (0 / 0, inf - inf); they are never stored
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -74,7 +75,7 @@ def bundle_for(name: str, shape=None, strategy=None, config=None, dtype="float32
     shape = shape or small_shape(name)
     strategy = strategy or choose_strategy(spec, derivation, shape)
     config = config or default_config(spec, derivation, strategy, shape).to_dict()
-    return make_bundle(spec, shape=shape, dtype=dtype, target="h100", strategy=strategy, config=config,
+    return make_bundle(make_problem(spec, shape, dtype), target="h100", strategy=strategy, config=config,
                        measured=measured)
 
 
@@ -147,7 +148,7 @@ def test_bundle_speaks_canonical_names_and_callers_get_their_own():
     assert renamed.output_parts == ("out",)
     shape = {"row": 3, "col": 37}
     b_orig = bundle_for("layernorm", {"t": 3, "c": 37})
-    b_renamed = make_bundle(renamed, shape=shape, dtype="float32", target="h100", strategy=b_orig["strategy"],
+    b_renamed = make_bundle(make_problem(renamed, shape, "float32"), target="h100", strategy=b_orig["strategy"],
                             config={"blocks": {"col": b_orig["config"]["blocks"]["d0"]}},
                             measured=MEASURED)
     assert b_renamed == b_orig  # one bundle per spec_hash, whoever asked
@@ -173,7 +174,7 @@ def test_canonical_spec_gives_the_same_bundle():
     b1 = bundle_for("attention", shape)
     from service.bundle import canonical_shape
 
-    b2 = make_bundle(canon, shape=canonical_shape(spec, shape), dtype="float32", target="H100",
+    b2 = make_bundle(make_problem(canon, canonical_shape(spec, shape), "float32"), target="H100",
                      strategy=b1["strategy"], config=b1["config"], measured=MEASURED)
     assert b2 == b1
 
@@ -238,6 +239,16 @@ def test_rehashed_bundle_with_foreign_import_is_refused(softmax_bundle):
     bundle["sha256"] = bundle_sha256(bundle)
     with pytest.raises(BundleError, match="imports 'subprocess'"):
         load_bundle(bundle)
+    # imports nested in blocks of every kind are found too
+    for nested in ("class K:\n    def f(self):\n        import socket\n",
+                   "try:\n    pass\nexcept Exception:\n    import socket\nfinally:\n    pass\n",
+                   "match 1:\n    case 1:\n        with open('x') as f:\n            if f:\n                pass\n"
+                   "            else:\n                for i in []:\n                    pass\n"
+                   "                else:\n                    import socket\n"):
+        bundle["triton_source"] = nested + "def launch(inputs, shape):\n    return {}\n"
+        bundle["sha256"] = bundle_sha256(bundle)
+        with pytest.raises(BundleError, match="imports 'socket'"):
+            verify_bundle(bundle)
     bundle["triton_source"] = "def launch(inputs, shape):\n    from os import path as p\n    return {}\n"
     bundle["sha256"] = bundle_sha256(bundle)
     verify_bundle(bundle)  # from os import ... is allowed
@@ -362,14 +373,24 @@ def test_for_spec_refuses_another_spec(softmax_bundle):
         ({"config": {"blocks": {"zz": 8}}}, "config: blocks names unknown dim 'zz'"),
         ({"config": {"num_warps": 3}}, "config: num_warps"),
         ({"target": "tpu"}, "target: unknown target"),
-        ({"dtype": "float64"}, "unknown dtype 'float64'"),
-        ({"shape": {"m": 3}}, "shape.n"),
         ({"measured": [1, 2]}, "measured: expected an object"),
+        ({"problem": {"m": 3, "n": 37}}, "problem: expected a bound Problem"),
     ],
 )
 def test_make_bundle_errors_name_the_field(kwargs, message):
     spec, derivation = loaded("safe_softmax")
-    args = {"shape": {"m": 3, "n": 37}, "dtype": "float32", "target": "h100", "strategy": "streaming_fused",
-            "config": {"blocks": {"n": 8}}, "measured": MEASURED, **kwargs}
+    args = {"problem": make_problem(spec, {"m": 3, "n": 37}, "float32"), "target": "h100",
+            "strategy": "streaming_fused", "config": {"blocks": {"n": 8}}, "measured": MEASURED, **kwargs}
     with pytest.raises(BundleError, match=message):
-        make_bundle(spec, **args)
+        make_bundle(args.pop("problem"), **args)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "message"),
+    [({"m": 3, "n": 37}, "float64", "unknown dtype 'float64'"), ({"m": 3}, "float32", "shape.n: no size given")],
+)
+def test_a_problem_is_bound_before_a_bundle_is_made(shape, dtype, message):
+    """A bad shape or dtype never reaches make_bundle: make_problem refuses it, naming the field."""
+    spec, _ = loaded("safe_softmax")
+    with pytest.raises(SpecError, match=message):
+        make_problem(spec, shape, dtype)

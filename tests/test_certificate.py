@@ -17,6 +17,7 @@ CATALOG = load_catalog()
 def corrupted(name: str, step: str, **changes):
     d = derive_cascade(load_spec(CATALOG[name]))
     d.forms[step] = dataclasses.replace(d.forms[step], **changes)
+    d.realise(step)  # the certificate reads the realisation: rebuild it from the corrupted form
     return d
 
 

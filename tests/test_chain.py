@@ -12,7 +12,14 @@ import pytest
 import torch
 from conftest import load_catalog
 
-from fuser_core.codegen.chain import _elementwise_kernel, chain_modules, run_chain, run_chain_detailed
+from fuser_core.codegen.chain import (
+    ChainElementwise,
+    chain_modules,
+    elementwise_blocks,
+    elementwise_kernel,
+    run_chain,
+    run_chain_detailed,
+)
 from fuser_core.codegen.module import output_dtypes
 from fuser_core.reference import Evaluator, bind_shape, evaluate, random_inputs
 from fuser_core.runner import TOLERANCE, bind_dtypes, compare, run
@@ -173,7 +180,10 @@ def test_elementwise_kernel_scalar_outputs():
     s, t = x.sum(1), x.sum()
     want = {"y": t * 2 + 5, "z": s - t, "w": x + t}
     for outs in (["y"], ["y", "z"], ["y", "z", "w"]):
-        k = _elementwise_kernel(spec, outs, {"m": 3, "n": 5}, {"x": "float32"}, {}, {o: "float32" for o in outs})
+        dims = spec.order_dims({d for o in outs for d in spec.step(o).dims})
+        plan = ChainElementwise(tuple(outs), dims, elementwise_blocks(dims, {"m": 3, "n": 5}, {}),
+                                {o: "float32" for o in outs})
+        k = elementwise_kernel(spec, plan, {"x": "float32"})
         got = k.launch({"x": x}, {"s": s, "t": t.reshape(())}, {"m": 3, "n": 5})
         for o in outs:
             torch.testing.assert_close(got[o], want[o], rtol=1e-5, atol=1e-5)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -18,10 +21,12 @@ import pytest
 from conftest import CATALOG_DIR, load_catalog
 
 from fuser_core.canonical import spec_hash
+from fuser_core.problem import make_problem
 from fuser_core.reference import evaluate, random_inputs
 from fuser_core.runner import bind_dtypes, to_torch
 from fuser_core.spec import load_spec
-from service.bundle import canonical_bytes, make_bundle, shape_text
+from service.bundle import canonical_bytes, shape_text
+from service.bundle_maker import make_bundle
 from service.client import (
     KernelAuthError,
     KernelCache,
@@ -39,7 +44,7 @@ BASE = "http://kernels.test"
 
 
 def softmax_bundle(shape=SHAPE, time_ms=0.01) -> dict:
-    return make_bundle(SPEC, shape=shape, dtype="float32", target="h100", strategy="streaming_fused",
+    return make_bundle(make_problem(SPEC, shape, "float32"), target="h100", strategy="streaming_fused",
                        config={"blocks": {"n": 8}}, measured={"time_ms": time_ms, "measurer": "model",
                                                               "date": "2025-01-01T00:00:00+00:00"})
 
@@ -194,7 +199,7 @@ def test_tampered_bundle_is_refused_and_not_cached(server, tmp_path, how):
         server.etags["k0"] = "0" * 64
     else:  # a valid bundle, but not for the spec asked for
         server.served["k0"] = canonical_bytes(make_bundle(
-            load_spec(load_catalog()["logsumexp"]), shape={"m": 3, "n": 37}, dtype="float32", target="h100",
+            make_problem(load_spec(load_catalog()["logsumexp"]), {"m": 3, "n": 37}, "float32"), target="h100",
             strategy="streaming_fused", config={"blocks": {"n": 8}}, measured={"measurer": "model"}))
     with client(server, tmp_path) as cache, pytest.raises(KernelIntegrityError):
         cache.get(RAW, SHAPE)
@@ -270,7 +275,7 @@ def test_nearest_shape_only_when_allowed(server, tmp_path):
 
 
 def test_nearest_kernel_that_cannot_take_the_sizes_is_refused(tmp_path):
-    resident = make_bundle(SPEC, shape={"m": 2, "n": 16}, dtype="float32", target="h100", strategy="row_resident",
+    resident = make_bundle(make_problem(SPEC, {"m": 2, "n": 16}, "float32"), target="h100", strategy="row_resident",
                            config={"blocks": {"n": 16}}, measured={"measurer": "model"})
     server = FakeServer(resident)
     with client(server, tmp_path) as cache, pytest.raises(KernelNotFound, match="block of 16 and cannot take 37"):
@@ -305,3 +310,14 @@ def test_asgi_app_as_transport(tmp_path):
     app = Starlette(routes=[Route("/v1/kernels", kernels), Route("/v1/kernels/{kid}/bundle", bundle)])
     with KernelCache(BASE, cache_dir=tmp_path, transport=app) as cache:
         assert cache.get(RAW, SHAPE).sha256 == BUNDLE["sha256"]
+
+
+def test_the_client_imports_neither_sympy_nor_scipy():
+    """An inference server imports service.client on its start-up path: no derivation (sympy),
+    no reference evaluator (scipy), no NumPy."""
+    code = ("import sys; from service.client import KernelCache; "
+            "print(sorted(m for m in ('sympy', 'scipy', 'numpy') if m in sys.modules))")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

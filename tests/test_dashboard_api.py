@@ -17,13 +17,14 @@ from fastapi.testclient import TestClient
 
 from fuser_core.canonical import spec_hash as compute_spec_hash
 from fuser_core.spec import load_spec
-from service import jobs
+from service import job_queue
 from service.api import create_app
 from service.auth import create_token
 from service.dashboard import STATIC_DIR
 from service.db import make_engine, session_factory, upgrade
 from service.models import Bundle, Kernel
 from service.settings import get_settings
+from service.tuning_request import tuning_request
 from tests.conftest import CATALOG_DIR, load_catalog
 
 
@@ -55,7 +56,8 @@ def submit(sessions, name: str, shape: dict, dtype="float32", measurer="model"):
     raw = load_catalog()[name]
     spec = load_spec(raw)
     with sessions() as s:
-        job, _ = jobs.submit_job(s, spec, json.dumps(raw), shape, dtype, "h100", measurer, 10, 60.0)
+        request = tuning_request(spec, json.dumps(raw), shape, dtype, "h100", measurer, 10, 60.0)
+        job, _ = job_queue.submit_job(s, request)
         return job
 
 

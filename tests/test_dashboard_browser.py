@@ -359,6 +359,42 @@ def test_submit_watch_chart_derivation_download(server, page):
     krow = page.find(f"#kernels-body tr[data-kernel='{job['kernel_id']}']")
     assert "safe_softmax" in krow.text and "model prediction" in krow.text and "×" in krow.text
     page.shot("08-kernels")
+
+    # the kernel page: the compiled variant the worker stored (its compile follows the job's end)
+    kid = job["kernel_id"]
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while True:  # a 503 (SQLite busy while the worker stores the binary) is retried like an empty list
+        r = _api(server, "GET", f"/v1/kernels/{kid}/binaries", server["writer"])
+        if r.status_code == 200 and r.json()["variants"]:
+            break
+        assert time.monotonic() < deadline, f"no binary stored for the job's kernel: {r.status_code} {r.text[:500]}" \
+                                            f"\n{_tail(server['log'])}"
+        time.sleep(0.5)
+    [variant] = r.json()["variants"]
+    assert variant["arch"] == "sm_90a"  # the job's target h100
+    krow.find_element(By.CSS_SELECTOR, "a.kernel-link").click()
+    page.wait(lambda d: d.find_elements(By.CSS_SELECTOR, "#variants-body tr[data-arch='sm_90a']"), 10, "no variants shown")
+    vrows = page.driver.execute_script(
+        "return [...document.querySelectorAll('#variants-body tr')].map(tr => [...tr.cells].map(c => c.innerText))")
+    assert [r[1] for r in vrows] == [k["name"] for k in variant["kernels"]]
+    for cells, k in zip(vrows, variant["kernels"]):
+        assert cells[4] == str(k["registers"]) and "KiB" in cells[2] and "PTX" in cells[9] and "cubin" in cells[9]
+        assert variant["triton_version"] in cells[8] and variant["ptxas_version"] in cells[8]
+    assert "safe_softmax" in page.text("#kernel-facts") and variant["kernels"][0]["name"]
+    page.shot("08b-kernel-variants", full=True)
+    first = variant["kernels"][0]
+    page.find(f"#variants-body tr[data-kernel-name='{first['name']}'] button.download-binary").click()
+    deadline = time.monotonic() + 20
+    cubins: list[Path] = []
+    while time.monotonic() < deadline and not cubins:
+        cubins = [p for p in server["downloads"].glob("*.cubin")]
+        time.sleep(0.2)
+    assert cubins and cubins[0].name == f"sm_90a-{first['name']}.cubin", cubins
+    import hashlib
+
+    data = cubins[0].read_bytes()
+    assert data[:4] == b"\x7fELF" and hashlib.sha256(data).hexdigest() == first["cubin_sha256"]
+    assert len(data) == first["cubin_size"]
     page.go("#/workers")
     page.wait(lambda d: d.find_elements(By.CSS_SELECTOR, "#workers-body tr"), 10, "no worker listed")
     wtext = page.js_text("#workers-body")

@@ -19,19 +19,23 @@ import hashlib
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import httpx
 import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
+from fuser_core.problem import make_problem
 from fuser_core.spec import load_spec
-from service import jobs
+from service import errors, job_queue
 from service.api import create_app
-from service.bundle import canonical_spec, make_bundle
+from service.bundle import canonical_spec
+from service.bundle_maker import make_bundle
 from service.db import make_engine
-from service.models import Bundle, Job, Kernel
+from service.models import Bundle, Job, Kernel, utcnow
 from service.settings import get_settings
+from service.tuning_request import tuning_request
 from service.worker import Worker, run_worker
 from tests.conftest import load_catalog
 
@@ -82,8 +86,8 @@ def test_parallel_identical_submissions_over_http_make_one_job(fresh_postgres_ur
 
 def test_a_worker_that_lost_its_job_before_storing_the_result_stores_nothing(db_url, sessions, monkeypatch) -> None:
     with sessions() as s:
-        job, _ = jobs.submit_job(s, load_spec(SOFTMAX), json.dumps(SOFTMAX), {"m": 4, "n": 64}, "float32", "h100",
-                                 "model", 3, 600)
+        job, _ = job_queue.submit_job(s, tuning_request(load_spec(SOFTMAX), json.dumps(SOFTMAX), {"m": 4, "n": 64},
+                                                        "float32", "h100", "model", 3, 600))
     outcomes: list[str] = []
     real_settle = Worker._settle
 
@@ -92,7 +96,7 @@ def test_a_worker_that_lost_its_job_before_storing_the_result_stores_nothing(db_
         # (as after an expired lease while this one was paused)
         with self.sessions() as s:
             s.execute(sa.update(Job).where(Job.id == job.id).values(
-                worker_id="w-thief", lease_expires_at=jobs.utcnow() + jobs.timedelta(seconds=60)))
+                worker_id="w-thief", lease_expires_at=utcnow() + timedelta(seconds=60)))
             s.commit()
         outcomes.append(outcome)
         result = real_settle(self, job, outcome, detail, keeper)
@@ -111,9 +115,10 @@ def test_a_worker_that_lost_its_job_before_storing_the_result_stores_nothing(db_
         assert s.scalar(sa.select(sa.func.count()).select_from(Kernel)) == 0
         assert s.scalar(sa.select(sa.func.count()).select_from(Bundle)) == 0
         # and it cannot fail or release the job either
-        for call in (lambda: jobs.fail_job(s, job.id, "w-stale", "x"), lambda: jobs.release_job(s, job.id, "w-stale"),
-                     lambda: jobs.mark_cancelled(s, job.id, "w-stale")):
-            with pytest.raises(jobs.LeaseLost):
+        for call in (lambda: job_queue.fail_job(s, job.id, "w-stale", "x"),
+                     lambda: job_queue.release_job(s, job.id, "w-stale"),
+                     lambda: job_queue.mark_cancelled(s, job.id, "w-stale")):
+            with pytest.raises(errors.LeaseLost):
                 call()
 
 
@@ -124,12 +129,13 @@ def store_kernel(sessions, shape: dict) -> tuple[str, str, bytes]:
     """A succeeded job with a real bundle; (kernel id, bundle sha256, bundle bytes)."""
     spec = load_spec(SOFTMAX)
     with sessions() as s:
-        job, _ = jobs.submit_job(s, spec, json.dumps(SOFTMAX), shape, "float32", "h100", "model", 4, 600)
-        claimed = jobs.claim_job(s, "w", target="h100", measurer="model", lease_seconds=600)
-        bundle = make_bundle(canonical_spec(spec), shape=claimed.shape, dtype=claimed.dtype_value, target="h100",
+        request = tuning_request(spec, json.dumps(SOFTMAX), shape, "float32", "h100", "model", 4, 600)
+        job, _ = job_queue.submit_job(s, request)
+        claimed = job_queue.claim_job(s, "w", target="h100", measurer="model", lease_seconds=600)
+        bundle = make_bundle(make_problem(canonical_spec(spec), claimed.shape, claimed.dtype_value), target="h100",
                              strategy="streaming_fused", config={},
                              measured={"time_ms": 0.01, "measurer": "model", "predicted": True})
-        kernel = jobs.finish_job(s, job.id, "w", bundle=bundle, kernel_fields={"time_ms": 0.01})
+        kernel = job_queue.finish_job(s, job.id, "w", bundle=bundle, kernel_fields={"time_ms": 0.01})
         content = s.get(Bundle, kernel.bundle_sha256).content
         return kernel.id, kernel.bundle_sha256, content
 

@@ -18,7 +18,7 @@ from service import db
 from service.models import Base, WorkerRecord
 from service.settings import Settings, get_settings
 
-TABLES = {"specs", "bundles", "kernels", "jobs", "trials", "workers", "api_tokens", "kernel_binaries"}
+TABLES = {"specs", "bundles", "kernels", "jobs", "trials", "workers", "api_tokens", "kernel_binaries", "served_bundles"}
 
 
 @pytest.fixture()
@@ -63,11 +63,11 @@ def test_settings_reject_bad_values(overrides, field):
 
 
 def test_migrate_from_empty(service_db_url, engine):
-    with pytest.raises(db.DatabaseBehind, match=r"revision none .*code expects 0003: run `foldwise db upgrade --db "):
+    with pytest.raises(db.DatabaseBehind, match=r"revision none .*code expects 0004: run `foldwise db upgrade --db "):
         db.check_current(engine)
     db.upgrade(service_db_url)
     db.check_current(engine)
-    assert db.current_revision(engine) == db.head_revision() == "0003"
+    assert db.current_revision(engine) == db.head_revision() == "0004"
     assert TABLES <= set(sa.inspect(engine).get_table_names())
     db.upgrade(service_db_url)  # already at head: nothing to do
     db.check_current(engine)
@@ -102,7 +102,7 @@ def test_database_behind_a_newer_migration(service_db_url, engine, tmp_path, mon
     newer = tmp_path / "migrations"
     shutil.copytree(db.MIGRATIONS_DIR, newer, ignore=shutil.ignore_patterns("__pycache__"))
     (newer / "versions" / "0099_extra.py").write_text(
-        'import sqlalchemy as sa\nfrom alembic import op\n\nrevision = "0099"\ndown_revision = "0003"\n'
+        'import sqlalchemy as sa\nfrom alembic import op\n\nrevision = "0099"\ndown_revision = "0004"\n'
         'branch_labels = None\ndepends_on = None\n\n\n'
         'def upgrade():\n    op.create_table("extra", sa.Column("id", sa.Integer, primary_key=True))\n\n\n'
         'def downgrade():\n    op.drop_table("extra")\n')
@@ -111,7 +111,7 @@ def test_database_behind_a_newer_migration(service_db_url, engine, tmp_path, mon
     with pytest.raises(db.DatabaseBehind) as info:
         db.check_current(engine)
     assert not isinstance(info.value, db.DatabaseAhead)
-    assert "database at revision 0003, code expects 0099: run `foldwise db upgrade --db" in str(info.value)
+    assert "database at revision 0004, code expects 0099: run `foldwise db upgrade --db" in str(info.value)
     db.upgrade(service_db_url)
     db.check_current(engine)
     assert "extra" in sa.inspect(engine).get_table_names()
@@ -256,8 +256,43 @@ def test_upgrade_0002_to_0003_keeps_bundles_and_adds_kernel_binaries(service_db_
     with engine.begin() as conn:
         conn.execute(sa.text("INSERT INTO bundles (sha256, content, size, created_at) VALUES (:s, :c, 3, :t)"),
                      {"s": "a" * 64, "c": b"abc", "t": now})
-    db.upgrade(service_db_url)
+    db.upgrade(service_db_url, "0003")
     assert db.current_revision(engine) == "0003"
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT content FROM bundles")).scalar() == b"abc"
         assert conn.execute(sa.text("SELECT count(*) FROM kernel_binaries")).scalar() == 0
+
+
+def test_upgrade_0003_to_0004_precomputes_the_format_2_views_of_stored_bundles(service_db_url, engine):
+    """Issue 16's migration: every stored bundle that verifies gets its served format-2 views
+    (the function the writers use); a damaged bundle, or a binary whose bytes do not hash to
+    its row, gets none; the bundles themselves are kept byte for byte."""
+    import json
+
+    from fuser_core.spec import load_spec
+    from service.bundle import canonical_bytes, canonical_spec
+    from service.bundle_maker import make_bundle
+    from fuser_core.problem import make_problem
+    from service.served_bundles import served_views
+    from tests.conftest import load_catalog
+
+    db.upgrade(service_db_url, "0003")
+    problem = make_problem(canonical_spec(load_spec(load_catalog()["safe_softmax"])), {"d0": 4, "d1": 64}, "float32")
+    bundle = make_bundle(problem, target="h100", strategy="streaming_fused", config={},
+                         measured={"time_ms": 0.01, "measurer": "model", "predicted": True})
+    good = canonical_bytes(bundle)
+    now = "2026-11-30 12:00:00"
+    with engine.begin() as conn:
+        insert = sa.text("INSERT INTO bundles (sha256, content, size, created_at) VALUES (:s, :c, :n, :t)")
+        conn.execute(insert, {"s": bundle["sha256"], "c": good, "n": len(good), "t": now})
+        conn.execute(insert, {"s": "a" * 64, "c": b"abc", "n": 3, "t": now})
+        conn.execute(sa.text("INSERT INTO kernel_binaries VALUES (:b, 'sm_90a', :c, :h, 3, 't', 'p', :t)"),
+                     {"b": bundle["sha256"], "c": b"xyz", "h": "0" * 64, "t": now})  # its hash does not hold
+    db.upgrade(service_db_url)
+    assert db.current_revision(engine) == "0004"
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT bundle_sha256, view, sha256, content FROM served_bundles")).all()
+        assert conn.execute(sa.text("SELECT content FROM bundles WHERE sha256 = :s"), {"s": bundle["sha256"]}).scalar() == good
+    assert {r[1]: (r[2], r[3]) for r in rows} == served_views(bundle, {})
+    assert {r[0] for r in rows} == {bundle["sha256"]} and {r[1] for r in rows} == {"2", "2:none"}
+    assert json.loads(rows[0][3])["binaries"] == {}

@@ -1,4 +1,4 @@
-"""The job queue and kernel cache (service/jobs.py) on SQLite and PostgreSQL.
+"""The job queue and kernel cache (service/job_queue.py, kernel_cache.py, spec_store.py) on SQLite and PostgreSQL.
 
 Every test runs on an empty SQLite file and on a fresh PostgreSQL database (the
 ``service_db_url`` fixture), migrated with ``service.db.upgrade``. Concurrency tests use real
@@ -17,11 +17,14 @@ import pytest
 import sqlalchemy as sa
 
 from fuser_core.errors import SpecError
+from fuser_core.problem import make_problem
 from fuser_core.spec import load_spec
-from service import jobs
-from service.bundle import bundle_sha256, canonical_bytes, canonical_spec, make_bundle
+from service import errors, job_queue, kernel_cache, spec_store
+from service.bundle import bundle_sha256, canonical_bytes, canonical_spec
+from service.bundle_maker import make_bundle
 from service.db import make_engine, session_factory, upgrade
 from service.models import Bundle, Job, Kernel, utcnow
+from service.tuning_request import tuning_request
 
 LSE = {"foldwise": 1, "name": "lse", "inputs": {"x": {"dims": ["m", "n"]}},
        "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
@@ -48,12 +51,13 @@ def Session(service_db_url):
 def submit(Session, *, n=64, m=4, dtype="float32", target="h100", measurer="model", spec=SPEC, source=SOURCE,
            shape=None):
     with Session() as s:
-        return jobs.submit_job(s, spec, source, shape or {"m": m, "n": n}, dtype, target, measurer, 20, 60.0)
+        request = tuning_request(spec, source, shape or {"m": m, "n": n}, dtype, target, measurer, 20, 60.0)
+        return job_queue.submit_job(s, request)
 
 
 def claim(Session, worker="w1", *, target="h100", measurer="model", lease=60.0):
     with Session() as s:
-        return jobs.claim_job(s, worker, target=target, measurer=measurer, lease_seconds=lease)
+        return job_queue.claim_job(s, worker, target=target, measurer=measurer, lease_seconds=lease)
 
 
 def expire(Session, job_id):
@@ -69,7 +73,7 @@ def bundle_for(job: Job, time_ms: float = 1.0, **measured) -> dict:
     """A real bundle (generated kernel) for the job's key; made once per key, then re-stamped."""
     key = (job.shape_key, job.dtype, job.target)
     if key not in _BUNDLES:
-        _BUNDLES[key] = make_bundle(canonical_spec(SPEC), shape=job.shape, dtype=job.dtype_value, target=job.target,
+        _BUNDLES[key] = make_bundle(make_problem(canonical_spec(SPEC), job.shape, job.dtype_value), target=job.target,
                                     strategy="streaming_fused", config={}, measured={})
     bundle = copy.deepcopy(_BUNDLES[key])
     bundle["measured"] = {"time_ms": time_ms, "measurer": job.measurer, **measured}
@@ -80,20 +84,20 @@ def bundle_for(job: Job, time_ms: float = 1.0, **measured) -> dict:
 def finish(Session, job, worker="w1", time_ms=1.0, **fields):
     with Session() as s:
         predicted = fields.pop("predicted", job.measurer == "model")
-        return jobs.finish_job(s, job.id, worker, bundle=bundle_for(job, time_ms),
+        return job_queue.finish_job(s, job.id, worker, bundle=bundle_for(job, time_ms),
                                kernel_fields={"time_ms": time_ms, "predicted": predicted, **fields})
 
 
 def trial(Session, job_id, worker="w1", number=0, time_ms=1.0, state="complete", **kw):
     with Session() as s:
-        jobs.record_trial(s, job_id, worker, number=number, strategy=kw.get("strategy", "streaming_fused"),
+        job_queue.record_trial(s, job_id, worker, number=number, strategy=kw.get("strategy", "streaming_fused"),
                           config=kw.get("config", {"blocks": {}}), time_ms=time_ms, error=kw.get("error"),
                           state=state, predicted=True, source=kw.get("source", "tpe"), compile=kw.get("compile"))
 
 
 def reload(Session, job_id) -> Job:
     with Session() as s:
-        return jobs.get_job(s, job_id)
+        return job_queue.get_job(s, job_id)
 
 
 def in_threads(n, fn):
@@ -142,11 +146,11 @@ def test_submit_is_idempotent_and_canonical(Session):
     assert submit(Session, dtype="float16")[0].id != job.id
     with Session() as s:
         assert s.scalar(sa.select(sa.func.count()).select_from(Job)) == 5
-        record = jobs.get_spec(s, job.spec_hash)
+        record = spec_store.get_spec(s, job.spec_hash)
         assert record.name == "lse" and json.loads(record.source) == LSE
         assert record.derivation["fusible"] is True and record.derivation["spec_hash"] == job.spec_hash
-        assert jobs.display_shape(record, job.shape) == {"m": 4, "n": 64}
-        assert jobs.job_spec(record).dims == ("d0", "d1")
+        assert spec_store.display_shape(record, job.shape) == {"m": 4, "n": 64}
+        assert spec_store.job_spec(record).dims == ("d0", "d1")
 
 
 @pytest.mark.parametrize("field,kwargs,message", [
@@ -165,11 +169,11 @@ def test_submit_rejects_bad_fields(Session, field, kwargs, message):
 
 
 def test_submit_rejects_bad_budget(Session):
-    with Session() as s, pytest.raises(jobs.InvalidRequest) as info:
-        jobs.submit_job(s, SPEC, SOURCE, {"m": 4, "n": 8}, "float32", "h100", "model", 0, 10.0)
+    with pytest.raises(errors.InvalidRequest) as info:
+        tuning_request(SPEC, SOURCE, {"m": 4, "n": 8}, "float32", "h100", "model", 0, 10.0)
     assert info.value.loc == ("budget", "trials")
-    with Session() as s, pytest.raises(jobs.InvalidRequest) as info:
-        jobs.submit_job(s, SPEC, SOURCE, {"m": 4, "n": 8}, "float32", "h100", "model", 5, float("nan"))
+    with pytest.raises(errors.InvalidRequest) as info:
+        tuning_request(SPEC, SOURCE, {"m": 4, "n": 8}, "float32", "h100", "model", 5, float("nan"))
     assert info.value.loc == ("budget", "seconds")
 
 
@@ -186,7 +190,7 @@ def test_concurrent_identical_submissions_make_one_job(Session):
 
 def test_claim_trials_finish_and_resubmit(Session):
     with Session() as s:
-        jobs.register_worker(s, "w1", hostname="box", gpu_name=None, target="h100", measurer="model",
+        job_queue.register_worker(s, "w1", hostname="box", gpu_name=None, target="h100", measurer="model",
                              versions=VERSIONS)
     job, _ = submit(Session)
     claimed = claim(Session)
@@ -203,11 +207,11 @@ def test_claim_trials_finish_and_resubmit(Session):
     assert mid.best == {"strategy": "streaming_fused", "config": {"blocks": {"d1": 32}}, "time_ms": 2.0,
                         "trial": 2, "predicted": True}
     with Session() as s:
-        trials = jobs.list_trials(s, job.id)
+        trials = job_queue.list_trials(s, job.id)
         assert [(t.number, t.state, t.time_ms) for t in trials] == [
             (0, "complete", 5.0), (1, "failed", None), (2, "complete", 2.0), (3, "pruned", None)]
         assert trials[1].error == "too many registers" and trials[0].worker_id == "w1"
-        assert jobs.list_workers(s)[0].current_job_id == job.id
+        assert job_queue.list_workers(s)[0].current_job_id == job.id
     kernel = finish(Session, job, time_ms=2.0)
     done = reload(Session, job.id)
     assert done.status == "succeeded" and done.kernel_id == kernel.id and done.finished_at is not None
@@ -215,39 +219,41 @@ def test_claim_trials_finish_and_resubmit(Session):
     assert (kernel.shape_key, kernel.dtype, kernel.target) == ("d0=4,d1=64", "float32", "h100")
     assert kernel.measurer == "model"
     assert kernel.predicted and kernel.time_ms == 2.0 and kernel.job_id == job.id
-    assert (kernel.triton_version, kernel.generator_version) == jobs.current_versions()
+    assert (kernel.triton_version, kernel.generator_version) == kernel_cache.current_versions()
     with Session() as s:
-        content = jobs.get_bundle_bytes(s, jobs.get_kernel(s, kernel.id))
+        content = kernel_cache.get_bundle_bytes(s, kernel_cache.get_kernel(s, kernel.id))
         assert json.loads(content)["sha256"] == kernel.bundle_sha256
         assert canonical_bytes(json.loads(content)) == content
-        assert jobs.list_workers(s)[0].current_job_id is None
+        assert job_queue.list_workers(s)[0].current_job_id is None
     # the same request again: the finished job, no new search
     again, created = submit(Session)
     assert (again.id, again.status, created) == (job.id, "succeeded", False)
-    with pytest.raises(jobs.LeaseLost):  # finished: nobody holds it any more
+    with pytest.raises(errors.LeaseLost):  # finished: nobody holds it any more
         trial(Session, job.id, number=9)
 
 
 def test_record_trial_validation(Session):
     job, _ = submit(Session)
     claim(Session)
-    with pytest.raises(jobs.InvalidRequest, match="state"):
+    with pytest.raises(errors.InvalidRequest, match="state"):
         trial(Session, job.id, state="great")
-    with pytest.raises(jobs.InvalidRequest, match="needs its time"):
+    with pytest.raises(errors.InvalidRequest, match="needs its time"):
         trial(Session, job.id, time_ms=None, state="complete")
-    with pytest.raises(jobs.InvalidRequest) as info:
+    with pytest.raises(errors.InvalidRequest) as info:
         trial(Session, job.id, time_ms=-1.0)
     assert info.value.loc == ("time_ms",)
-    with pytest.raises(jobs.InvalidRequest) as info:
+    with pytest.raises(errors.InvalidRequest) as info:
         trial(Session, job.id, compile={"kernel": "k"})  # one object per kernel, in a list
     assert info.value.loc == ("compile",)
-    with pytest.raises(jobs.NotFound):
+    with pytest.raises(errors.NotFound):
         trial(Session, "0" * 32)
-    long_error = {"kernel": "k", "ok": False, "error": "x" * (jobs.MAX_ERROR_CHARS + 50)}
-    trial(Session, job.id, number=3, time_ms=None, state="pruned", compile=[long_error] * (jobs.MAX_COMPILE_FACTS + 1))
+    long_error = {"kernel": "k", "ok": False, "error": "x" * (job_queue.MAX_ERROR_CHARS + 50)}
+    trial(Session, job.id, number=3, time_ms=None, state="pruned",
+          compile=[long_error] * (job_queue.MAX_COMPILE_FACTS + 1))
     with Session() as s:
-        [kept] = [t for t in jobs.list_trials(s, job.id) if t.number == 3]
-    assert len(kept.compile) == jobs.MAX_COMPILE_FACTS and len(kept.compile[0]["error"]) <= jobs.MAX_ERROR_CHARS
+        [kept] = [t for t in job_queue.list_trials(s, job.id) if t.number == 3]
+    assert len(kept.compile) == job_queue.MAX_COMPILE_FACTS
+    assert len(kept.compile[0]["error"]) <= job_queue.MAX_ERROR_CHARS
 
 
 def test_kernel_short_circuit(Session):
@@ -285,13 +291,13 @@ def test_finish_rejects_bad_bundles(Session):
     claim(Session)
     tampered = bundle_for(job)
     tampered["measured"]["time_ms"] = 0.001  # changed after hashing
-    with Session() as s, pytest.raises(jobs.InvalidBundle, match="sha256"):
-        jobs.finish_job(s, job.id, "w1", bundle=tampered, kernel_fields={"time_ms": 1.0})
+    with Session() as s, pytest.raises(errors.InvalidBundle, match="sha256"):
+        job_queue.finish_job(s, job.id, "w1", bundle=tampered, kernel_fields={"time_ms": 1.0})
     other, _ = submit(Session, n=128)
-    with Session() as s, pytest.raises(jobs.InvalidBundle, match="shape"):
-        jobs.finish_job(s, job.id, "w1", bundle=bundle_for(other), kernel_fields={"time_ms": 1.0})
-    with Session() as s, pytest.raises(jobs.InvalidBundle, match="unknown field 'speed'"):
-        jobs.finish_job(s, job.id, "w1", bundle=bundle_for(job), kernel_fields={"time_ms": 1.0, "speed": 2})
+    with Session() as s, pytest.raises(errors.InvalidBundle, match="shape"):
+        job_queue.finish_job(s, job.id, "w1", bundle=bundle_for(other), kernel_fields={"time_ms": 1.0})
+    with Session() as s, pytest.raises(errors.InvalidBundle, match="unknown field 'speed'"):
+        job_queue.finish_job(s, job.id, "w1", bundle=bundle_for(job), kernel_fields={"time_ms": 1.0, "speed": 2})
     with Session() as s:
         assert s.scalar(sa.select(sa.func.count()).select_from(Kernel)) == 0
         assert s.scalar(sa.select(sa.func.count()).select_from(Bundle)) == 0
@@ -346,10 +352,10 @@ def test_claims_match_target_and_measurer(Session):
     assert claim(Session, "wa", target="a100") is None
     assert claim(Session, "wc", measurer="cuda").id == cuda.id
     with Session() as s:
-        jobs.register_worker(s, "wh", hostname="box", gpu_name="NVIDIA H100 80GB HBM3", target="h100",
+        job_queue.register_worker(s, "wh", hostname="box", gpu_name="NVIDIA H100 80GB HBM3", target="h100",
                              measurer="model", versions=VERSIONS)
-        with pytest.raises(jobs.JobError, match="registered for target 'h100'"):
-            jobs.claim_job(s, "wh", target="a100", measurer="model", lease_seconds=10)
+        with pytest.raises(errors.JobError, match="registered for target 'h100'"):
+            job_queue.claim_job(s, "wh", target="a100", measurer="model", lease_seconds=10)
     assert claim(Session, "wh").id == h100.id
 
 
@@ -381,21 +387,22 @@ def test_expired_lease_is_taken_over_and_stale_worker_rejected(Session):
     claim(Session, "w1")
     trial(Session, job.id, "w1", number=0, time_ms=4.0)
     with Session() as s:
-        assert jobs.renew_lease(s, job.id, "w1", 60.0)
-        assert not jobs.renew_lease(s, job.id, "w2", 60.0)  # not the holder
+        assert job_queue.renew_lease(s, job.id, "w1", 60.0)
+        assert not job_queue.renew_lease(s, job.id, "w2", 60.0)  # not the holder
     assert claim(Session, "w2") is None  # the lease holds
     expire(Session, job.id)
     taken = claim(Session, "w2")
     assert taken.id == job.id and taken.worker_id == "w2" and taken.attempts == 2
     with Session() as s:
-        assert not jobs.renew_lease(s, job.id, "w1", 60.0)
-    with pytest.raises(jobs.LeaseLost, match="w2"):
+        assert not job_queue.renew_lease(s, job.id, "w1", 60.0)
+    with pytest.raises(errors.LeaseLost, match="w2"):
         trial(Session, job.id, "w1", number=1)
-    for call in (lambda s: jobs.fail_job(s, job.id, "w1", "late"),
-                 lambda s: jobs.mark_cancelled(s, job.id, "w1"),
-                 lambda s: jobs.release_job(s, job.id, "w1"),
-                 lambda s: jobs.finish_job(s, job.id, "w1", bundle=bundle_for(job), kernel_fields={"time_ms": 1.0})):
-        with Session() as s, pytest.raises(jobs.LeaseLost):
+    for call in (lambda s: job_queue.fail_job(s, job.id, "w1", "late"),
+                 lambda s: job_queue.mark_cancelled(s, job.id, "w1"),
+                 lambda s: job_queue.release_job(s, job.id, "w1"),
+                 lambda s: job_queue.finish_job(s, job.id, "w1", bundle=bundle_for(job),
+                                                kernel_fields={"time_ms": 1.0})):
+        with Session() as s, pytest.raises(errors.LeaseLost):
             call(s)
     trial(Session, job.id, "w2", number=1, time_ms=3.0)  # the new holder carries on; earlier trials kept
     after = reload(Session, job.id)
@@ -413,7 +420,7 @@ def test_tiny_lease_expires_by_itself(Session):
 
 def test_job_fails_after_workers_lost_three_times(Session):
     job, _ = submit(Session)
-    for i in range(jobs.MAX_ATTEMPTS):
+    for i in range(job_queue.MAX_ATTEMPTS):
         assert claim(Session, f"w{i}").id == job.id
         expire(Session, job.id)
     assert claim(Session, "w9") is None
@@ -428,12 +435,12 @@ def test_fail_and_release(Session):
     job, _ = submit(Session)
     claim(Session, "w1")
     with Session() as s:
-        jobs.release_job(s, job.id, "w1")  # a clean shutdown: back to the queue, not a lost worker
+        job_queue.release_job(s, job.id, "w1")  # a clean shutdown: back to the queue, not a lost worker
     back = reload(Session, job.id)
     assert back.status == "queued" and back.worker_id is None and back.attempts == 0
     claim(Session, "w2")
     with Session() as s:
-        jobs.fail_job(s, job.id, "w2", "CUDA error: illegal memory access")
+        job_queue.fail_job(s, job.id, "w2", "CUDA error: illegal memory access")
     failed = reload(Session, job.id)
     assert failed.status == "failed" and failed.error == "CUDA error: illegal memory access"
     assert failed.dedupe_key is None
@@ -446,7 +453,7 @@ def test_fail_and_release(Session):
 def test_cancel_paths(Session):
     queued, _ = submit(Session, n=8)
     with Session() as s:
-        assert jobs.cancel_job(s, queued.id).status == "cancelled"
+        assert job_queue.cancel_job(s, queued.id).status == "cancelled"
     assert reload(Session, queued.id).dedupe_key is None
     assert claim(Session) is None  # a cancelled job is never claimed
     running, created = submit(Session, n=8)
@@ -455,26 +462,26 @@ def test_cancel_paths(Session):
     assert claim(Session, holder).id == running.id
     trial(Session, running.id, holder, number=0, time_ms=2.0)
     with Session() as s:
-        job = jobs.cancel_job(s, running.id)
+        job = job_queue.cancel_job(s, running.id)
         assert job.status == "running" and job.cancel_requested
-        assert not jobs.renew_lease(s, running.id, holder, 60.0)  # the worker learns to stop
-        with pytest.raises(jobs.LeaseLost):
-            jobs.mark_cancelled(s, running.id, "someone-else")
-        jobs.mark_cancelled(s, running.id, holder)
+        assert not job_queue.renew_lease(s, running.id, holder, 60.0)  # the worker learns to stop
+        with pytest.raises(errors.LeaseLost):
+            job_queue.mark_cancelled(s, running.id, "someone-else")
+        job_queue.mark_cancelled(s, running.id, holder)
     cancelled = reload(Session, running.id)
     assert cancelled.status == "cancelled" and cancelled.trials_done == 1 and cancelled.dedupe_key is None
     with Session() as s:
-        assert len(jobs.list_trials(s, running.id)) == 1  # finished trials are kept
-        assert jobs.cancel_job(s, running.id).status == "cancelled"  # finished: unchanged
-        with pytest.raises(jobs.NotFound):
-            jobs.cancel_job(s, "f" * 32)
+        assert len(job_queue.list_trials(s, running.id)) == 1  # finished trials are kept
+        assert job_queue.cancel_job(s, running.id).status == "cancelled"  # finished: unchanged
+        with pytest.raises(errors.NotFound):
+            job_queue.cancel_job(s, "f" * 32)
 
 
 def test_cancel_of_lost_running_job_is_settled_by_next_claim(Session):
     job, _ = submit(Session)
     claim(Session, "w1")
     with Session() as s:
-        jobs.cancel_job(s, job.id)
+        job_queue.cancel_job(s, job.id)
     expire(Session, job.id)  # the worker died before it saw the request
     assert claim(Session, "w2") is None
     assert reload(Session, job.id).status == "cancelled"
@@ -485,7 +492,7 @@ def test_finished_job_is_not_cancelled(Session):
     claim(Session)
     finish(Session, job)
     with Session() as s:
-        assert jobs.cancel_job(s, job.id).status == "succeeded"
+        assert job_queue.cancel_job(s, job.id).status == "succeeded"
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -497,22 +504,26 @@ def test_find_kernel_exact_then_nearest(Session):
         claim(Session)
         finish(Session, job, time_ms=n / 64)
     h = submit(Session)[0].spec_hash
+
+    def find(s, shape, *, spec_hash=h, target="h100", dtype="float32"):
+        return kernel_cache.find_kernel(s, spec_hash=spec_hash, target=target, dtype=dtype, shape=shape)
+
     with Session() as s:
-        kernel, exact = jobs.find_kernel(s, spec_hash=h, target="h100", dtype="float32", shape={"d0": 4, "d1": 64})
+        kernel, exact = find(s, {"d0": 4, "d1": 64})
         assert exact and kernel.shape == {"d0": 4, "d1": 64}
-        kernel, exact = jobs.find_kernel(s, spec_hash=h, target="h100", dtype="float32", shape={"d0": 4, "d1": 128})
+        kernel, exact = find(s, {"d0": 4, "d1": 128})
         assert not exact and kernel.shape == {"d0": 4, "d1": 64}  # |log2 2| = 1 < |log2 1/8| = 3
-        kernel, exact = jobs.find_kernel(s, spec_hash=h, target="h100", dtype="float32", shape={"d0": 8, "d1": 700})
+        kernel, exact = find(s, {"d0": 8, "d1": 700})
         assert not exact and kernel.shape == {"d0": 4, "d1": 1024}
-        assert jobs.find_kernel(s, spec_hash=h, target="a100", dtype="float32", shape={"d0": 4, "d1": 64}) is None
-        assert jobs.find_kernel(s, spec_hash=h, target="h100", dtype="float16", shape={"d0": 4, "d1": 64}) is None
-        assert jobs.find_kernel(s, spec_hash="0" * 64, target="h100", dtype="float32", shape={"d0": 4}) is None
-        assert jobs.find_kernel(s, spec_hash=h, target="h100", dtype="float32", shape=None)[1] is False
-        assert len(jobs.list_kernels(s, spec_hash=h)) == 2
+        assert find(s, {"d0": 4, "d1": 64}, target="a100") is None
+        assert find(s, {"d0": 4, "d1": 64}, dtype="float16") is None
+        assert find(s, {"d0": 4}, spec_hash="0" * 64) is None
+        assert find(s, None)[1] is False
+        assert len(kernel_cache.list_kernels(s, spec_hash=h)) == 2
         # a kernel of another generator version is still served, but never as an exact match
         s.execute(sa.update(Kernel).values(generator_version="old"))
         s.commit()
-        kernel, exact = jobs.find_kernel(s, spec_hash=h, target="h100", dtype="float32", shape={"d0": 4, "d1": 64})
+        kernel, exact = find(s, {"d0": 4, "d1": 64})
         assert not exact and kernel.shape == {"d0": 4, "d1": 64}
 
 
@@ -529,8 +540,8 @@ def test_corrupted_bundle_is_never_served(Session, damage):
         assert bad != good
         s.execute(sa.update(Bundle).where(Bundle.sha256 == row.sha256).values(content=bad))
         s.commit()
-        with pytest.raises(jobs.BundleCorrupted, match="hash mismatch"):
-            jobs.get_bundle_bytes(s, jobs.get_kernel(s, kernel.id))
+        with pytest.raises(errors.BundleCorrupted, match="hash mismatch"):
+            kernel_cache.get_bundle_bytes(s, kernel_cache.get_kernel(s, kernel.id))
 
 
 def test_finish_repairs_damaged_kernel_of_same_key(Session):
@@ -547,7 +558,8 @@ def test_finish_repairs_damaged_kernel_of_same_key(Session):
     again = finish(Session, b, "gpu", time_ms=9.0, measurer="cuda", predicted=True)
     assert again.id == kernel.id and again.time_ms == 9.0
     with Session() as s:
-        assert json.loads(jobs.get_bundle_bytes(s, jobs.get_kernel(s, kernel.id)))["sha256"] == again.bundle_sha256
+        stored = kernel_cache.get_bundle_bytes(s, kernel_cache.get_kernel(s, kernel.id))
+        assert json.loads(stored)["sha256"] == again.bundle_sha256
 
 
 # ----------------------------------------------------------------------------- workers and listing
@@ -555,35 +567,35 @@ def test_finish_repairs_damaged_kernel_of_same_key(Session):
 
 def test_workers_and_listing(Session):
     with Session() as s:
-        w = jobs.register_worker(s, "gpu-1", hostname="node7", gpu_name="NVIDIA H100 80GB HBM3", target="H100",
+        w = job_queue.register_worker(s, "gpu-1", hostname="node7", gpu_name="NVIDIA H100 80GB HBM3", target="H100",
                                  measurer="cuda", versions=VERSIONS)
         assert w.target == "h100" and w.last_heartbeat.tzinfo is not None
         first_beat = w.last_heartbeat
-        jobs.worker_heartbeat(s, "gpu-1", current_job_id=None)
-        (listed,) = jobs.list_workers(s)
+        job_queue.worker_heartbeat(s, "gpu-1", current_job_id=None)
+        (listed,) = job_queue.list_workers(s)
         assert listed.id == "gpu-1" and listed.versions == VERSIONS and listed.last_heartbeat >= first_beat
-        jobs.register_worker(s, "gpu-1", hostname="node8", gpu_name=None, target="h100", measurer="model",
+        job_queue.register_worker(s, "gpu-1", hostname="node8", gpu_name=None, target="h100", measurer="model",
                              versions={})  # re-registration after a restart updates the row
-        assert [(w.hostname, w.measurer) for w in jobs.list_workers(s)] == [("node8", "model")]
-        with pytest.raises(jobs.NotFound):
-            jobs.worker_heartbeat(s, "nobody")
-        with pytest.raises(jobs.InvalidRequest):
-            jobs.register_worker(s, "x", hostname="h", gpu_name=None, target="tpu", measurer="model", versions={})
+        assert [(w.hostname, w.measurer) for w in job_queue.list_workers(s)] == [("node8", "model")]
+        with pytest.raises(errors.NotFound):
+            job_queue.worker_heartbeat(s, "nobody")
+        with pytest.raises(errors.InvalidRequest):
+            job_queue.register_worker(s, "x", hostname="h", gpu_name=None, target="tpu", measurer="model", versions={})
     a, _ = submit(Session, n=8)
     b, _ = submit(Session, n=16, target="a100")
     claim(Session, target="a100")
     with Session() as s:
-        assert [j.id for j in jobs.list_jobs(s)] == [b.id, a.id]  # newest first
-        assert [j.id for j in jobs.list_jobs(s, status="queued")] == [a.id]
-        assert [j.id for j in jobs.list_jobs(s, target="a100")] == [b.id]
-        assert [j.id for j in jobs.list_jobs(s, spec_hash=a.spec_hash, limit=1, offset=1)] == [a.id]
-        assert jobs.list_jobs(s, spec_hash="0" * 64) == []
-        with pytest.raises(jobs.NotFound):
-            jobs.get_job(s, "nope")
-        with pytest.raises(jobs.NotFound):
-            jobs.list_trials(s, "nope")
-        with pytest.raises(jobs.NotFound):
-            jobs.get_kernel(s, "nope")
+        assert [j.id for j in job_queue.list_jobs(s)] == [b.id, a.id]  # newest first
+        assert [j.id for j in job_queue.list_jobs(s, status="queued")] == [a.id]
+        assert [j.id for j in job_queue.list_jobs(s, target="a100")] == [b.id]
+        assert [j.id for j in job_queue.list_jobs(s, spec_hash=a.spec_hash, limit=1, offset=1)] == [a.id]
+        assert job_queue.list_jobs(s, spec_hash="0" * 64) == []
+        with pytest.raises(errors.NotFound):
+            job_queue.get_job(s, "nope")
+        with pytest.raises(errors.NotFound):
+            job_queue.list_trials(s, "nope")
+        with pytest.raises(errors.NotFound):
+            kernel_cache.get_kernel(s, "nope")
 
 
 def test_times_are_utc_on_both_backends(Session):

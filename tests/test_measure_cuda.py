@@ -24,6 +24,7 @@ import pytest
 from conftest import load_catalog
 
 from fuser_core.derive import derive_cascade
+from fuser_core.problem import make_problem
 from fuser_core.reference import bind_shape, evaluate
 from fuser_core.spec import load_spec
 from tuner.measure import Measurer
@@ -31,7 +32,7 @@ from tuner.measure_cuda import (
     CPU_LABEL,
     FAULT_ENV,
     CudaMeasurer,
-    Problem,
+    DeviceProblem,
     SampledEvaluator,
     TimingSettings,
     WorkerProcess,
@@ -62,7 +63,7 @@ def loaded(name: str):
 
 def softmax_candidate():
     spec, d = loaded("safe_softmax")
-    space = SearchSpace(spec, d, SOFTMAX_SHAPE, "float32", H100)
+    space = SearchSpace(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100)
     c = space.candidate("streaming_fused", {"block_n": 16, "block_m": 1, "num_warps": 1, "num_stages": 2})
     assert space.check(c) is None
     return spec, d, space, c
@@ -134,11 +135,12 @@ def test_check_outputs_on_sampled_rows() -> None:
 
     spec, d = loaded("safe_softmax")
     shape = {"m": 50, "n": 40}
-    problem = Problem(problem_payload(spec, d, shape, {"x": "float32"}), "cpu", {"reference_budget": 400, "seed": 3})
+    bound = make_problem(spec, shape, {"x": "float32"})
+    problem = DeviceProblem(problem_payload(bound, d), "cpu", {"reference_budget": 400, "seed": 3})
     rows = problem.rows_np["m"]
     assert 2 <= len(rows) < 50 and rows[0] == 0 and rows[-1] == 49
     outside = next(i for i in range(50) if i not in set(rows.tolist()))
-    good = build(spec, shape, {"x": "float32"})(problem.inputs)
+    good = build(bound)(problem.inputs)
     variant = {"kind": "eager"}
     report = check_outputs(problem, good, variant)
     assert report["passed"] and report["max_rel_err"] < 1e-5 and report["rows_checked"] == {"m": len(rows)}
@@ -169,7 +171,7 @@ def test_cpu_measurer_times_checked_kernels_on_a_reused_worker() -> None:
     with WorkerProcess("cpu") as worker:
         info = worker.call("info")
         assert info.ok and info.value["device"] == "cpu" and info.value["timing_label"] == CPU_LABEL
-        m = CudaMeasurer(spec, d, SOFTMAX_SHAPE, "float32", H100, timeout_s=60, timing=FAST, worker=worker)
+        m = CudaMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, timeout_s=60, timing=FAST, worker=worker)
         assert isinstance(m, Measurer) and m.name == "cuda-interpreter" and m.device == "cpu"
         r = m.measure(c)
         assert r.error is None and r.time_ms is not None and r.time_ms > 0 and r.predicted is False
@@ -189,7 +191,7 @@ def test_cpu_measurer_times_checked_kernels_on_a_reused_worker() -> None:
     with pytest.raises(ValueError, match="device"):
         WorkerProcess("tpu")
     with pytest.raises(ValueError, match="timeout_s"):
-        CudaMeasurer(spec, d, SOFTMAX_SHAPE, "float32", H100, device="cpu", timeout_s=0)
+        CudaMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, device="cpu", timeout_s=0)
 
 
 def test_faults_fail_one_trial_and_the_next_succeeds(tmp_path) -> None:
@@ -202,7 +204,7 @@ def test_faults_fail_one_trial_and_the_next_succeeds(tmp_path) -> None:
     def measurer(name: str, timeout_s: float) -> tuple[CudaMeasurer, Path]:
         fault = tmp_path / name
         worker = WorkerProcess("cpu", env={FAULT_ENV: str(fault)})  # the child takes the file before each job
-        return CudaMeasurer(spec, d, SOFTMAX_SHAPE, "float32", H100, timeout_s=timeout_s, timing=FAST, worker=worker), fault
+        return CudaMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, timeout_s=timeout_s, timing=FAST, worker=worker), fault
 
     def succeeds(m: CudaMeasurer) -> None:
         r = m.measure(c)
@@ -283,10 +285,22 @@ def test_exit_codes_and_signals_are_named(tmp_path) -> None:
         assert w._state["proc"] is None
 
 
+def test_the_child_answers_the_measured_binary_job_after_measuring() -> None:
+    """The kernel store's ``binary`` job (tuner.measured_binary) through the child on the CPU
+    device: the measured module is launched again, but Triton's interpreter keeps no JIT cache
+    of compiled kernels, so the answer is a clear error (on a GPU it is the measured cubins;
+    not measured on GPU here)."""
+    spec, d, _, c = softmax_candidate()
+    with CudaMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, device="cpu", timeout_s=60, timing=FAST) as m:
+        assert m.measure(c).error is None
+        with pytest.raises(RuntimeError, match="no compiled kernel in the module's JIT cache"):
+            m.measured_binary(c.strategy, c.config.to_dict())
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="checks the answer of a machine without a GPU")
 def test_no_gpu_is_a_clear_failure_remembered_once() -> None:
     spec, d, _, c = softmax_candidate()
-    with CudaMeasurer(spec, d, SOFTMAX_SHAPE, "float32", H100, device="cuda", timeout_s=60) as m:
+    with CudaMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, device="cuda", timeout_s=60) as m:
         r = m.measure(c)
         assert r.time_ms is None and "could not start on cuda" in r.error and "no CUDA GPU" in r.error
         t0 = time.monotonic()
@@ -300,10 +314,10 @@ def test_no_gpu_is_a_clear_failure_remembered_once() -> None:
 def test_gpu_measure_flushes_l2_and_rotates_inputs() -> None:
     spec, d = loaded("safe_softmax")
     shape = {"m": 4096, "n": 8192}
-    space = SearchSpace(spec, d, shape, "float16", H100)
+    space = SearchSpace(make_problem(spec, shape, "float16"), d, H100)
     c = space.candidate("streaming_fused", {"block_n": 1024, "block_m": 1, "num_warps": 8, "num_stages": 2})
     assert space.check(c) is None
-    with CudaMeasurer(spec, d, shape, "float16", H100, timeout_s=300) as m:
+    with CudaMeasurer(space.problem, d, H100, timeout_s=300) as m:
         r = m.measure(c)
         assert r.error is None, r.error
         t, info = r.details["timing"], m.worker.info

@@ -92,7 +92,8 @@ def v1_routes(app) -> list[tuple[str, str, APIRoute]]:
 
 
 def fill(path: str) -> str:
-    return path.replace("{job_id}", HEX32).replace("{kernel_id}", HEX32).replace("{spec_hash}", HEX64)
+    return (path.replace("{job_id}", HEX32).replace("{kernel_id}", HEX32).replace("{spec_hash}", HEX64)
+            .replace("{arch}", "sm_90a").replace("{filename}", "kernel.cubin"))
 
 
 def request_for(method: str, path: str) -> dict:
@@ -270,16 +271,16 @@ def test_a_huge_body_is_refused_at_once_by_a_live_server(tmp_path) -> None:
 
 
 def test_a_slow_derivation_leaves_the_server_responsive(db_url, monkeypatch) -> None:
-    import fuser_core.report
+    import fuser_core
 
-    real = fuser_core.report.derivation_report
+    real = fuser_core.derivation_report
     release = threading.Event()
 
     def slow(spec, *args, **kwargs):
         release.wait(8)  # a derivation that takes long (sympy on a large spec)
         return real(spec, *args, **kwargs)
 
-    monkeypatch.setattr(fuser_core.report, "derivation_report", slow)
+    monkeypatch.setattr(fuser_core, "derivation_report", slow)  # the public name service reads
     with TestClient(make_app(db_url, derive_timeout_s=2.5)) as client:
         results: list = []
         specs = []

@@ -20,6 +20,7 @@ from conftest import CATALOG_DIR, load_catalog
 from fuser_core.codegen.module import module_source, output_dtypes
 from fuser_core.codegen.plan import STRATEGIES, KernelConfig, make_plan, valid_strategies
 from fuser_core.derive import derive_cascade
+from fuser_core.problem import make_problem
 from fuser_core.runner import bind_dtypes
 from fuser_core.spec import load_spec
 from tuner import measure as measure_mod
@@ -44,7 +45,7 @@ def loaded(name: str):
 
 def space_for(name: str, shape: dict, dtype, profile=H100) -> SearchSpace:
     spec, d = loaded(name)
-    return SearchSpace(spec, d, shape, dtype, profile)
+    return SearchSpace(make_problem(spec, shape, dtype), d, profile)
 
 
 def case_id(case: dict) -> str:
@@ -55,7 +56,7 @@ def best_of(space: SearchSpace, strategy: str):
     """(prediction, candidate) of the fastest predicted candidate of one strategy."""
     best = None
     for c in space.enumerate([strategy]):
-        p = predict(space.spec, space.derivation, space.shape, space.dtypes, c, space.profile)
+        p = predict(space.problem, space.derivation, c, space.profile)
         if best is None or p.time_s < best[0].time_s:
             best = (p, c)
     assert best is not None, f"no feasible {strategy} candidate"
@@ -232,14 +233,14 @@ def test_more_bytes_take_more_time() -> None:
     # the same candidate on a longer row: more bytes, more time; a faster memory: less time
     spec, d = loaded("safe_softmax")
     c = Candidate("streaming_fused", KernelConfig({"n": 1024, "m": 1}, num_warps=4, num_stages=3))
-    preds = [predict(spec, d, {"m": 4096, "n": n}, "float16", c, H100) for n in (4096, 16384, 65536)]
+    preds = [predict(make_problem(spec, {"m": 4096, "n": n}, "float16"), d, c, H100) for n in (4096, 16384, 65536)]
     assert [p.bytes for p in preds] == sorted(p.bytes for p in preds)
     assert [p.time_s for p in preds] == sorted(p.time_s for p in preds)
-    h200 = predict(spec, d, {"m": 4096, "n": 65536}, "float16", c, get_profile("h200"))
-    a100 = predict(spec, d, {"m": 4096, "n": 65536}, "float16", c, get_profile("a100"))
+    h200 = predict(make_problem(spec, {"m": 4096, "n": 65536}, "float16"), d, c, get_profile("h200"))
+    a100 = predict(make_problem(spec, {"m": 4096, "n": 65536}, "float16"), d, c, get_profile("a100"))
     assert h200.time_s < preds[-1].time_s < a100.time_s
     # deeper pipelining keeps more bytes in flight: never slower for a memory-bound loop
-    stages = [predict(spec, d, {"m": 512, "n": 65536}, "float16",
+    stages = [predict(make_problem(spec, {"m": 512, "n": 65536}, "float16"), d,
                       Candidate("streaming_fused", KernelConfig({"n": 256, "m": 1}, num_warps=1, num_stages=s)), H100)
               for s in (1, 2, 3)]
     assert stages[0].time_s > stages[1].time_s >= stages[2].time_s
@@ -249,8 +250,8 @@ def test_prediction_fields() -> None:
     space = space_for("attention", {"b": 32, "h": 32, "m": 1, "n": 8192, "d": 128, "e": 128}, "float16")
     c = space.candidate("split_fused", {"block_n": 32, "block_e": 128, "num_warps": 8, "num_stages": 2, "split": 8})
     assert space.check(c) is None
-    p = predict(space.spec, space.derivation, space.shape, space.dtypes, c, H100)
-    assert [k["kernel"] for k in p.details["kernels"]] == ["split_fused", "split_fused_combine"]
+    p = predict(space.problem, space.derivation, c, H100)
+    assert [k["kernel"] for k in p.details["kernels"]] == ["attention_split_fused_kernel", "attention_split_fused_combine_kernel"]
     assert p.time_s == pytest.approx(sum(k["time_s"] for k in p.details["kernels"]))
     assert p.time_s > 2 * H100.launch_overhead_s and p.programs == 32 * 32 * 8
     kv = 2 * 32 * 32 * 8192 * 128 * 2  # K and V in fp16
@@ -280,10 +281,10 @@ def _dependent_long(case: dict) -> bool:
 def test_unfused_chain_is_slower_than_streaming(case: dict) -> None:
     space = space_for(case["spec"], case["shape"], case["dtype"])
     spec, d = loaded(case["spec"])
-    chain = predict_chain(spec, d, case["shape"], case["dtype"], H100)
+    chain = predict_chain(space.problem, d, H100)
     # the tuned-for-the-model streaming kernel, searched over its tilings with the warps and
     # stages most kernels use (the full space is the exhaustive benchmark's job)
-    best = min(predict(spec, d, case["shape"], case["dtype"], c, H100).time_s
+    best = min(predict(space.problem, d, c, H100).time_s
                for c in space.enumerate(["streaming_fused"])
                if c.config.num_warps in (2, 4, 8) and c.config.num_stages in (2, 3))
     assert chain.time_s > best
@@ -295,7 +296,7 @@ def test_unfused_chain_is_slower_than_streaming(case: dict) -> None:
 def test_chain_materialises_attention_scores() -> None:
     shape = {"b": 128, "h": 16, "m": 512, "n": 512, "d": 64, "e": 64}
     spec, d = loaded("attention")
-    chain = predict_chain(spec, d, shape, "float16", H100)
+    chain = predict_chain(make_problem(spec, shape, "float16"), d, H100)
     s_bytes = 128 * 16 * 512 * 512 * 4  # s in float32, written once and read by mx, den and o
     assert chain.bytes > 2 * s_bytes
     assert [k["kernel"] for k in chain.details["kernels"]] == [
@@ -332,7 +333,7 @@ def test_model_measurer_verifies_each_strategy_once(monkeypatch: pytest.MonkeyPa
     clear_verification_cache()
     shape = {"m": 4096, "n": 32768}
     space = space_for("safe_softmax", shape, "float16")
-    m = ModelMeasurer(space.spec, space.derivation, shape, "float16", H100)
+    m = ModelMeasurer(space.problem, space.derivation, H100)
     assert isinstance(m, Measurer) and m.name == "model"
     a = space.candidate("streaming_fused", {"block_n": 2048, "block_m": 1, "num_warps": 8, "num_stages": 3})
     b = space.candidate("streaming_fused", {"block_n": 4096, "block_m": 1, "num_warps": 8, "num_stages": 2})
@@ -343,10 +344,10 @@ def test_model_measurer_verifies_each_strategy_once(monkeypatch: pytest.MonkeyPa
         assert r.details["predicted"] and r.details["measurer"] == "model" and r.details["target"] == "h100"
         assert r.details["verified"]["passed"] and r.details["verified"]["shape"] == {"m": 3, "n": 40}
         json.dumps(r.to_dict())
-    p = predict(space.spec, space.derivation, shape, "float16", a, H100)
+    p = predict(space.problem, space.derivation, a, H100)
     assert ra.time_ms == pytest.approx(p.time_s * 1e3)
     # another measurer of the same spec, strategy and dtypes reuses the check
-    again = ModelMeasurer(space.spec, space.derivation, shape, "float16", get_profile("a100"))
+    again = ModelMeasurer(make_problem(space.spec, shape, "float16"), space.derivation, get_profile("a100"))
     assert again.measure(a).time_ms > ra.time_ms and again.interpreter_runs == []
 
     # a strategy whose kernels are wrong: every candidate fails with the error, checked once
@@ -385,7 +386,7 @@ def test_taylor_shifted_sums_are_modelled() -> None:
                       "outputs": ["v"]})
     d = derive_cascade(spec)
     assert d.forms["v"].kind == "taylor"
-    space = SearchSpace(spec, d, {"m": 4096, "n": 8192}, "float32", H100)
+    space = SearchSpace(make_problem(spec, {"m": 4096, "n": 8192}, "float32"), d, H100)
     values = {"block_n": 1024, "block_m": 1, "num_warps": 4, "num_stages": 2}
     streaming = space.candidate("streaming_fused", values)
     split = space.candidate("split_fused", {**values, "split": 4})
@@ -393,11 +394,11 @@ def test_taylor_shifted_sums_are_modelled() -> None:
     assert len(kernels[0].ws_stores) == 1 + 3 + 1  # mx, three Taylor coefficients, the mx anchor
     for c in (streaming, split):
         assert space.check(c) is None
-        p = predict(spec, d, space.shape, space.dtypes, c, H100)
+        p = predict(space.problem, d, c, H100)
         assert p.bytes >= 4096 * 8192 * 4 and p.time_s > 0
     plain = load_spec({"foldwise": 1, "name": "den", "inputs": {"x": {"dims": ["m", "n"]}},
                        "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
                                  {"name": "v", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"}],
                        "outputs": ["v"]})
-    p_plain = predict(plain, derive_cascade(plain), space.shape, "float32", streaming, H100)
-    assert predict(spec, d, space.shape, "float32", streaming, H100).flops > p_plain.flops
+    p_plain = predict(make_problem(plain, space.shape, "float32"), derive_cascade(plain), streaming, H100)
+    assert predict(space.problem, d, streaming, H100).flops > p_plain.flops

@@ -240,13 +240,15 @@ def test_a_candidate_another_worker_is_measuring_is_waited_for() -> None:
 
 def test_frontier_candidates_fill_what_fits(catalog_specs: dict) -> None:
     from fuser_core.derive import derive_cascade
+    from fuser_core.problem import make_problem
     from fuser_core.spec import load_spec
     from tuner.profiles import get_profile
     from tuner.search import frontier_candidates
     from tuner.space import SearchSpace
 
     spec = load_spec(catalog_specs["safe_softmax"])
-    space = SearchSpace(spec, derive_cascade(spec), {"m": 4096, "n": 32768}, "float16", get_profile("h100"))
+    problem = make_problem(spec, {"m": 4096, "n": 32768}, "float16")
+    space = SearchSpace(problem, derive_cascade(spec), get_profile("h100"))
     found = frontier_candidates(space)
     assert {s for s, _ in found} == set(space.strategies())
     for strategy, values in found:

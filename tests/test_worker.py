@@ -17,12 +17,14 @@ import pytest
 import sqlalchemy as sa
 
 from fuser_core.spec import load_spec
-from service import jobs
+from service import job_queue, kernel_cache
 from service.bundle import verify_bundle
 from service.db import DatabaseBehind, study_storage_url
-from service.models import Job
+from service.binaries import stored_variants
+from service.models import Job, KernelBinary, utcnow
 from service.settings import get_settings
 from service.tuning import SetupError
+from service.tuning_request import tuning_request
 from service.worker import Worker, run_worker
 from tests.conftest import load_catalog
 from tuner.search import make_storage
@@ -39,14 +41,15 @@ def settings(db_url: str, **kw):
 
 def submit(sessions, *, trials: int = 6, seconds: float = 600, shape=SHAPE) -> str:
     with sessions() as s:
-        job, created = jobs.submit_job(s, SPEC, json.dumps(RAW), shape, "float32", "h100", "model", trials, seconds)
+        request = tuning_request(SPEC, json.dumps(RAW), shape, "float32", "h100", "model", trials, seconds)
+        job, created = job_queue.submit_job(s, request)
         assert created
         return job.id
 
 
 def reload(sessions, job_id: str) -> Job:
     with sessions() as s:
-        return jobs.get_job(s, job_id)
+        return job_queue.get_job(s, job_id)
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
@@ -76,10 +79,13 @@ def test_worker_tunes_a_job_to_a_verified_bundle(db_url, sessions) -> None:
     job = reload(sessions, job_id)
     assert job.status == "succeeded" and job.error is None and job.trials_done == 6 and job.attempts == 1
     with sessions() as s:
-        trials = jobs.list_trials(s, job_id)
-        kernel = jobs.get_kernel(s, job.kernel_id)
-        content = jobs.get_bundle_bytes(s, kernel)
-        workers = {w.id: w for w in jobs.list_workers(s)}
+        trials = job_queue.list_trials(s, job_id)
+        kernel = kernel_cache.get_kernel(s, job.kernel_id)
+        content = kernel_cache.get_bundle_bytes(s, kernel)
+        workers = {w.id: w for w in job_queue.list_workers(s)}
+        rows = s.execute(sa.select(KernelBinary.arch, KernelBinary.triton_version)
+                         .where(KernelBinary.bundle_sha256 == kernel.bundle_sha256)).all()
+        variants = stored_variants(s, kernel.bundle_sha256)
     assert [t.number for t in trials] == list(range(6)) and {t.worker_id for t in trials} == {"w-main"}
     assert all(t.state in ("complete", "pruned", "failed") and t.source for t in trials)
     # every candidate the space accepted went through the compile gate for the job's target (sm_90)
@@ -97,6 +103,13 @@ def test_worker_tunes_a_job_to_a_verified_bundle(db_url, sessions) -> None:
     assert m["measurer"] == "model" and m["predicted"] is True and m["device"] is None
     assert m["time_ms"] == kernel.time_ms and m["triton_version"] and m["torch_version"] and m["date"]
     assert bundle["derivation"]["certificate"]["holds"] is True
+    # the kernel's binary, compiled on this host for the job's target (h100: sm_90a), is stored
+    import triton
+
+    assert rows == [("sm_90a", triton.__version__)] and list(variants) == ["sm_90a"]
+    names = [k["name"] for k in variants["sm_90a"]["kernels"]]
+    assert len(names) == (2 if bundle["strategy"] == "split_fused" else 1)
+    assert all(f"def {n}(" in bundle["triton_source"] for n in names)
     assert set(workers["w-main"].versions) == {"python", "torch", "triton", "foldwise"}
     assert workers["w-main"].current_job_id is None and workers["w-main"].measurer == "model"
 
@@ -116,14 +129,14 @@ def test_cancel_stops_the_search_and_keeps_the_trials(db_url, sessions) -> None:
     try:
         wait_for(lambda: reload(sessions, job_id).trials_done >= 2, what="two trials")
         with sessions() as s:
-            assert jobs.cancel_job(s, job_id).cancel_requested
+            assert job_queue.cancel_job(s, job_id).cancel_requested
         job = wait_for(lambda: (j := reload(sessions, job_id)).status == "cancelled" and j, what="cancelled")
     finally:
         stop.set()
         thread.join(30)
     assert not thread.is_alive()
     with sessions() as s:
-        kept = jobs.list_trials(s, job_id)
+        kept = job_queue.list_trials(s, job_id)
     assert len(kept) >= 2 and job.kernel_id is None and job.trials_done == len(kept) < 400
 
 
@@ -134,7 +147,7 @@ def test_a_lost_lease_stops_the_worker_without_touching_the_job(db_url, sessions
         wait_for(lambda: reload(sessions, job_id).trials_done >= 2, what="two trials")
         with sessions() as s:  # another worker took the job over (as after an expired lease)
             s.execute(sa.update(Job).where(Job.id == job_id).values(
-                worker_id="w-thief", lease_expires_at=jobs.utcnow() + timedelta(seconds=60)))
+                worker_id="w-thief", lease_expires_at=utcnow() + timedelta(seconds=60)))
             s.commit()
         thread.join(30)
         assert not thread.is_alive(), "the worker did not stop after losing its lease"
@@ -170,7 +183,7 @@ def test_budget_seconds_used_up_by_earlier_attempts(db_url, sessions) -> None:
     saying so."""
     job_id = submit(sessions, trials=50, seconds=5)
     with sessions() as s:
-        s.execute(sa.update(Job).where(Job.id == job_id).values(started_at=jobs.utcnow() - timedelta(seconds=60)))
+        s.execute(sa.update(Job).where(Job.id == job_id).values(started_at=utcnow() - timedelta(seconds=60)))
         s.commit()
     run_worker(db_url, measurer="model", target="h100", once=True, settings=settings(db_url))
     job = reload(sessions, job_id)
@@ -216,7 +229,7 @@ def test_takeover_continues_the_dead_workers_study(db_url, sessions) -> None:
     job = reload(sessions, job_id)
     assert job.status == "succeeded" and job.attempts == 2
     with sessions() as s:
-        trials = jobs.list_trials(s, job_id)
+        trials = job_queue.list_trials(s, job_id)
     by_worker = {w: [t.number for t in trials if t.worker_id == w] for w in ("w-dead", "w-next")}
     assert len(by_worker["w-dead"]) >= 3 and by_worker["w-next"]
     assert min(by_worker["w-next"]) > max(by_worker["w-dead"])  # the same study, numbering continued
@@ -258,7 +271,7 @@ def test_a_trial_left_running_by_a_dead_worker_is_failed_by_the_next(db_url, ses
     orphan = die_mid_trial(db_url, cfg, job_id)
     if then == "cancelled":
         with sessions() as s:
-            assert jobs.cancel_job(s, job_id).cancel_requested  # nobody renews the lease to see it
+            assert job_queue.cancel_job(s, job_id).cancel_requested  # nobody renews the lease to see it
     assert run_worker(db_url, measurer="model", target="h100", once=True, worker_id="w-next",
                       settings=cfg) == (1 if then == "taken over" else 0)
     job = reload(sessions, job_id)
@@ -328,7 +341,7 @@ def test_a_trial_told_but_not_recorded_by_a_dead_worker_is_recorded_by_the_next(
     job = reload(sessions, job_id)
     assert job.status == "succeeded" and job.attempts == 2
     with sessions() as s:
-        recorded = {t.number: t for t in jobs.list_trials(s, job_id)}
+        recorded = {t.number: t for t in job_queue.list_trials(s, job_id)}
     assert told.number in recorded and recorded[told.number].time_ms == 1.5
     assert recorded[told.number].strategy == "multi_pass"
     assert orphan.number not in recorded

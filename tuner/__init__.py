@@ -1,0 +1,40 @@
+"""Foldwise's tuner: the search space, Optuna search, cost model, measurers and benchmarks.
+
+The package's public API is ``__all__``: service imports these names from ``tuner`` itself,
+never from its modules. Each name is imported from its module on first use (PEP 562
+``__getattr__``), so asking for the GPU profiles does not load Optuna, torch or the cost model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> (module, name there); grouped by module
+_EXPORTS: dict[str, tuple[str, str]] = {
+    **{n: ("tuner.profiles", n) for n in ("GpuProfile", "PROFILES", "get_profile", "profile_for_device_name")},
+    **{n: ("tuner.space", n) for n in ("Candidate", "SearchSpace")},
+    **{n: ("tuner.measure", n) for n in ("Measurement", "ModelMeasurer", "reduced_problem")},
+    **{n: ("tuner.measure_cuda", n) for n in ("CudaMeasurer", "TimingSettings", "WorkerProcess")},
+    **{n: ("tuner.cost_model", n) for n in ("Prediction", "predict", "predict_chain", "exhaustive_best")},
+    **{n: ("tuner.compile_gate", n) for n in ("CompileGate", "shared_compile_pool")},
+    **{n: ("tuner.search", n) for n in (
+        "Tuner", "NoResult", "budget_used", "fail_orphaned_trials", "make_storage", "study_name_for", "trial_result")},
+    **{n: ("tuner.bench", n) for n in ("BASELINES", "BenchError", "run_bench")},
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'tuner' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -224,8 +224,7 @@ def run_bench(
     import torch
 
     from fuser_core.derive import derive_cascade
-    from fuser_core.reference import bind_shape
-    from fuser_core.runner import bind_dtypes
+    from fuser_core.problem import make_problem
     from fuser_core.catalog import load_catalog_spec
     from tuner.compile_gate import CompileGate
     from tuner.measure import reduced_problem
@@ -289,10 +288,11 @@ def run_bench(
         for i, case in enumerate(cases):
             spec = load_catalog_spec(case["spec"], dirs)
             derivation = derive_cascade(spec)
-            suite_shape = bind_shape(spec, case["shape"])
-            dtypes = bind_dtypes(spec, case.get("dtype", "float32"))
-            shape = suite_shape if device == "cuda" else reduced_problem(spec, derivation, suite_shape, "multi_pass")[0]
-            shape = bind_shape(spec, shape)
+            at_suite_shape = make_problem(spec, case["shape"], case.get("dtype", "float32"))
+            suite_shape, dtypes = at_suite_shape.shape, at_suite_shape.dtypes
+            problem = at_suite_shape if device == "cuda" else make_problem(
+                spec, reduced_problem(spec, derivation, suite_shape, "multi_pass")[0], dtypes)
+            shape = problem.shape
             say(f"[{i + 1}/{len(cases)}] {case_id(case)} {json.dumps(case.get('dtype', 'float32'))}: tuning ({trials} trials)")
             entry: dict[str, Any] = {
                 "id": case_id(case), "spec": spec.name, "suite_shape": suite_shape, "shape": shape, "dtype": dtypes,
@@ -301,9 +301,9 @@ def run_bench(
                 "dependent_long_axes": dependent_long_axes(spec, derivation, suite_shape),
                 "variants": {},
             }
-            space = SearchSpace(spec, derivation, shape, dtypes, profile)
-            measurer = CudaMeasurer(spec, derivation, shape, dtypes, profile, device=device, timeout_s=timeout_s,
-                                    timing=timing, worker=worker)
+            space = SearchSpace(problem, derivation, profile)
+            measurer = CudaMeasurer(problem, derivation, profile, device=device, timeout_s=timeout_s, timing=timing,
+                                    worker=worker)
             try:
                 # compiled for the target before it is timed: what does not compile or fit is pruned
                 tuned = Tuner(space, measurer, seed=seed, gate=CompileGate.for_space(space)).run(trials)
@@ -312,28 +312,28 @@ def run_bench(
                                    "compile": tuned.compile, "compile_pruned_trials": tuned.compile_pruned_trials}
             except NoResult as err:
                 entry["tuning"] = {"error": str(err)}
-            problem = problem_payload(spec, derivation, shape, dtypes)
-            for kind in ("fused", *baselines):
-                if kind == "fused":
+            payload = problem_payload(problem, derivation)
+            for label in ("fused", *baselines):
+                if label == "fused":
                     if "error" in entry["tuning"]:
                         entry["variants"]["fused"] = {"status": "failed", "error": entry["tuning"]["error"]}
                         continue
                     variant = {"kind": "fused", "strategy": entry["tuning"]["strategy"], "config": entry["tuning"]["config"]}
-                elif kind == "handwritten":
+                elif label == "handwritten":
                     reason = handwritten_reason(spec)
                     if reason is not None:
                         entry["variants"]["handwritten"] = {"status": "none", "reason": reason}
                         continue
                     from tuner.torch_ref import handwritten
 
-                    variant = {"kind": kind}
+                    variant = {"kind": label}
                     entry["handwritten_name"] = handwritten(spec).name  # type: ignore[union-attr]
                 else:
-                    variant = {"kind": kind}
-                say(f"[{i + 1}/{len(cases)}] {case_id(case)}: {LABELS[kind]}")
-                r = worker.call("variant", {"problem": problem, "variant": variant, "timing": timing.to_dict()},
-                                timeout_s=compile_timeout_s if kind == "compile" else timeout_s)
-                entry["variants"][kind] = _variant_entry(r)
+                    variant = {"kind": label}
+                say(f"[{i + 1}/{len(cases)}] {case_id(case)}: {LABELS[label]}")
+                r = worker.call("variant", {"problem": payload, "variant": variant, "timing": timing.to_dict()},
+                                timeout_s=compile_timeout_s if label == "compile" else timeout_s)
+                entry["variants"][label] = _variant_entry(r)
             evaluate_case(entry, copy_entry, device)
             results_cases.append(entry)
     finally:

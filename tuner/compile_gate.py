@@ -31,7 +31,7 @@ start costs seconds of imports).
 Example (on a machine without a GPU; the main module must be import-safe, as pytest and the
 ``foldwise`` command are, since the pool starts processes with ``spawn``)::
 
-    space = SearchSpace(spec, derivation, {"m": 64, "n": 4096}, "float16", get_profile("h100"))
+    space = SearchSpace(make_problem(spec, {"m": 64, "n": 4096}, "float16"), derivation, get_profile("h100"))
     gate = CompileGate.for_space(space)
     verdict = gate.check(space.candidate("streaming_fused", {"block_n": 1024, "num_warps": 4}))
     verdict.pruned, verdict.reason, verdict.facts()[0]["registers"]
@@ -179,12 +179,12 @@ class CompileGate:
 
 
 def kernel_facts_for(sketch_names: Sequence[str], verdict: CompileVerdict | None) -> list[KernelBuild | None]:
-    """The compiled kernel for each of the cost model's kernel sketches (``split_fused``,
-    ``split_fused_combine``): the generator names a kernel ``<spec>_<sketch>_kernel``. None
-    where no compiled kernel matches (the model then keeps its own estimate)."""
+    """The compiled kernel for each of the cost model's kernel sketches, by the kernel's name
+    (the structure's, :func:`fuser_core.codegen.structure.kernel_names`). None where no compiled
+    kernel matches (the model then keeps its own estimate)."""
     if verdict is None:
         return [None] * len(sketch_names)
     out: list[KernelBuild | None] = []
     for name in sketch_names:
-        out.append(next((k for k in verdict.kernels if k.ok and k.kernel.endswith(f"_{name}_kernel")), None))
+        out.append(next((k for k in verdict.kernels if k.ok and k.kernel == name), None))
     return out

@@ -41,12 +41,14 @@ Example:
     >>> from fuser_core.catalog import load_catalog_spec
     >>> from fuser_core.derive import derive_cascade
     >>> from tuner.profiles import get_profile
+    >>> from fuser_core.problem import make_problem
     >>> from tuner.space import SearchSpace
     >>> spec = load_catalog_spec("safe_softmax")
-    >>> d, shape, h100 = derive_cascade(spec), {"m": 4096, "n": 32768}, get_profile("h100")
-    >>> space = SearchSpace(spec, d, shape, "float16", h100)
+    >>> d, h100 = derive_cascade(spec), get_profile("h100")
+    >>> problem = make_problem(spec, {"m": 4096, "n": 32768}, "float16")
+    >>> space = SearchSpace(problem, d, h100)
     >>> c = space.candidate("streaming_fused", {"block_n": 2048, "block_m": 1, "num_warps": 8, "num_stages": 3})
-    >>> p = predict(spec, d, shape, "float16", c, h100)
+    >>> p = predict(problem, d, c, h100)
     >>> p.programs, p.details["kernels"][0]["bound"]
     (4096, 'memory (HBM)')
     >>> 512 <= p.bytes / 2**20 <= 768  # x read (its second pass, for y, partly from L2), y written
@@ -60,28 +62,32 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fuser_core.codegen.gpu_compile import KernelBuild
 from fuser_core.codegen.plan import KernelConfig
 from fuser_core.derive import Derivation
-from fuser_core.reference import bind_shape
+from fuser_core.problem import Problem
 from fuser_core.spec import Spec
 from tuner.analysis import (
     ELEMENT_BYTES,
     ITERATION_ALU,
+    Anatomy,
     KernelSketch,
     Pass,
-    SketchBuilder,
-    Anatomy,
+    WorkCounter,
     cdiv,
     elements,
     input_info,
     pass_iterations,
     resources,
+    sketch,
 )
 from tuner.compile_gate import CompileVerdict, kernel_facts_for
 from tuner.profiles import GpuProfile
+
+if TYPE_CHECKING:  # chain imports the code generator's modules: loaded only when the chain is modelled
+    from fuser_core.codegen.chain import ChainElementwise
 
 HBM_EFFICIENCY = 0.92  # best fraction of the datasheet bandwidth a streaming kernel reaches
 DOT_EFFICIENCY = 0.75  # fraction of tensor-core peak a Triton tl.dot loop reaches
@@ -273,7 +279,7 @@ class _KernelEvaluator:
         regs, smem, spill = r.regs_per_thread, r.smem_bytes, 0
         if compiled is not None and compiled.registers is not None:
             regs, smem, spill = compiled.registers, compiled.shared_bytes or 0, compiled.spill_bytes or 0
-        looped = any(p.kind in ("axis", "chunk", "split") and pass_iterations(p, L.axis, L.shape, L.blocks, L.split) > 1
+        looped = any(p.loop in ("axis", "chunk", "split") and pass_iterations(p, L.axis, L.shape, L.blocks, L.split) > 1
                      for p in sketch.passes) if L.axis else False
         probe = KernelLoad(sketch.name, programs, c.num_warps, c.num_stages, looped, regs, smem, 0, 0, 0, 0, {}, 0)
         concurrent = min(programs, prof.sm_count * blocks_per_sm(probe, prof))
@@ -289,7 +295,7 @@ class _KernelEvaluator:
                 sfu += s * n
             for d in p.dots:
                 dots[d.precision] = dots.get(d.precision, 0.0) + 2.0 * elements(d.dims, L.blocks) * it * programs
-            if p.kind != "once":
+            if p.loop != "once":
                 alu += ITERATION_ALU * 32 * c.num_warps * it * programs
             passes.append(self.pass_traffic(p, it, programs, split_grid))
 
@@ -340,7 +346,7 @@ class _KernelEvaluator:
         weights = [(x["requested"], x["in_flight"]) for x in passes if x["requested"] > 0 and x["in_flight"] > 0]
         total = sum(w for w, _ in weights)
         in_flight = total / sum(w / f for w, f in weights) if weights else 1.0
-        notes: dict[str, Any] = {"passes": [p.kind for p in sketch.passes], "ws_bytes": ws_written,
+        notes: dict[str, Any] = {"passes": [p.loop for p in sketch.passes], "ws_bytes": ws_written,
                                  "compiled": compiled is not None and compiled.registers is not None,
                                  "spill_bytes": spill, "spill_l2_bytes": spill_l2, "spill_hbm_bytes": spill_hbm}
         return KernelLoad(sketch.name, programs, c.num_warps, c.num_stages, looped, regs, smem,
@@ -355,7 +361,7 @@ class _KernelEvaluator:
             missing = [d for d in L.lanes if d not in dims]
             reuse = math.prod(L.nblk(d) for d in missing)
             dist = min((L.stride(d) for d in missing), default=0)
-            streamed_by_split = p.kind == "chunk" and L.axis in dims
+            streamed_by_split = p.loop == "chunk" and L.axis in dims
             if split_grid and not streamed_by_split:
                 reuse *= L.split  # every part re-reads what does not depend on its chunk
                 dist = dist or L.lane_programs
@@ -369,7 +375,7 @@ class _KernelEvaluator:
             tile_bytes += elements(dims, L.blocks) * 4
         requested += ws_read
         writes = [(part, self.footprint(dims) * self.stores.get(part, 4)) for part, dims in p.stores]
-        depth = self.config.num_stages if p.kind in ("axis", "chunk") and it > 1 else 1
+        depth = self.config.num_stages if p.loop in ("axis", "chunk") and it > 1 else 1
         return {"reads": reads, "requested": requested, "writes": writes, "ws_read": ws_read,
                 "in_flight": tile_bytes * depth}
 
@@ -378,19 +384,17 @@ class _KernelEvaluator:
 
 
 class _Model:
-    """Everything about one (spec, shape, dtypes) that does not depend on the candidate."""
+    """Everything about one bound problem that does not depend on the candidate."""
 
-    def __init__(self, spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes: Any):
-        from fuser_core.codegen.module import output_dtypes
-        from fuser_core.runner import bind_dtypes
-
+    def __init__(self, problem: Problem, derivation: Derivation):
+        spec = problem.spec
         self.spec = spec
         self.derivation = derivation
-        self.shape = bind_shape(spec, shape)
-        self.dtypes = bind_dtypes(spec, dtypes)
+        self.shape = dict(problem.shape)  # bound once, by make_problem
+        self.dtypes = dict(problem.dtypes)
         self.anatomy = Anatomy(spec, derivation, self.dtypes)
         self.inputs = input_info(spec, self.dtypes)
-        self.stores = {p: ELEMENT_BYTES[d] for p, d in output_dtypes(spec, self.dtypes).items()}
+        self.stores = {p: ELEMENT_BYTES[d] for p, d in problem.output_dtypes.items()}
         self.resource_cache: dict = {}  # sketches live in self.anatomy's cache, so their ids are stable
 
     def predict(self, strategy: str, config: KernelConfig, profile: GpuProfile,
@@ -405,10 +409,10 @@ class _Model:
         touched: dict[str, float] = {}  # name -> requested bytes before the kernel that last read it
         done = 0.0
         sketches = an.kernels(strategy, blocks)
-        for sketch, built in zip(sketches, kernel_facts_for([k.name for k in sketches], compiled)):
-            load = ev.evaluate(sketch, {n: done - at for n, at in touched.items()}, done, built)
+        for kernel, built in zip(sketches, kernel_facts_for([k.name for k in sketches], compiled)):
+            load = ev.evaluate(kernel, {n: done - at for n, at in touched.items()}, done, built)
             loads.append(load)
-            for p in sketch.passes:
+            for p in kernel.passes:
                 for name in p.loads:
                     touched[name] = done
             done += load.l2_bytes
@@ -432,25 +436,25 @@ def _combine(loads: list[KernelLoad], profile: GpuProfile, extra: dict[str, Any]
 _MODELS: dict[tuple, tuple[Spec, Derivation, _Model]] = {}
 
 
-def _model(spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes: Any) -> _Model:
-    """Per-(spec, shape, dtypes) analysis, cached (a search predicts thousands of candidates)."""
-    key = (id(spec), id(derivation), tuple(sorted(shape.items())),
-           dtypes if isinstance(dtypes, str) else tuple(sorted(dtypes.items())))
+def _model(problem: Problem, derivation: Derivation) -> _Model:
+    """Per-problem analysis, cached (a search predicts thousands of candidates)."""
+    spec = problem.spec
+    key = (id(spec), id(derivation), tuple(sorted(problem.shape.items())), tuple(sorted(problem.dtypes.items())))
     hit = _MODELS.get(key)
     if hit is None or hit[0] is not spec or hit[1] is not derivation:
         if len(_MODELS) > 64:
             _MODELS.clear()
-        hit = (spec, derivation, _Model(spec, derivation, shape, dtypes))
+        hit = (spec, derivation, _Model(problem, derivation))
         _MODELS[key] = hit
     return hit[2]
 
 
-def predict(spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes: Any, candidate: Any,
-            profile: GpuProfile, compiled: CompileVerdict | None = None) -> Prediction:
+def predict(problem: Problem, derivation: Derivation, candidate: Any, profile: GpuProfile,
+            compiled: CompileVerdict | None = None) -> Prediction:
     """Predicted time of a fused candidate (a :class:`tuner.space.Candidate`) on ``profile``;
     ``compiled``: the compile gate's verdict on it, whose registers, shared memory and spills
     replace the model's estimates (see the module docstring, item 3)."""
-    return _model(spec, derivation, shape, dtypes).predict(candidate.strategy, candidate.config, profile, compiled)
+    return _model(problem, derivation).predict(candidate.strategy, candidate.config, profile, compiled)
 
 
 def exhaustive_best(space: Any, strategies: Any = None) -> tuple[Any, Prediction, int]:
@@ -460,7 +464,7 @@ def exhaustive_best(space: Any, strategies: Any = None) -> tuple[Any, Prediction
     count = 0
     for c in space.enumerate(strategies):
         count += 1
-        p = predict(space.spec, space.derivation, space.shape, space.dtypes, c, space.profile)
+        p = predict(space.problem, space.derivation, c, space.profile)
         if best is None or p.time_s < best[1].time_s:
             best = (c, p)
     if best is None:
@@ -471,82 +475,52 @@ def exhaustive_best(space: Any, strategies: Any = None) -> tuple[Any, Prediction
 # ---------------------------------------------------------------------- the unfused chain
 
 
-def predict_chain(spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes: Any,
-                  profile: GpuProfile) -> Prediction:
+def predict_chain(problem: Problem, derivation: Derivation, profile: GpuProfile) -> Prediction:
     """Predicted time of the unfused kernel chain (fuser_core/codegen/chain.py) with its
     default blocks: one kernel per reduction reading the inputs and the earlier results, each
-    result written to memory in float32, then one elementwise kernel for the outputs."""
-    from fuser_core.codegen import chain
-    from fuser_core.codegen.module import output_dtypes
-    from fuser_core.spec import load_spec
+    result written to memory in float32, then one elementwise kernel for the outputs. The
+    kernels are the chain's own plan (:func:`fuser_core.codegen.chain.chain_plan`)."""
+    from fuser_core.codegen.chain import chain_plan
+    from fuser_core.codegen.structure import build_structure
 
-    m = _model(spec, derivation, shape, dtypes)
-    shape_, dtypes_ = m.shape, m.dtypes
-    final = output_dtypes(spec, dtypes_)
-    read_later: set[str] = set()
-    for s in spec.steps:
-        if s.is_reduction:
-            read_later.update(chain._reads(spec, s)[2])
-    elementwise_outputs = [o for o in spec.outputs if not spec.step(o).is_reduction]
-    for o in elementwise_outputs:
-        read_later.update(chain._reads(spec, spec.step(o))[2])
-
+    spec = problem.spec
+    m = _model(problem, derivation)
+    plan = chain_plan(spec, m.shape, m.dtypes)
     loads: list[KernelLoad] = []
     touched: dict[str, float] = {}  # input or result -> requested bytes before the kernel that last touched it
     done = 0.0
-    for step in spec.steps:
-        if not step.is_reduction:
-            continue
-        raw, reads = chain.sub_spec(spec, step, shape_)
-        sub = load_spec(raw, printed=True)
-        sub_shape = {d: shape_[d] for d in sub.dims}
-        sub_dtypes = {}
-        for name, (where, what) in reads.items():
-            if where == "input":
-                sub_dtypes[name] = dtypes_[name]
-            else:
-                sub_dtypes[name] = "int32" if chain._part_is_index(spec, what) else chain.INTERMEDIATE_DTYPE
-        stores = {}
-        for part in step.parts:
-            stored = final[part] if part in final and part not in read_later else (
-                "int32" if chain._part_is_index(spec, part) else chain.INTERMEDIATE_DTYPE)
-            stores[part] = ELEMENT_BYTES[stored]
-        sub_derivation = chain._derivation(sub, raw)
-        blocks = chain.reduction_blocks(sub, sub.step(step.name), sub_shape, {})
-        strategy = "row_resident" if blocks[step.over] >= shape_[step.over] else "multi_pass"
-        an = Anatomy(sub, sub_derivation, sub_dtypes)
-        full = an.full_blocks(blocks, sub_shape)
-        config = KernelConfig(blocks)
-        ev = _KernelEvaluator(input_info(sub, sub_dtypes), stores, _Layout(sub_shape, full, an.lanes, an.axis),
-                              config, profile)
-        sketch = an.kernels(strategy, full)[0]
-        sketch = KernelSketch(f"chain:{step.name} ({strategy})", sketch.grid, sketch.passes, sketch.state)
-        global_names = {name: what for name, (where, what) in reads.items()}
-        load = ev.evaluate(sketch, {n: done - touched[w] for n, w in global_names.items() if w in touched}, done)
+    for r in plan.reductions:
+        kp = r.plan
+        an = Anatomy(r.sub, kp.derivation, r.dtypes)
+        stores = {part: ELEMENT_BYTES[dtype] for part, dtype in r.stores.items()}
+        ev = _KernelEvaluator(input_info(r.sub, r.dtypes), stores, _Layout(r.shape, kp.blocks, kp.lanes, kp.axis),
+                              kp.config, profile)
+        structure = build_structure(kp, r.dtypes, r.stores)  # the chain's own kernel plan
+        sketch_ = sketch(an, structure.kernels[0], structure)
+        sketch_ = KernelSketch(f"chain:{r.step.name} ({kp.strategy})", sketch_.grid, sketch_.passes, sketch_.state)
+        global_names = {name: what for name, (where, what) in r.reads.items()}
+        load = ev.evaluate(sketch_, {n: done - touched[w] for n, w in global_names.items() if w in touched}, done)
         loads.append(load)
-        for name in [*global_names.values(), *step.parts]:
+        for name in [*global_names.values(), *r.step.parts]:
             touched[name] = done
         done += load.l2_bytes
 
-    if elementwise_outputs:
+    if plan.elementwise is not None:
         earlier = {n: done - at for n, at in touched.items()}
-        loads.append(_chain_elementwise(m, elementwise_outputs, final, earlier, done, profile))
-    pred = _combine(loads, profile, {"strategy": "unfused_chain"})
-    return pred
+        loads.append(_chain_elementwise(m, plan.elementwise, earlier, done, profile))
+    return _combine(loads, profile, {"strategy": "unfused_chain"})
 
 
-def _chain_elementwise(m: _Model, outputs: list[str], final: Mapping[str, str], earlier: Mapping[str, float],
-                       done: float, profile: GpuProfile) -> KernelLoad:
-    from fuser_core.codegen import chain
+def _chain_elementwise(m: _Model, plan: ChainElementwise, earlier: Mapping[str, float], done: float,
+                       profile: GpuProfile) -> KernelLoad:
+    """The chain's elementwise kernel (a :class:`fuser_core.codegen.chain.ChainElementwise`)."""
     from fuser_core.spec import Input
 
     spec = m.spec
-    dims = spec.order_dims({d for o in outputs for d in spec.step(o).dims})
-    blocks = chain.elementwise_blocks(dims, m.shape, {})
-    builder = SketchBuilder(m.anatomy, "row_resident", dict(blocks))
-    p = builder.open("once")
+    p = Pass("once")
+    work = WorkCounter(m.anatomy, p)
     inputs: dict[str, tuple[tuple[str, ...], int]] = {}
-    for o in outputs:
+    for o in plan.outputs:
         e = m.anatomy.conv.value(o)
         for s in sorted(e.free_symbols, key=lambda s: s.name):
             name = s.name
@@ -559,11 +533,11 @@ def _chain_elementwise(m: _Model, outputs: list[str], final: Mapping[str, str], 
                 inputs[name] = (spec.step(name.split(".")[0]).dims, 4)
             p.loads = (*p.loads, name)
             p.add(inputs[name][0], 4)
-        builder.expr(e)
+        work.expr(e)
         p.stores.append((o, frozenset(spec.step(o).dims)))
         p.add(spec.step(o).dims, 2)
-    sketch = KernelSketch("chain:elementwise", "lanes", [p], [])
-    stores = {o: ELEMENT_BYTES[final[o]] for o in outputs}
-    layout = _Layout(m.shape, blocks, tuple(dims), None)
-    ev = _KernelEvaluator(inputs, stores, layout, KernelConfig(dict(blocks)), profile)
-    return ev.evaluate(sketch, {n: earlier[n] for n in inputs if n in earlier}, done)
+    sketch_ = KernelSketch("chain:elementwise", "lanes", [p], [])
+    stores = {o: ELEMENT_BYTES[plan.stores[o]] for o in plan.outputs}
+    layout = _Layout(m.shape, plan.blocks, plan.dims, None)
+    ev = _KernelEvaluator(inputs, stores, layout, KernelConfig(dict(plan.blocks)), profile)
+    return ev.evaluate(sketch_, {n: earlier[n] for n in inputs if n in earlier}, done)

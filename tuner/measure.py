@@ -14,11 +14,12 @@ Example (TRITON_INTERPRET=1 on a machine without a GPU):
     >>> from fuser_core.catalog import load_catalog_spec
     >>> from fuser_core.derive import derive_cascade
     >>> from tuner.profiles import get_profile
+    >>> from fuser_core.problem import make_problem
     >>> from tuner.space import SearchSpace
     >>> spec = load_catalog_spec("safe_softmax")
-    >>> d, shape = derive_cascade(spec), {"m": 4096, "n": 32768}
-    >>> space = SearchSpace(spec, d, shape, "float16", get_profile("h100"))
-    >>> m = ModelMeasurer(spec, d, shape, "float16", get_profile("h100"))
+    >>> d, problem = derive_cascade(spec), make_problem(spec, {"m": 4096, "n": 32768}, "float16")
+    >>> space = SearchSpace(problem, d, get_profile("h100"))
+    >>> m = ModelMeasurer(problem, d, get_profile("h100"))
     >>> values = {"block_n": 2048, "block_m": 1, "num_warps": 8, "num_stages": 3}
     >>> r = m.measure(space.candidate("streaming_fused", values))
     >>> r.predicted, r.error, r.time_ms > 0, r.details["verified"]["passed"]
@@ -36,7 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 from fuser_core.canonical import spec_hash
 from fuser_core.codegen.plan import KernelConfig, loop_axis, next_pow2
 from fuser_core.derive import Derivation
-from fuser_core.reference import bind_shape
+from fuser_core.problem import Problem
 from fuser_core.spec import Spec
 from tuner.compile_gate import CompileGate
 from tuner.cost_model import predict
@@ -128,14 +129,14 @@ class ModelMeasurer:
 
     name = "model"
 
-    def __init__(self, spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes: Any,
-                 profile: GpuProfile, *, verify: bool = True, gate: CompileGate | None = None):
-        from fuser_core.runner import bind_dtypes
-
+    def __init__(self, problem: Problem, derivation: Derivation, profile: GpuProfile, *, verify: bool = True,
+                 gate: CompileGate | None = None):
+        spec = problem.spec
+        self.problem = problem
         self.spec = spec
         self.derivation = derivation
-        self.shape = bind_shape(spec, shape)
-        self.dtypes = bind_dtypes(spec, dtypes)
+        self.shape = problem.shape
+        self.dtypes = problem.dtypes
         self.profile = profile
         self.verify_kernels = verify
         self.gate = gate  # its verdicts give the model compiled registers, shared memory and spills
@@ -179,7 +180,7 @@ class ModelMeasurer:
             if compiled.pruned:
                 return Measurement(None, compiled.reason, True, details)
         try:
-            p = predict(self.spec, self.derivation, self.shape, self.dtypes, candidate, self.profile, compiled)
+            p = predict(self.problem, self.derivation, candidate, self.profile, compiled)
         except Exception as err:
             return Measurement(None, f"cost model failed: {type(err).__name__}: {err}", True, details)
         details["model"] = {

@@ -50,7 +50,7 @@ the check). Nothing happens when the variable is unset.
 
 Example (on a GPU)::
 
-    m = CudaMeasurer(spec, derivation, {"m": 4096, "n": 32768}, "float16", get_profile("h100"))
+    m = CudaMeasurer(make_problem(spec, {"m": 4096, "n": 32768}, "float16"), derivation, get_profile("h100"))
     r = m.measure(space.candidate("streaming_fused", {"block_n": 2048, "block_m": 1,
                                                        "num_warps": 8, "num_stages": 3}))
     r.time_ms, r.details["timing"]["p20_ms"], r.details["check"]["max_rel_err"]
@@ -77,7 +77,8 @@ import numpy as np
 
 from fuser_core import expr as ex
 from fuser_core.derive import Derivation
-from fuser_core.reference import Evaluator, bind_shape, index_input_bound
+from fuser_core.problem import Problem
+from fuser_core.reference import Evaluator, index_input_bound
 from fuser_core.spec import Spec
 from tuner.measure import Measurement
 from tuner.profiles import GpuProfile
@@ -338,12 +339,13 @@ def _poll_quietly(conn: Any) -> bool:
         return False
 
 
-def problem_payload(spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes: Mapping[str, str]) -> dict[str, Any]:
-    """What the child needs to rebuild a problem (specs and derivations pickle; a few KB)."""
+def problem_payload(problem: Problem, derivation: Derivation) -> dict[str, Any]:
+    """What the child needs to rebuild a problem (problems and derivations pickle; a few KB)."""
     from fuser_core.canonical import spec_hash
 
-    key = f"{spec_hash(spec)}|{spec.name}|{sorted(shape.items())}|{sorted(dtypes.items())}"
-    return {"key": key, "spec": spec, "derivation": derivation, "shape": dict(shape), "dtypes": dict(dtypes)}
+    spec = problem.spec
+    key = f"{spec_hash(spec)}|{spec.name}|{sorted(problem.shape.items())}|{sorted(problem.dtypes.items())}"
+    return {"key": key, "problem": problem, "derivation": derivation}
 
 
 class CudaMeasurer:
@@ -357,16 +359,14 @@ class CudaMeasurer:
 
     name = "cuda"
 
-    def __init__(self, spec: Spec, derivation: Derivation, shape: Mapping[str, int], dtypes: Any,
-                 profile: GpuProfile, *, device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 startup_timeout_s: float = STARTUP_TIMEOUT_S, timing: TimingSettings | None = None,
-                 worker: WorkerProcess | None = None):
-        from fuser_core.runner import bind_dtypes
-
-        self.spec = spec
+    def __init__(self, problem: Problem, derivation: Derivation, profile: GpuProfile, *, device: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                 timing: TimingSettings | None = None, worker: WorkerProcess | None = None):
+        self.problem = problem
+        self.spec = problem.spec
         self.derivation = derivation
-        self.shape = bind_shape(spec, shape)
-        self.dtypes = bind_dtypes(spec, dtypes)
+        self.shape = problem.shape
+        self.dtypes = problem.dtypes
         self.profile = profile
         self.device = device or (worker.device if worker is not None else "cuda")
         if self.device not in ("cuda", "cpu"):
@@ -380,7 +380,7 @@ class CudaMeasurer:
         self.timing = timing or TimingSettings()
         self.worker = worker or WorkerProcess(self.device, startup_timeout_s=startup_timeout_s)
         self._owns_worker = worker is None
-        self._problem = problem_payload(spec, derivation, self.shape, self.dtypes)
+        self._problem = problem_payload(problem, derivation)
 
     def close(self) -> None:
         if self._owns_worker:
@@ -414,6 +414,18 @@ class CudaMeasurer:
         details["timing"] = value["timing"]
         details["sample"] = value.get("sample")
         return Measurement(float(value["time_ms"]), None, False, details)
+
+
+    def measured_binary(self, strategy: str, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The compiled kernels of the candidate ``(strategy, config)`` as the child launched
+        them when it measured it (tuner.measured_binary): ``compile_artifacts``' answer, for
+        the kernel store. Raises RuntimeError when the child cannot give them (no GPU, ...)."""
+        variant = {"kind": "fused", "strategy": strategy, "config": dict(config)}
+        r = self.worker.call("binary", {"problem": self._problem, "variant": variant, "timing": self.timing.to_dict()},
+                             timeout_s=self.timeout_s)
+        if not r.ok:
+            raise RuntimeError(f"the measured binary could not be read: {r.error}")
+        return r.value
 
 
 # ============================================================================ the sampled reference
@@ -504,23 +516,22 @@ def _to_numpy(t: Any) -> np.ndarray:
     return t.detach().to("cpu", torch.int64).numpy()
 
 
-class Problem:
-    """One (spec, shape, dtypes) in the child: check inputs on the device, the sampled
-    reference (computed once), and the input sets timing rotates through (made once)."""
+class DeviceProblem:
+    """One problem (:class:`fuser_core.problem.Problem`) in the child: check inputs on the device,
+    the sampled reference (computed once), and the input sets timing rotates through (made once)."""
 
     def __init__(self, payload: Mapping[str, Any], device: str, timing: Mapping[str, Any]):
         import torch
 
-        from fuser_core.codegen.module import output_dtypes
-
         self.key = payload["key"]
-        self.spec: Spec = payload["spec"]
+        self.problem: Problem = payload["problem"]
+        self.spec: Spec = self.problem.spec
         self.derivation: Derivation = payload["derivation"]
-        self.shape: dict[str, int] = dict(payload["shape"])
-        self.dtypes: dict[str, str] = dict(payload["dtypes"])
+        self.shape: dict[str, int] = self.problem.shape
+        self.dtypes: dict[str, str] = self.problem.dtypes
         self.device = device
         self.seed = int(timing.get("seed", 0))
-        self.stores = output_dtypes(self.spec, self.dtypes)
+        self.stores = self.problem.output_dtypes
         self.inputs = self.random_inputs(0)
         self.budget = int(timing.get("reference_budget", REFERENCE_BUDGET))
         self.rows_np = sample_rows(self.spec, self.shape, self.budget, np.random.default_rng(self.seed))
@@ -528,6 +539,7 @@ class Problem:
         self._reference: dict[str, np.ndarray] | None = None
         self._noise: dict[str, np.ndarray] = {}
         self._ties: list[dict[str, np.ndarray]] = []
+        self._arrays: dict[str, np.ndarray] = {}  # the sampled inputs the reference read
         self._sets: list[dict[str, Any]] | None = None
         self.input_bytes = sum(t.numel() * t.element_size() for t in self.inputs.values())
 
@@ -542,7 +554,7 @@ class Problem:
         for inp in self.spec.inputs:
             size = tuple(self.shape[d] for d in inp.dims)
             dt = self.dtypes[inp.name]
-            if inp.kind == "index":
+            if inp.is_index:
                 bound = index_input_bound(self.spec, inp.name, self.shape)
                 out[inp.name] = torch.randint(0, bound, size, generator=g, device=self.device, dtype=getattr(torch, dt))
                 continue
@@ -567,7 +579,21 @@ class Problem:
                 return tied.outputs(arrays)
 
             self._ties = tie_alternatives(with_ties, self.spec, self._reference)
+            self._arrays = arrays
         return self._reference
+
+    def knife_edges(self) -> list[dict[str, np.ndarray]]:
+        """The reference's float32-sized evaluations for knife edges (fuser_core.runner.knife_edges)."""
+        from fuser_core.runner import knife_edges
+
+        self.reference()
+
+        def rounded(arrays: dict[str, np.ndarray], rounding) -> dict[str, np.ndarray]:
+            evaluator = SampledEvaluator(self.spec, self.shape, self.rows_np)
+            evaluator.rounding = rounding
+            return evaluator.outputs(arrays)
+
+        return knife_edges(rounded, self._arrays)
 
     def allowances(self) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
         """The reference's float32 rounding noise and tie alternatives (fuser_core.runner)."""
@@ -598,7 +624,7 @@ class _Child:
 
         self.conn = conn
         self.device = device
-        self.problem: Problem | None = None
+        self.problem: DeviceProblem | None = None
         self._flush = None
         info: dict[str, Any] = {"device": device, "pid": os.getpid(), "torch": torch.__version__}
         import triton
@@ -627,7 +653,7 @@ class _Child:
     def phase(self, name: str) -> None:
         self.conn.send(("phase", name))
 
-    def get_problem(self, payload: Mapping[str, Any], timing: Mapping[str, Any]) -> Problem:
+    def get_problem(self, payload: Mapping[str, Any], timing: Mapping[str, Any]) -> DeviceProblem:
         budget = int(timing.get("reference_budget", REFERENCE_BUDGET))
         p = self.problem
         if p is None or p.key != payload["key"] or p.seed != int(timing.get("seed", 0)) or p.budget != budget:
@@ -636,7 +662,7 @@ class _Child:
                 import torch
 
                 torch.cuda.empty_cache()
-            self.problem = Problem(payload, self.device, timing)
+            self.problem = DeviceProblem(payload, self.device, timing)
         return self.problem
 
     def flush_buffer(self) -> Any:
@@ -655,7 +681,21 @@ class _Child:
             return self.variant(payload, fault)
         if job == "copy_bandwidth":
             return self.copy_bandwidth(payload)
+        if job == "binary":
+            return self.binary(payload)
         raise ValueError(f"unknown job {job!r}")
+
+    def binary(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        """The compiled kernels of a fused candidate as this process launched them (the module
+        and Triton's JIT cache are the ones its measurement used; a launch here first, so a
+        restarted child compiles it the same way): tuner.measured_binary."""
+        from tuner.measured_binary import compiled_kernels, measured_artifacts
+
+        problem = self.get_problem(payload["problem"], payload.get("timing", {}))
+        module = fused_module(problem, payload["variant"])
+        module.launch(problem.inputs, problem.shape)
+        self.sync()
+        return measured_artifacts(compiled_kernels(module))
 
     def variant(self, payload: Mapping[str, Any], fault: str | None) -> dict[str, Any]:
         timing = payload.get("timing", {})
@@ -788,22 +828,28 @@ def summarize(times_ms: list[float], **extra: Any) -> dict[str, Any]:
     }
 
 
-def make_variant(problem: Problem, variant: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+def fused_module(problem: DeviceProblem, variant: Mapping[str, Any]) -> Any:
+    """The loaded generated module of a fused candidate (``{"strategy", "config"}``); loaded
+    modules are cached by key, so a second call returns the module (and JIT caches) of the first."""
+    from fuser_core.codegen.module import generate
+    from fuser_core.codegen.plan import KernelConfig
+
+    config = KernelConfig.from_dict(dict(variant["config"]))
+    return generate(problem.spec, problem.derivation, variant["strategy"], problem.shape, config,
+                    problem.dtypes).load()
+
+
+def make_variant(problem: DeviceProblem, variant: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
     """A function of the input tensors returning the outputs by part, for one variant:
     ``fused`` (a candidate), ``chain`` (the unfused kernel chain), ``eager`` (the spec in
     PyTorch), ``compile`` (that under ``torch.compile``), ``handwritten`` (torch's own kernel)."""
     spec, shape, dtypes = problem.spec, problem.shape, problem.dtypes
     kind = variant["kind"]
     if kind == "fused":
-        from fuser_core.codegen.module import generate
-        from fuser_core.codegen.plan import KernelConfig
-
-        config = KernelConfig.from_dict(dict(variant["config"]))
-        module = generate(spec, problem.derivation, variant["strategy"], shape, config, dtypes)
-        launch = module.load().launch
+        launch = fused_module(problem, variant).launch
         return lambda tensors: launch(tensors, shape)
     if kind == "chain":
-        return chain_function(spec, shape, dtypes)
+        return chain_function(problem.problem)
     if kind in ("eager", "compile", "handwritten"):
         import torch
 
@@ -814,7 +860,7 @@ def make_variant(problem: Problem, variant: Mapping[str, Any]) -> Callable[[Mapp
     if kind in ("eager", "compile"):
         from tuner.torch_ref import build
 
-        fn = build(spec, shape, dtypes)
+        fn = build(problem.problem)
         if kind == "compile":
             import torch
 
@@ -831,18 +877,18 @@ def make_variant(problem: Problem, variant: Mapping[str, Any]) -> Callable[[Mapp
     raise ValueError(f"unknown variant kind {kind!r}")
 
 
-def chain_function(spec: Spec, shape: Mapping[str, int], dtypes: Mapping[str, str]) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+def chain_function(problem: Problem) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
     """The unfused kernel chain (fuser_core.codegen.chain) with its modules generated and
     loaded once: one launch per kernel, intermediates through memory, as run_chain_detailed."""
     import torch
 
     from fuser_core.codegen.chain import chain_modules
-    from fuser_core.codegen.module import output_dtypes
 
-    kernels = chain_modules(spec, dict(shape), dict(dtypes))
+    spec, shape = problem.spec, problem.shape
+    kernels = chain_modules(spec, dict(shape), dict(problem.dtypes))
     for k in kernels:
         k.load()
-    final = {p: getattr(torch, d) for p, d in output_dtypes(spec, dict(dtypes)).items()}
+    final = {p: getattr(torch, d) for p, d in problem.output_dtypes.items()}
     parts = spec.output_parts
 
     def run(tensors: Mapping[str, Any]) -> dict[str, Any]:
@@ -858,7 +904,7 @@ def chain_function(spec: Spec, shape: Mapping[str, int], dtypes: Mapping[str, st
     return run
 
 
-def check_outputs(problem: Problem, outputs: Mapping[str, Any], variant: Mapping[str, Any]) -> dict[str, Any]:
+def check_outputs(problem: DeviceProblem, outputs: Mapping[str, Any], variant: Mapping[str, Any]) -> dict[str, Any]:
     """Compare with the sampled float64 reference, as fuser_core.runner.self_check judges."""
     import torch
 
@@ -879,7 +925,8 @@ def check_outputs(problem: Problem, outputs: Mapping[str, Any], variant: Mapping
     strategy = variant.get("strategy")
     exact = variant["kind"] != "fused" or strategy not in ("streaming_fused", "split_fused") or problem.derivation.exact
     noise, ties = problem.allowances()
-    report: dict[str, Any] = judge(spec, sliced, reference, problem.stores, exact=exact, noise=noise, alternatives=ties)
+    report: dict[str, Any] = judge(spec, sliced, reference, problem.stores, exact=exact, noise=noise, alternatives=ties,
+                                   knife=problem.knife_edges)
     bad, errors, tolerances = report.pop("bad"), report["errors"], report["tolerances"]
     report["rows_checked"] = {d: len(v) for d, v in problem.rows_np.items()} or "all"
     if bad:
@@ -985,7 +1032,7 @@ __all__ = [
     "REFERENCE_BUDGET",
     "CudaMeasurer",
     "JobResult",
-    "Problem",
+    "DeviceProblem",
     "SampledEvaluator",
     "TimingSettings",
     "WorkerProcess",

@@ -55,8 +55,9 @@ period, and retried (re-enqueued with the same parameters) by whichever worker l
 
 Example::
 
-    space = SearchSpace(spec, derivation, shape, dtypes, get_profile("h100"))
-    measurer = ModelMeasurer(spec, derivation, shape, dtypes, get_profile("h100"))
+    problem = make_problem(spec, shape, dtype)  # fuser_core.problem: bound once
+    space = SearchSpace(problem, derivation, get_profile("h100"))
+    measurer = ModelMeasurer(problem, derivation, get_profile("h100"))
     result = Tuner(space, measurer, seed=0).run(40)
     print(result.strategy, result.config, result.time_ms)
 """
@@ -890,7 +891,7 @@ class Tuner:
 
     Example::
 
-        tuner = Tuner(space, ModelMeasurer(spec, derivation, shape, dtypes, profile), seed=0)
+        tuner = Tuner(space, ModelMeasurer(space.problem, derivation, profile), seed=0)
         best = tuner.run(40)                                    # in memory
         best = tuner.run(40, storage=make_storage("sqlite:///t.db"), study_name="job-1")
     """

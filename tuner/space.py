@@ -20,9 +20,11 @@ The unfused chain is a baseline, never a candidate.
 Example:
     >>> from fuser_core.catalog import load_catalog_spec
     >>> from fuser_core.derive import derive_cascade
+    >>> from fuser_core.problem import make_problem
     >>> from tuner.profiles import get_profile
     >>> spec = load_catalog_spec("safe_softmax")
-    >>> space = SearchSpace(spec, derive_cascade(spec), {"m": 4096, "n": 32768}, "float16", get_profile("h100"))
+    >>> problem = make_problem(spec, {"m": 4096, "n": 32768}, "float16")
+    >>> space = SearchSpace(problem, derive_cascade(spec), get_profile("h100"))
     >>> space.strategies()  # a 32768-long row does not fit in registers: no row_resident
     ['streaming_fused', 'split_fused', 'multi_pass']
     >>> c = space.candidate("streaming_fused", {"block_n": 2048, "block_m": 1, "num_warps": 8, "num_stages": 2})
@@ -54,7 +56,7 @@ from fuser_core.codegen.plan import (
     valid_strategies,
 )
 from fuser_core.derive import Derivation
-from fuser_core.reference import bind_shape
+from fuser_core.problem import Problem
 from fuser_core.spec import Spec
 from tuner.analysis import Anatomy, Resources, cdiv, input_info, resources
 from tuner.profiles import GpuProfile
@@ -131,16 +133,15 @@ def pow2_range(lo: int, hi: int) -> list[int]:
 
 
 class SearchSpace:
-    """The fused-kernel search space of one (spec, shape, dtypes, target)."""
+    """The fused-kernel search space of one problem (spec, shape, dtypes) on one target."""
 
-    def __init__(self, spec: Spec, derivation: Derivation, shape: Mapping[str, int],
-                 dtypes: str | Mapping[str, str], profile: GpuProfile):
-        from fuser_core.runner import bind_dtypes
-
+    def __init__(self, problem: Problem, derivation: Derivation, profile: GpuProfile):
+        spec = problem.spec
+        self.problem = problem
         self.spec = spec
         self.derivation = derivation
-        self.shape = bind_shape(spec, shape)
-        self.dtypes = bind_dtypes(spec, dtypes)
+        self.shape = problem.shape
+        self.dtypes = problem.dtypes
         self.profile = profile
         self.axis, self.inner = loop_axis(spec)
         self.anatomy = Anatomy(spec, derivation, self.dtypes)
@@ -285,7 +286,7 @@ class SearchSpace:
         p = self.profile
         threads = 32 * c.num_warps
         for kernel, r in zip(self.anatomy.kernels(strategy, self.blocks_of(candidate)), self.resources(candidate)):
-            where = "" if kernel.name == strategy else f" ({kernel.name})"
+            where = f" ({kernel.name})" if strategy == "split_fused" else ""
             if r.smem_bytes > p.smem_per_block_max:
                 return (f"shared memory{where}: {r.smem_bytes // 1024} KiB > {p.smem_per_block_max // 1024} KiB per "
                         f"block on {p.name} (tl.dot operands and pipelined loads x num_stages = {c.num_stages})")

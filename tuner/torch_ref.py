@@ -38,9 +38,10 @@ something else never gets ``torch.softmax``.
 
 Example:
     >>> import torch
+    >>> from fuser_core.problem import make_problem
     >>> from fuser_core.spec import load_spec
     >>> spec = load_spec(HANDWRITTEN_TEMPLATES["safe_softmax"])
-    >>> fn = build(spec, {"m": 2, "n": 5}, {"x": "float32"})
+    >>> fn = build(make_problem(spec, {"m": 2, "n": 5}, {"x": "float32"}))
     >>> x = torch.randn(2, 5)
     >>> torch.allclose(fn({"x": x})["y"], torch.softmax(x, -1))
     True
@@ -58,7 +59,8 @@ from typing import Any
 import numpy as np
 
 from fuser_core import expr as ex
-from fuser_core.reference import bind_shape, param_values
+from fuser_core.problem import Problem
+from fuser_core.reference import param_values
 from fuser_core.spec import Spec, Step, load_spec
 
 Value = Any  # a torch.Tensor or a Python number
@@ -175,14 +177,12 @@ def contraction_flops(spec: Spec, shape: Mapping[str, int]) -> int:
 class _Builder:
     """Interprets a spec once into closures of torch ops (see the module docstring)."""
 
-    def __init__(self, spec: Spec, shape: Mapping[str, int], dtypes: Mapping[str, str]):
-        from fuser_core.codegen.module import output_dtypes
-        from fuser_core.runner import bind_dtypes
-
+    def __init__(self, problem: Problem):
+        spec = problem.spec
         self.spec = spec
-        self.shape = bind_shape(spec, shape)
-        self.dtypes = bind_dtypes(spec, dict(dtypes) if not isinstance(dtypes, str) else dtypes)
-        self.stores = output_dtypes(spec, self.dtypes)
+        self.shape = problem.shape
+        self.dtypes = problem.dtypes
+        self.stores = problem.output_dtypes
         self.params = param_values(spec, self.shape)
         self.rank = len(spec.dims)
         self.axis = {d: i for i, d in enumerate(spec.dims)}
@@ -468,11 +468,11 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {
 assert set(_FUNCTIONS) == set(ex.FUNCTIONS)
 
 
-def build(spec: Spec, shape: Mapping[str, int], dtypes: str | Mapping[str, str]) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+def build(problem: Problem) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
     """The spec as a function of torch tensors (inputs by name, each in its own dims order
     and dtype) returning the outputs by part (each over its step's dims, in the kernels'
     storage dtypes). Eager PyTorch; ``torch.compile(build(...))`` is the Inductor baseline."""
-    return _Builder(spec, shape, dtypes).build()
+    return _Builder(problem).build()
 
 
 # ---------------------------------------------------------------------------- hand-written kernels

@@ -52,9 +52,10 @@ import sympy as sp
 
 from fuser_core import expr as ex
 from fuser_core.canonical import canonical_json
-from fuser_core.codegen.emit import aligned_index, block_shape, kernel_arg, load_expr, safe_name, store_expr
+from fuser_core.codegen.emit import aligned_index, block_shape, load_expr, store_expr
+from fuser_core.codegen.names import kernel_arg, safe_name
 from fuser_core.codegen.module import TORCH_DTYPES, _load, cached_source, generate, module_header, output_dtypes
-from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan, NotValid, next_pow2
+from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan, NotValid, make_plan, next_pow2
 from fuser_core.codegen.tritonize import to_triton
 from fuser_core.derive import Derivation, derive_cascade
 from fuser_core.reference import bind_shape, param_values
@@ -203,7 +204,7 @@ def sub_spec(spec: Spec, step: Step, shape: Mapping[str, int]) -> tuple[dict[str
     reads: dict[str, tuple[str, str]] = {}
     for name in inputs:
         inp = spec.input(name)
-        raw_inputs[name] = {"dims": list(inp.dims), **({"kind": inp.kind} if inp.kind != "float" else {})}
+        raw_inputs[name] = {"dims": list(inp.dims), **({"kind": inp.kind} if not inp.is_float else {})}
         reads[name] = ("input", name)
     for part in parts:
         decl: dict[str, Any] = {"dims": list(_part_dims(spec, part))}
@@ -243,17 +244,44 @@ def sub_spec(spec: Spec, step: Step, shape: Mapping[str, int]) -> tuple[dict[str
 # ---------------------------------------------------------------- building the chain
 
 
-def chain_modules(
-    spec: Spec, shape: Mapping[str, int], dtypes: str | Mapping[str, str], config_blocks: Mapping[str, int] | None = None,
-) -> list[ChainKernel]:
-    """One module per reduction step (in step order), then one elementwise module for the
-    outputs that are elementwise steps (if any).
+@dataclass(frozen=True)
+class ChainReduction:
+    """The plan of one reduction kernel of the chain: its sub-spec, where each of its inputs
+    comes from, the dtypes it reads and stores, and the kernel plan it is generated from."""
 
-    ``config_blocks`` (dim -> power-of-two block) applies to every kernel that has the dim:
-    lanes are tiled by it, and a reduction axis given a block smaller than its size is
-    looped over (``multi_pass``) instead of held whole.
-    """
-    from fuser_core.runner import bind_dtypes
+    step: Step  # the reduction, in the original spec
+    sub: Spec  # its one-reduction sub-spec
+    reads: dict[str, tuple[str, str]]  # sub-spec input -> ("input", name) | ("step", part)
+    dtypes: dict[str, str]  # sub-spec input -> dtype
+    stores: dict[str, str]  # part -> storage dtype
+    shape: dict[str, int]  # the sub-spec's dims
+    plan: KernelPlan  # row_resident or multi_pass, one pass over the axis
+
+
+@dataclass(frozen=True)
+class ChainElementwise:
+    """The plan of the chain's last kernel: the elementwise outputs, its tile and stores."""
+
+    outputs: tuple[str, ...]
+    dims: tuple[str, ...]
+    blocks: dict[str, int]
+    stores: dict[str, str]
+
+
+@dataclass(frozen=True)
+class ChainPlan:
+    """Every kernel of the unfused chain, in launch order, before any source is generated."""
+
+    reductions: tuple[ChainReduction, ...]
+    elementwise: ChainElementwise | None
+
+
+def chain_plan(
+    spec: Spec, shape: Mapping[str, int], dtypes: str | Mapping[str, str], config_blocks: Mapping[str, int] | None = None,
+) -> ChainPlan:
+    """The chain's kernels: one per reduction step (in step order), then one elementwise kernel
+    for the outputs that are elementwise steps (if any). ``config_blocks`` as :func:`chain_modules`."""
+    from fuser_core.problem import bind_dtypes
 
     bound = bind_shape(spec, shape)
     dtypes = bind_dtypes(spec, dtypes)
@@ -270,13 +298,35 @@ def chain_modules(
     elementwise_outputs = [o for o in spec.outputs if not spec.step(o).is_reduction]
     for o in elementwise_outputs:
         read_later.update(_reads(spec, spec.step(o))[2])
-
-    kernels: list[ChainKernel] = []
-    for step in spec.steps:
-        if step.is_reduction:
-            kernels.append(_reduction_kernel(spec, step, bound, dtypes, blocks_given, final, read_later))
+    reductions = tuple(_reduction_plan(spec, step, bound, dtypes, blocks_given, final, read_later)
+                       for step in spec.steps if step.is_reduction)
+    elementwise = None
     if elementwise_outputs:
-        kernels.append(_elementwise_kernel(spec, elementwise_outputs, bound, dtypes, blocks_given, final))
+        dims = spec.order_dims({d for o in elementwise_outputs for d in spec.step(o).dims})
+        elementwise = ChainElementwise(tuple(elementwise_outputs), tuple(dims),
+                                       elementwise_blocks(dims, bound, blocks_given),
+                                       {o: final[o] for o in elementwise_outputs})
+    return ChainPlan(reductions, elementwise)
+
+
+def chain_modules(
+    spec: Spec, shape: Mapping[str, int], dtypes: str | Mapping[str, str], config_blocks: Mapping[str, int] | None = None,
+) -> list[ChainKernel]:
+    """One module per reduction step (in step order), then one elementwise module for the
+    outputs that are elementwise steps (if any).
+
+    ``config_blocks`` (dim -> power-of-two block) applies to every kernel that has the dim:
+    lanes are tiled by it, and a reduction axis given a block smaller than its size is
+    looped over (``multi_pass``) instead of held whole.
+    """
+    from fuser_core.problem import bind_dtypes
+
+    bound = bind_shape(spec, shape)
+    dtypes = bind_dtypes(spec, dtypes)
+    plan = chain_plan(spec, bound, dtypes, config_blocks)
+    kernels = [_reduction_kernel(spec, r) for r in plan.reductions]
+    if plan.elementwise is not None:
+        kernels.append(elementwise_kernel(spec, plan.elementwise, dtypes))
     return kernels
 
 
@@ -299,10 +349,10 @@ def reduction_blocks(sub: Spec, step: Step, shape: Mapping[str, int], given: Map
     return {d: blocks[d] for d in sub.dims if d != step.as_dim}
 
 
-def _reduction_kernel(
+def _reduction_plan(
     spec: Spec, step: Step, shape: dict[str, int], dtypes: dict[str, str], blocks_given: dict[str, int],
     final: dict[str, str], read_later: set[str],
-) -> ChainKernel:
+) -> ChainReduction:
     raw, reads = sub_spec(spec, step, shape)
     sub = load_spec(raw, printed=True)
     sub_shape = {d: shape[d] for d in sub.dims}
@@ -323,15 +373,21 @@ def _reduction_kernel(
     assert axis is not None
     blocks = reduction_blocks(sub, step, sub_shape, blocks_given)
     strategy = "row_resident" if blocks[axis] >= shape[axis] else "multi_pass"
-    module = generate(sub, derivation, strategy, sub_shape, KernelConfig(blocks), sub_dtypes, stores)
-    key, path, source, plan = module.key, module.path, module.source, module.plan
+    plan = make_plan(sub, derivation, strategy, sub_shape, KernelConfig(blocks))
+    return ChainReduction(step, sub, reads, sub_dtypes, stores, sub_shape, plan)
+
+
+def _reduction_kernel(spec: Spec, r: ChainReduction) -> ChainKernel:
+    step, sub, plan = r.step, r.sub, r.plan
+    module = generate(sub, plan.derivation, plan.strategy, r.shape, plan.config, r.dtypes, r.stores)
+    key, path, source = module.key, module.path, module.source
     permute = {}
     for part in step.parts:
         own = _part_dims(sub, part)
         want = _part_dims(spec, part)
         if own != want:
             permute[part] = tuple(own.index(d) for d in want)
-    return ChainKernel(step.name, "reduction", strategy, sub, reads, step.parts, stores, key, path, source,
+    return ChainKernel(step.name, "reduction", plan.strategy, sub, r.reads, step.parts, r.stores, key, path, source,
                        dict(plan.blocks), permute, plan)
 
 
@@ -399,7 +455,7 @@ class ElementwiseWriter:
     def leaf_is_index(self, name: str) -> bool:
         obj = self.spec.lookup(name)
         if isinstance(obj, Input):
-            return obj.kind == "index"
+            return obj.is_index
         return _part_is_index(self.spec, name)
 
     def signature(self) -> list[str]:
@@ -494,18 +550,16 @@ class ElementwiseWriter:
         return "\n".join(lines) + "\n"
 
     def module_source(self) -> str:
+        body = self.write()
         header = module_header(f"{self.spec.name}, unfused chain, elementwise outputs.",
-                               [f"blocks: {json.dumps(self.blocks, sort_keys=True)}"])
-        return header + "\n\n" + self.write() + "\n\n" + self.launcher()
+                               [f"blocks: {json.dumps(self.blocks, sort_keys=True)}"], body)
+        return header + "\n\n" + body + "\n\n" + self.launcher()
 
 
-def _elementwise_kernel(
-    spec: Spec, outputs: list[str], shape: dict[str, int], dtypes: dict[str, str], blocks_given: dict[str, int],
-    final: dict[str, str],
-) -> ChainKernel:
-    dims = spec.order_dims({d for o in outputs for d in spec.step(o).dims})
-    blocks = elementwise_blocks(dims, shape, blocks_given)
-    stores = {o: final[o] for o in outputs}
+def elementwise_kernel(spec: Spec, e: ChainElementwise, dtypes: Mapping[str, str]) -> ChainKernel:
+    """The chain's elementwise module for the plan ``e`` (generated, or read from the cache)."""
+    dtypes = dict(dtypes)
+    outputs, blocks, stores = list(e.outputs), dict(e.blocks), dict(e.stores)
     writer = ElementwiseWriter(spec, outputs, blocks, stores, dtypes)
     key, path, source = cached_source(
         f"{spec.name}_chain_elementwise",
@@ -528,7 +582,8 @@ def run_chain_detailed(
     """Run the chain; inputs are NumPy arrays (converted like runner.run) or torch tensors."""
     import torch
 
-    from fuser_core.runner import bind_dtypes, device, to_torch
+    from fuser_core.problem import bind_dtypes
+    from fuser_core.tensors import device, to_torch
 
     bound = bind_shape(spec, shape)
     dtypes = bind_dtypes(spec, dtype)

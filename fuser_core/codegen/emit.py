@@ -1,4 +1,7 @@
-"""Write the Triton source of one kernel from a :class:`~fuser_core.codegen.plan.KernelPlan`.
+"""Write the Triton source of a module's kernels from its :class:`~fuser_core.codegen.structure.ModuleStructure`.
+
+The structure decides the kernels, their names and arguments, the loads hoisted out of the
+loops, which sums are ``tl.dot`` and the split workspace; this module prints them.
 
 The source reads like a hand-written kernel in the style of Triton's tutorials: offsets and
 masks per dim, one loop over tiles of the loop axis, a comment naming the reduction each
@@ -10,19 +13,25 @@ converted to their storage dtype on the way out.
 
 from __future__ import annotations
 
-import keyword
 import re
 
 import sympy as sp
 
-from fuser_core.codegen.plan import KernelPlan
-from fuser_core.codegen.tritonize import to_triton
-from fuser_core.derive import COUNT_OLD, ReductionForm
-from fuser_core.spec import Step
+from fuser_core.codegen.names import FP8, safe_name
+from fuser_core.codegen.structure import Dot, Kernel, ModuleStructure, anchored_deps, effective_op, reads_count
+from fuser_core.codegen.tritonize import number, to_triton
+from fuser_core.realisation import (
+    COUNT_OLD,
+    Realisation,
+    identity,
+    new,
+    part_acc,
+    part_anchor,
+    part_count,
+)
+from fuser_core.spec import Input, Step
 
 HELPERS = '''
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 @triton.jit
 def finite_or_zero(c):
     """A correction that is inf or nan only multiplies an empty accumulator: use 0."""
@@ -114,6 +123,7 @@ def fp8e4m3_round(x):
     return fp8e4m3_to_float(fp8e4m3_bits(x))
 
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if INTERPRETED:
     # Triton's interpreter truncates float32 -> bfloat16 (1.01171875 -> 1.0078125); round to
     # nearest even on the bits, as the GPU's conversion does.
@@ -159,11 +169,32 @@ def pow_real(b, e):
     return tl.where(b > 0.0, tl.exp2(e * tl.log2(b)), tl.where(b == 0.0, tl.where(e > 0.0, 0.0, float("inf")), float("nan")))
 '''
 
+
+
+def helper_blocks() -> list[tuple[frozenset[str], str]]:
+    """HELPERS as blocks (separated by two blank lines), each with the functions it defines."""
+    blocks = [b.strip("\n") for b in HELPERS.split("\n\n\n") if b.strip()]
+    return [(frozenset(re.findall(r"^\s*def (\w+)\(", b, re.M)), b) for b in blocks]
+
+
+def helpers_for(code: str) -> str:
+    """The HELPERS blocks that ``code`` calls, and those they call in turn, in HELPERS' order."""
+    blocks = helper_blocks()
+    used: set[int] = set()
+    text, grown = code, True
+    while grown:
+        grown = False
+        for i, (names, block) in enumerate(blocks):
+            if i not in used and any(re.search(rf"\b{n}\(", text) for n in names):
+                used.add(i)
+                text += block
+                grown = True
+    chosen = [block for i, (_, block) in enumerate(blocks) if i in used]
+    return "\n" + "\n\n\n".join(chosen) + "\n" if chosen else ""
+
+
 ORDER_SELECTIONS = ("topk", "bottomk", "argmax", "argmin")
-FP8 = "float8_e4m3fn"  # kernels see it as uint8 bits: see fp8e4m3_bits in HELPERS
 _CONSTANT = re.compile(r'\(*-?(?:[0-9.]+(?:e[+-]?[0-9]+)?|float\("-?(?:inf|nan)"\))\)*')
-_RESERVED = {"tl", "triton", "pid", "start", "count", "count_old", "float", "range", "int", "math", "torch"}
-_PREFIXES = ("offs_", "mask_", "size_", "stride_", "BLOCK_", "nblk_", "pid_")
 
 
 def aligned_index(all_dims: tuple[str, ...], dim: str, expr: str) -> str:
@@ -177,14 +208,6 @@ def aligned_index(all_dims: tuple[str, ...], dim: str, expr: str) -> str:
 def block_shape(all_dims: tuple[str, ...], dims) -> str:
     """The aligned shape of a tensor over `dims`: ``[BLOCK_m, 1]``."""
     return "[" + ", ".join(f"BLOCK_{d}" if d in dims else "1" for d in all_dims) + "]"
-
-
-def safe_name(name: str) -> str:
-    """A Python identifier for a spec name inside generated code."""
-    name = name.replace(".", "_")
-    if keyword.iskeyword(name) or name in _RESERVED or name.startswith(_PREFIXES) or name.endswith(("_ptr", "_anchor", "_old")):
-        return f"v_{name}"
-    return name
 
 
 def load_expr(load_args: str, dtype: str | None, kind: str) -> str:
@@ -202,25 +225,24 @@ def store_expr(value: str, dtype: str, var: str) -> str:
     return f"{value}.to({var}_ptr.dtype.element_ty)"
 
 
-def kernel_arg(var: str, dtype: str | None) -> str:
-    """A launcher's tensor argument: an fp8 tensor is passed as its bits (uint8)."""
-    return f"{var}.view(torch.uint8)" if dtype == FP8 else var
-
-
 class KernelWriter:
-    """Builds one ``@triton.jit`` kernel; call :meth:`source` for the text."""
+    """Prints the ``@triton.jit`` kernels of a structure (two for split_fused); :meth:`write` gives the text."""
 
-    def __init__(self, plan: KernelPlan, kernel_name: str, store_dtypes: dict[str, str], input_dtypes: dict[str, str]):
+    def __init__(self, structure: ModuleStructure, store_dtypes: dict[str, str], input_dtypes: dict[str, str]):
+        plan = structure.plan
+        self.structure = structure
+        self.kernel: Kernel = structure.kernels[0]
         self.plan = plan
         self.spec = plan.spec
         self.conv = plan.derivation.symbols
         self.forms = plan.derivation.forms
-        self.name = kernel_name
         self.dims = plan.dims
         self.rank = len(self.dims)
         self.lines: list[str] = []
         self.depth = 1
         self.loaded: set[str] = set()  # inputs / inner reductions already in the current scope
+        self.persistent: set[str] = set()  # loads at the kernel's top level (hoisted ones included): never forgotten
+        self.filled: dict[str, str] = {}  # input -> the fold op whose identity its masked lanes hold (see identity_loads)
         self.values: dict[str | sp.Symbol, str] = {}  # sympy symbol (or its name) -> Triton expression, current scope
         self.store_dtypes = store_dtypes
         self.input_dtypes = input_dtypes
@@ -243,17 +265,30 @@ class KernelWriter:
 
     # ------------------------------------------------------------ signature and set-up
     def signature(self) -> list[str]:
-        args = [f"{safe_name(i.name)}_ptr" for i in self.spec.inputs]
-        args += [f"{safe_name(p)}_ptr" for p in self.output_parts()]
-        args += [f"size_{d}" for d in self.dims]
-        for i in self.spec.inputs:
-            args += [f"stride_{safe_name(i.name)}_{d}" for d in i.dims]
-        for p in self.output_parts():
-            args += [f"stride_{safe_name(p)}_{d}" for d in self.part_dims(p)]
-        if self.plan.strategy == "split_fused":
-            args += self.workspace_args()
-        args += [f"BLOCK_{d}: tl.constexpr" for d in self.dims]
-        return args
+        return [a.param for a in self.kernel.args]
+
+    def arg_groups(self) -> list[list[str]]:
+        """The parameters, one line per group as hand-written kernels have them: the pointers, the
+        sizes, each tensor's strides, the split's numbers, the block sizes."""
+        def group(a) -> str:
+            if a.constexpr:
+                return "constexpr"
+            if a.name.endswith("_ptr"):
+                return "ptr"
+            if a.name.startswith("stride_"):
+                return a.name.rsplit("_", 1)[0]
+            if a.name.startswith("size_"):
+                return "size"
+            return "split"
+        out: list[list[str]] = []
+        last = None
+        for a in self.kernel.args:
+            key = group(a)
+            if key != last:
+                out.append([])
+                last = key
+            out[-1].append(a.param)
+        return out
 
     def output_parts(self) -> list[str]:
         return list(self.spec.output_parts)
@@ -263,18 +298,20 @@ class KernelWriter:
 
     def header(self, doc: str) -> None:
         self.lines.append("@triton.jit")
-        self.lines.append(f"def {self.name}(")
-        for a in self.signature():
-            self.lines.append(f"    {a},")
+        self.lines.append(f"def {self.kernel.name}(")
+        for group in self.arg_groups():
+            self.lines.append("    " + " ".join(f"{a}," for a in group))
         self.lines.append("):")
         self.emit(f'"""{doc}"""')
         lanes = self.plan.lanes
-        if lanes:
+        if len(lanes) == 1:
+            self.emit(f"pid_{lanes[0]} = tl.program_id(0)")
+        elif lanes:  # the fastest lane dim last in the grid's order: peel them off, the slowest is what is left
             self.emit("pid = tl.program_id(0)")
-            for d in reversed(lanes):
-                self.emit(f"nblk_{d} = tl.cdiv(size_{d}, BLOCK_{d})")
-                self.emit(f"pid_{d} = pid % nblk_{d}")
-                self.emit(f"pid = pid // nblk_{d}")
+            for d in reversed(lanes[1:]):
+                self.emit(f"pid_{d} = pid % tl.cdiv(size_{d}, BLOCK_{d})")
+                self.emit(f"pid = pid // tl.cdiv(size_{d}, BLOCK_{d})")
+            self.emit(f"pid_{lanes[0]} = pid")
         for d in self.dims:
             if d == self.plan.axis:
                 continue
@@ -284,6 +321,8 @@ class KernelWriter:
         for d in self.dims:
             self.values[f"size({d})"] = f"(size_{d} * 1.0)"  # float: sizes enter float arithmetic
             self.values[f"index({d})"] = f"offs_{d}"
+        for ld in self.kernel.hoisted:
+            self.load(ld.name, "  # loop-invariant: loaded once per program")
 
     def axis_tile(self, start: str) -> None:
         a = self.plan.axis
@@ -292,9 +331,9 @@ class KernelWriter:
 
     # ------------------------------------------------------------ scopes: loads and inner reductions
     def begin_scope(self) -> None:
-        for name in self.loaded:
+        for name in self.loaded - self.persistent:
             self.values.pop(name, None)
-        self.loaded = set()
+        self.loaded = set(self.persistent)
 
     def need(self, exprs: list[sp.Expr]) -> None:
         """Emit loads and inner reductions so that every symbol of ``exprs`` has a value here."""
@@ -309,16 +348,40 @@ class KernelWriter:
                 elif step is None and inp is not None:
                     self.load(s.name)
 
-    def load(self, name: str) -> None:
+    def identity_loads(self, folds: list[tuple[str, sp.Expr]]) -> None:
+        """Each load masked once: an input that a max/min over the axis folds as it is, is loaded
+        with the fold's identity in its masked lanes (``other``), so the fold needs no tl.where.
+        Not for an input a tl.dot reads (its masked lanes must be 0 there), nor for index inputs
+        and fp8 bits (no infinity); every other use of it masks its lanes itself."""
+        for op, e in folds:
+            if op not in ("max", "min") or not isinstance(e, sp.Symbol) or e.name in self.values:
+                continue
+            inp = self.spec.lookup(e.name)
+            if not isinstance(inp, Input) or not inp.is_float or self.input_dtypes.get(e.name) == FP8:
+                continue
+            if self.plan.axis not in inp.dims or any(e in d.p.free_symbols | d.q.free_symbols for d in self.kernel.dots):
+                continue
+            self.load(e.name, fill=op)
+
+    def load(self, name: str, note: str = "", fill: str | None = None) -> None:
+        if name not in self.kernel.inputs:  # its pointer would not be an argument
+            raise AssertionError(f"{self.kernel.name} loads {name}, which its structure does not list")
         inp = self.spec.input(name)
         var = safe_name(name)
         ptr = f"{var}_ptr + " + " + ".join(f"offs_{d} * stride_{var}_{d}" for d in inp.dims) if inp.dims else f"{var}_ptr"
         mask = " & ".join(f"mask_{d}" for d in inp.dims)
-        kind = "tl.int32" if inp.kind == "index" else "tl.float32"
-        args = f"{ptr}, mask={mask}, other=0" if mask else ptr
-        self.emit(f"{var} = {load_expr(args, self.input_dtypes.get(name), kind)}")
+        kind = "tl.int32" if inp.is_index else "tl.float32"
+        other = number(identity(fill)) if fill else "0"
+        args = f"{ptr}, mask={mask}, other={other}" if mask else ptr
+        if fill and mask:
+            self.filled[name] = fill
+        else:
+            self.filled.pop(name, None)
+        self.emit(f"{var} = {load_expr(args, self.input_dtypes.get(name), kind)}{note}")
         self.values[name] = var
         self.loaded.add(name)
+        if self.depth == 1:  # the kernel's top level: in scope for the rest of the kernel
+            self.persistent.add(name)
 
     def inner_reduction(self, step: Step) -> None:
         integrand = self.conv.integrand(step)
@@ -326,91 +389,32 @@ class KernelWriter:
         var = safe_name(step.name)
         p = self.pos(step.over)
         self.emit(f"# {step.name}: {step.reduce} over {step.over} of {sp.sstr(integrand)}")
-        dot = self.try_dot(integrand, step.over) if step.reduce == "sum" else None
+        dot = self.dot_text(self.structure.dot(integrand, step.over)) if step.reduce == "sum" else None
         self.emit(f"{var} = {dot or self.tile_reduce(step.reduce, self.tex(integrand), step.over, p)}")
         self.values[step.name] = var
         self.loaded.add(step.name)
 
-    def expr_dims(self, e: sp.Expr) -> set[str]:
-        """Dims an expression varies over within a tile (dims blocked as 1 do not count)."""
-        dims: set[str] = set()
-        for s in e.free_symbols:
-            dims.update(self.conv.leaf_dims.get(s, ()))
-            if s.name.startswith(("index(",)):
-                dims.add(s.name[6:-1])
-            if s.name in self.dep_dims:
-                dims.update(self.dep_dims[s.name])
-        return {d for d in dims if self.plan.blocks.get(d, 1) > 1}
-
-    @property
-    def dep_dims(self) -> dict[str, tuple[str, ...]]:
-        out = {}
-        for step in self.spec.steps:
-            for key in (f"{step.name}[old]", f"{step.name}[new]"):
-                out[key] = step.dims
-        return out
-
-    def try_dot(self, e: sp.Expr, over: str) -> str | None:
-        """sum over `over` of P * Q as tl.dot(P[I, over], Q[over, J]) when the tile allows it.
-
-        P carries one blocked dim I besides `over`, Q one other J; all three blocks >= 16
-        (tl.dot's minimum). Accumulates in float32; operand precision: :meth:`dot_dtype`.
-        """
-        scalars = [f for f in sp.Mul.make_args(e) if not self.expr_dims(f)]  # applied after the dot, unrounded
-        factors = [f for f in sp.Mul.make_args(e) if self.expr_dims(f)]
-        dims = [self.expr_dims(f) - {over} for f in factors]
-        free = set().union(*dims) if dims else set()
-        if len(free) != 2 or any(len(d) > 1 for d in dims):
+    def dot_text(self, dot: Dot | None) -> str | None:
+        """A tl.dot decided by the structure, printed: P[I, over] @ Q[over, J], then the scale."""
+        if dot is None:
             return None
-        i, j = sorted(free, key=self.dims.index)
-        if min(self.plan.blocks[i], self.plan.blocks[j], self.plan.blocks[over]) < 16:
-            return None
-        p_expr = sp.Mul(*[f for f, d in zip(factors, dims) if d != {j}])
-        q_expr = sp.Mul(*[f for f, d in zip(factors, dims) if d == {j}])
-        p = f"tl.broadcast_to(tl.where(mask_{over}, {self.tex(p_expr)}, 0.0), {self.shape({i, over})})"
-        q = f"tl.broadcast_to({self.tex(q_expr)}, {self.shape({over, j})})"
+        i, j, over = dot.i, dot.j, dot.over
+        p = f"tl.broadcast_to(tl.where(mask_{over}, {self.tex(dot.p)}, 0.0), {self.shape({i, over})})"
+        q = f"tl.broadcast_to({self.tex(dot.q)}, {self.shape({over, j})})"
         lhs = self.as_matrix(p, i, over)
         rhs = self.as_matrix(q, over, j)
-        dtype = self.dot_dtype(p_expr, q_expr)
-        if dtype == "tl.float16":
+        if dot.precision == "tl.float16":
             prod = f"tl.dot({lhs}.to(tl.float16), {rhs}.to(tl.float16))"
         else:
-            prod = f"tl.dot({lhs}, {rhs}, input_precision=\"{dtype}\")"
-        scale = f" * {self.tex(sp.Mul(*scalars))}" if scalars else ""
+            prod = f"tl.dot({lhs}, {rhs}, input_precision=\"{dot.precision}\")"
+        scale = f" * {self.tex(dot.scale)}" if dot.scale is not None else ""
         return f"tl.reshape({prod}, {self.shape({i, j})}){scale}  # tl.dot: sum over {over} as a matrix product"
-
-    def exact_in_fp16(self, e: sp.Expr) -> bool:
-        """Every factor is an fp8/fp16 input or a cast to fp8/fp16: fp16 operands lose nothing."""
-        from fuser_core.symbolic import CAST_FUNCTIONS
-
-        narrow = (CAST_FUNCTIONS["float8_e4m3fn"], CAST_FUNCTIONS["float16"])
-        for f in sp.Mul.make_args(e):
-            if f.is_Symbol and self.input_dtypes.get(f.name) in ("float8_e4m3fn", "float16"):
-                continue
-            if f.func in narrow:
-                continue
-            return False
-        return True
 
     def as_matrix(self, t: str, row: str, col: str) -> str:
         """An aligned tile over {row, col} as a [row, col] matrix."""
         if self.dims.index(row) < self.dims.index(col):
             return f"tl.reshape({t}, [BLOCK_{row}, BLOCK_{col}])"
         return f"tl.trans(tl.reshape({t}, [BLOCK_{col}, BLOCK_{row}]))"
-
-    def dot_dtype(self, p: sp.Expr, q: sp.Expr) -> str:
-        """Operand precision of tl.dot: operands exactly representable in fp16 (fp8 values, as in
-        the fp8 GEMM) -> fp16 tensor cores, exact; float16 inputs -> float16; bfloat16 inputs ->
-        TF32 (bf16 values are exact in TF32, and probabilities keep 10 mantissa bits instead of
-        bf16's 7, which cancelling p.v sums need); float32 and mixed inputs -> IEEE float32."""
-        if self.exact_in_fp16(p) and self.exact_in_fp16(q):
-            return "tl.float16"
-        floats = {self.input_dtypes[i.name] for i in self.spec.inputs if i.kind == "float"}
-        if floats == {"float16"}:
-            return "tl.float16"
-        if floats == {"bfloat16"}:
-            return "tf32"
-        return "ieee"
 
     def tile_reduce(self, op: str, value: str, over: str, p: int) -> str:
         if op == "sum":
@@ -431,45 +435,52 @@ class KernelWriter:
             self.emit(f'{var}_acc_values = tl.full({shape}, float("-inf"), tl.float32)')
             self.emit(f"{var}_acc_indices = tl.zeros({shape}, tl.int32)")
             return [f"{var}_acc"]
-        fill = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}[op]
+        fill = number(identity(op))
         names = [f"{var}_acc" if parts == 1 else f"{var}_acc{j}" for j in range(parts)]
         for n in names:
             self.emit(f"{n} = tl.full({shape}, {fill}, tl.float32)")
         return names
 
     def effective_op(self, step: Step) -> str:
-        form = self.forms.get(step.name)
-        if self.plan.strategy in ("streaming_fused", "split_fused") and form is not None and form.effective_op:
-            return form.effective_op
-        return step.reduce or ""
+        return effective_op(self.plan, step)
 
-    def fold(self, step: Step, acc: str, e: sp.Expr) -> None:
-        """acc = acc (op) reduce over the tile of e (a tl.dot when e is a contraction that fits one)."""
+    def fold(self, step: Step, acc: str, e: sp.Expr, prev: str | None = None) -> None:
+        """acc = prev (op) reduce over the tile of e (a tl.dot when e is a contraction that fits one);
+        ``prev`` is the accumulator's text before the tile (default: itself, not moved)."""
         a = self.plan.axis
         p = self.pos(a)
         op = self.effective_op(step)
         value = self.tex(e)
+        if isinstance(e, sp.Symbol) and self.filled.get(e.name) == op and e.name in self.values:
+            # its masked lanes already hold the identity (identity_loads)
+            self.emit(f"{acc} = tl.{op}imum({prev or acc}, tl.{op}({value}, axis={p}, keep_dims=True))")
+            return
         if op == "sum":
-            dot = self.try_dot(e, a)
+            prev = prev or acc
+            dot = self.dot_text(self.structure.dot(e, a))
             if dot is not None:
-                self.emit(f"{acc} = {acc} + {dot}")
+                self.emit(f"{acc} = {prev} + {dot}")
                 return
-            self.emit(f"{acc} = {acc} + tl.sum(tl.where(mask_{a}, {value}, 0.0), axis={p}, keep_dims=True)")
+            self.emit(f"{acc} = {prev} + tl.sum(tl.where(mask_{a}, {value}, 0.0), axis={p}, keep_dims=True)")
         elif op == "max":
-            self.emit(f'{acc} = tl.maximum({acc}, tl.max(tl.where(mask_{a}, {value}, float("-inf")), axis={p}, keep_dims=True))')
+            prev = prev or acc
+            self.emit(f'{acc} = tl.maximum({prev}, tl.max(tl.where(mask_{a}, {value}, float("-inf")), axis={p}, keep_dims=True))')
         elif op == "min":
-            self.emit(f'{acc} = tl.minimum({acc}, tl.min(tl.where(mask_{a}, {value}, float("inf")), axis={p}, keep_dims=True))')
+            prev = prev or acc
+            self.emit(f'{acc} = tl.minimum({prev}, tl.min(tl.where(mask_{a}, {value}, float("inf")), axis={p}, keep_dims=True))')
         elif op in ("argmax", "argmin"):
+            prev = prev or f"{acc}_values"
             sign = "" if op == "argmax" else "-"
             self.emit(
-                f"{acc}_values, {acc}_indices = argmax_merge({acc}_values, {acc}_indices, "
+                f"{acc}_values, {acc}_indices = argmax_merge({prev}, {acc}_indices, "
                 f'tl.where(mask_{a}, {sign}({value}), float("-inf")), offs_{a}, {p})'
             )
         else:  # topk / bottomk: select on the negated values for bottom-k
+            prev = prev or f"{acc}_values"
             sign = "" if op == "topk" else "-"
             slots = step.as_dim
             self.emit(
-                f"{acc}_values, {acc}_indices = topk_merge({acc}_values, {acc}_indices, "
+                f"{acc}_values, {acc}_indices = topk_merge({prev}, {acc}_indices, "
                 f'tl.where(mask_{a}, {sign}({value}), float("-inf")), offs_{a}, offs_{slots}, '
                 f"{p}, {self.pos(slots)}, {step.k})"
             )
@@ -559,6 +570,8 @@ class KernelWriter:
         self.axis_tile("0")
         for step in self.axis_steps():
             integrand = self.conv.integrand(step)
+            # no identity_loads here: the row stays live through every reduction and output, and with
+            # -inf in its masked lanes sm_90 spilled more (safe_softmax n=32768: 560 -> 992 bytes)
             self.need([integrand])
             self.emit(f"# {step.name} = {step.reduce} over {a} of {sp.sstr(integrand)}")
             self.direct_reduction(step, integrand)
@@ -583,6 +596,7 @@ class KernelWriter:
             self.depth += 1
             self.begin_scope()
             self.axis_tile("start")
+            self.identity_loads([(step.reduce or "", integrand)])
             self.need([integrand])
             self.fold(step, acc, integrand)
             self.depth -= 1
@@ -596,12 +610,7 @@ class KernelWriter:
     # -- streaming: the derived incremental form
     def anchored_deps(self) -> list[str]:
         """Dependencies some reduction anchors at (max/min: running value; sums: running estimate)."""
-        out: list[str] = []
-        for step in self.axis_steps():
-            for dep in self.forms[step.name].anchors:
-                if dep not in out:
-                    out.append(dep)
-        return out
+        return anchored_deps(self.plan)
 
     def write_streaming_fused(self) -> None:
         a = self.plan.axis
@@ -616,18 +625,20 @@ class KernelWriter:
     def streaming_loop(self, lo: str, hi: str) -> None:
         a = self.plan.axis
         steps = self.axis_steps()
-        accs = {s.name: self.init_state(s, len(self.forms[s.name].contributions) if self.forms[s.name].kind != "shifted" else 1)
-                for s in steps}
+        accs = {s.name: self.init_state(s, len(self.realisation(s).accumulators)) for s in steps}
         anchors = self.anchored_deps()
         for dep in anchors:
             self.emit(f"{safe_name(dep)}_anchor = tl.zeros({self.shape(self.spec.step(dep).dims)}, tl.float32)")
-        self.emit("count = 0.0")
+        counts = reads_count(self.plan)
+        if counts:
+            self.emit("count = 0.0")
         self.emit(f"for start in range({lo}, {hi}, BLOCK_{a}):")
         self.depth += 1
         self.begin_scope()
         self.axis_tile("start")
-        self.emit("count_old = count")
-        self.emit(f"count += tl.minimum(BLOCK_{a}, {hi} - start).to(tl.float32)")
+        if counts:
+            self.emit("count_old = count")
+            self.emit(f"count += tl.minimum(BLOCK_{a}, {hi} - start).to(tl.float32)")
         for dep in anchors:
             self.emit(f"{safe_name(dep)}_anchor_old = {safe_name(dep)}_anchor")
             self.values[f"{dep}[old]"] = f"{safe_name(dep)}_anchor_old"
@@ -642,17 +653,22 @@ class KernelWriter:
         self.accs = accs
 
     def update_anchor(self, step: Step) -> None:
-        var = safe_name(step.name)
+        var, value = safe_name(step.name), self.values[step.name]
         kinds = {self.forms[s.name].anchors.get(step.name) for s in self.axis_steps()} - {None}
         if any(k and k.startswith("running estimate") for k in kinds):
-            self.emit(f"{var}_anchor = {var} * size_{self.plan.axis} / tl.maximum(count, 1.0)  # running estimate of {step.name}")
+            self.emit(f"{var}_anchor = {value} * size_{self.plan.axis} / tl.maximum(count, 1.0)  # running estimate of {step.name}")
         else:
-            self.emit(f"{var}_anchor = safe_anchor({var})  # running {step.reduce} of {step.name}")
+            self.emit(f"{var}_anchor = safe_anchor({value})  # running {step.reduce} of {step.name}")
 
-    def with_anchors(self, form: ReductionForm) -> dict[str, str]:
+    def realisation(self, step: Step) -> Realisation:
+        real = self.forms[step.name].realisation
+        assert real is not None, f"{step.name} is streamed but not fused"
+        return real
+
+    def with_anchors(self, real: Realisation) -> dict[str, str]:
         """Values for a tile's contribution: dependencies at their (new) anchors."""
         saved = {}
-        for dep in form.anchors:
+        for dep in real.anchors:
             saved[dep] = self.values.get(dep)
             self.values[dep] = f"{safe_name(dep)}_anchor"
         return saved
@@ -664,83 +680,74 @@ class KernelWriter:
             else:
                 self.values[k] = v
 
-    def streaming_update(self, step: Step, accs: list[str]) -> None:
-        form = self.forms[step.name]
-        a = self.plan.axis
-        var = safe_name(step.name)
-        if form.kind == "shifted":
-            self.emit(f"# {step.name}: shifted accumulator of {sp.sstr(form.integrand)}")
-            saved = self.with_anchors(form)
-            self.need([form.integrand, form.delta])
-            self.emit(f"{accs[0]} = {accs[0]} + ({self.tex(form.delta)})  # move to the new anchors")
-            self.fold(step, accs[0], form.integrand)
-            self.restore(saved)
-            self.emit(f"{var} = {accs[0]}")
-            self.values[step.name] = var
-            return
-        if form.kind == "taylor":
-            self.emit(f"# {step.name}: Taylor-shifted accumulators of {sp.sstr(form.integrand)} (centred at the anchors)")
-            saved = self.with_anchors(form)
-            self.need(list(form.contributions) + list(form.reanchor))
-            self.emit_reanchor(form, accs, accs, "old")
-            for acc, contribution in zip(accs, form.contributions):
-                self.fold(step, acc, contribution)
-            self.restore(saved)
-            self.running_value(step, accs)
-            return
-        what = "first reduction" if form.kind == "first" else f"reads {', '.join(form.deps)}"
-        self.emit(f"# {step.name}: {step.reduce} over {a} ({what})")
-        saved = self.with_anchors(form)
-        self.need(list(form.contributions) + list(form.corrections))
-        for j, (acc, contribution, correction) in enumerate(zip(accs, form.contributions, form.corrections)):
-            if correction != 1:
-                c = self.tex(correction)
-                if form.effective_op in ORDER_SELECTIONS:
-                    self.emit(f"{acc}_values = rescale({acc}_values, {c})")
-                else:
-                    self.emit(f"{acc} = rescale({acc}, {c})  # correction: {sp.sstr(correction)}")
-            self.fold(step, acc, contribution)
-        self.restore(saved)
-        self.running_value(step, accs)
+    def state_names(self, real: Realisation, accs: list[str]) -> list[str]:
+        """The variable each accumulator's moved expression reads (a selection's: its values)."""
+        return [f"{acc}_values" if a.selection else acc for a, acc in zip(real.accumulators, accs)]
 
-    def emit_reanchor(self, form: ReductionForm, targets: list[str], sources: list[str], side: str) -> None:
-        """targets = the Taylor accumulators `sources` moved from the `side` anchors to the new ones."""
-        names = {f"acc[{k}]": src for k, src in enumerate(sources)}
-        moved = []
-        for k, e in enumerate(form.reanchor):
-            self.values.update(names)
-            text = self.tex_moved(e, side)
-            moved.append(f"{targets[k]}_moved")
-            self.emit(f"{targets[k]}_moved = {text}")
-        for target, m in zip(targets, moved):
-            self.emit(f"{target} = {m}")
+    def streaming_update(self, step: Step, accs: list[str]) -> None:
+        """One tile with the realisation's step rule: acc_k = op(moved_k(acc), fold(contribution_k))."""
+        real = self.realisation(step)
+        reads = f", reads {', '.join(real.deps)}" if real.deps else ""
+        self.emit(f"# {step.name}: {real.op} over {self.plan.axis} ({real.kind}{reads})")
+        saved = self.with_anchors(real)
+        rules = real.step()
+        self.identity_loads([(r.op, r.right) for r in rules])
+        self.need([r.left for r in rules] + [r.right for r in rules])
+        names = dict(zip(real.symbols, self.state_names(real, accs)))
+        prevs = self.emit_moves(real, accs, [r.left for r in rules], names)
+        for acc, rule, prev in zip(accs, rules, prevs):
+            self.fold(step, acc, rule.right, prev)
+        self.restore(saved)
+        if self.read_in_loop(step):
+            self.running_value(step, accs)
+
+    def read_in_loop(self, step: Step) -> bool:
+        """Is a reduction's running value read inside its loop: by its anchor, or by a later
+        reduction's update or value? (If not, it is computed once, after the loop.)"""
+        if step.name in self.anchored_deps():
+            return True
+        steps = self.axis_steps()
+        for later in steps[steps.index(step) + 1:]:
+            real = self.realisation(later)
+            exprs = [real.value, *(a.moved for a in real.accumulators), *(a.contribution for a in real.accumulators)]
+            if any(s.name == step.name for e in exprs for s in e.free_symbols):
+                return True
+        return False
+
+    def emit_moves(self, real: Realisation, accs: list[str], exprs: list[sp.Expr], names: dict) -> list[str | None]:
+        """The text of each moved accumulator (None: unmoved). Where one reads another (a Taylor
+        shift), each is first computed into ``{acc}_moved``, so that none reads an updated one."""
+        env = {**self.values, **names}
+        texts: list[str | None] = [None if e == sym else to_triton(e, env) for e, sym in zip(exprs, real.symbols)]
+        if not real.moves_jointly:
+            return texts
+        for acc, text, sym in zip(accs, texts, real.symbols):
+            text = text or env[sym]
+            self.emit(f"{acc}_moved = {text}")
+        return [f"{acc}_moved" for acc in accs]
 
     def running_value(self, step: Step, accs: list[str]) -> None:
-        """value = sum_j final_factor_j * acc_j + offset, with the dependencies' current values."""
-        form = self.forms[step.name]
+        """The realisation's value (sum_j final_factor_j * acc_j + offset), dependencies at their current values."""
+        real = self.realisation(step)
         var = safe_name(step.name)
-        if form.effective_op in ORDER_SELECTIONS:
+        if real.selection:
             return  # order results are never dependencies (derive refuses them)
-        self.need(list(form.deferred) + [form.offset])
-        syms = [sp.Symbol(f"__acc{j}") for j in range(len(accs))]
-        total = form.final_value(syms)
-        self.values.update({sym.name: acc for sym, acc in zip(syms, accs)})
-        self.emit(f"{var} = {self.tex(total)}")
+        if real.value in real.symbols:  # the value is an accumulator: read it, no copy
+            self.values[step.name] = accs[real.symbols.index(real.value)]
+            return
+        self.need([real.value])
+        self.emit(f"{var} = {to_triton(real.value, {**self.values, **dict(zip(real.symbols, accs))})}")
         self.values[step.name] = var
 
     def finalize(self) -> None:
         for step in self.axis_steps():
-            form = self.forms[step.name]
+            real = self.realisation(step)
             acc = self.accs[step.name][0]
-            if form.effective_op in ORDER_SELECTIONS:
-                self.need([form.deferred[0], form.offset])
-                scale, offset = self.tex(form.deferred[0]), self.tex(form.offset)
-                value = f"{scale} * {self.selected(step, acc)} + {offset}"
-                self.emit(f"# {step.name}: final values from the accumulated {form.effective_op}")
+            if real.selection:
+                self.need([real.value])
+                value = to_triton(real.value, {**self.values, real.symbols[0]: f"({self.selected(step, acc)})"})
+                self.emit(f"# {step.name}: final values from the accumulated {real.op}")
                 self.set_result(step, value, f"{acc}_indices")
-            elif form.kind == "shifted":
-                self.emit(f"{safe_name(step.name)} = {acc}")
-                self.values[step.name] = safe_name(step.name)
             else:
                 # Triton's compiler scopes names assigned inside a loop to its body: the final
                 # value is recomputed here from the loop-carried accumulators
@@ -748,28 +755,8 @@ class KernelWriter:
 
     # -- split: partial states over chunks of the axis, then a derived combine
     def workspace(self) -> list[tuple[str, tuple[str, ...], str]]:
-        """(name, dims, dtype) of every piece of state a split program hands to the combine."""
-        out = []
-        for step in self.axis_steps():
-            form = self.forms[step.name]
-            var = safe_name(step.name)
-            if form.effective_op in ORDER_SELECTIONS:
-                out.append((f"{var}_acc_values", step.dims, "float32"))
-                out.append((f"{var}_acc_indices", step.dims, "int32"))
-            else:
-                n = 1 if form.kind == "shifted" else len(form.contributions)
-                out += [((f"{var}_acc" if n == 1 else f"{var}_acc{j}"), step.dims, "float32") for j in range(n)]
-        for dep in self.anchored_deps():
-            out.append((f"{safe_name(dep)}_anchor", self.spec.step(dep).dims, "float32"))
-        return out
-
-    def workspace_args(self) -> list[str]:
-        args = []
-        for name, dims, _ in self.workspace():
-            args.append(f"ws_{name}_ptr")
-        for name, dims, _ in self.workspace():
-            args += [f"stride_ws_{name}_split"] + [f"stride_ws_{name}_{d}" for d in dims]
-        return args + ["SPLIT", "chunk"]
+        """(name, dims, dtype) of every piece of state a split program hands to the combine (the structure's)."""
+        return [(w.name, w.dims, w.dtype) for w in self.structure.workspace]
 
     def ws_ptr(self, name: str, dims: tuple[str, ...], split: str) -> str:
         # a state without dims (a scalar result) still needs a block pointer, as in store()
@@ -793,11 +780,10 @@ class KernelWriter:
         self.lines.append("")
         self.lines.append("")
         # kernel 2: merge the parts with the derived merge rule, then the outputs
-        first_part = list(self.lines)
-        self.lines = []
         self.values = {}
         self.loaded = set()
-        self.name = self.name.replace("_kernel", "_combine_kernel")
+        self.persistent = set()
+        self.kernel = self.structure.kernels[1]
         self.header(
             f"{self.spec.name}, split-fused part 2: merge the SPLIT partial states (each re-anchored to the "
             "merged dependencies with the derived corrections), then write the outputs."
@@ -805,22 +791,23 @@ class KernelWriter:
         self.combine()
         self.finalize()
         self.emit_outputs()
-        self.lines = first_part + self.lines
 
     def combine(self) -> None:
         a = self.plan.axis
         steps = self.axis_steps()
-        accs = {s.name: self.init_state(s, 1 if self.forms[s.name].kind == "shifted" else len(self.forms[s.name].contributions))
-                for s in steps}
+        accs = {s.name: self.init_state(s, len(self.realisation(s).accumulators)) for s in steps}
         anchors = self.anchored_deps()
         for dep in anchors:
             self.emit(f"{safe_name(dep)}_anchor = tl.zeros({self.shape(self.spec.step(dep).dims)}, tl.float32)")
-        self.emit("count = 0.0")
+        counts = reads_count(self.plan)
+        if counts:
+            self.emit("count = 0.0")
         self.emit("for split in range(0, SPLIT):")
         self.depth += 1
-        self.emit("count_old = count")
-        self.emit(f"count_part = (tl.minimum(split * chunk + chunk, size_{a}) - tl.minimum(split * chunk, size_{a})).to(tl.float32)")
-        self.emit("count += count_part")
+        if counts:
+            self.emit("count_old = count")
+            self.emit(f"count_part = (tl.minimum(split * chunk + chunk, size_{a}) - tl.minimum(split * chunk, size_{a})).to(tl.float32)")
+            self.emit("count += count_part")
         ws = {name: dims for name, dims, _ in self.workspace()}
         for dep in anchors:
             var = safe_name(dep)
@@ -841,59 +828,50 @@ class KernelWriter:
         return f"{name}_part"
 
     def merge_part(self, step: Step, accs: list[str], ws: dict[str, tuple[str, ...]]) -> None:
-        form = self.forms[step.name]
-        var = safe_name(step.name)
-        op = form.effective_op
-        self.emit(f"# {step.name}: merge part `split` ({form.kind})")
-        if form.kind == "shifted":
-            part = self.load_part(accs[0], ws[accs[0]])
-            self.need([form.delta])
-            merged_move = self.tex_moved(form.delta, "old", "count_old")
-            part_move = self.tex_moved(form.delta, "part", "count_part")
-            self.emit(f"{accs[0]} = {accs[0]} + ({merged_move}) + {part} + ({part_move})")
-            self.emit(f"{var} = {accs[0]}")
-            self.values[step.name] = var
-            return
-        if op in ORDER_SELECTIONS:
-            acc = accs[0]
-            # the padding slots of a top-k list (BLOCK_as > k) must never win a merge: -inf, not 0
-            # (lists are kept largest-first: a bottomk accumulates negated values)
-            vals = self.load_part(f"{acc}_values", ws[f"{acc}_values"], other='float("-inf")')
-            idx = self.load_part(f"{acc}_indices", ws[f"{acc}_indices"])
-            c_m, c_p = self.tex_moved(form.corrections[0], "old"), self.tex_moved(form.corrections[0], "part")
-            if form.corrections[0] != 1:
-                self.emit(f"{acc}_values = rescale({acc}_values, {c_m})")
-                self.emit(f"{vals} = rescale({vals}, {c_p})")
-            if op in ("topk", "bottomk"):
-                p = self.pos(step.as_dim)
-                self.emit(f"{acc}_values, {acc}_indices = topk_merge({acc}_values, {acc}_indices, {vals}, {idx}, offs_{step.as_dim}, {p}, {p}, {step.k})")
+        """Fold part `split` into the merged state with the realisation's merge rule:
+        acc_k = op(moved_k(merged so far), moved_k(part)), both moved to the merged anchors."""
+        real = self.realisation(step)
+        self.emit(f"# {step.name}: merge part `split` ({real.kind})")
+        parts = []
+        for a, acc in zip(real.accumulators, accs):
+            if a.selection:
+                # the padding slots of a top-k list (BLOCK_as > k) must never win a merge: -inf, not 0
+                # (lists are kept largest-first: a bottomk accumulates negated values)
+                parts.append(self.load_part(f"{acc}_values", ws[f"{acc}_values"], other='float("-inf")'))
+                self.load_part(f"{acc}_indices", ws[f"{acc}_indices"])
             else:
-                p = self.pos(self.plan.axis)
-                self.emit(f"{acc}_values, {acc}_indices = argmax_merge({acc}_values, {acc}_indices, {vals}, {idx}, {p})")
-            return
-        if form.kind == "taylor":
-            parts = [self.load_part(acc, ws[acc]) for acc in accs]
-            self.need(list(form.reanchor))
-            self.emit_reanchor(form, accs, accs, "old")
-            self.emit_reanchor(form, parts, parts, "part")
-            for acc, part in zip(accs, parts):
-                self.emit(f"{acc} = {acc} + {part}")
-            self.running_value(step, accs)
-            return
-        combine = {"sum": "{a} + {b}", "max": "tl.maximum({a}, {b})", "min": "tl.minimum({a}, {b})"}[op]
-        for acc, correction in zip(accs, form.corrections):
-            part = self.load_part(acc, ws[acc])
-            if correction != 1:
-                self.emit(f"{acc} = rescale({acc}, {self.tex_moved(correction, 'old')})")
-                self.emit(f"{part} = rescale({part}, {self.tex_moved(correction, 'part')})")
-            self.emit(f"{acc} = {combine.format(a=acc, b=part)}")
-        self.running_value(step, accs)
-
-    def tex_moved(self, e: sp.Expr, side: str, count: str = "count_old") -> str:
-        """Print a correction with [old] = the merged state's previous anchor or the part's anchor."""
-        names = dict(self.values)
+                parts.append(self.load_part(acc, ws[acc]))
+        rules = real.merge()
+        self.need([r.left for r in rules] + [r.right for r in rules])
+        names: dict = {COUNT_OLD: "count_old", part_count("a"): "count_old", part_count("b"): "count_part"}
+        for j, (merged, part) in enumerate(zip(self.state_names(real, accs), parts)):
+            names[part_acc(j, "a")] = merged
+            names[part_acc(j, "b")] = part
         for dep in self.anchored_deps():
-            names[f"{dep}[old]"] = f"{safe_name(dep)}_anchor_{side}"
-            names[f"{dep}[new]"] = f"{safe_name(dep)}_anchor"
-        names[COUNT_OLD] = count
-        return to_triton(e, names)
+            sym = self.conv.symbols[dep]
+            names[part_anchor(sym, "a")] = f"{safe_name(dep)}_anchor_old"
+            names[part_anchor(sym, "b")] = f"{safe_name(dep)}_anchor_part"
+            names[new(sym)] = f"{safe_name(dep)}_anchor"
+        env = {**self.values, **names}
+        lefts = [to_triton(r.left, env) for r in rules]
+        if real.moves_jointly:  # a Taylor shift reads every merged accumulator: none may be updated first
+            for acc, text in zip(accs, lefts):
+                self.emit(f"{acc}_moved = {text}")
+            lefts = [f"{acc}_moved" for acc in accs]
+        for acc, rule, left, right in zip(accs, rules, lefts, (to_triton(r.right, env) for r in rules)):
+            self.emit_combine(step, rule.op, acc, left, right)
+        if self.read_in_loop(step):
+            self.running_value(step, accs)
+
+    def emit_combine(self, step: Step, op: str, acc: str, left: str, right: str) -> None:
+        """acc = op(left, right) for two states of one accumulator (a selection: its values, with indices)."""
+        if op == "sum":
+            self.emit(f"{acc} = {left} + {right}")
+        elif op in ("max", "min"):
+            self.emit(f"{acc} = tl.{op}imum({left}, {right})")
+        elif op in ("topk", "bottomk"):
+            p = self.pos(step.as_dim)
+            self.emit(f"{acc}_values, {acc}_indices = topk_merge({left}, {acc}_indices, {right}, {acc}_indices_part, offs_{step.as_dim}, {p}, {p}, {step.k})")
+        else:
+            p = self.pos(self.plan.axis)
+            self.emit(f"{acc}_values, {acc}_indices = argmax_merge({left}, {acc}_indices, {right}, {acc}_indices_part, {p})")

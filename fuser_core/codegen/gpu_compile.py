@@ -155,7 +155,7 @@ def meta_inputs(spec, shape: Mapping[str, int], dtypes: Mapping[str, str]) -> di
 
     out = {}
     for i in spec.inputs:
-        dtype = dtypes.get(i.name, "int64" if i.kind == "index" else "float32")
+        dtype = dtypes.get(i.name, "int64" if i.is_index else "float32")
         out[i.name] = torch.empty([int(shape[d]) for d in i.dims], dtype=getattr(torch, dtype), device="meta")
     return out
 
@@ -169,7 +169,7 @@ def request_launches(request: CompileRequest) -> tuple[dict[str, Any], list[Kern
     from fuser_core.codegen.chain import run_chain_detailed
     from fuser_core.codegen.module import generate
     from fuser_core.codegen.plan import BASELINE, KernelConfig, default_config
-    from fuser_core.derive import derive_cascade
+    from fuser_core.derive import DERIVE_TIME_LIMIT_S, derive_cascade
     from fuser_core.reference import bind_shape
     from fuser_core.runner import bind_dtypes
 
@@ -183,7 +183,9 @@ def request_launches(request: CompileRequest) -> tuple[dict[str, Any], list[Kern
             run_chain_detailed(spec, shape, dtypes, inputs, config_blocks=config.blocks)
         return config.to_dict(), launches
     if spec not in _DERIVATIONS:
-        _DERIVATIONS[spec] = derive_cascade(spec)
+        # the spec was derived within its time limit before it was sent here; a loaded host must
+        # not turn the same work into a compile failure (still bounded: 10x the limit)
+        _DERIVATIONS[spec] = derive_cascade(spec, time_limit_s=10 * DERIVE_TIME_LIMIT_S)
     derivation = _DERIVATIONS[spec]
     if request.config is None:
         config = default_config(spec, derivation, request.strategy, shape)
@@ -300,6 +302,13 @@ def launch_artifact(launch: KernelLaunch, capability: int) -> dict[str, Any]:
                                   options=options.__dict__)
     except Exception as error:  # noqa: BLE001 - the message names the kernel and module line
         raise RuntimeError(_error_text(launch.fn, error)) from None
+    return compiled_kernel_artifact(compiled)
+
+
+def compiled_kernel_artifact(compiled) -> dict[str, Any]:
+    """The artifacts of one Triton ``CompiledKernel`` (from ``triton.compile`` here, or from a
+    launched kernel's JIT cache, :mod:`tuner.measured_binary`): :func:`_triton_files` plus the
+    resource facts of :class:`KernelBuild`."""
     used = cubin_resources(compiled.asm["cubin"])
     return {**_triton_files(compiled), "registers": used.get("REG"),
             "spill_bytes": used.get("STACK", 0) + used.get("LOCAL", 0),

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import sympy as sp
 
+from fuser_core.realisation import Rescale
 from fuser_core.symbolic import CAST_FUNCTIONS, Round
 
 _FUNCS = {
@@ -133,11 +134,16 @@ class _Printer:
                 if x is not None:
                     return self.go(sp.Float(_rounded(x, dtype)))
                 a = f"tl.full([], {a}, tl.float32)"  # not a real number: round it as a tensor
+            elif all(s.name.startswith("size(") for s in e.args[0].free_symbols):
+                # sizes only: Triton passes a size of 1 as a constant, so this may be a Python float too
+                a = f"tl.full([], {a}, tl.float32)"
             if dtype == "float8_e4m3fn":  # saturating, as the GPU's conversion and our reference
                 return f"fp8e4m3_round({a})", _ATOM
             if dtype == "bfloat16":  # nearest even (the interpreter's own conversion truncates)
                 return f"bf16_round({a})", _ATOM
             return f"({a}).to({_TRITON_DTYPE[dtype]}).to(tl.float32)", _ATOM
+        if e.func == Rescale:  # the generated module's `rescale` helper: the same guard as the certificate's
+            return f"rescale({self.go(e.args[0])[0]}, {self.go(e.args[1])[0]})", _ATOM
         if e.func == Round:
             return f"round_half_even({self.arg(e.args[0])})", _ATOM
         if isinstance(e, sp.Rel):

@@ -20,16 +20,15 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from fuser_core.errors import SpecError
-from fuser_core.spec import MAX_SPEC_BYTES
-from service import jobs
+from fuser_core import MAX_SPEC_BYTES, SpecError
+from service import errors
 from service.api import routes_jobs, routes_kernels, routes_misc
 from service.api.cache import BundleCache, SpecCache
 from service.api.deps import AppContext
 from service.api.fastpath import BundleFastPath, LoopReader
 from service.api.middleware import AccessLog, BodyLimit
-from service.api.ops import ParsedSpecs
 from service.api.schemas import ProblemView
+from service.api.validation import ParsedSpecs
 from service.api.problems import (
     Problem,
     http_error_handler,
@@ -126,7 +125,7 @@ def create_app(settings: Settings | None = None, *, check_db: bool = True, dashb
     app.add_exception_handler(RequestValidationError, validation_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(SpecError, _spec_error)
-    app.add_exception_handler(jobs.JobError, _job_error)
+    app.add_exception_handler(errors.JobError, _job_error)
     app.add_exception_handler(sa.exc.OperationalError, _database_error)
     app.add_exception_handler(Exception, unhandled_handler)
 
@@ -194,9 +193,9 @@ async def _spec_error(request: Request, exc: Exception) -> Response:
 
 
 async def _job_error(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, jobs.NotFound):
+    if isinstance(exc, errors.NotFound):
         return Problem(404, "Not found", str(exc), kind="not-found").response()
-    if isinstance(exc, jobs.BundleCorrupted):
+    if isinstance(exc, errors.BundleCorrupted):
         log.error("corrupted bundle refused", extra={"path": request.url.path, "error": str(exc)})
         return Problem(500, "Stored bundle corrupted", str(exc), kind="bundle-corrupted").response()
     return Problem(503, "Try again", str(exc), kind="conflict", headers={"Retry-After": "1"}).response()

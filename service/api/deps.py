@@ -1,7 +1,7 @@
 """Per-request dependencies: the database session (with the auth check) and the app context.
 
 **One session per request, one thread hop.** A route takes a :class:`Db` (``Depends(database(...))``)
-and calls ``await db.run(fn, ...)``: ``fn(session, ...)`` is a plain function (service.jobs or
+and calls ``await db.run(fn, ...)``: ``fn(session, ...)`` is a plain function (a store's or
 this package's logic) run in the thread pool, so the event loop never waits on the database.
 The request's token is checked in the same thread, with the same session, before the first
 ``fn``, so a request costs one hop to the thread pool rather than three (a sync dependency's

@@ -13,15 +13,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fuser_core.errors import DerivationLimitError, SpecError
-from fuser_core.spec import Spec
+from fuser_core import DerivationLimitError, Spec, SpecError
 from service.api.deps import AppContext
 from service.api.problems import Problem, invalid_field, spec_problem
 
 
 async def derive_with_limit(ctx: AppContext, spec: Spec) -> dict[str, Any]:
     """``fuser_core.report.derivation_report(spec)``, or a Problem (422 invalid, 503 too slow)."""
-    from fuser_core.report import derivation_report
+    from fuser_core import derivation_report
 
     loop = asyncio.get_running_loop()
     future = loop.run_in_executor(ctx.derive_pool, derivation_report, spec)

@@ -8,7 +8,9 @@ documented route in routes_kernels.py, which calls the same :func:`bundle_answer
 
 1. the auth check (:meth:`service.auth.AuthPolicy.require` with scope ``kernels:read``);
 2. the kernel's current bundle hash: one primary-key lookup (a kernel is replaced in place
-   when a better one is found, so this is read every time, never cached);
+   when a better one is found, so this is read every time, never cached); for ``?format=2``
+   or ``?arch=``, the same lookup joined to the bundle's precomputed format-2 view
+   (service.served_bundles: built when the bundle or a binary was stored, never per request);
 3. ``If-None-Match`` -> 304; else the bytes from the in-memory cache by sha256 (content
    addressed: never stale), or from the database, re-hashed, then cached.
 
@@ -31,17 +33,25 @@ from typing import Any
 import sqlalchemy as sa
 from starlette.concurrency import run_in_threadpool
 
-from service import jobs
+from service import errors
 from service.api import ops
 from service.api.deps import AppContext, auth_problem
 from service.api.problems import Problem, not_found
 from service.auth import _ANY_TOKEN, _TOKEN_ROW, AuthError, TokenLookup
-from service.models import Kernel
+from service.models import Kernel, ServedBundle
+from service.served_bundles import NO_BINARIES, served_bytes, view_of
 
 log = logging.getLogger("foldwise.api")
 BUNDLE_PATH = re.compile(r"/v1/kernels/([0-9a-f]{32})/bundle")
+ARCH = re.compile(rb"sm_\d{2,3}a?")  # the route's pattern for ?arch=
 ROUTE = SimpleNamespace(path="/v1/kernels/{kernel_id}/bundle")  # the metrics label
 _SHA_QUERY = sa.select(Kernel.bundle_sha256).where(Kernel.id == sa.bindparam("kernel_id"))
+# format 2: the kernel's bundle joined to its precomputed views (service.served_bundles), one indexed read
+_SERVED_QUERY = (sa.select(Kernel.bundle_sha256, ServedBundle.view, ServedBundle.sha256)
+                 .outerjoin(ServedBundle, sa.and_(ServedBundle.bundle_sha256 == Kernel.bundle_sha256,
+                                                  ServedBundle.view.in_([sa.bindparam("view"),
+                                                                         sa.bindparam("fallback")])))
+                 .where(Kernel.id == sa.bindparam("kernel_id")))
 
 
 class _Raw:
@@ -57,8 +67,12 @@ class _Raw:
     def first(self, conn: Any, **values: Any) -> Any:
         return conn.execute(self.sql, [values.get(n, self.defaults.get(n)) for n in self.names]).fetchone()
 
+    def all(self, conn: Any, **values: Any) -> list[Any]:
+        return conn.execute(self.sql, [values.get(n, self.defaults.get(n)) for n in self.names]).fetchall()
+
 
 _RAW_SHA = _Raw(_SHA_QUERY)
+_RAW_SERVED = _Raw(_SERVED_QUERY)
 
 
 class RawTokenLookup(TokenLookup):
@@ -103,38 +117,64 @@ class LoopReader:
                 self._conn = None
 
 
-def _lookup(conn: Any, ctx: AppContext, kernel_id: str, authorization: str | None) -> str:
-    """Auth check and the kernel's bundle hash (Problem 401/403/404), on a raw sqlite3 connection."""
+def _served(rows: list[Any], kernel_id: str, view: str | None) -> tuple[str, str]:
+    """(ETag sha256, the view served: "" for format 1, else the view asked for or, for an arch
+    without a binary, the one without binaries) from the rows of a lookup; Problem 404 for an
+    unknown kernel, 500 for a bundle without its format-2 copies (not migrated)."""
+    if not rows:
+        raise not_found("kernel", kernel_id)
+    if view is None:
+        return rows[0][0], ""
+    found = {r[1]: r[2] for r in rows if r[1] is not None}
+    for v in (view, NO_BINARIES):
+        if v in found:
+            return found[v], v
+    raise Problem(500, "Stored bundle incomplete", f"kernel {kernel_id}: bundle {rows[0][0]} has no stored "
+                  "format-2 copy (run `foldwise db upgrade`)", kind="bundle-corrupted")
+
+
+def _lookup(conn: Any, ctx: AppContext, kernel_id: str, authorization: str | None,
+            view: str | None) -> tuple[str, str, str]:
+    """Auth check, then (etag, bundle sha256, view) of the request (Problem 401/403/404), on a raw
+    sqlite3 connection. ``view`` None: format 1 (the bundle itself)."""
     try:
         ctx.auth.require(RawTokenLookup(conn), authorization, "kernels:read")
     except AuthError as err:
         raise auth_problem(err) from None
-    row = _RAW_SHA.first(conn, kernel_id=kernel_id)
-    if row is None:
-        raise not_found("kernel", kernel_id)
-    return row[0]
+    if view is None:
+        rows = [(r[0], None, None) for r in [_RAW_SHA.first(conn, kernel_id=kernel_id)] if r is not None]
+    else:
+        rows = _RAW_SERVED.all(conn, kernel_id=kernel_id, view=view, fallback=NO_BINARIES)
+    etag, chosen = _served(rows, kernel_id, view)
+    return etag, rows[0][0], chosen
 
 
-def _lookup_sa(conn: Any, ctx: AppContext, kernel_id: str, authorization: str | None) -> str:
+def _lookup_sa(conn: Any, ctx: AppContext, kernel_id: str, authorization: str | None,
+               view: str | None) -> tuple[str, str, str]:
     """The same through SQLAlchemy (any database)."""
     try:
         ctx.auth.require(conn, authorization, "kernels:read")
     except AuthError as err:
         raise auth_problem(err) from None
-    sha = conn.execute(_SHA_QUERY, {"kernel_id": kernel_id}).scalar_one_or_none()
-    if sha is None:
-        raise not_found("kernel", kernel_id)
-    return sha
+    if view is None:
+        rows = [(sha, None, None) for sha in [conn.execute(_SHA_QUERY, {"kernel_id": kernel_id}).scalar_one_or_none()]
+                if sha is not None]
+    else:
+        rows = conn.execute(_SERVED_QUERY, {"kernel_id": kernel_id, "view": view, "fallback": NO_BINARIES}).all()
+    etag, chosen = _served(rows, kernel_id, view)
+    return etag, rows[0][0], chosen
 
 
-def _lookup_pooled(ctx: AppContext, kernel_id: str, authorization: str | None) -> str:
+def _lookup_pooled(ctx: AppContext, kernel_id: str, authorization: str | None, view: str | None) -> tuple[str, str, str]:
     with ctx.read_engine.connect() as conn:
-        return _lookup_sa(conn, ctx, kernel_id, authorization)
+        return _lookup_sa(conn, ctx, kernel_id, authorization, view)
 
 
-def _bytes(ctx: AppContext, kernel_id: str) -> tuple[str, bytes]:
+def _bytes(ctx: AppContext, kernel_id: str, bundle_sha: str, view: str) -> tuple[str, bytes]:
     with ctx.read_sessions() as session:
-        return ops.bundle_bytes(session, kernel_id)
+        if not view:
+            return ops.bundle_bytes(session, kernel_id)
+        return served_bytes(session, bundle_sha, view)
 
 
 def etag_matches(if_none_match: str | None, sha: str) -> bool:
@@ -147,18 +187,21 @@ def etag_matches(if_none_match: str | None, sha: str) -> bool:
     return False
 
 
-async def bundle_answer(ctx: AppContext, kernel_id: str, authorization: str | None,
-                        if_none_match: str | None) -> tuple[int, dict[str, str], bytes]:
-    """(status, headers, body) of a bundle request; raises Problem for errors."""
+async def bundle_answer(ctx: AppContext, kernel_id: str, authorization: str | None, if_none_match: str | None,
+                        *, format: int = 1, arch: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of a bundle request; raises Problem for errors. ``format`` 2 or
+    an ``arch``: the precomputed format-2 view (service.served_bundles)."""
+    view = view_of(arch) if (format == 2 or arch is not None) else None
     reader: LoopReader | None = ctx.extra.get("loop_reader")
-    sha = None
+    found = None
     if reader is not None:
         try:
-            sha = reader.run(_lookup, ctx, kernel_id, authorization)
+            found = reader.run(_lookup, ctx, kernel_id, authorization, view)
         except sa.exc.OperationalError:
-            sha = None  # busy: ask again from the thread pool, which may wait
-    if sha is None:
-        sha = await run_in_threadpool(_lookup_pooled, ctx, kernel_id, authorization)
+            found = None  # busy: ask again from the thread pool, which may wait
+    if found is None:
+        found = await run_in_threadpool(_lookup_pooled, ctx, kernel_id, authorization, view)
+    sha, bundle_sha, chosen = found
     headers = {"ETag": f'"{sha}"', "Cache-Control": "no-cache"}
     if etag_matches(if_none_match, sha):
         ctx.metrics.bundle_downloads.labels("304").inc()
@@ -166,10 +209,10 @@ async def bundle_answer(ctx: AppContext, kernel_id: str, authorization: str | No
     content = ctx.bundles.get(sha)
     if content is None:
         try:
-            sha, content = await run_in_threadpool(_bytes, ctx, kernel_id)
-        except jobs.NotFound:  # removed since the lookup
+            sha, content = await run_in_threadpool(_bytes, ctx, kernel_id, bundle_sha, chosen)
+        except errors.NotFound:  # removed since the lookup
             raise not_found("kernel", kernel_id) from None
-        except jobs.BundleCorrupted as err:
+        except errors.BundleCorrupted as err:
             log.error("corrupted bundle refused", extra={"kernel_id": kernel_id, "error": str(err)})
             raise Problem(500, "Stored bundle corrupted", str(err), kind="bundle-corrupted") from None
         ctx.bundles.put(sha, content)
@@ -177,6 +220,22 @@ async def bundle_answer(ctx: AppContext, kernel_id: str, authorization: str | No
     ctx.metrics.bundle_downloads.labels("200").inc()
     headers["Content-Type"] = "application/json"
     return 200, headers, content
+
+
+def bundle_query(query_string: bytes) -> dict[str, Any] | None:
+    """``format``/``arch`` of a bundle URL's query when they are what the documented route
+    accepts (format 1 or 2, an arch like sm_90a, each at most once); None otherwise (the
+    route then answers, with its 422)."""
+    out: dict[str, Any] = {}
+    for pair in query_string.split(b"&"):
+        name, _, value = pair.partition(b"=")
+        if name == b"format" and value in (b"1", b"2") and "format" not in out:
+            out["format"] = int(value)
+        elif name == b"arch" and ARCH.fullmatch(value) and "arch" not in out:
+            out["arch"] = value.decode("ascii")
+        else:
+            return None
+    return out
 
 
 class BundleFastPath:
@@ -190,7 +249,8 @@ class BundleFastPath:
             await self.app(scope, receive, send)
             return
         match = BUNDLE_PATH.fullmatch(scope["path"])
-        if match is None or scope.get("query_string"):  # ?format=2 / ?arch=: the documented route answers
+        query = bundle_query(scope["query_string"]) if scope.get("query_string") else {}
+        if match is None or query is None:  # not a bundle, or a query the route must refuse (422)
             await self.app(scope, receive, send)
             return
         scope["route"] = ROUTE
@@ -201,7 +261,7 @@ class BundleFastPath:
             elif name == b"if-none-match":
                 if_none_match = value.decode("latin-1")[:1024]
         try:
-            status, headers, body = await bundle_answer(self.ctx, match.group(1), authorization, if_none_match)
+            status, headers, body = await bundle_answer(self.ctx, match.group(1), authorization, if_none_match, **query)
         except Problem as problem:
             await problem.response()(scope, receive, send)
             return

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from fuser_core.errors import SpecError
+from fuser_core import SpecError
 
 PROBLEM_JSON = "application/problem+json"
 # fields of a job request besides the spec: a SpecError located there is not inside the spec

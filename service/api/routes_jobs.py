@@ -48,13 +48,12 @@ async def submit_job(req: JobRequest, request: Request,
     request queues a new one. ``Foldwise-Job-Created: true`` when this request queued a new
     search. Needs the ``jobs:write`` scope once tokens exist (service/auth.py)."""
     ctx = context(request)
-    parsed = ctx.extra["parsed_specs"]
-    result = await db.run(ops.find_submitted, ctx.specs, parsed, req, ctx.settings, read=True)
-    if result is None:
-        result = await db.run(ops.submit, ctx.specs, parsed, req, ctx.settings)
+    result = await db.run(ops.find_submitted, ctx.specs, ctx.extra["parsed_specs"], req, ctx.settings, read=True)
+    if result.view is None:  # result.request: the submission, checked and bound once above
+        result = await db.run(ops.submit, ctx.specs, result.request)
     if result.needs_derivation is not None:
         await derive_with_limit(ctx, result.needs_derivation)
-        result = await db.run(ops.submit, ctx.specs, parsed, req, ctx.settings, derived=True)
+        result = await db.run(ops.submit, ctx.specs, result.request, derived=True)
     view = result.view
     assert view is not None
     finished = view["status"] in ("succeeded", "failed", "cancelled")

@@ -2,9 +2,11 @@
 
 Bundles are served as stored, byte for byte (``application/json``), with
 ``ETag: "<sha256>"``; ``If-None-Match`` with that tag (or ``*``) answers 304 without a body.
-The bytes are re-hashed when read from the database and then cached in memory by sha256
-(content addressed, so never stale); the per-request database work is one primary-key
-lookup of the kernel's current bundle hash.
+Format 2 (``?format=2``, ``?arch=``) is stored too, precomputed per view when the bundle or a
+binary is stored (service.served_bundles). The bytes are re-hashed when first read from the
+database and then cached in memory by sha256 (content addressed, so never stale); the
+per-request database work is one indexed lookup of the kernel's current bundle (format 2:
+joined to its stored view), after the token check.
 """
 
 from __future__ import annotations
@@ -62,35 +64,48 @@ async def get_bundle(
     this route documents it and answers when the fast path is off.
 
     ``?format=2`` (or ``?arch=``) serves ``foldwise-bundle/2``: the same bundle with its compiled
-    binaries (service.bundle, "binaries"), ETag the format-2 sha256. Format 1 stays the default
-    so clients written for it are served what they understand."""
-    if format == 2 or arch is not None:
-        return await _bundle2(request, kernel_id, arch, if_none_match)
+    binaries (service.bundle, "binaries"), ETag the format-2 sha256, as precomputed when the
+    bundle or a binary was stored (service.served_bundles). Format 1 stays the default so
+    clients written for it are served what they understand."""
     status, headers, body = await bundle_answer(context(request), kernel_id, request.headers.get("authorization"),
-                                                if_none_match)
+                                                if_none_match, format=format, arch=arch)
     return Response(body, status_code=status, headers=headers)
 
 
-async def _bundle2(request: Request, kernel_id: str, arch: str | None, if_none_match: str | None) -> Response:
-    from starlette.concurrency import run_in_threadpool
+# ----------------------------------------------------------------------------- single binaries
 
-    from service import jobs
+Arch = Annotated[str, Path(pattern=r"^sm_\d{2,3}a?$", description="a variant's arch, e.g. sm_90a")]
+
+
+@router.get("/v1/kernels/{kernel_id}/binaries", responses=ERRORS)
+async def list_binaries(kernel_id: KernelId, db: Annotated[Db, Depends(database("kernels:read"))]) -> JSONResponse:
+    """The kernel's stored compiled variants (arch, versions; per kernel its name, cubin and PTX
+    sizes and sha256, registers, spills, shared memory) with the path of each download."""
+    from service.binaries import kernel_binaries
+
+    return JSONResponse(await db.run(kernel_binaries, kernel_id))
+
+
+@router.get("/v1/kernels/{kernel_id}/binaries/{arch}/{filename}", response_class=Response,
+            responses={200: {"content": {"application/octet-stream": {}, "text/plain": {}},
+                             "description": "the cubin (or PTX), byte for byte; ETag its sha256"},
+                       304: {"description": "If-None-Match matched the ETag"}, **ERRORS})
+async def get_binary(
+    kernel_id: KernelId, arch: Arch,
+    filename: Annotated[str, Path(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,199}\.(cubin|ptx)$",
+                                  description="<kernel name>.cubin or <kernel name>.ptx")],
+    db: Annotated[Db, Depends(database("kernels:read"))],
+    if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
+) -> Response:
+    """One stored binary: ``ETag`` and ``X-Content-SHA256`` are the sha256 of the bytes served
+    (for a cubin, the ``cubin_sha256`` the bundle records)."""
     from service.api.fastpath import etag_matches
-    from service.api.problems import Problem, not_found
+    from service.binaries import BINARY_KINDS, binary_file
 
-    ctx = context(request)
-
-    def build() -> tuple[str, bytes]:
-        with ctx.read_sessions() as session:
-            return ops.bundle2_bytes(session, kernel_id, arch)
-
-    try:
-        sha, body = await run_in_threadpool(build)
-    except jobs.NotFound:
-        raise not_found("kernel", kernel_id) from None
-    except jobs.BundleCorrupted as err:
-        raise Problem(500, "Stored bundle corrupted", str(err), kind="bundle-corrupted") from None
-    headers = {"ETag": f'"{sha}"', "Cache-Control": "no-cache"}
+    name, kind = filename.rsplit(".", 1)
+    sha, body = await db.run(binary_file, kernel_id, arch, name, kind)
+    headers = {"ETag": f'"{sha}"', "X-Content-SHA256": sha, "Cache-Control": "no-cache",
+               "Content-Disposition": f'attachment; filename="{arch}-{filename}"'}
     if etag_matches(if_none_match, sha):
         return Response(b"", status_code=304, headers=headers)
-    return Response(body, status_code=200, headers=headers, media_type="application/json")
+    return Response(body, status_code=200, headers=headers, media_type=BINARY_KINDS[kind])

@@ -18,8 +18,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from fuser_core.spec import MAX_DIMS
+from fuser_core import MAX_DIMS
 from service.models import Job, Kernel, TrialRecord, WorkerRecord
+from service.tuning_request import MEASURERS
 
 DEFAULT_TRIALS = 40
 DEFAULT_SECONDS = 3600.0
@@ -44,7 +45,7 @@ class JobRequest(BaseModel):
     shape: dict[str, StrictInt] = Field(max_length=MAX_DIMS, description='dim sizes, e.g. {"m": 4, "n": 300}')
     dtype: str | dict[str, str] = Field("float32", description="float32|float16|bfloat16, or a map input -> dtype")
     target: str | None = Field(None, max_length=32, description="GPU profile (default: the server's, h100)")
-    measurer: Literal["model", "cuda"] | None = Field(
+    measurer: Literal[MEASURERS] | None = Field(  # type: ignore[valid-type]
         None, description="cuda (timed on a worker's GPU) or model (predicted); default: the server's")
     budget: Budget = Field(default_factory=Budget)
 

@@ -1,19 +1,20 @@
-"""Checks of request values beyond what the Pydantic models say (limits from Settings,
-specs through :func:`fuser_core.spec.load_spec`); every failure is a 422 naming the field."""
+"""The API's side of request checking: the spec through :func:`fuser_core.spec.load_spec`, the
+rest of a job request through the one normaliser (:mod:`service.tuning_request`) with the
+server's limits; every failure is a 422 naming the field."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
-from fuser_core.errors import SpecError
-from fuser_core.spec import MAX_SPEC_BYTES, Spec, load_spec
-from service.api.problems import error_entry, invalid, invalid_field, spec_problem
+from fuser_core import MAX_SPEC_BYTES, Spec, SpecError, load_spec, spec_hash as compute_spec_hash
+from service.api.cache import SpecCache
+from service.api.problems import REQUEST_FIELDS, error_entry, invalid, invalid_field, spec_problem
 from service.api.schemas import JobRequest
+from service.errors import InvalidRequest
 from service.settings import Settings
-from service.tuning import MEASURERS
-
-MAX_QUERY_SHAPE_CHARS = 2048
+from service.tuning_request import Limits, TuningRequest, tuning_request
 
 
 def parse_spec(raw: dict[str, Any] | str, field: str = "spec") -> tuple[Spec, str]:
@@ -28,39 +29,43 @@ def parse_spec(raw: dict[str, Any] | str, field: str = "spec") -> tuple[Spec, st
         raise spec_problem(err, body_field=field) from None
 
 
-def check_job_request(req: JobRequest, spec: Spec, settings: Settings) -> dict[str, Any]:
-    """The request's shape (complete, bound), dtype, target and measurer after every check.
+class ParsedSpecs:
+    """Specs parsed from request text, by the exact text (a spec is a value: the same text
+    always parses to the same spec), so a repeated submission does not parse it again."""
 
-    Budget and size limits come from ``settings``; the shape and dtype are checked against
-    the spec (``fuser_core.reference.bind_shape``, ``fuser_core.runner.bind_dtypes``).
-    """
-    from fuser_core.reference import bind_shape, check_sizes
-    from fuser_core.runner import bind_dtypes
-    from tuner.profiles import PROFILES
+    def __init__(self, max_items: int = 256):
+        self._cache = SpecCache(max_items)
 
-    errors = []
-    if req.budget.trials > settings.max_trials:
-        errors.append(error_entry(("budget", "trials"), f"must be at most {settings.max_trials}, got {req.budget.trials}"))
-    if req.budget.seconds > settings.max_seconds:
-        errors.append(error_entry(("budget", "seconds"), f"must be at most {settings.max_seconds:g}, got {req.budget.seconds:g}"))
-    for dim, size in req.shape.items():
-        if not 1 <= size <= settings.max_dim:
-            errors.append(error_entry(("shape", dim), f"must be an integer from 1 to {settings.max_dim}, got {size}"))
-    target = (req.target or settings.target).strip().lower()
-    if target not in PROFILES:
-        errors.append(error_entry(("target",), f"unknown target {target!r}; one of {', '.join(sorted(PROFILES))}"))
+    def get(self, raw: dict[str, Any] | str) -> tuple[Spec, str, str]:
+        """(spec, source text, spec_hash); Problem 422 for an invalid spec."""
+        source = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False, separators=(",", ":"))
+        hit = self._cache.get(source)
+        if hit is None:
+            spec, source = parse_spec(source)
+            hit = (spec, source, compute_spec_hash(spec))
+            self._cache.put(source, hit)
+        return hit
+
+
+def job_request(parsed: ParsedSpecs, req: JobRequest, settings: Settings) -> TuningRequest:
+    """A ``POST /v1/jobs`` body as a checked :class:`~service.tuning_request.TuningRequest`: the
+    spec parsed (once per distinct text, ``parsed``), then every other field checked and bound
+    once; a 422 naming every bad field otherwise."""
+    spec, source, shash = parsed.get(req.spec)
+    return check_job_request(req, spec, source, shash, settings)
+
+
+def check_job_request(req: JobRequest, spec: Spec, source: str, spec_hash: str, settings: Settings) -> TuningRequest:
+    """The request, checked and bound once (:func:`service.tuning_request.tuning_request`), with
+    the server's defaults (target, measurer) and limits (budget, sizes) from ``settings``;
+    a 422 naming every bad field otherwise."""
     measurer = req.measurer or settings.measurer or default_measurer()
-    if measurer not in MEASURERS:
-        errors.append(error_entry(("measurer",), f"unknown measurer {measurer!r}; one of {', '.join(MEASURERS)}"))
-    if errors:
-        raise invalid(errors)
     try:
-        shape = bind_shape(spec, req.shape)
-        check_sizes(spec, shape, max_elements=settings.max_tensor_elements, max_work=settings.max_work)
-        bind_dtypes(spec, req.dtype)
-    except SpecError as err:
-        raise spec_problem(err) from None
-    return {"shape": shape, "dtype": req.dtype, "target": target, "measurer": measurer}
+        return tuning_request(spec, source, req.shape, req.dtype, req.target or settings.target, measurer,
+                              req.budget.trials, req.budget.seconds, limits=Limits.of(settings), spec_hash=spec_hash)
+    except InvalidRequest as err:
+        raise invalid([error_entry(e.loc if e.loc[:1] and e.loc[0] in REQUEST_FIELDS else ("spec", *e.loc), e.message,
+                                   step=e.step) for e in err.errors]) from None
 
 
 _DEFAULT_MEASURER: list[str] = []
@@ -76,32 +81,10 @@ def default_measurer() -> str:
     return _DEFAULT_MEASURER[0]
 
 
-def parse_shape_query(text: str) -> dict[str, int]:
-    """``m=4,n=300`` -> {"m": 4, "n": 300}; 422 on the ``shape`` query parameter otherwise."""
-    if len(text) > MAX_QUERY_SHAPE_CHARS:
-        raise invalid_field(("shape",), f"longer than {MAX_QUERY_SHAPE_CHARS} characters", where="query")
-    shape: dict[str, int] = {}
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, value = item.partition("=")
-        name, value = name.strip(), value.strip()
-        if not sep or not name or not value.isdigit() or not value.isascii() or len(value) > 19:
-            raise invalid_field(("shape",), f"expected dim=size pairs like m=4,n=300, got {item[:40]!r}", where="query")
-        if name in shape:
-            raise invalid_field(("shape",), f"dim {name[:40]!r} is given twice", where="query")
-        shape[name] = int(value)
-    if not shape:
-        raise invalid_field(("shape",), "expected dim=size pairs like m=4,n=300", where="query")
-    return shape
-
-
-def parse_dtype_query(text: str) -> str | dict[str, str]:
-    """``float16``, or a JSON object input -> dtype (as the client sends it)."""
-    if text.lstrip().startswith("{"):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise invalid_field(("dtype",), f"not valid JSON: {err.msg}", where="query") from None
-        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-            raise invalid_field(("dtype",), "expected a JSON object of input name -> dtype", where="query")
-        return value
-    return text.strip()
+def query_value(parse: Callable[[str], Any], text: str) -> Any:
+    """A query parameter read by one of :mod:`service.bundle`'s text readers (``parse_shape_text``,
+    ``parse_dtype_text``); 422 naming the parameter otherwise."""
+    try:
+        return parse(text)
+    except SpecError as err:
+        raise invalid_field(err.loc, err.message, where="query") from None

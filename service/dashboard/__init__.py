@@ -3,7 +3,7 @@
 ``mount_dashboard(app)`` adds:
 
 - ``GET /``: ``static/index.html`` (the app; pages are hash routes ``#/jobs``, ``#/jobs/<id>``,
-  ``#/specs/<hash>``, ``#/kernels``, ``#/workers``, ``#/submit``), with a Content-Security-Policy
+  ``#/specs/<hash>``, ``#/kernels``, ``#/kernels/<id>``, ``#/workers``, ``#/submit``), with a Content-Security-Policy
   that allows nothing but this server: the page must work on an isolated network, and the
   policy proves it loads nothing from elsewhere;
 - ``/static/...``: the app's JS/CSS (``Cache-Control: no-cache``, revalidated by ETag, so a new

@@ -24,8 +24,10 @@ from typing import Any
 import sympy as sp
 from sympy.printing.latex import LatexPrinter
 
-from fuser_core.derive import COUNT_OLD, Derivation, ReductionForm
-from fuser_core.present import REALISATIONS, _correction, _merge
+from fuser_core import (
+    REALISATIONS, Derivation, Realisation, ReductionForm, Rescale, accumulator_names, correction_text, merge_text,
+    new_anchor, part_acc, unguarded,
+)
 
 _TAGGED = re.compile(r"^(?P<base>[A-Za-z_][A-Za-z0-9_]*)\[(?P<tag>old|new|a|b|\d+)\]$")
 _CALL = re.compile(r"^(?P<fn>size|index)\((?P<arg>[A-Za-z_][A-Za-z0-9_]*)\)$")
@@ -52,13 +54,13 @@ def symbol_tex(name: str) -> str:
     m = _CALL.match(name)
     if m:
         return rf"\operatorname{{{m['fn']}}}({name_tex(m['arg'])})"
-    m = _PART.match(name)
-    if m:
-        return rf"{name_tex(m['base'])}_{{{m['part']}}}"
-    m = re.fullmatch(r"T(\d*)(@([ab]))?", name)
+    m = re.fullmatch(r"T(\d*)(@([ab]))?", name)  # an accumulator (of part a or b): before any user name
     if m:
         sub = ",".join(x for x in (m[1], m[3]) if x)
         return f"T_{{{sub}}}" if sub else "T"
+    m = _PART.match(name)
+    if m:
+        return rf"{name_tex(m['base'])}_{{{m['part']}}}"
     return name_tex(name)
 
 
@@ -70,6 +72,10 @@ class _Printer(LatexPrinter):
 
     def _print_Function(self, expr: sp.Function, exp: str | None = None) -> str:
         fname = type(expr).__name__
+        if expr.func == Rescale:  # acc * c with the empty-accumulator guard: shown as the product
+            acc, c = expr.args
+            out = rf"{_paren(c)}\, {self._print(acc)}"
+            return rf"\left({out}\right)^{{{exp}}}" if exp else out
         if fname.startswith("cast_") or fname == "round":
             dtype = fname[5:].replace("_", r"\_")
             label = r"\operatorname{round}" if fname == "round" else r"\operatorname{cast}_{\texttt{" + dtype + "}}"
@@ -133,89 +139,52 @@ def reduction_math(f: ReductionForm) -> dict[str, Any]:
         "contraction": f.contraction,
         "integrand": rf"F = {tex(f.integrand)}",
         "definition": rf"{name_tex(f.name)} = {_tile_sum(f.op, f.axis, tex(f.integrand), tile=False)}",
-        "correction_text": _correction(f),
+        "correction_text": correction_text(f),
         "terms": [], "accumulators": [], "update": [], "correction": [], "finalize": None, "merge": [],
         "merge_text": None, "guards": list(f.guards), "anchors": dict(f.anchors),
     }
-    if not f.fused:
+    real = f.realisation
+    if real is None:
         return out
     out["terms"] = [{"G": tex(t.g), "H": tex(t.h)} for t in f.terms]
-    out["merge_text"] = _merge(f)
-    if f.kind == "first":
-        out["accumulators"] = [{"T": "T", "contribution": tex(f.contributions[0])}]
-        out["update"] = [rf"T \leftarrow {_combine(f.op, 'T', _tile_sum(f.op, f.axis, tex(f.contributions[0])))}"]
-        out["finalize"] = rf"{name_tex(f.name)} = T"
-        out["merge"] = [rf"T = {_combine(f.op, 'T_{a}', 'T_{b}')}"]
-        return out
-    if f.kind == "shifted":
-        assert f.delta is not None
-        out["correction"] = [rf"\delta = {tex(f.delta)}"]
-        out["update"] = [
-            r"\mathrm{acc} \leftarrow \mathrm{acc} + \delta + "
-            + _tile_sum("sum", f.axis, tex(_at_new(f.integrand, f.deps)))
-        ]
-        out["finalize"] = rf"{name_tex(f.name)} = \mathrm{{acc}}\ \text{{(at the final anchors)}}"
-        da, db = (tex(_at_part(f.delta, f.deps, p, count=True)) for p in "ab")
-        out["merge"] = [rf"\mathrm{{acc}} = \mathrm{{acc}}_{{a}} + \mathrm{{acc}}_{{b}} + {da} + {db}"]
-        return out
-    if f.kind == "taylor":
-        accs = [sp.Symbol(f"acc[{k}]") for k in range(len(f.contributions))]
-        out["accumulators"] = [{"T": tex(a), "contribution": tex(c)} for a, c in zip(accs, f.contributions)]
-        out["correction"] = [rf"{tex(a)} \leftarrow {tex(r)}" for a, r in zip(accs, f.reanchor)]
-        out["update"] = [
-            rf"{tex(a)} \leftarrow {tex(a)}^{{\text{{moved}}}} + {_tile_sum('sum', f.axis, tex(_at_new(c, f.deps)))}"
-            for a, c in zip(accs, f.contributions)
-        ]
-        out["finalize"] = rf"{name_tex(f.name)} = {tex(f.deferred[0])} \cdot {tex(accs[0])}"
-        out["merge"] = [r"\mathrm{acc}_k = \mathrm{acc}_{k,a}^{\text{moved}} + \mathrm{acc}_{k,b}^{\text{moved}}"]
-        return out
-    # scaled: one accumulator per term, anchored, rescaled by its correction when the anchors move
-    many = len(f.contributions) > 1
-    accs = [sp.Symbol(f"T{j + 1}" if many else "T") for j in range(len(f.contributions))]
-    op = f.effective_op or f.op
-    for acc, c, a, k, d in zip(accs, f.contributions, f.scales, f.corrections, f.deferred):
-        out["accumulators"].append({
-            "T": tex(acc), "contribution": tex(c), "anchored_factor": tex(a), "correction": tex(k),
-            "final_factor": tex(d),
-        })
-        scaled = tex(acc) if k == 1 else rf"{_paren(k)}\, {tex(acc)}"
-        tile = _tile_sum(op, f.axis, tex(_at_new(c, f.deps)))
-        out["update"].append(rf"{tex(acc)} \leftarrow {_combine(op, scaled, tile)}")
-        if k != 1:
-            out["correction"].append(rf"{tex(acc)} \leftarrow {_paren(k)}\, {tex(acc)}")
-        ka, kb = (_at_part(k, f.deps, p) for p in "ab")
-        ta, tb = (sp.Symbol(f"{acc.name}@{p}") for p in "ab")
-        left = tex(ta) if ka == 1 else rf"{_paren(ka)}\, {tex(ta)}"
-        right = tex(tb) if kb == 1 else rf"{_paren(kb)}\, {tex(tb)}"
-        out["merge"].append(rf"{tex(acc)} = {_combine(op, left, right)}")
-    value = sum((d * t for d, t in zip(f.deferred, accs)), f.offset)
-    out["finalize"] = rf"{name_tex(f.name)} = {tex(value)}"
+    out["merge_text"] = merge_text(f)
+    out.update(realisation_math(real))
     return out
 
 
-def _at_new(e: sp.Expr, deps: tuple[str, ...]) -> sp.Expr:
-    """``e`` with each dependency at its new (current) anchor: what a tile adds after the anchors moved."""
-    repl = {sym: sp.Symbol(f"{sym.name}[new]", **sym.assumptions0) for sym in e.free_symbols
-            if isinstance(sym, sp.Symbol) and sym.name in deps}
-    return e.xreplace(repl)
+def realisation_math(real: Realisation) -> dict[str, Any]:
+    """The realisation's accumulators, corrections, tile update, final value and merge rule as LaTeX,
+    printed from its own expressions (the ones the certificate evaluates and the kernels run)."""
+    names = accumulator_names(real)
+    show = dict(zip(real.symbols, names))
+    at_new = {s: new_anchor(s) for s in real.dep_symbols}  # a tile's contribution reads the (new) anchors
+    joint = real.moves_jointly  # a Taylor shift: each moved accumulator reads all, shown as T^moved
+    out: dict[str, Any] = {"accumulators": [], "update": [], "correction": [], "merge": []}
+    for acc, name, rule in zip(real.accumulators, names, real.step()):
+        entry = {"T": tex(name), "contribution": tex(acc.contribution)}
+        for key, e in (("anchored_factor", acc.anchored_factor), ("correction", acc.correction),
+                       ("final_factor", acc.final_factor)):
+            if e is not None:
+                entry[key] = tex(e)
+        out["accumulators"].append(entry)
+        moved = rule.left.xreplace(show)
+        if rule.left != acc.symbol:
+            out["correction"].append(rf"{tex(name)} \leftarrow {tex(moved)}")
+        before = rf"{tex(name)}^{{\text{{moved}}}}" if joint else tex(moved)
+        tile = _tile_sum(real.op, real.axis, _paren(rule.right.xreplace(at_new)))
+        out["update"].append(rf"{tex(name)} \leftarrow {_combine(real.op, before, tile)}")
+    parts = {part_acc(j, side): sp.Symbol(f"{n.name}@{side}") for j, n in enumerate(names) for side in "ab"}
+    plain = {new_anchor(s): s for s in real.dep_symbols}  # in a merge the new anchors are the merged values
+    for name, rule in zip(names, real.merge()):
+        if joint:
+            left, right = (rf"{tex(sp.Symbol(f'{name.name}@{side}'))}^{{\text{{moved}}}}" for side in "ab")
+        else:
+            left, right = (tex(e.xreplace(parts).xreplace(plain)) for e in (rule.left, rule.right))
+        out["merge"].append(rf"{tex(name)} = {_combine(rule.op, left, right)}")
+    out["finalize"] = rf"{name_tex(real.name)} = {tex(unguarded(real.value).xreplace(show))}"
+    return out
 
 
 def _paren(e: sp.Expr) -> str:
     s = tex(e)
     return rf"\left({s}\right)" if isinstance(e, sp.Add) else s
-
-
-def _at_part(e: sp.Expr, deps: tuple[str, ...], part: str, *, count: bool = False) -> sp.Expr:
-    """A correction between one part's anchors (``[old]`` -> part a or b) and the merged ones (``[new]`` -> plain)."""
-    repl: dict[sp.Symbol, sp.Symbol] = {}
-    for sym in e.free_symbols:
-        m = _TAGGED.match(sym.name)  # type: ignore[attr-defined]
-        if m and m["base"] in deps and m["tag"] == "old":
-            repl[sym] = sp.Symbol(f"{m['base']}@{part}", **sym.assumptions0)  # type: ignore[attr-defined]
-        elif m and m["base"] in deps and m["tag"] == "new":
-            repl[sym] = sp.Symbol(m["base"], **sym.assumptions0)  # type: ignore[attr-defined]
-    if count:
-        repl[COUNT_OLD] = sp.Symbol(f"count[{part}]", integer=True, nonnegative=True)
-    return e.xreplace(repl)
-
-

@@ -30,10 +30,7 @@ from service.models import Job, Kernel, SpecRecord, WorkerRecord
 MAX_LIMIT = 500
 MAX_NAMES = 200
 DEFAULT_DIM = 128  # a dim's size for generated source when no job or kernel gives one
-MAX_DIM = 2**31 - 1
 HASH_RE = re.compile(r"^[0-9a-f]{64}$")
-SHAPE_ITEM = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d{1,12})\s*$")
-SOURCE_PREFERENCE = ("streaming_fused", "row_resident", "split_fused", "multi_pass")
 
 
 class DashboardError(Exception):
@@ -59,8 +56,7 @@ def _spec_record(session: Session, spec_hash: str) -> SpecRecord:
 @lru_cache(maxsize=128)
 def _loaded(source: str) -> tuple[Any, Any]:
     """(Spec, Derivation) for a stored spec's source; cached, since both are pure functions of it."""
-    from fuser_core.derive import derive_cascade
-    from fuser_core.spec import load_spec
+    from fuser_core import derive_cascade, load_spec
 
     spec = load_spec(source)
     return spec, derive_cascade(spec)
@@ -77,14 +73,14 @@ def _math(source: str) -> str:
 
 @lru_cache(maxsize=128)
 def _user_names_cached(source: str) -> tuple[tuple[str, str], ...]:
-    from fuser_core.canonical import canonical_names
+    from service.bundle import user_names
 
     spec, _ = _loaded(source)
-    return tuple((canon, user) for user, canon in canonical_names(spec).items())
+    return tuple(user_names(spec).items())
 
 
 def _user_names(source: str) -> dict[str, str]:
-    """canonical name (``d0``) -> the name in the spec as first stored."""
+    """canonical name (``d0``) -> the name in the spec as first stored (:func:`service.bundle.user_names`)."""
     return dict(_user_names_cached(source))
 
 
@@ -92,7 +88,7 @@ def spec_names(session: Session, hashes: list[str]) -> dict[str, dict[str, Any]]
     """For each known spec hash: its name and its dims' names (canonical -> as first stored).
 
     Job and kernel shapes are stored under canonical dim names (``d0``); pages show them in the
-    spec's own names, as :func:`service.jobs.display_shape` does, one request per page of rows.
+    spec's own names, as :func:`service.spec_store.display_shape` does, one request per page of rows.
     """
     wanted = sorted({h for h in hashes if HASH_RE.match(h)})
     if len(wanted) > MAX_NAMES:
@@ -124,34 +120,15 @@ def spec_math(session: Session, spec_hash: str) -> dict[str, Any]:
     return out
 
 
-def parse_shape_text(text: str) -> dict[str, int]:
-    """``"m=4,n=300"`` -> {"m": 4, "n": 300}; DashboardError naming ``shape`` otherwise."""
-    out: dict[str, int] = {}
-    for item in (p for p in text.split(",") if p.strip()):
-        m = SHAPE_ITEM.match(item)
-        if not m:
-            raise DashboardError(422, f"expected dim=size pairs like m=4,n=300, got {item.strip()[:40]!r}",
-                                 ("query", "shape"))
-        n = int(m[2])
-        if not 1 <= n <= MAX_DIM:
-            raise DashboardError(422, f"{m[1]}: size must be 1..{MAX_DIM}", ("query", "shape", m[1]))
-        out[m[1]] = n
-    if not out:
-        raise DashboardError(422, "empty shape", ("query", "shape"))
-    return out
+def _query_value(parse: Any, text: str) -> Any:
+    """A query parameter or stored text read by one of :mod:`service.bundle`'s text readers
+    (``parse_shape_text``, ``parse_dtype_text``); DashboardError naming the parameter otherwise."""
+    from fuser_core import SpecError
 
-
-def _dtype_value(text: str) -> str | dict[str, str]:
-    text = text.strip()
-    if text.startswith("{"):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise DashboardError(422, f"not valid JSON: {err.msg}", ("query", "dtype")) from None
-        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-            raise DashboardError(422, "expected a JSON object of input name -> dtype", ("query", "dtype"))
-        return value
-    return text
+    try:
+        return parse(text)
+    except SpecError as err:
+        raise DashboardError(422, err.message, ("query", *err.loc)) from None
 
 
 def spec_source(
@@ -164,11 +141,11 @@ def spec_source(
     tuned source), else the newest job's shape and dtype with the preferred valid strategy and
     its default configuration, else ``DEFAULT_DIM`` per dim in float32.
     """
-    from fuser_core.codegen.module import GENERATOR_VERSION, generate
-    from fuser_core.codegen.plan import NotValid, default_config, valid_strategies
-    from fuser_core.errors import SpecError
-    from fuser_core.reference import bind_shape
-    from fuser_core.runner import bind_dtypes
+    from fuser_core import (
+        GENERATOR_VERSION, PREFERENCE, NotValid, SpecError, bind_dtypes, bind_shape, default_config, generate,
+        valid_strategies,
+    )
+    from service.bundle import parse_dtype_text, parse_shape_text
 
     rec = _spec_record(session, spec_hash)
     spec, derivation = _loaded(rec.source)
@@ -181,14 +158,15 @@ def spec_source(
             sa.select(Job).where(Job.spec_hash == spec_hash).order_by(Job.created_at.desc()).limit(1)
         ).first()
     origin = kernel or job
-    # stored shapes and tuned configs use the canonical dim names (service.jobs); show the spec's own
+    # stored shapes and tuned configs use the canonical dim names (service.spec_store); show the spec's own
     back = _user_names(rec.source)
     raw_shape: Mapping[str, int] = (
-        parse_shape_text(shape) if shape else {back.get(d, d): n for d, n in origin.shape.items()} if origin is not None
+        _query_value(parse_shape_text, shape) if shape else {back.get(d, d): n for d, n in origin.shape.items()} if origin is not None
         else {d: DEFAULT_DIM for d in spec.dims if not any(s.as_dim == d for s in spec.steps)}
     )
     raw_dtype: str | dict[str, str] = (
-        _dtype_value(dtype) if dtype else _dtype_value(origin.dtype) if origin is not None else "float32"
+        _query_value(parse_dtype_text, dtype) if dtype else _query_value(parse_dtype_text, origin.dtype)
+        if origin is not None else "float32"
     )
     fallback_note = ""
     try:
@@ -214,7 +192,7 @@ def spec_source(
         note = f"The tuned kernel {kernel.id[:12]} ({kernel.time_ms:.4g} ms, {kernel.measurer})."
     else:
         kernel_id = None
-        chosen = strategy or next((s for s in SOURCE_PREFERENCE if valid.get(s) is None), "multi_pass")
+        chosen = strategy or next((s for s in PREFERENCE if valid.get(s) is None), "multi_pass")
         if chosen not in valid:
             raise DashboardError(422, f"unknown strategy {chosen!r}; one of {', '.join(valid)}", ("query", "strategy"))
         if valid[chosen] is not None:
@@ -243,8 +221,7 @@ def _tuned_module(spec: Any, derivation: Any, kernel: Kernel, bound: dict[str, i
                   back: dict[str, str]) -> tuple[Any, Any]:
     """(module, config) of a stored kernel's strategy and configuration (its blocks renamed from the
     canonical dims), or (None, None) when this code cannot generate it (an older generator's config)."""
-    from fuser_core.codegen.module import generate
-    from fuser_core.codegen.plan import KernelConfig, NotValid
+    from fuser_core import KernelConfig, NotValid, generate
 
     raw = dict(kernel.config or {})
     raw["blocks"] = {back.get(d, d): b for d, b in (raw.get("blocks") or {}).items()}
@@ -336,7 +313,7 @@ def kernel_rows(
 def catalog_entries() -> list[dict[str, Any]]:
     """The catalog's specs that load (:mod:`fuser_core.catalog`: $FOLDWISE_CATALOG_DIR's folders,
     then the packaged catalog), by name, each with its suite cases (shape, dtype)."""
-    from fuser_core.catalog import catalog_dirs, catalog_entries as entries
+    from fuser_core import catalog_dirs, catalog_entries as entries
 
     dirs = catalog_dirs()
     found = entries(dirs)
@@ -355,10 +332,9 @@ def _mtime(path: Path) -> float:
 @lru_cache(maxsize=4)
 def _catalog_json(dirs: tuple[str, ...], stamp: tuple[tuple[str, float], ...]) -> str:
     """The catalog as JSON, cached on the files' modification times (``stamp``)."""
-    from fuser_core.canonical import spec_hash
-    from fuser_core.catalog import CatalogError, catalog_entries as entries, load_suites, spec_source
-    from fuser_core.errors import SpecError
-    from fuser_core.spec import load_spec
+    from fuser_core import (
+        CatalogError, SpecError, catalog_entries as entries, load_spec, load_suites, spec_hash, spec_source,
+    )
 
     paths = [Path(d) for d in dirs]
     try:
@@ -386,17 +362,18 @@ def _catalog_json(dirs: tuple[str, ...], stamp: tuple[tuple[str, float], ...]) -
 
 def form_options(session: Session, *, max_trials: int, max_seconds: float, default_target: str) -> dict[str, Any]:
     """Targets, measurers and dtypes the submit form offers, defaulting to what live workers run."""
-    from fuser_core.runner import FLOAT_DTYPES
-    from tuner.profiles import PROFILES
+    from fuser_core import FLOAT_DTYPES
+    from service.tuning_request import MEASURERS, known_targets
 
     workers = session.execute(sa.select(WorkerRecord.target, WorkerRecord.measurer)
                               .order_by(WorkerRecord.last_heartbeat.desc()).limit(50)).all()
-    measurers = ["model", "cuda"]
+    measurers = sorted(MEASURERS, key=lambda m: m != "model")  # model first: it runs without a GPU
     default_measurer = workers[0].measurer if workers and workers[0].measurer in measurers else "model"
-    target = workers[0].target if workers and workers[0].target in PROFILES else default_target
+    targets = known_targets()
+    target = workers[0].target if workers and workers[0].target in targets else default_target
     return {
-        "targets": sorted(PROFILES),
-        "default_target": target if target in PROFILES else min(PROFILES),
+        "targets": targets,
+        "default_target": target if target in targets else min(targets),
         "measurers": measurers,
         "default_measurer": default_measurer,
         "dtypes": list(FLOAT_DTYPES[:3]),

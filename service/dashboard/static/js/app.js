@@ -5,6 +5,7 @@ import * as jobs from "./pages/jobs.js";
 import * as job from "./pages/job.js";
 import * as spec from "./pages/spec.js";
 import * as kernels from "./pages/kernels.js";
+import * as kernel from "./pages/kernel.js";
 import * as workers from "./pages/workers.js";
 import * as submit from "./pages/submit.js";
 
@@ -52,6 +53,7 @@ const ROUTES = [
   { match: (p) => p[0] === "jobs" && p.length === 2, page: job, nav: "jobs" },
   { match: (p) => p[0] === "specs" && p.length === 2, page: spec, nav: null },
   { match: (p) => p[0] === "kernels" && p.length === 1, page: kernels, nav: "kernels" },
+  { match: (p) => p[0] === "kernels" && p.length === 2, page: kernel, nav: "kernels" },
   { match: (p) => p[0] === "workers" && p.length === 1, page: workers, nav: "workers" },
   { match: (p) => p[0] === "submit" && p.length === 1, page: submit, nav: "submit" },
 ];

@@ -100,7 +100,7 @@ export async function render(ctx) {
     ];
     if (j.kernel_id) {
       rows.push(["kernel", h("span", {},
-        h("a", { href: `#/kernels?spec_hash=${encodeURIComponent(j.spec_hash)}` }, h("span", { class: "mono" }, short(j.kernel_id, 12))), " ",
+        h("a", { href: `#/kernels/${encodeURIComponent(j.kernel_id)}`, id: "job-kernel-link" }, h("span", { class: "mono" }, short(j.kernel_id, 12))), " ",
         ctx.can("kernels:read") ? h("button", { type: "button", id: "download-bundle", onclick: () => download(`v1/kernels/${encodeURIComponent(j.kernel_id)}/bundle`, `foldwise-${short(j.spec_hash, 12)}-${j.target}.json`).catch((err) => replace(message, errorBox(err))) }, "Download bundle") : null)]);
     }
     if (j.error) rows.push(["error", h("span", { class: "error-text", id: "job-error" }, j.error)]);

@@ -69,6 +69,7 @@ function row(k, ctx, message) {
     h("td", { class: "num" }, speedup(k.speedups && k.speedups.unfused_chain)),
     h("td", { class: "num" }, speedup(k.speedups && k.speedups.torch_compile)),
     h("td", {}, prediction(k)),
-    h("td", { class: "muted" }, fmtTime(k.created_at), k.job_id ? h("div", {}, h("a", { href: `#/jobs/${encodeURIComponent(k.job_id)}` }, "job")) : null),
+    h("td", { class: "muted" }, fmtTime(k.created_at), h("div", {}, h("a", { href: `#/kernels/${encodeURIComponent(k.id)}`, class: "kernel-link" }, "details"),
+      k.job_id ? [" · ", h("a", { href: `#/jobs/${encodeURIComponent(k.job_id)}` }, "job")] : null)),
     h("td", {}, ctx.can("kernels:read") ? h("button", { type: "button", class: "download", onclick: () => download(`v1/kernels/${encodeURIComponent(k.id)}/bundle`, filename).catch((err) => replace(message, errorBox(err))) }, "Download") : null));
 }

@@ -1,0 +1,23 @@
+"""Names in generated code: the identifier of a spec name and the launcher's text for a tensor
+argument. One module for both the kernel structure (which decides arguments) and the printers."""
+
+from __future__ import annotations
+
+import keyword
+
+FP8 = "float8_e4m3fn"  # kernels see it as uint8 bits: see fp8e4m3_bits in HELPERS
+_RESERVED = {"tl", "triton", "pid", "start", "count", "count_old", "float", "range", "int", "math", "torch"}
+_PREFIXES = ("offs_", "mask_", "size_", "stride_", "BLOCK_", "nblk_", "pid_")
+
+
+def safe_name(name: str) -> str:
+    """A Python identifier for a spec name inside generated code."""
+    name = name.replace(".", "_")
+    if keyword.iskeyword(name) or name in _RESERVED or name.startswith(_PREFIXES) or name.endswith(("_ptr", "_anchor", "_old")):
+        return f"v_{name}"
+    return name
+
+
+def kernel_arg(var: str, dtype: str | None) -> str:
+    """A launcher's tensor argument: an fp8 tensor is passed as its bits (uint8)."""
+    return f"{var}.view(torch.uint8)" if dtype == FP8 else var

@@ -1,0 +1,233 @@
+"""A problem: a spec with its sizes and dtypes bound once, and the checks every layer shares.
+
+:func:`make_problem` is the one place a (spec, shape, dtype) request is bound: it returns a
+:class:`Problem` (the spec, its canonical names, the complete checked shape, every input's
+dtype and every output part's storage dtype). The search space, the measurers, the cost model,
+the torch baselines and the bundle maker take a Problem and never bind again.
+
+The pieces: :func:`bind_shape` (dim -> size, complete and checked, with the size limits of
+:func:`check_sizes`), :func:`bind_dtypes` (input -> dtype), :func:`output_dtypes` (output part
+-> storage dtype), and the normalisers that name a problem the same way everywhere
+(:func:`canonical_shape`, :func:`bound_to_canonical`, :func:`normalize_dtype`). Pure Python over
+a :class:`~fuser_core.spec.Spec`: no numpy, sympy or scipy, so that the kernel client
+(:mod:`service.client`) can validate a request without importing the derivation or the
+reference evaluator. :mod:`fuser_core.reference` and :mod:`fuser_core.runner` re-export the
+binders, :mod:`fuser_core.codegen.module` re-exports :func:`output_dtypes`.
+
+Example:
+    >>> from fuser_core.spec import load_spec
+    >>> spec = load_spec({"foldwise": 1, "name": "rowmax", "inputs": {"x": {"dims": ["m", "n"]}},
+    ...     "steps": [{"name": "t", "reduce": "max", "over": "n", "expr": "x"}], "outputs": ["t"]})
+    >>> p = make_problem(spec, {"m": 4, "n": 300}, "float16")
+    >>> p.shape, p.dtypes, p.output_dtypes, p.canonical_shape, p.dtype
+    ({'m': 4, 'n': 300}, {'x': 'float16'}, {'t': 'float16'}, {'d0': 4, 'd1': 300}, 'float16')
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from numbers import Integral
+
+from fuser_core import expr as ex
+from fuser_core.canonical import canonical_names
+from fuser_core.errors import SpecError
+from fuser_core.spec import Spec
+
+# Size limits of a bound shape, per tensor rather than for the product of every dim (attention's
+# b, h, m, n, d, e multiply to 2**41 though its largest tensor has 2**29 elements).
+MAX_ELEMENTS = 2**31  # the most elements any input or step (an intermediate a strategy may store) may have
+MAX_WORK = 2**48  # the most points of any step's iteration space (its dims and the dim it reduces over)
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
+INDEX_DTYPES = ("int32", "int64")
+
+
+class ShapeError(SpecError):
+    """Sizes or arrays that do not fit the spec; ``loc`` names the dim or the input.
+
+    Example:
+        >>> str(ShapeError("must be a positive integer, got 0", loc=("shape", "n")))
+        'shape.n: must be a positive integer, got 0'
+    """
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def bind_shape(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
+    """Check ``shape`` (dim -> positive int) against the spec; return a new, complete dict.
+
+    A topk ``as`` dim may be left out (it is then ``k``); if given it must equal ``k``.
+    """
+    if not isinstance(shape, Mapping):
+        raise ShapeError(f"expected an object of dim -> size, got {type(shape).__name__}", loc=("shape",))
+    unknown = [d for d in shape if d not in spec.dims]
+    if unknown:
+        raise ShapeError(
+            f"unknown dim{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"the spec's dims are {', '.join(spec.dims)}",
+            loc=("shape", str(unknown[0])),
+        )
+    as_dims = {s.as_dim: s for s in spec.steps if s.reduce == "topk"}
+    bound: dict[str, int] = {}
+    for d in spec.dims:
+        if d not in shape and d in as_dims:
+            bound[d] = as_dims[d].k
+            continue
+        if d not in shape:
+            raise ShapeError("no size given for this dim", loc=("shape", d))
+        n = shape[d]
+        if isinstance(n, bool) or not isinstance(n, Integral) or n < 1:
+            raise ShapeError(f"must be a positive integer, got {n!r:.40}", loc=("shape", d))
+        bound[d] = int(n)
+    for d, step in as_dims.items():
+        if bound[d] != step.k:
+            raise ShapeError(f"is topk step {step.name!r}'s 'as' dim, so its size must be k={step.k}, got {bound[d]}",
+                             loc=("shape", d))
+        if step.k > bound[step.over]:
+            raise ShapeError(f"topk step {step.name!r} takes k={step.k} of {step.over!r}, which has only "
+                             f"{bound[step.over]}", loc=("shape", step.over))
+    check_sizes(spec, bound)
+    return bound
+
+
+def check_sizes(spec: Spec, bound: Mapping[str, int], *, max_elements: int = MAX_ELEMENTS,
+                max_work: int = MAX_WORK) -> None:
+    """ShapeError (field ``shape``) naming the first tensor, an input or a step, with more than
+    ``max_elements`` elements, or the first step whose iteration space has more than ``max_work``
+    points. Every step counts as a tensor, since some strategy stores it (the unfused chain stores
+    attention's ``s``); a step's iteration space adds the dim it reduces over (a topk step's own
+    ``as`` dim is not iterated)."""
+    def sizes(dims) -> str:
+        return ", ".join(f"{d}={bound[d]}" for d in dims)
+
+    tensors = [(f"input {i.name!r}", i.dims) for i in spec.inputs] + [(f"step {s.name!r}", s.dims) for s in spec.steps]
+    for what, dims in tensors:
+        n = math.prod(bound[d] for d in dims)
+        if n > max_elements:
+            raise ShapeError(f"{what} ({sizes(dims)}) would have {n} elements; the limit per tensor is {max_elements}",
+                             loc=("shape",))
+    for step in spec.steps:
+        dims = [d for d in step.dims if d != step.as_dim] + ([step.over] if step.over else [])
+        n = math.prod(bound[d] for d in dims)
+        if n > max_work:
+            raise ShapeError(f"step {step.name!r} iterates over {sizes(dims)}: {n} points; the limit is {max_work}",
+                             loc=("shape",))
+
+
+def bind_dtypes(spec: Spec, dtype: str | Mapping[str, str]) -> dict[str, str]:
+    """One dtype for every floating input, or a map per input (docs/SPEC.md); index inputs int64."""
+    out: dict[str, str] = {}
+    if isinstance(dtype, str):
+        if dtype not in FLOAT_DTYPES[:3]:
+            raise SpecError(f"unknown dtype {dtype!r}; one of {', '.join(FLOAT_DTYPES[:3])} (fp8 per input only)", loc=("dtype",))
+        mapping: Mapping[str, str] = {i.name: dtype for i in spec.inputs if i.is_float}
+    else:
+        mapping = dtype
+        unknown = set(mapping) - {i.name for i in spec.inputs}
+        if unknown:
+            raise SpecError(f"names unknown input {sorted(unknown)[0]!r}", loc=("dtype",))
+    for i in spec.inputs:
+        allowed = INDEX_DTYPES if i.is_index else FLOAT_DTYPES
+        d = mapping.get(i.name, "int64" if i.is_index else "float32")
+        if d not in allowed:
+            raise SpecError(f"{d!r} is not allowed for {'index' if i.is_index else 'float'} input {i.name!r}; one of {', '.join(allowed)}", loc=("dtype", i.name))
+        out[i.name] = d
+    return out
+
+
+def output_dtypes(spec: Spec, dtypes: Mapping[str, str]) -> dict[str, str]:
+    """Storage dtype of each output part (docs/SPEC.md: the floating inputs' dtype unless a cast says otherwise)."""
+    floats = [dtypes[i.name] for i in spec.inputs if i.is_float]
+    default = next((d for d in floats if d != "float8_e4m3fn"), "float32") if len(set(floats)) != 1 else floats[0]
+    if default == "float8_e4m3fn":
+        default = "float32"
+    out = {}
+    for part in spec.output_parts:
+        step = spec.step(part.split(".")[0])
+        if part.endswith(".indices") or step.reduce in ("argmax", "argmin"):
+            out[part] = "int32"
+        elif isinstance(step.expr, ex.Cast) and not step.is_reduction:
+            out[part] = step.expr.dtype
+        else:
+            out[part] = default
+    return out
+
+
+# ---------------------------------------------------------------- normalised names
+
+
+def canonical_shape(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
+    """``shape`` in ``spec``'s dim names -> the complete shape in canonical dim names.
+
+    Validated with :func:`bind_shape` (a topk ``as`` dim may be left out).
+    """
+    return bound_to_canonical(spec, bind_shape(spec, shape))
+
+
+def bound_to_canonical(spec: Spec, bound: Mapping[str, int]) -> dict[str, int]:
+    """A shape already bound to ``spec`` (:func:`bind_shape`) in canonical dim names."""
+    return _renamed(bound, canonical_names(spec))
+
+
+def _renamed(bound: Mapping[str, int], names: Mapping[str, str]) -> dict[str, int]:
+    return {names[d]: n for d, n in sorted(bound.items(), key=lambda kv: names[kv[0]])}
+
+
+def normalize_dtype(spec: Spec, dtype: str | Mapping[str, str]) -> str | dict[str, str]:
+    """One canonical form of a dtype request: a string when every floating input shares one
+    of float32/float16/bfloat16 (and index inputs are int64), else the complete per-input map.
+
+    So ``{"x": "float16"}`` and ``"float16"`` name the same kernel. Input names are the same
+    in every naming of a spec, so the result needs no translation.
+    """
+    return _dtype_request(spec, bind_dtypes(spec, dtype))
+
+
+def _dtype_request(spec: Spec, bound: Mapping[str, str]) -> str | dict[str, str]:
+    floats = {bound[i.name] for i in spec.inputs if i.is_float}
+    index_default = all(bound[i.name] == "int64" for i in spec.inputs if i.is_index)
+    if len(floats) == 1 and index_default and next(iter(floats)) in FLOAT_DTYPES[:3]:
+        return next(iter(floats))
+    return dict(sorted(bound.items()))
+
+
+# ---------------------------------------------------------------- the problem
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """A spec with its sizes and dtypes bound: what every layer below the request takes.
+
+    Make one with :func:`make_problem` (never by hand: the fields are checked there, once).
+    ``shape`` is complete (every dim of the spec, topk ``as`` dims included) in the spec's own
+    dim names; ``dtypes`` names every input's dtype, ``output_dtypes`` every output part's
+    storage dtype; ``names`` maps the spec's dim, step and param names to the canonical ones
+    (:func:`fuser_core.canonical.canonical_names`). Treat the dicts as read-only.
+    """
+
+    spec: Spec
+    shape: dict[str, int]
+    dtypes: dict[str, str]
+    output_dtypes: dict[str, str]
+    names: dict[str, str]
+
+    @property
+    def canonical_shape(self) -> dict[str, int]:
+        """The shape in canonical dim names (``d0, d1, ...``), sorted: how bundles and jobs key it."""
+        return _renamed(self.shape, self.names)
+
+    @property
+    def dtype(self) -> str | dict[str, str]:
+        """The dtype request in its one normal form (:func:`normalize_dtype`)."""
+        return _dtype_request(self.spec, self.dtypes)
+
+
+def make_problem(spec: Spec, shape: Mapping[str, int], dtype: str | Mapping[str, str]) -> Problem:
+    """Bind ``shape`` (:func:`bind_shape`) and ``dtype`` (:func:`bind_dtypes`: one name for every
+    floating input, or a map per input) to ``spec``: the one place a problem is bound.
+    Raises :class:`ShapeError` / :class:`~fuser_core.errors.SpecError` naming the field."""
+    bound = bind_shape(spec, shape)
+    dtypes = bind_dtypes(spec, dtype)
+    return Problem(spec, bound, dtypes, output_dtypes(spec, dtypes), canonical_names(spec))

@@ -1,0 +1,224 @@
+"""The kernel cache: the best kernel found per (spec, shape, dtype, target, Triton and
+generator versions), with its bundle stored once by sha256 and re-hashed before it is served.
+
+A kernel is keyed like a job (canonical shape, normalized dtype: :mod:`service.spec_store`,
+:mod:`service.tuning_request`) plus the versions of the code that generated it
+(:func:`current_versions`): a kernel from an older generator is not an exact answer. The job
+queue stores a finished job's kernel here (:func:`store_kernel`), keeping the better of the
+cached and the new one (a measurement beats a prediction, then lower time). Readers:
+:func:`find_kernel` (exact, else the nearest tuned shape), :func:`get_kernel`,
+:func:`get_bundle_bytes`, :func:`list_kernels`.
+
+Functions that read end their transaction; the writers (:func:`store_kernel`) leave it to
+the caller, which commits the job and its kernel together.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from service.bundle import BundleError, canonical_bytes, verify_bundle
+from service.db import MAX_LIST, get_row, newest_first
+from service.errors import BundleCorrupted, InvalidBundle
+from service.models import Bundle, Job, Kernel, new_id, utcnow
+from service.served_bundles import bundle_intact, store_served
+from service.tuning_request import MEASURERS, TuningRequest, dtype_key, shape_key
+
+KERNEL_FIELDS = {"time_ms", "measurer", "predicted", "baselines", "strategy", "config"}
+
+
+@lru_cache(maxsize=1)
+def current_versions() -> tuple[str, str]:
+    """(Triton version, generator version) of this code: the version part of kernel cache keys."""
+    from importlib import metadata
+
+    from fuser_core import GENERATOR_VERSION
+
+    try:
+        triton_version = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton_version = "none"
+    return triton_version, GENERATOR_VERSION
+
+
+# ----------------------------------------------------------------------------- a request's kernel
+
+
+def exact_kernel(session: Session, request: TuningRequest) -> Kernel | None:
+    triton_version, generator_version = current_versions()
+    return session.execute(sa.select(Kernel).where(
+        Kernel.spec_hash == request.spec_hash, Kernel.shape_key == request.shape_key, Kernel.dtype == request.dtype_key,
+        Kernel.target == request.target, Kernel.triton_version == triton_version,
+        Kernel.generator_version == generator_version).execution_options(populate_existing=True)).scalar_one_or_none()
+
+
+def kernel_is_current(session: Session, kernel_id: str | None) -> bool:
+    kernel = session.get(Kernel, kernel_id, populate_existing=True) if kernel_id else None
+    return kernel is not None and (kernel.triton_version, kernel.generator_version) == current_versions()
+
+
+def kernel_serves(kernel: Kernel, measurer: str) -> bool:
+    """A cached kernel answers a request for ``measurer`` when it was found that way, or was
+    measured on a GPU (a measurement beats any prediction); a prediction never answers cuda."""
+    return kernel.measurer == measurer or not kernel.predicted
+
+
+def kernel_best(kernel: Kernel) -> dict[str, Any]:
+    return {"strategy": kernel.strategy, "config": kernel.config, "time_ms": kernel.time_ms, "trial": None,
+            "predicted": kernel.predicted}
+
+
+# ----------------------------------------------------------------------------- storing
+
+
+def bundle_content(bundle: Any) -> tuple[bytes, str]:
+    """(bytes to store, sha256) of a verified bundle."""
+    try:
+        verify_bundle(bundle)
+        return canonical_bytes(bundle), bundle["sha256"]
+    except BundleError as err:
+        raise InvalidBundle(f"bundle: {err}") from None
+
+
+def kernel_values(job: Job, bundle: dict, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The Kernel row's values from the job (the key), the bundle and the measurement."""
+    unknown = sorted(set(given) - KERNEL_FIELDS)
+    if unknown:
+        raise InvalidBundle(f"kernel_fields: unknown field {unknown[0]!r}; allowed: {', '.join(sorted(KERNEL_FIELDS))}")
+    expected = {"spec_hash": job.spec_hash, "shape": job.shape, "dtype": job.dtype_value, "target": job.target}
+    for field, value in expected.items():
+        if bundle.get(field) != value:
+            raise InvalidBundle(f"bundle: {field} {bundle.get(field)!r:.100} is not the job's {value!r:.100}")
+    if "strategy" in given and given["strategy"] != bundle["strategy"]:
+        raise InvalidBundle(f"kernel_fields: strategy {given['strategy']!r} is not the bundle's {bundle['strategy']!r}")
+    measured = bundle.get("measured") or {}
+    time_ms = given.get("time_ms", measured.get("time_ms"))
+    if isinstance(time_ms, bool) or not isinstance(time_ms, int | float) or not math.isfinite(time_ms) or time_ms <= 0:
+        raise InvalidBundle(f"kernel_fields: time_ms must be a positive number, got {time_ms!r:.40}")
+    measurer = given.get("measurer", job.measurer)
+    if measurer not in MEASURERS:
+        raise InvalidBundle(f"kernel_fields: unknown measurer {measurer!r:.40}; one of {', '.join(MEASURERS)}")
+    triton_version, generator_version = current_versions()
+    return {
+        "strategy": bundle["strategy"], "config": bundle.get("config") or dict(given.get("config") or {}),
+        "time_ms": float(time_ms), "measurer": measurer, "predicted": bool(given.get("predicted", measurer == "model")),
+        "baselines": given.get("baselines"),
+        "triton_version": str(bundle.get("triton_version") or triton_version)[:64],
+        "generator_version": str(bundle.get("generator_version") or generator_version)[:64],
+    }
+
+
+def _rank(predicted: bool, time_ms: float) -> tuple[int, float]:
+    return (1 if predicted else 0, time_ms)
+
+
+def store_kernel(session: Session, job: Job, fields: dict[str, Any], digest: str, content: bytes) -> Kernel:
+    existing = session.execute(sa.select(Kernel).where(
+        Kernel.spec_hash == job.spec_hash, Kernel.shape_key == job.shape_key, Kernel.dtype == job.dtype,
+        Kernel.target == job.target, Kernel.triton_version == fields["triton_version"],
+        Kernel.generator_version == fields["generator_version"]).with_for_update()
+        .execution_options(populate_existing=True)).scalar_one_or_none()
+    new_rank = _rank(fields["predicted"], fields["time_ms"])
+    if (existing is not None and _rank(existing.predicted, existing.time_ms) <= new_rank
+            and _storedbundle_intact(session, existing.bundle_sha256)):
+        return existing  # the cached kernel is at least as good (and its bundle intact): keep it
+    _store_bundle(session, digest, content)
+    now = utcnow()
+    kernel = existing or Kernel(id=new_id(), spec_hash=job.spec_hash, shape=job.shape, shape_key=job.shape_key,
+                                dtype=job.dtype, target=job.target, created_at=now)
+    for name, value in fields.items():
+        setattr(kernel, name, value)
+    kernel.bundle_sha256, kernel.job_id, kernel.updated_at = digest, job.id, now
+    if existing is None:
+        session.add(kernel)
+    session.flush()
+    return kernel
+
+
+def _store_bundle(session: Session, digest: str, content: bytes) -> None:
+    row = session.get(Bundle, digest, populate_existing=True)
+    if row is None:
+        session.add(Bundle(sha256=digest, content=content, size=len(content), created_at=utcnow()))
+        session.flush()
+        store_served(session, json.loads(content), {})  # its format-2 views; binaries add theirs (service.binaries)
+    elif row.content != content:  # the stored copy was damaged: repair it with the verified bytes
+        row.content, row.size = content, len(content)
+    session.flush()
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def get_kernel(session: Session, kernel_id: str) -> Kernel:
+    return get_row(session, Kernel, kernel_id, "kernel with id")
+
+
+def get_bundle_bytes(session: Session, kernel: Kernel) -> bytes:
+    """The kernel's bundle exactly as stored, after re-checking its hash; a bundle whose bytes
+    do not match its sha256 raises :class:`BundleCorrupted` and is never served."""
+    row = session.get(Bundle, kernel.bundle_sha256, populate_existing=True)
+    session.commit()
+    if row is None:
+        raise BundleCorrupted(f"stored bundle {kernel.bundle_sha256} of kernel {kernel.id} is missing")
+    if not bundle_intact(row.content, row.sha256):
+        raise BundleCorrupted(f"stored bundle {row.sha256} of kernel {kernel.id}: hash mismatch "
+                              "(its bytes changed after it was stored); it is not served")
+    return row.content
+
+
+def _storedbundle_intact(session: Session, digest: str) -> bool:
+    row = session.get(Bundle, digest, populate_existing=True)
+    return row is not None and bundle_intact(row.content, row.sha256)
+
+
+def list_kernels(session: Session, *, spec_hash: str | None = None, target: str | None = None,
+                 dtype: str | None = None, limit: int = 100, offset: int = 0) -> list[Kernel]:
+    """Kernels, newest first, filtered by any of spec_hash, target, dtype (a dtype_key)."""
+    return newest_first(session, Kernel, limit, offset, spec_hash=spec_hash, target=target, dtype=dtype)
+
+
+def find_kernel(session: Session, *, spec_hash: str, target: str, dtype: str | Mapping[str, str],
+                shape: Mapping[str, int] | None) -> tuple[Kernel, bool] | None:
+    """The kernel to serve for a request: (kernel, exact), or None.
+
+    ``shape`` is canonical (``{"d0": 4, "d1": 300}``) and ``dtype`` normalized, as
+    :mod:`service.client` sends them. Exact: the same shape, with this code's Triton and
+    generator versions. Otherwise the nearest tuned shape of the same spec, target and dtype
+    (least sum over dims of ``|log2(a/b)|``; ties: current versions, a measurement, faster,
+    newer), with ``exact`` False. ``shape=None``: the best by those ties, not exact.
+    """
+    skey = shape_key(shape) if shape is not None else None
+    query = (sa.select(Kernel).where(Kernel.spec_hash == spec_hash, Kernel.target == str(target).strip().lower(),
+                                     Kernel.dtype == dtype_key(dtype)).limit(10 * MAX_LIST))
+    candidates = list(session.execute(query.execution_options(populate_existing=True)).scalars())
+    session.commit()
+    if not candidates:
+        return None
+    current = current_versions()
+
+    def order(k: Kernel) -> tuple:
+        distance = 0.0 if shape is None else _shape_distance(shape, k.shape)
+        newer = -k.updated_at.timestamp()
+        return (distance, (k.triton_version, k.generator_version) != current, k.predicted, k.time_ms, newer, k.id)
+
+    best = min(candidates, key=order)
+    if shape is not None and math.isinf(_shape_distance(shape, best.shape)):
+        return None
+    exact = skey is not None and best.shape_key == skey and (best.triton_version, best.generator_version) == current
+    return best, exact
+
+
+def _shape_distance(a: Mapping[str, int], b: Mapping[str, Any]) -> float:
+    if not isinstance(b, Mapping) or set(a) != set(b):
+        return math.inf
+    try:
+        return sum(abs(math.log2(a[d] / b[d])) for d in a)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return math.inf

@@ -1,0 +1,195 @@
+"""The processes of ``foldwise serve``: HTTP processes apart from the tuning workers.
+
+``foldwise serve --processes N --workers W`` runs:
+
+- **the HTTP API** in ``N`` uvicorn processes sharing one listening socket (``N`` = 1: in
+  this process; ``N`` > 1: ``uvicorn.run(workers=N)``, uvicorn's own supervisor, which
+  restarts a process that dies). Each process builds its app with :func:`http_app` from
+  the same :class:`~service.settings.Settings`, passed as JSON in ``FOLDWISE_SERVE_SETTINGS``
+  (spawned processes inherit the environment). uvicorn takes ``httptools`` and ``uvloop`` when
+  they are installed (``http="auto"``, ``loop="auto"``), else h11 and asyncio;
+- **the tuning workers** (``W`` threads) in *one* process of their own (:func:`tuning_process`),
+  started here, never inside an HTTP process: a search holds the GIL for long stretches
+  (sympy, Triton's interpreter, Optuna), and in an HTTP process it would stall the event loop.
+
+Stopping: SIGTERM or SIGINT to ``serve`` stops accepting, lets the requests in flight finish,
+then stops the tuning process (SIGTERM: each worker finishes its trial and gives its job back;
+killed after :data:`TUNING_STOP_S`). The tuning process also stops by itself when its parent
+is gone, so a killed ``serve`` leaves no tuner behind.
+
+Why uvicorn's supervisor and not gunicorn: it is already a dependency, it runs where gunicorn
+does not (Windows, for a laptop), it restarts dead processes and stops them all on a signal,
+which is all ``serve`` needs; gunicorn would add a dependency and a second configuration
+language for the same pre-fork model.
+
+The processes share the database: PostgreSQL, or the SQLite file in WAL mode with a 30 s
+``busy_timeout`` and ``BEGIN IMMEDIATE`` (service/db.py), one writer at a time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from typing import Any
+
+from service.settings import Settings
+
+log = logging.getLogger("foldwise.serve")
+SETTINGS_ENV = "FOLDWISE_SERVE_SETTINGS"
+LOG_LEVEL_ENV = "FOLDWISE_SERVE_LOG_LEVEL"
+TUNING_STOP_S = 20.0  # a worker finishes its trial (bounded by its own timeouts), then it is killed
+
+
+def fast_extras() -> dict[str, str]:
+    """What uvicorn's ``auto`` picks here: the HTTP parser and the event loop."""
+    def have(name: str) -> bool:
+        return importlib.util.find_spec(name) is not None
+
+    return {"http": "httptools" if have("httptools") else "h11", "loop": "uvloop" if have("uvloop") else "asyncio"}
+
+
+def http_app() -> Any:
+    """The app of one HTTP process (a uvicorn factory): the parent's settings, JSON logs."""
+    from service.api import create_app
+    from service.logs import configure_logging
+
+    configure_logging(os.environ.get(LOG_LEVEL_ENV, "info"))
+    return create_app(Settings.model_validate_json(os.environ[SETTINGS_ENV]))
+
+
+def serve(settings: Settings, *, processes: int, measurer: str, log_level: str) -> None:
+    """Run the API in ``processes`` processes and the tuning workers in one more, until a signal."""
+    tuning = start_tuning_process(settings, measurer, log_level) if settings.workers else None
+    log.info("serving", extra={"url": f"http://{settings.host}:{settings.port}", "processes": processes,
+                               "workers": settings.workers, "measurer": measurer, "target": settings.target,
+                               "tuning_pid": tuning.pid if tuning else None, **fast_extras()})
+    try:
+        if processes == 1:
+            _serve_here(settings, log_level)
+        else:
+            _serve_processes(settings, processes, log_level)
+    finally:
+        if tuning is not None:
+            stop_process(tuning)
+
+
+def _serve_here(settings: Settings, log_level: str) -> None:
+    import uvicorn
+
+    from service.api import create_app
+
+    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_config=None,
+                            access_log=False, log_level=log_level, timeout_graceful_shutdown=10)
+    server = _Server(config)
+    previous = _shutdown_on_signals(server)
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _serve_processes(settings: Settings, processes: int, log_level: str) -> None:
+    import uvicorn
+
+    os.environ[SETTINGS_ENV] = settings.model_dump_json()
+    os.environ[LOG_LEVEL_ENV] = log_level
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:  # uvicorn's supervisor: on SIGTERM/SIGINT it stops, terminates and joins the processes, and returns
+        uvicorn.run("service.serve:http_app", factory=True, workers=processes, host=settings.host,
+                    port=settings.port, log_config=None, access_log=False, log_level=log_level,
+                    timeout_graceful_shutdown=10)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _Server(config: Any) -> Any:
+    import contextlib
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server without its own signal handling: after a graceful shutdown uvicorn
+        re-raises the signal, which would end this process before it stops the tuning
+        process; :func:`_shutdown_on_signals` handles SIGTERM/SIGINT instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            yield
+
+    return Server(config)
+
+
+def _shutdown_on_signals(server: Any) -> dict[int, Any]:
+    """SIGTERM/SIGINT: stop accepting, finish the requests in flight; a second signal: at once."""
+    def handler(signum: int, frame: Any) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+# ----------------------------------------------------------------------------- tuning workers
+
+
+def start_tuning_process(settings: Settings, measurer: str, log_level: str) -> multiprocessing.process.BaseProcess:
+    """The tuning workers' process (spawned: a fresh interpreter, no state inherited)."""
+    context = multiprocessing.get_context("spawn")
+    process = context.Process(target=tuning_process, name="foldwise-tuning", daemon=False,
+                              args=(settings.model_dump_json(), measurer, log_level, os.getpid()))
+    process.start()
+    return process
+
+
+def stop_process(process: multiprocessing.process.BaseProcess, timeout_s: float = TUNING_STOP_S) -> None:
+    """SIGTERM, wait ``timeout_s``, then SIGKILL: the process is gone when this returns."""
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout_s)
+    if process.is_alive():
+        log.warning("tuning process did not stop in time; killed", extra={"pid": process.pid})
+        process.kill()
+    process.join()
+
+
+def tuning_process(settings_json: str, measurer: str, log_level: str, parent_pid: int) -> None:
+    """Run ``settings.workers`` job-queue workers (threads) until SIGTERM/SIGINT or the parent is gone."""
+    from service.logs import configure_logging
+
+    configure_logging(log_level)
+    settings = Settings.model_validate_json(settings_json)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    threads = [threading.Thread(target=_worker_thread, args=(settings, measurer, stop, i), daemon=True,
+                                name=f"foldwise-worker-{i}") for i in range(settings.workers)]
+    for t in threads:
+        t.start()
+    while not stop.wait(1.0):
+        if os.getppid() != parent_pid:  # serve was killed: do not tune on as an orphan
+            log.warning("serve is gone; the tuning workers stop")
+            stop.set()
+    for t in threads:
+        t.join(timeout=TUNING_STOP_S - 2)
+
+
+def _worker_thread(settings: Settings, measurer: str, stop: threading.Event, index: int) -> None:
+    from service.worker import new_worker_id, run_worker
+
+    try:
+        run_worker(settings.db_url, measurer=measurer, target=settings.target, stop=stop, settings=settings,
+                   worker_id=f"{new_worker_id()}-t{index}")
+    except Exception:  # the API keeps serving; the log says why this worker is gone
+        log.exception("tuning worker stopped", extra={"worker": index})

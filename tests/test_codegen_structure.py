@@ -1,0 +1,195 @@
+"""The kernel structure (fuser_core/codegen/structure.py) and what the printers make of it:
+loop-invariant loads hoisted out of the loop, each kernel's arguments only what it uses, the
+split part + combine pair launched as one object, tl.dot decided once."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from fuser_core.catalog import load_catalog_spec
+from fuser_core.codegen.module import module_source, output_dtypes
+from fuser_core.codegen.plan import KernelConfig, make_plan
+from fuser_core.codegen.structure import SplitLaunch, build_structure, kernel_names
+from fuser_core.derive import derive_cascade
+from fuser_core.runner import bind_dtypes, self_check
+from fuser_core.spec import load_spec
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+ATTENTION_SHAPE = {"b": 1, "h": 2, "m": 20, "n": 37, "d": 16, "e": 16}
+ATTENTION_BLOCKS = {"m": 16, "n": 16, "e": 16}
+
+
+def attention(strategy: str, dtype: str = "float16"):
+    spec = load_catalog_spec("attention")
+    d = derive_cascade(spec)
+    config = KernelConfig(ATTENTION_BLOCKS, split=2 if strategy == "split_fused" else 1)
+    plan = make_plan(spec, d, strategy, ATTENTION_SHAPE, config)
+    dtypes = bind_dtypes(spec, dtype)
+    return spec, d, plan, dtypes
+
+
+def kernel_sources(source: str) -> dict[str, tuple[list[str], str]]:
+    """kernel name -> (its parameters, its body) in a generated module."""
+    out = {}
+    for m in re.finditer(r"@triton\.jit\ndef (\w+_kernel)\(\n(.*?)\n\):\n(.*?)(?=\n\n\n|\n\ndef launch|\Z)", source, re.S):
+        params = [p.strip().split(":")[0] for p in m.group(2).split(",") if p.strip()]
+        out[m.group(1)] = (params, m.group(3))
+    return out
+
+
+def load_line(body: str, name: str) -> int:
+    lines = body.splitlines()
+    return next(i for i, line in enumerate(lines) if re.match(rf"\s*{name} = tl\.load\({name}_ptr", line))
+
+
+@pytest.mark.parametrize("strategy", ["streaming_fused", "split_fused", "multi_pass"])
+def test_q_is_loaded_once_per_program_before_the_loop_over_n(strategy: str) -> None:
+    spec, d, plan, dtypes = attention(strategy)
+    structure = build_structure(plan, dtypes)
+    first = structure.kernels[0]
+    assert [ld.name for ld in first.hoisted] == ["q"]  # q lacks n: loop-invariant; k and v are streamed
+    assert {ld.name for p in first.passes for ld in p.loads if not ld.hoisted} == {"k", "v"}
+    body = kernel_sources(module_source(plan, output_dtypes(spec, dtypes), dtypes))[first.name][1]
+    lines = body.splitlines()
+    loop = next(i for i, line in enumerate(lines) if line.strip().startswith("for start in range("))
+    assert load_line(body, "q") < loop < load_line(body, "k")
+    assert sum(1 for line in lines if re.match(r"\s*q = tl\.load", line)) == 1  # once, not per pass
+    assert lines[load_line(body, "q")].startswith("    q = ")  # at the kernel's top level
+
+
+def test_split_kernels_take_only_what_they_use() -> None:
+    spec, d, plan, dtypes = attention("split_fused")
+    structure = build_structure(plan, dtypes, output_dtypes(spec, dtypes))
+    part_name, combine_name = kernel_names(plan)
+    (launch,) = structure.launches
+    assert isinstance(launch, SplitLaunch)
+    assert (launch.part.kernel, launch.combine.kernel) == (part_name, combine_name)
+    assert launch.part.grid.split and not launch.combine.grid.split
+    kernels = kernel_sources(module_source(plan, output_dtypes(spec, dtypes), dtypes))
+    assert set(kernels) == {part_name, combine_name}
+    part, combine = kernels[part_name][0], kernels[combine_name][0]
+    ws = [f"ws_{w.name}_ptr" for w in structure.workspace]
+    assert ws and set(ws) <= set(part) and set(ws) <= set(combine)
+    # the part kernel reads the inputs and writes the workspace: no output, no SPLIT
+    assert {"q_ptr", "k_ptr", "v_ptr", "chunk"} <= set(part)
+    assert "o_ptr" not in part and "stride_o_m" not in part and "SPLIT" not in part
+    # the combine kernel reads the workspace and writes o: no input it does not load
+    assert {"o_ptr", "stride_o_m", "SPLIT", "chunk"} <= set(combine)
+    assert not {"q_ptr", "k_ptr", "v_ptr", "stride_q_m", "stride_k_n"} & set(combine)
+    # the printed parameters are the structure's, and the launcher passes one value for each
+    for kernel in structure.kernels:
+        assert kernels[kernel.name][0] == [a.name for a in kernel.args]
+
+
+def test_split_attention_runs_with_its_own_argument_lists() -> None:
+    spec, d, plan, dtypes = attention("split_fused", "float32")
+    report = self_check(spec, ATTENTION_SHAPE, "float32", strategy="split_fused", config=plan.config, derivation=d)
+    assert report["passed"], report
+
+
+def test_dots_are_decided_once_and_printed_as_decided() -> None:
+    spec, d, plan, dtypes = attention("streaming_fused")
+    structure = build_structure(plan, dtypes)
+    dots = structure.kernels[0].dots
+    assert sorted(x.over for x in dots) == ["d", "n"]  # s = q.k over d, o = p.v over n
+    assert all(x.precision == "tl.float16" for x in dots)
+    source = module_source(plan, output_dtypes(spec, dtypes), dtypes)
+    assert sum("tl.dot(" in line for line in source.splitlines()) == len(dots)
+    small = make_plan(spec, d, "streaming_fused", ATTENTION_SHAPE, KernelConfig({"m": 1, "n": 16, "e": 16}))
+    assert build_structure(small, dtypes).kernels[0].dots == ()  # BLOCK_m = 1 < 16: tile reductions
+
+
+def test_a_combine_kernel_without_outputs_along_the_axis_loads_no_input() -> None:
+    spec = load_spec({"foldwise": 1, "name": "lse", "inputs": {"x": {"dims": ["m", "n"]}},
+                      "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
+                                {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"},
+                                {"name": "y", "expr": "mx + log(den)"}],
+                      "outputs": ["y"]})
+    d = derive_cascade(spec)
+    shape = {"m": 3, "n": 45}
+    plan = make_plan(spec, d, "split_fused", shape, KernelConfig({"n": 8}, split=3))
+    dtypes = bind_dtypes(spec, "float32")
+    part, combine = build_structure(plan, dtypes).kernels
+    assert part.inputs == ("x",) and part.outputs == ()
+    assert combine.inputs == () and combine.outputs == ("y",)
+    assert "x_ptr" not in [a.name for a in combine.args]
+    report = self_check(spec, shape, "float32", strategy="split_fused", config=plan.config, derivation=d)
+    assert report["passed"], report
+
+
+# ---------------------------------------------------------------- shorter kernels (issue 14, deliverable 3)
+
+FUZZ_SEED43_HOIST = {  # benchmarks/results/fuzz_judge_seed43.md, compile failure 2
+    "foldwise": 1, "name": "a",
+    "inputs": {"kk": {"dims": ["n"]}, "x": {"dims": ["j2"]}, "a": {"dims": ["seq"]}},
+    "steps": [{"name": "offs", "reduce": "max", "over": "n", "expr": "where(index(seq) <= index(j2), kk, a)"},
+              {"name": "mx_old", "reduce": "max", "over": "n", "expr": "(kk + x) - offs"}],
+    "outputs": ["mx_old"], "params": {}}
+
+
+def softmax_source(strategy: str, config: KernelConfig) -> str:
+    spec = load_catalog_spec("safe_softmax")
+    plan = make_plan(spec, derive_cascade(spec), strategy, {"m": 5, "n": 300}, config)
+    dtypes = bind_dtypes(spec, "float32")
+    return module_source(plan, output_dtypes(spec, dtypes), dtypes)
+
+
+def test_a_module_pastes_only_the_helpers_its_kernels_call() -> None:
+    source = softmax_source("streaming_fused", KernelConfig({"n": 64}))
+    defined = set(re.findall(r"^def (\w+)\(", source, re.M))
+    assert {"rescale", "finite_or_zero", "safe_anchor"} <= defined  # rescale calls finite_or_zero
+    assert not defined & {"topk_merge", "argmax_merge", "fp8e4m3_bits", "bf16_round", "pow_real"}
+    spec = load_catalog_spec("moe_routing")
+    d = derive_cascade(spec)
+    plan = make_plan(spec, d, "streaming_fused", {"t": 3, "x": 40, "j": 8}, KernelConfig({"x": 16}))
+    dtypes = bind_dtypes(spec, "float32")
+    assert "def topk_merge(" in module_source(plan, output_dtypes(spec, dtypes), dtypes)
+
+
+def test_no_count_or_dead_running_value_where_nothing_reads_them() -> None:
+    """softmax's moves read only the running max: no count of values seen is kept, and den's running
+    value (read by nothing in the loop) is computed once, after it; layernorm's running-estimate
+    anchor reads the count, so it keeps it."""
+    for strategy, config in [("streaming_fused", KernelConfig({"n": 64})), ("split_fused", KernelConfig({"n": 64}, split=2))]:
+        source = softmax_source(strategy, config)
+        assert "count" not in source
+        assert not re.search(r"^\s+den = ", source, re.M)  # den_acc is read directly where needed
+    spec = load_catalog_spec("layernorm")
+    d = derive_cascade(spec)
+    plan = make_plan(spec, d, "streaming_fused", {"t": 3, "c": 100}, KernelConfig({"c": 32}))
+    dtypes = bind_dtypes(spec, "float32")
+    assert "count_old = count" in module_source(plan, output_dtypes(spec, dtypes), dtypes)
+
+
+def test_the_combine_kernel_loads_a_split_invariant_input_before_the_split_loop() -> None:
+    spec = load_spec(FUZZ_SEED43_HOIST)
+    d = derive_cascade(spec)
+    shape = {"n": 13, "j2": 2, "seq": 1}
+    plan = make_plan(spec, d, "split_fused", shape, KernelConfig({"n": 4}, split=2))
+    dtypes = bind_dtypes(spec, "float32")
+    _, combine_name = kernel_names(plan)
+    body = kernel_sources(module_source(plan, output_dtypes(spec, dtypes), dtypes))[combine_name][1]
+    lines = body.splitlines()
+    loop = next(i for i, line in enumerate(lines) if "for split in range" in line)
+    assert load_line(body, "x") < loop
+    report = self_check(spec, shape, "float32", strategy="split_fused", config=plan.config, derivation=d)
+    assert report["passed"], report
+
+
+def test_an_input_a_max_folds_as_it_is_is_masked_once_by_its_load() -> None:
+    """x's masked lanes are loaded as -inf where the max folds x itself: no tl.where(mask, x, -inf)
+    after an other=0 load; the sum of exp(x - mx) keeps its where (its identity is not exp's value
+    at other); the output pass loads x with other=0."""
+    for strategy in ("streaming_fused", "multi_pass"):  # row_resident keeps its where (emit.write_row_resident)
+        config = KernelConfig({"n": 64})
+        body = "\n".join(b for _, b in kernel_sources(softmax_source(strategy, config)).values())
+        assert 'other=float("-inf")' in body and "tl.max(x, axis=1, keep_dims=True)" in body, strategy
+        assert 'tl.where(mask_n, x, float("-inf"))' not in body
+        assert "tl.sum(tl.where(mask_n, tl.exp(" in body
+    spec = load_catalog_spec("safe_softmax")
+    report = self_check(spec, {"m": 5, "n": 300}, "float16", strategy="streaming_fused",
+                        config=KernelConfig({"n": 64}), derivation=derive_cascade(spec))
+    assert report["passed"], report
