@@ -67,7 +67,7 @@ def test_split_kernels_take_only_what_they_use() -> None:
     (launch,) = structure.launches
     assert isinstance(launch, SplitLaunch)
     assert (launch.part.kernel, launch.combine.kernel) == (part_name, combine_name)
-    assert launch.part.grid.split and not launch.combine.grid.split
+    assert launch.part.grid.split and not launch.combine.grid.split  # o keeps no n: one program per lane block
     kernels = kernel_sources(module_source(plan, output_dtypes(spec, dtypes), dtypes))
     assert set(kernels) == {part_name, combine_name}
     part, combine = kernels[part_name][0], kernels[combine_name][0]
@@ -118,6 +118,32 @@ def test_a_combine_kernel_without_outputs_along_the_axis_loads_no_input() -> Non
     assert "x_ptr" not in [a.name for a in combine.args]
     report = self_check(spec, shape, "float32", strategy="split_fused", config=plan.config, derivation=d)
     assert report["passed"], report
+
+
+def test_a_combine_kernel_writes_one_chunk_of_the_axis_per_program() -> None:
+    """Outputs along the axis: the combine grid is lanes x SPLIT and each program's output loop
+    covers its own chunk; a row output (fp8's scale) is written by chunk 0's program only."""
+    spec = load_catalog_spec("fp8_quant_per_token")
+    d = derive_cascade(spec)
+    shape = {"t": 5, "c": 300}  # 300 = 3 chunks of 112 (the last one short) at BLOCK_c = 16
+    plan = make_plan(spec, d, "split_fused", shape, KernelConfig({"t": 2, "c": 16}, split=3))
+    dtypes = bind_dtypes(spec, "float32")
+    structure = build_structure(plan, dtypes, output_dtypes(spec, dtypes))
+    (launch,) = structure.launches
+    assert launch.part.grid.split and launch.combine.grid.split
+    combine = structure.kernels[1]
+    assert [p.span for p in combine.passes if p.loop][-1] == "chunk_outputs"
+    body = kernel_sources(module_source(plan, output_dtypes(spec, dtypes), dtypes))[combine.name][1]
+    assert "lo = tl.program_id(1) * chunk" in body
+    assert "for start in range(lo, tl.minimum(lo + chunk, size_c), BLOCK_c):" in body
+    lines = body.splitlines()
+    guard = lines.index("    if lo == 0:")
+    assert lines[guard + 2].lstrip().startswith("tl.store(scale_ptr")
+    report = self_check(spec, shape, "float32", strategy="split_fused", config=plan.config, derivation=d)
+    assert report["passed"], report
+    # enough lane blocks to fill the GPU: one combine program per lane block writes the whole axis
+    many = make_plan(spec, d, "split_fused", {"t": 4096, "c": 300}, KernelConfig({"t": 2, "c": 16}, split=3))
+    assert not many.parallel_combine and not build_structure(many, dtypes).launches[0].combine.grid.split
 
 
 # ---------------------------------------------------------------- shorter kernels (issue 14, deliverable 3)

@@ -181,20 +181,22 @@ class Anatomy:
         return out
 
     # ------------------------------------------------------------------ sketches
-    def structure(self, strategy: str, blocks: Mapping[str, int]) -> st.ModuleStructure:
+    def structure(self, strategy: str, blocks: Mapping[str, int], parallel_combine: bool = False) -> st.ModuleStructure:
         """The code generator's structure of ``strategy`` with these blocks (every dim), unvalidated:
-        the search space checks validity itself."""
+        the search space checks validity itself. ``parallel_combine``: the plan's decision
+        (:func:`fuser_core.codegen.plan.parallel_combine`, which needs the shape)."""
         config = KernelConfig(dict(blocks), split=2 if strategy == "split_fused" else 1)
-        plan = KernelPlan(self.spec, self.derivation, strategy, self.axis, self.inner, dict(blocks), self.lanes, config)
+        plan = KernelPlan(self.spec, self.derivation, strategy, self.axis, self.inner, dict(blocks), self.lanes, config,
+                          parallel_combine)
         return st.build_structure(plan, self.dtypes)
 
-    def kernels(self, strategy: str, blocks: Mapping[str, int]) -> list[KernelSketch]:
+    def kernels(self, strategy: str, blocks: Mapping[str, int], parallel_combine: bool = False) -> list[KernelSketch]:
         """The kernels ``strategy`` launches with these blocks (every dim; see :meth:`full_blocks`)."""
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}")
-        key = (strategy, block_pattern(blocks))
+        key = (strategy, block_pattern(blocks), parallel_combine)
         if key not in self._cache:
-            structure = self.structure(strategy, blocks)
+            structure = self.structure(strategy, blocks, parallel_combine)
             self._cache[key] = [sketch(self, k, structure) for k in structure.kernels]
         return self._cache[key]
 
@@ -280,6 +282,10 @@ class WorkCounter:
             self.p.add(acc, 2 * n_accs)
 
 
+# the structure's output passes loop like the loops the model knows: over the axis, or a chunk of it
+LOOP_OF_SPAN = {"outputs": "axis", "chunk_outputs": "chunk"}
+
+
 def sketch(an: Anatomy, kernel: st.Kernel, structure: st.ModuleStructure) -> KernelSketch:
     """The cost model's view of one kernel of the structure."""
     spec = an.spec
@@ -291,7 +297,7 @@ def sketch(an: Anatomy, kernel: st.Kernel, structure: st.ModuleStructure) -> Ker
     passes: list[Pass] = []
     ws_stores: list[frozenset[str]] = []
     for sp_ in kernel.passes:
-        p = Pass("axis" if sp_.span == "outputs" else sp_.span)
+        p = Pass(LOOP_OF_SPAN.get(sp_.span, sp_.span))
         w = WorkCounter(an, p)
         for ld in sp_.loads:
             dims = frozenset(ld.dims)

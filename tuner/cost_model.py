@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fuser_core.codegen.gpu_compile import KernelBuild
-from fuser_core.codegen.plan import KernelConfig
+from fuser_core.codegen.plan import KernelConfig, parallel_combine
 from fuser_core.derive import Derivation
 from fuser_core.problem import Problem
 from fuser_core.spec import Spec
@@ -321,7 +321,7 @@ class _KernelEvaluator:
                 l2 += written
             if x["ws_read"]:
                 hbm += x["ws_read"] * miss_fraction(earlier_bytes, prof)
-                l2 += x["ws_read"]
+                l2 += x["ws_requested"]
         ws_written = 0.0
         for dims in sketch.ws_stores:
             ws_written += L.split * self.footprint(dims) * 4
@@ -373,11 +373,14 @@ class _KernelEvaluator:
         for dims in p.ws_loads:
             ws_read += L.split * self.footprint(dims) * 4
             tile_bytes += elements(dims, L.blocks) * 4
-        requested += ws_read
+        # a combine kernel with SPLIT programs per lane block reads every part in each: the
+        # workspace leaves HBM once (ws_read), L2 serves it SPLIT times
+        ws_requested = ws_read * (L.split if split_grid else 1)
+        requested += ws_requested
         writes = [(part, self.footprint(dims) * self.stores.get(part, 4)) for part, dims in p.stores]
         depth = self.config.num_stages if p.loop in ("axis", "chunk") and it > 1 else 1
         return {"reads": reads, "requested": requested, "writes": writes, "ws_read": ws_read,
-                "in_flight": tile_bytes * depth}
+                "ws_requested": ws_requested, "in_flight": tile_bytes * depth}
 
 
 # ---------------------------------------------------------------------- fused candidates
@@ -408,7 +411,7 @@ class _Model:
         loads: list[KernelLoad] = []
         touched: dict[str, float] = {}  # name -> requested bytes before the kernel that last read it
         done = 0.0
-        sketches = an.kernels(strategy, blocks)
+        sketches = an.kernels(strategy, blocks, parallel_combine(strategy, an.lanes, self.shape, blocks))
         for kernel, built in zip(sketches, kernel_facts_for([k.name for k in sketches], compiled)):
             load = ev.evaluate(kernel, {n: done - at for n, at in touched.items()}, done, built)
             loads.append(load)

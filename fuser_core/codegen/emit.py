@@ -18,7 +18,7 @@ import re
 import sympy as sp
 
 from fuser_core.codegen.names import FP8, safe_name
-from fuser_core.codegen.structure import Dot, Kernel, ModuleStructure, anchored_deps, effective_op, reads_count
+from fuser_core.codegen.structure import Dot, Kernel, ModuleStructure, anchored_deps, axis_outputs, effective_op, reads_count
 from fuser_core.codegen.tritonize import number, to_triton
 from fuser_core.realisation import (
     COUNT_OLD,
@@ -528,11 +528,21 @@ class KernelWriter:
         return self.tex(e)
 
     def emit_outputs(self) -> None:
-        """Row outputs once; outputs that still have the loop axis in a last pass over it."""
+        """Row outputs once; outputs that still have the loop axis in a last pass over it (a
+        parallel combine kernel: over its program's chunk, row outputs from chunk 0 only)."""
         a = self.plan.axis
-        row = [p for p in self.output_parts() if a not in self.part_dims(p)]
-        along = [p for p in self.output_parts() if a in self.part_dims(p)]
-        for part in row:
+        along = axis_outputs(self.plan)
+        row = [p for p in self.output_parts() if p not in along]
+        chunked = self.kernel.role == "combine" and self.kernel.grid.split
+        if chunked and row:  # every program of a lane block has the row outputs: chunk 0's writes them
+            values = [(part, self.output_value(part)) for part in row]  # loads stay outside the if
+            self.emit("if lo == 0:")
+            self.depth += 1
+            for part, value in values:
+                self.emit(f"# output {part}")
+                self.store(part, value)
+            self.depth -= 1
+        for part in row if not chunked else ():
             self.emit(f"# output {part}")
             self.store(part, self.output_value(part))
         if not along:
@@ -542,8 +552,12 @@ class KernelWriter:
                 self.emit(f"# output {part}")
                 self.store(part, self.output_value(part))
             return
-        self.emit(f"# second pass over {a}: outputs {', '.join(along)} need the final reductions")
-        self.emit(f"for start in range(0, size_{a}, BLOCK_{a}):")
+        if chunked:
+            self.emit(f"# second pass, over this program's chunk of {a}: outputs {', '.join(along)} need the final reductions")
+            self.emit(f"for start in range(lo, tl.minimum(lo + chunk, size_{a}), BLOCK_{a}):")
+        else:
+            self.emit(f"# second pass over {a}: outputs {', '.join(along)} need the final reductions")
+            self.emit(f"for start in range(0, size_{a}, BLOCK_{a}):")
         self.depth += 1
         self.begin_scope()
         self.axis_tile("start")
@@ -784,10 +798,17 @@ class KernelWriter:
         self.loaded = set()
         self.persistent = set()
         self.kernel = self.structure.kernels[1]
-        self.header(
-            f"{self.spec.name}, split-fused part 2: merge the SPLIT partial states (each re-anchored to the "
-            "merged dependencies with the derived corrections), then write the outputs."
-        )
+        if self.kernel.grid.split:
+            self.header(
+                f"{self.spec.name}, split-fused part 2: program (lanes, s) merges the SPLIT partial states (each "
+                "re-anchored to the merged dependencies with the derived corrections), then writes chunk s of the outputs."
+            )
+            self.emit("lo = tl.program_id(1) * chunk")
+        else:
+            self.header(
+                f"{self.spec.name}, split-fused part 2: merge the SPLIT partial states (each re-anchored to the "
+                "merged dependencies with the derived corrections), then write the outputs."
+            )
         self.combine()
         self.finalize()
         self.emit_outputs()

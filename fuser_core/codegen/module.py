@@ -100,6 +100,7 @@ def generate(
     key_parts = [
         canonical_json(spec), [(i.name, i.dims) for i in spec.inputs], [s.name for s in spec.steps],
         sorted(plan.blocks.items()), strategy, config.to_dict(), sorted(dtypes.items()), sorted(stores.items()),
+        plan.parallel_combine,
     ]
     key, path, source = cached_source(f"{spec.name}_{strategy}", key_parts, lambda: module_source(plan, stores, dtypes))
     return GeneratedModule(key, source, plan, path)

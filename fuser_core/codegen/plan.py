@@ -22,6 +22,8 @@ Strategies (docs/THEORY.md section 6) and when each is valid, decided before any
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +79,21 @@ class NotValid(Exception):
     """This strategy cannot run this (spec, shape, config); the message says why."""
 
 
+# split_fused's combine kernel writes the outputs along the axis with SPLIT programs per lane block
+# (each re-merges the SPLIT partial states, then writes its own chunk) when the lane blocks alone
+# are fewer than about one wave of programs (an H100 holds 132 SMs x 8 of them): below that one
+# program per lane block leaves the GPU idle while it writes the whole axis. The cost model puts
+# the crossover between 512 and 1024 lane blocks (benchmarks/results/parallel_combine_model.md).
+PARALLEL_COMBINE_BELOW = 1024
+
+
+def parallel_combine(strategy: str, lanes: tuple[str, ...], shape: Mapping[str, int], blocks: Mapping[str, int]) -> bool:
+    """Does split_fused's combine kernel run SPLIT programs per lane block (see PARALLEL_COMBINE_BELOW)?"""
+    if strategy != "split_fused":
+        return False
+    return math.prod(-(-shape[d] // blocks[d]) for d in lanes) < PARALLEL_COMBINE_BELOW
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     spec: Spec
@@ -87,6 +104,7 @@ class KernelPlan:
     blocks: dict[str, int]  # every dim -> block size
     lanes: tuple[str, ...]  # dims split over programs
     config: KernelConfig
+    parallel_combine: bool = False  # split_fused: see parallel_combine()
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -175,7 +193,8 @@ def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str
     tile = max(_tile_elements(spec, s, blocks, s.name in dots) for s in spec.steps)
     if tile > MAX_TILE_ELEMENTS:
         raise NotValid(f"a tile of {tile} elements is too large (max {MAX_TILE_ELEMENTS}); use smaller blocks")
-    return KernelPlan(spec, derivation, strategy, axis, inner, blocks, lanes, config)
+    return KernelPlan(spec, derivation, strategy, axis, inner, blocks, lanes, config,
+                      parallel_combine(strategy, lanes, shape, blocks))
 
 
 def valid_strategies(spec: Spec, derivation: Derivation, shape: dict[str, int]) -> dict[str, str | None]:

@@ -114,8 +114,9 @@ class Pass:
 
     ``span``: ``axis`` (a loop over the whole axis; row_resident: its one resident tile),
     ``chunk`` (a split program's chunk of the axis), ``split`` (the combine kernel's loop over
-    the SPLIT partial states), ``once`` (straight-line code after the loops) or ``outputs``
-    (the second loop over the axis that writes the outputs keeping it)."""
+    the SPLIT partial states), ``once`` (straight-line code after the loops), ``outputs``
+    (the second loop over the axis that writes the outputs keeping it) or ``chunk_outputs``
+    (that loop over one chunk of the axis: a combine program writes its own chunk's outputs)."""
 
     span: str
     loop: bool  # printed as a loop (False: row_resident's tile and ``once``)
@@ -185,7 +186,8 @@ class Launch:
 @dataclass(frozen=True)
 class SplitLaunch:
     """split_fused: the part kernel (grid lanes x SPLIT, each program folds a chunk of ``chunk``
-    axis elements into its partial state in ``workspace``) then the combine kernel (grid lanes)."""
+    axis elements into its partial state in ``workspace``) then the combine kernel (grid lanes,
+    times SPLIT when outputs keep the axis: each program then writes one chunk of them)."""
 
     part: Launch
     combine: Launch
@@ -485,15 +487,16 @@ class _KernelWalk:
             self.value([self.conv.value(name, part.split(".")[1] if "." in part else None)])
         self.stores.append(part)
 
-    def outputs(self, resident: bool = False) -> None:
-        """Row outputs after the loops; outputs along the axis in one more loop over it."""
+    def outputs(self, resident: bool = False, chunked: bool = False) -> None:
+        """Row outputs after the loops; outputs along the axis in one more loop over it (``chunked``:
+        over the program's own chunk of it)."""
         parts = list(self.plan.spec.output_parts)
-        along = [p for p in parts if self.plan.axis in self.plan.spec.step(p.split(".")[0]).dims]
+        along = axis_outputs(self.plan)
         for part in parts:
             if part not in along or resident:
                 self.output(part)
         if along and not resident:
-            self.open("outputs", True)
+            self.open("chunk_outputs" if chunked else "outputs", True)
             for part in along:
                 self.output(part)
         self.close()
@@ -526,6 +529,11 @@ def _args(plan: KernelPlan, inputs: Iterable[str], outputs: Iterable[str], ws: t
         out.append(Arg("chunk", "chunk"))
     out += [Arg(f"BLOCK_{d}", str(plan.blocks[d]), constexpr=True) for d in spec.dims]
     return tuple(out)
+
+
+def axis_outputs(plan: KernelPlan) -> list[str]:
+    """The output parts that keep the loop axis (written in a pass over it after the reductions)."""
+    return [p for p in plan.spec.output_parts if plan.axis in plan.spec.step(p.split(".")[0]).dims]
 
 
 def kernel_names(plan: KernelPlan) -> tuple[str, str]:
@@ -583,11 +591,15 @@ def build_structure(plan: KernelPlan, input_dtypes: Mapping[str, str],
             c.merge(step)
         c.open("once", False)
         c.finalize()
-        c.outputs()
+        # outputs along the axis, few lane blocks: SPLIT programs per lane block, each merges the
+        # (few) partial states and writes its own chunk (plan.parallel_combine says when)
+        parallel = plan.parallel_combine and bool(axis_outputs(plan))
+        c.outputs(chunked=parallel)
+        combine_grid = Grid(lanes.lanes, split=parallel)
         parts = tuple(plan.spec.output_parts)
-        kernels.append(Kernel(combine_name, "combine", lanes, tuple(c.passes), states,
+        kernels.append(Kernel(combine_name, "combine", combine_grid, tuple(c.passes), states,
                               _args(plan, c.inputs, parts, ws, "combine", input_dtypes, stores), tuple(c.inputs), parts))
-        launch = SplitLaunch(Launch(name, kernels[0].grid), Launch(combine_name, lanes), plan.config.split, a,
+        launch = SplitLaunch(Launch(name, kernels[0].grid), Launch(combine_name, combine_grid), plan.config.split, a,
                              plan.blocks[a], ws)
         return ModuleStructure(plan, tuple(kernels), (launch,), ws, tuple((o, e, d) for (o, e), d in dots.items()))
     parts = tuple(plan.spec.output_parts)
