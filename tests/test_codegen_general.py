@@ -362,6 +362,41 @@ def test_argmax_ties_take_the_first_index(strategy: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# (e2) a reduction over a top-k's output dim: a router renormalising its selected gate weights
+
+ROUTER_RENORM = make_spec("router_renorm", [
+    {"name": "mx", "reduce": "max", "over": "x", "expr": "logits"},
+    {"name": "den", "reduce": "sum", "over": "x", "expr": "exp(logits - mx)"},
+    {"name": "gate", "reduce": "topk", "k": 3, "as": "j", "over": "x", "expr": "exp(logits - mx) / den"},
+    {"name": "norm", "reduce": "sum", "over": "j", "expr": "gate.values"},
+    {"name": "w", "expr": "gate.values / norm"},
+], ["w", "gate"], inputs={"logits": {"dims": ["t", "x"]}})
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_sum_over_the_top_k_slots_runs_in_the_kernels_epilogue(strategy: str) -> None:
+    """Mixtral/DeepSeek-style routers: softmax, top-k over the experts, then the k weights
+    renormalised over j. The loop runs over x; the sum over j reads the final top-k and is
+    computed after the loop from the k slots the kernel holds, in the same kernel."""
+    derivation = derive_cascade(ROUTER_RENORM)
+    shape = bind_shape(ROUTER_RENORM, {"t": 5, "x": N})
+    assert valid_strategies(ROUTER_RENORM, derivation, shape)[strategy] is None
+    cfg = KernelConfig({"x": BLOCK, "t": 2} if strategy != "row_resident" else {"t": 2},
+                       split=3 if strategy == "split_fused" else 1)
+    check(ROUTER_RENORM, shape, strategy=strategy, cfg=cfg, derivation=derivation)
+    module = generate(ROUTER_RENORM, derivation, strategy, shape, cfg, bind_dtypes(ROUTER_RENORM, "float32"))
+    lines = module.source.splitlines()
+    # once, at a kernel's top level (after its loops), in the strategy's own kernels: no extra launch
+    norms = [line for line in lines if line.strip().startswith("norm = tl.sum(")]
+    assert len(norms) == 1 and norms[0].startswith("    norm = ")
+    kernels = re.findall(r"^def (\w+_kernel)\(", module.source, re.M)
+    assert len(kernels) == (2 if strategy == "split_fused" else 1), kernels
+    inputs = random_inputs(ROUTER_RENORM, shape, np.random.default_rng(5), bind_dtypes(ROUTER_RENORM, "float32"))
+    out = run(ROUTER_RENORM, shape, "float32", inputs, strategy=strategy, config=cfg, derivation=derivation).outputs
+    np.testing.assert_allclose(out["w"].numpy().sum(axis=1), 1.0, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
 # (f) the generated source is readable Python, not an eval of a string
 
 

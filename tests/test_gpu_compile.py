@@ -244,3 +244,23 @@ def test_a_combine_kernel_reading_an_input_after_its_split_loop_compiles(compile
                 for cap in (90, 80)]
     builds = compile_pool.compile(requests)
     assert all(b.ok and len(b.kernels) == 2 for b in builds), [b.first_error() for b in builds]
+
+
+@pytest.mark.parametrize("strategy", ["row_resident", "streaming_fused", "split_fused", "multi_pass"])
+def test_a_sum_over_top_k_slots_in_the_epilogue_compiles(compile_pool, strategy):
+    """A router renormalising its top-k gate weights over j: the sum over j runs after the loop
+    over the experts, in the selecting kernel (tests/test_codegen_general.py runs it)."""
+    spec = load_spec({"foldwise": 1, "name": "router_renorm", "inputs": {"logits": {"dims": ["t", "x"]}},
+                      "steps": [{"name": "mx", "reduce": "max", "over": "x", "expr": "logits"},
+                                {"name": "den", "reduce": "sum", "over": "x", "expr": "exp(logits - mx)"},
+                                {"name": "gate", "reduce": "topk", "k": 8, "as": "j", "over": "x",
+                                 "expr": "exp(logits - mx) / den"},
+                                {"name": "norm", "reduce": "sum", "over": "j", "expr": "gate.values"},
+                                {"name": "w", "expr": "gate.values / norm"}],
+                      "outputs": ["w", "gate"]})
+    shape = {"t": 4096, "x": 256}
+    blocks = {"t": 2} if strategy == "row_resident" else {"t": 2, "x": 64}
+    config = {"blocks": blocks, "num_warps": 4, "num_stages": 2, "split": 2 if strategy == "split_fused" else 1}
+    requests = [CompileRequest(spec, shape, bind_dtypes(spec, "float16"), strategy, config, cap) for cap in (90, 80)]
+    builds = compile_pool.compile(requests)
+    assert all(b.ok for b in builds), [b.first_error() for b in builds]

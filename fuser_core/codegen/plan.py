@@ -118,12 +118,20 @@ class KernelPlan:
 
 
 def loop_axis(spec: Spec) -> tuple[str, tuple[str, ...]]:
-    """The axis one kernel loops over: every reduction over another axis must keep it."""
+    """The axis one kernel loops over, and the other reduced axes (held whole in each tile).
+
+    Every reduction over another axis must keep the loop axis (it is computed inside each tile),
+    except one over a selection's output dim (a top-k's ``as``): it reads the selection's final
+    values, so it runs in the epilogue, after the loop, over the k slots the kernel already
+    holds (renormalising a router's top-k gate weights over ``j``, say)."""
     axes = list(dict.fromkeys(s.over for s in spec.steps if s.is_reduction))
     if not axes:
         raise NotValid("the spec has no reduction")
+    selected = {s.as_dim for s in spec.steps if s.as_dim}
     for a in axes:
-        others = [s for s in spec.steps if s.is_reduction and s.over != a]
+        if a in selected:
+            continue
+        others = [s for s in spec.steps if s.is_reduction and s.over != a and s.over not in selected]
         if all(a in s.dims for s in others):
             return a, tuple(x for x in axes if x != a)
     raise NotValid(f"reductions over {', '.join(axes)} do not nest: no single loop axis")
