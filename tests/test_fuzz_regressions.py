@@ -819,3 +819,32 @@ def test_a_polynomial_centred_on_a_max_that_a_mask_can_make_infinite_is_not_fuse
     assert d.forms["s"].fused  # a scaled form keeps its guards: the masked softmax still fuses
     assert d.forms["t"].fused  # masked like g: no element reaches the polynomial where g is -inf
     assert certify(d).holds
+
+
+SIN_NEAR_A_POLE = {  # fuzz seed 43 (benchmarks/results/fuzz_judge_seed43.md, certificate failure 4)
+    "foldwise": 1, "name": "qv8brgtu",
+    "inputs": {"v": {"dims": ["j2", "c", "e"]}, "tgt": {"dims": ["j2"], "kind": "index"}},
+    "steps": [{"name": "triton", "expr": "(((alpha / (1 + v * alpha)) / size(j2))) ** 4"},
+              {"name": "idx", "reduce": "sum", "over": "e", "expr": "sin(triton)"},
+              {"name": "mx", "expr": "minimum(cast(triton, \"float16\"), where(index(e) >= index(c), alpha, -1))"},
+              {"name": "p", "expr": "cast(alpha, \"float32\") * mx"},
+              {"name": "offs", "expr": "where(tgt >= 1, p, 0)"}],
+    "outputs": ["idx", "offs"], "params": {"alpha": 2}}
+
+
+def test_an_ill_conditioned_reference_is_judged_by_its_own_movement():
+    """Fuzz seed 43: near v = -1/2 the argument of sin reaches ~5e15, and algebraically equal forms
+    differ by O(1) in float64 (0.145 relative). The certificate now allows a failing reduction
+    CONDITIONING_K times the reference's own movement at inputs moved by a few float64 ulps; a
+    wrong form, which is wrong where the reference is well-conditioned too, is still caught."""
+    from fuser_core import certificate
+
+    d = derive_cascade(load_spec(SIN_NEAR_A_POLE))
+    assert all(certify(d, seed=seed).holds for seed in range(4))
+    # without the allowance the same trials fail: the test exercises it
+    original = certificate.CONDITIONING_K
+    certificate.CONDITIONING_K = 0
+    try:
+        assert not all(certify(d, seed=seed).holds for seed in range(4))
+    finally:
+        certificate.CONDITIONING_K = original
