@@ -722,16 +722,16 @@ class KernelWriter:
                 self.running_value(step, accs)
                 self.merged.add(step.name)
             if step.name in anchors:
-                self.update_anchor(step)
+                self.update_anchor(step, "merged")
         self.accs = merged
 
-    def update_anchor(self, step: Step) -> None:
+    def update_anchor(self, step: Step, what: str = "running") -> None:
         anchor, value = self.anchor_var(step.name), self.values[step.name]
         kinds = {self.forms[s.name].anchors.get(step.name) for s in self.axis_steps()} - {None}
         if any(k and k.startswith("running estimate") for k in kinds):
             self.emit(f"{anchor} = {value} * size_{self.plan.axis} / tl.maximum(count, 1.0)  # running estimate of {step.name}")
         else:
-            self.emit(f"{anchor} = safe_anchor({value})  # running {step.reduce} of {step.name}")
+            self.emit(f"{anchor} = safe_anchor({value})  # {what} {step.reduce} of {step.name}")
 
     def realisation(self, step: Step) -> Realisation:
         real = self.forms[step.name].realisation
