@@ -129,3 +129,16 @@ def test_per_lane_results_match_float64_on_edge_inputs(name: str, n: int, block:
         assert not np.isfinite(got[0]).any(), (name, got[0])
         if name == "safe_softmax":
             assert np.isnan(got[0]).all()
+
+
+@pytest.mark.parametrize("name,shape,blocks", [
+    ("attention", {"b": 1, "h": 2, "m": 1, "n": 300, "d": 16, "e": 16}, {"n": 64}),  # decode: no tl.dot at m = 1
+    ("fp8_quant_gemm", {"m": 3, "k": 300, "n": 5}, {"k": 64}),
+])
+def test_a_matrix_product_stays_per_tile_at_any_blocks(name: str, shape: dict, blocks: dict) -> None:
+    """A sum that is a matrix product (a tl.dot at blocks >= 16) would hold an outer product per lane."""
+    spec = load_catalog_spec(name)
+    plan = make_plan(spec, derive_cascade(spec), "streaming_fused", shape, KernelConfig(blocks))
+    streamed = next(p for p in build_structure(plan, bind_dtypes(spec, "float32")).kernels[0].passes if p.span == "axis")
+    ok, why = per_lane(plan, streamed.folds)
+    assert not streamed.per_lane and not ok and "matrix product" in why, why

@@ -297,9 +297,13 @@ def per_lane(plan: KernelPlan, folds: Iterable[Fold]) -> tuple[bool, str]:
             return False, f"{step.name}: reads the count of values seen"
         if not set(step.dims) <= lanes:
             return False, f"{step.name}: its state has dims besides the lanes ({', '.join(sorted(set(step.dims) - lanes))})"
-    dots = [f.step for f in folds if f.dot is not None and not f.inner]
-    if dots:
-        return False, f"{dots[0]} folds by tl.dot"
+    for f in folds:
+        if f.inner:
+            continue
+        if f.dot is not None:
+            return False, f"{f.step} folds by tl.dot"
+        if f.op == "sum" and contracts(plan, f.expr, f.over):  # a tl.dot at larger blocks; per lane, an outer product
+            return False, f"{f.step} is a matrix product over {f.over} (its lanes would hold an outer product)"
     return True, "every reduction of the loop folds elementwise with an exact merge"
 
 
@@ -347,6 +351,18 @@ def expr_dims(plan: KernelPlan, e: sp.Expr) -> set[str]:
         if name.endswith(("[old]", "[new]")) and isinstance(plan.spec.lookup(name[:-5]), Step):
             dims.update(plan.spec.step(name[:-5]).dims)
     return {d for d in dims if plan.blocks.get(d, 1) > 1}
+
+
+def contracts(plan: KernelPlan, e: sp.Expr, over: str) -> bool:
+    """Is the sum over ``over`` of ``e`` a matrix product, whatever the blocks: two factors each varying
+    over a dim (besides ``over``) the other lacks (attention's exp(s - mx) * v: m and e)?"""
+    conv = plan.derivation.symbols
+    dims = []
+    for f in sp.Mul.make_args(e):
+        fd = {d for s in f.free_symbols for d in conv.leaf_dims.get(s, ())} - {over}
+        if fd:
+            dims.append(fd)
+    return any(a - b and b - a for i, a in enumerate(dims) for b in dims[i + 1:])
 
 
 def _exact_in_fp16(e: sp.Expr, input_dtypes: Mapping[str, str]) -> bool:
