@@ -133,6 +133,7 @@ def test_per_lane_results_match_float64_on_edge_inputs(name: str, n: int, block:
 
 @pytest.mark.parametrize("name,shape,blocks", [
     ("attention", {"b": 1, "h": 2, "m": 1, "n": 300, "d": 16, "e": 16}, {"n": 64}),  # decode: no tl.dot at m = 1
+    ("attention_causal", {"b": 1, "h": 2, "m": 20, "n": 300, "d": 16, "e": 16}, {"n": 64, "m": 16, "e": 16}),
     ("fp8_quant_gemm", {"m": 3, "k": 300, "n": 5}, {"k": 64}),
 ])
 def test_a_matrix_product_stays_per_tile_at_any_blocks(name: str, shape: dict, blocks: dict) -> None:

@@ -356,6 +356,8 @@ def expr_dims(plan: KernelPlan, e: sp.Expr) -> set[str]:
 def contracts(plan: KernelPlan, e: sp.Expr, over: str) -> bool:
     """Is the sum over ``over`` of ``e`` a matrix product, whatever the blocks: two factors each varying
     over a dim (besides ``over``) the other lacks (attention's exp(s - mx) * v: m and e)?"""
+    if isinstance(e, sp.Piecewise):  # a masked product (causal attention's where(c, exp(s - mx) * v, 0))
+        return any(contracts(plan, branch, over) for branch, _ in e.args)
     conv = plan.derivation.symbols
     dims = []
     for f in sp.Mul.make_args(e):
