@@ -24,7 +24,7 @@ from fuser_core.problem import make_problem
 from fuser_core.runner import bind_dtypes
 from fuser_core.spec import load_spec
 from tuner import measure as measure_mod
-from tuner.analysis import Anatomy
+from tuner.analysis import Anatomy, tree_cost
 from tuner.cost_model import KernelLoad, kernel_time, predict, predict_chain
 from tuner.measure import Measurement, Measurer, ModelMeasurer, clear_verification_cache, reduced_problem
 from tuner.profiles import PROFILES, get_profile, profile_for_device_name
@@ -401,4 +401,12 @@ def test_taylor_shifted_sums_are_modelled() -> None:
                                  {"name": "v", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"}],
                        "outputs": ["v"]})
     p_plain = predict(make_problem(plain, space.shape, "float32"), derive_cascade(plain), streaming, H100)
-    assert predict(space.problem, d, streaming, H100).flops > p_plain.flops
+    p_taylor = predict(space.problem, d, streaming, H100)
+    # the plain scaled sum keeps per-lane states (structure.per_lane: its rescale and anchor run on every
+    # element, so it counts more flops); the Taylor shift stays per tile: its joint moves are counted once
+    # per tile and row, each moved coefficient's whole expression
+    assert p_taylor.flops > 0 and p_plain.flops > 0
+    loop = next(p for p in space.anatomy.kernels("streaming_fused", space.blocks_of(streaming))[0].passes if p.loop == "axis")
+    moves = sum(tree_cost(a.moved)[0] for a in d.forms["v"].realisation.accumulators if a.move == "joint")
+    assert moves > 0 and loop.ops[frozenset({"m"})][0] >= moves
+    assert len(space.anatomy.kernels("streaming_fused", space.blocks_of(streaming))[0].state) == 4  # mx, three coefficients

@@ -204,10 +204,15 @@ class Anatomy:
 class WorkCounter:
     """Elementwise work of one pass: each expression node once, at its own dims."""
 
-    def __init__(self, an: Anatomy, p: Pass):
+    def __init__(self, an: Anatomy, p: Pass, lane_axis: str | None = None):
         self.an = an
         self.p = p
         self.seen: set[sp.Basic] = set()
+        # a per-lane pass (structure.per_lane): states, anchors and moves are per lane of the axis's tile
+        self.widen = frozenset({lane_axis} if lane_axis else ())
+
+    def state_dims(self, step: Step) -> frozenset[str]:
+        return frozenset(step.dims) | self.widen
 
     def expr(self, e: sp.Basic) -> None:
         if e in self.seen or e.is_Atom:
@@ -217,7 +222,7 @@ class WorkCounter:
             self.expr(a)
         alu, sfu = node_cost(e)
         if alu or sfu:
-            self.p.add(self.an.dims_of(e), alu, sfu)
+            self.p.add(self.an.dims_of(e) | self.widen, alu, sfu)
 
     def fold(self, f: st.Fold, step: Step) -> None:
         """acc (op)= reduce over the tile: a tl.dot (its operands' factors), or the tile and a tl.sum/max."""
@@ -264,12 +269,20 @@ class WorkCounter:
         """The state update of a streamed tile beyond its folds and printed values: the moves,
         the running value's combination, the anchor update."""
         real = self.realisation(step)
-        acc = frozenset(step.dims)
+        acc = self.state_dims(step)
         self.moves(real, acc, 1)
         if not real.selection and real.value not in real.symbols:
             self.p.add(acc, 2 * len(real.accumulators))  # value = sum_j final_factor_j * acc_j + offset
         if anchored:
             self.p.add(acc, 3)  # the anchor update
+
+    def merge_lanes(self, step: Step) -> None:
+        """A per-lane state's lanes folded over the axis once (each lane moved to the merged anchors)."""
+        real = self.realisation(step)
+        lanes = self.state_dims(step)
+        self.moves(real, lanes, 1)
+        self.p.add(lanes, len(real.accumulators))  # the fold of the moved lanes
+        self.p.tensors.append(lanes)
 
     def merge(self, step: Step, n_accs: int) -> None:
         """Merging one partial state into the running one (both moved to the merged anchors first)."""
@@ -282,8 +295,9 @@ class WorkCounter:
             self.p.add(acc, 2 * n_accs)
 
 
-# the structure's output passes loop like the loops the model knows: over the axis, or a chunk of it
-LOOP_OF_SPAN = {"outputs": "axis", "chunk_outputs": "chunk"}
+# the structure's output passes loop like the loops the model knows (over the axis, or a chunk of
+# it); a per-lane pass's lane merge runs once
+LOOP_OF_SPAN = {"outputs": "axis", "chunk_outputs": "chunk", "lanes": "once"}
 
 
 def sketch(an: Anatomy, kernel: st.Kernel, structure: st.ModuleStructure) -> KernelSketch:
@@ -298,7 +312,7 @@ def sketch(an: Anatomy, kernel: st.Kernel, structure: st.ModuleStructure) -> Ker
     ws_stores: list[frozenset[str]] = []
     for sp_ in kernel.passes:
         p = Pass(LOOP_OF_SPAN.get(sp_.span, sp_.span))
-        w = WorkCounter(an, p)
+        w = WorkCounter(an, p, an.axis if sp_.per_lane or sp_.span == "lanes" else None)
         for ld in sp_.loads:
             dims = frozenset(ld.dims)
             p.loads = (*p.loads, ld.name)
@@ -312,6 +326,8 @@ def sketch(an: Anatomy, kernel: st.Kernel, structure: st.ModuleStructure) -> Ker
             step = spec.step(name)
             if sp_.span == "split":
                 w.merge(step, n_accs[name])
+            elif sp_.span == "lanes":
+                w.merge_lanes(step)
             else:
                 w.update(step, name in anchored)
         for part in sp_.stores:

@@ -18,7 +18,17 @@ import re
 import sympy as sp
 
 from fuser_core.codegen.names import FP8, safe_name
-from fuser_core.codegen.structure import Dot, Kernel, ModuleStructure, anchored_deps, axis_outputs, effective_op, reads_count
+from fuser_core.codegen.structure import (
+    Dot,
+    Kernel,
+    ModuleStructure,
+    Pass,
+    anchored_deps,
+    axis_outputs,
+    effective_op,
+    reads_count,
+    state_name,
+)
 from fuser_core.codegen.tritonize import number, to_triton
 from fuser_core.realisation import (
     COUNT_OLD,
@@ -246,6 +256,8 @@ class KernelWriter:
         self.values: dict[str | sp.Symbol, str] = {}  # sympy symbol (or its name) -> Triton expression, current scope
         self.store_dtypes = store_dtypes
         self.input_dtypes = input_dtypes
+        self.lanes = False  # printing a per-lane loop: states and anchors are per lane (structure.per_lane)
+        self.merged: set[str] = set()  # reductions whose final value the lane merge already printed
 
     # ------------------------------------------------------------ text helpers
     def emit(self, line: str = "") -> None:
@@ -427,16 +439,17 @@ class KernelWriter:
 
     # ------------------------------------------------------------ reductions over the loop axis
     def init_state(self, step: Step, parts: int = 1) -> list[str]:
-        """Emit the initial (empty) accumulators of an axis reduction; returns their names."""
+        """Emit the initial (empty) accumulators of an axis reduction; returns their names (per lane of
+        the axis's tile while printing a per-lane loop)."""
         var = safe_name(step.name)
-        shape = self.shape(step.dims)
+        shape = self.shape(self.state_dims(step.dims))
         op = self.effective_op(step)
         if op in ORDER_SELECTIONS:  # (values, indices), selected on values (negated for bottom-k/argmin)
             self.emit(f'{var}_acc_values = tl.full({shape}, float("-inf"), tl.float32)')
             self.emit(f"{var}_acc_indices = tl.zeros({shape}, tl.int32)")
             return [f"{var}_acc"]
         fill = number(identity(op))
-        names = [f"{var}_acc" if parts == 1 else f"{var}_acc{j}" for j in range(parts)]
+        names = [state_name(step, j, parts, self.lanes) for j in range(parts)]
         for n in names:
             self.emit(f"{n} = tl.full({shape}, {fill}, tl.float32)")
         return names
@@ -484,6 +497,16 @@ class KernelWriter:
                 f'tl.where(mask_{a}, {sign}({value}), float("-inf")), offs_{a}, offs_{slots}, '
                 f"{p}, {self.pos(slots)}, {step.k})"
             )
+
+    def lane_fold(self, step: Step, acc: str, e: sp.Expr, prev: str | None) -> None:
+        """acc = prev (op) e, elementwise: each lane of the tile folds its own element into its own state
+        (per lane, no reduction across the tile); masked-off lanes fold the identity."""
+        a = self.plan.axis
+        op = self.effective_op(step)
+        value = self.tex(e)
+        if not (isinstance(e, sp.Symbol) and self.filled.get(e.name) == op and e.name in self.values):
+            value = f"tl.where(mask_{a}, {value}, {number(identity(op))})"  # else its load filled the identity
+        self.emit_combine(step, op, acc, prev or acc, value)
 
     def selected(self, step: Step, acc: str) -> str:
         """The accumulated value of an order reduction, signs undone."""
@@ -636,13 +659,30 @@ class KernelWriter:
         self.finalize()
         self.emit_outputs()
 
+    def streamed_pass(self) -> Pass:
+        """The kernel's pass that streams the axis reductions (a whole axis, or a split chunk)."""
+        return next(p for p in self.kernel.passes if p.span in ("axis", "chunk"))
+
+    def state_dims(self, dims) -> set[str]:
+        """The dims of a running state over ``dims``: per lane, the loop axis's tile besides."""
+        return set(dims) | ({self.plan.axis} if self.lanes else set())
+
+    def anchor_var(self, dep: str) -> str:
+        """The variable holding a dependency's anchor (per lane in a per-lane loop)."""
+        return f"{safe_name(dep)}_lane_anchor" if self.lanes else f"{safe_name(dep)}_anchor"
+
     def streaming_loop(self, lo: str, hi: str) -> None:
+        """The loop over the axis with the realisations' step rule; per tile (each tile reduced into the
+        state) or, where the structure decided it (structure.per_lane), per lane (each lane of the tile
+        keeps its own state, updated elementwise) with the lanes merged once after the loop."""
         a = self.plan.axis
         steps = self.axis_steps()
+        self.lanes = self.streamed_pass().per_lane
         accs = {s.name: self.init_state(s, len(self.realisation(s).accumulators)) for s in steps}
         anchors = self.anchored_deps()
         for dep in anchors:
-            self.emit(f"{safe_name(dep)}_anchor = tl.zeros({self.shape(self.spec.step(dep).dims)}, tl.float32)")
+            dims = self.state_dims(self.spec.step(dep).dims)
+            self.emit(f"{self.anchor_var(dep)} = tl.zeros({self.shape(dims)}, tl.float32)")
         counts = reads_count(self.plan)
         if counts:
             self.emit("count = 0.0")
@@ -654,9 +694,9 @@ class KernelWriter:
             self.emit("count_old = count")
             self.emit(f"count += tl.minimum(BLOCK_{a}, {hi} - start).to(tl.float32)")
         for dep in anchors:
-            self.emit(f"{safe_name(dep)}_anchor_old = {safe_name(dep)}_anchor")
-            self.values[f"{dep}[old]"] = f"{safe_name(dep)}_anchor_old"
-            self.values[f"{dep}[new]"] = f"{safe_name(dep)}_anchor"
+            self.emit(f"{self.anchor_var(dep)}_old = {self.anchor_var(dep)}")
+            self.values[f"{dep}[old]"] = f"{self.anchor_var(dep)}_old"
+            self.values[f"{dep}[new]"] = self.anchor_var(dep)
         self.values[COUNT_OLD] = "count_old"  # by symbol: a step named `count` has its own count[old]
         for step in steps:
             self.streaming_update(step, accs[step.name])
@@ -665,14 +705,48 @@ class KernelWriter:
         self.depth -= 1
         self.begin_scope()
         self.accs = accs
+        if self.lanes:
+            self.merge_lanes(accs)
 
-    def update_anchor(self, step: Step) -> None:
-        var, value = safe_name(step.name), self.values[step.name]
+    def merge_lanes(self, lanes: dict[str, list[str]]) -> None:
+        """After a per-lane loop, each reduction's lanes folded over the axis once with the realisation's
+        merge rule (each lane a part, [old] = its anchors, [new] = the merged ones): the merged
+        accumulators have the names and shapes a per-tile loop leaves, so what follows reads them as
+        it would. Masked-off lanes hold the fold's identity, which every move keeps (rescale's guard)."""
+        a = self.plan.axis
+        anchors = self.anchored_deps()
+        lane_anchors = {dep: self.anchor_var(dep) for dep in anchors}
+        self.lanes = False
+        names: dict = {}
+        for dep in anchors:
+            sym = self.conv.symbols[dep]
+            names[part_anchor(sym, "b")] = lane_anchors[dep]
+            names[new(sym)] = self.anchor_var(dep)
+        merged: dict[str, list[str]] = {}
+        for step in self.axis_steps():
+            real = self.realisation(step)
+            moved = " re-anchored to the merged " + ", ".join(real.deps) if real.moves else ""
+            self.emit(f"# {step.name}: its lanes merged, {real.op} over {a} of each lane's state{moved}")
+            accs = merged[step.name] = [state_name(step, j, len(real.accumulators)) for j in range(len(real.accumulators))]
+            rules = real.merge()
+            self.need([r.right for r in rules])
+            env = {**self.values, **names, **{part_acc(j, "b"): lane for j, lane in enumerate(lanes[step.name])}}
+            for acc, rule in zip(accs, rules):
+                self.emit(f"{acc} = tl.{rule.op}({to_triton(rule.right, env)}, axis={self.pos(a)}, keep_dims=True)")
+            if self.read_in_loop(step):  # the merged value, for the merged anchor or a later merge
+                self.running_value(step, accs)
+                self.merged.add(step.name)
+            if step.name in anchors:
+                self.update_anchor(step, "merged")
+        self.accs = merged
+
+    def update_anchor(self, step: Step, what: str = "running") -> None:
+        anchor, value = self.anchor_var(step.name), self.values[step.name]
         kinds = {self.forms[s.name].anchors.get(step.name) for s in self.axis_steps()} - {None}
         if any(k and k.startswith("running estimate") for k in kinds):
-            self.emit(f"{var}_anchor = {value} * size_{self.plan.axis} / tl.maximum(count, 1.0)  # running estimate of {step.name}")
+            self.emit(f"{anchor} = {value} * size_{self.plan.axis} / tl.maximum(count, 1.0)  # running estimate of {step.name}")
         else:
-            self.emit(f"{var}_anchor = safe_anchor({value})  # running {step.reduce} of {step.name}")
+            self.emit(f"{anchor} = safe_anchor({value})  # {what} {step.reduce} of {step.name}")
 
     def realisation(self, step: Step) -> Realisation:
         real = self.forms[step.name].realisation
@@ -684,7 +758,7 @@ class KernelWriter:
         saved = {}
         for dep in real.anchors:
             saved[dep] = self.values.get(dep)
-            self.values[dep] = f"{safe_name(dep)}_anchor"
+            self.values[dep] = self.anchor_var(dep)
         return saved
 
     def restore(self, saved: dict[str, str | None]) -> None:
@@ -702,7 +776,8 @@ class KernelWriter:
         """One tile with the realisation's step rule: acc_k = op(moved_k(acc), fold(contribution_k))."""
         real = self.realisation(step)
         reads = f", reads {', '.join(real.deps)}" if real.deps else ""
-        self.emit(f"# {step.name}: {real.op} over {self.plan.axis} ({real.kind}{reads})")
+        per = " per lane" if self.lanes else ""
+        self.emit(f"# {step.name}: {real.op} over {self.plan.axis}{per} ({real.kind}{reads})")
         saved = self.with_anchors(real)
         rules = real.step()
         self.identity_loads([(r.op, r.right) for r in rules])
@@ -710,7 +785,10 @@ class KernelWriter:
         names = dict(zip(real.symbols, self.state_names(real, accs)))
         prevs = self.emit_moves(real, accs, [r.left for r in rules], names)
         for acc, rule, prev in zip(accs, rules, prevs):
-            self.fold(step, acc, rule.right, prev)
+            if self.lanes:
+                self.lane_fold(step, acc, rule.right, prev)
+            else:
+                self.fold(step, acc, rule.right, prev)
         self.restore(saved)
         if self.read_in_loop(step):
             self.running_value(step, accs)
@@ -757,6 +835,8 @@ class KernelWriter:
         for step in self.axis_steps():
             real = self.realisation(step)
             acc = self.accs[step.name][0]
+            if step.name in self.merged:
+                continue  # its lane merge printed its final value
             if real.selection:
                 self.need([real.value])
                 value = to_triton(real.value, {**self.values, real.symbols[0]: f"({self.selected(step, acc)})"})

@@ -115,11 +115,14 @@ class Pass:
     ``span``: ``axis`` (a loop over the whole axis; row_resident: its one resident tile),
     ``chunk`` (a split program's chunk of the axis), ``split`` (the combine kernel's loop over
     the SPLIT partial states), ``once`` (straight-line code after the loops), ``outputs``
-    (the second loop over the axis that writes the outputs keeping it) or ``chunk_outputs``
-    (that loop over one chunk of the axis: a combine program writes its own chunk's outputs)."""
+    (the second loop over the axis that writes the outputs keeping it), ``chunk_outputs``
+    (that loop over one chunk of the axis: a combine program writes its own chunk's outputs) or
+    ``lanes`` (straight-line code after a per-lane streamed pass: its lane states folded over the
+    axis with the merge rule)."""
 
     span: str
     loop: bool  # printed as a loop (False: row_resident's tile and ``once``)
+    per_lane: bool = False  # a streamed pass whose states are per lane (:func:`per_lane`); its ``lanes`` pass merges them
     loads: tuple[Load, ...] = ()  # first needed in this pass (hoisted ones are printed before the loops)
     folds: tuple[Fold, ...] = ()
     values: tuple[sp.Expr, ...] = ()  # elementwise expressions printed besides the folds
@@ -242,20 +245,69 @@ def effective_op(plan: KernelPlan, step: Step) -> str:
     return step.reduce or ""
 
 
-def accumulators(plan: KernelPlan, step: Step) -> tuple[State, ...]:
-    """The accumulators of an axis reduction, named as the printer names them."""
-    var = var_name(step.name)
+def state_name(step: Step, j: int, parts: int, lanes: bool = False) -> str:
+    """The identifier of accumulator j (of ``parts``) of an axis reduction: ``den_acc``, ``den_acc1``;
+    ``den_lane``... for its per-lane state in a per-lane loop (:func:`per_lane`)."""
+    base = f"{var_name(step.name)}_{'lane' if lanes else 'acc'}"
+    return base if parts == 1 else f"{base}{j}"
+
+
+def accumulators(plan: KernelPlan, step: Step, lanes: bool = False) -> tuple[State, ...]:
+    """The accumulators of an axis reduction, named as the printer names them; ``lanes``: its per-lane
+    states (one per lane of the loop axis's tile, :func:`per_lane`)."""
     real = realisation(plan, step)
     selections = [a.selection for a in real.accumulators] if real is not None else [step.reduce in ORDER_SELECTIONS]
+    dims = tuple(d for d in plan.dims if d in step.dims or (lanes and d == plan.axis))
     out: list[State] = []
     for j, selection in enumerate(selections):
-        name = f"{var}_acc" if len(selections) == 1 else f"{var}_acc{j}"
+        name = state_name(step, j, len(selections), lanes)
         if selection:  # (values, indices)
-            out += [State(f"{name}_values", step.name, step.dims, "float32"),
-                    State(f"{name}_indices", step.name, step.dims, "int32")]
+            out += [State(f"{name}_values", step.name, dims, "float32"),
+                    State(f"{name}_indices", step.name, dims, "int32")]
         else:
-            out.append(State(name, step.name, step.dims, "float32"))
+            out.append(State(name, step.name, dims, "float32"))
     return tuple(out)
+
+
+def per_lane(plan: KernelPlan, folds: Iterable[Fold]) -> tuple[bool, str]:
+    """THE rule for per-lane states in a streamed pass, decided here once (the printer and the tuner's
+    analysis read :attr:`Pass.per_lane`): (whether, why).
+
+    Per lane, every lane of the loop axis's tile (``[BLOCK_m, BLOCK_n]``) keeps its own running state,
+    updated elementwise in the loop with the realisation's step rule (no cross-warp reduction per tile),
+    and the lanes are folded once after the loop with its merge rule (lanes are parts). Conservative:
+    every fused reduction of the loop must allow it (``Realisation.per_lane``), keep a plain state
+    (no selection: argmax/top-k states merge by their helpers, per tile), move by nothing or a rescale
+    only (a shift or a joint Taylor move, ``shifted``/``taylor``, stays per tile: each lane would need
+    its own count), anchor at running values (a running estimate reads the count), have no state dims
+    besides the lanes, and fold elementwise (a ``tl.dot`` fold, attention's ``o``, stays per tile)."""
+    lanes = set(plan.lanes)
+    for step in plan.axis_reductions():
+        real = realisation(plan, step)
+        if real is None:
+            return False, f"{step.name} is not fused"
+        if not real.per_lane:
+            return False, f"{step.name}: {real.per_lane_reason}"
+        if real.selection:
+            return False, f"{step.name}: a selection's (values, indices) state is merged per tile by its helper"
+        moves = sorted({a.move for a in real.accumulators} - {"none", "rescale"})
+        if moves:
+            return False, f"{step.name}: its accumulators move by a {moves[0]} (per lane it would need each lane's count)"
+        if any(k.startswith("running estimate") for k in real.anchors.values()):
+            return False, f"{step.name}: anchored at a running estimate (reads the count)"
+        exprs = [real.value, *(a.moved for a in real.accumulators), *(a.contribution for a in real.accumulators)]
+        if any(COUNT_OLD in e.free_symbols for e in exprs):
+            return False, f"{step.name}: reads the count of values seen"
+        if not set(step.dims) <= lanes:
+            return False, f"{step.name}: its state has dims besides the lanes ({', '.join(sorted(set(step.dims) - lanes))})"
+    for f in folds:
+        if f.inner:
+            continue
+        if f.dot is not None:
+            return False, f"{f.step} folds by tl.dot"
+        if f.op == "sum" and contracts(plan, f.expr, f.over):  # a tl.dot at larger blocks; per lane, an outer product
+            return False, f"{f.step} is a matrix product over {f.over} (its lanes would hold an outer product)"
+    return True, "every reduction of the loop folds elementwise with an exact merge"
 
 
 def reads_count(plan: KernelPlan) -> bool:
@@ -302,6 +354,20 @@ def expr_dims(plan: KernelPlan, e: sp.Expr) -> set[str]:
         if name.endswith(("[old]", "[new]")) and isinstance(plan.spec.lookup(name[:-5]), Step):
             dims.update(plan.spec.step(name[:-5]).dims)
     return {d for d in dims if plan.blocks.get(d, 1) > 1}
+
+
+def contracts(plan: KernelPlan, e: sp.Expr, over: str) -> bool:
+    """Is the sum over ``over`` of ``e`` a matrix product, whatever the blocks: two factors each varying
+    over a dim (besides ``over``) the other lacks (attention's exp(s - mx) * v: m and e)?"""
+    if isinstance(e, sp.Piecewise):  # a masked product (causal attention's where(c, exp(s - mx) * v, 0))
+        return any(contracts(plan, branch, over) for branch, _ in e.args)
+    conv = plan.derivation.symbols
+    dims = []
+    for f in sp.Mul.make_args(e):
+        fd = {d for s in f.free_symbols for d in conv.leaf_dims.get(s, ())} - {over}
+        if fd:
+            dims.append(fd)
+    return any(a - b and b - a for i, a in enumerate(dims) for b in dims[i + 1:])
 
 
 def _exact_in_fp16(e: sp.Expr, input_dtypes: Mapping[str, str]) -> bool:
@@ -366,12 +432,13 @@ class _KernelWalk:
         self.dtypes = dtypes
         self.dots = dots
         self.passes: list[Pass] = []
+        self.per_lane = False  # the pass being collected keeps per-lane states (see lane_states)
         self.persistent: set[str] = set()  # loads at the kernel's top level or hoisted: kept for every pass
         self.inputs: list[str] = []
         self._open("once", False)
 
     def _open(self, span: str, loop: bool) -> None:
-        self.span, self.loop = span, loop
+        self.span, self.loop, self.per_lane = span, loop, False
         self.scope: set[str] = set(self.persistent)
         self.loads: list[Load] = []
         self.folds: list[Fold] = []
@@ -384,7 +451,7 @@ class _KernelWalk:
     def close(self) -> None:
         if self.span == "once" and not (self.loads or self.folds or self.values or self.updates or self.stores):
             return
-        self.passes.append(Pass(self.span, self.loop, tuple(self.loads), tuple(self.folds), tuple(self.values),
+        self.passes.append(Pass(self.span, self.loop, self.per_lane, tuple(self.loads), tuple(self.folds), tuple(self.values),
                                 tuple(self.updates), tuple(self.stores), tuple(self.ws_loads), tuple(self.ws_stores)))
 
     def open(self, span: str, loop: bool) -> None:
@@ -469,6 +536,26 @@ class _KernelWalk:
         for a in real.accumulators:
             for side in ("a", "b"):
                 self.values += [real.at_part(t, side) for t in a.move_terms if not t.is_Atom]
+        self.running_value(real)
+
+    def lane_states(self) -> bool:
+        """Decide (:func:`per_lane`) whether the streamed pass being collected keeps per-lane states; if
+        so, the ``lanes`` pass after it merges them (:meth:`merge_lanes`)."""
+        lanes = self.per_lane = per_lane(self.plan, self.folds)[0]
+        if lanes:
+            self.open("lanes", False)
+            for step in self.plan.axis_reductions():
+                self.merge_lanes(step)
+        return lanes
+
+    def merge_lanes(self, step: Step) -> None:
+        """The lanes of a per-lane state folded over the axis with the merge rule (each lane one part)."""
+        real = self.realisation(step)
+        self.updates.append(step.name)
+        rules = real.merge()
+        self.need([r.right for r in rules])
+        for a in real.accumulators:
+            self.values += [real.at_part(t, "b") for t in a.move_terms if not t.is_Atom]
         self.running_value(real)
 
     def finalize(self) -> None:
@@ -572,6 +659,8 @@ def build_structure(plan: KernelPlan, input_dtypes: Mapping[str, str],
         w.open("axis", True)
         for step in steps:
             w.stream(step)
+        if w.lane_states():
+            states = tuple(s for step in steps for s in accumulators(plan, step, lanes=True))
         w.open("once", False)
         w.finalize()
         w.outputs()
@@ -580,9 +669,12 @@ def build_structure(plan: KernelPlan, input_dtypes: Mapping[str, str],
         w.open("chunk", True)
         for step in steps:
             w.stream(step)
+        part_states = states
+        if w.lane_states():  # the chunk's lanes are merged before its partial state is stored
+            part_states = tuple(s for step in steps for s in accumulators(plan, step, lanes=True))
         w.ws_stores = [s.name for s in ws]
         w.close()
-        kernels.append(Kernel(name, "split_part", Grid(lanes.lanes, split=True), tuple(w.passes), states,
+        kernels.append(Kernel(name, "split_part", Grid(lanes.lanes, split=True), tuple(w.passes), part_states,
                               _args(plan, w.inputs, (), ws, "split_part", input_dtypes, stores), tuple(w.inputs), ()))
         c = _KernelWalk(plan, input_dtypes, dots)
         c.open("split", True)
