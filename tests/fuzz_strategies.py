@@ -307,6 +307,10 @@ class _Cascade:
             self.steps.append(step)
             values = Atom(f"{name}.values", frozenset(dims | {as_dim}), "float", "topk", over)
             self.atoms += [values, Atom(f"{name}.indices", values.dims, "index", "topk", over)]
+            if self.chance(0.4):  # a router renormalising its k weights: a reduction over the slots (the epilogue)
+                slot_op = self.pick(["sum", "sum", "max", "min"])
+                slot_expr = values.text if slot_op != "sum" or self.chance(0.5) else f"exp({values.text})"
+                self.add_step(slot_expr, reduce=slot_op, over=as_dim)
             return values
         self.steps.append(step)
         kind = "index" if reduce in ("argmax", "argmin") else "float"
