@@ -848,3 +848,26 @@ def test_an_ill_conditioned_reference_is_judged_by_its_own_movement():
         assert not all(certify(d, seed=seed).holds for seed in range(4))
     finally:
         certificate.CONDITIONING_K = original
+
+
+def test_a_combine_kernel_recomputes_a_dependency_a_per_lane_part_kernel_merged(compile_pool):
+    """Fuzz seed 45: split_fused's part kernel merged its lanes (per-lane states) and recorded r's
+    final value as printed; the combine kernel inherited that record and skipped recomputing r
+    after its split loop, then read the loop-scoped r (NameError on sm_90). Each kernel now starts
+    with nothing in scope (KernelWriter.begin_kernel)."""
+    from fuser_core.codegen.gpu_compile import CompileRequest
+
+    spec = load_spec({
+        "foldwise": 1, "name": "riyc", "inputs": {"kk": {"dims": ["seq"]}, "x": {"dims": ["seq"]}},
+        "steps": [{"name": "h", "expr": "(eps) ** 2 * x"},
+                  {"name": "sel", "reduce": "sum", "over": "seq", "expr": "maximum(clamp(0.5, -1, 0.5), (x) ** 2)"},
+                  {"name": "r", "reduce": "sum", "over": "seq", "expr": "kk * sel"},
+                  {"name": "tmp", "reduce": "sum", "over": "seq", "expr": "kk + r"},
+                  {"name": "acc0", "reduce": "sum", "over": "seq", "expr": "where(x > 0, x * rsqrt(r * r + 1), 0)"}],
+        "outputs": ["h", "tmp", "acc0"], "params": {"eps": "log(size(seq) + 1)"}})
+    config = KernelConfig({"seq": 4}, split=2)
+    report = self_check(spec, {"seq": 13}, "float32", strategy="split_fused", config=config)
+    assert report["passed"], report
+    builds = compile_pool.compile([CompileRequest(spec, {"seq": 13}, {"kk": "float32", "x": "float32"}, "split_fused",
+                                                  config.to_dict(), cap) for cap in (90, 80)])
+    assert all(b.ok and len(b.kernels) == 2 for b in builds), [b.first_error() for b in builds]

@@ -259,6 +259,16 @@ class KernelWriter:
         self.lanes = False  # printing a per-lane loop: states and anchors are per lane (structure.per_lane)
         self.merged: set[str] = set()  # reductions whose final value the lane merge already printed
 
+    def begin_kernel(self, kernel: Kernel) -> None:
+        """Forget what the previous kernel of the module had in scope: its values, loads and lane
+        merges (a combine kernel recomputes every final value from its own merged states)."""
+        self.kernel = kernel
+        self.values = {}
+        self.loaded = set()
+        self.persistent = set()
+        self.filled = {}
+        self.merged = set()
+
     # ------------------------------------------------------------ text helpers
     def emit(self, line: str = "") -> None:
         self.lines.append(("    " * self.depth + line) if line else "")
@@ -874,10 +884,7 @@ class KernelWriter:
         self.lines.append("")
         self.lines.append("")
         # kernel 2: merge the parts with the derived merge rule, then the outputs
-        self.values = {}
-        self.loaded = set()
-        self.persistent = set()
-        self.kernel = self.structure.kernels[1]
+        self.begin_kernel(self.structure.kernels[1])
         if self.kernel.grid.split:
             self.header(
                 f"{self.spec.name}, split-fused part 2: program (lanes, s) merges the SPLIT partial states (each "
