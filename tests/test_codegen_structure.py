@@ -211,7 +211,7 @@ def test_an_input_a_max_folds_as_it_is_is_masked_once_by_its_load() -> None:
     at other); the output pass loads x with other=0."""
     # row_resident keeps its where (emit.write_row_resident); streaming folds per lane (elementwise)
     for strategy, fold_x, sum_exp in [("streaming_fused", "mx_lane = tl.maximum(mx_lane, x)", "tl.where(mask_n, tl.exp("),
-                                      ("multi_pass", "tl.max(x, axis=1, keep_dims=True)", "tl.sum(tl.where(mask_n, tl.exp(")]:
+                                      ("multi_pass", "tl.max(x, axis=0, keep_dims=True)", "tl.sum(tl.where(mask_n, tl.exp(")]:
         config = KernelConfig({"n": 64})
         body = "\n".join(b for _, b in kernel_sources(softmax_source(strategy, config)).values())
         assert 'other=float("-inf")' in body and fold_x in body, strategy
@@ -220,4 +220,25 @@ def test_an_input_a_max_folds_as_it_is_is_masked_once_by_its_load() -> None:
     spec = load_catalog_spec("safe_softmax")
     report = self_check(spec, {"m": 5, "n": 300}, "float16", strategy="streaming_fused",
                         config=KernelConfig({"n": 64}), derivation=derive_cascade(spec))
+    assert report["passed"], report
+
+
+def test_a_lane_with_block_1_is_a_scalar_offset_in_no_tile() -> None:
+    """One row per program (BLOCK_m = 1): softmax's tiles are 1-d [BLOCK_n], as in Triton's
+    fused-softmax tutorial; decode attention (one query, BLOCK_m = BLOCK_e = 1) works on
+    [BLOCK_d, BLOCK_n] tiles with b, h, m, e as scalar offsets; results still match float64."""
+    body = next(iter(kernel_sources(softmax_source("streaming_fused", KernelConfig({"n": 64}))).values()))[1]
+    assert "offs_m = pid_m" in body and "mask_m" not in body
+    assert "offs_n = start + tl.arange(0, BLOCK_n)" in body
+    assert re.search(r"tl\.full\(\[BLOCK_n\], ", body)
+    spec = load_catalog_spec("attention")
+    d = derive_cascade(spec)
+    shape = {"b": 1, "h": 2, "m": 1, "n": 37, "d": 16, "e": 3}
+    plan = make_plan(spec, d, "streaming_fused", shape, KernelConfig({"n": 16}))
+    dtypes = bind_dtypes(spec, "float32")
+    body = next(iter(kernel_sources(module_source(plan, output_dtypes(spec, dtypes), dtypes)).values()))[1]
+    for dim in "bhme":
+        assert f"offs_{dim} = pid_{dim}" in body and f"mask_{dim}" not in body
+    assert "offs_d = (tl.arange(0, BLOCK_d))[:, None]" in body and "offs_n = (start + tl.arange(0, BLOCK_n))[None, :]" in body
+    report = self_check(spec, shape, "float32", strategy="streaming_fused", config=plan.config, derivation=d)
     assert report["passed"], report

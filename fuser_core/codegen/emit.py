@@ -28,6 +28,7 @@ from fuser_core.codegen.structure import (
     effective_op,
     reads_count,
     state_name,
+    tile_dims,
 )
 from fuser_core.codegen.tritonize import number, to_triton
 from fuser_core.realisation import (
@@ -246,8 +247,7 @@ class KernelWriter:
         self.spec = plan.spec
         self.conv = plan.derivation.symbols
         self.forms = plan.derivation.forms
-        self.dims = plan.dims
-        self.rank = len(self.dims)
+        self.dims = tile_dims(plan)  # a lane with block 1 is a scalar offset, in no tile
         self.lines: list[str] = []
         self.depth = 1
         self.loaded: set[str] = set()  # inputs / inner reductions already in the current scope
@@ -281,6 +281,16 @@ class KernelWriter:
 
     def pos(self, dim: str) -> int:
         return self.dims.index(dim)
+
+    def mask(self, dims) -> str:
+        """The tail mask of a block over ``dims`` ("" when none: scalar lanes need none)."""
+        return " & ".join(f"mask_{d}" for d in dims if d in self.dims)
+
+    def block_pointer(self, base: str, offsets: list[str], dims) -> str:
+        """``base`` plus ``offsets``; over no tile dim the pointer is still a (size-1) block, so that
+        a block value can be stored through it."""
+        ptr = " + ".join([base, *offsets])
+        return ptr if any(d in self.dims for d in dims) else f"{ptr} + tl.zeros({self.shape(())}, tl.int32)"
 
     def tex(self, e: sp.Expr) -> str:
         return to_triton(e, self.values)
@@ -334,13 +344,16 @@ class KernelWriter:
                 self.emit(f"pid_{d} = pid % tl.cdiv(size_{d}, BLOCK_{d})")
                 self.emit(f"pid = pid // tl.cdiv(size_{d}, BLOCK_{d})")
             self.emit(f"pid_{lanes[0]} = pid")
-        for d in self.dims:
+        for d in self.plan.dims:
             if d == self.plan.axis:
+                continue
+            if d not in self.dims:  # one program per index: in range by the grid, no mask
+                self.emit(f"offs_{d} = pid_{d}")
                 continue
             base = f"pid_{d} * BLOCK_{d} + " if d in lanes else ""
             self.emit(f"offs_{d} = {self.aligned(d, f'{base}tl.arange(0, BLOCK_{d})')}")
             self.emit(f"mask_{d} = offs_{d} < size_{d}")
-        for d in self.dims:
+        for d in self.plan.dims:
             self.values[f"size({d})"] = f"(size_{d} * 1.0)"  # float: sizes enter float arithmetic
             self.values[f"index({d})"] = f"offs_{d}"
         for ld in self.kernel.hoisted:
@@ -391,7 +404,7 @@ class KernelWriter:
         inp = self.spec.input(name)
         var = safe_name(name)
         ptr = f"{var}_ptr + " + " + ".join(f"offs_{d} * stride_{var}_{d}" for d in inp.dims) if inp.dims else f"{var}_ptr"
-        mask = " & ".join(f"mask_{d}" for d in inp.dims)
+        mask = self.mask(inp.dims)
         kind = "tl.int32" if inp.is_index else "tl.float32"
         other = number(identity(fill)) if fill else "0"
         args = f"{ptr}, mask={mask}, other={other}" if mask else ptr
@@ -542,9 +555,8 @@ class KernelWriter:
     def store(self, part: str, value: str) -> None:
         var = safe_name(part)
         dims = self.part_dims(part)
-        # a scalar output still needs a block pointer: the value is a (size-1) block
-        ptr = f"{var}_ptr + " + " + ".join(f"offs_{d} * stride_{var}_{d}" for d in dims) if dims else f"{var}_ptr + tl.zeros({self.shape(())}, tl.int32)"
-        mask = " & ".join(f"mask_{d}" for d in dims)
+        ptr = self.block_pointer(f"{var}_ptr", [f"offs_{d} * stride_{var}_{d}" for d in dims], dims)
+        mask = self.mask(dims)
         if _CONSTANT.fullmatch(value.strip()):  # a constant step: tl.broadcast_to takes tensors only
             value = f"tl.full({self.shape(())}, {value}, tl.float32)"
         full = f"tl.broadcast_to({value}, {self.shape(dims)})"
@@ -863,10 +875,8 @@ class KernelWriter:
         return [(w.name, w.dims, w.dtype) for w in self.structure.workspace]
 
     def ws_ptr(self, name: str, dims: tuple[str, ...], split: str) -> str:
-        # a state without dims (a scalar result) still needs a block pointer, as in store()
-        return f"ws_{name}_ptr + {split} * stride_ws_{name}_split" + "".join(
-            f" + offs_{d} * stride_ws_{name}_{d}" for d in dims
-        ) + ("" if dims else f" + tl.zeros({self.shape(())}, tl.int32)")
+        return self.block_pointer(f"ws_{name}_ptr", [f"{split} * stride_ws_{name}_split",
+                                                     *(f"offs_{d} * stride_ws_{name}_{d}" for d in dims)], dims)
 
     def write_split_fused(self) -> None:
         a = self.plan.axis
@@ -879,7 +889,7 @@ class KernelWriter:
         self.emit("lo = split * chunk")
         self.streaming_loop("lo", f"tl.minimum(lo + chunk, size_{a})")
         for name, dims, _ in self.workspace():
-            mask = " & ".join(f"mask_{d}" for d in dims)
+            mask = self.mask(dims)
             self.emit(f"tl.store({self.ws_ptr(name, dims, 'split')}, {name}" + (f", mask={mask})" if mask else ")"))
         self.lines.append("")
         self.lines.append("")
@@ -921,7 +931,7 @@ class KernelWriter:
             var = safe_name(dep)
             self.emit(f"{var}_anchor_old = {var}_anchor")
             dims = ws[f"{var}_anchor"]
-            mask = " & ".join(f"mask_{d}" for d in dims)
+            mask = self.mask(dims)
             self.emit(f"{var}_anchor_part = tl.load({self.ws_ptr(f'{var}_anchor', dims, 'split')}" + (f", mask={mask}, other=0.0)" if mask else ")"))
         for step in steps:
             self.merge_part(step, accs[step.name], ws)
@@ -931,7 +941,7 @@ class KernelWriter:
         self.accs = accs
 
     def load_part(self, name: str, dims: tuple[str, ...], other: str = "0") -> str:
-        mask = " & ".join(f"mask_{d}" for d in dims)
+        mask = self.mask(dims)
         self.emit(f"{name}_part = tl.load({self.ws_ptr(name, dims, 'split')}" + (f", mask={mask}, other={other})" if mask else ")"))
         return f"{name}_part"
 

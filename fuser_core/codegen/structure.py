@@ -618,6 +618,13 @@ def _args(plan: KernelPlan, inputs: Iterable[str], outputs: Iterable[str], ws: t
     return tuple(out)
 
 
+def tile_dims(plan: KernelPlan) -> tuple[str, ...]:
+    """The dims a kernel's tiles have, in the spec's order: every dim but a lane whose block is 1
+    (one program per index of it: its offset is the program id, a scalar, as hand-written kernels
+    have ``off_hz``)."""
+    return tuple(d for d in plan.dims if not (d in plan.lanes and plan.blocks[d] == 1))
+
+
 def axis_outputs(plan: KernelPlan) -> list[str]:
     """The output parts that keep the loop axis (written in a pass over it after the reductions)."""
     return [p for p in plan.spec.output_parts if plan.axis in plan.spec.step(p.split(".")[0]).dims]
