@@ -142,14 +142,18 @@ def default_config(spec: Spec, derivation: Derivation, strategy: str, shape: dic
     axis, inner = loop_axis(spec)
     blocks: dict[str, int] = {}
     n = shape[axis]
+    num_warps = 4
     if strategy == "row_resident":
         blocks[axis] = next_pow2(n)
+        # Triton's fused-softmax tutorial: more warps for a longer resident row, so that each
+        # thread holds fewer of its elements (a 32768-wide row spilled at 4 warps, not at 8 or 16)
+        num_warps = 16 if blocks[axis] >= 4096 else 8 if blocks[axis] >= 2048 else 4
     else:
         blocks[axis] = min(next_pow2(n), 64)
     split = 1
     if strategy == "split_fused":
         split = max(2, min(8, -(-n // blocks[axis])))
-    return KernelConfig(blocks, split=split)
+    return KernelConfig(blocks, num_warps=num_warps, split=split)
 
 
 def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str, int], config: KernelConfig) -> KernelPlan:
