@@ -336,19 +336,19 @@ class KernelWriter:
         self.lines.append("):")
         self.emit(f'"""{doc}"""')
         lanes = self.plan.lanes
+        # a lane in no tile (block 1) has one program per index: its program id is its offset, in
+        # range by the grid (no mask)
+        pid = {d: f"pid_{d}" if d in self.dims else f"offs_{d}" for d in lanes}
         if len(lanes) == 1:
-            self.emit(f"pid_{lanes[0]} = tl.program_id(0)")
+            self.emit(f"{pid[lanes[0]]} = tl.program_id(0)")
         elif lanes:  # the fastest lane dim last in the grid's order: peel them off, the slowest is what is left
             self.emit("pid = tl.program_id(0)")
             for d in reversed(lanes[1:]):
-                self.emit(f"pid_{d} = pid % tl.cdiv(size_{d}, BLOCK_{d})")
+                self.emit(f"{pid[d]} = pid % tl.cdiv(size_{d}, BLOCK_{d})")
                 self.emit(f"pid = pid // tl.cdiv(size_{d}, BLOCK_{d})")
-            self.emit(f"pid_{lanes[0]} = pid")
+            self.emit(f"{pid[lanes[0]]} = pid")
         for d in self.plan.dims:
-            if d == self.plan.axis:
-                continue
-            if d not in self.dims:  # one program per index: in range by the grid, no mask
-                self.emit(f"offs_{d} = pid_{d}")
+            if d == self.plan.axis or d not in self.dims:
                 continue
             base = f"pid_{d} * BLOCK_{d} + " if d in lanes else ""
             self.emit(f"offs_{d} = {self.aligned(d, f'{base}tl.arange(0, BLOCK_{d})')}")
