@@ -275,7 +275,9 @@ def _epilogue(spec: Spec) -> tuple[EpilogueStep, ...]:
     for step in spec.steps:
         if step.is_reduction or step.name in read_by_reduction or not reads.get(step.name):
             continue
-        axes = {spec.step(r).over for r in reads[step.name]}
+        # a top-k's slots (its `as` dim) are held whole after the loop: keeping them is no second pass
+        selected = {s.as_dim for s in spec.steps if s.as_dim}
+        axes = {spec.step(r).over for r in reads[step.name]} - selected
         out.append(EpilogueStep(step.name, tuple(sorted(reads[step.name])), any(a in step.dims for a in axes)))
     return tuple(out)
 

@@ -379,6 +379,7 @@ def test_a_sum_over_the_top_k_slots_runs_in_the_kernels_epilogue(strategy: str) 
     renormalised over j. The loop runs over x; the sum over j reads the final top-k and is
     computed after the loop from the k slots the kernel holds, in the same kernel."""
     derivation = derive_cascade(ROUTER_RENORM)
+    assert [(e.name, e.second_pass) for e in derivation.epilogue] == [("w", False)]  # j is held whole: no pass
     shape = bind_shape(ROUTER_RENORM, {"t": 5, "x": N})
     assert valid_strategies(ROUTER_RENORM, derivation, shape)[strategy] is None
     cfg = KernelConfig({"x": BLOCK, "t": 2} if strategy != "row_resident" else {"t": 2},
