@@ -871,3 +871,29 @@ def test_a_combine_kernel_recomputes_a_dependency_a_per_lane_part_kernel_merged(
     builds = compile_pool.compile([CompileRequest(spec, {"seq": 13}, {"kk": "float32", "x": "float32"}, "split_fused",
                                                   config.to_dict(), cap) for cap in (90, 80)])
     assert all(b.ok and len(b.kernels) == 2 for b in builds), [b.first_error() for b in builds]
+
+
+@pytest.mark.parametrize("strategy", ["row_resident", "streaming_fused", "split_fused", "multi_pass"])
+def test_a_top_k_of_a_row_masked_to_minus_inf_gives_k_distinct_indices(strategy):
+    """Fuzz seed 46: where(index(seq) < target, ..., -inf) with target = 0 masks the whole row; the
+    top-4 of thirteen -inf values is indices 0..3 (lower index first on ties, as the reference),
+    but the kernels' lists marked taken and empty slots with -inf and returned [0, 0, 0, 0]. Empty
+    and taken slots now carry index 2147483647; argmax of a -inf row is index 0 the same way."""
+    spec = load_spec({
+        "foldwise": 1, "name": "f", "inputs": {"a": {"dims": ["seq", "m"]}, "target": {"dims": [], "kind": "index"}},
+        "steps": [{"name": "tl", "reduce": "topk", "over": "seq", "k": 4, "as": "kdim",
+                   "expr": "where(index(seq) < target, a, -inf)"},
+                  {"name": "am", "reduce": "argmax", "over": "seq", "expr": "where(index(seq) < target, a, -inf)"}],
+        "outputs": ["tl", "am"]})
+    shape = {"seq": 13, "m": 2, "kdim": 4}
+    config = KernelConfig({"seq": 16} if strategy == "row_resident" else {"seq": 4},
+                          split=2 if strategy == "split_fused" else 1)
+    rng = np.random.default_rng(0)
+    for target in (0, 2, 13):
+        inputs = {"a": rng.standard_normal((13, 2)).astype(np.float32), "target": np.array(target, np.int32)}
+        out = run(spec, shape, "float32", inputs, strategy=strategy, config=config).outputs
+        ref = evaluate(spec, shape, inputs)
+        got = out["tl.indices"].numpy()
+        np.testing.assert_array_equal(got, ref["tl.indices"])
+        np.testing.assert_array_equal(out["am"].numpy(), ref["am"])
+        assert all(len(set(row)) == 4 for row in got.tolist())

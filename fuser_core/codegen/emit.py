@@ -64,7 +64,8 @@ def rescale(acc, c):
 
 @triton.jit
 def argmax_merge(best, best_idx, tile, tile_idx, AXIS: tl.constexpr):
-    """Running (max value, first index) along AXIS; the earlier index wins ties. NaN is the
+    """Running (max value, first index) along AXIS; the earlier index wins ties (an empty state has
+    index 2147483647, so a tile of -inf still gives its first index). NaN is the
     extreme, as NumPy's argmax/argmin (the reference) have it: the first NaN wins (tl.max
     alone would skip NaN on the GPU)."""
     nan_t = tile != tile
@@ -73,7 +74,7 @@ def argmax_merge(best, best_idx, tile, tile_idx, AXIS: tl.constexpr):
     i = tl.min(tl.where(tile == m, tile_idx, 2147483647), axis=AXIS, keep_dims=True)
     m = tl.where(has_nan, float("nan"), m)
     i = tl.where(has_nan, tl.min(tl.where(nan_t, tile_idx, 2147483647), axis=AXIS, keep_dims=True), i)
-    take = (best == best) & (has_nan | (m > best))
+    take = (best == best) & (has_nan | (m > best) | ((m == best) & (i < best_idx)))  # empty: index 2147483647
     return tl.where(take, m, best), tl.where(take, i, best_idx)
 
 
@@ -81,21 +82,26 @@ def argmax_merge(best, best_idx, tile, tile_idx, AXIS: tl.constexpr):
 def topk_merge(vals, idx, tile, tile_idx, slot, AXIS: tl.constexpr, SLOTS: tl.constexpr, K: tl.constexpr):
     """Merge a tile (along AXIS) into a running top-K list (along SLOTS).
 
-    The list stays sorted descending; among equal values the lower index comes first
-    (the list holds earlier positions than the tile, so it wins ties).
+    The list stays sorted descending; among equal values the lower index comes first. An
+    empty slot, and an element already taken, has index 2147483647 (a value of -inf is a
+    real candidate: a row masked to -inf still yields k distinct indices, as the reference's).
     """
     new_vals = tl.where(slot < 0, vals, float("-inf"))
-    new_idx = tl.where(slot < 0, idx, 0)
+    new_idx = tl.where(slot < 0, idx, 2147483647)
     for i in tl.static_range(K):
         best_s = tl.max(vals, axis=SLOTS, keep_dims=True)
         best_t = tl.max(tile, axis=AXIS, keep_dims=True)
         i_s = tl.min(tl.where(vals == best_s, idx, 2147483647), axis=SLOTS, keep_dims=True)
         i_t = tl.min(tl.where(tile == best_t, tile_idx, 2147483647), axis=AXIS, keep_dims=True)
-        take_t = best_t > best_s
+        take_t = (best_t > best_s) | ((best_t == best_s) & (i_t < i_s))
         new_vals = tl.where(slot == i, tl.where(take_t, best_t, best_s), new_vals)
         new_idx = tl.where(slot == i, tl.where(take_t, i_t, i_s), new_idx)
-        vals = tl.where((idx == i_s) & (~take_t), float("-inf"), vals)
-        tile = tl.where((tile_idx == i_t) & take_t, float("-inf"), tile)
+        taken_s = (idx == i_s) & (~take_t)
+        vals = tl.where(taken_s, float("-inf"), vals)
+        idx = tl.where(taken_s, 2147483647, idx)
+        taken_t = (tile_idx == i_t) & take_t
+        tile = tl.where(taken_t, float("-inf"), tile)
+        tile_idx = tl.where(taken_t, 2147483647, tile_idx)
     return new_vals, new_idx
 
 
@@ -469,7 +475,7 @@ class KernelWriter:
         op = self.effective_op(step)
         if op in ORDER_SELECTIONS:  # (values, indices), selected on values (negated for bottom-k/argmin)
             self.emit(f'{var}_acc_values = tl.full({shape}, float("-inf"), tl.float32)')
-            self.emit(f"{var}_acc_indices = tl.zeros({shape}, tl.int32)")
+            self.emit(f"{var}_acc_indices = tl.full({shape}, 2147483647, tl.int32)")  # empty: no index yet
             return [f"{var}_acc"]
         fill = number(identity(op))
         names = [state_name(step, j, parts, self.lanes) for j in range(parts)]
@@ -956,7 +962,7 @@ class KernelWriter:
                 # the padding slots of a top-k list (BLOCK_as > k) must never win a merge: -inf, not 0
                 # (lists are kept largest-first: a bottomk accumulates negated values)
                 parts.append(self.load_part(f"{acc}_values", ws[f"{acc}_values"], other='float("-inf")'))
-                self.load_part(f"{acc}_indices", ws[f"{acc}_indices"])
+                self.load_part(f"{acc}_indices", ws[f"{acc}_indices"], other="2147483647")
             else:
                 parts.append(self.load_part(acc, ws[acc]))
         rules = real.merge()
