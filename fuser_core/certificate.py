@@ -46,7 +46,8 @@ from fuser_core.symbolic import CAST_FUNCTIONS
 TOLERANCE = 1e-9  # float64 re-association error is ~1e-15; anything near 1e-9 is a wrong form
 # An ill-conditioned reference (sin of an argument near 1e15) moves by O(1) when its inputs move by
 # a few float64 ulps, so algebraically equal forms differ by as much: a failing reduction is
-# allowed CONDITIONING_K times the reference's own movement at inputs moved by CONDITIONING_ULPS.
+# allowed CONDITIONING_K times the reference's own movement at inputs moved by CONDITIONING_ULPS,
+# or at cast operands moved by as many (a cast's operand exactly on a rounding midpoint).
 CONDITIONING_ULPS = 4
 CONDITIONING_K = 8
 MAX_AXIS = 48
@@ -282,21 +283,39 @@ def _run_trial(derivation, spec, shape, inputs, rng, keep_casts) -> dict[str, fl
 def _reference_movement(evaluator: Evaluator, inputs: dict[str, np.ndarray], env: dict[str, np.ndarray],
                         rng: np.random.Generator) -> dict[str, np.ndarray]:
     """|reference(inputs moved by up to CONDITIONING_ULPS float64 ulps) - reference(inputs)| per float
-    step, the largest of two draws; a non-finite movement counts as 0 (it widens nothing)."""
+    step, the largest of two draws; a non-finite movement counts as 0 (it widens nothing).
+
+    A spec with casts is also run twice with every cast's operand moved up, then down, by
+    CONDITIONING_ULPS float64 ulps (``Evaluator(cast_nudge=...)``): a cast is discontinuous at its rounding
+    midpoints, and float32 inputs put a float64 operand exactly on one often (about 1 in 600 for
+    ``(x - r) / 3``). There the fused form's algebraically equal operand (``x/3 - r/3``, one float64
+    ulp away) rounds to the other neighbour, one cast ulp off. Random input moves find that edge
+    only by chance (both draws may land on the same side, or round back onto the midpoint); the
+    pair of opposite nudges finds it always, and moves nothing where no operand is that close."""
     out: dict[str, np.ndarray] = {}
-    for _ in range(2):
-        moved_inputs = {
-            name: arr.astype(np.float64) * (1.0 + rng.uniform(-CONDITIONING_ULPS, CONDITIONING_ULPS, arr.shape) * 2.0 ** -52)
-            if np.issubdtype(arr.dtype, np.floating) else arr
-            for name, arr in inputs.items()
-        }
-        moved = evaluator.run(moved_inputs)
+    runs = [{
+        name: arr.astype(np.float64) * (1.0 + rng.uniform(-CONDITIONING_ULPS, CONDITIONING_ULPS, arr.shape) * 2.0 ** -52)
+        if np.issubdtype(arr.dtype, np.floating) else arr
+        for name, arr in inputs.items()
+    } for _ in range(2)]
+    evaluators = [evaluator, evaluator]
+    if _has_cast(evaluator.spec):
+        for sign in (1.0, -1.0):
+            runs.append(inputs)
+            evaluators.append(Evaluator(evaluator.spec, evaluator.shape, cast_nudge=1.0 + sign * CONDITIONING_ULPS * 2.0 ** -52))
+    for ev, moved_inputs in zip(evaluators, runs):
+        moved = ev.run(moved_inputs)
         for name, ref in env.items():
             if name in moved and np.issubdtype(np.asarray(ref).dtype, np.floating):
                 diff = np.abs(np.asarray(moved[name], np.float64) - np.asarray(ref, np.float64))
                 diff = np.where(np.isfinite(diff), diff, 0.0)
                 out[name] = np.maximum(out[name], diff) if name in out else diff
     return out
+
+
+def _has_cast(spec: Spec) -> bool:
+    exprs = [p.expr for p in spec.params] + [s.expr for s in spec.steps]
+    return any(isinstance(node, ex.Cast) for e in exprs for node in ex.walk(e))
 
 
 def _state(form: ReductionForm) -> tuple[str, str]:

@@ -118,7 +118,7 @@ class Evaluator:
     """Runs one spec at one bound shape. Arrays are in the aligned layout (module doc)."""
 
     def __init__(self, spec: Spec, shape: Mapping[str, int], *, tie_choice: int | None = None,
-                 rounding: tuple[np.random.Generator, float] | None = None):
+                 rounding: tuple[np.random.Generator, float] | None = None, cast_nudge: float = 1.0):
         self.spec = spec
         self.shape = bind_shape(spec, shape)
         self.axis = {d: i for i, d in enumerate(spec.dims)}
@@ -129,6 +129,9 @@ class Evaluator:
         # casts, non-integer constants, sums) is multiplied by 1 + uniform(-u, u): one of the
         # evaluations a float32 program may compute (see :meth:`rounded`)
         self.rounding = rounding
+        # every cast's operand multiplied by this before it rounds: the certificate's probe for an
+        # operand on a rounding midpoint (certificate._reference_movement)
+        self.cast_nudge = cast_nudge
 
     def rounded(self, value: np.ndarray) -> np.ndarray:
         """``value`` moved by a random relative error within the evaluator's ``rounding`` (as is
@@ -194,7 +197,7 @@ class Evaluator:
             value = FUNCTIONS[e.func](*(self._eval(a, env) for a in e.args))
             return value if e.func in EXACT_FUNCTIONS else self.rounded(value)
         if isinstance(e, ex.Cast):
-            return cast_to(self._eval(e.operand, env), e.dtype)  # rounds as the kernel does; its operand moved
+            return cast_to(self._eval(e.operand, env) * self.cast_nudge, e.dtype)  # rounds as the kernel does
         raise TypeError(f"cannot evaluate {e!r}")
 
     # -- steps

@@ -211,7 +211,7 @@ def test_an_input_a_max_folds_as_it_is_is_masked_once_by_its_load() -> None:
     at other); the output pass loads x with other=0."""
     # row_resident keeps its where (emit.write_row_resident); streaming folds per lane (elementwise)
     for strategy, fold_x, sum_exp in [("streaming_fused", "mx_lane = tl.maximum(mx_lane, x)", "tl.where(mask_n, tl.exp("),
-                                      ("multi_pass", "tl.max(x, axis=0, keep_dims=True)", "tl.sum(tl.where(mask_n, tl.exp(")]:
+                                      ("multi_pass", "tl.max(x, axis=0)", "tl.sum(tl.where(mask_n, tl.exp(")]:
         config = KernelConfig({"n": 64})
         body = "\n".join(b for _, b in kernel_sources(softmax_source(strategy, config)).values())
         assert 'other=float("-inf")' in body and fold_x in body, strategy
@@ -239,6 +239,7 @@ def test_a_lane_with_block_1_is_a_scalar_offset_in_no_tile() -> None:
     body = next(iter(kernel_sources(module_source(plan, output_dtypes(spec, dtypes), dtypes)).values()))[1]
     for dim in "bhme":  # the program id peeled into each lane's offset
         assert re.search(rf"^    offs_{dim} = pid\b", body, re.M) and f"mask_{dim}" not in body and f"pid_{dim}" not in body
-    assert "offs_d = (tl.arange(0, BLOCK_d))[:, None]" in body and "offs_n = (start + tl.arange(0, BLOCK_n))[None, :]" in body
+    assert "offs_d = tl.arange(0, BLOCK_d)" in body and "offs_n = start + tl.arange(0, BLOCK_n)" in body
+    assert "offs_n[None, :] * stride_k_n + offs_d[:, None] * stride_k_d" in body  # k as a [BLOCK_d, BLOCK_n] tile
     report = self_check(spec, shape, "float32", strategy="streaming_fused", config=plan.config, derivation=d)
     assert report["passed"], report

@@ -49,7 +49,7 @@ def break_streaming_module(space: SearchSpace, candidate) -> None:
     text = module.path.read_text()
     # mx is bound in the first loop's body only, then read by the output pass
     # (the loop keeps per-lane states, structure.per_lane: its max over the tile is mx_lane's)
-    broken, n = re.subn(r"^(        mx_lane_anchor = safe_anchor\(mx_lane\).*\n)", r"\1        mx = tl.max(mx_lane, axis=0, keep_dims=True)\n",
+    broken, n = re.subn(r"^(        mx_lane_anchor = safe_anchor\(mx_lane\).*\n)", r"\1        mx = tl.max(mx_lane, axis=0)\n",
                         text, count=1, flags=re.M)
     broken, m = re.subn(r"(tl\.store\(y_ptr.*?)\bmx_acc\b", r"\1mx", broken, count=1)
     assert n == m == 1, "the generator's softmax kernel changed: update this test"

@@ -6,9 +6,10 @@ loops, which sums are ``tl.dot`` and the split workspace; this module prints the
 The source reads like a hand-written kernel in the style of Triton's tutorials: offsets and
 masks per dim, one loop over tiles of the loop axis, a comment naming the reduction each
 block computes, and small ``@triton.jit`` helpers (top-k merge, argmax merge, safe anchors)
-shared by all kernels of a module. Every value is float32 in the aligned layout
-(:mod:`fuser_core.codegen.plan`); inputs are loaded and converted on the way in, outputs
-converted to their storage dtype on the way out.
+shared by all kernels of a module. Every value is float32 on the fewest tile dims it needs
+(:mod:`fuser_core.codegen.layout`: attention's ``q`` a ``[BLOCK_m, BLOCK_d]`` tile, its running
+max a ``[BLOCK_m]`` vector); inputs are loaded and converted on the way in, outputs converted to
+their storage dtype on the way out.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 
 import sympy as sp
 
+from fuser_core.codegen.layout import Layout, is_atom
 from fuser_core.codegen.names import FP8, safe_name
 from fuser_core.codegen.structure import (
     Dot,
@@ -30,7 +32,7 @@ from fuser_core.codegen.structure import (
     state_name,
     tile_dims,
 )
-from fuser_core.codegen.tritonize import number, to_triton
+from fuser_core.codegen.tritonize import expr_dims, number, to_triton
 from fuser_core.realisation import (
     COUNT_OLD,
     Realisation,
@@ -64,23 +66,24 @@ def rescale(acc, c):
 
 @triton.jit
 def argmax_merge(best, best_idx, tile, tile_idx, AXIS: tl.constexpr):
-    """Running (max value, first index) along AXIS; the earlier index wins ties (an empty state has
-    index 2147483647, so a tile of -inf still gives its first index). NaN is the
-    extreme, as NumPy's argmax/argmin (the reference) have it: the first NaN wins (tl.max
-    alone would skip NaN on the GPU)."""
+    """A tile's (max value, first index) along its AXIS merged into the running (best, best_idx)
+    (the tile's shape without AXIS); the earlier index wins ties (an empty state has index
+    2147483647, so a tile of -inf still gives its first index). NaN is the extreme, as NumPy's
+    argmax/argmin (the reference) have it: the first NaN wins (tl.max alone would skip NaN on the GPU)."""
     nan_t = tile != tile
-    has_nan = tl.max(nan_t.to(tl.int32), axis=AXIS, keep_dims=True) > 0
-    m = tl.max(tl.where(nan_t, float("-inf"), tile), axis=AXIS, keep_dims=True)
-    i = tl.min(tl.where(tile == m, tile_idx, 2147483647), axis=AXIS, keep_dims=True)
+    has_nan = tl.max(nan_t.to(tl.int32), axis=AXIS) > 0
+    m = tl.max(tl.where(nan_t, float("-inf"), tile), axis=AXIS)
+    i = tl.min(tl.where(tile == tl.expand_dims(m, AXIS), tile_idx, 2147483647), axis=AXIS)
     m = tl.where(has_nan, float("nan"), m)
-    i = tl.where(has_nan, tl.min(tl.where(nan_t, tile_idx, 2147483647), axis=AXIS, keep_dims=True), i)
+    i = tl.where(has_nan, tl.min(tl.where(nan_t, tile_idx, 2147483647), axis=AXIS), i)
     take = (best == best) & (has_nan | (m > best) | ((m == best) & (i < best_idx)))  # empty: index 2147483647
     return tl.where(take, m, best), tl.where(take, i, best_idx)
 
 
 @triton.jit
 def topk_merge(vals, idx, tile, tile_idx, slot, AXIS: tl.constexpr, SLOTS: tl.constexpr, K: tl.constexpr):
-    """Merge a tile (along AXIS) into a running top-K list (along SLOTS).
+    """Merge a tile (along its AXIS) into a running top-K list (along its SLOTS); the tile and the
+    list have the same shape besides those dims.
 
     The list stays sorted descending; among equal values the lower index comes first. An
     empty slot, and an element already taken, has index 2147483647 (a value of -inf is a
@@ -89,17 +92,18 @@ def topk_merge(vals, idx, tile, tile_idx, slot, AXIS: tl.constexpr, SLOTS: tl.co
     new_vals = tl.where(slot < 0, vals, float("-inf"))
     new_idx = tl.where(slot < 0, idx, 2147483647)
     for i in tl.static_range(K):
-        best_s = tl.max(vals, axis=SLOTS, keep_dims=True)
-        best_t = tl.max(tile, axis=AXIS, keep_dims=True)
-        i_s = tl.min(tl.where(vals == best_s, idx, 2147483647), axis=SLOTS, keep_dims=True)
-        i_t = tl.min(tl.where(tile == best_t, tile_idx, 2147483647), axis=AXIS, keep_dims=True)
+        best_s = tl.max(vals, axis=SLOTS)
+        best_t = tl.max(tile, axis=AXIS)
+        i_s = tl.min(tl.where(vals == tl.expand_dims(best_s, SLOTS), idx, 2147483647), axis=SLOTS)
+        i_t = tl.min(tl.where(tile == tl.expand_dims(best_t, AXIS), tile_idx, 2147483647), axis=AXIS)
         take_t = (best_t > best_s) | ((best_t == best_s) & (i_t < i_s))
-        new_vals = tl.where(slot == i, tl.where(take_t, best_t, best_s), new_vals)
-        new_idx = tl.where(slot == i, tl.where(take_t, i_t, i_s), new_idx)
-        taken_s = (idx == i_s) & (~take_t)
+        new_vals = tl.where(slot == i, tl.expand_dims(tl.where(take_t, best_t, best_s), SLOTS), new_vals)
+        new_idx = tl.where(slot == i, tl.expand_dims(tl.where(take_t, i_t, i_s), SLOTS), new_idx)
+        # the winner leaves its list (matching index 2147483647 instead only re-empties empty slots)
+        taken_s = idx == tl.expand_dims(tl.where(take_t, 2147483647, i_s), SLOTS)
         vals = tl.where(taken_s, float("-inf"), vals)
         idx = tl.where(taken_s, 2147483647, idx)
-        taken_t = (tile_idx == i_t) & take_t
+        taken_t = tile_idx == tl.expand_dims(tl.where(take_t, i_t, 2147483647), AXIS)
         tile = tl.where(taken_t, float("-inf"), tile)
         tile_idx = tl.where(taken_t, 2147483647, tile_idx)
     return new_vals, new_idx
@@ -253,7 +257,9 @@ class KernelWriter:
         self.spec = plan.spec
         self.conv = plan.derivation.symbols
         self.forms = plan.derivation.forms
-        self.dims = tile_dims(plan)  # a lane with block 1 is a scalar offset, in no tile
+        self.layout = Layout(tile_dims(plan))  # a lane with block 1 is a scalar offset, in no tile
+        self.dims = self.layout.dims
+        self.var_dims: dict[str, tuple[str, ...]] = {}  # variable -> the tile dims its value lives on
         self.lines: list[str] = []
         self.depth = 1
         self.loaded: set[str] = set()  # inputs / inner reductions already in the current scope
@@ -270,6 +276,7 @@ class KernelWriter:
         merges (a combine kernel recomputes every final value from its own merged states)."""
         self.kernel = kernel
         self.values = {}
+        self.var_dims = {}
         self.loaded = set()
         self.persistent = set()
         self.filled = {}
@@ -279,27 +286,50 @@ class KernelWriter:
     def emit(self, line: str = "") -> None:
         self.lines.append(("    " * self.depth + line) if line else "")
 
-    def aligned(self, dim: str, expr: str) -> str:
-        return aligned_index(self.dims, dim, expr)
-
     def shape(self, dims) -> str:
-        return block_shape(self.dims, dims)
+        return self.layout.shape(dims)
 
-    def pos(self, dim: str) -> int:
-        return self.dims.index(dim)
+    def let(self, var: str, text: str, dims, note: str = "") -> str:
+        """Emit ``var = text`` for a value on ``dims``; returns ``var``."""
+        self.emit(f"{var} = {text}{note}")
+        self.var_dims[var] = self.layout.order(dims)
+        return var
+
+    def dims_of(self, text: str) -> tuple[str, ...]:
+        """The dims of a value printed without a reduction in it: the union of its variables' dims."""
+        return self.layout.union(*(self.var_dims.get(n, ()) for n in re.findall(r"[A-Za-z_]\w*", text)))
+
+    def on(self, text: str, dims, want) -> str:
+        """``text``, a value on ``dims``, placed on ``want``."""
+        return self.layout.expand(text, dims, want)
+
+    def offs(self, dim: str, want) -> str:
+        """The offsets of ``dim`` on a tile over ``want`` (a scalar lane's: its program's index)."""
+        return self.on(f"offs_{dim}", self.var_dims.get(f"offs_{dim}", ()), want)
 
     def mask(self, dims) -> str:
-        """The tail mask of a block over ``dims`` ("" when none: scalar lanes need none)."""
-        return " & ".join(f"mask_{d}" for d in dims if d in self.dims)
+        """The tail mask of a tile over ``dims`` ("" when none: scalar lanes need none)."""
+        return " & ".join(self.on(f"mask_{d}", (d,), dims) for d in self.layout.order(dims))
 
-    def block_pointer(self, base: str, offsets: list[str], dims) -> str:
-        """``base`` plus ``offsets``; over no tile dim the pointer is still a (size-1) block, so that
-        a block value can be stored through it."""
-        ptr = " + ".join([base, *offsets])
-        return ptr if any(d in self.dims for d in dims) else f"{ptr} + tl.zeros({self.shape(())}, tl.int32)"
+    def pointer(self, base: str, offsets: list[tuple[str, str]], dims) -> str:
+        """``base`` plus each (dim, stride) offset, as a tile of pointers over ``dims``."""
+        return " + ".join([base, *(f"{self.offs(d, dims)} * {stride}" for d, stride in offsets)])
 
-    def tex(self, e: sp.Expr) -> str:
-        return to_triton(e, self.values)
+    def tex(self, e: sp.Expr, names=None) -> str:
+        return to_triton(e, self.values if names is None else names, self.layout, self.dims_of)
+
+    def tex_dims(self, e: sp.Expr, names=None) -> tuple[str, ...]:
+        return expr_dims(e, self.values if names is None else names, self.layout, self.dims_of)
+
+    def masked(self, dim: str, value: str, dims, other: str) -> tuple[str, tuple[str, ...]]:
+        """``tl.where(mask_dim, value, other)`` (a value on ``dims``) on the union of both."""
+        both = self.layout.union(dims, (dim,))
+        return f"tl.where({self.on(f'mask_{dim}', (dim,), both)}, {self.on(value, dims, both)}, {other})", both
+
+    def reduce(self, op: str, value: str, dims, over: str) -> tuple[str, tuple[str, ...]]:
+        """``tl.{op}`` of a value on ``dims`` along ``over``: the value on the other dims."""
+        dims = self.layout.order(dims)
+        return f"tl.{op}({value}, axis={dims.index(over)})", tuple(d for d in dims if d != over)
 
     # ------------------------------------------------------------ signature and set-up
     def signature(self) -> list[str]:
@@ -357,8 +387,8 @@ class KernelWriter:
             if d == self.plan.axis or d not in self.dims:
                 continue
             base = f"pid_{d} * BLOCK_{d} + " if d in lanes else ""
-            self.emit(f"offs_{d} = {self.aligned(d, f'{base}tl.arange(0, BLOCK_{d})')}")
-            self.emit(f"mask_{d} = offs_{d} < size_{d}")
+            self.let(f"offs_{d}", f"{base}tl.arange(0, BLOCK_{d})", (d,))
+            self.let(f"mask_{d}", f"offs_{d} < size_{d}", (d,))
         for d in self.plan.dims:
             self.values[f"size({d})"] = f"(size_{d} * 1.0)"  # float: sizes enter float arithmetic
             self.values[f"index({d})"] = f"offs_{d}"
@@ -367,8 +397,8 @@ class KernelWriter:
 
     def axis_tile(self, start: str) -> None:
         a = self.plan.axis
-        self.emit(f"offs_{a} = {self.aligned(a, f'{start} + tl.arange(0, BLOCK_{a})')}")
-        self.emit(f"mask_{a} = offs_{a} < size_{a}")
+        self.let(f"offs_{a}", f"{start} + tl.arange(0, BLOCK_{a})" if start != "0" else f"tl.arange(0, BLOCK_{a})", (a,))
+        self.let(f"mask_{a}", f"offs_{a} < size_{a}", (a,))
 
     # ------------------------------------------------------------ scopes: loads and inner reductions
     def begin_scope(self) -> None:
@@ -409,7 +439,7 @@ class KernelWriter:
             raise AssertionError(f"{self.kernel.name} loads {name}, which its structure does not list")
         inp = self.spec.input(name)
         var = safe_name(name)
-        ptr = f"{var}_ptr + " + " + ".join(f"offs_{d} * stride_{var}_{d}" for d in inp.dims) if inp.dims else f"{var}_ptr"
+        ptr = self.pointer(f"{var}_ptr", [(d, f"stride_{var}_{d}") for d in inp.dims], inp.dims)
         mask = self.mask(inp.dims)
         kind = "tl.int32" if inp.is_index else "tl.float32"
         other = number(identity(fill)) if fill else "0"
@@ -418,7 +448,7 @@ class KernelWriter:
             self.filled[name] = fill
         else:
             self.filled.pop(name, None)
-        self.emit(f"{var} = {load_expr(args, self.input_dtypes.get(name), kind)}{note}")
+        self.let(var, load_expr(args, self.input_dtypes.get(name), kind), inp.dims, note)
         self.values[name] = var
         self.loaded.add(name)
         if self.depth == 1:  # the kernel's top level: in scope for the rest of the kernel
@@ -428,59 +458,68 @@ class KernelWriter:
         integrand = self.conv.integrand(step)
         self.need([integrand])
         var = safe_name(step.name)
-        p = self.pos(step.over)
         self.emit(f"# {step.name}: {step.reduce} over {step.over} of {sp.sstr(integrand)}")
         dot = self.dot_text(self.structure.dot(integrand, step.over)) if step.reduce == "sum" else None
-        self.emit(f"{var} = {dot or self.tile_reduce(step.reduce, self.tex(integrand), step.over, p)}")
+        text, dims = dot or self.tile_reduce(step.reduce, integrand, step.over)
+        self.let(var, text, dims, f"  # tl.dot: sum over {step.over} as a matrix product" if dot else "")
         self.values[step.name] = var
         self.loaded.add(step.name)
 
-    def dot_text(self, dot: Dot | None) -> str | None:
-        """A tl.dot decided by the structure, printed: P[I, over] @ Q[over, J], then the scale."""
+    def dot_text(self, dot: Dot | None) -> tuple[str, tuple[str, ...]] | None:
+        """A tl.dot decided by the structure, printed: P[i, over] @ Q[over, j], then the scale; with
+        the dims of its value."""
         if dot is None:
             return None
         i, j, over = dot.i, dot.j, dot.over
-        p = f"tl.broadcast_to(tl.where(mask_{over}, {self.tex(dot.p)}, 0.0), {self.shape({i, over})})"
-        q = f"tl.broadcast_to({self.tex(dot.q)}, {self.shape({over, j})})"
-        lhs = self.as_matrix(p, i, over)
-        rhs = self.as_matrix(q, over, j)
+        p = self.tex(dot.p)
+        if not self.zero_filled(dot.p, over):  # a masked lane of P must add 0 to the product
+            p, _ = self.masked(over, p, self.tex_dims(dot.p), "0.0")
+        lhs = self.as_matrix(p, self.layout.union(self.tex_dims(dot.p), (over,)), i, over)
+        rhs = self.as_matrix(self.tex(dot.q), self.tex_dims(dot.q), over, j)
         if dot.precision == "tl.float16":
             prod = f"tl.dot({lhs}.to(tl.float16), {rhs}.to(tl.float16))"
         else:
             prod = f"tl.dot({lhs}, {rhs}, input_precision=\"{dot.precision}\")"
+        if self.layout.order((i, j)) != (i, j):
+            prod = f"tl.trans({prod})"
         scale = f" * {self.tex(dot.scale)}" if dot.scale is not None else ""
-        return f"tl.reshape({prod}, {self.shape({i, j})}){scale}  # tl.dot: sum over {over} as a matrix product"
+        return f"{prod}{scale}", self.layout.order((i, j))
 
-    def as_matrix(self, t: str, row: str, col: str) -> str:
-        """An aligned tile over {row, col} as a [row, col] matrix."""
-        if self.dims.index(row) < self.dims.index(col):
-            return f"tl.reshape({t}, [BLOCK_{row}, BLOCK_{col}])"
-        return f"tl.trans(tl.reshape({t}, [BLOCK_{col}, BLOCK_{row}]))"
+    def zero_filled(self, e: sp.Expr, over: str) -> bool:
+        """Is ``e`` an input loaded here with 0 in the masked lanes of ``over``?"""
+        return (isinstance(e, sp.Symbol) and e.name in self.loaded and e.name not in self.filled
+                and isinstance(self.spec.lookup(e.name), Input) and over in self.spec.input(e.name).dims)
 
-    def tile_reduce(self, op: str, value: str, over: str, p: int) -> str:
-        if op == "sum":
-            return f"tl.sum(tl.where(mask_{over}, {value}, 0.0), axis={p}, keep_dims=True)"
-        if op == "max":
-            return f'tl.max(tl.where(mask_{over}, {value}, float("-inf")), axis={p}, keep_dims=True)'
-        if op == "min":
-            return f'tl.min(tl.where(mask_{over}, {value}, float("inf")), axis={p}, keep_dims=True)'
-        raise NotImplementedError(f"{op} inside a tile")  # validated earlier: inner reductions are sum/max/min
+    def as_matrix(self, t: str, dims, row: str, col: str) -> str:
+        """A value on ``dims`` (some of row, col) as a [BLOCK_row, BLOCK_col] matrix."""
+        both = self.layout.order((row, col))
+        if self.layout.order(dims) != both:
+            t = f"tl.broadcast_to({self.on(t, dims, both)}, {self.shape(both)})"
+        return t if both == (row, col) else f"tl.trans({t})"
+
+    def tile_reduce(self, op: str, e: sp.Expr, over: str) -> tuple[str, tuple[str, ...]]:
+        """A reduction over the whole tile of ``over`` of ``e``, with the dims of its value."""
+        if op not in ("sum", "max", "min"):
+            raise NotImplementedError(f"{op} inside a tile")  # validated earlier: inner reductions are sum/max/min
+        value, dims = self.masked(over, self.tex(e), self.tex_dims(e), number(identity(op)))
+        return self.reduce(op, value, dims, over)
 
     # ------------------------------------------------------------ reductions over the loop axis
     def init_state(self, step: Step, parts: int = 1) -> list[str]:
         """Emit the initial (empty) accumulators of an axis reduction; returns their names (per lane of
         the axis's tile while printing a per-lane loop)."""
         var = safe_name(step.name)
-        shape = self.shape(self.state_dims(step.dims))
+        dims = self.state_dims(step.dims)
+        shape = self.shape(dims)
         op = self.effective_op(step)
         if op in ORDER_SELECTIONS:  # (values, indices), selected on values (negated for bottom-k/argmin)
-            self.emit(f'{var}_acc_values = tl.full({shape}, float("-inf"), tl.float32)')
-            self.emit(f"{var}_acc_indices = tl.full({shape}, 2147483647, tl.int32)")  # empty: no index yet
+            self.let(f"{var}_acc_values", f'tl.full({shape}, float("-inf"), tl.float32)', dims)
+            self.let(f"{var}_acc_indices", f"tl.full({shape}, 2147483647, tl.int32)", dims, "  # empty: no index yet")
             return [f"{var}_acc"]
         fill = number(identity(op))
         names = [state_name(step, j, parts, self.lanes) for j in range(parts)]
         for n in names:
-            self.emit(f"{n} = tl.full({shape}, {fill}, tl.float32)")
+            self.let(n, f"tl.full({shape}, {fill}, tl.float32)", dims)
         return names
 
     def effective_op(self, step: Step) -> str:
@@ -489,53 +528,56 @@ class KernelWriter:
     def fold(self, step: Step, acc: str, e: sp.Expr, prev: str | None = None) -> None:
         """acc = prev (op) reduce over the tile of e (a tl.dot when e is a contraction that fits one);
         ``prev`` is the accumulator's text before the tile (default: itself, not moved)."""
-        a = self.plan.axis
-        p = self.pos(a)
         op = self.effective_op(step)
-        value = self.tex(e)
-        if isinstance(e, sp.Symbol) and self.filled.get(e.name) == op and e.name in self.values:
-            # its masked lanes already hold the identity (identity_loads)
-            self.emit(f"{acc} = tl.{op}imum({prev or acc}, tl.{op}({value}, axis={p}, keep_dims=True))")
+        if op in ORDER_SELECTIONS:
+            self.select(step, acc, self.tex(e), self.tex_dims(e), prev)
             return
-        if op == "sum":
-            prev = prev or acc
-            dot = self.dot_text(self.structure.dot(e, a))
-            if dot is not None:
-                self.emit(f"{acc} = {prev} + {dot}")
-                return
-            self.emit(f"{acc} = {prev} + tl.sum(tl.where(mask_{a}, {value}, 0.0), axis={p}, keep_dims=True)")
-        elif op == "max":
-            prev = prev or acc
-            self.emit(f'{acc} = tl.maximum({prev}, tl.max(tl.where(mask_{a}, {value}, float("-inf")), axis={p}, keep_dims=True))')
-        elif op == "min":
-            prev = prev or acc
-            self.emit(f'{acc} = tl.minimum({prev}, tl.min(tl.where(mask_{a}, {value}, float("inf")), axis={p}, keep_dims=True))')
-        elif op in ("argmax", "argmin"):
-            prev = prev or f"{acc}_values"
-            sign = "" if op == "argmax" else "-"
-            self.emit(
-                f"{acc}_values, {acc}_indices = argmax_merge({prev}, {acc}_indices, "
-                f'tl.where(mask_{a}, {sign}({value}), float("-inf")), offs_{a}, {p})'
-            )
-        else:  # topk / bottomk: select on the negated values for bottom-k
-            prev = prev or f"{acc}_values"
-            sign = "" if op == "topk" else "-"
+        self.emit_combine(step, op, acc, prev or acc, *self.tile_fold(step, e))
+
+    def tile_fold(self, step: Step, e: sp.Expr) -> tuple[str, tuple[str, ...], str]:
+        """A sum/max/min of ``e`` over the axis's tile (a tl.dot when the structure decided one): its
+        text, dims and a note for the line."""
+        a = self.plan.axis
+        op = self.effective_op(step)
+        value, dims = self.tex(e), self.tex_dims(e)
+        dot = self.dot_text(self.structure.dot(e, a)) if op == "sum" else None
+        if dot is not None:
+            return *dot, f"  # tl.dot: sum over {a} as a matrix product"
+        if isinstance(e, sp.Symbol) and self.filled.get(e.name) == op and e.name in self.values:
+            return *self.reduce(op, value, dims, a), ""  # its masked lanes hold the identity (identity_loads)
+        return *self.reduce(op, *self.masked(a, value, dims, number(identity(op))), a), ""
+
+    def select(self, step: Step, acc: str, value: str, dims, prev: str | None) -> None:
+        """Merge a tile into a running argmax/argmin or top-k/bottom-k (on negated values for the
+        smallest): the tile over the state's dims and the axis, as the merge helpers take it."""
+        a = self.plan.axis
+        op = self.effective_op(step)
+        prev = prev or f"{acc}_values"
+        sign = op in ("argmin", "bottomk")
+        state = self.var_dims[f"{acc}_values"]
+        lanes = tuple(d for d in state if d != step.as_dim)  # a top-k list's slots are not the tile's
+        tile_dims = self.layout.union(lanes, (a,))
+        tile, got = self.masked(a, f"-({value})" if sign else value, dims, 'float("-inf")')
+        if got != tile_dims:  # a value that varies over fewer dims than the state: a whole tile of it
+            tile = f"tl.broadcast_to({self.on(tile, got, tile_dims)}, {self.shape(tile_dims)})"
+        axis = self.layout.axis(tile_dims, a)
+        if op in ("argmax", "argmin"):
+            merge = f"argmax_merge({prev}, {acc}_indices, {tile}, {self.offs(a, tile_dims)}, {axis})"
+        else:
             slots = step.as_dim
-            self.emit(
-                f"{acc}_values, {acc}_indices = topk_merge({prev}, {acc}_indices, "
-                f'tl.where(mask_{a}, {sign}({value}), float("-inf")), offs_{a}, offs_{slots}, '
-                f"{p}, {self.pos(slots)}, {step.k})"
-            )
+            merge = (f"topk_merge({prev}, {acc}_indices, {tile}, {self.offs(a, tile_dims)}, {self.offs(slots, state)}, "
+                     f"{axis}, {self.layout.axis(state, slots)}, {step.k})")
+        self.emit(f"{acc}_values, {acc}_indices = {merge}")
 
     def lane_fold(self, step: Step, acc: str, e: sp.Expr, prev: str | None) -> None:
         """acc = prev (op) e, elementwise: each lane of the tile folds its own element into its own state
         (per lane, no reduction across the tile); masked-off lanes fold the identity."""
         a = self.plan.axis
         op = self.effective_op(step)
-        value = self.tex(e)
+        value, dims = self.tex(e), self.tex_dims(e)
         if not (isinstance(e, sp.Symbol) and self.filled.get(e.name) == op and e.name in self.values):
-            value = f"tl.where(mask_{a}, {value}, {number(identity(op))})"  # else its load filled the identity
-        self.emit_combine(step, op, acc, prev or acc, value)
+            value, dims = self.masked(a, value, dims, number(identity(op)))  # else its load filled the identity
+        self.emit_combine(step, op, acc, prev or acc, value, dims)
 
     def selected(self, step: Step, acc: str) -> str:
         """The accumulated value of an order reduction, signs undone."""
@@ -543,31 +585,40 @@ class KernelWriter:
         return f"-{acc}_values" if op in ("bottomk", "argmin") else f"{acc}_values"
 
     def set_result(self, step: Step, value: str, indices: str | None = None) -> None:
+        """Name a reduction's final value (a variable already: read as it is)."""
         var = safe_name(step.name)
         if step.reduce == "topk":
-            self.emit(f"{var}_values = {value}")
-            self.emit(f"{var}_indices = {indices}")
-            self.values[f"{step.name}.values"] = f"{var}_values"
-            self.values[f"{step.name}.indices"] = f"{var}_indices"
+            self.values[f"{step.name}.values"] = self.named(value, f"{var}_values")
+            self.values[f"{step.name}.indices"] = indices
         elif step.reduce in ("argmax", "argmin"):
-            self.emit(f"{var} = {indices}")
-            self.values[step.name] = var
+            self.values[step.name] = indices
         else:
-            if value != var:
-                self.emit(f"{var} = {value}")
-            self.values[step.name] = var
+            self.values[step.name] = self.named(value, var)
+
+    def named(self, text: str, name: str) -> str:
+        """A variable holding ``text``: itself if it is one, else ``name`` assigned it."""
+        return text if re.fullmatch(r"\w+", text) else self.let(name, text, self.dims_of(text))
 
     # ------------------------------------------------------------ outputs
     def store(self, part: str, value: str) -> None:
+        """Store a value to an output part (a whole tile of it where it varies over fewer dims)."""
         var = safe_name(part)
         dims = self.part_dims(part)
-        ptr = self.block_pointer(f"{var}_ptr", [f"offs_{d} * stride_{var}_{d}" for d in dims], dims)
+        ptr = self.pointer(f"{var}_ptr", [(d, f"stride_{var}_{d}") for d in dims], dims)
         mask = self.mask(dims)
-        if _CONSTANT.fullmatch(value.strip()):  # a constant step: tl.broadcast_to takes tensors only
-            value = f"tl.full({self.shape(())}, {value}, tl.float32)"
-        full = f"tl.broadcast_to({value}, {self.shape(dims)})"
-        line = f"tl.store({ptr}, {store_expr(full, self.store_dtypes[part], var)}"
+        value = self.whole(value, dims)
+        line = f"tl.store({ptr}, {store_expr(value, self.store_dtypes[part], var)}"
         self.emit(line + (f", mask={mask})" if mask else ")"))
+
+    def whole(self, value: str, dims) -> str:
+        """A value (printed without a reduction in it) as a whole tile over ``dims``, to be stored."""
+        tile = self.layout.order(dims)
+        if _CONSTANT.fullmatch(value.strip()):  # a constant step: .to() takes tensors only
+            return f"tl.full({self.shape(tile)}, {value}, tl.float32)"
+        have = self.dims_of(value)
+        if have != tile:  # it varies over fewer dims than it is stored over
+            return f"tl.broadcast_to({self.on(value, have, tile)}, {self.shape(tile)})"
+        return value if is_atom(value) else f"({value})"
 
     def output_value(self, part: str) -> str:
         name = part.split(".")[0]
@@ -643,6 +694,10 @@ class KernelWriter:
         self.emit_outputs()
 
     def direct_reduction(self, step: Step, value: sp.Expr) -> None:
+        if self.effective_op(step) not in ORDER_SELECTIONS:  # the whole axis is one tile: its reduction is the value
+            text, dims, note = self.tile_fold(step, value)
+            self.values[step.name] = self.let(safe_name(step.name), text, dims, note)
+            return
         acc = self.init_state(step)[0]
         self.fold(step, acc, value)
         if step.reduce in ("topk", "argmax", "argmin"):
@@ -710,7 +765,7 @@ class KernelWriter:
         anchors = self.anchored_deps()
         for dep in anchors:
             dims = self.state_dims(self.spec.step(dep).dims)
-            self.emit(f"{self.anchor_var(dep)} = tl.zeros({self.shape(dims)}, tl.float32)")
+            self.let(self.anchor_var(dep), f"tl.zeros({self.shape(dims)}, tl.float32)", dims)
         counts = reads_count(self.plan)
         if counts:
             self.emit("count = 0.0")
@@ -722,7 +777,7 @@ class KernelWriter:
             self.emit("count_old = count")
             self.emit(f"count += tl.minimum(BLOCK_{a}, {hi} - start).to(tl.float32)")
         for dep in anchors:
-            self.emit(f"{self.anchor_var(dep)}_old = {self.anchor_var(dep)}")
+            self.let(f"{self.anchor_var(dep)}_old", self.anchor_var(dep), self.var_dims[self.anchor_var(dep)])
             self.values[f"{dep}[old]"] = f"{self.anchor_var(dep)}_old"
             self.values[f"{dep}[new]"] = self.anchor_var(dep)
         self.values[COUNT_OLD] = "count_old"  # by symbol: a step named `count` has its own count[old]
@@ -760,7 +815,7 @@ class KernelWriter:
             self.need([r.right for r in rules])
             env = {**self.values, **names, **{part_acc(j, "b"): lane for j, lane in enumerate(lanes[step.name])}}
             for acc, rule in zip(accs, rules):
-                self.emit(f"{acc} = tl.{rule.op}({to_triton(rule.right, env)}, axis={self.pos(a)}, keep_dims=True)")
+                self.let(acc, *self.reduce(rule.op, self.tex(rule.right, env), self.tex_dims(rule.right, env), a))
             if self.read_in_loop(step):  # the merged value, for the merged anchor or a later merge
                 self.running_value(step, accs)
                 self.merged.add(step.name)
@@ -772,9 +827,10 @@ class KernelWriter:
         anchor, value = self.anchor_var(step.name), self.values[step.name]
         kinds = {self.forms[s.name].anchors.get(step.name) for s in self.axis_steps()} - {None}
         if any(k and k.startswith("running estimate") for k in kinds):
-            self.emit(f"{anchor} = {value} * size_{self.plan.axis} / tl.maximum(count, 1.0)  # running estimate of {step.name}")
+            self.let(anchor, f"{value} * size_{self.plan.axis} / tl.maximum(count, 1.0)", self.dims_of(value),
+                     f"  # running estimate of {step.name}")
         else:
-            self.emit(f"{anchor} = safe_anchor({value})  # {what} {step.reduce} of {step.name}")
+            self.let(anchor, f"safe_anchor({value})", self.dims_of(value), f"  # {what} {step.reduce} of {step.name}")
 
     def realisation(self, step: Step) -> Realisation:
         real = self.forms[step.name].realisation
@@ -838,12 +894,12 @@ class KernelWriter:
         """The text of each moved accumulator (None: unmoved). Where one reads another (a Taylor
         shift), each is first computed into ``{acc}_moved``, so that none reads an updated one."""
         env = {**self.values, **names}
-        texts: list[str | None] = [None if e == sym else to_triton(e, env) for e, sym in zip(exprs, real.symbols)]
+        texts: list[str | None] = [None if e == sym else self.tex(e, env) for e, sym in zip(exprs, real.symbols)]
         if not real.moves_jointly:
             return texts
         for acc, text, sym in zip(accs, texts, real.symbols):
             text = text or env[sym]
-            self.emit(f"{acc}_moved = {text}")
+            self.let(f"{acc}_moved", text, self.dims_of(text))
         return [f"{acc}_moved" for acc in accs]
 
     def running_value(self, step: Step, accs: list[str]) -> None:
@@ -856,7 +912,8 @@ class KernelWriter:
             self.values[step.name] = accs[real.symbols.index(real.value)]
             return
         self.need([real.value])
-        self.emit(f"{var} = {to_triton(real.value, {**self.values, **dict(zip(real.symbols, accs))})}")
+        env = {**self.values, **dict(zip(real.symbols, accs))}
+        self.let(var, self.tex(real.value, env), self.tex_dims(real.value, env))
         self.values[step.name] = var
 
     def finalize(self) -> None:
@@ -867,7 +924,8 @@ class KernelWriter:
                 continue  # its lane merge printed its final value
             if real.selection:
                 self.need([real.value])
-                value = to_triton(real.value, {**self.values, real.symbols[0]: f"({self.selected(step, acc)})"})
+                sel = self.selected(step, acc)
+                value = self.tex(real.value, {**self.values, real.symbols[0]: sel if is_atom(sel) else f"({sel})"})
                 self.emit(f"# {step.name}: final values from the accumulated {real.op}")
                 self.set_result(step, value, f"{acc}_indices")
             else:
@@ -881,8 +939,8 @@ class KernelWriter:
         return [(w.name, w.dims, w.dtype) for w in self.structure.workspace]
 
     def ws_ptr(self, name: str, dims: tuple[str, ...], split: str) -> str:
-        return self.block_pointer(f"ws_{name}_ptr", [f"{split} * stride_ws_{name}_split",
-                                                     *(f"offs_{d} * stride_ws_{name}_{d}" for d in dims)], dims)
+        return self.pointer(f"ws_{name}_ptr + {split} * stride_ws_{name}_split",
+                            [(d, f"stride_ws_{name}_{d}") for d in dims], dims)
 
     def write_split_fused(self) -> None:
         a = self.plan.axis
@@ -896,7 +954,8 @@ class KernelWriter:
         self.streaming_loop("lo", f"tl.minimum(lo + chunk, size_{a})")
         for name, dims, _ in self.workspace():
             mask = self.mask(dims)
-            self.emit(f"tl.store({self.ws_ptr(name, dims, 'split')}, {name}" + (f", mask={mask})" if mask else ")"))
+            value = self.whole(name, dims)
+            self.emit(f"tl.store({self.ws_ptr(name, dims, 'split')}, {value}" + (f", mask={mask})" if mask else ")"))
         self.lines.append("")
         self.lines.append("")
         # kernel 2: merge the parts with the derived merge rule, then the outputs
@@ -922,7 +981,8 @@ class KernelWriter:
         accs = {s.name: self.init_state(s, len(self.realisation(s).accumulators)) for s in steps}
         anchors = self.anchored_deps()
         for dep in anchors:
-            self.emit(f"{safe_name(dep)}_anchor = tl.zeros({self.shape(self.spec.step(dep).dims)}, tl.float32)")
+            dims = self.spec.step(dep).dims
+            self.let(f"{safe_name(dep)}_anchor", f"tl.zeros({self.shape(dims)}, tl.float32)", dims)
         counts = reads_count(self.plan)
         if counts:
             self.emit("count = 0.0")
@@ -935,10 +995,8 @@ class KernelWriter:
         ws = {name: dims for name, dims, _ in self.workspace()}
         for dep in anchors:
             var = safe_name(dep)
-            self.emit(f"{var}_anchor_old = {var}_anchor")
-            dims = ws[f"{var}_anchor"]
-            mask = self.mask(dims)
-            self.emit(f"{var}_anchor_part = tl.load({self.ws_ptr(f'{var}_anchor', dims, 'split')}" + (f", mask={mask}, other=0.0)" if mask else ")"))
+            self.let(f"{var}_anchor_old", f"{var}_anchor", self.var_dims[f"{var}_anchor"])
+            self.load_part(f"{var}_anchor", ws[f"{var}_anchor"], other="0.0")
         for step in steps:
             self.merge_part(step, accs[step.name], ws)
             if step.name in anchors:
@@ -948,8 +1006,8 @@ class KernelWriter:
 
     def load_part(self, name: str, dims: tuple[str, ...], other: str = "0") -> str:
         mask = self.mask(dims)
-        self.emit(f"{name}_part = tl.load({self.ws_ptr(name, dims, 'split')}" + (f", mask={mask}, other={other})" if mask else ")"))
-        return f"{name}_part"
+        args = f"{self.ws_ptr(name, dims, 'split')}" + (f", mask={mask}, other={other}" if mask else "")
+        return self.let(f"{name}_part", f"tl.load({args})", dims)
 
     def merge_part(self, step: Step, accs: list[str], ws: dict[str, tuple[str, ...]]) -> None:
         """Fold part `split` into the merged state with the realisation's merge rule:
@@ -977,25 +1035,27 @@ class KernelWriter:
             names[part_anchor(sym, "b")] = f"{safe_name(dep)}_anchor_part"
             names[new(sym)] = f"{safe_name(dep)}_anchor"
         env = {**self.values, **names}
-        lefts = [to_triton(r.left, env) for r in rules]
+        lefts = [self.tex(r.left, env) for r in rules]
         if real.moves_jointly:  # a Taylor shift reads every merged accumulator: none may be updated first
-            for acc, text in zip(accs, lefts):
-                self.emit(f"{acc}_moved = {text}")
-            lefts = [f"{acc}_moved" for acc in accs]
-        for acc, rule, left, right in zip(accs, rules, lefts, (to_triton(r.right, env) for r in rules)):
-            self.emit_combine(step, rule.op, acc, left, right)
+            lefts = [self.let(f"{acc}_moved", text, self.dims_of(text)) for acc, text in zip(accs, lefts)]
+        for acc, rule, left in zip(accs, rules, lefts):
+            right = self.tex(rule.right, env)
+            self.emit_combine(step, rule.op, acc, left, right, self.dims_of(right))
         if self.read_in_loop(step):
             self.running_value(step, accs)
 
-    def emit_combine(self, step: Step, op: str, acc: str, left: str, right: str) -> None:
-        """acc = op(left, right) for two states of one accumulator (a selection: its values, with indices)."""
-        if op == "sum":
-            self.emit(f"{acc} = {left} + {right}")
-        elif op in ("max", "min"):
-            self.emit(f"{acc} = tl.{op}imum({left}, {right})")
-        elif op in ("topk", "bottomk"):
-            p = self.pos(step.as_dim)
-            self.emit(f"{acc}_values, {acc}_indices = topk_merge({left}, {acc}_indices, {right}, {acc}_indices_part, offs_{step.as_dim}, {p}, {p}, {step.k})")
+    def emit_combine(self, step: Step, op: str, acc: str, left: str, right: str, right_dims, note: str = "") -> None:
+        """acc = op(left, right) for two states of one accumulator (``right`` on ``right_dims``, the
+        accumulator's or fewer; a selection: its values, with indices)."""
+        if op in ("topk", "bottomk"):
+            state = self.var_dims[f"{acc}_values"]
+            p = self.layout.axis(state, step.as_dim)
+            self.emit(f"{acc}_values, {acc}_indices = topk_merge({left}, {acc}_indices, {right}, {acc}_indices_part, "
+                      f"{self.offs(step.as_dim, state)}, {p}, {p}, {step.k})")
+        elif op in ("argmax", "argmin"):  # the part's state as a tile of one along a new axis 0
+            self.emit(f"{acc}_values, {acc}_indices = argmax_merge({left}, {acc}_indices, tl.expand_dims({right}, 0), "
+                      f"tl.expand_dims({acc}_indices_part, 0), 0)")
         else:
-            p = self.pos(self.plan.axis)
-            self.emit(f"{acc}_values, {acc}_indices = argmax_merge({left}, {acc}_indices, {right}, {acc}_indices_part, {p})")
+            dims = self.var_dims[acc]
+            left, right = self.on(left, self.dims_of(left), dims), self.on(right, right_dims, dims)
+            self.let(acc, f"{left} + {right}" if op == "sum" else f"tl.{op}imum({left}, {right})", dims, note)

@@ -8,19 +8,27 @@ caller decides what ``mx`` or ``index(n)`` means in the kernel being written.
 
 Arithmetic is float32: integer symbols (indices, sizes) promote on contact with floats.
 
+Given a :class:`~fuser_core.codegen.layout.Layout` and the dims of each name's value, every
+operation's operands are placed on the union of their dims (``mx[:, None]``), so each value
+stays on the fewest dims it needs.
+
 Example:
     >>> import sympy as sp
     >>> x, m = sp.symbols("x mx", real=True)
     >>> to_triton(sp.exp(x - m) / sp.Symbol("den"), {"x": "x", "mx": "mx", "den": "den"})
     'tl.exp(x - mx) / den'
+    >>> dims = {"x": ("m", "n"), "mx": ("m",)}.get
+    >>> to_triton(sp.exp(x - m), {"x": "x", "mx": "mx"}, Layout(("m", "n")), lambda t: dims(t, ()))
+    'tl.exp(x - mx[:, None])'
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import sympy as sp
 
+from fuser_core.codegen.layout import Layout
 from fuser_core.realisation import Rescale
 from fuser_core.symbolic import CAST_FUNCTIONS, Round
 
@@ -61,16 +69,56 @@ def number(value: sp.Expr) -> str:
     return repr(float(value))
 
 
-def to_triton(e: sp.Expr, names: Mapping[str | sp.Symbol, str]) -> str:
+DimsOf = Callable[[str], tuple[str, ...]]  # the dims of a value, from its Triton text
+
+
+def to_triton(e: sp.Expr, names: Mapping[str | sp.Symbol, str], layout: Layout | None = None,
+              dims_of: DimsOf | None = None) -> str:
     """Triton source for ``e``; every free symbol, or its name, must be a key of ``names``
     (a symbol key wins: two symbols may share a name, as a step named ``count`` does with
-    the count of values seen)."""
-    return _Printer(names).go(e)[0]
+    the count of values seen). With ``layout`` and ``dims_of``, operands on different dims
+    are placed on their union; the result is on :func:`expr_dims`."""
+    return _Printer(names, layout, dims_of).go(e)[0]
+
+
+def expr_dims(e: sp.Expr, names: Mapping[str | sp.Symbol, str], layout: Layout, dims_of: DimsOf) -> tuple[str, ...]:
+    """The dims the value of ``e`` lives on: every operation is elementwise, so the union of its symbols'."""
+    return _Printer(names, layout, dims_of).dims(e)
 
 
 class _Printer:
-    def __init__(self, names: Mapping[str | sp.Symbol, str]):
+    def __init__(self, names: Mapping[str | sp.Symbol, str], layout: Layout | None = None, dims_of: DimsOf | None = None):
         self.names = names
+        self.layout = layout
+        self.dims_of = dims_of
+        self.want: tuple[str, ...] | None = None  # the dims of the operation being printed
+
+    def symbol(self, e: sp.Symbol) -> str:
+        if e in self.names:  # an exact symbol first: two symbols may share a name (count[old])
+            return self.names[e]
+        try:
+            return self.names[e.name]
+        except KeyError:
+            raise UnsupportedExpression(f"no value for symbol {e.name!r} in this kernel") from None
+
+    def dims(self, e: sp.Expr) -> tuple[str, ...]:
+        if self.layout is None or self.dims_of is None:
+            return ()
+        return self.layout.union(*(self.dims_of(self.symbol(s)) for s in e.free_symbols))
+
+    def go(self, e: sp.Expr) -> tuple[str, int]:
+        """``e`` printed, placed on the dims of the operation it is an operand of."""
+        if self.layout is None:
+            return self.node(e)
+        dims = self.dims(e)
+        want, self.want = self.want, dims
+        try:
+            text, prec = self.node(e)
+        finally:
+            self.want = want
+        if want is not None and dims and dims != want:
+            return self.layout.expand(text, dims, want), _ATOM
+        return text, prec
 
     def wrap(self, e: sp.Expr, prec: int) -> str:
         text, p = self.go(e)
@@ -84,14 +132,9 @@ class _Printer:
             return f"({text}).to(tl.float32)"
         return text
 
-    def go(self, e: sp.Expr) -> tuple[str, int]:
+    def node(self, e: sp.Expr) -> tuple[str, int]:
         if e.is_Symbol:
-            if e in self.names:  # an exact symbol first: two symbols may share a name (count[old])
-                return self.names[e], _ATOM
-            try:
-                return self.names[e.name], _ATOM
-            except KeyError:
-                raise UnsupportedExpression(f"no value for symbol {e.name!r} in this kernel") from None
+            return self.symbol(e), _ATOM
         if e.is_Number or e in (sp.oo, -sp.oo, sp.nan):
             if e.is_negative or e is -sp.oo:
                 return number(e), _UNARY
