@@ -22,7 +22,7 @@ order; it is permuted (a view: kernels take strides) to the step's dims order.
 
 **The elementwise kernel** (:class:`ElementwiseWriter`) is written here in the style of
 :mod:`fuser_core.codegen.emit`: its tile covers the union of the elementwise outputs' dims
-(in the spec's dim order, the aligned layout), with offsets and a mask per dim; every
+(in the spec's dim order, each value on the fewest of them it needs), with offsets and a mask per dim; every
 program loads the inputs and reduction results it needs (converted to float32), prints each
 output's expression (elementwise steps inlined, by :func:`~fuser_core.codegen.tritonize.to_triton`)
 and stores it in the output's storage dtype. An output over fewer dims than the tile is
@@ -52,7 +52,8 @@ import sympy as sp
 
 from fuser_core import expr as ex
 from fuser_core.canonical import canonical_json
-from fuser_core.codegen.emit import aligned_index, block_shape, load_expr, store_expr
+from fuser_core.codegen.emit import load_expr, store_expr
+from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.names import kernel_arg, safe_name
 from fuser_core.codegen.module import TORCH_DTYPES, _load, cached_source, generate, module_header, output_dtypes
 from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan, NotValid, make_plan, next_pow2
@@ -420,7 +421,7 @@ class ElementwiseWriter:
         self.outputs = outputs
         self.exprs = {o: self.conv.value(o) for o in outputs}
         self.dims = tuple(blocks)  # the tile's dims, in the spec's order
-        self.rank = len(self.dims)
+        self.layout = Layout(self.dims)  # each value on the fewest of them it needs
         self.blocks = blocks
         self.stores = stores
         self.input_dtypes = input_dtypes
@@ -440,13 +441,6 @@ class ElementwiseWriter:
                 v = f"{v}_"
             taken.add(v)
             self.var[name] = v
-
-    # -- layout, as emit.KernelWriter
-    def aligned(self, dim: str, expr: str) -> str:
-        return aligned_index(self.dims, dim, expr)
-
-    def shape(self, dims) -> str:
-        return block_shape(self.dims, dims)
 
     def leaf_dims(self, name: str) -> tuple[str, ...]:
         obj = self.spec.lookup(name)
@@ -480,35 +474,43 @@ class ElementwiseWriter:
             emit(f"    nblk_{d} = tl.cdiv(size_{d}, BLOCK_{d})")
             emit(f"    pid_{d} = pid % nblk_{d}")
             emit(f"    pid = pid // nblk_{d}")
+        lay = self.layout
+        var_dims: dict[str, tuple[str, ...]] = {}
         for d in self.dims:
-            emit(f"    offs_{d} = {self.aligned(d, f'pid_{d} * BLOCK_{d} + tl.arange(0, BLOCK_{d})')}")
+            emit(f"    offs_{d} = pid_{d} * BLOCK_{d} + tl.arange(0, BLOCK_{d})")
             emit(f"    mask_{d} = offs_{d} < size_{d}")
+            var_dims[f"offs_{d}"] = (d,)
         values = {f"size({d})": f"(size_{d} * 1.0)" for d in self.spec.dims}
         values.update({f"index({d})": f"offs_{d}" for d in self.dims})
+
+        def pointer(var: str, dims) -> str:
+            return " + ".join([f"{var}_ptr", *(f"{lay.expand(f'offs_{d}', (d,), dims)} * stride_{var}_{d}" for d in dims)])
+
+        def mask_of(dims) -> str:
+            return " & ".join(lay.expand(f"mask_{d}", (d,), dims) for d in lay.order(dims))
+
+        def dims_of(text: str) -> tuple[str, ...]:
+            return lay.dims_of(text, var_dims)
+
         for name in self.leaves:
             var, dims = self.var[name], self.leaf_dims(name)
-            ptr = f"{var}_ptr + " + " + ".join(f"offs_{d} * stride_{var}_{d}" for d in dims) if dims else f"{var}_ptr"
-            mask = " & ".join(f"mask_{d}" for d in dims)
-            args = f"{ptr}, mask={mask}, other=0" if mask else ptr
+            mask = mask_of(dims)
+            args = f"{pointer(var, dims)}, mask={mask}, other=0" if mask else pointer(var, dims)
             kind = "tl.int32" if self.leaf_is_index(name) else "tl.float32"
             emit(f"    {var} = {load_expr(args, self.input_dtypes.get(name), kind)}")
+            var_dims[var] = lay.order(dims)
             values[name] = var
         for o in self.outputs:
             var, dims = self.var[o], self.spec.step(o).dims
             e = self.exprs[o]
             emit(f"    # output {o} = {sp.sstr(e)}")
-            value = to_triton(e, values)
-            # a tile of rank 0 (every output a scalar) is one program of scalars; else blocks of the tile's rank
-            shape = self.shape(dims) if self.rank else "[1]"
+            value = to_triton(e, values, lay, dims_of)
             if any(s.name in self.var or s.name.startswith("index(") for s in e.free_symbols):
-                full = f"tl.broadcast_to({value}, {shape})"
+                full = lay.whole(value, dims_of(value), dims)
             else:  # no tensor in it (sizes and numbers only)
-                full = f"tl.zeros({shape}, tl.float32) + ({value})"
-            if dims:
-                ptr = f"{var}_ptr + " + " + ".join(f"offs_{d} * stride_{var}_{d}" for d in dims)
-            else:  # a scalar output: a pointer block of size 1 (a block value needs a block pointer)
-                ptr = f"{var}_ptr + tl.zeros({shape}, tl.int32)"
-            mask = " & ".join(f"mask_{d}" for d in dims)
+                full = f"(tl.zeros({lay.shape(dims)}, tl.float32) + ({value}))"
+            ptr = pointer(var, dims)
+            mask = mask_of(dims)
             store = f"tl.store({ptr}, {store_expr(full, self.stores[o], var)}" + (f", mask={mask})" if mask else ")")
             others = [d for d in self.dims if d not in dims]
             if others:

@@ -218,19 +218,6 @@ ORDER_SELECTIONS = ("topk", "bottomk", "argmax", "argmin")
 _CONSTANT = re.compile(r'\(*-?(?:[0-9.]+(?:e[+-]?[0-9]+)?|float\("-?(?:inf|nan)"\))\)*')
 
 
-def aligned_index(all_dims: tuple[str, ...], dim: str, expr: str) -> str:
-    """A 1-d range over `dim` placed on its axis of the aligned layout: ``(expr)[:, None]``."""
-    if len(all_dims) == 1:
-        return expr
-    pos = all_dims.index(dim)
-    return f"({expr})[{', '.join(':' if i == pos else 'None' for i in range(len(all_dims)))}]"
-
-
-def block_shape(all_dims: tuple[str, ...], dims) -> str:
-    """The aligned shape of a tensor over `dims`: ``[BLOCK_m, 1]``."""
-    return "[" + ", ".join(f"BLOCK_{d}" if d in dims else "1" for d in all_dims) + "]"
-
-
 def load_expr(load_args: str, dtype: str | None, kind: str) -> str:
     """``tl.load(load_args)`` as float32 (``kind`` tl.int32 for index inputs); fp8 arrives as bits.
     Masked lanes are never used (every reduction and store masks them): ``other`` is 0."""
@@ -297,7 +284,7 @@ class KernelWriter:
 
     def dims_of(self, text: str) -> tuple[str, ...]:
         """The dims of a value printed without a reduction in it: the union of its variables' dims."""
-        return self.layout.union(*(self.var_dims.get(n, ()) for n in re.findall(r"[A-Za-z_]\w*", text)))
+        return self.layout.dims_of(text, self.var_dims)
 
     def on(self, text: str, dims, want) -> str:
         """``text``, a value on ``dims``, placed on ``want``."""
@@ -612,13 +599,9 @@ class KernelWriter:
 
     def whole(self, value: str, dims) -> str:
         """A value (printed without a reduction in it) as a whole tile over ``dims``, to be stored."""
-        tile = self.layout.order(dims)
         if _CONSTANT.fullmatch(value.strip()):  # a constant step: .to() takes tensors only
-            return f"tl.full({self.shape(tile)}, {value}, tl.float32)"
-        have = self.dims_of(value)
-        if have != tile:  # it varies over fewer dims than it is stored over
-            return f"tl.broadcast_to({self.on(value, have, tile)}, {self.shape(tile)})"
-        return value if is_atom(value) else f"({value})"
+            return f"tl.full({self.shape(dims)}, {value}, tl.float32)"
+        return self.layout.whole(value, self.dims_of(value), dims)
 
     def output_value(self, part: str) -> str:
         name = part.split(".")[0]

@@ -1,8 +1,7 @@
 """Which strategy can run a (spec, shape), and how its kernel is laid out.
 
-A kernel works in an *aligned layout*, as the reference does: every tensor it holds has one
-axis per dim of the spec, in the spec's dim order, with size 1 on the dims it lacks, so that
-broadcasting by name is Triton's ordinary broadcasting. Each dim has a block size:
+A kernel's tiles span the spec's dims in the spec's order, each value only those it varies over
+(:mod:`fuser_core.codegen.layout`). Each dim has a block size:
 
 - the **loop axis** (the axis of the cascade the kernel fuses) is walked in tiles of
   ``BLOCK_<axis>`` (one tile holding the whole axis for row-resident);
