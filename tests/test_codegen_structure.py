@@ -243,3 +243,24 @@ def test_a_lane_with_block_1_is_a_scalar_offset_in_no_tile() -> None:
     assert "offs_n[None, :] * stride_k_n + offs_d[:, None] * stride_k_d" in body  # k as a [BLOCK_d, BLOCK_n] tile
     report = self_check(spec, shape, "float32", strategy="streaming_fused", config=plan.config, derivation=d)
     assert report["passed"], report
+
+
+def test_attention_is_printed_on_the_fewest_dims_and_a_kernel_sets_up_only_the_offsets_it_reads() -> None:
+    """With m and e blocks of 16 or more, q is a [BLOCK_m, BLOCK_d] tile and s = tl.dot(q, k) with no
+    reshape or broadcast around it (Triton's fused-attention tutorial); the states are [BLOCK_m] and
+    [BLOCK_m, BLOCK_e]. Split's combine kernel reads no d: it sets up no offs_d / mask_d."""
+    spec = load_catalog_spec("attention")
+    d = derive_cascade(spec)
+    shape = {"b": 1, "h": 2, "m": 40, "n": 50, "d": 16, "e": 24}
+    config = KernelConfig({"m": 16, "n": 16, "e": 16}, split=2)
+    plan = make_plan(spec, d, "split_fused", shape, config)
+    dtypes = bind_dtypes(spec, "float16")
+    kernels = kernel_sources(module_source(plan, output_dtypes(spec, dtypes), dtypes))
+    part, combine = (kernels[name][1] for name in kernel_names(plan))
+    assert "s = tl.dot(q.to(tl.float16), k.to(tl.float16))" in part
+    assert "tl.reshape" not in part and "broadcast_to" not in part and "keep_dims" not in part
+    assert "mx_acc = tl.full([BLOCK_m], " in part and "o_acc = tl.full([BLOCK_m, BLOCK_e], " in part
+    assert "offs_d = tl.arange(0, BLOCK_d)" in part
+    assert "offs_d" not in combine and "mask_d" not in combine and "offs_e" in combine
+    report = self_check(spec, shape, "float16", strategy="split_fused", config=config, derivation=d)
+    assert report["passed"], report

@@ -218,6 +218,28 @@ ORDER_SELECTIONS = ("topk", "bottomk", "argmax", "argmin")
 _CONSTANT = re.compile(r'\(*-?(?:[0-9.]+(?:e[+-]?[0-9]+)?|float\("-?(?:inf|nan)"\))\)*')
 
 
+_OFFSETS = re.compile(r"^\s+((?:offs|mask)_\w+) = ")
+
+
+def without_unused_offsets(lines: list[str]) -> list[str]:
+    """Each kernel's lines without the offsets and masks it never reads (a combine kernel has no
+    use for the inner dims' offsets its header sets up for every tile dim)."""
+    out: list[str] = []
+    kernels = [i for i, line in enumerate(lines) if line == "@triton.jit"] + [len(lines)]
+    out += lines[:kernels[0]]
+    for start, end in zip(kernels, kernels[1:]):
+        body = lines[start:end]
+        while True:
+            text = "\n".join(body)
+            unused = {i for i, line in enumerate(body) if (m := _OFFSETS.match(line))
+                      and len(re.findall(rf"\b{m.group(1)}\b", text)) == 1}
+            if not unused:
+                break
+            body = [line for i, line in enumerate(body) if i not in unused]
+        out += body
+    return out
+
+
 def load_expr(load_args: str, dtype: str | None, kind: str) -> str:
     """``tl.load(load_args)`` as float32 (``kind`` tl.int32 for index inputs); fp8 arrives as bits.
     Masked lanes are never used (every reduction and store masks them): ``other`` is 0."""
@@ -652,12 +674,13 @@ class KernelWriter:
         self.begin_scope()
 
     def source(self) -> str:
-        return "\n".join(self.lines) + "\n"
+        return "\n".join(without_unused_offsets(self.lines)) + "\n"
 
     # ------------------------------------------------------------ strategies
     def write(self) -> str:
-        strategy = self.plan.strategy
-        getattr(self, f"write_{strategy}")()
+        writers = {"row_resident": self.write_row_resident, "multi_pass": self.write_multi_pass,
+                   "streaming_fused": self.write_streaming_fused, "split_fused": self.write_split_fused}
+        writers[self.plan.strategy]()
         return self.source()
 
     def axis_steps(self) -> list[Step]:
