@@ -63,6 +63,7 @@ BASELINES = ("chain", "eager", "compile", "handwritten")
 VARIANTS = ("fused", *BASELINES)
 LABELS = {"fused": "fused (tuned)", "chain": "unfused chain", "eager": "torch eager", "compile": "torch.compile",
           "handwritten": "hand-written"}
+EXPERT_PREFIX = "expert:"  # variants[EXPERT_PREFIX + name]: an expert baseline of tuner.experts
 LONG_AXIS = 4096  # a reduction axis at least this long counts as long for the chain_2x target
 COMPILE_TIMEOUT_S = 600.0
 TARGETS = {
@@ -188,6 +189,11 @@ def _quiet_optuna() -> None:
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 
+def label_of(kind: str) -> str:
+    """How tables name a variant: LABELS, or an expert's own name."""
+    return kind[len(EXPERT_PREFIX):] if kind.startswith(EXPERT_PREFIX) else LABELS[kind]
+
+
 def _variant_entry(result: Any) -> dict[str, Any]:
     """A variant's outcome for the results: its time and check, or why there is none."""
     if not result.ok:
@@ -218,9 +224,21 @@ def run_bench(
     timing: TimingSettings | None = None,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    experts: bool = False,
+    budget_s: float | None = None,
+    cases: Sequence[Mapping[str, Any]] | None = None,
+    on_case: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run the bench (module docstring) and return the results; with ``out_dir``, also write
-    them (:func:`write_outputs`). ``only`` keeps the cases of those spec names."""
+    them (:func:`write_outputs`). ``only`` keeps the cases of those spec names.
+
+    ``experts``: also time every expert baseline of :mod:`tuner.experts` that computes the
+    case (Liger-Kernel, SDPA per backend, a split-KV decoder, ``torch._scaled_mm``), each as
+    variant ``expert:<name>``. ``cases``: run these cases (each like a suite's: spec, shape,
+    dtype) in this order instead of the suite's. ``budget_s``: wall-clock seconds for the whole
+    run; a case or variant that would start after it is recorded as skipped, not run (the cases
+    come in priority order). ``on_case(results so far)`` is called after each case, so a
+    caller can save partial results."""
     import torch
 
     from fuser_core.derive import derive_cascade
@@ -248,8 +266,15 @@ def run_bench(
         raise NoGpu("foldwise bench times kernels on a CUDA GPU, and none is visible here (torch.cuda.is_available() "
                     "is false); --device cpu runs a smoke test through the Triton interpreter instead (tiny shapes, "
                     "timings labelled 'CPU interpreter, not GPU')")
+    import time
+
+    started = time.monotonic()
+
+    def out_of_time() -> bool:
+        return budget_s is not None and time.monotonic() - started > budget_s
+
     dirs = _catalog_dirs(catalog_dir)
-    cases = load_suite(suite, catalog_dir)
+    cases = list(cases) if cases is not None else load_suite(suite, catalog_dir)
     if only is not None:
         keep = set(only)
         missing = keep - {c["spec"] for c in cases}
@@ -284,8 +309,12 @@ def run_bench(
         copy = worker.call("copy_bandwidth", {"timing": timing.to_dict()}, timeout_s=timeout_s)
         copy_entry = copy.value if copy.ok else {"error": copy.error}
 
-        results_cases = []
+        results_cases: list[dict[str, Any]] = []
         for i, case in enumerate(cases):
+            if out_of_time():
+                results_cases.append({"id": case_id(case), "spec": case["spec"], "dtype": case.get("dtype", "float32"),
+                                      "skipped": f"time budget of {budget_s:g} s used up before this case"})
+                continue
             spec = load_catalog_spec(case["spec"], dirs)
             derivation = derive_cascade(spec)
             at_suite_shape = make_problem(spec, case["shape"], case.get("dtype", "float32"))
@@ -313,8 +342,23 @@ def run_bench(
             except NoResult as err:
                 entry["tuning"] = {"error": str(err)}
             payload = problem_payload(problem, derivation)
-            for label in ("fused", *baselines):
-                if label == "fused":
+            labels: list[str] = ["fused", *baselines]
+            if experts:
+                from tuner.experts import experts_for
+
+                for e in experts_for(problem):
+                    why_not = e.applies(problem)
+                    if why_not is None:
+                        labels.append(EXPERT_PREFIX + e.name)
+                    else:
+                        entry["variants"][EXPERT_PREFIX + e.name] = {"status": "none", "reason": why_not}
+            for label in labels:
+                if label != "fused" and out_of_time():
+                    entry["variants"][label] = {"status": "skipped", "reason": f"time budget of {budget_s:g} s used up"}
+                    continue
+                if label.startswith(EXPERT_PREFIX):
+                    variant = {"kind": "expert", "name": label[len(EXPERT_PREFIX):]}
+                elif label == "fused":
                     if "error" in entry["tuning"]:
                         entry["variants"]["fused"] = {"status": "failed", "error": entry["tuning"]["error"]}
                         continue
@@ -330,12 +374,14 @@ def run_bench(
                     entry["handwritten_name"] = handwritten(spec).name  # type: ignore[union-attr]
                 else:
                     variant = {"kind": label}
-                say(f"[{i + 1}/{len(cases)}] {case_id(case)}: {LABELS[label]}")
+                say(f"[{i + 1}/{len(cases)}] {case_id(case)}: {label_of(label)}")
                 r = worker.call("variant", {"problem": payload, "variant": variant, "timing": timing.to_dict()},
                                 timeout_s=compile_timeout_s if label == "compile" else timeout_s)
                 entry["variants"][label] = _variant_entry(r)
             evaluate_case(entry, copy_entry, device)
             results_cases.append(entry)
+            if on_case is not None:
+                on_case({"cases": results_cases, "copy_bandwidth": copy_entry, "device": dev})
     finally:
         worker.close()
 
@@ -353,10 +399,10 @@ def run_bench(
         "settings": {"trials": trials, "baselines": list(baselines), "timeout_s": timeout_s,
                      "compile_timeout_s": compile_timeout_s, "timing": timing.to_dict(), "seed": seed,
                      "long_axis": LONG_AXIS, "catalog_dirs": [str(d) for d in dirs],
-                     "only": sorted(only) if only else None,
+                     "only": sorted(only) if only else None, "experts": experts, "budget_s": budget_s,
                      "shapes": "suite shapes" if device == "cuda" else "reduced (tuner.measure.reduced_problem)"},
         "cases": results_cases,
-        "summary": summarize_targets(results_cases),
+        "summary": summarize_targets([c for c in results_cases if "skipped" not in c]),
     }
     if out_dir is not None:
         results["files"] = {k: str(v) for k, v in write_outputs(results, out_dir).items()}
@@ -377,6 +423,9 @@ def evaluate_case(entry: dict[str, Any], copy: Mapping[str, Any], device: str) -
         t = _time(entry, kind)
         ratios[kind] = t / fused if (t is not None and fused) else None
     entry["speedup"] = ratios
+    entry["expert_speedup"] = {kind[len(EXPERT_PREFIX):]: (t / fused if (t is not None and fused) else None)
+                               for kind in entry["variants"] if kind.startswith(EXPERT_PREFIX)
+                               for t in [_time(entry, kind)]}
     bw = None
     if fused and copy.get("bytes_per_s"):
         achieved = entry["min_bytes"] / (fused / 1e3)
@@ -458,6 +507,8 @@ def _ms(v: Mapping[str, Any] | None) -> str:
         return f"{v['time_ms']:.4g}"
     if status == "none":
         return "none"
+    if status == "skipped":
+        return "skipped"
     if status == "wrong":
         err = (v.get("check") or {}).get("max_rel_err")
         return f"WRONG (err {err:.2g})" if isinstance(err, float) else "WRONG"
@@ -501,7 +552,9 @@ def markdown(results: Mapping[str, Any]) -> str:
          "| chain / fused | compile / fused | hand-written / fused | BW / copy |"),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in results["cases"]:
+    skipped = [c for c in results["cases"] if "skipped" in c]
+    ran = [c for c in results["cases"] if "skipped" not in c]
+    for c in ran:
         var = c["variants"]
         strategy = c.get("tuning", {}).get("strategy")
         fused = _ms(var.get("fused")) + (f" ({strategy})" if strategy else "")
@@ -516,7 +569,7 @@ def markdown(results: Mapping[str, Any]) -> str:
             f"{_percent(bw)} |")
     lines += ["", "## Targets", "", "| case | " + " | ".join(TARGETS[t][0] for t in TARGETS) + " |",
               "|---|" + "---|" * len(TARGETS)]
-    for c in results["cases"]:
+    for c in ran:
         cells = []
         for name in TARGETS:
             t = c["targets"][name]
@@ -527,11 +580,23 @@ def markdown(results: Mapping[str, Any]) -> str:
     summary = results.get("summary", {})
     lines += ["", "Summary: " + "; ".join(
         f"{TARGETS[n][0]}: " + ", ".join(f"{k} {v}" for k, v in sorted(s.items())) for n, s in summary.items())]
+    expert_rows = [(c, kind[len(EXPERT_PREFIX):], val) for c in ran for kind, val in c["variants"].items()
+                   if kind.startswith(EXPERT_PREFIX)]
+    if expert_rows:
+        lines += ["", "## Experts", "", "fused / expert is the fused kernel's time over the expert's (below 1: the fused "
+                  "kernel is faster).", "", "| case | expert | expert ms | fused ms | fused / expert |", "|---|---|---|---|---|"]
+        for c, name, val in expert_rows:
+            up = c.get("expert_speedup", {}).get(name)
+            shown = val.get("reason", "") if val.get("status") in ("none", "skipped") else ""
+            lines.append(f"| {c['id']} | {name} | {_ms(val)}{' ' + shown if shown else ''} | {_ms(c['variants'].get('fused'))} "
+                         f"| {'-' if not up else f'{1 / up:.3g}'} |")
+    if skipped:
+        lines += ["", "## Not run", "", *(f"- {c['id']}: {c['skipped']}" for c in skipped)]
     problems = []
-    for c in results["cases"]:
+    for c in ran:
         for kind, val in c["variants"].items():
             if val.get("status") in ("wrong", "failed"):
-                problems.append(f"- {c['id']} {LABELS[kind]}: {val['status']}: {val.get('error')}")
+                problems.append(f"- {c['id']} {label_of(kind)}: {val['status']}: {val.get('error')}")
     if problems:
         lines += ["", "## Failures", "", *problems]
     return "\n".join(lines) + "\n"
@@ -544,7 +609,7 @@ def write_plot(results: Mapping[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = results["cases"]
+    cases = [c for c in results["cases"] if "skipped" not in c]
     kinds = [k for k in BASELINES if any(c["speedup"].get(k) for c in cases)]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(cases) + 2), 4.5))
     width = 0.8 / max(1, len(kinds))

@@ -501,11 +501,17 @@ class SampledEvaluator(Evaluator):
 
 
 def _select(t: Any, dims: tuple[str, ...], rows: Mapping[str, Any]) -> Any:
-    """``t`` (over ``dims``) restricted to the sampled rows."""
+    """``t`` (over ``dims``) restricted to the sampled rows. float8 rows are selected as their
+    bytes: whether ``index_select`` takes float8 on CUDA depends on the torch release."""
+    import torch
+
+    fp8 = t.dtype == torch.float8_e4m3fn
+    if fp8:
+        t = t.view(torch.uint8)
     for axis, d in enumerate(dims):
         if d in rows:
             t = t.index_select(axis, rows[d])
-    return t
+    return t.view(torch.float8_e4m3fn) if fp8 else t
 
 
 def _to_numpy(t: Any) -> np.ndarray:
@@ -720,6 +726,8 @@ class _Child:
         if not check["passed"]:
             result["error"] = check["error"]
             return result
+        if not payload.get("time", True):  # a correctness check only
+            return result
         self.phase("running")
         if fault == "hang_running":
             time.sleep(10**6)
@@ -842,7 +850,8 @@ def fused_module(problem: DeviceProblem, variant: Mapping[str, Any]) -> Any:
 def make_variant(problem: DeviceProblem, variant: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
     """A function of the input tensors returning the outputs by part, for one variant:
     ``fused`` (a candidate), ``chain`` (the unfused kernel chain), ``eager`` (the spec in
-    PyTorch), ``compile`` (that under ``torch.compile``), ``handwritten`` (torch's own kernel)."""
+    PyTorch), ``compile`` (that under ``torch.compile``), ``handwritten`` (torch's own kernel),
+    ``expert`` (``variant["name"]``: an expert baseline of :mod:`tuner.experts`)."""
     spec, shape, dtypes = problem.spec, problem.shape, problem.dtypes
     kind = variant["kind"]
     if kind == "fused":
@@ -850,7 +859,7 @@ def make_variant(problem: DeviceProblem, variant: Mapping[str, Any]) -> Callable
         return lambda tensors: launch(tensors, shape)
     if kind == "chain":
         return chain_function(problem.problem)
-    if kind in ("eager", "compile", "handwritten"):
+    if kind in ("eager", "compile", "handwritten", "expert"):
         import torch
 
         from tuner.torch_ref import matmul_precision
@@ -874,6 +883,15 @@ def make_variant(problem: DeviceProblem, variant: Mapping[str, Any]) -> Callable
         if hw is None:
             raise ValueError(handwritten_reason(spec))
         return lambda tensors: hw.fn(tensors, shape)
+    if kind == "expert":
+        from tuner.experts import expert
+
+        chosen = expert(problem.problem, variant["name"])
+        why_not = chosen.applies(problem.problem)
+        if why_not is not None:
+            raise ValueError(why_not)
+        fn = chosen.build(problem.problem)
+        return lambda tensors: fn(tensors, shape)
     raise ValueError(f"unknown variant kind {kind!r}")
 
 
