@@ -373,10 +373,12 @@ class Resources:
     smem_bytes: int
     tile_elements: int  # the largest tensor a program holds
     live_elements: int  # float32 values live at once (state + loaded tiles + the largest temporary)
+    min_regs_per_thread: int = 0  # a lower bound: the state and one loaded tile live at once, no overhead
 
     def to_dict(self) -> dict:
         return {"regs_per_thread": self.regs_per_thread, "smem_bytes": self.smem_bytes,
-                "tile_elements": self.tile_elements, "live_elements": self.live_elements}
+                "tile_elements": self.tile_elements, "live_elements": self.live_elements,
+                "min_regs_per_thread": self.min_regs_per_thread}
 
 
 REG_OVERHEAD = 32  # pointers, offsets, loop counters, masks
@@ -388,17 +390,21 @@ def resources(kernel: KernelSketch, inputs: Mapping[str, tuple[tuple[str, ...], 
     """Per-program resources; ``inputs`` maps each loadable name to (dims, bytes per element).
 
     Registers: live float32 elements (accumulators + loaded tiles + the largest temporary,
-    counted twice for the value it is computed from) / (32 * num_warps) threads, + overhead.
+    counted twice for the value it is computed from) / (32 * num_warps) threads, + overhead: an
+    upper bound the cost model charges; ``min_regs_per_thread`` is the lower bound (state and
+    one tile, nothing else) that the search space prunes by, leaving the rest to ptxas's own
+    count in the compile gate (a 32768-wide softmax row on 32 warps needs ~47, the upper bound says 129).
     Shared memory: tl.dot operand tiles * stages * operand bytes, plus, in loops over the axis
     with num_stages > 1, the other loads of the axis pipelined num_stages - 1 tiles ahead."""
     state = sum(elements(d, blocks) for d in kernel.state)
-    smem, tile, live_max = SCRATCH_BYTES, max([1] + [elements(d, blocks) for d in kernel.state]), 0
+    smem, tile, live_max, live_min = SCRATCH_BYTES, max([1] + [elements(d, blocks) for d in kernel.state]), 0, 0
     for p in kernel.passes:
         loaded = sum(elements(inputs[n][0], blocks) for n in p.loads)
         held = [*p.tensors, *p.ws_loads, *(dims for _, dims in p.stores)]
         biggest = max((elements(t, blocks) for t in held), default=1)
         tile = max(tile, biggest)
         live_max = max(live_max, state + loaded + 2 * biggest)
+        live_min = max(live_min, state + max(loaded, biggest))
         dot_smem = sum((elements(d.p_dims, blocks) + elements(d.q_dims, blocks)) * DOT_BYTES[d.precision] * num_stages
                        for d in p.dots)
         staged = 0
@@ -410,7 +416,7 @@ def resources(kernel: KernelSketch, inputs: Mapping[str, tuple[tuple[str, ...], 
             )
         smem = max(smem, SCRATCH_BYTES + dot_smem + staged)
     regs = REG_OVERHEAD + math.ceil(live_max / (32 * num_warps))
-    return Resources(int(regs), int(smem), int(tile), int(live_max))
+    return Resources(int(regs), int(smem), int(tile), int(live_max), math.ceil(live_min / (32 * num_warps)))
 
 
 def input_info(spec: Spec, dtypes: Mapping[str, str]) -> dict[str, tuple[tuple[str, ...], int]]:

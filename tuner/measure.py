@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from fuser_core.canonical import spec_hash
-from fuser_core.codegen.plan import KernelConfig, loop_axis, next_pow2
+from fuser_core.codegen.plan import KernelConfig, contraction_dims, loop_axis, next_pow2
 from fuser_core.derive import Derivation
 from fuser_core.problem import Problem
 from fuser_core.spec import Spec
 from tuner.compile_gate import CompileGate
 from tuner.cost_model import predict
 from tuner.profiles import GpuProfile
-from tuner.space import Candidate, contraction_dims
+from tuner.space import Candidate
 
 REDUCED_AXIS = 40  # the loop axis at the reduced shape: three tiles of 16, the last one partial
 REDUCED_INNER = 16  # inner reduction axes (attention's d): tl.dot's minimum

@@ -5,7 +5,8 @@ One study per (spec, shape, dtype, target, measurer); Optuna runs its trials, st
 samples with TPE. Trials are proposed three ways, all through the study:
 
 1. **start-up**, enqueued in a new study (``study.enqueue_trial``): the best configurations
-   of other shapes of the same spec, target and dtype (:func:`warm_start`), then the
+   of other shapes of the same spec, target and dtype (:func:`warm_start`), then each
+   strategy's default, the configuration an expert starts from (:func:`default_candidates`), then the
    frontier configurations of each strategy (:func:`frontier_candidates`: the largest tiles
    that fit), then random feasible candidates (:func:`random_candidates`);
 2. **local search** (:class:`LocalSearch`, a callback): the next untried neighbour of the
@@ -81,7 +82,8 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 
 __all__ = [
     "BUDGET_STATES", "LocalSearch", "MeasurementFailed", "NoResult", "Objective", "SharedBudget", "TuneResult", "Tuner",
-    "budget_used", "candidate_params", "compile_pruned_trials", "default_sampler", "frontier_candidates", "make_storage", "random_candidates",
+    "budget_used", "candidate_params", "compile_pruned_trials", "default_candidates", "default_sampler",
+    "frontier_candidates", "make_storage", "random_candidates",
     "study_name_for", "suggest_candidate", "trial_result", "warm_start", "worker_id",
 ]
 
@@ -365,6 +367,25 @@ def candidate_params(space: Any, strategy: str, values: Mapping[str, int]) -> di
         if len(choices) > 1:
             params[f"{strategy}/{name}"] = list(choices).index(values[name])
     return params
+
+
+def default_candidates(space: Any) -> list[tuple[str, dict[str, int]]]:
+    """Per strategy, the configuration a Triton engineer would start from
+    (:func:`fuser_core.codegen.plan.default_config`), where it fits: the first trials, so that
+    a search of a few trials on a GPU has measured the expert's choice."""
+    from fuser_core.codegen.plan import default_config
+    from tuner.space import Candidate
+
+    out = []
+    for strategy in space.strategies():
+        try:
+            config = default_config(space.spec, space.derivation, strategy, dict(space.shape))
+        except Exception:  # noqa: BLE001 (no default for this strategy here: the frontier starts it)
+            continue
+        candidate = Candidate(strategy, config)
+        if space.check(candidate) is None:
+            out.append((strategy, space.values_of(candidate)))
+    return out
 
 
 #: start-up layouts: (num_warps, which blocks grow first); see :func:`frontier_candidates`
@@ -984,6 +1005,11 @@ class Tuner:
         enqueued = warm_start(study, self.space, storage) if warm else []
         keys = {self.space.candidate(p["strategy"], _values_from_params(self.space, p)).key() for p in enqueued}
         picks = []
+        for strategy, values in default_candidates(self.space) if self.frontier else []:
+            key = self.space.candidate(strategy, values).key()
+            if key not in keys:
+                keys.add(key)
+                picks.append((strategy, values, "default"))
         for strategy, values in frontier_candidates(self.space) if self.frontier else []:
             key = self.space.candidate(strategy, values).key()
             if key not in keys:

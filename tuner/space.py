@@ -4,7 +4,8 @@ A :class:`Candidate` is a strategy and a :class:`~fuser_core.codegen.plan.Kernel
 :class:`SearchSpace` lists, per strategy, the choices of every parameter (powers of two within
 the shape and the target), builds candidates from chosen values, and rejects candidates that
 cannot fit **before anything compiles** (:meth:`SearchSpace.check`): the plan's own rules, a
-tile larger than its dim, shared memory, registers, and warps for the tile.
+tile larger than its dim, shared memory, registers (by a lower bound: the compile gate has
+ptxas's count), and warps for the tile.
 
 Parameters (Optuna-style names; ``split`` only for split_fused):
 
@@ -13,7 +14,8 @@ Parameters (Optuna-style names; ``split`` only for split_fused):
   contraction (attention's ``m`` and ``e``, a GEMM's ``m`` and ``n``) start at 16 so that
   ``tl.dot`` applies; batch dims of a contraction (``b``, ``h``) stay 1 (a blocked batch dim
   turns a dot back into a broadcast product); other lanes take 1, 2, 4, ...;
-- ``num_warps`` 1..16, ``num_stages`` 1..5 (1 for row_resident), ``split`` 2..64.
+- ``num_warps`` 1..32 (32: a long resident row, as Liger-Kernel runs softmax over 32768), ``num_stages``
+  1..5 (1 for row_resident), ``split`` 2..64.
 
 The unfused chain is a baseline, never a candidate.
 
@@ -25,8 +27,8 @@ Example:
     >>> spec = load_catalog_spec("safe_softmax")
     >>> problem = make_problem(spec, {"m": 4096, "n": 32768}, "float16")
     >>> space = SearchSpace(problem, derive_cascade(spec), get_profile("h100"))
-    >>> space.strategies()  # a 32768-long row does not fit in registers: no row_resident
-    ['streaming_fused', 'split_fused', 'multi_pass']
+    >>> space.strategies()  # a 32768-long row fits the registers of 32 warps, as in Liger-Kernel
+    ['row_resident', 'streaming_fused', 'split_fused', 'multi_pass']
     >>> c = space.candidate("streaming_fused", {"block_n": 2048, "block_m": 1, "num_warps": 8, "num_stages": 2})
     >>> json.loads(c.key()) == {"strategy": "streaming_fused", "config": c.config.to_dict()}
     True
@@ -43,13 +45,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import sympy as sp
-
 from fuser_core.codegen.plan import (
     MAX_TILE_ELEMENTS,
     STRATEGIES,
     KernelConfig,
     NotValid,
+    contraction_dims,
     loop_axis,
     make_plan,
     next_pow2,
@@ -57,11 +58,10 @@ from fuser_core.codegen.plan import (
 )
 from fuser_core.derive import Derivation
 from fuser_core.problem import Problem
-from fuser_core.spec import Spec
 from tuner.analysis import Anatomy, Resources, cdiv, input_info, resources
 from tuner.profiles import GpuProfile
 
-WARPS = (1, 2, 4, 8, 16)
+WARPS = (1, 2, 4, 8, 16, 32)
 STAGES = (1, 2, 3, 4, 5)
 MIN_AXIS_BLOCK = 16  # tl.dot's minimum; smaller loop tiles never pay on a GPU
 MAX_LANE_BLOCK = 256
@@ -91,37 +91,6 @@ class Candidate:
     def values(self, space: SearchSpace) -> dict[str, int]:
         """The parameter values (``block_n``, ``num_warps``, ...) that make this candidate."""
         return space.values_of(self)
-
-
-def contraction_dims(spec: Spec, derivation: Derivation) -> tuple[set[str], set[str]]:
-    """(free dims, batch dims) of every contraction: sums of products whose factors carry
-    other dims (inner reductions such as q.k, and reductions the derivation marks as
-    contractions such as p.v and the fp8 GEMM). Free dims are carried by some factors but not
-    all (they become tl.dot's rows and columns); batch dims by every factor."""
-    conv = derivation.symbols
-    axis, inner = loop_axis(spec)
-    free: set[str] = set()
-    batch: set[str] = set()
-    for step in spec.steps:
-        if step.reduce != "sum":
-            continue
-        form = derivation.forms.get(step.name)
-        if not (step.over in inner or (form is not None and form.contraction)):
-            continue
-        carried = []
-        for f in sp.Mul.make_args(conv.integrand(step)):
-            dims: set[str] = set()
-            for s in f.free_symbols:
-                dims |= set(conv.leaf_dims.get(s, ()))
-            dims.discard(step.over)
-            if dims:
-                carried.append(dims)
-        if len(carried) < 2:
-            continue
-        everywhere = set.intersection(*carried)
-        free |= set.union(*carried) - everywhere
-        batch |= everywhere
-    return free, batch - free
 
 
 def pow2_range(lo: int, hi: int) -> list[int]:
@@ -290,11 +259,12 @@ class SearchSpace:
             if r.smem_bytes > p.smem_per_block_max:
                 return (f"shared memory{where}: {r.smem_bytes // 1024} KiB > {p.smem_per_block_max // 1024} KiB per "
                         f"block on {p.name} (tl.dot operands and pipelined loads x num_stages = {c.num_stages})")
-            if r.regs_per_thread > p.regs_per_thread_max:
-                return (f"registers{where}: ~{r.regs_per_thread} per thread > {p.regs_per_thread_max} "
+            # registers are pruned here by a lower bound only: the compile gate has ptxas's count
+            if r.min_regs_per_thread > p.regs_per_thread_max:
+                return (f"registers{where}: at least {r.min_regs_per_thread} per thread > {p.regs_per_thread_max} "
                         f"({r.live_elements} live values over {threads} threads)")
-            if r.regs_per_thread * threads > p.regs_per_sm:
-                return (f"registers{where}: ~{r.regs_per_thread} per thread x {threads} threads > "
+            if r.min_regs_per_thread * threads > p.regs_per_sm:
+                return (f"registers{where}: at least {r.min_regs_per_thread} per thread x {threads} threads > "
                         f"{p.regs_per_sm} per SM on {p.name}")
             if kernel is self.anatomy.kernels(strategy, self.blocks_of(candidate))[0] and \
                     threads > 4 * r.tile_elements and c.num_warps > 1:  # the combine kernel shares num_warps

@@ -69,8 +69,8 @@ class KernelConfig:
                 raise ValueError(f"config.blocks: {v} is not a power of two")
         out = KernelConfig(dict(blocks), int(raw.get("num_warps", 4)), int(raw.get("num_stages", 2)),
                            int(raw.get("split", 1)))
-        if out.num_warps not in (1, 2, 4, 8, 16) or out.split < 1 or out.num_stages < 1:
-            raise ValueError("config: num_warps in 1..16 (power of two), split >= 1, num_stages >= 1")
+        if out.num_warps not in (1, 2, 4, 8, 16, 32) or out.split < 1 or out.num_stages < 1:
+            raise ValueError("config: num_warps in 1..32 (power of two), split >= 1, num_stages >= 1")
         return out
 
 
@@ -136,23 +136,92 @@ def loop_axis(spec: Spec) -> tuple[str, tuple[str, ...]]:
     raise NotValid(f"reductions over {', '.join(axes)} do not nest: no single loop axis")
 
 
+def contraction_dims(spec: Spec, derivation: Derivation) -> tuple[set[str], set[str]]:
+    """(free dims, batch dims) of every contraction: sums of products whose factors carry
+    other dims (inner reductions such as q.k, and reductions the derivation marks as
+    contractions such as p.v and the fp8 GEMM). Free dims are carried by some factors but not
+    all (they become tl.dot's rows and columns); batch dims by every factor."""
+    import sympy as sp
+
+    conv = derivation.symbols
+    axis, inner = loop_axis(spec)
+    free: set[str] = set()
+    batch: set[str] = set()
+    for step in spec.steps:
+        if step.reduce != "sum":
+            continue
+        form = derivation.forms.get(step.name)
+        if not (step.over in inner or (form is not None and form.contraction)):
+            continue
+        carried = []
+        for f in sp.Mul.make_args(conv.integrand(step)):
+            dims: set[str] = set()
+            for s in f.free_symbols:
+                dims |= set(conv.leaf_dims.get(s, ()))
+            dims.discard(step.over)
+            if dims:
+                carried.append(dims)
+        if len(carried) < 2:
+            continue
+        everywhere = set.intersection(*carried)
+        free |= set.union(*carried) - everywhere
+        batch |= everywhere
+    return free, batch - free
+
+
+
+# What a Triton engineer starts from (issue 22), read off Triton's tutorials and Liger-Kernel:
+LOADS_PER_THREAD = 8  # 16-bit elements per thread and tile: one 128-bit load each
+DOT_BLOCK_M = 128  # a contraction's row tile (FlashAttention's and tutorial 06's BLOCK_M on sm_90)
+DOT_BLOCK_N = 128  # its column tile when it is a GEMM's output dim
+MAX_DOT_INNER = 256  # the other free dim (attention's e: the head dim) is held whole up to this
+
+
+def resident_warps(block: int) -> int:
+    """Warps for a row held whole: enough that each thread keeps at most ~32 of its elements
+    (Liger-Kernel's rule; a 32768-wide row spilled at 4 warps, and needs 32 to stay at ~47 registers)."""
+    return 32 if block >= 32768 else 16 if block >= 4096 else 8 if block >= 2048 else 4
+
+
 def default_config(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str, int]) -> KernelConfig:
-    """A reasonable starting configuration (the tuner searches from here)."""
+    """The configuration a Triton engineer would start from (the tuner searches from here).
+
+    - row_resident: the whole axis in one tile, :func:`resident_warps`;
+    - a contraction (attention's q.k and p.v, a GEMM): tensor-core tiles, the row dim
+      ``DOT_BLOCK_M`` rows per program, the head dim held whole, the loop tile 64 (128 for
+      heads of at most 64), 8 warps only when ``BLOCK_M x BLOCK_N >= 128 x 128`` (tutorial 06's
+      rule: two warpgroups on a smaller tile compute the same product twice);
+    - otherwise loops take tiles of at least ``LOADS_PER_THREAD x 32 x num_warps`` elements, so
+      that every thread issues 128-bit loads of 16-bit values.
+    """
     axis, inner = loop_axis(spec)
     blocks: dict[str, int] = {}
     n = shape[axis]
-    num_warps = 4
+    num_warps, num_stages = 4, 2
+    free, batch = contraction_dims(spec, derivation)
+    dot_lanes = [d for d in spec.dims if d in free and d != axis and d not in inner]
+    held = math.prod(next_pow2(shape[d]) for d in inner)  # inner axes ride along in every tile
+    row, *others = dot_lanes or [None]
+    for d in others:  # the contraction's other free dims: whole (a head dim), else a GEMM's column tile
+        whole = next_pow2(shape[d])
+        blocks[d] = whole if whole <= MAX_DOT_INNER and axis not in free else min(DOT_BLOCK_N, whole)
     if strategy == "row_resident":
         blocks[axis] = next_pow2(n)
-        # Triton's fused-softmax tutorial: more warps for a longer resident row, so that each
-        # thread holds fewer of its elements (a 32768-wide row spilled at 4 warps, not at 8 or 16)
-        num_warps = 16 if blocks[axis] >= 4096 else 8 if blocks[axis] >= 2048 else 4
-    else:
-        blocks[axis] = min(next_pow2(n), 64)
+        num_warps = resident_warps(blocks[axis] * held)
+    elif row is not None and shape[row] >= 16:
+        blocks[row] = min(DOT_BLOCK_M, next_pow2(shape[row]))
+        blocks[axis] = max(16, min(next_pow2(n), 128 if held <= 64 and axis not in free else 64))
+        num_warps = 8 if blocks[row] * blocks[axis] >= 128 * 128 or (axis in free and blocks[row] >= 128) else 4
+        num_stages = 3
+    else:  # a streamed row (a decode's single query: its keys stream past the whole head dims)
+        want = LOADS_PER_THREAD * 32 * num_warps
+        carried = held * math.prod(blocks[d] for d in others)
+        blocks[axis] = max(min(16, next_pow2(n)), min(next_pow2(n), next_pow2(-(-want // carried))))
+        num_stages = 3
     split = 1
     if strategy == "split_fused":
         split = max(2, min(8, -(-n // blocks[axis])))
-    return KernelConfig(blocks, num_warps=num_warps, split=split)
+    return KernelConfig(blocks, num_warps=num_warps, num_stages=num_stages, split=split)
 
 
 def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str, int], config: KernelConfig) -> KernelPlan:
