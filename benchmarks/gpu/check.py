@@ -47,7 +47,8 @@ if str(REPO) not in sys.path:
 # The speed stage's order: what issue 22 names first, then the rest of the paper suite.
 PRIORITY = ("cross_entropy", "safe_softmax", "attention_causal", "attention", "rmsnorm", "layernorm", "moe_routing",
             "fp8_quant_per_token", "logsumexp", "fp8_quant_gemm")
-# Each stage's share of the budget; speed takes what the others leave.
+# The stages in the order they run; each one's share of the budget (speed takes what the others leave).
+STAGES = ("probes", "correctness", "client", "speed")
 SHARES = {"probes": 0.05, "correctness": 0.45, "client": 0.1}
 CLIENT_SPEC = "safe_softmax"
 
@@ -71,7 +72,8 @@ def now() -> str:
 def check_shape(spec: Any, tiny: bool) -> dict[str, int]:
     """A shape for the correctness check: the loop axis ragged against every block (1000, or
     300 when the spec also has an inner axis; tiny: 37 / 19), inner axes 72 (tiny: 5), the last
-    lane dim 37 and the others 3, a topk's ``as`` dim its k."""
+    lane dim 37 (tiny: 3) and the others 3 (tiny: 2, still more than one index each: the
+    interpreter runs the lane rows one by one), a topk's ``as`` dim its k."""
     from fuser_core.codegen.plan import loop_axis
     from fuser_core.reference import bind_shape
 
@@ -87,7 +89,7 @@ def check_shape(spec: Any, tiny: bool) -> dict[str, int]:
         elif d in inner:
             shape[d] = 5 if tiny else 72
         else:
-            shape[d] = 37 if (d == lanes[-1] and not tiny) else 3
+            shape[d] = (3 if tiny else 37) if d == lanes[-1] else (2 if tiny else 3)
     return bind_shape(spec, shape)
 
 
@@ -322,13 +324,15 @@ def client_load(path: str, seed: int) -> dict[str, Any]:
 def speed(args: argparse.Namespace, budget_s: float, save_partial: Callable[[dict], None]) -> dict[str, Any]:
     """The paper suite (tiny: the smoke suite) in priority order through ``foldwise bench``'s
     pipeline, with the experts, inside the budget."""
-    from tuner.bench import load_suite, run_bench
+    from tuner.bench import case_id, load_suite, run_bench
     from tuner.measure_cuda import TimingSettings
 
-    suite = "smoke" if args.tiny else "paper"
+    suite = speed_suite(args)
     cases = sorted(load_suite(suite), key=lambda c: PRIORITY.index(c["spec"]) if c["spec"] in PRIORITY else len(PRIORITY))
+    left_out = []
     if args.only:
         keep = set(args.only.split(","))
+        left_out = [c for c in cases if c["spec"] not in keep]
         cases = [c for c in cases if c["spec"] in keep]
     # shorter than the bench's defaults: many variants share one call's minutes
     timing = TimingSettings(warmup_ms=10.0, rep_ms=40.0, min_reps=5, max_reps=400, seed=args.seed)
@@ -337,14 +341,34 @@ def speed(args: argparse.Namespace, budget_s: float, save_partial: Callable[[dic
                         timing=timing, seed=args.seed, experts=True, budget_s=budget_s, cases=cases,
                         timeout_s=args.timeout_s, compile_timeout_s=min(120.0, max(10.0, budget_s / 3)),
                         progress=lambda msg: print(f"  speed: {msg}", flush=True), on_case=save_partial)
+    # the suite's other cases stay in the results, as not run (the bench's tables list them so)
+    results["cases"] += [{"id": case_id(c), "spec": c["spec"], "dtype": c.get("dtype", "float32"),
+                          "skipped": "not asked for (--only)"} for c in left_out]
     return results
+
+
+def speed_suite(args: argparse.Namespace) -> str:
+    return "smoke" if args.tiny else "paper"
 
 
 # ---------------------------------------------------------------------------- reports
 
 
-def correctness_markdown(stage: Mapping[str, Any]) -> str:
-    lines = ["# Correctness: every catalog spec x strategy against float64", "",
+def run_facts(results: Mapping[str, Any]) -> list[str]:
+    """Date, device, driver and versions: the head of every Markdown result file."""
+    dev = results.get("device_facts", {})
+    return [f"- date: {results['started']}; device: {dev.get('name', results['device'])} (capability "
+            f"{dev.get('capability')}, {dev.get('sm_count')} SMs, L2 {dev.get('l2_bytes')} B); "
+            f"driver {dev.get('driver')}",
+            "- versions: " + ", ".join(f"{k} {val}" for k, val in results["versions"].items())]
+
+
+def correctness_markdown(results: Mapping[str, Any]) -> str:
+    stage = results["stages"]["correctness"]
+    lines = ["# Correctness: every catalog spec x strategy against float64", "", *run_facts(results), ""]
+    if "skipped" in stage:
+        return "\n".join([*lines, f"Not run: {stage['skipped']}"]) + "\n"
+    lines += [
              "Max relative error as the project's error measure computes it (elementwise, with the rounding-noise "
              "allowance), against the tolerance of the output's dtype.", "",
              "| spec | dtype | shape | strategy | status | max rel err | tolerance | note |", "|---|---|---|---|---|---|---|---|"]
@@ -362,13 +386,10 @@ def correctness_markdown(stage: Mapping[str, Any]) -> str:
 def summary_markdown(results: Mapping[str, Any]) -> str:
     st = results["stages"]
     dev = results.get("device_facts", {})
-    v = results["versions"]
-    lines = [f"# GPU check: {dev.get('name', results['device'])}", "",
-             f"- date: {results['started']}; device: {dev.get('name')} (capability {dev.get('capability')}, "
-             f"{dev.get('sm_count')} SMs, L2 {dev.get('l2_bytes')} B); driver {dev.get('driver')}",
-             "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+    lines = [f"# GPU check: {dev.get('name', results['device'])}", "", *run_facts(results),
              f"- budget {results['budget_s']:g} s; stages took " + ", ".join(
-                 f"{k} {s.get('seconds', 0):.0f} s" for k, s in st.items()), ""]
+                 f"{k} {s.get('seconds', 0):.0f} s" for k, s in st.items() if "skipped" not in s),
+             *(f"- {k}: not run ({s['skipped']})" for k, s in st.items() if "skipped" in s), ""]
     c = st.get("correctness", {})
     if c:
         lines += ["## Correctness", "", "Counts: " + ", ".join(f"{k} {n}" for k, n in sorted(c.get("counts", {}).items())),
@@ -464,6 +485,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         ap.error("--out is required")
+    stages = args.stages.split(",")
+    if any(name not in STAGES for name in stages):
+        unknown = next(n for n in stages if n not in STAGES)
+        ap.error(f"--stages: unknown stage {unknown!r}; choose from {', '.join(STAGES)}")
+    if args.only:
+        from tuner.bench import load_suite
+
+        specs = {c["spec"] for c in load_suite(speed_suite(args))}
+        unknown = sorted(set(args.only.split(",")) - specs)
+        if unknown:
+            ap.error(f"--only: the {speed_suite(args)} suite has no case of spec {unknown[0]!r}; "
+                     f"it has {', '.join(sorted(specs))}")
     if args.device == "cuda":
         import torch
 
@@ -485,15 +518,15 @@ def main(argv: list[str] | None = None) -> int:
         (out / "check.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
         (out / "summary.md").write_text(summary_markdown(results))
         if "correctness" in results["stages"]:
-            (out / "correctness.md").write_text(correctness_markdown(results["stages"]["correctness"]))
+            (out / "correctness.md").write_text(correctness_markdown(results))
 
     def save_speed(partial: dict) -> None:
         results["stages"]["speed"] = {**partial, "partial": True}
         save()
 
-    stages = args.stages.split(",")
-    for name in ("probes", "correctness", "client", "speed"):
+    for name in STAGES:
         if name not in stages:
+            results["stages"][name] = {"skipped": "not asked for (--stages)"}
             continue
         left = args.budget_s - (time.monotonic() - started)
         budget = left if name == "speed" else min(left, SHARES[name] * args.budget_s)

@@ -2,10 +2,10 @@
 # The one-call GPU check (issue 21): preflight, then benchmarks/gpu/check.py (probes,
 # correctness of every catalog kernel against float64, the client's stored-cubin path, the
 # paper suite's speed against torch and the experts). Sized for one device call of at most
-# 8 minutes on a bare H100/H200 of the GPU image (Python 3.12, torch 2.11, Triton 3.6).
+# 7 minutes on a bare H100/H200 of the GPU image (Python 3.12, torch 2.11, Triton 3.6).
 #
 #   Prepare here (needs PyPI):  bash benchmarks/gpu/prepare_wheels.sh
-#   Device call:                bash benchmarks/gpu/check.sh        carry [".whl"], timeout_s 540
+#   Device call:                bash benchmarks/gpu/check.sh --budget-s 330   carry [".whl"], timeout_s 420
 #   Dry run (no GPU):           bash benchmarks/gpu/check.sh --dry-run OUT_DIR [check.py options]
 #
 # Results go to the folder given first, else to $OUT (the device tool's folder); at most 8 files:

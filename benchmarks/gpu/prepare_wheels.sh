@@ -8,32 +8,17 @@
 #   GPU side (no network):  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 #
 # The GPU machine is Python 3.12.3, manylinux x86-64, no network; it already has torch 2.11.0,
-# triton 3.6.0, numpy 2.5.2 and the packages in IMAGE below. Exits 1 if a wheel's requirement
-# is neither carried nor in the image, or if what travels is over 64 MiB.
+# triton 3.6.0, numpy 2.5.2 and the packages in benchmarks/gpu/image.txt. Exits 1 if a wheel's
+# requirement is neither carried nor in the image, or if what travels is over 64 MiB.
+# FOLDWISE_WHEEL_DIR=DIR writes the wheels there instead of .whl/ (the tests use a temporary one).
 set -euo pipefail
 cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
 LIST=benchmarks/gpu/wheels.txt
-WHL=.whl
+WHL="${FOLDWISE_WHEEL_DIR:-.whl}"
 LIMIT=67108864   # the device call's carry limit: 64 MiB
 
-# What the GPU image already has (never downloaded); "nvidia-*" means every nvidia- package.
-IMAGE="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
-certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
-cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock
-flatbuffers flax fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx
-huggingface-hub humanize hypothesis idna imageio iniconfig interface-meta jax jaxlib jaxtyping jinja2 joblib
-kiwisolver lazy-loader lightning linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe
-matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind
-narwhals networkx ninja numba numpy numpyro nvidia-* onnx onnxruntime opencv-python-headless optax opt-einsum
-orbax-checkpoint packaging pandas pathspec patsy peft pillow pip pluggy portalocker prometheus-client propcache
-protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing pyproject-hooks pyre-extensions pytest
-pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist python-dateutil pytorch-lightning pyyaml
-regex requests rich safetensors scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece
-sentence-transformers setuptools shellingham simplejson six sortedcontainers statsmodels sympy tabulate
-tensorboard tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio torchvision tqdm
-transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop werkzeug wheel wrapt
-xarray xxhash yarl zipp"
-IMAGE_VERSIONS="numpy==2.5.2 torch==2.11.0 triton==3.6.0"   # the image versions we know
+# What the GPU image already has (never downloaded): the one list, also read by the tests.
+IMAGE=benchmarks/gpu/image.txt
 
 mapfile -t PINS < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' -e '/^$/d' "$LIST")
 echo "== ${#PINS[@]} pins from $LIST"
@@ -51,7 +36,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 #    version would be installed beside or over the pinned one), require exactly one wheel per
 #    pin, and check each wheel's non-extra requirements (for CPython 3.12 on Linux) against
 #    the carried pins and the image.
-python3 - "$WHL" "$IMAGE" "$IMAGE_VERSIONS" "${PINS[@]}" <<'PY'
+python3 - "$WHL" "$IMAGE" "${PINS[@]}" <<'PY'
 import sys, zipfile
 from pathlib import Path
 try:
@@ -61,9 +46,11 @@ except ImportError:
     from pip._vendor.packaging.requirements import Requirement
     from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
 
-whl, image, image_versions, pins = Path(sys.argv[1]), sys.argv[2].split(), sys.argv[3].split(), sys.argv[4:]
+whl, pins = Path(sys.argv[1]), sys.argv[3:]
+image_lines = [ln.split("#")[0].strip() for ln in Path(sys.argv[2]).read_text().splitlines()]
+image = [ln.split("==")[0] for ln in image_lines if ln]
 pinned = {canonicalize_name(p.split("==")[0]): p.split("==")[1] for p in pins}
-known = {canonicalize_name(p.split("==")[0]): p.split("==")[1] for p in image_versions}
+known = {canonicalize_name(ln.split("==")[0]): ln.split("==")[1] for ln in image_lines if "==" in ln}
 env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
        "platform_system": "Linux", "os_name": "posix", "platform_machine": "x86_64",
        "platform_python_implementation": "CPython", "implementation_name": "cpython", "extra": ""}
@@ -113,7 +100,7 @@ whl_bytes=$(stat -c %s "$WHL"/*.whl | awk '{s+=$1} END {print s+0}')
 repo_bytes=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
 total=$((whl_bytes + repo_bytes))
 mib() { awk -v b="$1" 'BEGIN {printf "%.2f MiB", b/1048576}'; }
-echo "== .whl/: $whl_bytes bytes ($(mib "$whl_bytes")); repo files: $repo_bytes bytes ($(mib "$repo_bytes"))"
+echo "== $WHL/: $whl_bytes bytes ($(mib "$whl_bytes")); repo files: $repo_bytes bytes ($(mib "$repo_bytes"))"
 echo "== travels: $total bytes ($(mib "$total")) of $LIMIT ($(mib "$LIMIT"))"
 if (( total > LIMIT )); then
     echo "FAILED: over the 64 MiB carry limit" >&2
