@@ -179,11 +179,13 @@ class _Broadcasting:
 
 
 def _rescale(acc: Any, c: Any) -> np.ndarray:
-    """:data:`fuser_core.realisation.Rescale` in float64: acc * c, an empty (0) or infinite accumulator kept,
-    a non-finite correction taken as 0 (as the kernels' ``rescale``)."""
+    """:data:`fuser_core.realisation.Rescale` in float64: acc * c with a non-finite correction taken
+    as 0, and an accumulator kept where that product is NaN (an infinite one times 0), as the
+    kernels' ``rescale``."""
     acc, c = np.asarray(acc, dtype=np.float64), np.asarray(c, dtype=np.float64)
-    keep = (acc == 0) | np.isinf(acc)
-    return np.where(keep, acc, acc * np.where(np.isfinite(c), c, 0.0))
+    with np.errstate(invalid="ignore"):
+        t = acc * np.where(np.isfinite(c), c, 0.0)
+    return np.where(np.isnan(t), acc, t)
 
 
 _NUMPY_FUNCS = {"round": np.rint, "rescale": _rescale, "erf": scipy.special.erf,

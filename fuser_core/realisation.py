@@ -41,9 +41,10 @@ if TYPE_CHECKING:
 SELECTIONS = ("topk", "bottomk", "argmax", "argmin")
 FOLD_OPS = ("sum", "max", "min") + SELECTIONS
 
-# acc * c for a correction c, leaving an empty (0) or infinite accumulator as it is and taking a
-# non-finite c as 0 (it only multiplies an empty accumulator): the rescale guard of the kernels'
-# `rescale` helper and of the certificate, one definition for both.
+# acc * c for a correction c, taking a non-finite c as 0 (it only multiplies an empty
+# accumulator) and keeping the accumulator where that product is NaN (an infinite accumulator
+# times 0): the rescale guard of the kernels' `rescale` helper and of the certificate, one
+# definition for both.
 Rescale = sp.Function("rescale")
 
 COUNT_OLD = sp.Symbol("count[old]", integer=True, nonnegative=True)

@@ -38,7 +38,7 @@ from fuser_core.spec import Spec, Step
 from fuser_core.symbolic import CAST_FUNCTIONS, Round, SymbolicSpec
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int32": 4, "int64": 8}
-DOT_BYTES = {"tl.float16": 2, "tf32": 4, "ieee": 4}  # operand bytes in shared memory per tl.dot precision
+DOT_BYTES = {"tl.float16": 2, "tl.bfloat16": 2, "tf32": 4, "ieee": 4}  # operand bytes in shared memory per tl.dot precision
 LOAD_ALU = 4  # per loaded element: address (multiply-add per dim, folded), mask, conversion to float32
 REDUCE_ALU = 2  # per element of a reduced tile: the mask select and the combine
 RESCALE_ALU = 4  # rescale(acc, c): compare, select, multiply (emit.HELPERS)

@@ -14,7 +14,7 @@ simple, monotone and explainable (numbers in ``Prediction.details``):
    between two reads of the same line) fits in the usable L2, else from HBM. Outputs are
    written once.
 2. **Work** (:mod:`tuner.analysis`): ``tl.dot`` FLOPs (2*M*N*K) at the tensor-core peak of the
-   precision emit chose (fp16 inputs: fp16; bf16: TF32; mixed/fp32: IEEE fp32 on CUDA cores),
+   precision emit chose (fp16 inputs: fp16; bf16: bf16, at fp16's rate; mixed/fp32: IEEE fp32 on CUDA cores),
    elementwise ops from the sympy expressions (+, *, /, compares, selects: 1 ALU op per
    element at each node's own dims; exp/log/sqrt/rsqrt: one SFU op), reductions, top-k merges,
    corrections, address/mask arithmetic of every loaded element, and loop overhead.
@@ -97,7 +97,7 @@ SM_BYTES_PER_CLOCK = 64  # what one SM can take from L2 per clock
 WARPS_TO_FILL_ALU = 8  # resident warps per SM for the CUDA cores to be busy (latency hiding)
 WARPS_TO_FILL_DOT = 4  # one warp per SM sub-partition for the tensor cores
 SPILL_ACCESSES = 2  # a spilled byte is written to local memory and read back (per loop iteration)
-PRECISION_UNIT = {"tl.float16": "fp16", "tf32": "tf32", "ieee": "fp32"}
+PRECISION_UNIT = {"tl.float16": "fp16", "tl.bfloat16": "fp16", "tf32": "tf32", "ieee": "fp32"}
 
 
 @dataclass(frozen=True)

@@ -59,9 +59,12 @@ def safe_anchor(v):
 
 @triton.jit
 def rescale(acc, c):
-    """acc * c, leaving empty (0) and infinite accumulators as they are."""
-    keep = (acc == 0.0) | (acc == float("inf")) | (acc == float("-inf"))
-    return tl.where(keep, acc, acc * finite_or_zero(c))
+    """acc * c, a non-finite c taken as 0 (it only multiplies an empty accumulator), and an
+    infinite accumulator that a zero correction would turn into NaN kept as it is. The
+    correction is guarded on its own (per row: attention's c is [BLOCK_m, 1]), the accumulator
+    by one NaN test of the product, the cheapest guard there is per element."""
+    t = acc * finite_or_zero(c)
+    return tl.where(t != t, acc, t)
 
 
 @triton.jit
@@ -154,11 +157,21 @@ if INTERPRETED:
         bits = x.to(tl.uint32, bitcast=True)
         up = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return tl.where(x != x, x, up.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def bf16_operand(x):
+        """x as a bfloat16 tl.dot operand, rounded to nearest even first (exact conversion after)."""
+        return bf16_round(x).to(tl.bfloat16)
 else:
     @triton.jit
     def bf16_round(x):
         """x rounded to bfloat16 (the GPU's round-to-nearest-even conversion)."""
         return x.to(tl.bfloat16).to(tl.float32)
+
+    @triton.jit
+    def bf16_operand(x):
+        """x as a bfloat16 tl.dot operand (the GPU's round-to-nearest-even conversion)."""
+        return x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -487,6 +500,8 @@ class KernelWriter:
         rhs = self.as_matrix(self.tex(dot.q), self.tex_dims(dot.q), over, j)
         if dot.precision == "tl.float16":
             prod = f"tl.dot({lhs}.to(tl.float16), {rhs}.to(tl.float16))"
+        elif dot.precision == "tl.bfloat16":  # rounded to nearest even in the interpreter too
+            prod = f"tl.dot(bf16_operand({lhs}), bf16_operand({rhs}))"
         else:
             prod = f"tl.dot({lhs}, {rhs}, input_precision=\"{dot.precision}\")"
         if self.layout.order((i, j)) != (i, j):
@@ -714,11 +729,13 @@ class KernelWriter:
     def write_multi_pass(self) -> None:
         a = self.plan.axis
         self.header(f"{self.spec.name}, multi-pass: one loop over {a} per reduction, re-reading the inputs.")
+        loops = iter([p for p in self.kernel.passes if p.loop and p.span == "axis"])  # one per reduction, in order
         for step in self.axis_steps():
             integrand = self.conv.integrand(step)
             self.emit(f"# pass: {step.name} = {step.reduce} over {a} of {sp.sstr(integrand)}")
             acc = self.init_state(step)[0]
-            self.emit(f"for start in range(0, size_{a}, BLOCK_{a}):")
+            lo, hi = self.windowed(next(loops), "0", f"size_{a}")
+            self.emit(f"for start in range({lo}, {hi}, BLOCK_{a}):")
             self.depth += 1
             self.begin_scope()
             self.axis_tile("start")
@@ -775,6 +792,7 @@ class KernelWriter:
         counts = reads_count(self.plan)
         if counts:
             self.emit("count = 0.0")
+        lo, hi = self.windowed(self.streamed_pass(), lo, hi)
         self.emit(f"for start in range({lo}, {hi}, BLOCK_{a}):")
         self.depth += 1
         self.begin_scope()
@@ -796,6 +814,60 @@ class KernelWriter:
         self.accs = accs
         if self.lanes:
             self.merge_lanes(accs)
+
+    def windowed(self, p: Pass, lo: str, hi: str) -> tuple[str, str]:
+        """A loop's ``lo``/``hi`` clamped to the part of the axis its program can see (the
+        structure's :attr:`Pass.window`): the lower end rounded down to a tile boundary."""
+        w = p.window
+        if w is None:
+            return lo, hi
+        a = self.plan.axis
+        if w.lo is not None:
+            start = f"tl.maximum({self.bound_text(w.lo)}, 0) // BLOCK_{a} * BLOCK_{a}"
+            lo = start if lo == "0" else f"tl.maximum({lo}, {start})"
+            self.emit(f"# masked: this program's lanes see no {a} before {self.bound_text(w.lo)}")
+        if w.hi is not None:
+            hi = f"tl.minimum({hi}, {self.bound_text(w.hi)})"
+            self.emit(f"# masked: this program's lanes see no {a} from {self.bound_text(w.hi)} on")
+        return lo, hi
+
+    def bound_text(self, e: sp.Expr) -> str:
+        """An integer bound of fuser_core.codegen.bounds (first(d), last(d), size(d), integers);
+        ``last(d) + 1`` reads as the end of the program's block of d."""
+        ends = {s: sp.Symbol(f"end({s.name[5:-1]})", integer=True) - 1 for s in e.free_symbols if s.name.startswith("last(")}
+        return self._bound(sp.expand(e.subs(ends)) if ends else e)
+
+    def _bound(self, e: sp.Expr) -> str:
+        if e.is_Integer:
+            return str(int(e))
+        if e.is_Symbol:
+            name = e.name
+            dim = name[name.index("(") + 1:-1]
+            if name.startswith("size("):
+                return f"size_{dim}"
+            if dim not in self.dims:  # a scalar lane: one index per program (its end: the next one)
+                return f"(offs_{dim} + 1)" if name.startswith("end(") else f"offs_{dim}"
+            if name.startswith("first("):
+                return f"pid_{dim} * BLOCK_{dim}"
+            return f"tl.minimum(pid_{dim} * BLOCK_{dim} + BLOCK_{dim}, size_{dim})"  # end(d)
+        if isinstance(e, (sp.Min, sp.Max)):
+            fn = "tl.minimum" if isinstance(e, sp.Min) else "tl.maximum"
+            text = self._bound(e.args[0])
+            for arg in e.args[1:]:
+                text = f"{fn}({text}, {self._bound(arg)})"
+            return text
+        if e.is_Mul:
+            return " * ".join(self._bound(f) if not f.is_Add else f"({self._bound(f)})" for f in e.args)
+        if e.is_Add:
+            terms = sorted(e.args, key=lambda t: (t.is_Integer, sp.default_sort_key(t)))  # the constant last
+            out = self._bound(terms[0])
+            for t in terms[1:]:
+                if (t.is_Integer and t < 0) or (t.is_Mul and t.args[0].is_Integer and t.args[0] < 0):
+                    out += f" - {self._bound(-t)}"
+                else:
+                    out += f" + {self._bound(t)}"
+            return f"({out})"
+        raise AssertionError(f"not a loop bound: {e}")
 
     def merge_lanes(self, lanes: dict[str, list[str]]) -> None:
         """After a per-lane loop, each reduction's lanes folded over the axis once with the realisation's

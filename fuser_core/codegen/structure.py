@@ -18,10 +18,11 @@ written here only.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy as sp
 
+from fuser_core.codegen.bounds import Window, axis_window
 from fuser_core.codegen.names import kernel_arg, safe_name
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.derive import ReductionForm
@@ -61,7 +62,7 @@ class Dot:
     p: sp.Expr
     q: sp.Expr
     scale: sp.Expr | None
-    precision: str  # "tl.float16" | "tf32" | "ieee": the operands' precision
+    precision: str  # "tl.float16" | "tl.bfloat16" | "ieee": the operands' precision
     direct: tuple[str, ...] = ()  # inputs that are a factor as loaded (staged in shared memory once)
 
     @property
@@ -130,6 +131,7 @@ class Pass:
     stores: tuple[str, ...] = ()  # output parts written
     ws_loads: tuple[str, ...] = ()  # workspace entries read (per iteration)
     ws_stores: tuple[str, ...] = ()  # workspace entries written
+    window: Window | None = None  # a loop's part of the axis its programs can see (masks: fuser_core.codegen.bounds)
 
 
 @dataclass(frozen=True)
@@ -385,24 +387,41 @@ def _exact_in_fp16(e: sp.Expr, input_dtypes: Mapping[str, str]) -> bool:
 
 
 def dot_precision(plan: KernelPlan, p: sp.Expr, q: sp.Expr, input_dtypes: Mapping[str, str]) -> str:
-    """Operand precision of tl.dot: operands exactly representable in fp16 (fp8 values, as in
-    the fp8 GEMM) -> fp16 tensor cores, exact; float16 inputs -> float16; bfloat16 inputs ->
-    TF32 (bf16 values are exact in TF32, and probabilities keep 10 mantissa bits instead of
-    bf16's 7, which cancelling p.v sums need); float32 and mixed inputs -> IEEE float32."""
+    """Operand precision of tl.dot, as FlashAttention and the tutorials choose it: operands
+    exactly representable in fp16 (fp8 values, as in the fp8 GEMM) -> fp16 tensor cores, exact;
+    float16 inputs -> float16, bfloat16 inputs -> bfloat16 (P rounded to the inputs' dtype,
+    float32 accumulation: 16-bit tensor cores at twice TF32's rate); float32 and mixed inputs ->
+    IEEE float32."""
     if _exact_in_fp16(p, input_dtypes) and _exact_in_fp16(q, input_dtypes):
         return "tl.float16"
     floats = {input_dtypes.get(i.name, "float32") for i in plan.spec.inputs if i.is_float}
     if floats == {"float16"}:
         return "tl.float16"
     if floats == {"bfloat16"}:
-        return "tf32"
+        return "tl.bfloat16"
     return "ieee"
 
 
 def decide_dot(plan: KernelPlan, e: sp.Expr, over: str, input_dtypes: Mapping[str, str]) -> Dot | None:
     """sum over ``over`` of ``e`` as a tl.dot when the tile allows it: the factors that vary carry
     one blocked dim each besides ``over``, two in all (I and J), and every block of I, J and
-    ``over`` is at least 16 (tl.dot's minimum)."""
+    ``over`` is at least 16 (tl.dot's minimum).
+
+    A masked product ``where(c, P * Q, 0)`` (causal attention's ``o``) is the dot of
+    ``where(c, P, 0)`` and ``Q`` when the mask varies over P's dims only (``index(n) <= index(m)``
+    over the scores' [m, n]): zeroing P's masked entries zeroes exactly those terms."""
+    masked = _masked_product(e)
+    if masked is not None:
+        product, cond = masked
+        dot = decide_dot(plan, product, over, input_dtypes)
+        if dot is None:
+            return None
+        cond_dims = expr_dims(plan, cond)
+        if cond_dims <= dot.p_dims:
+            return replace(dot, p=sp.Piecewise((dot.p, cond), (0, True)), direct=_unmasked(dot.direct, dot.q))
+        if cond_dims <= dot.q_dims:
+            return replace(dot, q=sp.Piecewise((dot.q, cond), (0, True)), direct=_unmasked(dot.direct, dot.p))
+        return None
     args = sp.Mul.make_args(e)
     scalars = [f for f in args if not expr_dims(plan, f)]
     factors = [f for f in args if expr_dims(plan, f)]
@@ -417,6 +436,19 @@ def decide_dot(plan: KernelPlan, e: sp.Expr, over: str, input_dtypes: Mapping[st
     q = sp.Mul(*[f for f, d in zip(factors, dims) if d == {j}])
     direct = tuple(f.name for f in factors if isinstance(f, sp.Symbol) and isinstance(plan.spec.lookup(f.name), Input))
     return Dot(over, i, j, p, q, sp.Mul(*scalars) if scalars else None, dot_precision(plan, p, q, input_dtypes), direct)
+
+
+def _masked_product(e: sp.Expr) -> tuple[sp.Expr, sp.Expr] | None:
+    """(product, condition) of ``where(condition, product, 0)``, else None."""
+    if isinstance(e, sp.Piecewise) and len(e.args) == 2 and e.args[1] == (0, True) and e.args[0][0].is_Mul:
+        return e.args[0][0], e.args[0][1]
+    return None
+
+
+def _unmasked(direct: tuple[str, ...], side: sp.Expr) -> tuple[str, ...]:
+    """The inputs loaded straight into a dot operand: those of the side the mask left alone."""
+    names = {f.name for f in sp.Mul.make_args(side) if isinstance(f, sp.Symbol)}
+    return tuple(d for d in direct if d in names)
 
 
 # ---------------------------------------------------------------------- the walk
@@ -452,7 +484,19 @@ class _KernelWalk:
         if self.span == "once" and not (self.loads or self.folds or self.values or self.updates or self.stores):
             return
         self.passes.append(Pass(self.span, self.loop, self.per_lane, tuple(self.loads), tuple(self.folds), tuple(self.values),
-                                tuple(self.updates), tuple(self.stores), tuple(self.ws_loads), tuple(self.ws_stores)))
+                                tuple(self.updates), tuple(self.stores), tuple(self.ws_loads), tuple(self.ws_stores),
+                                self.window()))
+
+    def window(self) -> Window | None:
+        """The part of the axis this loop's programs can see (:mod:`fuser_core.codegen.bounds`): a
+        reduction loop whose every fold is masked the same way skips the tiles no lane sees."""
+        if not (self.loop and self.span in ("axis", "chunk")):
+            return None
+        steps = self.plan.axis_reductions()
+        selections = any(effective_op(self.plan, s) in ORDER_SELECTIONS or s.reduce in ORDER_SELECTIONS for s in steps)
+        counts = self.plan.strategy in FUSED_STRATEGIES and reads_count(self.plan)
+        folds = [(f.op, f.expr) for f in self.folds if not f.inner]
+        return axis_window(self.plan.axis, folds, counts=counts, selections=selections)
 
     def open(self, span: str, loop: bool) -> None:
         self.close()

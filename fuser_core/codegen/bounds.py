@@ -1,0 +1,144 @@
+"""Loop bounds derived from masks: the key blocks a program never needs (issue 22).
+
+Causal attention masks its scores with ``where(index(n) <= index(m), s, -inf)``. A program
+holding rows ``m`` in ``[m0, m0 + BLOCK_m)`` sees no unmasked key beyond ``m0 + BLOCK_m - 1``:
+every tile past it adds the identity to every reduction (``-inf`` to the max, ``0`` to the
+sums), so the loop can stop there, as FlashAttention's and Triton's tutorial 06's do. The same
+holds for a KV-cache mask aligned bottom-right (``index(n) <= index(m) + size(n) - size(m)``)
+and for the lower edge of a sliding window (``index(n) >= index(m) - W``).
+
+:func:`axis_window` finds, for the folds of a streamed pass, the condition under which each
+contribution is not its fold's identity; when every fold has the same condition and that
+condition is a conjunction of linear inequalities in ``index(axis)``, it returns the range of
+the axis a program can see, as expressions in the program's first and last lane indices
+(``first(m)``, ``last(m)``) and the sizes. The printer clamps the loop to it (the lower end
+rounded down to a block boundary). Elements inside the range still go through the mask.
+
+Skipping is exact only when a skipped tile changes no state: so never for a kernel that counts
+the values it has seen (a running mean), nor for selections (argmax/top-k keep indices even
+of masked entries).
+
+Example:
+    >>> import sympy as sp
+    >>> m, n = sp.Symbol("index(m)", integer=True), sp.Symbol("index(n)", integer=True)
+    >>> w = window_of(n, [m >= n])
+    >>> w.hi, w.lo
+    (last(m) + 1, None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import sympy as sp
+
+from fuser_core.realisation import identity
+
+_RELATIONS = (sp.LessThan, sp.StrictLessThan, sp.GreaterThan, sp.StrictGreaterThan)
+
+
+@dataclass(frozen=True)
+class Window:
+    """The part ``[lo, hi)`` of the loop axis a program can see (None: that end is the axis's).
+    Free symbols: ``first(d)`` / ``last(d)`` (the program's first and last index of lane d)
+    and ``size(d)``."""
+
+    lo: sp.Expr | None
+    hi: sp.Expr | None
+
+
+def first(dim: str) -> sp.Symbol:
+    return sp.Symbol(f"first({dim})", integer=True)
+
+
+def last(dim: str) -> sp.Symbol:
+    return sp.Symbol(f"last({dim})", integer=True)
+
+
+def masked_condition(e: sp.Expr, op: str) -> sp.Expr | None:
+    """C when ``e`` is ``where(C, X, identity of op)``, after folding the where outwards
+    (``exp(where(C, s, -inf) - mx)`` is ``where(C, exp(s - mx), 0)``): outside C the fold adds nothing."""
+    if not isinstance(e, sp.Piecewise) and e.has(sp.Piecewise):
+        e = sp.piecewise_fold(e)
+    if isinstance(e, sp.Piecewise) and len(e.args) == 2 and e.args[1][1] == sp.true:
+        fill = e.args[1][0]
+        if fill == identity(op) or (fill.is_number and sp.Float(fill) == sp.Float(identity(op))):
+            return e.args[0][1]
+    return None
+
+
+def window_of(index: sp.Symbol, conditions: Iterable[sp.Expr]) -> Window | None:
+    """The window of ``index`` (``index(axis)``) allowed by a conjunction of linear
+    inequalities, each with ``index`` at coefficient +-1 and other indices ``index(d)`` at
+    integer coefficients (replaced by the program's ``first(d)``/``last(d)``, whichever gives the
+    widest bound). None when some condition is not of that form."""
+    lo: list[sp.Expr] = []
+    hi: list[sp.Expr] = []
+    for cond in conditions:
+        parts = cond.args if isinstance(cond, sp.And) else (cond,)
+        for rel in parts:
+            if not isinstance(rel, _RELATIONS):
+                return None
+            # normalise to  g <= 0  or  g < 0  with g = lhs - rhs
+            g = sp.expand(rel.lhs - rel.rhs) if isinstance(rel, (sp.LessThan, sp.StrictLessThan)) \
+                else sp.expand(rel.rhs - rel.lhs)
+            strict = isinstance(rel, (sp.StrictLessThan, sp.StrictGreaterThan))
+            a = g.coeff(index)
+            rest = sp.expand(g - a * index)
+            if a not in (1, -1) or index in rest.free_symbols:
+                return None
+            bound = -rest if a == 1 else rest  # a = 1: index <= -rest ; a = -1: index >= rest
+            widened = _widest(bound, upper=(a == 1))
+            if widened is None:
+                return None
+            if a == 1:
+                hi.append(widened + (0 if strict else 1))  # exclusive end
+            else:
+                lo.append(widened + (1 if strict else 0))
+    if not lo and not hi:
+        return None
+    # a conjunction: the latest lower end and the earliest upper end
+    return Window(sp.Max(*lo) if len(lo) > 1 else (lo[0] if lo else None),
+                  sp.Min(*hi) if len(hi) > 1 else (hi[0] if hi else None))
+
+
+def _widest(bound: sp.Expr, upper: bool) -> sp.Expr | None:
+    """``bound`` over the program's lanes at its widest: each ``index(d)`` replaced by the
+    program's last (or first) index of d, whichever makes an upper bound largest (a lower bound
+    smallest). Only linear, integer-coefficient bounds in indices and sizes qualify."""
+    out = bound
+    for s in bound.free_symbols:
+        name = s.name
+        if name.startswith("size("):
+            continue
+        if not name.startswith("index("):
+            return None
+        c = sp.expand(bound).coeff(s)
+        if not c.is_Integer or s in sp.expand(bound - c * s).free_symbols:
+            return None
+        dim = name[6:-1]
+        grows = (c > 0) == upper
+        out = out.subs(s, last(dim) if grows else first(dim))
+    if not all(t.is_Integer or t.is_Symbol or (t.is_Mul and t.args[0].is_Integer) for t in sp.Add.make_args(sp.expand(out))):
+        return None
+    return sp.expand(out)
+
+
+def axis_window(axis: str, folds: Sequence[tuple[str, sp.Expr]], *, counts: bool, selections: bool) -> Window | None:
+    """The window of the loop axis for a pass folding ``folds`` ((op, contribution) over the
+    axis), or None when the pass must visit the whole axis (module docstring)."""
+    if counts or selections or not folds:
+        return None
+    conds = []
+    for op, e in folds:
+        c = masked_condition(e, op)
+        if c is None:
+            return None
+        conds.append(c)
+    if any(c != conds[0] for c in conds[1:]):
+        return None
+    return window_of(sp.Symbol(f"index({axis})", integer=True, nonnegative=True), [conds[0]])
+
+
+__all__ = ["Window", "axis_window", "first", "last", "masked_condition", "window_of"]

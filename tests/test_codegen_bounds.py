@@ -1,0 +1,108 @@
+"""Loop bounds derived from masks (fuser_core.codegen.bounds): a program skips the tiles of the
+loop axis that every reduction masks away for all of its lanes (causal attention, a KV-cache
+mask aligned bottom-right, a sliding window), and gives the float64 reference's results."""
+
+from __future__ import annotations
+
+import pytest
+import sympy as sp
+
+from fuser_core.codegen.bounds import axis_window, first, last, window_of
+from fuser_core.codegen.module import generate
+from fuser_core.codegen.plan import KernelConfig, make_plan
+from fuser_core.codegen.structure import build_structure
+from fuser_core.derive import derive_cascade
+from fuser_core.runner import bind_dtypes, self_check
+from fuser_core.spec import load_spec
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+M = sp.Symbol("index(m)", integer=True, nonnegative=True)
+N = sp.Symbol("index(n)", integer=True, nonnegative=True)
+SIZE_M = sp.Symbol("size(m)", integer=True, positive=True)
+SIZE_N = sp.Symbol("size(n)", integer=True, positive=True)
+
+
+def test_windows_of_linear_masks() -> None:
+    assert window_of(N, [M >= N]).hi == last("m") + 1 and window_of(N, [M >= N]).lo is None
+    bottom_right = window_of(N, [N <= M + SIZE_N - SIZE_M])
+    assert bottom_right.hi == last("m") + SIZE_N - SIZE_M + 1
+    band = window_of(N, [sp.And(N <= M, N > M - 16)])
+    assert band.lo == first("m") - 15 and band.hi == last("m") + 1
+    assert window_of(N, [N < M]).hi == last("m")  # strict: the diagonal itself is masked too
+    # not linear in index(n), or index(n) scaled: no window (the loop visits the whole axis)
+    assert window_of(N, [N * N <= M]) is None
+    assert window_of(N, [2 * N <= M]) is None
+
+
+def test_a_fold_needs_the_identity_outside_the_mask() -> None:
+    c = M >= N
+    s = sp.Symbol("s", real=True)
+    masked_max = ("max", sp.Piecewise((s, c), (-sp.oo, True)))
+    masked_sum = ("sum", sp.Piecewise((sp.exp(s), c), (0, True)))
+    assert axis_window("n", [masked_max, masked_sum], counts=False, selections=False).hi == last("m") + 1
+    # a sum whose masked entries add 1: every tile still counts
+    assert axis_window("n", [("sum", sp.Piecewise((s, c), (1, True)))], counts=False, selections=False) is None
+    # a max masked to 0, not -inf: the masked entries can win
+    assert axis_window("n", [("max", sp.Piecewise((s, c), (0, True)))], counts=False, selections=False) is None
+    # a kernel that counts the values seen, or keeps indices: never skips
+    assert axis_window("n", [masked_sum], counts=True, selections=False) is None
+    assert axis_window("n", [masked_max], counts=False, selections=True) is None
+
+
+def attention(name: str, scores: str) -> object:
+    inputs = {"q": {"dims": ["b", "h", "m", "d"]}, "k": {"dims": ["b", "h", "n", "d"]}, "v": {"dims": ["b", "h", "n", "e"]}}
+    return load_spec({"foldwise": 1, "name": name, "inputs": inputs, "params": {"scale": "1 / sqrt(size(d))"},
+                      "steps": [{"name": "s0", "reduce": "sum", "over": "d", "expr": "q * k * scale"},
+                                {"name": "s", "expr": scores},
+                                {"name": "mx", "reduce": "max", "over": "n", "expr": "s"},
+                                {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(s - mx)"},
+                                {"name": "o", "reduce": "sum", "over": "n", "expr": "exp(s - mx) * v / den"}],
+                      "outputs": ["o"]})
+
+
+MASKS = {
+    "causal": ("where(index(n) <= index(m), s0, -inf)", {"m": 40, "n": 40}),
+    # 5 new queries after 65 cached keys: the diagonal aligned bottom-right (FlashAttention >= 2.1, SDPA)
+    "kv_cache": ("where(index(n) <= index(m) + size(n) - size(m), s0, -inf)", {"m": 5, "n": 70}),
+    # each query sees itself and the 19 keys before it
+    "window": ("where(index(n) > index(m) - 20, where(index(n) <= index(m), s0, -inf), -inf)", {"m": 70, "n": 70}),
+}
+
+
+# the sliding window's nested where does not fuse yet (derive: "exp(-mx + s0) is not bounded by the
+# running value of mx"), so it runs multi_pass only
+CASES = [(m, s) for m in sorted(MASKS) for s in ("streaming_fused", "split_fused", "multi_pass")
+         if m != "window" or s == "multi_pass"]
+
+
+@pytest.mark.parametrize("mask,strategy", CASES)
+@pytest.mark.parametrize("rows", [1, 16])
+def test_masked_attention_skips_tiles_and_matches_float64(mask: str, strategy: str, rows: int) -> None:
+    cond, sizes = MASKS[mask]
+    spec = attention(f"attention_{mask}", cond)
+    shape = {"b": 1, "h": 2, "d": 16, "e": 16, **sizes}
+    blocks = {"n": 16, "e": 16, **({"m": rows} if rows > 1 else {})}
+    cfg = KernelConfig(blocks, split=3 if strategy == "split_fused" else 1)
+    derivation = derive_cascade(spec)
+    source = generate(spec, derivation, strategy, shape, cfg, bind_dtypes(spec, "float32")).source
+    assert "this program's lanes see no n from" in source  # the loop stops at the mask's edge
+    if mask == "window":
+        assert "this program's lanes see no n before" in source  # and starts at the window's
+    report = self_check(spec, shape, "float32", strategy=strategy, config=cfg, derivation=derivation)
+    assert report["passed"], report
+
+
+def test_a_counting_reduction_visits_every_tile() -> None:
+    """A masked mean reads the count of values seen: skipping tiles would change it."""
+    spec = load_spec({"foldwise": 1, "name": "masked_var", "inputs": {"x": {"dims": ["m", "n"]}},
+                      "steps": [{"name": "mean", "reduce": "sum", "over": "n", "expr": "where(index(n) <= index(m), x, 0) / size(n)"},
+                                {"name": "var", "reduce": "sum", "over": "n",
+                                 "expr": "where(index(n) <= index(m), (x - mean) ** 2, 0) / size(n)"}],
+                      "outputs": ["var"]})
+    derivation = derive_cascade(spec)
+    plan = make_plan(spec, derivation, "streaming_fused", {"m": 9, "n": 40}, KernelConfig({"n": 8}))
+    passes = build_structure(plan, bind_dtypes(spec, "float32")).kernels[0].passes
+    assert all(p.window is None for p in passes)
+    assert self_check(spec, {"m": 9, "n": 40}, "float32", strategy="streaming_fused", config=KernelConfig({"n": 8}),
+                      derivation=derivation)["passed"]
