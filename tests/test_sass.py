@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from fuser_core.codegen.sass import Instruction, access_bits, classify, facts, loops, parse, tensor_kind, tensor_shape
 
 DATA = Path(__file__).parent / "data" / "sass"
@@ -32,7 +34,8 @@ def test_instructions_and_modifiers() -> None:
     assert [access_bits(i) for i in ins[1:4]] == [16, 128, 64]
     assert [classify(i) for i in ins[1:5]] == ["ldg", "ldg", "stg", "mufu.ex2"]
     assert [tensor_kind(i) for i in ins[5:8]] == ["hgmma.bf16", "hgmma.tf32", "hmma.f16"]
-    assert tensor_shape(ins[5]) == (64, 128, 16) and tensor_shape(ins[7]) is None
+    assert tensor_shape(ins[5]) == (64, 128, 16) and tensor_shape(ins[7]) == (16, 8, 16)
+    assert tensor_shape(ins[0]) is None
     assert tensor_kind(ins[0]) is None
 
 
@@ -73,8 +76,8 @@ def test_stored_attention_kernel_uses_fp16_wgmma() -> None:
     f = facts((DATA / "attention_fp16_streaming_sm90.sass").read_text())["attention_streaming_fused_kernel"]
     [loop] = f.loops
     assert loop.counts.tensor == {"hgmma.f16": 12}
-    # per warpgroup and iteration: q.k is 64 x 64 x 128, p.v 64 x 128 x 64 multiply-adds
-    assert loop.counts.tensor_macs == 64 * 64 * 128 + 64 * 128 * 64
+    # per warpgroup and iteration q.k is 64 x 64 x 128, p.v 64 x 128 x 64 multiply-adds, a quarter per warp
+    assert loop.counts.tensor_macs == (64 * 64 * 128 + 64 * 128 * 64) / 4
     # 64 x 64 scores per warpgroup over 128 threads: 32 a thread, one exp each (+2 for the row corrections)
     assert loop.counts["mufu.ex2"] == 34
     assert loop.counts.load_bits == {128: 8}
@@ -83,3 +86,30 @@ def test_stored_attention_kernel_uses_fp16_wgmma() -> None:
 def test_an_instruction_knows_its_parts() -> None:
     ins = Instruction(0x10, "LDG.E.128.CONSTANT", "R4, desc[UR4][R2.64]")
     assert ins.base == "LDG" and ins.modifiers == ("E", "128", "CONSTANT")
+
+
+def test_static_bound_takes_the_largest_term() -> None:
+    """tuner.static_bound on the stored softmax kernel: 4096 rows of 32768 fp16 values, 32 tiles
+    of 1024 each loop: memory-bound on an H100 (its loads request what must come from HBM), with
+    two exps per element in the streamed loop and one in the output loop."""
+    from tuner.profiles import get_profile
+    from tuner.static_bound import load_width, static_bound
+
+    f = facts((DATA / "softmax_streaming_sm90.sass").read_text())["safe_softmax_streaming_fused_kernel"]
+    sass = f.to_dict()
+    h100 = get_profile("h100")
+    elements = 4096 * 32768
+    b = static_bound(sass, programs=4096, num_warps=4, trips=[32, 32], profile=h100, elements=elements,
+                     input_bytes=2 * elements)
+    assert b["per_element"]["exp"] == pytest.approx(3.0, abs=0.2)  # + the lane merge and a reciprocal per row
+    assert b["per_element"]["input_reads"] == pytest.approx(2.0, abs=0.02)  # x twice: the stream, then y's pass
+    assert b["load_bytes"] == pytest.approx(2 * 2 * elements, rel=0.01)
+    assert b["bound"] == max(b["terms_s"], key=b["terms_s"].get) and b["time_s"] == max(b["terms_s"].values())
+    # only what must come from HBM bounds memory: with the minimum traffic given, the re-read is L2's
+    once = static_bound(sass, programs=4096, num_warps=4, trips=[32, 32], profile=h100, unique_bytes=4 * elements)
+    assert once["terms_s"]["memory"] == pytest.approx(4 * elements / h100.hbm_bytes_per_s)
+    assert once["terms_s"]["memory"] < b["terms_s"]["memory"]
+    # more iterations, more instructions: the issue term grows with the trips
+    longer = static_bound(sass, programs=4096, num_warps=4, trips=[64, 64], profile=h100)
+    assert longer["terms_s"]["issue"] > b["terms_s"]["issue"]
+    assert load_width(sass) == 128

@@ -44,7 +44,7 @@ from typing import Any
 from fuser_core.spec import Spec
 
 MAX_ERROR_CHARS = 2000
-FACTS_VERSION = 2  # part of the cache key: how a KernelBuild's facts are read
+FACTS_VERSION = 3  # part of the cache key: how a KernelBuild's facts are read (3: with SASS facts)
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ class KernelBuild:
     shared_bytes: int | None = None  # per program: the launch's dynamic plus the cubin's static
     num_warps: int | None = None
     num_stages: int | None = None
+    # what the cubin issues (fuser_core.codegen.sass.KernelSass.to_dict): the whole body and each
+    # innermost loop's instructions, MUFU ops, load/store widths and tensor-core kinds
+    sass: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,6 +132,7 @@ class KernelLaunch:
     fn: Any  # triton.runtime.jit.JITFunction
     args: tuple
     kwargs: dict[str, Any]
+    grid: Any = None  # as the launcher gave it: a tuple, or a function of the launch's meta-parameters
 
 
 @contextlib.contextmanager
@@ -140,7 +144,7 @@ def intercepted_launches():
     original = JITFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
-        launches.append(KernelLaunch(self, args, dict(kwargs)))
+        launches.append(KernelLaunch(self, args, dict(kwargs), grid))
 
     JITFunction.run = record
     try:
@@ -353,6 +357,7 @@ def compile_launch(launch: KernelLaunch, capability: int) -> KernelBuild:
         compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target,
                                   options=options.__dict__)
         used = cubin_resources(compiled.asm["cubin"])
+        sass = _sass_facts(compiled.asm["cubin"], name)
     except Exception as error:  # noqa: BLE001 - every compiler failure is reported, not raised
         return KernelBuild(name, False, _error_text(launch.fn, error), num_warps=options.num_warps,
                            num_stages=options.num_stages)
@@ -364,8 +369,17 @@ def compile_launch(launch: KernelLaunch, capability: int) -> KernelBuild:
         stack_bytes=used.get("STACK"), local_bytes=used.get("LOCAL"),
         # the launch's dynamic shared memory plus the cubin's static allocation
         shared_bytes=int(compiled.metadata.shared) + used.get("SHARED", 0),
-        num_warps=options.num_warps, num_stages=options.num_stages,
+        num_warps=options.num_warps, num_stages=options.num_stages, sass=sass,
     )
+
+
+def _sass_facts(cubin: bytes, name: str) -> dict[str, Any] | None:
+    """The SASS facts of the kernel called ``name`` in ``cubin`` (None if cuobjdump names none)."""
+    from fuser_core.codegen.sass import cubin_facts
+
+    found = cubin_facts(bytes(cubin))
+    kernel = found.get(name) or (next(iter(found.values())) if len(found) == 1 else None)
+    return kernel.to_dict() if kernel is not None else None
 
 
 # ---------------------------------------------------------------- caching

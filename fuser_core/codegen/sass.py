@@ -99,13 +99,29 @@ def tensor_kind(ins: Instruction) -> str | None:
     return f"{ins.base.lower()}.{operand}"
 
 
+_MMA_SHAPES = {"16816": (16, 8, 16), "1688": (16, 8, 8), "16832": (16, 8, 32), "884": (8, 8, 4)}
+
+
 def tensor_shape(ins: Instruction) -> tuple[int, int, int] | None:
-    """(M, N, K) of a warpgroup MMA (``HGMMA.64x128x16``): its product is M*N*K multiply-adds."""
+    """(M, N, K) of a tensor-core instruction: a warpgroup MMA's (``HGMMA.64x128x16``) or a warp
+    MMA's (``HMMA.16816``: m16n8k16); its product is M*N*K multiply-adds."""
     for m in ins.modifiers:
         if _GMMA_SHAPE.match(m):
             a, b, c = (int(x) for x in m.split("x"))
             return a, b, c
+        if m in _MMA_SHAPES:
+            return _MMA_SHAPES[m]
     return None
+
+
+def warp_macs(ins: Instruction) -> float:
+    """Multiply-adds one warp's instruction stream accounts for: a warp MMA's M*N*K, a
+    warpgroup MMA's shared by the 4 warps that each issue it."""
+    shape = tensor_shape(ins)
+    if shape is None:
+        return 0.0
+    macs = shape[0] * shape[1] * shape[2]
+    return macs / 4 if ins.base in ("HGMMA", "QGMMA") else float(macs)
 
 
 def classify(ins: Instruction) -> str:
@@ -132,7 +148,7 @@ class Counts:
     load_bits: dict[int, int]  # global load width -> count (LDG and LDGSTS)
     store_bits: dict[int, int]  # global store width -> count
     tensor: dict[str, int]  # tensor_kind() -> count
-    tensor_macs: int  # multiply-adds issued by warpgroup MMAs (per warpgroup instruction: M*N*K)
+    tensor_macs: float  # multiply-adds this warp's instructions account for (warp_macs)
 
     def __getitem__(self, key: str) -> int:
         return self.classes.get(key, 0)
@@ -149,7 +165,7 @@ def count(instructions: list[Instruction]) -> Counts:
     loads: Counter = Counter()
     stores: Counter = Counter()
     tensor: Counter = Counter()
-    macs = 0
+    macs = 0.0
     for ins in instructions:
         if ins.base in ("NOP",):
             continue
@@ -161,9 +177,7 @@ def count(instructions: list[Instruction]) -> Counts:
             stores[access_bits(ins)] += 1
         elif kind == "tensor":
             tensor[tensor_kind(ins)] += 1
-            shape = tensor_shape(ins)
-            if shape:
-                macs += shape[0] * shape[1] * shape[2]
+            macs += warp_macs(ins)
     total = sum(classes.values())
     return Counts(total, dict(classes), dict(loads), dict(stores), dict(tensor), macs)
 
@@ -245,4 +259,4 @@ def cubin_facts(cubin: bytes) -> dict[str, KernelSass]:
 
 
 __all__ = ["Counts", "Instruction", "KernelSass", "Loop", "access_bits", "classify", "count", "cubin_facts",
-           "disassemble", "facts", "loops", "parse", "tensor_kind", "tensor_shape"]
+           "disassemble", "facts", "loops", "parse", "tensor_kind", "tensor_shape", "warp_macs"]

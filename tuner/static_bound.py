@@ -1,0 +1,119 @@
+"""The static bound of a compiled kernel: the least time its SASS can take on a GPU profile.
+
+From the compile gate's facts (:class:`fuser_core.codegen.gpu_compile.KernelBuild`, whose
+``sass`` is :mod:`fuser_core.codegen.sass`'s count of the cubin) and the launch (programs,
+warps, iterations of each innermost loop), four times, each at the profile's rate:
+
+- **memory**: the bytes that must come from HBM over its bandwidth: the bytes the kernel's
+  global loads and stores request (each ``LDG``/``STG``'s width x 32 lanes, predicated-off
+  lanes counted too: exact for full tiles), at most ``unique_bytes`` (every input read and every
+  output written once) when given, since the rest may hit L2 (attention's K and V, read by every
+  row block of a head). L2's own rate is not a bound here: it is not known well enough to bound
+  by (FlashAttention on an H100 requests ~19 TB/s of K and V from it);
+- **issue**: warp instructions over the SMs' issue rate (4 warp instructions per SM per clock:
+  one per sub-partition);
+- **SFU**: ``MUFU`` operations (one per lane) over the special-function units' rate;
+- **tensor**: the multiply-adds of the tensor-core instructions (HGMMA/HMMA shapes) x 2 over the
+  peak of their operand type.
+
+The bound is the largest; the kernel cannot run faster than it. Per element (``elements``: what
+the kernel processes, e.g. a row's values or attention's scores) it also gives the issued
+thread-instructions, exps and input reads, the units the issue tables of issue 22 use.
+
+Iterations: the i-th innermost SASS loop runs ``trips[i]`` times per program; give one number
+when every loop runs the same count. Straight-line code runs once.
+
+Example::
+
+    bound = static_bound(build.sass, programs=4096, num_warps=4, trips=[32, 32], profile=get_profile("h100"),
+                         elements=4096 * 32768)
+    bound["bound"], bound["per_element"]["exp"]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tuner.profiles import GpuProfile
+
+ISSUE_PER_SM_PER_CLOCK = 4  # warp instructions: four sub-partitions, one each per clock
+TENSOR_UNITS = {"f16": "fp16", "bf16": "bf16", "tf32": "tf32", "e4m3": "fp8", "e5m2": "fp8", "f32": "tf32"}
+
+
+def _per_warp(sass: Mapping[str, Any], trips: Sequence[float]) -> dict[str, float]:
+    """Counts one warp issues in one program: straight-line code once, each loop trips[i] times."""
+    total = sass["total"]
+    loops = sass.get("loops") or []
+    out = {"instructions": float(total["instructions"]), "mufu": _mufu(total), "load_bytes": _bytes(total["load_bits"]),
+           "store_bytes": _bytes(total["store_bits"]), "tensor_macs": float(total["tensor_macs"])}
+    for i, lp in enumerate(loops):
+        extra = float(trips[i] if i < len(trips) else trips[-1]) - 1.0  # once is in the total already (0 trips: -1)
+        out["instructions"] += extra * lp["instructions"]
+        out["mufu"] += extra * _mufu(lp)
+        out["load_bytes"] += extra * _bytes(lp["load_bits"])
+        out["store_bytes"] += extra * _bytes(lp["store_bits"])
+        out["tensor_macs"] += extra * lp["tensor_macs"]
+    return out
+
+
+def _mufu(counts: Mapping[str, Any]) -> float:
+    return float(sum(v for k, v in counts["classes"].items() if k.startswith("mufu.")))
+
+
+def _bytes(widths: Mapping[str, int]) -> float:
+    return float(sum(int(bits) // 8 * 32 * n for bits, n in widths.items()))  # 32 lanes per warp instruction
+
+
+def tensor_unit(sass: Mapping[str, Any]) -> str | None:
+    """The profile's peak-FLOPs key for the kernel's tensor-core instructions (None: none)."""
+    kinds = sass["total"].get("tensor") or {}
+    if not kinds:
+        return None
+    kind = max(kinds, key=kinds.get)
+    return TENSOR_UNITS.get(kind.split(".")[-1], "fp16")
+
+
+def static_bound(sass: Mapping[str, Any], *, programs: int, num_warps: int, trips: Sequence[float] | float,
+                 profile: GpuProfile, elements: int | None = None, input_bytes: int | None = None,
+                 unique_bytes: int | None = None) -> dict[str, Any]:
+    """The four times and the bound (module docstring); ``input_bytes``: the inputs' size, for
+    the reads per element; ``unique_bytes``: the minimum traffic (None: all requested bytes
+    count as HBM traffic)."""
+    trips = [float(trips)] if isinstance(trips, (int, float)) else [float(t) for t in trips] or [1.0]
+    w = _per_warp(sass, trips)
+    warps = programs * num_warps
+    chip = {k: v * warps for k, v in w.items()}
+    unit = tensor_unit(sass)
+    requested = chip["load_bytes"] + chip["store_bytes"]
+    hbm = requested if unique_bytes is None else min(requested, unique_bytes)
+    terms = {
+        "memory": hbm / profile.hbm_bytes_per_s,
+        "issue": chip["instructions"] / (profile.sm_count * ISSUE_PER_SM_PER_CLOCK * profile.clock_hz),
+        "sfu": chip["mufu"] * 32 / profile.sfu_ops_per_s,
+        "tensor": (2 * chip["tensor_macs"] / profile.peak_flops[unit]) if unit and unit in profile.peak_flops else 0.0,
+    }
+    limiter = max(terms, key=terms.get)
+    out: dict[str, Any] = {"terms_s": terms, "bound": limiter, "time_s": terms[limiter],
+                           "load_bytes": chip["load_bytes"], "store_bytes": chip["store_bytes"],
+                           "warp_instructions": chip["instructions"], "tensor_unit": unit}
+    if elements:
+        out["per_element"] = {
+            "instructions": chip["instructions"] * 32 / elements,  # thread instructions
+            "exp": chip["mufu"] * 32 / elements,
+            "tensor_macs": chip["tensor_macs"] / elements,
+        }
+        if input_bytes:
+            out["per_element"]["input_reads"] = chip["load_bytes"] / input_bytes
+    return out
+
+
+def load_width(sass: Mapping[str, Any]) -> int | None:
+    """The widest global load the hot loop issues (bits), else the kernel's; None: no loads."""
+    loops = sass.get("loops") or []
+    hot = max(loops, key=lambda lp: lp["instructions"], default=None)
+    widths = (hot or sass["total"])["load_bits"] or sass["total"]["load_bits"]
+    return max((int(b) for b in widths), default=None)
+
+
+__all__ = ["ISSUE_PER_SM_PER_CLOCK", "load_width", "static_bound", "tensor_unit"]
