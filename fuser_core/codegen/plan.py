@@ -215,7 +215,9 @@ def default_config(spec: Spec, derivation: Derivation, strategy: str, shape: dic
         num_stages = 3
     else:  # a streamed row (a decode's single query: its keys stream past the whole head dims)
         want = LOADS_PER_THREAD * 32 * num_warps
-        carried = held * math.prod(blocks[d] for d in others)
+        carried = max([held, *(blocks[d] for d in others)])  # elements per axis index of the widest tile
+        if carried >= 64:  # K/V rows of a head: four 128-bit loads a thread in flight, as flash-decoding's 64-key tiles
+            want *= 4
         blocks[axis] = max(min(16, next_pow2(n)), min(next_pow2(n), next_pow2(-(-want // carried))))
         num_stages = 3
     split = 1
