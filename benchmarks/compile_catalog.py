@@ -2,10 +2,13 @@
 strategy and the unfused chain, default configs, at a small ragged size and at every "paper"
 suite size (the suite's dtype; float16 at the small size), for h100 (sm_90) and a100 (sm_80).
 
-    python benchmarks/compile_catalog.py [--out benchmarks/results/compile_catalog_sm90_sm80.md]
+    python benchmarks/compile_catalog.py [--sizes small|paper|all] [--small-dtypes float16,float32]
+                                         [--targets h100,a100] [--out benchmarks/results/compile_catalog_sm90_sm80.md]
 
 Prints a Markdown table: registers per thread, spilled bytes per thread and shared memory per
 program of every kernel, and the strategies refused at each size. Exit 1 when a kernel fails.
+The facts are the installed Triton's (named in the table): CI runs ``--sizes small`` under
+Triton 3.6 too (``.ci/triton36``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="also write the table to this Markdown file")
     parser.add_argument("--targets", default="h100,a100", help="comma-separated GPU profiles (default h100,a100)")
+    parser.add_argument("--sizes", choices=("small", "paper", "all"), default="all",
+                        help="the small ragged size, the paper suite's sizes, or both (default)")
+    parser.add_argument("--small-dtypes", default="float16",
+                        help="comma-separated dtypes of every float input at the small size (default float16)")
     args = parser.parse_args(argv)
 
     paper = load_suites()["paper"]
@@ -42,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in catalog_names():
         spec = load_catalog_spec(name)
         derivation = derive_cascade(spec)
-        sizes = [(bind_shape(spec, small_shape(spec)), "float16", "small")]
-        sizes += [(bind_shape(spec, c["shape"]), c["dtype"], "paper") for c in paper if c["spec"] == name]
+        small = bind_shape(spec, small_shape(spec))
+        sizes = [(small, d, "small") for d in args.small_dtypes.split(",")] if args.sizes != "paper" else []
+        if args.sizes != "small":
+            sizes += [(bind_shape(spec, c["shape"]), c["dtype"], "paper") for c in paper if c["spec"] == name]
         for shape, dtype, label in sizes:
             valid = valid_strategies(spec, derivation, shape)
             refused += [(name, label, s, why) for s, why in valid.items() if why]

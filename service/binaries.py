@@ -3,13 +3,17 @@
 A bundle's kernels are compiled for its target's arch with Triton's GPU compiler, which needs
 no GPU (:mod:`fuser_core.codegen.gpu_compile`), in compile-pool workers (the interpreter must
 be off there). The result is a *variant* (:func:`service.bundle.make_variant`) stored in
-``kernel_binaries`` beside the bundle and served in format-2 bundles. Not imported by the client.
+``kernel_binaries`` beside the bundle, one per (arch, Triton version): a cubin belongs to the
+Triton that compiled it (its launcher, its cache key, its ptxas), and workers on different
+Tritons (a GPU image's, the server's) each store their own. Served in format-2 bundles (one
+per arch, the newest Triton's) and format-3 bundles (all). Not imported by the client.
 
 Also here: which variant a finished job stores (:func:`job_variant`: the cuda measurer's
 measured binary, else the host compile), one binary served on its own (:func:`kernel_binaries`,
 :func:`binary_file`, the routes in service/api/routes_kernels.py) and the backfill of kernels
-stored without binaries (:func:`backfill`, ``foldwise binaries backfill``). A request never
-compiles: the backfill is a command, so a download stays bounded in time.
+stored without a binary of this host's Triton (:func:`backfill`, ``foldwise binaries
+backfill``). A request never compiles: the backfill is a command, so a download stays bounded
+in time.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import logging
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
@@ -26,10 +31,12 @@ from sqlalchemy.orm import Session
 from service import kernel_cache
 from service.errors import BundleCorrupted, NotFound
 from service.served_bundles import bundle_intact, store_served
-from service.bundle import BundleError, canonical_bytes, make_variant, verify_variant
+from service.bundle import (BundleError, canonical_bytes, make_variant, newest_per_arch, triton_version_key,
+                            verify_variant)
 from service.models import Bundle, Kernel, KernelBinary, utcnow
 
 log = logging.getLogger("foldwise.binaries")
+MAX_TRITON_VERSION_CHARS = KernelBinary.__table__.c.triton_version.type.length  # part of the row's key
 
 
 def compile_request_for(bundle: Mapping[str, Any], capability: int) -> Any:
@@ -79,17 +86,20 @@ def job_variant(bundle: Mapping[str, Any], measured: Mapping[str, Any] | None = 
 
 
 def store_variant(session: Session, bundle_sha256: str, variant: dict) -> KernelBinary:
-    """Store (or replace) the variant of a stored bundle for its arch, and rebuild the bundle's
-    served format-2 copies (service.served_bundles); flushes, does not commit."""
+    """Store (or replace) the variant of a stored bundle for its arch and Triton version, and
+    rebuild the bundle's served format-2 and -3 copies (service.served_bundles); flushes, does
+    not commit."""
     verify_variant(variant)
     stored = session.get(Bundle, bundle_sha256)
     if stored is None:
         raise LookupError(f"bundle_sha256: no stored bundle {bundle_sha256:.64}")
     content = canonical_bytes(variant)
     values = {"content": content, "sha256": hashlib.sha256(content).hexdigest(), "size": len(content),
-              "triton_version": variant["triton_version"][:64], "ptxas_version": variant["ptxas_version"][:128],
+              "triton_version": variant["triton_version"], "ptxas_version": variant["ptxas_version"][:128],
               "created_at": utcnow()}
-    row = session.get(KernelBinary, (bundle_sha256, variant["arch"]))
+    if len(variant["triton_version"]) > MAX_TRITON_VERSION_CHARS:  # part of the key: never cut short
+        raise BundleError(f"triton_version: longer than {MAX_TRITON_VERSION_CHARS} characters")
+    row = session.get(KernelBinary, (bundle_sha256, variant["arch"], variant["triton_version"]))
     if row is None:
         row = KernelBinary(bundle_sha256=bundle_sha256, arch=variant["arch"], **values)
         session.add(row)
@@ -103,14 +113,15 @@ def store_variant(session: Session, bundle_sha256: str, variant: dict) -> Kernel
     return row
 
 
-def stored_variants(session: Session, bundle_sha256: str, arch: str | None = None) -> dict[str, dict]:
-    """arch -> variant of a bundle (one arch, or all); a row whose bytes no longer hash to its
-    sha256, or whose cubins do not verify, is left out (logged): it is never served."""
+def stored_variants(session: Session, bundle_sha256: str, arch: str | None = None) -> list[dict]:
+    """The variants of a bundle (one arch's, or all), by arch then Triton version (oldest first);
+    a row whose bytes no longer hash to its sha256, or whose cubins do not verify, is left out
+    (logged): it is never served."""
     query = session.query(KernelBinary).filter(KernelBinary.bundle_sha256 == bundle_sha256)
     if arch is not None:
         query = query.filter(KernelBinary.arch == arch)
-    out = {}
-    for row in query.order_by(KernelBinary.arch):
+    out = []
+    for row in query.order_by(KernelBinary.arch, KernelBinary.triton_version):
         try:
             if hashlib.sha256(row.content).hexdigest() != row.sha256:
                 raise BundleError("stored bytes do not hash to the row's sha256")
@@ -118,18 +129,19 @@ def stored_variants(session: Session, bundle_sha256: str, arch: str | None = Non
             verify_variant(variant, f"binaries.{row.arch}")
         except (ValueError, BundleError) as err:
             log.error("corrupted kernel binary not served",
-                      extra={"bundle_sha256": bundle_sha256, "arch": row.arch, "error": str(err)})
+                      extra={"bundle_sha256": bundle_sha256, "arch": row.arch, "triton_version": row.triton_version,
+                             "error": str(err)})
             continue
-        out[row.arch] = variant
-    return out
+        out.append(variant)
+    return sorted(out, key=lambda v: (v["arch"], triton_version_key(v["triton_version"])))
 
 
 def variant_summaries(session: Session, bundle_sha256: str) -> list[dict[str, Any]]:
     """What the dashboard shows per stored variant: arch, versions, and per kernel its name,
     cubin size and sha256, PTX size and sha256, registers, spills and shared memory (no binary bytes)."""
     out = []
-    for arch, v in stored_variants(session, bundle_sha256).items():
-        out.append({"arch": arch, "triton_version": v["triton_version"], "ptxas_version": v["ptxas_version"],
+    for v in stored_variants(session, bundle_sha256):
+        out.append({"arch": v["arch"], "triton_version": v["triton_version"], "ptxas_version": v["ptxas_version"],
                     "kernels": [{"index": n, "name": k["name"], "cubin_size": k["cubin_size"],
                                  "cubin_sha256": k["cubin_sha256"], "ptx_chars": len(k["ptx"]),
                                  "ptx_sha256": hashlib.sha256(k["ptx"].encode()).hexdigest(),
@@ -144,9 +156,10 @@ def variant_summaries(session: Session, bundle_sha256: str) -> list[dict[str, An
 BINARY_KINDS = {"cubin": "application/octet-stream", "ptx": "text/plain; charset=utf-8"}
 
 
-def binaries_path(kernel_id: str, arch: str, name: str, kind: str) -> str:
+def binaries_path(kernel_id: str, arch: str, name: str, kind: str, triton_version: str | None = None) -> str:
     """The API path that serves one binary (:func:`binary_file`); one place for its shape."""
-    return f"/v1/kernels/{kernel_id}/binaries/{arch}/{name}.{kind}"
+    query = f"?triton_version={quote(triton_version, safe='')}" if triton_version is not None else ""
+    return f"/v1/kernels/{kernel_id}/binaries/{arch}/{name}.{kind}{query}"
 
 
 def kernel_binaries(session: Session, kernel_id: str) -> dict[str, Any]:
@@ -156,21 +169,30 @@ def kernel_binaries(session: Session, kernel_id: str) -> dict[str, Any]:
     variants = variant_summaries(session, kernel.bundle_sha256)
     for v in variants:
         for k in v["kernels"]:
-            k["cubin_path"] = binaries_path(kernel_id, v["arch"], k["name"], "cubin")
-            k["ptx_path"] = binaries_path(kernel_id, v["arch"], k["name"], "ptx")
+            k["cubin_path"] = binaries_path(kernel_id, v["arch"], k["name"], "cubin", v["triton_version"])
+            k["ptx_path"] = binaries_path(kernel_id, v["arch"], k["name"], "ptx", v["triton_version"])
     return {"kernel_id": kernel_id, "bundle_sha256": kernel.bundle_sha256, "target": kernel.target,
             "variants": variants}
 
 
-def binary_file(session: Session, kernel_id: str, arch: str, name: str, kind: str) -> tuple[str, bytes]:
+def binary_file(session: Session, kernel_id: str, arch: str, name: str, kind: str,
+                triton_version: str | None = None) -> tuple[str, bytes]:
     """(sha256, bytes) of one stored binary of a kernel: the cubin (its verified ``cubin_sha256``)
-    or the PTX of kernel ``name`` in the ``arch`` variant. Raises NotFound naming what is missing."""
+    or the PTX of kernel ``name`` in the ``arch`` variant built by ``triton_version`` (None: the
+    newest Triton's, as format 2 serves). Raises NotFound naming what is missing."""
     if kind not in BINARY_KINDS:
         raise NotFound(f"kind: {kind!r:.20} is not one of {', '.join(BINARY_KINDS)}")
     kernel = kernel_cache.get_kernel(session, kernel_id)
-    variant = stored_variants(session, kernel.bundle_sha256, arch).get(arch)
-    if variant is None:
+    variants = stored_variants(session, kernel.bundle_sha256, arch)
+    if not variants:
         raise NotFound(f"arch: kernel {kernel_id} has no stored {arch:.16} binary")
+    if triton_version is None:
+        variant = newest_per_arch(variants)[arch]
+    else:
+        variant = next((v for v in variants if v["triton_version"] == triton_version), None)
+        if variant is None:
+            raise NotFound(f"triton_version: kernel {kernel_id} has no {arch} binary built by Triton "
+                           f"{triton_version!r:.64}; stored: {', '.join(v['triton_version'] for v in variants)}")
     found = [(k, c) for k, c in zip(variant["kernels"], verify_variant(variant)) if k["name"] == name]
     if not found:
         raise NotFound(f"name: the {arch} variant of kernel {kernel_id} has no kernel {name!r:.160}; "
@@ -185,10 +207,15 @@ def binary_file(session: Session, kernel_id: str, arch: str, name: str, kind: st
 # ----------------------------------------------------------------------------- backfill
 
 
-def bundles_without_binaries(session: Session, limit: int | None = None) -> list[str]:
+def bundles_without_binaries(session: Session, limit: int | None = None, *,
+                             triton_version: str | None = None) -> list[str]:
     """sha256 of the bundles that kernels serve and that have no stored variant (kernels stored
-    before migration 0003, or whose compile failed), oldest kernel first."""
-    query = (sa.select(Kernel.bundle_sha256).outerjoin(KernelBinary, KernelBinary.bundle_sha256 == Kernel.bundle_sha256)
+    before migration 0003, or whose compile failed), or none built by ``triton_version`` when it
+    is given, oldest kernel first."""
+    joined = KernelBinary.bundle_sha256 == Kernel.bundle_sha256
+    if triton_version is not None:
+        joined = sa.and_(joined, KernelBinary.triton_version == triton_version)
+    query = (sa.select(Kernel.bundle_sha256).outerjoin(KernelBinary, joined)
              .where(KernelBinary.bundle_sha256.is_(None)).group_by(Kernel.bundle_sha256)
              .order_by(sa.func.min(Kernel.created_at)))
     if limit is not None:
@@ -198,12 +225,16 @@ def bundles_without_binaries(session: Session, limit: int | None = None) -> list
 
 def backfill(sessions: Any, *, limit: int | None = None, pool: Any = None,
              progress: Any = None) -> dict[str, int]:
-    """Compile and store the binaries of every served bundle that has none (its target's arch):
-    ``foldwise binaries backfill``. One bundle at a time, each committed on its own; a bundle
-    that does not compile is logged, counted and skipped (it stays served as source).
+    """Compile and store the binaries of every served bundle that has none built by this host's
+    Triton (for its target's arch): ``foldwise binaries backfill``, run where each Triton version
+    a client runs is installed (a GPU worker stores its own Triton's with the job). One bundle at
+    a time, each committed on its own; a bundle that does not compile is logged, counted and
+    skipped (it stays served as source, or with the other Tritons' binaries).
     ``sessions``: a session factory. ``progress(sha256, outcome, detail)`` is told each one."""
+    import triton  # the version compile_artifacts records in the variant (the pool runs this same Triton)
+
     with sessions() as session:
-        todo = bundles_without_binaries(session, limit)
+        todo = bundles_without_binaries(session, limit, triton_version=triton.__version__)
     counts = {"stored": 0, "failed": 0}
     for sha in todo:
         with sessions() as session:
@@ -213,7 +244,7 @@ def backfill(sessions: Any, *, limit: int | None = None, pool: Any = None,
                 variant = compile_variant(json.loads(content), pool=pool)
                 store_variant(session, sha, variant)
                 session.commit()
-                outcome, detail = "stored", variant["arch"]
+                outcome, detail = "stored", f"{variant['arch']} (Triton {variant['triton_version']})"
             except Exception as err:  # noqa: BLE001 - one bad bundle must not stop the others
                 session.rollback()
                 log.warning("backfill: kernel binary not stored", extra={"bundle_sha256": sha, "error": str(err)})

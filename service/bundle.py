@@ -49,7 +49,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -60,6 +60,7 @@ from fuser_core import canonical_shape
 
 BUNDLE_FORMAT = "foldwise-bundle/1"
 BUNDLE_FORMAT_2 = "foldwise-bundle/2"  # /1 plus "binaries": compiled cubins per arch (binaries section below)
+BUNDLE_FORMAT_3 = "foldwise-bundle/3"  # /1 plus "binaries": compiled cubins per arch and Triton version
 _AST_LOCK = threading.Lock()
 REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "format": str, "spec": dict, "spec_hash": str, "shape": dict, "dtype": (str, dict), "target": str,
@@ -180,11 +181,12 @@ def verify_bundle(bundle: Any) -> None:
     if not isinstance(bundle, dict):
         raise BundleError(f"a bundle is a JSON object, got {type(bundle).__name__}")
     fmt = bundle.get("format")
-    if fmt == BUNDLE_FORMAT_2:
-        _verify_v2(bundle)
+    if fmt in (BUNDLE_FORMAT_2, BUNDLE_FORMAT_3):
+        _verify_binaries(bundle)
         return
     if fmt != BUNDLE_FORMAT:
-        raise BundleError(f"format: expected {BUNDLE_FORMAT!r} or {BUNDLE_FORMAT_2!r}, got {fmt!r:.60}")
+        raise BundleError(f"format: expected {BUNDLE_FORMAT!r}, {BUNDLE_FORMAT_2!r} or {BUNDLE_FORMAT_3!r}, "
+                          f"got {fmt!r:.60}")
     for name, kind in REQUIRED_FIELDS.items():
         if name not in bundle:
             raise BundleError(f"{name}: missing")
@@ -223,14 +225,19 @@ def verify_bundle(bundle: Any) -> None:
     _check_source(bundle["triton_source"])
 
 
-# ----------------------------------------------------------------------------- binaries (format 2)
+# ----------------------------------------------------------------------------- binaries (formats 2 and 3)
 #
 # A format-2 bundle is the format-1 bundle (every field but sha256 unchanged) with
 # ``format: "foldwise-bundle/2"`` and ``binaries: {arch: variant}``, hashed as a whole, so the
-# sha256 and the ETag cover every cubin byte. Dropping ``binaries`` gives back the format-1
-# bundle and its sha256 exactly (:func:`bundle_v1`): the kernel view's ``bundle_sha256`` names
-# that one, and a client checks a format-2 bundle against it through this projection. A variant
-# is what the server stores per (bundle, arch): Triton's compile of every kernel of the module,
+# sha256 and the ETag cover every cubin byte. Format 3 is the same with every Triton version's
+# variant: ``format: "foldwise-bundle/3"`` and ``binaries: {arch: {triton_version: variant}}``
+# (a cubin and its launcher and cache key belong to the Triton that compiled it, and workers on
+# different Tritons store one each). Format 2 stays for clients written for it, with one variant
+# per arch: the newest Triton's (:func:`newest_per_arch`). Dropping ``binaries`` gives back the
+# format-1 bundle and its sha256 exactly (:func:`bundle_v1`): the kernel view's ``bundle_sha256``
+# names that one, and a client checks a format-2 or -3 bundle against it through this
+# projection. A variant is what the server stores per (bundle, arch, Triton version): Triton's
+# compile of every kernel of the module,
 #   {"arch": "sm_90a", "capability": 90, "triton_version", "ptxas_version",
 #    "kernels": [{"name", "cubin" (base64), "cubin_sha256", "cubin_size", "ptx", "metadata"
 #                 (Triton's own metadata JSON: shared, num_warps, global_scratch_size, ...),
@@ -295,18 +302,66 @@ def verify_variant(variant: Any, where: str = "variant") -> list[bytes]:
     return cubins
 
 
-def bundle_v2(bundle: dict, variants: Mapping[str, dict]) -> dict:
-    """The format-2 bundle of a (verified) format-1 ``bundle`` with ``variants`` by arch."""
-    out = {k: v for k, v in bundle.items() if k != "sha256"}
-    out["format"] = BUNDLE_FORMAT_2
-    out["binaries"] = {arch: variants[arch] for arch in sorted(variants)}
+def _with_binaries(bundle: dict, fmt: str, binaries: dict) -> dict:
+    out = {k: v for k, v in bundle_v1(bundle).items() if k != "sha256"}
+    out["format"] = fmt
+    out["binaries"] = binaries
     out["sha256"] = bundle_sha256(out)
     return out
 
 
+def bundle_v2(bundle: dict, variants: Mapping[str, dict]) -> dict:
+    """The format-2 bundle of a (verified) format-1 ``bundle`` with ``variants`` by arch."""
+    return _with_binaries(bundle, BUNDLE_FORMAT_2, {arch: variants[arch] for arch in sorted(variants)})
+
+
+def bundle_v3(bundle: dict, variants: Iterable[dict]) -> dict:
+    """The format-3 bundle of a (verified) format-1 ``bundle`` with ``variants`` (at most one per
+    arch and Triton version; BundleError names a second one)."""
+    binaries: dict[str, dict[str, dict]] = {}
+    for variant in sorted(variants, key=lambda v: (v["arch"], triton_version_key(v["triton_version"]))):
+        per_arch = binaries.setdefault(variant["arch"], {})
+        if variant["triton_version"] in per_arch:
+            raise BundleError(f"binaries.{variant['arch']}: two variants for Triton {variant['triton_version']!r:.64}")
+        per_arch[variant["triton_version"]] = variant
+    return _with_binaries(bundle, BUNDLE_FORMAT_3, binaries)
+
+
+def bundle_variants(bundle: Mapping[str, Any]) -> list[dict]:
+    """Every variant a (verified) bundle carries, of any format (none for format 1)."""
+    binaries = bundle.get("binaries") or {}
+    if bundle.get("format") == BUNDLE_FORMAT_2:
+        return list(binaries.values())
+    if bundle.get("format") == BUNDLE_FORMAT_3:
+        return [v for per_arch in binaries.values() for v in per_arch.values()]
+    return []
+
+
+def triton_version_key(version: str) -> tuple:
+    """A Triton version in release order: ``"3.10.0"`` after ``"3.9.0"`` (numbers compared as
+    numbers, then the text: ``"3.6.0+git1"`` after ``"3.6.0"``)."""
+    numbers = []
+    for part in version.split("+")[0].split("."):
+        if not part.isdigit():
+            break
+        numbers.append(int(part))
+    return tuple(numbers), version
+
+
+def newest_per_arch(variants: Iterable[dict]) -> dict[str, dict]:
+    """arch -> the variant of the newest Triton version among ``variants``: what format 2, one
+    variant per arch, carries."""
+    out: dict[str, dict] = {}
+    for v in variants:
+        have = out.get(v["arch"])
+        if have is None or triton_version_key(v["triton_version"]) > triton_version_key(have["triton_version"]):
+            out[v["arch"]] = v
+    return out
+
+
 def bundle_v1(bundle: dict) -> dict:
-    """The format-1 bundle inside a format-2 one (itself for a format-1 bundle)."""
-    if bundle.get("format") != BUNDLE_FORMAT_2:
+    """The format-1 bundle inside a format-2 or -3 one (itself for a format-1 bundle)."""
+    if bundle.get("format") not in (BUNDLE_FORMAT_2, BUNDLE_FORMAT_3):
         return bundle
     out = {k: v for k, v in bundle.items() if k not in ("sha256", "binaries")}
     out["format"] = BUNDLE_FORMAT
@@ -315,8 +370,8 @@ def bundle_v1(bundle: dict) -> dict:
 
 
 def device_arch(capability: tuple[int, int]) -> str:
-    """The arch name a device of this compute capability runs binaries of, as Triton 3.9
-    names its targets: ``sm_90a`` for 9.0 (the arch-specific variant), ``sm_80`` for 8.0."""
+    """The arch name a device of this compute capability runs binaries of, as Triton (3.6 to
+    3.9) names its targets: ``sm_90a`` for 9.0 (the arch-specific variant), ``sm_80`` for 8.0."""
     major, minor = capability
     return f"sm_{major}{minor}{'a' if major * 10 + minor >= 90 else ''}"
 
@@ -332,20 +387,22 @@ def choose_binary(bundle: Mapping[str, Any], *, capability: tuple[int, int] | No
                   interpreted: bool, env_vars: Mapping[str, str] | None = None) -> tuple[dict | None, str]:
     """(variant to load or None, why): the client's whole decision between the stored cubin and
     compiling the source. ``capability``: the CUDA device's, None without one."""
-    binaries = bundle.get("binaries") if bundle.get("format") == BUNDLE_FORMAT_2 else None
-    if not binaries:
+    variants = bundle_variants(bundle)
+    if not variants:
         return None, "the bundle carries no compiled binary (format 1, or none stored for it)"
     if interpreted:
         return None, "TRITON_INTERPRET=1: Triton's interpreter runs the source"
     if capability is None:
         return None, "no CUDA device: the source is loaded (a GPU launch would compile it)"
     arch = device_arch(capability)
-    variant = binaries.get(arch)
+    for_arch = sorted((v for v in variants if v["arch"] == arch), key=lambda v: triton_version_key(v["triton_version"]))
+    if not for_arch:
+        return None, f"no binary for this device's {arch}; stored: {', '.join(sorted({v['arch'] for v in variants}))}"
+    variant = next((v for v in for_arch if v["triton_version"] == triton_version), None)
     if variant is None:
-        return None, f"no binary for this device's {arch}; stored: {', '.join(sorted(binaries))}"
-    if variant["triton_version"] != triton_version:
-        return None, (f"the {arch} binary was built with Triton {variant['triton_version']}, this is "
-                      f"Triton {triton_version}: its launcher and cache key differ")
+        built = ", ".join(v["triton_version"] for v in for_arch)
+        return None, (f"the {arch} binary was built with Triton {built}, this is Triton {triton_version}: its "
+                      "launcher and cache key differ, so the source is compiled")
     if env_vars is not None and dict(env_vars) != compile_env(variant):
         return None, (f"Triton's cache-invalidating variables here {dict(env_vars)} are not the ones the "
                       f"binary was compiled with {compile_env(variant)}: its cache key would differ")
@@ -373,7 +430,8 @@ def install_variant(variant: dict) -> list[str]:
     return keys
 
 
-def _verify_v2(bundle: dict) -> None:
+def _verify_binaries(bundle: dict) -> None:
+    """A format-2 or -3 bundle: its hash, every variant under its keys, and the format-1 bundle inside."""
     if not isinstance(bundle.get("sha256"), str) or not _HEX64.match(bundle["sha256"]):
         raise BundleError("sha256: not 64 lowercase hex digits")
     actual = bundle_sha256(bundle)
@@ -381,12 +439,22 @@ def _verify_v2(bundle: dict) -> None:
         raise BundleError(f"sha256: the bundle hashes to {actual}, not its recorded {bundle['sha256']}: "
                           "it was changed after it was made")
     binaries = bundle.get("binaries")
+    per_version = bundle["format"] == BUNDLE_FORMAT_3
     if not isinstance(binaries, dict):
-        raise BundleError("binaries: missing, or not an object of arch -> variant")
-    for arch, variant in binaries.items():
-        verify_variant(variant, f"binaries.{arch}")
-        if variant["arch"] != arch:
-            raise BundleError(f"binaries.{arch}.arch: {variant['arch']!r:.40} is not its key")
+        raise BundleError("binaries: missing, or not an object of arch -> "
+                          + ("Triton version -> variant" if per_version else "variant"))
+    for arch, entry in binaries.items():
+        if not per_version:
+            entry = {None: entry}
+        elif not isinstance(entry, dict) or not entry:
+            raise BundleError(f"binaries.{arch:.40}: expected an object of Triton version -> variant")
+        for version, variant in entry.items():
+            where = f"binaries.{arch}" if version is None else f"binaries.{arch}[{version!r:.64}]"
+            verify_variant(variant, where)
+            if variant["arch"] != arch:
+                raise BundleError(f"{where}.arch: {variant['arch']!r:.40} is not its key")
+            if version is not None and variant["triton_version"] != version:
+                raise BundleError(f"{where}.triton_version: {variant['triton_version']!r:.64} is not its key")
     verify_bundle(bundle_v1(bundle))
 
 

@@ -167,12 +167,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
     for module in modules:
         if module.refused:
             refused[module.strategy] = module.refused
+    # the facts are this Triton's (its ptxas allocates registers differently from another's)
+    triton_version = next((m.triton_version for m in modules if m.triton_version), None)
     if args.json:
         print(json.dumps({"spec": spec.name, "target": profile.name, "arch": profile.arch, "shape": shape,
-                          "dtypes": dtypes, "kernels": kernels, "refused": refused,
+                          "dtypes": dtypes, "triton_version": triton_version, "kernels": kernels, "refused": refused,
                           "configs": {m.strategy: m.config for m in modules if not m.refused}}, indent=2))
     else:
-        print(f"{spec.name} for {profile.name} ({profile.arch}): {len(kernels) - failed} of {len(kernels)} kernels compile")
+        print(f"{spec.name} for {profile.name} ({profile.arch}), Triton {triton_version}: {len(kernels) - failed} of "
+              f"{len(kernels)} kernels compile")
         print(f"{'strategy':<16} {'kernel':<44} {'ok':<4} {'regs':>5} {'spill':>6} {'shared':>7}")
         for k in kernels:
             regs = "" if k["registers"] is None else k["registers"]

@@ -34,23 +34,24 @@ shape of the same spec, target and dtype when no exact one exists.
 the stored bundle's hash; a nearest-shape entry is used only with ``allow_nearest=True``. With
 nothing on disk it raises :class:`KernelNotFound` saying the server was unreachable.
 
-**Compiled kernels (format 2).** ``get`` asks for ``foldwise-bundle/2`` (``?format=2``): the
-bundle plus the cubins the server compiled per arch. A format-2 bundle is checked like a
-format-1 one, and more: every cubin must decode to its recorded ``cubin_sha256`` (else
-:class:`KernelIntegrityError`, nothing cached or loaded), its ``sha256`` must be the ETag, and
-its format-1 projection (:func:`service.bundle.bundle_v1`) must hash to the kernel view's
-``bundle_sha256``. On a CUDA device with a stored binary for its arch, built by this Triton
-version with the same cache-invalidating environment, the stored cubins are handed to Triton's
-JIT directly (:mod:`service.cubin_loader`: a ``CompiledKernel`` built from the stored metadata
-and cubin, kept in the JIT's device cache under the key Triton computes for the bundle's tuned
-shape), so the first launch at that shape loads the stored cubin and compiles nothing, and
+**Compiled kernels (format 3).** ``get`` asks for ``foldwise-bundle/3`` (``?format=3``): the
+bundle plus the cubins the server's workers compiled, per arch and Triton version (a server
+older than format 3 answers 422; the client then asks for format 2, one variant per arch). A
+format-2 or -3 bundle is checked like a format-1 one, and more: every cubin must decode to its
+recorded ``cubin_sha256`` (else :class:`KernelIntegrityError`, nothing cached or loaded), its
+``sha256`` must be the ETag, and its format-1 projection (:func:`service.bundle.bundle_v1`) must
+hash to the kernel view's ``bundle_sha256``. On a CUDA device with a stored binary for its arch,
+built by this Triton version with the same cache-invalidating environment, the stored cubins
+are handed to Triton's JIT directly (:mod:`service.cubin_loader`: a ``CompiledKernel`` built
+from the stored metadata and cubin, kept in the JIT's device cache under the key Triton computes
+for the bundle's tuned shape), so the first launch at that shape loads the stored cubin and compiles nothing, and
 start-up pays neither Triton's cache files nor its cache key (which hashes Triton itself once
 per process); a Triton version that loader does not know gets them through Triton's own cache
-instead (:func:`service.bundle.install_variant`). Otherwise the source is compiled at the
-first launch as before.
+instead (:func:`service.bundle.install_variant`). Otherwise (no binary of this Triton version,
+for one) the source is compiled at the first launch as before.
 Either way ``kernel.info`` says which (``{"loaded": "cubin"|"source", "reason": ...}``) and a
-log line on ``foldwise.client`` says why. The disk cache keeps the format-2 bundle, cubins
-included, so an offline restart needs neither the network nor a compile.
+log line on ``foldwise.client`` says why. The disk cache keeps the bundle with its binaries,
+so an offline restart needs neither the network nor a compile.
 
 **Trust.** The bundle carries Python source that is executed. Its hash proves it is the bundle
 the server stored and that it arrived intact, not who wrote it: use HTTPS and a server you trust.
@@ -93,6 +94,7 @@ from service.bundle import (
 from service.tuning_request import check_target
 
 log = logging.getLogger("foldwise.client")
+BINARIES_FORMAT = 3  # asked for: every Triton version's binaries; 2 from a server that predates it
 
 MAX_BUNDLE_BYTES = 32 * 1024 * 1024  # a bundle is tens of KiB; refuse anything absurd
 
@@ -231,7 +233,8 @@ class KernelCache:
         else:
             self._http = httpx.Client(timeout=timeout, transport=transport)
         self._timeout = timeout
-        self.binaries = binaries  # ask for format 2 (compiled binaries); False: format 1, source only
+        self.binaries = binaries  # ask for compiled binaries (format 3, else 2); False: format 1, source only
+        self._binaries_format = BINARIES_FORMAT
         self._kernels: dict[str, BundleKernel] = {}
         self._lock = threading.Lock()
 
@@ -339,11 +342,15 @@ class KernelCache:
         path = f"/v1/kernels/{quote(str(view['id']), safe='')}/bundle"
         have = None
         if isinstance(want, str):
-            # the view names the format-1 bundle; the disk copy may be its format-2 bundle
+            # the view names the format-1 bundle; the disk copy may be its bundle with binaries
             have = self._v2_of(want) if self.binaries else None
             have = have or (want if self._read_disk(want) is not None else None)
-        status, headers, body = self._send(path, params={"format": "2"} if self.binaries else None,
-                                           headers={"If-None-Match": f'"{have}"'} if have else None)
+        conditional = {"If-None-Match": f'"{have}"'} if have else None
+        fmt = self._binaries_format if self.binaries else None
+        status, headers, body = self._send(path, params={"format": str(fmt)} if fmt else None, headers=conditional)
+        if status == 422 and fmt == 3:  # a server from before format 3: one variant per arch
+            self._binaries_format = 2
+            status, headers, body = self._send(path, params={"format": "2"}, headers=conditional)
         self._check_status(status, body, path, req)
         etag = _etag_value(headers.get("etag"))
         if status == 304:
@@ -416,7 +423,8 @@ class KernelCache:
             return None
 
     def _v2_of(self, v1_sha: str) -> str | None:
-        """The sha256 of the format-2 bundle stored for a format-1 one, when it is on disk."""
+        """The sha256 of the bundle with binaries (format 2 or 3) stored for a format-1 one, when
+        it is on disk (linked from ``v2/<format-1 sha256>``, the folder's name since format 2)."""
         try:
             self._bundle_path(v1_sha)
             v2 = (self.cache_dir / "v2" / v1_sha).read_text().strip()
@@ -433,7 +441,7 @@ class KernelCache:
         path = self._bundle_path(bundle["sha256"])
         if self._read_disk(bundle["sha256"]) is None:
             self._write_atomic(path, canonical_bytes(bundle))
-        if bundle["format"] != bundle_v1(bundle)["format"]:  # a format-2 bundle: link it from its format-1 hash
+        if bundle["format"] != bundle_v1(bundle)["format"]:  # with binaries: link it from its format-1 hash
             (self.cache_dir / "v2").mkdir(exist_ok=True)
             self._write_atomic(self.cache_dir / "v2" / bundle_v1(bundle)["sha256"], bundle["sha256"].encode())
         entry = {**entry, "sha256": bundle["sha256"], "tuned_shape": bundle["shape"]}

@@ -40,10 +40,13 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-# The Triton internals this module builds on (CompiledKernel's attributes, JITFunction.run's
-# device caches and its per-instance ``compile``) are Triton 3.9's; other versions go through
-# Triton's cache instead (service.client).
-SUPPORTED_TRITON = ("3.9.",)
+# The Triton versions whose internals this module was checked against: CompiledKernel's
+# attributes (3.9 adds ``_module_pid``, set here too: 3.6 never reads it), JITFunction.run's
+# device caches ``(kernel_cache, kernel_key_cache, target, backend, binder)``, its per-instance
+# ``compile`` set by ``create_binder`` and called as ``self.compile(src, target=, options=)``
+# (the same code in 3.6's and 3.9's triton/runtime/jit.py and triton/compiler/compiler.py).
+# Other versions go through Triton's cache instead (service.client).
+SUPPORTED_TRITON = ("3.6.", "3.9.")
 # Options that name a path on the machine that compiled the kernel, not what was compiled
 _HOST_OPTIONS = {"extern_libs"}
 _LOCK = threading.Lock()
@@ -77,7 +80,7 @@ def _stored_kernel_class():
     from triton.compiler.compiler import AsmDict, CompiledKernel, make_backend
 
     class StoredKernel(CompiledKernel):
-        """Triton 3.9's ``CompiledKernel`` built from a bundle's stored metadata and cubin:
+        """Triton's ``CompiledKernel`` (3.6, 3.9) built from a bundle's stored metadata and cubin:
         the attributes ``CompiledKernel.__init__`` sets, without reading its cache files.
         Loading the module (``cuModuleLoadData``) stays lazy, at the first launch, as in Triton."""
 

@@ -147,7 +147,7 @@ def _store_bundle(session: Session, digest: str, content: bytes) -> None:
     if row is None:
         session.add(Bundle(sha256=digest, content=content, size=len(content), created_at=utcnow()))
         session.flush()
-        store_served(session, json.loads(content), {})  # its format-2 views; binaries add theirs (service.binaries)
+        store_served(session, json.loads(content), [])  # its format-2/-3 views; binaries add theirs (service.binaries)
     elif row.content != content:  # the stored copy was damaged: repair it with the verified bytes
         row.content, row.size = content, len(content)
     session.flush()

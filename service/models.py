@@ -108,27 +108,29 @@ class Bundle(Base):
 
 
 class KernelBinary(Base):
-    """One compiled variant of a bundle for one GPU arch (issue 15): the canonical JSON of
-    :func:`service.bundle.make_variant` (every kernel's cubin, PTX and Triton metadata) and its
-    sha256. Keyed by the bundle it was compiled from: the binary is a function of that source."""
+    """One compiled variant of a bundle for one GPU arch and one Triton version (issues 15, 21):
+    the canonical JSON of :func:`service.bundle.make_variant` (every kernel's cubin, PTX and
+    Triton metadata) and its sha256. Keyed by the bundle it was compiled from (the binary is a
+    function of that source), the arch, and the Triton that compiled it (its launcher, cache
+    key and ptxas: another Triton's client cannot load it; migration 0005)."""
 
     __tablename__ = "kernel_binaries"
 
     bundle_sha256: Mapped[str] = mapped_column(sa.String(64), sa.ForeignKey("bundles.sha256"), primary_key=True)
     arch: Mapped[str] = mapped_column(sa.String(16), primary_key=True)
+    triton_version: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
     content: Mapped[bytes] = mapped_column(sa.LargeBinary)
     sha256: Mapped[str] = mapped_column(sa.String(64))
     size: Mapped[int] = mapped_column(sa.Integer)
-    triton_version: Mapped[str] = mapped_column(sa.String(64))
     ptxas_version: Mapped[str] = mapped_column(sa.String(128))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class ServedBundle(Base):
-    """A format-2 bundle as served, precomputed when its bundle or a binary is stored
-    (service/served_bundles.py), so a ``?format=2`` download is one indexed read: ``view``
-    ``"2"`` (every stored arch), ``"2:<arch>"`` (one arch) or ``"2:none"`` (no binaries, the
-    answer for an arch without one); ``sha256`` is the served bytes' hash and their ETag."""
+    """A format-2 or -3 bundle as served, precomputed when its bundle or a binary is stored
+    (service/served_bundles.py), so a ``?format=2|3`` download is one indexed read: ``view``
+    ``"F"`` (every stored arch, F the format), ``"F:<arch>"`` (one arch) or ``"F:none"`` (no
+    binaries, the answer for an arch without one); ``sha256`` is the served bytes' hash and their ETag."""
 
     __tablename__ = "served_bundles"
 

@@ -19,8 +19,9 @@ from fuser_core.codegen.gpu_compile import capability_of
 from fuser_core.problem import make_problem
 from fuser_core.spec import load_spec
 from service.binaries import compile_request_for, compile_variant, store_variant, stored_variants, variant_summaries
-from service.bundle import (BUNDLE_FORMAT, BUNDLE_FORMAT_2, BundleError, bundle_sha256, bundle_v1, bundle_v2,
-                            canonical_bytes, verify_bundle, verify_variant)
+from service.bundle import (BUNDLE_FORMAT, BUNDLE_FORMAT_2, BUNDLE_FORMAT_3, BundleError, bundle_sha256, bundle_v1,
+                            bundle_v2, bundle_v3, canonical_bytes, newest_per_arch, triton_version_key, verify_bundle,
+                            verify_variant)
 from service.bundle_maker import make_bundle
 from service.kernel_cache import _store_bundle
 
@@ -43,8 +44,14 @@ def sm90(split_bundle, compile_pool):
     return compile_variant(split_bundle, pool=compile_pool)
 
 
+def built_by(variant: dict, version: str) -> dict:
+    """The variant as another Triton version's worker would label it (the same cubins: what is
+    tested here is which one the store, the formats and the client pick, not the bytes)."""
+    return {**copy.deepcopy(variant), "triton_version": version}
+
+
 def test_h100_variant_is_sm_90a_with_every_kernel_of_a_split_module(split_bundle, sm90):
-    assert sm90["arch"] == "sm_90a" and sm90["capability"] == 90  # Triton 3.9 compiles capability 90 as sm_90a
+    assert sm90["arch"] == "sm_90a" and sm90["capability"] == 90  # Triton 3.6 to 3.9 compile capability 90 as sm_90a
     assert sm90["triton_version"] and sm90["ptxas_version"].startswith("release ")
     assert len(sm90["kernels"]) == 2  # the split kernel and its merge
     for k in sm90["kernels"]:
@@ -106,18 +113,45 @@ def test_format_2_bundle_hash_covers_the_binaries_and_projects_to_format_1(split
         verify_bundle(tampered)
 
 
+def test_format_3_carries_every_triton_version_s_variant_under_its_keys(split_bundle, sm90):
+    other = built_by(sm90, "3.10.0")
+    b3 = bundle_v3(split_bundle, [other, sm90])
+    assert b3["format"] == BUNDLE_FORMAT_3 and list(b3["binaries"]) == ["sm_90a"]
+    assert list(b3["binaries"]["sm_90a"]) == sorted([sm90["triton_version"], "3.10.0"], key=triton_version_key)
+    verify_bundle(json.loads(canonical_bytes(b3)))
+    assert bundle_v1(b3) == split_bundle and bundle_v1(bundle_v3(split_bundle, [])) == split_bundle
+    assert newest_per_arch([sm90, other]) == {"sm_90a": other}  # what format 2 carries
+    with pytest.raises(BundleError, match=r"binaries\.sm_90a: two variants for Triton '3\.10\.0'"):
+        bundle_v3(split_bundle, [other, other])
+    mislabelled = copy.deepcopy(b3)
+    mislabelled["binaries"]["sm_90a"]["3.10.0"]["triton_version"] = "3.11.0"
+    mislabelled["sha256"] = bundle_sha256(mislabelled)
+    with pytest.raises(BundleError, match=r"binaries\.sm_90a\['3\.10\.0'\]\.triton_version: '3\.11\.0' is not its key"):
+        verify_bundle(mislabelled)
+    flat = copy.deepcopy(b3)
+    flat["binaries"]["sm_90a"] = sm90  # format 2's layout under format 3
+    flat["sha256"] = bundle_sha256(flat)
+    with pytest.raises(BundleError, match=r"binaries\.sm_90a"):
+        verify_bundle(flat)
+    assert triton_version_key("3.10.0") > triton_version_key("3.9.0") > triton_version_key("3.6.0")
+
+
 def test_store_and_read_variants(sessions, split_bundle, sm90):
+    older = built_by(sm90, "3.5.0")
     with sessions() as s:
         _store_bundle(s, split_bundle["sha256"], canonical_bytes(split_bundle))
         store_variant(s, split_bundle["sha256"], sm90)
         store_variant(s, split_bundle["sha256"], sm90)  # again: replaced, not duplicated
+        store_variant(s, split_bundle["sha256"], older)  # another Triton's: kept beside it
         s.commit()
     with sessions() as s:
-        assert stored_variants(s, split_bundle["sha256"]) == {"sm_90a": sm90}
-        assert stored_variants(s, split_bundle["sha256"], "sm_80") == {}
-        [summary] = variant_summaries(s, split_bundle["sha256"])
-        assert summary["arch"] == "sm_90a" and [k["registers"] for k in summary["kernels"]] == \
-            [k["registers"] for k in sm90["kernels"]]
+        assert stored_variants(s, split_bundle["sha256"]) == [older, sm90]
+        assert stored_variants(s, split_bundle["sha256"], "sm_80") == []
+        _, summary = variant_summaries(s, split_bundle["sha256"])
+        assert summary["arch"] == "sm_90a" and summary["triton_version"] == sm90["triton_version"]
+        assert [k["registers"] for k in summary["kernels"]] == [k["registers"] for k in sm90["kernels"]]
+        with pytest.raises(BundleError, match="triton_version: longer than 64"):
+            store_variant(s, split_bundle["sha256"], built_by(sm90, "3." + "9" * 70))
         with pytest.raises(LookupError, match="bundle_sha256: no stored bundle"):
             store_variant(s, "f" * 64, sm90)
 
@@ -134,15 +168,15 @@ from service.settings import get_settings  # noqa: E402
 from service.tuning_request import tuning_request  # noqa: E402
 
 
-def stored_kernel(sessions, bundle: dict, variant: dict | None) -> str:
+def stored_kernel(sessions, bundle: dict, variant: dict | None, *more: dict) -> str:
     spec = load_spec(bundle["spec"], printed=True)
     with sessions() as s:
         job, _ = job_queue.submit_job(s, tuning_request(spec, json.dumps(bundle["spec"]), bundle["shape"],
                                                         bundle["dtype"], "h100", "model", 4, 600))
         job_queue.claim_job(s, "w", target="h100", measurer="model", lease_seconds=600)
         kernel = job_queue.finish_job(s, job.id, "w", bundle=bundle, kernel_fields={"time_ms": 0.01})
-        if variant is not None:
-            store_variant(s, bundle["sha256"], variant)
+        for v in [variant, *more] if variant is not None else []:
+            store_variant(s, bundle["sha256"], v)
         s.commit()
         return kernel.id
 
@@ -157,8 +191,9 @@ def test_bundle_formats_served_arch_selection_and_etag(db_url, sessions, split_b
     import service.bundle
     import service.served_bundles
 
-    monkeypatch.setattr(service.served_bundles, "bundle_v2", built_per_request)  # the stores have run
-    monkeypatch.setattr(service.bundle, "bundle_v2", built_per_request)
+    for module in (service.served_bundles, service.bundle):  # the stores have run
+        monkeypatch.setattr(module, "bundle_v2", built_per_request)
+        monkeypatch.setattr(module, "bundle_v3", built_per_request)
     with TestClient(create_app(get_settings(db_url=db_url), fast_path=fast_path)) as http:
         v1 = http.get(f"/v1/kernels/{kid}/bundle")
         assert v1.json() == split_bundle and v1.headers["etag"] == f'"{split_bundle["sha256"]}"'
@@ -173,11 +208,41 @@ def test_bundle_formats_served_arch_selection_and_etag(db_url, sessions, split_b
         assert again.status_code == 304
         bad = http.get(f"/v1/kernels/{kid}/bundle", params={"arch": "sm90"})
         assert bad.status_code == 422 and "arch" in bad.text
-        assert http.get(f"/v1/kernels/{kid}/bundle", params={"format": 3}).status_code == 422
+        assert http.get(f"/v1/kernels/{kid}/bundle", params={"format": 4}).status_code == 422
         assert http.get(f"/v1/kernels/{kid}/bundle", params={"format": 2, "x": 1}).status_code == 200  # route: ignored
         assert http.get(f"/v1/kernels/{'f' * 32}/bundle", params={"format": 2}).status_code == 404
         none = http.get(f"/v1/kernels/{kid}/bundle", params={"arch": "sm_80"})
         assert none.headers["etag"] == f'"{none.json()["sha256"]}"' and none.json()["sha256"] != body["sha256"]
+        v3 = http.get(f"/v1/kernels/{kid}/bundle", params={"format": 3}).json()
+        assert v3["format"] == BUNDLE_FORMAT_3 and v3["binaries"] == {"sm_90a": {sm90["triton_version"]: sm90}}
+        assert bundle_v1(v3) == split_bundle
+        assert http.get(f"/v1/kernels/{kid}/bundle", params={"format": 3, "arch": "sm_90a"}).json() == v3
+        none3 = http.get(f"/v1/kernels/{kid}/bundle", params={"format": 3, "arch": "sm_80"}).json()
+        assert none3["format"] == BUNDLE_FORMAT_3 and none3["binaries"] == {}
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_every_triton_version_s_binary_is_served_in_format_3_and_the_newest_in_format_2(
+        db_url, sessions, split_bundle, sm90, fast_path):
+    """Workers on two Tritons each stored a variant of one bundle (a GPU image's older Triton,
+    this host's): format 3 serves both, format 2 (one per arch) the newest; the single-binary
+    routes serve each by its version."""
+    older = built_by(sm90, "3.5.0")
+    kid = stored_kernel(sessions, split_bundle, sm90, older)
+    with TestClient(create_app(get_settings(db_url=db_url), fast_path=fast_path)) as http:
+        v3 = http.get(f"/v1/kernels/{kid}/bundle", params={"format": 3}).json()
+        verify_bundle(v3)
+        assert v3["binaries"] == {"sm_90a": {"3.5.0": older, sm90["triton_version"]: sm90}}
+        assert http.get(f"/v1/kernels/{kid}/bundle", params={"format": 2}).json()["binaries"] == {"sm_90a": sm90}
+        listing = http.get(f"/v1/kernels/{kid}/binaries").json()
+        assert [v["triton_version"] for v in listing["variants"]] == ["3.5.0", sm90["triton_version"]]
+        path = listing["variants"][0]["kernels"][0]["cubin_path"]
+        assert path.endswith(".cubin?triton_version=3.5.0") and http.get(path).status_code == 200
+        plain = path.split("?")[0]  # no version: the newest's, as format 2
+        assert http.get(plain).headers["etag"] == f'"{sm90["kernels"][0]["cubin_sha256"]}"'
+        missing = http.get(plain, params={"triton_version": "3.4.0"})
+        assert missing.status_code == 404 and "no sm_90a binary built by Triton '3.4.0'" in missing.json()["detail"]
+        assert http.get(plain, params={"triton_version": "3.4 0"}).status_code == 422
 
 
 def test_client_round_trip_cache_on_disk_and_offline_restart(db_url, sessions, split_bundle, sm90, tmp_path, caplog):
@@ -193,18 +258,18 @@ def test_client_round_trip_cache_on_disk_and_offline_restart(db_url, sessions, s
                 kernel = cache.get(spec, {"m": 4, "n": 3000}, dtype="float16")
         finally:
             client_log.removeHandler(caplog.handler)
-    assert kernel.bundle["format"] == BUNDLE_FORMAT_2 and kid
+    assert kernel.bundle["format"] == BUNDLE_FORMAT_3 and kid
     # no CUDA here (and the interpreter on): the source, and why, in info and in the log
     assert kernel.info["loaded"] == "source" and "TRITON_INTERPRET=1" in kernel.info["reason"]
     assert any("loaded from source" in r.getMessage() for r in caplog.records)
     on_disk = json.loads((tmp_path / f"{kernel.sha256}.json").read_bytes())
-    assert on_disk["binaries"]["sm_90a"] == sm90  # the disk cache keeps the binaries
+    assert on_disk["binaries"]["sm_90a"] == {sm90["triton_version"]: sm90}  # the disk cache keeps the binaries
     # restart with no server: the disk copy, binaries included, re-verified
     offline = KernelCache("http://127.0.0.1:9", cache_dir=tmp_path, timeout=0.5)
     again = offline.get(spec, {"m": 4, "n": 3000}, dtype="float16")
     assert again.bundle == kernel.bundle
     # a corrupted cubin byte on disk: the copy is refused (removed), never loaded
-    k = on_disk["binaries"]["sm_90a"]["kernels"][0]
+    k = on_disk["binaries"]["sm_90a"][sm90["triton_version"]]["kernels"][0]
     raw = bytearray(base64.b64decode(k["cubin"]))
     raw[64] ^= 0xFF
     k["cubin"] = base64.b64encode(bytes(raw)).decode()
@@ -233,6 +298,28 @@ def test_client_refuses_a_served_bundle_with_a_corrupted_cubin(db_url, sessions,
     assert not list(tmp_path.glob("*.json"))
 
 
+def test_a_client_asks_a_server_from_before_format_3_for_format_2(split_bundle, sm90, tmp_path):
+    import httpx
+
+    body = bundle_v2(split_bundle, {"sm_90a": sm90})
+    asked = []
+
+    def serve(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/bundle"):
+            asked.append(request.url.params.get("format"))
+            if request.url.params.get("format") not in ("1", "2"):  # its route: format 1 or 2
+                return httpx.Response(422, json={"detail": "format: less than or equal to 2"})
+            return httpx.Response(200, content=canonical_bytes(body), headers={"ETag": f'"{body["sha256"]}"'})
+        return httpx.Response(200, json={"id": "a" * 32, "bundle_sha256": split_bundle["sha256"], "exact_match": True})
+
+    cache = KernelCache("http://fake", cache_dir=tmp_path, transport=httpx.MockTransport(serve))
+    spec = load_spec(spec_source("safe_softmax"))
+    assert cache.get(spec, {"m": 4, "n": 3000}, dtype="float16").bundle == body
+    cache._kernels.clear()
+    cache.get(spec, {"m": 4, "n": 3000}, dtype="float16")
+    assert asked == ["3", "2", "2"]  # asked once, then remembered
+
+
 def test_the_loader_decision(split_bundle, sm90):
     b2 = bundle_v2(split_bundle, {"sm_90a": sm90})
     env = {}
@@ -252,6 +339,14 @@ def test_the_loader_decision(split_bundle, sm90):
         variant, why = choose_binary(bundle, **facts)
         assert variant is None and reason in why, (facts, why)
     assert device_arch((9, 0)) == "sm_90a" and device_arch((8, 0)) == "sm_80" and device_arch((8, 6)) == "sm_86"
+    # format 3: this Triton's variant among the others; a Triton none was built by says which were
+    older, newer = built_by(sm90, "3.5.0"), built_by(sm90, "3.10.0")
+    b3 = bundle_v3(split_bundle, [older, sm90, newer])
+    assert choose_binary(b3, **h100)[0] is sm90 and choose_binary(b3, **{**h100, "triton_version": "3.5.0"})[0] is older
+    variant, why = choose_binary(b3, **{**h100, "triton_version": "3.8.0"})
+    assert variant is None and why == (f"the sm_90a binary was built with Triton 3.5.0, {sm90['triton_version']}, "
+                                       "3.10.0, this is Triton 3.8.0: its launcher and cache key differ, so the "
+                                       "source is compiled")
 
 
 def _cache_hit(request, variant: dict, cache_dir: str) -> list[bytes]:
@@ -303,7 +398,8 @@ def test_installed_cubins_are_what_triton_finds_at_launch_without_compiling(spli
 def _fast_path(b2: dict, v1_sha: str, cache_dir: str) -> dict:
     """In a compile worker (interpreter off, no GPU; a stand-in driver answers the device,
     stream and sm_90 target Triton's JITFunction.run asks for): the client's cubin path with
-    Triton's compiler and triton.compile made to fail. Returns what it saw."""
+    Triton's compiler and triton.compile made to fail. ``b2``: a bundle with binaries (format 2
+    or 3). Returns what it saw."""
     import os
 
     import httpx
@@ -316,11 +412,12 @@ def _fast_path(b2: dict, v1_sha: str, cache_dir: str) -> dict:
 
     import service.client as client
     from service import cubin_loader
+    from service.bundle import bundle_variants
 
     def refuse(*args, **kwargs):
         raise AssertionError("triton.compile ran on the cubin path")
 
-    variant = b2["binaries"]["sm_90a"]
+    variant = next(v for v in bundle_variants(b2) if v["triton_version"] == triton.__version__)
     seen: dict = {}
     saved = (triton.compile, triton.compiler.compile, triton.compiler.compiler.compile, CUDABackend.make_cubin,
              CUDABackend.make_ptx, client._device_facts, os.environ.get("TRITON_DEFAULT_FP_FUSION"))
@@ -389,14 +486,27 @@ def _fast_path(b2: dict, v1_sha: str, cache_dir: str) -> dict:
         driver.set_active(None)
 
 
-def test_the_client_hands_the_cubins_to_triton_s_jit_and_never_compiles(split_bundle, sm90, compile_pool, tmp_path):
-    """The cubin fast path (service.cubin_loader) on a matching device: the stored kernels are
-    in the JIT caches before any launch, the first launch at the tuned shape finds them, and
-    triton.compile never runs. A corrupted cubin, or one compiled with other options, is
-    refused and leaves nothing in any cache. (No GPU here: module load and launch not run.)"""
-    b2 = bundle_v2(split_bundle, {"sm_90a": sm90})
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_the_client_hands_the_cubins_to_triton_s_jit_and_never_compiles(split_bundle, sm90, compile_pool, tmp_path,
+                                                                          fmt):
+    """The cubin fast path (service.cubin_loader) on a matching device, under each Triton it
+    knows (CI runs this file under 3.6 and 3.9): the stored kernels are in the JIT caches before
+    any launch, the first launch at the tuned shape finds them, and triton.compile never runs;
+    from format 3, this Triton's variant among another Triton's. A corrupted cubin, or one
+    compiled with other options, is refused and leaves nothing in any cache. (No GPU here:
+    module load and launch not run.)"""
+    import triton
+
+    from service import cubin_loader
+
+    if not cubin_loader.supports(triton.__version__):
+        pytest.skip(f"service.cubin_loader does not know Triton {triton.__version__}'s internals "
+                    f"(it knows {', '.join(cubin_loader.SUPPORTED_TRITON)}); such a client loads through Triton's cache")
+    b2 = (bundle_v2(split_bundle, {"sm_90a": sm90}) if fmt == 2
+          else bundle_v3(split_bundle, [built_by(sm90, "3.5.0"), sm90]))
     seen = compile_pool._pool.submit(_fast_path, b2, split_bundle["sha256"], str(tmp_path)).result()
     assert seen["info"]["loaded"] == "cubin" and "nothing to compile" in seen["info"]["reason"]
+    assert f"Triton {sm90['triton_version']}" in seen["info"]["reason"]
     assert [n for n, count in seen["cached"] if count] == sorted(k["name"] for k in sm90["kernels"])
     assert all(count == 1 for _, count in seen["cached"])
     assert seen["launched"] == [("StoredKernel", k["name"], base64.b64decode(k["cubin"]), k["triton_hash"],
@@ -451,14 +561,26 @@ def test_backfill_compiles_kernels_stored_without_binaries(db_url, sessions, spl
         assert bundles_without_binaries(s) == [split_bundle["sha256"]]
     seen = []
     counts = backfill(sessions, pool=compile_pool, progress=lambda *a: seen.append(a))
-    assert counts == {"stored": 1, "failed": 0} and seen == [(split_bundle["sha256"], "stored", "sm_90a")]
+    assert counts == {"stored": 1, "failed": 0}
+    assert seen == [(split_bundle["sha256"], "stored", f"sm_90a (Triton {sm90['triton_version']})")]
     with sessions() as s:
-        stored = stored_variants(s, split_bundle["sha256"])["sm_90a"]
+        [stored] = stored_variants(s, split_bundle["sha256"])
         assert [k["cubin_sha256"] for k in stored["kernels"]] == [k["cubin_sha256"] for k in sm90["kernels"]]
         assert bundles_without_binaries(s) == []
     assert backfill(sessions, pool=compile_pool) == {"stored": 0, "failed": 0}  # nothing left to do
     with TestClient(create_app(get_settings(db_url=db_url))) as http:
         assert list(http.get(f"/v1/kernels/{kid}/bundle", params={"format": 2}).json()["binaries"]) == ["sm_90a"]
+
+
+def test_backfill_adds_this_triton_s_binary_beside_another_triton_s(sessions, split_bundle, sm90, compile_pool):
+    stored_kernel(sessions, split_bundle, built_by(sm90, "3.5.0"))  # a GPU worker on another Triton stored its own
+    with sessions() as s:
+        assert bundles_without_binaries(s) == []
+        assert bundles_without_binaries(s, triton_version=sm90["triton_version"]) == [split_bundle["sha256"]]
+    assert backfill(sessions, pool=compile_pool) == {"stored": 1, "failed": 0}
+    with sessions() as s:
+        assert [v["triton_version"] for v in stored_variants(s, split_bundle["sha256"])] == \
+            ["3.5.0", sm90["triton_version"]]
 
 
 def test_backfill_skips_a_bundle_that_does_not_compile_and_says_so(sessions, split_bundle, monkeypatch, compile_pool):
@@ -490,7 +612,7 @@ from tuner.measured_binary import compiled_kernels, measured_artifacts  # noqa: 
 
 
 def _jit_stand_in(compiled: list) -> object:
-    """An object laid out as Triton 3.9's JITFunction keeps what it compiled at launches:
+    """An object laid out as Triton 3.6's and 3.9's JITFunction keeps what it compiled at launches:
     ``device_caches[device] = (kernel_cache, kernel_key_cache, target, backend, binder)``,
     ``kernel_cache`` a map of specialization key -> CompiledKernel."""
     import types
@@ -515,7 +637,7 @@ def _compiled_kernels_from_cache(variant: dict, cache_dir, monkeypatch) -> list:
 
 def test_the_measured_binary_is_read_from_the_jit_cache_of_the_launched_module(sm90, tmp_path, monkeypatch):
     """tuner.measured_binary on what a cuda measurement leaves in the child: the launched module's
-    JIT caches (stand-ins laid out as Triton 3.9's) holding real CompiledKernel objects. The
+    JIT caches (stand-ins laid out as Triton 3.6's and 3.9's) holding real CompiledKernel objects. The
     variant it makes is the stored one, byte for byte. (The GPU launch itself is not run here.)"""
     import types
 

@@ -8,6 +8,7 @@ Compiles run in the session's shared pool (the ``compile_pool`` fixture); no GPU
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -15,6 +16,7 @@ import sys
 
 import optuna
 import pytest
+import triton
 from conftest import CATALOG_DIR, load_catalog
 
 from fuser_core.codegen.gpu_compile import KernelBuild, ModuleBuild
@@ -70,6 +72,9 @@ def test_judge_prunes_failures_and_overruns_and_keeps_spills():
     assert judge(build(), H100).reason is None
     failed = judge(build(ok=False, error="k: line 7: mx is not defined", registers=None), H100)
     assert failed.pruned and failed.reason == "does not compile for sm_90: k: line 7: mx is not defined"
+    failed_36 = dataclasses.replace(build(ok=False, error="k: PassManager::run failed"), triton_version="3.6.0")
+    by_36 = judge(failed_36, H100)
+    assert by_36.reason == "does not compile for sm_90 with Triton 3.6.0: k: PassManager::run failed"
     smem = judge(build(shared_bytes=H100.smem_per_block_max + 1), H100)
     assert smem.pruned and smem.reason.startswith("shared memory (safe_softmax_streaming_fused_kernel)")
     assert not judge(build(shared_bytes=A100.smem_per_block_max), A100).pruned  # the limit itself fits
@@ -120,7 +125,8 @@ def test_a_candidate_that_does_not_compile_is_pruned_with_the_compilers_reason(c
     assert trial.state == optuna.trial.TrialState.PRUNED
     result = trial.user_attrs["result"]
     assert result["outcome"] == "infeasible"
-    assert result["reason"].startswith("does not compile for sm_90: safe_softmax_streaming_fused_kernel: line ")
+    assert result["reason"].startswith(f"does not compile for sm_90 with Triton {triton.__version__}: "
+                                      "safe_softmax_streaming_fused_kernel: line ")
     assert "mx is not defined" in result["reason"]
     assert result["compile"][0]["ok"] is False and "mx is not defined" in result["compile"][0]["error"]
     assert objective.counts["compile_pruned"] == 1 and objective.counts["infeasible"] == 1
@@ -144,7 +150,8 @@ def test_tune_json_shows_the_compile_pruned_trial_and_the_best_trials_facts(tmp_
     assert result["counts"]["compile_pruned"] >= 1 and result["counts"]["infeasible"] >= 1
     first = result["compile_pruned_trials"][0]
     assert first["number"] == 0 and first["strategy"] == "streaming_fused"
-    assert first["reason"].startswith("does not compile for sm_90: safe_softmax_streaming_fused_kernel: line ")
+    assert first["reason"].startswith(f"does not compile for sm_90 with Triton {triton.__version__}: "
+                                     "safe_softmax_streaming_fused_kernel: line ")
     assert result["compile"] and all(k["ok"] and k["registers"] > 0 for k in result["compile"])
     # without the check nothing is compiled, and nothing is pruned by the compiler
     off = subprocess.run(

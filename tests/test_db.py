@@ -5,6 +5,7 @@ Database tests run on an empty SQLite file and a fresh PostgreSQL database (``se
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from datetime import UTC, datetime, timedelta, timezone
 
@@ -63,11 +64,11 @@ def test_settings_reject_bad_values(overrides, field):
 
 
 def test_migrate_from_empty(service_db_url, engine):
-    with pytest.raises(db.DatabaseBehind, match=r"revision none .*code expects 0004: run `foldwise db upgrade --db "):
+    with pytest.raises(db.DatabaseBehind, match=r"revision none .*code expects 0005: run `foldwise db upgrade --db "):
         db.check_current(engine)
     db.upgrade(service_db_url)
     db.check_current(engine)
-    assert db.current_revision(engine) == db.head_revision() == "0004"
+    assert db.current_revision(engine) == db.head_revision() == "0005"
     assert TABLES <= set(sa.inspect(engine).get_table_names())
     db.upgrade(service_db_url)  # already at head: nothing to do
     db.check_current(engine)
@@ -102,7 +103,7 @@ def test_database_behind_a_newer_migration(service_db_url, engine, tmp_path, mon
     newer = tmp_path / "migrations"
     shutil.copytree(db.MIGRATIONS_DIR, newer, ignore=shutil.ignore_patterns("__pycache__"))
     (newer / "versions" / "0099_extra.py").write_text(
-        'import sqlalchemy as sa\nfrom alembic import op\n\nrevision = "0099"\ndown_revision = "0004"\n'
+        'import sqlalchemy as sa\nfrom alembic import op\n\nrevision = "0099"\ndown_revision = "0005"\n'
         'branch_labels = None\ndepends_on = None\n\n\n'
         'def upgrade():\n    op.create_table("extra", sa.Column("id", sa.Integer, primary_key=True))\n\n\n'
         'def downgrade():\n    op.drop_table("extra")\n')
@@ -111,7 +112,7 @@ def test_database_behind_a_newer_migration(service_db_url, engine, tmp_path, mon
     with pytest.raises(db.DatabaseBehind) as info:
         db.check_current(engine)
     assert not isinstance(info.value, db.DatabaseAhead)
-    assert "database at revision 0004, code expects 0099: run `foldwise db upgrade --db" in str(info.value)
+    assert "database at revision 0005, code expects 0099: run `foldwise db upgrade --db" in str(info.value)
     db.upgrade(service_db_url)
     db.check_current(engine)
     assert "extra" in sa.inspect(engine).get_table_names()
@@ -264,9 +265,9 @@ def test_upgrade_0002_to_0003_keeps_bundles_and_adds_kernel_binaries(service_db_
 
 
 def test_upgrade_0003_to_0004_precomputes_the_format_2_views_of_stored_bundles(service_db_url, engine):
-    """Issue 16's migration: every stored bundle that verifies gets its served format-2 views
-    (the function the writers use); a damaged bundle, or a binary whose bytes do not hash to
-    its row, gets none; the bundles themselves are kept byte for byte."""
+    """Issue 16's migration: every stored bundle that verifies gets its served format-2 (and,
+    since issue 21, format-3) views (the function the writers use); a damaged bundle, or a binary
+    whose bytes do not hash to its row, gets none; the bundles themselves are kept byte for byte."""
     import json
 
     from fuser_core.spec import load_spec
@@ -288,11 +289,62 @@ def test_upgrade_0003_to_0004_precomputes_the_format_2_views_of_stored_bundles(s
         conn.execute(insert, {"s": "a" * 64, "c": b"abc", "n": 3, "t": now})
         conn.execute(sa.text("INSERT INTO kernel_binaries VALUES (:b, 'sm_90a', :c, :h, 3, 't', 'p', :t)"),
                      {"b": bundle["sha256"], "c": b"xyz", "h": "0" * 64, "t": now})  # its hash does not hold
-    db.upgrade(service_db_url)
+    db.upgrade(service_db_url, "0004")
     assert db.current_revision(engine) == "0004"
     with engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT bundle_sha256, view, sha256, content FROM served_bundles")).all()
         assert conn.execute(sa.text("SELECT content FROM bundles WHERE sha256 = :s"), {"s": bundle["sha256"]}).scalar() == good
-    assert {r[1]: (r[2], r[3]) for r in rows} == served_views(bundle, {})
-    assert {r[0] for r in rows} == {bundle["sha256"]} and {r[1] for r in rows} == {"2", "2:none"}
-    assert json.loads(rows[0][3])["binaries"] == {}
+    assert {r[1]: (r[2], r[3]) for r in rows} == served_views(bundle, [])
+    assert {r[0] for r in rows} == {bundle["sha256"]} and {r[1] for r in rows} == {"2", "2:none", "3", "3:none"}
+    assert all(json.loads(r[3])["binaries"] == {} for r in rows)
+
+
+def test_upgrade_0004_to_0005_keys_binaries_by_triton_version_and_adds_format_3(service_db_url, engine):
+    """Issue 21's migration: a stored binary keeps its row (its Triton version joins the key, so
+    another Triton's variant of the same bundle and arch can be stored beside it); every
+    bundle's views are rebuilt: format 2 unchanged, format 3 added. A downgrade keeps the newest
+    Triton's variant per arch."""
+    import copy
+    import json
+
+    from fuser_core.problem import make_problem
+    from fuser_core.spec import load_spec
+    from service.bundle import BUNDLE_FORMAT_3, bundle_v2, canonical_bytes, canonical_spec, make_variant
+    from service.bundle_maker import make_bundle
+    from service.served_bundles import served_views
+    from tests.conftest import load_catalog
+
+    db.upgrade(service_db_url, "0004")
+    problem = make_problem(canonical_spec(load_spec(load_catalog()["safe_softmax"])), {"d0": 4, "d1": 64}, "float32")
+    bundle = make_bundle(problem, target="h100", strategy="streaming_fused", config={},
+                         measured={"time_ms": 0.01, "measurer": "model", "predicted": True})
+    cubin = b"\x7fELF not a real cubin"
+    variant = make_variant({"arch": "sm_90a", "capability": 90, "triton_version": "3.6.0", "ptxas_version": "p",
+                            "kernels": [{"name": "k", "cubin": cubin, "ptx": "", "metadata": {"name": "k"},
+                                         "triton_hash": "h"}]})
+    raw = canonical_bytes(variant)
+    now = "2026-11-30 12:00:00"
+    with engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO bundles (sha256, content, size, created_at) VALUES (:s, :c, :n, :t)"),
+                     {"s": bundle["sha256"], "c": canonical_bytes(bundle), "n": 1, "t": now})
+        conn.execute(sa.text("INSERT INTO kernel_binaries (bundle_sha256, arch, content, sha256, size, triton_version, "
+                             "ptxas_version, created_at) VALUES (:b, 'sm_90a', :c, :h, 1, '3.6.0', 'p', :t)"),
+                     {"b": bundle["sha256"], "c": raw, "h": hashlib.sha256(raw).hexdigest(), "t": now})
+    db.upgrade(service_db_url, "0005")
+    newer = copy.deepcopy(variant)
+    newer["triton_version"] = "3.9.0"
+    raw9 = canonical_bytes(newer)
+    with engine.begin() as conn:
+        views = dict(conn.execute(sa.text("SELECT view, content FROM served_bundles")).all())
+        conn.execute(sa.text("INSERT INTO kernel_binaries (bundle_sha256, arch, content, sha256, size, triton_version, "
+                             "ptxas_version, created_at) VALUES (:b, 'sm_90a', :c, :h, 1, '3.9.0', 'p', :t)"),
+                     {"b": bundle["sha256"], "c": raw9, "h": hashlib.sha256(raw9).hexdigest(), "t": now})
+    assert views == {view: body for view, (_, body) in served_views(bundle, [variant]).items()}
+    assert views["2"] == canonical_bytes(bundle_v2(bundle, {"sm_90a": variant}))
+    assert json.loads(views["3"])["format"] == BUNDLE_FORMAT_3
+    assert json.loads(views["3"])["binaries"] == {"sm_90a": {"3.6.0": variant}}
+    db.downgrade(service_db_url, "0004")
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT triton_version FROM kernel_binaries")).scalars().all() == ["3.9.0"]
+        v2 = conn.execute(sa.text("SELECT content FROM served_bundles WHERE view = '2'")).scalar()
+    assert json.loads(v2)["binaries"] == {"sm_90a": newer}

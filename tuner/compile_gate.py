@@ -7,8 +7,9 @@ candidate's module(s) for the target's arch (``GpuProfile.arch``, e.g. ``sm_90``
 :mod:`fuser_core.codegen.gpu_compile`, which needs no GPU, and answers with a
 :class:`CompileVerdict`:
 
-- a kernel does not compile: **pruned**, the reason is the compiler's message
-  (``does not compile for sm_90: <kernel>: line N: ...``);
+- a kernel does not compile: **pruned**, the reason is the compiler's message, with the Triton
+  version that gave it (``does not compile for sm_90 with Triton 3.6.0: <kernel>: line N: ...``):
+  the installed Triton decides (3.6 rejects some float32 multi_pass configs that 3.9 compiles);
 - a kernel needs more shared memory than a block may have (``profile.smem_per_block_max``), or
   more registers per thread than the target allows, or its registers for ``num_warps`` warps
   exceed an SM's register file: **pruned**, naming the kernel and the numbers (a launch would
@@ -98,7 +99,8 @@ def judge(build: ModuleBuild, profile: GpuProfile) -> CompileVerdict:
         return CompileVerdict(arch, (), f"the generator refuses {build.strategy} here: {build.refused}")
     for k in build.kernels:
         if not k.ok:
-            return CompileVerdict(arch, build.kernels, f"does not compile for {arch}: {k.error}")
+            by = f" with Triton {build.triton_version}" if build.triton_version else ""
+            return CompileVerdict(arch, build.kernels, f"does not compile for {arch}{by}: {k.error}")
     for k in build.kernels:
         shared, regs, warps = k.shared_bytes or 0, k.registers or 0, k.num_warps or 1
         if shared > profile.smem_per_block_max:

@@ -3,7 +3,7 @@
 With ``--measurer cuda`` the stored binary is the one that was timed, not a recompile: the
 measurer's child process keeps each generated module loaded (fuser_core.codegen.module caches
 modules by key), and Triton's JIT keeps every kernel it compiled for a launch in
-``JITFunction.device_caches[device][0]`` (Triton 3.9: ``(kernel_cache, kernel_key_cache,
+``JITFunction.device_caches[device][0]`` (Triton 3.6 and 3.9: ``(kernel_cache, kernel_key_cache,
 target, backend, binder)``), a map of specialization key -> ``CompiledKernel``. A
 ``CompiledKernel`` holds ``asm["cubin"]`` (bytes), ``asm["ptx"]``, ``metadata`` (a namedtuple:
 name, shared, num_warps, target ...), ``metadata_group`` (its files in Triton's cache, the

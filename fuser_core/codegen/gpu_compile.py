@@ -8,15 +8,20 @@ signature (pointer dtypes, int sizes and strides, their specialisation, constexp
 ``num_warps``/``num_stages``) is exactly the one a GPU launch would bind, with no second
 copy of the argument list; each intercepted launch then goes through ``triton.compile`` for
 ``GPUTarget("cuda", capability, 32)``, which gives TTIR, PTX and a cubin (ptxas ships in
-the triton wheel). ``cuobjdump -res-usage`` on the cubin (also in the wheel) gives registers,
-stack, local and static shared bytes; Triton's metadata the dynamic shared memory a launch
-needs.
+the triton wheel). Every launch is compiled with Triton's FP-fusion knob set explicitly
+(:data:`fuser_core.codegen.module.FP_FUSION`), as the generated launchers pass it.
+``cuobjdump -res-usage`` on the cubin (also in the wheel) gives registers, stack, local and
+static shared bytes; Triton's metadata the dynamic shared memory a launch needs. A pass that
+fails prints its reason on stderr, not in the exception: it is read from there
+(:func:`compiler_stderr`) into the error.
 
 Kernels must be *loaded* with the interpreter off, and a test process runs with it on, so
 compiles happen in worker processes (:class:`CompilePool`) started with
 ``TRITON_INTERPRET=0``. Results are cached in memory and on disk
 (``$FOLDWISE_CACHE_DIR/compiled``), keyed by the module's text, the bound signature, the
-target, the options and Triton's version.
+target, the options and Triton's version: the facts are the installed Triton's (Triton 3.6's
+and 3.9's ptxas give different registers for most kernels, and 3.6 rejects some configs that
+3.9 compiles), so a :class:`ModuleBuild` names the Triton version that built it.
 
 Example:
     >>> from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest
@@ -44,7 +49,7 @@ from typing import Any
 from fuser_core.spec import Spec
 
 MAX_ERROR_CHARS = 2000
-FACTS_VERSION = 3  # part of the cache key: how a KernelBuild's facts are read (3: with SASS facts)
+FACTS_VERSION = 4  # part of the cache key: how a KernelBuild's facts are read (3: a failed pass named; 4: SASS facts)
 
 
 @dataclass(frozen=True)
@@ -91,12 +96,14 @@ class CompileRequest:
 @dataclass(frozen=True)
 class ModuleBuild:
     """A request's outcome: ``refused`` (the strategy is not valid here, and why) or one
-    :class:`KernelBuild` per kernel launch (a split kernel has two, the chain one per step)."""
+    :class:`KernelBuild` per kernel launch (a split kernel has two, the chain one per step),
+    compiled by Triton ``triton_version``."""
 
     strategy: str
     config: dict[str, Any] | None
     kernels: tuple[KernelBuild, ...] = ()
     refused: str | None = None
+    triton_version: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -108,12 +115,12 @@ class ModuleBuild:
 
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": self.strategy, "config": self.config, "refused": self.refused,
-                "kernels": [k.to_dict() for k in self.kernels]}
+                "kernels": [k.to_dict() for k in self.kernels], "triton_version": self.triton_version}
 
     @staticmethod
     def from_dict(raw: Mapping[str, Any]) -> ModuleBuild:
         return ModuleBuild(raw["strategy"], raw.get("config"), tuple(KernelBuild.from_dict(k) for k in raw["kernels"]),
-                           raw.get("refused"))
+                           raw.get("refused"), raw.get("triton_version"))
 
 
 def capability_of(arch: str) -> int:
@@ -214,12 +221,18 @@ def _bound(launch: KernelLaunch, capability: int):
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
+    from fuser_core.codegen.module import FP_FUSION
+
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
     fn = launch.fn
+    # The generated modules pass the FP-fusion knob; the unfused chain's launcher (codegen/chain.py)
+    # does not yet: its launches get the same explicit value, Triton <= 3.9's default, so they are
+    # compiled as they run on those versions, without Triton 3.9's warning about 3.10's default.
+    kwargs = {"enable_fp_fusion": FP_FUSION, **launch.kwargs}
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound_args, specialization, options = binder(*launch.args, **launch.kwargs)
-    return target, fn._pack_args(backend, launch.kwargs, bound_args, specialization, options)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    return target, fn._pack_args(backend, kwargs, bound_args, specialization, options)
 
 
 def _module_line(fn, error) -> str:
@@ -237,7 +250,7 @@ def _module_line(fn, error) -> str:
     return f"line {hits[0]}: {wanted.strip()}" if hits else f"line {lineno} of the function: {wanted.strip()}"
 
 
-def _error_text(fn, error: Exception) -> str:
+def _error_text(fn, error: Exception, diagnostics: str = "") -> str:
     from triton.compiler.errors import CompilationError
 
     name = fn.__name__
@@ -247,7 +260,58 @@ def _error_text(fn, error: Exception) -> str:
         text = f"{name}: {where}: {cause}" if where else f"{name}: {cause}"
     else:
         text = f"{name}: {type(error).__name__}: {error}"
+        why = pipeline_failure(diagnostics)
+        if why:
+            text += f" ({why})"
     return text[:MAX_ERROR_CHARS]
+
+
+_FAILED_PASS = re.compile(r"Pipeline failed while executing \[`(\w+)`")
+_ASSERTION = re.compile(r"Assertion `(.{1,200}?)' failed")
+
+
+def pipeline_failure(diagnostics: str) -> str | None:
+    """What an MLIR pass pipeline that failed wrote to stderr, in one line: the pass, and the
+    assertion it hit (``pass TritonGPUOptimizeThreadLocality: assertion loopResult.hasOneUse()``).
+    Triton's own exception says only "PassManager::run failed"; the reason is printed, with a
+    reproducer of the whole module, on the process's stderr (:func:`compiler_stderr`)."""
+    failed = _FAILED_PASS.search(diagnostics)
+    if failed is None:
+        return None
+    assertion = _ASSERTION.search(diagnostics)
+    return f"pass {failed.group(1)}" + (f": assertion {assertion.group(1)}" if assertion else "")
+
+
+@contextlib.contextmanager
+def compiler_stderr():
+    """Within the block, what Triton's C++ compiler writes to the process's stderr (file
+    descriptor 2) is kept (yields a list that receives it as one string) instead of printed:
+    a failing pass prints its diagnostics and a reproducer of the whole module there, hundreds
+    of lines per kernel. Compiles run in :class:`CompilePool` workers, one at a time."""
+    import sys
+    import tempfile
+
+    out: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield out
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            out.append(sink.read().decode("utf-8", "replace"))
+
+
+def _pass_on(printed: list[str]) -> None:
+    """What a compile that succeeded printed (warnings): to stderr, as it would have gone."""
+    import sys
+
+    if any(printed):
+        sys.stderr.write("".join(printed))
 
 
 def cubin_resources(cubin: bytes) -> dict[str, int]:
@@ -301,11 +365,16 @@ def launch_artifact(launch: KernelLaunch, capability: int) -> dict[str, Any]:
     from triton.compiler import ASTSource
 
     target, (options, signature, constexprs, attrs) = _bound(launch, capability)
-    try:
-        compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target,
-                                  options=options.__dict__)
-    except Exception as error:  # noqa: BLE001 - the message names the kernel and module line
-        raise RuntimeError(_error_text(launch.fn, error)) from None
+    with compiler_stderr() as printed:
+        try:
+            compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target,
+                                      options=options.__dict__)
+            error = None
+        except Exception as err:  # noqa: BLE001 - the message names the kernel and module line
+            error = err
+    if error is not None:
+        raise RuntimeError(_error_text(launch.fn, error, "".join(printed))) from None
+    _pass_on(printed)
     return compiled_kernel_artifact(compiled)
 
 
@@ -329,9 +398,9 @@ def compile_artifacts(request: CompileRequest) -> dict[str, Any]:
         raise RuntimeError("compile_artifacts needs TRITON_INTERPRET=0 (use CompilePool.artifacts)")
     config, launches = request_launches(request)
     # Triton's cache key hashes the cache-invalidating TRITON_* variables that are *set*; an
-    # inference server sets none, so compile with none set (the workers set the FP-fusion
-    # default to silence a warning; unset, the value is the same), or the key it computes at
-    # its first launch would differ and it would compile instead of loading the stored cubin
+    # inference server sets none, so compile with this one unset even where an operator set it
+    # (the launches pass the FP-fusion knob explicitly, so it changes no code, only the key the
+    # server would compute at its first launch: it would compile instead of loading the cubin)
     saved = os.environ.pop("TRITON_DEFAULT_FP_FUSION", None)
     try:
         kernels = [launch_artifact(launch, request.capability) for launch in launches]
@@ -353,14 +422,19 @@ def compile_launch(launch: KernelLaunch, capability: int) -> KernelBuild:
         target, (options, signature, constexprs, attrs) = _bound(launch, capability)
     except Exception as error:  # noqa: BLE001 - a binding failure is the kernel's failure
         return KernelBuild(name, False, _error_text(launch.fn, error))
-    try:
-        compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target,
-                                  options=options.__dict__)
-        used = cubin_resources(compiled.asm["cubin"])
-        sass = _sass_facts(compiled.asm["cubin"], name)
-    except Exception as error:  # noqa: BLE001 - every compiler failure is reported, not raised
-        return KernelBuild(name, False, _error_text(launch.fn, error), num_warps=options.num_warps,
+    with compiler_stderr() as printed:
+        try:
+            compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target,
+                                      options=options.__dict__)
+            used = cubin_resources(compiled.asm["cubin"])
+            sass = _sass_facts(compiled.asm["cubin"], name)
+            error = None
+        except Exception as err:  # noqa: BLE001 - every compiler failure is reported, not raised
+            error = err
+    if error is not None:
+        return KernelBuild(name, False, _error_text(launch.fn, error, "".join(printed)), num_warps=options.num_warps,
                            num_stages=options.num_stages)
+    _pass_on(printed)
     return KernelBuild(
         name, True, None,
         registers=used.get("REG"),
@@ -433,18 +507,23 @@ def cached_compile(launch: KernelLaunch, capability: int) -> KernelBuild:
 def compile_request(request: CompileRequest) -> ModuleBuild:
     """Every kernel launch of one request, compiled (in this process: the interpreter must be
     off here; :class:`CompilePool` runs this in workers where it is)."""
+    import triton
+
     from fuser_core.codegen.plan import NotValid
 
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_request needs TRITON_INTERPRET=0 (use CompilePool from an interpreted process)")
+    version = triton.__version__
     try:
         config, launches = request_launches(request)
     except NotValid as why:
-        return ModuleBuild(request.strategy, request.config, refused=str(why))
+        return ModuleBuild(request.strategy, request.config, refused=str(why), triton_version=version)
     except Exception as error:  # noqa: BLE001 - a generator failure is this module's failure
         text = f"{request.strategy} launcher: {type(error).__name__}: {error}"[:MAX_ERROR_CHARS]
-        return ModuleBuild(request.strategy, request.config, (KernelBuild("launch", False, text),))
-    return ModuleBuild(request.strategy, config, tuple(cached_compile(launch, request.capability) for launch in launches))
+        return ModuleBuild(request.strategy, request.config, (KernelBuild("launch", False, text),),
+                           triton_version=version)
+    builds = tuple(cached_compile(launch, request.capability) for launch in launches)
+    return ModuleBuild(request.strategy, config, builds, triton_version=version)
 
 
 # ---------------------------------------------------------------- worker processes
@@ -467,7 +546,6 @@ def _exit_with_parent(parent: int) -> None:
 def _worker_init(cache_dir: str | None) -> None:
     _exit_with_parent(os.getppid())
     os.environ["TRITON_INTERPRET"] = "0"
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
     if cache_dir:
         os.environ["FOLDWISE_CACHE_DIR"] = cache_dir
 

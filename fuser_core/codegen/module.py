@@ -39,6 +39,12 @@ def _generator_version() -> str:
 
 
 GENERATOR_VERSION = _generator_version()
+# Triton's FP-fusion knob (a*b+c contracted to one FMA), passed explicitly by every launch: Triton
+# <= 3.9 fuses by default (3.9 warns that 3.10 turns the default off), and every kernel and the
+# first GPU check were verified fused. Explicit, the same code is compiled on every Triton, and no
+# TRITON_DEFAULT_FP_FUSION variable is needed (it would enter Triton's cache key and make a stored
+# cubin's key differ from an inference server's, which sets none).
+FP_FUSION = True
 TORCH_DTYPES = {
     "float32": "torch.float32", "float16": "torch.float16", "bfloat16": "torch.bfloat16",
     "float8_e4m3fn": "torch.float8_e4m3fn", "int32": "torch.int32", "int64": "torch.int64",
@@ -151,7 +157,8 @@ def launcher_source(structure: ModuleStructure, stores: dict[str, str]) -> str:
         size = "(" + "".join(f"size_{d}, " for d in dims) + ")"
         lines.append(f"    {var} = torch.empty({size}, device={first}.device, dtype={TORCH_DTYPES[stores[part]]})")
         outs.append((part, var))
-    tail = [f"num_warps={plan.config.num_warps}", f"num_stages={plan.config.num_stages}"]
+    tail = [f"num_warps={plan.config.num_warps}", f"num_stages={plan.config.num_stages}",
+            f"enable_fp_fusion={FP_FUSION}"]
 
     def call(launch: Launch) -> None:
         lines.append(f"    {launch.kernel}[{grid_text(launch.grid)}](")

@@ -8,8 +8,8 @@ documented route in routes_kernels.py, which calls the same :func:`bundle_answer
 
 1. the auth check (:meth:`service.auth.AuthPolicy.require` with scope ``kernels:read``);
 2. the kernel's current bundle hash: one primary-key lookup (a kernel is replaced in place
-   when a better one is found, so this is read every time, never cached); for ``?format=2``
-   or ``?arch=``, the same lookup joined to the bundle's precomputed format-2 view
+   when a better one is found, so this is read every time, never cached); for ``?format=2``,
+   ``?format=3`` or ``?arch=``, the same lookup joined to the bundle's precomputed view
    (service.served_bundles: built when the bundle or a binary was stored, never per request);
 3. ``If-None-Match`` -> 304; else the bytes from the in-memory cache by sha256 (content
    addressed: never stale), or from the database, re-hashed, then cached.
@@ -39,14 +39,14 @@ from service.api.deps import AppContext, auth_problem
 from service.api.problems import Problem, not_found
 from service.auth import _ANY_TOKEN, _TOKEN_ROW, AuthError, TokenLookup
 from service.models import Kernel, ServedBundle
-from service.served_bundles import NO_BINARIES, served_bytes, view_of
+from service.served_bundles import no_binaries, served_bytes, view_of
 
 log = logging.getLogger("foldwise.api")
 BUNDLE_PATH = re.compile(r"/v1/kernels/([0-9a-f]{32})/bundle")
 ARCH = re.compile(rb"sm_\d{2,3}a?")  # the route's pattern for ?arch=
 ROUTE = SimpleNamespace(path="/v1/kernels/{kernel_id}/bundle")  # the metrics label
 _SHA_QUERY = sa.select(Kernel.bundle_sha256).where(Kernel.id == sa.bindparam("kernel_id"))
-# format 2: the kernel's bundle joined to its precomputed views (service.served_bundles), one indexed read
+# formats 2 and 3: the kernel's bundle joined to its precomputed views (service.served_bundles), one indexed read
 _SERVED_QUERY = (sa.select(Kernel.bundle_sha256, ServedBundle.view, ServedBundle.sha256)
                  .outerjoin(ServedBundle, sa.and_(ServedBundle.bundle_sha256 == Kernel.bundle_sha256,
                                                   ServedBundle.view.in_([sa.bindparam("view"),
@@ -119,18 +119,18 @@ class LoopReader:
 
 def _served(rows: list[Any], kernel_id: str, view: str | None) -> tuple[str, str]:
     """(ETag sha256, the view served: "" for format 1, else the view asked for or, for an arch
-    without a binary, the one without binaries) from the rows of a lookup; Problem 404 for an
-    unknown kernel, 500 for a bundle without its format-2 copies (not migrated)."""
+    without a binary, its format's one without binaries) from the rows of a lookup; Problem 404
+    for an unknown kernel, 500 for a bundle without its format-2/-3 copies (not migrated)."""
     if not rows:
         raise not_found("kernel", kernel_id)
     if view is None:
         return rows[0][0], ""
     found = {r[1]: r[2] for r in rows if r[1] is not None}
-    for v in (view, NO_BINARIES):
+    for v in (view, no_binaries(view)):
         if v in found:
             return found[v], v
     raise Problem(500, "Stored bundle incomplete", f"kernel {kernel_id}: bundle {rows[0][0]} has no stored "
-                  "format-2 copy (run `foldwise db upgrade`)", kind="bundle-corrupted")
+                  f"format-{view.split(':')[0]} copy (run `foldwise db upgrade`)", kind="bundle-corrupted")
 
 
 def _lookup(conn: Any, ctx: AppContext, kernel_id: str, authorization: str | None,
@@ -144,7 +144,7 @@ def _lookup(conn: Any, ctx: AppContext, kernel_id: str, authorization: str | Non
     if view is None:
         rows = [(r[0], None, None) for r in [_RAW_SHA.first(conn, kernel_id=kernel_id)] if r is not None]
     else:
-        rows = _RAW_SERVED.all(conn, kernel_id=kernel_id, view=view, fallback=NO_BINARIES)
+        rows = _RAW_SERVED.all(conn, kernel_id=kernel_id, view=view, fallback=no_binaries(view))
     etag, chosen = _served(rows, kernel_id, view)
     return etag, rows[0][0], chosen
 
@@ -160,7 +160,7 @@ def _lookup_sa(conn: Any, ctx: AppContext, kernel_id: str, authorization: str | 
         rows = [(sha, None, None) for sha in [conn.execute(_SHA_QUERY, {"kernel_id": kernel_id}).scalar_one_or_none()]
                 if sha is not None]
     else:
-        rows = conn.execute(_SERVED_QUERY, {"kernel_id": kernel_id, "view": view, "fallback": NO_BINARIES}).all()
+        rows = conn.execute(_SERVED_QUERY, {"kernel_id": kernel_id, "view": view, "fallback": no_binaries(view)}).all()
     etag, chosen = _served(rows, kernel_id, view)
     return etag, rows[0][0], chosen
 
@@ -189,9 +189,9 @@ def etag_matches(if_none_match: str | None, sha: str) -> bool:
 
 async def bundle_answer(ctx: AppContext, kernel_id: str, authorization: str | None, if_none_match: str | None,
                         *, format: int = 1, arch: str | None = None) -> tuple[int, dict[str, str], bytes]:
-    """(status, headers, body) of a bundle request; raises Problem for errors. ``format`` 2 or
-    an ``arch``: the precomputed format-2 view (service.served_bundles)."""
-    view = view_of(arch) if (format == 2 or arch is not None) else None
+    """(status, headers, body) of a bundle request; raises Problem for errors. ``format`` 2 or 3,
+    or an ``arch`` (format 2 unless 3 is asked for): the precomputed view (service.served_bundles)."""
+    view = view_of(arch, 3 if format == 3 else 2) if (format in (2, 3) or arch is not None) else None
     reader: LoopReader | None = ctx.extra.get("loop_reader")
     found = None
     if reader is not None:
@@ -224,12 +224,12 @@ async def bundle_answer(ctx: AppContext, kernel_id: str, authorization: str | No
 
 def bundle_query(query_string: bytes) -> dict[str, Any] | None:
     """``format``/``arch`` of a bundle URL's query when they are what the documented route
-    accepts (format 1 or 2, an arch like sm_90a, each at most once); None otherwise (the
+    accepts (format 1, 2 or 3, an arch like sm_90a, each at most once); None otherwise (the
     route then answers, with its 422)."""
     out: dict[str, Any] = {}
     for pair in query_string.split(b"&"):
         name, _, value = pair.partition(b"=")
-        if name == b"format" and value in (b"1", b"2") and "format" not in out:
+        if name == b"format" and value in (b"1", b"2", b"3") and "format" not in out:
             out["format"] = int(value)
         elif name == b"arch" and ARCH.fullmatch(value) and "arch" not in out:
             out["arch"] = value.decode("ascii")

@@ -2,11 +2,11 @@
 
 Bundles are served as stored, byte for byte (``application/json``), with
 ``ETag: "<sha256>"``; ``If-None-Match`` with that tag (or ``*``) answers 304 without a body.
-Format 2 (``?format=2``, ``?arch=``) is stored too, precomputed per view when the bundle or a
-binary is stored (service.served_bundles). The bytes are re-hashed when first read from the
-database and then cached in memory by sha256 (content addressed, so never stale); the
-per-request database work is one indexed lookup of the kernel's current bundle (format 2:
-joined to its stored view), after the token check.
+Formats 2 and 3 (``?format=2|3``, ``?arch=``) are stored too, precomputed per view when the
+bundle or a binary is stored (service.served_bundles). The bytes are re-hashed when first read
+from the database and then cached in memory by sha256 (content addressed, so never stale); the
+per-request database work is one indexed lookup of the kernel's current bundle (formats 2 and
+3: joined to its stored view), after the token check.
 """
 
 from __future__ import annotations
@@ -55,8 +55,11 @@ async def get_bundle(
     kernel_id: KernelId, request: Request,
     _auth: Annotated[Db, Depends(database("kernels:read"))],
     if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
-    format: Annotated[int, Query(ge=1, le=2, description="1 (default): source only; 2: with compiled binaries")] = 1,
-    arch: Annotated[str | None, Query(pattern=r"^sm_\d{2,3}a?$", description="one binary variant, e.g. sm_90a; implies format=2")] = None,
+    format: Annotated[int, Query(ge=1, le=3, description="1 (default): source only; 2: with compiled binaries, one "
+                                 "per arch (the newest Triton's); 3: with every Triton version's per arch")] = 1,
+    arch: Annotated[str | None, Query(pattern=r"^sm_\d{2,3}a?$",
+                                      description="one arch's binaries, e.g. sm_90a; implies format=2 unless "
+                                                  "format=3")] = None,
 ) -> Response:
     """The kernel's bundle, byte for byte as stored; ``ETag`` is its sha256.
 
@@ -64,9 +67,10 @@ async def get_bundle(
     this route documents it and answers when the fast path is off.
 
     ``?format=2`` (or ``?arch=``) serves ``foldwise-bundle/2``: the same bundle with its compiled
-    binaries (service.bundle, "binaries"), ETag the format-2 sha256, as precomputed when the
-    bundle or a binary was stored (service.served_bundles). Format 1 stays the default so
-    clients written for it are served what they understand."""
+    binaries (service.bundle, "binaries"), one per arch; ``?format=3`` serves
+    ``foldwise-bundle/3``, with every Triton version's; ETag the served sha256, as precomputed
+    when the bundle or a binary was stored (service.served_bundles). Format 1 stays the default
+    so clients written for it are served what they understand."""
     status, headers, body = await bundle_answer(context(request), kernel_id, request.headers.get("authorization"),
                                                 if_none_match, format=format, arch=arch)
     return Response(body, status_code=status, headers=headers)
@@ -96,6 +100,9 @@ async def get_binary(
                                   description="<kernel name>.cubin or <kernel name>.ptx")],
     db: Annotated[Db, Depends(database("kernels:read"))],
     if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
+    triton_version: Annotated[str | None, Query(pattern=r"^[0-9][0-9A-Za-z.+_-]{0,63}$",
+                                                description="the Triton version that built it (default: the "
+                                                            "newest stored for the arch)")] = None,
 ) -> Response:
     """One stored binary: ``ETag`` and ``X-Content-SHA256`` are the sha256 of the bytes served
     (for a cubin, the ``cubin_sha256`` the bundle records)."""
@@ -103,7 +110,7 @@ async def get_binary(
     from service.binaries import BINARY_KINDS, binary_file
 
     name, kind = filename.rsplit(".", 1)
-    sha, body = await db.run(binary_file, kernel_id, arch, name, kind)
+    sha, body = await db.run(binary_file, kernel_id, arch, name, kind, triton_version)
     headers = {"ETag": f'"{sha}"', "X-Content-SHA256": sha, "Cache-Control": "no-cache",
                "Content-Disposition": f'attachment; filename="{arch}-{filename}"'}
     if etag_matches(if_none_match, sha):

@@ -1,4 +1,4 @@
-// One kernel: its facts, its bundle downloads (format 1 source, format 2 with binaries), and the
+// One kernel: its facts, its bundle downloads (format 1 source, format 3 with binaries), and the
 // compiled variants stored for it (per arch and kernel: sizes, registers, spills, shared memory,
 // Triton and ptxas versions), each cubin and PTX downloadable.
 import { api, download } from "../api.js";
@@ -38,14 +38,14 @@ export async function render(ctx) {
     ["strategy / config", h("span", {}, `${k.strategy} `, h("code", {}, fmtJson(displayConfig(k.spec_hash, k.config))))],
     ["time", h("span", {}, fmtMs(k.time_ms), h("span", { class: "muted" }, ` ${k.measurer}${k.predicted ? " (model prediction, not measured)" : ""}`))],
     ["bundle", h("span", {}, h("span", { class: "mono small" }, k.bundle_sha256), " ",
-      ctx.can("kernels:read") ? [bundleButton(1, "Download (source)"), " ", bundleButton(2, "Download with binaries")] : null)],
+      ctx.can("kernels:read") ? [bundleButton(1, "Download (source)"), " ", bundleButton(3, "Download with binaries")] : null)],
     ["created", h("span", {}, fmtTime(k.created_at), k.job_id ? [" · ", h("a", { href: `#/jobs/${encodeURIComponent(k.job_id)}` }, "job")] : null)],
   ];
   replace(facts, rows.map(([a, b]) => [h("dt", {}, a), h("dd", {}, b)]));
 
   const variants = bins.variants || [];
   note.textContent = variants.length
-    ? "Triton's compile of every kernel of the module, served in format-2 bundles; an inference server on a matching GPU launches the cubin without compiling."
+    ? "Triton's compile of every kernel of the module, per arch and Triton version, served in format-3 bundles (format 2: the newest Triton's per arch); an inference server on a matching GPU and Triton launches the cubin without compiling."
     : "No compiled binary stored for this kernel: bundles carry the source only (`foldwise binaries backfill` compiles them).";
   const file = (path, name, label) => h("button", { type: "button", class: "download-binary", "data-path": path,
     onclick: () => download(path.replace(/^\//, ""), name).catch(fail) }, label);
