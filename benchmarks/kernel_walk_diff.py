@@ -56,8 +56,7 @@ VERSION = re.compile(r"\(generator [0-9a-f]{12}\)")
 def _catalog_cases(rng: random.Random) -> list[dict]:
     from catalog_shapes import small_shape
 
-    from fuser_core.catalog import catalog_entries, load_suites
-    from fuser_core.catalog import PACKAGED_DIR
+    from fuser_core.catalog import PACKAGED_DIR, catalog_entries, load_suites
     from fuser_core.codegen.plan import valid_strategies
     from fuser_core.derive import derive_cascade
     from fuser_core.problem import make_problem
