@@ -736,8 +736,9 @@ class _Walk:
             self.values[step.name] = ref
 
     # ------------------------------------------------------------ outputs
-    def store(self, part: str) -> None:
-        """Store an output part (a whole tile of it where it varies over fewer dims)."""
+    def store(self, part: str) -> OutputStore:
+        """The store of an output part (a whole tile of it where it varies over fewer dims); the loads
+        and inner reductions its value needs are added first."""
         name = part.split(".")[0]
         step = self.spec.step(name)
         dims = step.dims
