@@ -20,7 +20,8 @@ sides generate exactly the same requests. The diff normalises the generator vers
 module's docstring and allows only these differences: kernel parameters removed that the
 kernel never read (with their launcher arguments) and imports removed that nothing used.
 Everything else (a changed line, an added parameter, a changed sketch or prediction) is
-reported as a difference, and the exit code is 1.
+reported as a difference, and the exit code is 1; so is a kernel whose sm_90 registers or spills
+went up, or that no longer compiles.
 """
 
 from __future__ import annotations
@@ -417,14 +418,14 @@ def diff(args: argparse.Namespace) -> int:
     print("  " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
     for k, v in kinds.most_common():
         print(f"  removed {k}: {v} modules")
-    regs = _registers_diff(before, after)
+    regs, worse = _registers_diff(before, after)
     if regs:
         print(regs)
     if args.differ_out:
         Path(args.differ_out).write_text("\n".join(sorted(set(differ))) + "\n")
     for line in bad[:args.show]:
         print("DIFFERENT", line)
-    return 1 if bad else 0
+    return 1 if bad or worse else 0
 
 
 # ---------------------------------------------------------------- registers
@@ -465,7 +466,7 @@ def registers(args: argparse.Namespace) -> int:
 def _registers_diff(before: Path, after: Path) -> str:
     pb, pa = before / "registers.json", after / "registers.json"
     if not (pb.exists() and pa.exists()):
-        return ""
+        return "", False
     rb, ra = json.loads(pb.read_text()), json.loads(pa.read_text())
     both = sorted(set(rb) & set(ra))
     lower = equal = higher = failed = 0
@@ -487,7 +488,7 @@ def _registers_diff(before: Path, after: Path) -> str:
                              f"spills {kb['spill_bytes']} -> {ka['spill_bytes']}")
     lines = [f"registers (sm_90) of {len(both)} compiled cases: {equal} kernels equal, {lower} lower, "
              f"{higher} higher, {failed} failed"]
-    return "\n".join(lines + [f"  WORSE {w}" for w in worse[:20]])
+    return "\n".join(lines + [f"  WORSE {w}" for w in worse[:20]]), bool(worse)
 
 
 def main(argv: list[str] | None = None) -> int:
