@@ -1,6 +1,8 @@
-"""The kernel structure (fuser_core/codegen/structure.py) and what the printers make of it:
-loop-invariant loads hoisted out of the loop, each kernel's arguments only what it uses, the
-split part + combine pair launched as one object, tl.dot decided once."""
+"""The kernel structure (fuser_core/codegen/structure.py: each kernel an ordered list of typed
+operations, fuser_core/codegen/ops.py) and what the printers make of it: loop-invariant loads
+hoisted out of the loop, each kernel's arguments exactly what its operations read, the split
+part + combine pair launched as one object, tl.dot decided once, every value's name and dims
+decided before printing, the helpers a module pastes named by its operations."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 
 from fuser_core.catalog import load_catalog_spec
 from fuser_core.codegen.module import module_source, output_dtypes
+from fuser_core.codegen.ops import Load
 from fuser_core.codegen.plan import KernelConfig, make_plan
 from fuser_core.codegen.structure import SplitLaunch, build_structure, kernel_names
 from fuser_core.derive import derive_cascade
@@ -51,7 +54,8 @@ def test_q_is_loaded_once_per_program_before_the_loop_over_n(strategy: str) -> N
     structure = build_structure(plan, dtypes)
     first = structure.kernels[0]
     assert [ld.name for ld in first.hoisted] == ["q"]  # q lacks n: loop-invariant; k and v are streamed
-    assert {ld.name for p in first.passes for ld in p.loads if not ld.hoisted} == {"k", "v"}
+    assert {op.input for op in first.walk() if isinstance(op, Load) and not op.hoisted} == {"k", "v"}
+    assert [loop.hoisted for loop in first.loops()][0] == ("q",)  # the first loop that reads q
     body = kernel_sources(module_source(plan, output_dtypes(spec, dtypes), dtypes))[first.name][1]
     lines = body.splitlines()
     loop = next(i for i, line in enumerate(lines) if line.strip().startswith("for start in range("))
@@ -76,9 +80,14 @@ def test_split_kernels_take_only_what_they_use() -> None:
     # the part kernel reads the inputs and writes the workspace: no output, no SPLIT
     assert {"q_ptr", "k_ptr", "v_ptr", "chunk"} <= set(part)
     assert "o_ptr" not in part and "stride_o_m" not in part and "SPLIT" not in part
-    # the combine kernel reads the workspace and writes o: no input it does not load
-    assert {"o_ptr", "stride_o_m", "SPLIT", "chunk"} <= set(combine)
+    # the combine kernel reads the workspace and writes o: no input it does not load, and no chunk
+    # (one program per lane block merges every part: it reads no chunk of the axis)
+    assert {"o_ptr", "stride_o_m", "SPLIT"} <= set(combine) and "chunk" not in combine
     assert not {"q_ptr", "k_ptr", "v_ptr", "stride_q_m", "stride_k_n"} & set(combine)
+    # nor sizes and blocks it never reads: b is the slowest lane (its program id is what is left),
+    # and the combine kernel has no d or n
+    assert "size_b" not in part and "BLOCK_b" not in part
+    assert not {"size_d", "size_n", "BLOCK_d", "BLOCK_n"} & set(combine)
     # the printed parameters are the structure's, and the launcher passes one value for each
     for kernel in structure.kernels:
         assert kernels[kernel.name][0] == [a.name for a in kernel.args]
@@ -132,7 +141,8 @@ def test_a_combine_kernel_writes_one_chunk_of_the_axis_per_program() -> None:
     (launch,) = structure.launches
     assert launch.part.grid.split and launch.combine.grid.split
     combine = structure.kernels[1]
-    assert [p.span for p in combine.passes if p.loop][-1] == "chunk_outputs"
+    assert [loop.span for loop in combine.loops()][-1] == "chunk_outputs"
+    assert "chunk" in [a.name for a in combine.args]  # its programs each write one chunk: it reads chunk
     body = kernel_sources(module_source(plan, output_dtypes(spec, dtypes), dtypes))[combine.name][1]
     assert "lo = tl.program_id(1) * chunk" in body
     assert "for start in range(lo, tl.minimum(lo + chunk, size_c), BLOCK_c):" in body
@@ -264,3 +274,89 @@ def test_attention_is_printed_on_the_fewest_dims_and_a_kernel_sets_up_only_the_o
     assert "offs_d" not in combine and "mask_d" not in combine and "offs_e" in combine
     report = self_check(spec, shape, "float16", strategy="split_fused", config=config, derivation=d)
     assert report["passed"], report
+
+
+# ---------------------------------------------------------------- one kernel walk (issue 22, deliverable 1)
+
+def catalog_modules(dtype: str = "float16"):
+    """(label, module source, structure) for every catalog spec x valid strategy at its small shape."""
+    from catalog_shapes import small_shape
+    from conftest import load_catalog
+
+    from fuser_core.codegen.plan import default_config, valid_strategies
+
+    for name, raw in sorted(load_catalog().items()):
+        spec = load_spec(raw)
+        d = derive_cascade(spec)
+        shape = small_shape(spec)
+        fp8 = {"w": "float8_e4m3fn", "w_scale": "float32"} if name == "fp8_quant_gemm" else {}
+        dtypes = bind_dtypes(spec, {**{i.name: dtype for i in spec.inputs if i.kind == "float"}, **fp8})
+        for strategy, why in valid_strategies(spec, d, shape).items():
+            if why is None:
+                plan = make_plan(spec, d, strategy, shape, default_config(spec, d, strategy, shape))
+                stores = output_dtypes(spec, dtypes)
+                yield f"{name} {strategy}", module_source(plan, stores, dtypes), build_structure(plan, dtypes, stores)
+
+
+def test_every_kernel_takes_exactly_the_parameters_its_operations_read_and_sets_up_only_offsets_it_reads() -> None:
+    import ast
+    import builtins
+
+    for label, source, structure in catalog_modules():
+        tree = ast.parse(source)
+        module_names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} | {"tl", "triton", "torch", "os"}
+        module_names |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        kernels = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.endswith("_kernel")]
+        assert [k.name for k in kernels] == [k.name for k in structure.kernels], label
+        for node, kernel in zip(kernels, structure.kernels):
+            params = [a.arg for a in node.args.args]
+            assert params == [a.name for a in kernel.args], label
+            loaded = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            stored = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            assert set(params) <= loaded, f"{label} {kernel.name}: unread parameters {set(params) - loaded}"
+            free = loaded - stored - module_names - set(dir(builtins))
+            assert free <= set(params), f"{label} {kernel.name}: reads {free - set(params)}, not parameters"
+            offsets = {n for n in stored if n.startswith(("offs_", "mask_"))}
+            assert offsets <= loaded, f"{label} {kernel.name}: sets up {offsets - loaded} and never reads them"
+            # the operations say they read every parameter the printed kernel reads
+            said = set().union(*(op.reads() for op in kernel.walk()))
+            assert set(params) <= said and free <= said and said <= loaded | set(params), label
+
+
+def test_the_printer_prints_operations_only() -> None:
+    """emit.py has no strategy branch and reads nothing back from its text (no regular expression);
+    every operation of a kernel names its value on its tile dims, in the kernel's order."""
+    import ast
+    from pathlib import Path
+
+    import fuser_core.codegen.emit as emit
+
+    tree = ast.parse(Path(emit.__file__).read_text())
+    assert not any(isinstance(n, ast.Attribute) and n.attr == "strategy" for n in ast.walk(tree))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "re" not in imported
+    spec, d, plan, dtypes = attention("split_fused")
+    for kernel in build_structure(plan, dtypes).kernels:
+        for op in kernel.walk():
+            assert kernel.layout.order(op.dims) == tuple(op.dims), (kernel.name, op)
+    part = build_structure(plan, dtypes).kernels[0]
+    folds = {op.name: op for op in part.walk() if type(op).__name__ in ("Fold", "Reduce")}
+    assert folds["s"].dims == ("m", "n") and folds["o_acc"].dims == ("m", "e") and folds["o_acc"].dot is not None
+
+
+def test_helpers_are_real_functions_copied_by_name() -> None:
+    import fuser_core.codegen.helpers as helpers
+    from fuser_core.codegen.emit import helper_names, helper_source
+
+    names = helper_names()
+    assert {"rescale", "topk_merge", "fp8e4m3_bits", "bf16_round", "pow_real"} <= set(names)
+    # @triton.jit functions (the interpreter's kind under TRITON_INTERPRET=1)
+    assert all(type(getattr(helpers, n)).__name__ in ("JITFunction", "InterpretedFunction") for n in names)
+    source, modules = helper_source(["fp8e4m3_round"])  # with the helpers it calls, in helpers.py's order
+    defined = re.findall(r"^def (\w+)\(", source, re.M)
+    assert defined == ["fp8e4m3_bits", "fp8e4m3_to_float", "fp8e4m3_round", "round_half_even"] and not modules
+    source, modules = helper_source(["bf16_round"])  # both definitions, chosen where the module loads
+    assert source.count("def bf16_round(") == 2 and "INTERPRETED = os.environ" in source and modules == {"os"}
+    softmax = softmax_source("streaming_fused", KernelConfig({"n": 64}))
+    assert "import os" not in softmax and "bf16_round" not in softmax

@@ -11,13 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuser_core.codegen.emit import HELPERS
-
-namespace: dict = {}
-exec(compile("import os\nimport torch\nimport triton\nimport triton.language as tl\n" + HELPERS, "<helpers>", "exec"),
-     namespace)
-fp8e4m3_bits = namespace["fp8e4m3_bits"]
-fp8e4m3_to_float = namespace["fp8e4m3_to_float"]
+from fuser_core.codegen.helpers import fp8e4m3_bits, fp8e4m3_to_float  # the helpers generated modules copy
 
 
 @triton.jit

@@ -55,9 +55,9 @@ def test_softmax_like_loops_fold_per_lane_and_merge_once(name: str, strategy: st
     axis = "v" if name == "cross_entropy" else "n"
     plan, kernels = source_of(name, strategy, SHAPES[name], {axis: 64}, split=2 if strategy == "split_fused" else 1)
     structure = build_structure(plan, bind_dtypes(plan.spec, "float32"))
-    streamed = next(p for p in structure.kernels[0].passes if p.span in ("axis", "chunk"))
-    assert streamed.per_lane and per_lane(plan, streamed.folds)[0]
-    assert any(p.span == "lanes" for p in structure.kernels[0].passes)
+    streamed = next(loop for loop in structure.kernels[0].loops() if loop.span in ("axis", "chunk"))
+    assert streamed.per_lane and per_lane(plan, streamed.body)[0]
+    assert streamed.lanes  # the lane merge after the loop
     body = kernels[kernel_names(plan)[0]][1]
     loop, after = first_loop(body)
     assert not re.search(r"tl\.(max|min|sum)\(", loop), loop  # elementwise per lane: no reduction per tile
@@ -74,8 +74,8 @@ def test_softmax_like_loops_fold_per_lane_and_merge_once(name: str, strategy: st
 def test_attention_stays_per_tile(strategy: str) -> None:
     spec, d, plan, dtypes = attention(strategy)
     structure = build_structure(plan, dtypes)
-    streamed = next(p for p in structure.kernels[0].passes if p.span in ("axis", "chunk"))
-    ok, why = per_lane(plan, streamed.folds)
+    streamed = next(loop for loop in structure.kernels[0].loops() if loop.span in ("axis", "chunk"))
+    ok, why = per_lane(plan, streamed.body)
     assert not streamed.per_lane and not ok and why == "o folds by tl.dot", why
     body = kernel_sources(module_source(plan, output_dtypes(spec, dtypes), dtypes))[structure.kernels[0].name][1]
     loop, _ = first_loop(body)
@@ -86,7 +86,8 @@ def test_shifted_and_taylor_stay_per_tile() -> None:
     """layernorm's variance anchors at a running estimate of the mean (reads the count): per tile."""
     spec = load_catalog_spec("layernorm")
     plan = make_plan(spec, derive_cascade(spec), "streaming_fused", {"t": 3, "c": 100}, KernelConfig({"c": 32}))
-    streamed = next(p for p in build_structure(plan, bind_dtypes(spec, "float32")).kernels[0].passes if p.span == "axis")
+    streamed = next(loop for loop in build_structure(plan, bind_dtypes(spec, "float32")).kernels[0].loops()
+                    if loop.span == "axis")
     assert not streamed.per_lane
 
 
@@ -140,7 +141,8 @@ def test_a_matrix_product_stays_per_tile_at_any_blocks(name: str, shape: dict, b
     """A sum that is a matrix product (a tl.dot at blocks >= 16) would hold an outer product per lane."""
     spec = load_catalog_spec(name)
     plan = make_plan(spec, derive_cascade(spec), "streaming_fused", shape, KernelConfig(blocks))
-    streamed = next(p for p in build_structure(plan, bind_dtypes(spec, "float32")).kernels[0].passes if p.span == "axis")
-    ok, why = per_lane(plan, streamed.folds)
+    streamed = next(loop for loop in build_structure(plan, bind_dtypes(spec, "float32")).kernels[0].loops()
+                    if loop.span == "axis")
+    ok, why = per_lane(plan, streamed.body)
     # at these blocks causal attention's masked product is a tl.dot (decide_dot); else it is refused as a product
     assert not streamed.per_lane and not ok and ("matrix product" in why or "folds by tl.dot" in why), why

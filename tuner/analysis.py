@@ -2,12 +2,14 @@
 
 The search space (resource checks) and the cost model (bytes, FLOPs) both need to know, for a
 (strategy, block sizes) pair, what the generated kernels do. The code generator decides that
-once, in :func:`fuser_core.codegen.structure.build_structure`: the kernels, their passes over
-the loop axis, the inputs each pass loads (loop-invariant ones hoisted), which reductions are
-``tl.dot`` contractions, the accumulators and the split workspace. :class:`Anatomy` reads that
-structure and turns each kernel into a :class:`KernelSketch` for the cost model: per pass the
-inputs read, the elementwise work per tile (each expression node at its own dims), the dots,
-and the tensors a program holds at once; the numbers come from :func:`pass_iterations` and
+once, in :func:`fuser_core.codegen.structure.build_structure`: each kernel as the ordered list
+of operations the printer prints (:mod:`fuser_core.codegen.ops`: loads, loops, folds, merges,
+stores...), with the inputs hoisted out of its loops, which reductions are ``tl.dot``
+contractions, the accumulators and the split workspace. :class:`Anatomy` counts that list and
+turns each kernel into a :class:`KernelSketch` for the cost model (:func:`sketch`): per pass (a
+loop, the lane merge after a per-lane loop, the straight-line code between loops) the inputs
+read, the elementwise work per tile (each expression node at its own dims), the dots, and the
+tensors a program holds at once; the numbers come from :func:`pass_iterations` and
 :func:`resources`.
 
 Every decision of the structure depends only on whether each block is 1, between 2 and 15, or
@@ -19,7 +21,7 @@ Example:
     >>> spec = load_catalog_spec("safe_softmax")
     >>> an = Anatomy(spec, derive_cascade(spec), {"x": "float16"})
     >>> [(p.loop, p.loads) for p in an.kernels("streaming_fused", {"m": 1, "n": 1024})[0].passes]
-    [('axis', ('x',)), ('axis', ('x',))]
+    [('axis', ('x',)), ('once', ()), ('axis', ('x',))]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
+from fuser_core.codegen import ops
 from fuser_core.codegen import structure as st
 from fuser_core.codegen.plan import STRATEGIES, KernelConfig, KernelPlan, loop_axis, next_pow2
 from fuser_core.derive import Derivation
@@ -41,13 +44,13 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, 
 DOT_BYTES = {"tl.float16": 2, "tl.bfloat16": 2, "tf32": 4, "ieee": 4}  # operand bytes in shared memory per tl.dot precision
 LOAD_ALU = 4  # per loaded element: address (multiply-add per dim, folded), mask, conversion to float32
 REDUCE_ALU = 2  # per element of a reduced tile: the mask select and the combine
-RESCALE_ALU = 4  # rescale(acc, c): compare, select, multiply (emit.HELPERS)
-TOPK_TILE_ALU = 5  # per tile element and per k: max, compare, min-index, select (emit.topk_merge)
+RESCALE_ALU = 4  # rescale(acc, c): compare, select, multiply (fuser_core/codegen/helpers.py)
+TOPK_TILE_ALU = 5  # per tile element and per k: max, compare, min-index, select (helpers.topk_merge)
 TOPK_SLOT_ALU = 8  # per list slot and per k
 ITERATION_ALU = 30  # per thread and loop iteration: offsets, bounds, loop control
 
 
-DotOp = st.Dot  # one tl.dot, as the structure decided it
+DotOp = ops.Dot  # one tl.dot, as the structure decided it
 
 
 @dataclass
@@ -224,10 +227,11 @@ class WorkCounter:
         if alu or sfu:
             self.p.add(self.an.dims_of(e) | self.widen, alu, sfu)
 
-    def fold(self, f: st.Fold, step: Step) -> None:
+    def fold(self, f: ops.Reduce | ops.Fold | ops.Select, step: Step) -> None:
         """acc (op)= reduce over the tile: a tl.dot (its operands' factors), or the tile and a tl.sum/max."""
-        if f.dot is not None:
-            d = f.dot
+        dot = getattr(f, "dot", None)
+        if dot is not None:
+            d = dot
             for factor in (*sp.Mul.make_args(d.p), *sp.Mul.make_args(d.q)):
                 self.expr(factor)
             self.p.add(d.p_dims, 2 + max(0, d.n_p_factors - 1))  # mask select, conversion, product of P's factors
@@ -295,48 +299,120 @@ class WorkCounter:
             self.p.add(acc, 2 * n_accs)
 
 
-# the structure's output passes loop like the loops the model knows (over the axis, or a chunk of
-# it); a per-lane pass's lane merge runs once
+# the structure's output loops loop like the loops the model knows (over the axis, or a chunk of
+# it); a per-lane loop's lane merge runs once
 LOOP_OF_SPAN = {"outputs": "axis", "chunk_outputs": "chunk", "lanes": "once"}
 
 
 def sketch(an: Anatomy, kernel: st.Kernel, structure: st.ModuleStructure) -> KernelSketch:
-    """The cost model's view of one kernel of the structure."""
+    """The cost model's view of one kernel of the structure: its operations counted, per pass (each
+    loop, the lane merge after a per-lane loop, and the straight-line code between loops when it
+    loads, reduces, computes or stores anything).
+
+    A hoisted load counts once per program (its address and conversion work) and in the loop that
+    reads it. A fold of a reduction the kernel realises incrementally (streamed, or a split part
+    merged, or lanes merged) counts, once per reduction and pass, the work its realisation adds
+    around the folds: the accumulators moved to the new anchors (the move terms and the moves),
+    the running value and the anchor update; a final value counts its realisation's value. The
+    ``Value``, ``AnchorUpdate``, ``Copy`` and ``Count`` operations those print are not counted again."""
     spec = an.spec
-    anchored = set(st.anchored_deps(structure.plan))
+    plan = structure.plan
+    anchored = set(st.anchored_deps(plan))
     ws_dims = {w.name: frozenset(w.dims) for w in structure.workspace}
     n_accs = {s.name: sum(1 for x in kernel.states if x.step == s.name) for s in an.axis_steps}
     grid = "lanes x split" if kernel.grid.split else "lanes"
+    hoisted = {op.input: op for op in kernel.ops if isinstance(op, ops.Load) and op.hoisted}
     prologue = Pass("once")  # hoisted loads: their address and conversion work, once per program
     passes: list[Pass] = []
     ws_stores: list[frozenset[str]] = []
-    for sp_ in kernel.passes:
-        p = Pass(LOOP_OF_SPAN.get(sp_.span, sp_.span))
-        w = WorkCounter(an, p, an.axis if sp_.per_lane or sp_.span == "lanes" else None)
-        for ld in sp_.loads:
-            dims = frozenset(ld.dims)
-            p.loads = (*p.loads, ld.name)
-            (prologue if ld.hoisted else p).add(dims, LOAD_ALU)
-            p.tensors.append(dims)
-        for f in sp_.folds:
-            w.fold(f, spec.step(f.step))
-        for e in sp_.values:
-            w.expr(e)
-        for name in sp_.updates:
-            step = spec.step(name)
-            if sp_.span == "split":
-                w.merge(step, n_accs[name])
-            elif sp_.span == "lanes":
-                w.merge_lanes(step)
+
+    def flat(items):
+        for op in items:
+            if isinstance(op, ops.FirstChunk):
+                yield from flat(op.body)
             else:
-                w.update(step, name in anchored)
-        for part in sp_.stores:
-            dims = frozenset(spec.step(part.split(".")[0]).dims)
-            p.stores.append((part, dims))
-            p.add(dims, 2)  # pointer and conversion of the stored value
-        p.ws_loads = [ws_dims[n] for n in sp_.ws_loads]
-        ws_stores += [ws_dims[n] for n in sp_.ws_stores]
-        passes.append(p)
+                yield op
+
+    def count(items, span: str, per_lane: bool = False, always: bool = True, loads: tuple[str, ...] = ()) -> None:
+        p = Pass(LOOP_OF_SPAN.get(span, span))
+        w = WorkCounter(an, p, an.axis if per_lane or span == "lanes" else None)
+        counted = False
+        done: set[str] = set()  # reductions whose update (or merge) this pass counted
+        for name in loads:  # the loop's hoisted loads
+            dims = frozenset(hoisted[name].input_dims)
+            p.loads = (*p.loads, name)
+            prologue.add(dims, LOAD_ALU)
+            p.tensors.append(dims)
+            counted = True
+        for op in flat(items):
+            if isinstance(op, ops.Load) and not op.hoisted:
+                dims = frozenset(op.input_dims)
+                p.loads = (*p.loads, op.input)
+                p.add(dims, LOAD_ALU)
+                p.tensors.append(dims)
+                counted = True
+            elif isinstance(op, (ops.Reduce, ops.Fold, ops.Select)):
+                step = spec.step(op.step)
+                w.fold(op, step)
+                counted = True
+                real = st.realisation(plan, step) if not isinstance(op, ops.Reduce) else None
+                if real is not None and op.step not in done:  # streamed with the realisation's step rule
+                    done.add(op.step)
+                    for a in real.accumulators:
+                        for t in a.move_terms:
+                            w.expr(t)
+                    if not real.selection and real.value not in real.symbols:
+                        w.expr(real.value)
+                    w.update(step, op.step in anchored)
+            elif isinstance(op, (ops.LaneMerge, ops.PartMerge)):
+                step = spec.step(op.step)
+                real = w.realisation(step)
+                counted = True
+                if op.step in done:
+                    continue
+                done.add(op.step)
+                sides = ("b",) if isinstance(op, ops.LaneMerge) else ("a", "b")
+                for a in real.accumulators:
+                    for side in sides:
+                        for t in a.move_terms:
+                            w.expr(real.at_part(t, side))
+                if not real.selection and real.value not in real.symbols:
+                    w.expr(real.value)
+                if isinstance(op, ops.LaneMerge):
+                    w.merge_lanes(step)
+                else:
+                    w.merge(step, n_accs[op.step])
+            elif isinstance(op, ops.Finalise):
+                if op.expr is not None and not op.expr.is_Atom:
+                    w.expr(op.expr)
+                    counted = True
+            elif isinstance(op, ops.OutputStore):
+                if op.expr is not None:
+                    w.expr(op.expr)
+                dims = frozenset(op.part_dims)
+                p.stores.append((op.part, dims))
+                p.add(dims, 2)  # pointer and conversion of the stored value
+                counted = True
+            elif isinstance(op, ops.WorkspaceLoad):
+                p.ws_loads.append(ws_dims[op.entry])
+            elif isinstance(op, ops.WorkspaceStore):
+                ws_stores.append(ws_dims[op.entry])
+        if always or counted:
+            passes.append(p)
+
+    straight: list[ops.Op] = []
+    for op in kernel.ops:
+        if not isinstance(op, ops.Loop):
+            straight.append(op)
+            continue
+        if straight:
+            count(straight, "once", always=False)
+            straight = []
+        count(op.body, op.span, per_lane=op.per_lane, loads=op.hoisted)
+        if op.lanes:
+            count(op.lanes, "lanes")
+    if straight:
+        count(straight, "once", always=False)
     if prologue.ops:
         passes.insert(0, prologue)
     return KernelSketch(kernel.name, grid, passes, [frozenset(s.dims) for s in kernel.states], ws_stores)

@@ -141,4 +141,52 @@ def axis_window(axis: str, folds: Sequence[tuple[str, sp.Expr]], *, counts: bool
     return window_of(sp.Symbol(f"index({axis})", integer=True, nonnegative=True), [conds[0]])
 
 
-__all__ = ["Window", "axis_window", "first", "last", "masked_condition", "window_of"]
+def bound_text(e: sp.Expr, tile_dims: Iterable[str]) -> tuple[str, set[str]]:
+    """A window end as Triton text, and the names it reads: ``first(d)`` is ``pid_d * BLOCK_d``,
+    ``last(d) + 1`` the end of the program's block of d (``tl.minimum(pid_d * BLOCK_d + BLOCK_d,
+    size_d)``); a lane in no tile (block 1) is its scalar offset ``offs_d``; ``size(d)`` is ``size_d``."""
+    tile = set(tile_dims)
+    reads: set[str] = set()
+    ends = {s: sp.Symbol(f"end({s.name[5:-1]})", integer=True) - 1 for s in e.free_symbols if s.name.startswith("last(")}
+    e = sp.expand(e.subs(ends)) if ends else e
+
+    def text(e: sp.Expr) -> str:
+        if e.is_Integer:
+            return str(int(e))
+        if e.is_Symbol:
+            name = e.name
+            dim = name[name.index("(") + 1:-1]
+            if name.startswith("size("):
+                reads.add(f"size_{dim}")
+                return f"size_{dim}"
+            if dim not in tile:  # a scalar lane: one index per program (its end: the next one)
+                reads.add(f"offs_{dim}")
+                return f"(offs_{dim} + 1)" if name.startswith("end(") else f"offs_{dim}"
+            reads.update({f"pid_{dim}", f"BLOCK_{dim}"})
+            if name.startswith("first("):
+                return f"pid_{dim} * BLOCK_{dim}"
+            reads.add(f"size_{dim}")
+            return f"tl.minimum(pid_{dim} * BLOCK_{dim} + BLOCK_{dim}, size_{dim})"  # end(d)
+        if isinstance(e, (sp.Min, sp.Max)):
+            fn = "tl.minimum" if isinstance(e, sp.Min) else "tl.maximum"
+            out = text(e.args[0])
+            for arg in e.args[1:]:
+                out = f"{fn}({out}, {text(arg)})"
+            return out
+        if e.is_Mul:
+            return " * ".join(text(f) if not f.is_Add else f"({text(f)})" for f in e.args)
+        if e.is_Add:
+            terms = sorted(e.args, key=lambda t: (t.is_Integer, sp.default_sort_key(t)))  # the constant last
+            out = text(terms[0])
+            for t in terms[1:]:
+                if (t.is_Integer and t < 0) or (t.is_Mul and t.args[0].is_Integer and t.args[0] < 0):
+                    out += f" - {text(-t)}"
+                else:
+                    out += f" + {text(t)}"
+            return f"({out})"
+        raise AssertionError(f"not a loop bound: {e}")
+
+    return text(e), reads
+
+
+__all__ = ["Window", "axis_window", "bound_text", "first", "last", "masked_condition", "window_of"]

@@ -54,10 +54,10 @@ from fuser_core import expr as ex
 from fuser_core.canonical import canonical_json
 from fuser_core.codegen.emit import load_expr, store_expr
 from fuser_core.codegen.layout import Layout
-from fuser_core.codegen.names import kernel_arg, safe_name
 from fuser_core.codegen.module import TORCH_DTYPES, _load, cached_source, generate, module_header, output_dtypes
+from fuser_core.codegen.names import FP8, kernel_arg, safe_name
 from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan, NotValid, make_plan, next_pow2
-from fuser_core.codegen.tritonize import to_triton
+from fuser_core.codegen.tritonize import Ref, expr_dims, helpers_of, to_triton
 from fuser_core.derive import Derivation, derive_cascade
 from fuser_core.reference import bind_shape, param_values
 from fuser_core.spec import Input, Spec, Step, load_spec
@@ -475,13 +475,11 @@ class ElementwiseWriter:
             emit(f"    pid_{d} = pid % nblk_{d}")
             emit(f"    pid = pid // nblk_{d}")
         lay = self.layout
-        var_dims: dict[str, tuple[str, ...]] = {}
         for d in self.dims:
             emit(f"    offs_{d} = pid_{d} * BLOCK_{d} + tl.arange(0, BLOCK_{d})")
             emit(f"    mask_{d} = offs_{d} < size_{d}")
-            var_dims[f"offs_{d}"] = (d,)
-        values = {f"size({d})": f"(size_{d} * 1.0)" for d in self.spec.dims}
-        values.update({f"index({d})": f"offs_{d}" for d in self.dims})
+        values: dict[str, Ref] = {f"size({d})": Ref(f"size_{d}", (), "size") for d in self.spec.dims}
+        values.update({f"index({d})": Ref(f"offs_{d}", (d,)) for d in self.dims})
 
         def pointer(var: str, dims) -> str:
             return " + ".join([f"{var}_ptr", *(f"{lay.expand(f'offs_{d}', (d,), dims)} * stride_{var}_{d}" for d in dims)])
@@ -489,24 +487,20 @@ class ElementwiseWriter:
         def mask_of(dims) -> str:
             return " & ".join(lay.expand(f"mask_{d}", (d,), dims) for d in lay.order(dims))
 
-        def dims_of(text: str) -> tuple[str, ...]:
-            return lay.dims_of(text, var_dims)
-
         for name in self.leaves:
             var, dims = self.var[name], self.leaf_dims(name)
             mask = mask_of(dims)
             args = f"{pointer(var, dims)}, mask={mask}, other=0" if mask else pointer(var, dims)
             kind = "tl.int32" if self.leaf_is_index(name) else "tl.float32"
             emit(f"    {var} = {load_expr(args, self.input_dtypes.get(name), kind)}")
-            var_dims[var] = lay.order(dims)
-            values[name] = var
+            values[name] = Ref(var, lay.order(dims))
         for o in self.outputs:
             var, dims = self.var[o], self.spec.step(o).dims
             e = self.exprs[o]
             emit(f"    # output {o} = {sp.sstr(e)}")
-            value = to_triton(e, values, lay, dims_of)
+            value = to_triton(e, values, lay)
             if any(s.name in self.var or s.name.startswith("index(") for s in e.free_symbols):
-                full = lay.whole(value, dims_of(value), dims)
+                full = lay.whole(value, expr_dims(e, values, lay), dims)
             else:  # no tensor in it (sizes and numbers only)
                 full = f"(tl.zeros({lay.shape(dims)}, tl.float32) + ({value}))"
             ptr = pointer(var, dims)
@@ -551,10 +545,16 @@ class ElementwiseWriter:
         lines.append("    return {" + ", ".join(f'"{o}": {self.var[o]}' for o in self.outputs) + "}")
         return "\n".join(lines) + "\n"
 
+    def helpers(self) -> list[str]:
+        """The @triton.jit helpers the kernel calls: its expressions', and fp8's conversions."""
+        out = ["fp8e4m3_to_float"] if any(self.input_dtypes.get(n) == FP8 for n in self.leaves) else []
+        out += [h for o in self.outputs for h in helpers_of(self.exprs[o])]
+        return out + (["fp8e4m3_bits"] if any(self.stores[o] == FP8 for o in self.outputs) else [])
+
     def module_source(self) -> str:
         body = self.write()
         header = module_header(f"{self.spec.name}, unfused chain, elementwise outputs.",
-                               [f"blocks: {json.dumps(self.blocks, sort_keys=True)}"], body)
+                               [f"blocks: {json.dumps(self.blocks, sort_keys=True)}"], self.helpers())
         return header + "\n\n" + body + "\n\n" + self.launcher()
 
 

@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
@@ -75,10 +75,6 @@ class Layout:
             return text
         index = ", ".join(":" if d in have else "None" for d in want)
         return f"{text if is_atom(text) else f'({text})'}[{index}]"
-
-    def dims_of(self, text: str, var_dims: Mapping[str, Iterable[str]]) -> tuple[str, ...]:
-        """The dims of a value printed without a reduction in it: the union of its variables' dims."""
-        return self.union(*(var_dims.get(n, ()) for n in _NAME.findall(text)))
 
     def whole(self, text: str, have: Iterable[str], want: Iterable[str]) -> str:
         """``text`` (a tensor on ``have``) as a whole tile over ``want``, to be stored."""

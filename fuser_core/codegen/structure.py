@@ -1,32 +1,64 @@
 """The kernels of a generated module, decided once from a plan, before anything is printed.
 
 :func:`build_structure` turns a :class:`~fuser_core.codegen.plan.KernelPlan` (and the input and
-output storage dtypes) into a :class:`ModuleStructure`: the kernels a strategy launches, and
-per kernel its passes over the loop axis, the loads of each pass (loop-invariant ones hoisted:
-attention's ``q`` does not vary along ``n``, so it is loaded once per program, before the
-loop), the reductions folded in each pass and which of them are ``tl.dot`` contractions, the
-accumulators it carries, the workspace a split kernel hands to its combine kernel, the
-argument list of each kernel (only what it uses), and the launches with their grids (a split
-part kernel and its combine kernel as one :class:`SplitLaunch`).
+output storage dtypes) into a :class:`ModuleStructure`: the kernels a strategy launches, each an
+ordered list of typed operations (:mod:`fuser_core.codegen.ops`: program ids, offsets, loads,
+loops, folds, anchor updates, lane and part merges, final values, workspace and output stores),
+each naming the value it defines and the tile dims it lives on; the states a kernel carries, the
+workspace a split kernel hands to its combine kernel, the argument list of each kernel (exactly
+the parameters its operations read) and the launches with their grids (a split part kernel and
+its combine kernel as one :class:`SplitLaunch`).
 
-Three readers share it: the Triton printer (:mod:`fuser_core.codegen.emit`), the launcher
-printer (:mod:`fuser_core.codegen.module`) and the tuner's analysis (:mod:`tuner.analysis`),
-so the rule that makes a sum a ``tl.dot``, the loads of a pass and the kernels' arguments are
-written here only.
+This is the one walk of each strategy: it decides the loads (loop-invariant ones hoisted:
+attention's ``q`` does not vary along ``n``, so it is loaded once per program, before the loop),
+the inner reductions and which sums are ``tl.dot`` contractions, per-lane or per-tile states,
+each value's name and dims, the helpers each kernel calls. Three readers share it: the Triton
+printer (:mod:`fuser_core.codegen.emit`, one method per operation type, no strategy branch), the
+launcher printer (:mod:`fuser_core.codegen.module`) and the tuner's analysis
+(:mod:`tuner.analysis`), which counts the same operations.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import sympy as sp
 
-from fuser_core.codegen.bounds import Window, axis_window
-from fuser_core.codegen.names import kernel_arg, safe_name
+from fuser_core.codegen.bounds import axis_window, bound_text
+from fuser_core.codegen.layout import Layout
+from fuser_core.codegen.names import FP8, kernel_arg, safe_name
+from fuser_core.codegen.ops import (
+    AnchorUpdate,
+    Chunk,
+    Comment,
+    Copy,
+    Count,
+    Dot,
+    Env,
+    Finalise,
+    FirstChunk,
+    Fold,
+    InitState,
+    LaneMerge,
+    Load,
+    Loop,
+    Offsets,
+    Op,
+    OutputStore,
+    PartMerge,
+    Program,
+    Reduce,
+    Select,
+    Value,
+    WorkspaceLoad,
+    WorkspaceStore,
+    walk,
+)
 from fuser_core.codegen.plan import KernelPlan
+from fuser_core.codegen.tritonize import Ref, is_literal, lookup
 from fuser_core.derive import ReductionForm
-from fuser_core.realisation import COUNT_OLD, SELECTIONS, Realisation
+from fuser_core.realisation import COUNT_OLD, SELECTIONS, Realisation, identity, new, part_acc, part_anchor, part_count
 from fuser_core.spec import Input, Step
 
 ORDER_SELECTIONS = SELECTIONS
@@ -42,64 +74,6 @@ def var_name(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class Load:
-    """One input loaded (converted to float32) in a pass. ``hoisted``: it does not vary along
-    the loop axis, so it is loaded once per program before the kernel's first loop."""
-
-    name: str  # the input's spec name
-    dims: tuple[str, ...]
-    hoisted: bool = False
-
-
-@dataclass(frozen=True)
-class Dot:
-    """sum over ``over`` of P * Q computed as ``tl.dot(P[i, over], Q[over, j])`` (times ``scale``,
-    the factors that vary over no blocked dim, applied after the product)."""
-
-    over: str
-    i: str
-    j: str
-    p: sp.Expr
-    q: sp.Expr
-    scale: sp.Expr | None
-    precision: str  # "tl.float16" | "tl.bfloat16" | "ieee": the operands' precision
-    direct: tuple[str, ...] = ()  # inputs that are a factor as loaded (staged in shared memory once)
-
-    @property
-    def dims(self) -> frozenset[str]:
-        return frozenset({self.i, self.j, self.over})
-
-    @property
-    def p_dims(self) -> frozenset[str]:
-        return frozenset({self.i, self.over})
-
-    @property
-    def q_dims(self) -> frozenset[str]:
-        return frozenset({self.over, self.j})
-
-    @property
-    def n_p_factors(self) -> int:
-        return len(sp.Mul.make_args(self.p))
-
-    @property
-    def n_q_factors(self) -> int:
-        return len(sp.Mul.make_args(self.q))
-
-
-@dataclass(frozen=True)
-class Fold:
-    """A reduction of ``expr`` over ``over`` in a pass: an inner reduction (a whole tile) or one
-    tile of a reduction over the loop axis folded into its accumulator."""
-
-    step: str
-    over: str
-    op: str  # the op run (a fused form's effective op)
-    expr: sp.Expr
-    dot: Dot | None
-    inner: bool  # over an inner axis (held whole), not the loop axis
-
-
-@dataclass(frozen=True)
 class State:
     """One float32/int32 accumulator carried by a kernel (and, split, handed over in the workspace)."""
 
@@ -107,31 +81,6 @@ class State:
     step: str
     dims: tuple[str, ...]
     dtype: str  # "float32" | "int32"
-
-
-@dataclass(frozen=True)
-class Pass:
-    """One stretch of a kernel.
-
-    ``span``: ``axis`` (a loop over the whole axis; row_resident: its one resident tile),
-    ``chunk`` (a split program's chunk of the axis), ``split`` (the combine kernel's loop over
-    the SPLIT partial states), ``once`` (straight-line code after the loops), ``outputs``
-    (the second loop over the axis that writes the outputs keeping it), ``chunk_outputs``
-    (that loop over one chunk of the axis: a combine program writes its own chunk's outputs) or
-    ``lanes`` (straight-line code after a per-lane streamed pass: its lane states folded over the
-    axis with the merge rule)."""
-
-    span: str
-    loop: bool  # printed as a loop (False: row_resident's tile and ``once``)
-    per_lane: bool = False  # a streamed pass whose states are per lane (:func:`per_lane`); its ``lanes`` pass merges them
-    loads: tuple[Load, ...] = ()  # first needed in this pass (hoisted ones are printed before the loops)
-    folds: tuple[Fold, ...] = ()
-    values: tuple[sp.Expr, ...] = ()  # elementwise expressions printed besides the folds
-    updates: tuple[str, ...] = ()  # axis reductions whose state this pass updates (streams or merges)
-    stores: tuple[str, ...] = ()  # output parts written
-    ws_loads: tuple[str, ...] = ()  # workspace entries read (per iteration)
-    ws_stores: tuple[str, ...] = ()  # workspace entries written
-    window: Window | None = None  # a loop's part of the axis its programs can see (masks: fuser_core.codegen.bounds)
 
 
 @dataclass(frozen=True)
@@ -162,24 +111,37 @@ class Grid:
 
 @dataclass(frozen=True)
 class Kernel:
-    """One ``@triton.jit`` kernel of the module."""
+    """One ``@triton.jit`` kernel of the module: its operations, in order (:mod:`fuser_core.codegen.ops`)."""
 
     name: str
     role: str  # "main" | "split_part" | "combine"
     grid: Grid
-    passes: tuple[Pass, ...]
+    doc: str  # its docstring
+    layout: Layout  # its tile dims: a lane with block 1 is a scalar offset, in no tile
+    ops: tuple[Op, ...]
     states: tuple[State, ...]
-    args: tuple[Arg, ...]
+    args: tuple[Arg, ...]  # exactly the parameters its operations read
     inputs: tuple[str, ...]  # inputs it loads (spec names)
     outputs: tuple[str, ...]  # output parts it writes
 
+    def walk(self) -> Iterable[Op]:
+        """Every operation, nested ones (a loop's body) after the one that holds them."""
+        return walk(self.ops)
+
+    def loops(self) -> tuple[Loop, ...]:
+        return tuple(op for op in self.walk() if isinstance(op, Loop))
+
     @property
     def hoisted(self) -> tuple[Load, ...]:
-        return tuple(ld for p in self.passes for ld in p.loads if ld.hoisted)
+        return tuple(op for op in self.ops if isinstance(op, Load) and op.hoisted)
 
     @property
     def dots(self) -> tuple[Dot, ...]:
-        return tuple(f.dot for p in self.passes for f in p.folds if f.dot is not None)
+        return tuple(op.dot for op in self.walk() if isinstance(op, (Reduce, Fold)) and op.dot is not None)
+
+    def helpers(self) -> list[str]:
+        """The ``@triton.jit`` helpers its operations call (each once, first use first)."""
+        return list(dict.fromkeys(h for op in self.walk() for h in op.helpers()))
 
 
 @dataclass(frozen=True)
@@ -208,17 +170,13 @@ class ModuleStructure:
     kernels: tuple[Kernel, ...]
     launches: tuple[Launch | SplitLaunch, ...]
     workspace: tuple[State, ...]  # empty unless split_fused
-    dots: tuple[tuple[str, sp.Expr, Dot | None], ...]  # (over, reduced expression, its tl.dot or None)
 
     def kernel(self, name: str) -> Kernel:
         return next(k for k in self.kernels if k.name == name)
 
-    def dot(self, e: sp.Expr, over: str) -> Dot | None:
-        """The tl.dot decided for a sum over ``over`` of ``e`` (None: a tile reduction)."""
-        for o, x, d in self.dots:
-            if o == over and x == e:
-                return d
-        raise LookupError(f"no dot decision for a sum over {over} of {sp.sstr(e)} (structure and printer disagree)")
+    def helpers(self) -> list[str]:
+        """The helpers the module's kernels call."""
+        return list(dict.fromkeys(h for k in self.kernels for h in k.helpers()))
 
 
 # ---------------------------------------------------------------------- small rules
@@ -271,9 +229,10 @@ def accumulators(plan: KernelPlan, step: Step, lanes: bool = False) -> tuple[Sta
     return tuple(out)
 
 
-def per_lane(plan: KernelPlan, folds: Iterable[Fold]) -> tuple[bool, str]:
-    """THE rule for per-lane states in a streamed pass, decided here once (the printer and the tuner's
-    analysis read :attr:`Pass.per_lane`): (whether, why).
+def per_lane(plan: KernelPlan, folds: Iterable) -> tuple[bool, str]:
+    """THE rule for per-lane states in a streamed loop, decided here once (the printer and the tuner's
+    analysis read :attr:`~fuser_core.codegen.ops.Loop.per_lane`): (whether, why). ``folds``: the
+    loop's operations (its folds are read: :class:`~fuser_core.codegen.ops.Fold`, ``Select``, ``Reduce``).
 
     Per lane, every lane of the loop axis's tile (``[BLOCK_m, BLOCK_n]``) keeps its own running state,
     updated elementwise in the loop with the realisation's step rule (no cross-warp reduction per tile),
@@ -303,9 +262,9 @@ def per_lane(plan: KernelPlan, folds: Iterable[Fold]) -> tuple[bool, str]:
         if not set(step.dims) <= lanes:
             return False, f"{step.name}: its state has dims besides the lanes ({', '.join(sorted(set(step.dims) - lanes))})"
     for f in folds:
-        if f.inner:
+        if not isinstance(f, (Fold, Select, Reduce, _FoldFact)) or getattr(f, "inner", False):
             continue
-        if f.dot is not None:
+        if getattr(f, "dot", None) is not None:
             return False, f"{f.step} folds by tl.dot"
         if f.op == "sum" and contracts(plan, f.expr, f.over):  # a tl.dot at larger blocks; per lane, an outer product
             return False, f"{f.step} is a matrix product over {f.over} (its lanes would hold an outer product)"
@@ -454,191 +413,881 @@ def _unmasked(direct: tuple[str, ...], side: sp.Expr) -> tuple[str, ...]:
 # ---------------------------------------------------------------------- the walk
 
 
-class _KernelWalk:
-    """Collects one kernel's passes: what each needs, in the order the printer needs it."""
+@dataclass(frozen=True)
+class _FoldFact:
+    """A fold a streamed loop will make, for :func:`per_lane` before the loop is walked."""
 
-    def __init__(self, plan: KernelPlan, dtypes: Mapping[str, str], dots: dict):
+    step: str
+    over: str
+    op: str
+    expr: sp.Expr
+    dot: Dot | None
+    inner: bool = False
+
+
+def _placeholder(name: str) -> sp.Symbol:
+    """A symbol standing for the variable ``name`` in an operation's expression (its env maps it)."""
+    return sp.Symbol(f"<{name}>")
+
+
+class _Walk:
+    """One kernel's operations, in the order they run (and are printed).
+
+    ``values`` maps what expressions read (a spec name, or a symbol: ``count[old]``, a part's
+    accumulator) to the :class:`Ref` holding it in the kernel; ``loaded`` are the inputs and inner
+    reductions computed in the current scope (a loop's body forgets them after it, except
+    ``persistent`` ones: loaded at the kernel's top level or hoisted); ``filled``: inputs loaded
+    with a fold's identity in their masked lanes."""
+
+    def __init__(self, plan: KernelPlan, dtypes: Mapping[str, str], stores: Mapping[str, str], dots: dict,
+                 role: str, grid: Grid, no_fill: frozenset[str] = frozenset()):
         self.plan = plan
+        self.spec = plan.spec
+        self.axis = plan.axis
         self.conv = plan.derivation.symbols
         self.forms = plan.derivation.forms
         self.dtypes = dtypes
-        self.dots = dots
-        self.passes: list[Pass] = []
-        self.per_lane = False  # the pass being collected keeps per-lane states (see lane_states)
-        self.persistent: set[str] = set()  # loads at the kernel's top level or hoisted: kept for every pass
+        self.stores = stores
+        self.dots = dots  # (over, expr) -> its tl.dot or None, shared by a module's kernels
+        self.role = role
+        self.grid = grid
+        self.no_fill = no_fill  # inputs a tl.dot of this kernel reads: never identity-filled
+        self.layout = Layout(tile_dims(plan))
+        self.var_dims: dict[str, tuple[str, ...]] = {}  # variable -> the tile dims its value lives on
+        self.values: dict[str | sp.Basic, Ref] = {}
+        self.loaded: set[str] = set()
+        self.persistent: set[str] = set()
+        self.filled: dict[str, str] = {}
+        self.merged: set[str] = set()  # reductions whose final value a lane merge computed
+        self.lanes = False  # walking a per-lane loop (states and anchors per lane of the axis's tile)
+        self.lanes_states = False  # its streamed loop keeps per-lane states (the kernel carries those)
+        self.head: list[Op] = []  # program ids and offsets
+        self.prologue: list[Op] = []  # hoisted loads
+        self.ops: list[Op] = []
+        self.out = self.ops  # where operations go now (a loop's body while it is walked)
+        self.depth = 1
+        self.hoisted: list[str] | None = None  # the loop being walked: inputs hoisted for it
         self.inputs: list[str] = []
-        self._open("once", False)
+        self.accs: dict[str, list[str]] = {}
 
-    def _open(self, span: str, loop: bool) -> None:
-        self.span, self.loop, self.per_lane = span, loop, False
-        self.scope: set[str] = set(self.persistent)
-        self.loads: list[Load] = []
-        self.folds: list[Fold] = []
-        self.values: list[sp.Expr] = []
-        self.updates: list[str] = []
-        self.stores: list[str] = []
-        self.ws_loads: list[str] = []
-        self.ws_stores: list[str] = []
+    # ------------------------------------------------------------ small helpers
+    def add(self, op: Op) -> Op:
+        self.out.append(op)
+        return op
 
-    def close(self) -> None:
-        if self.span == "once" and not (self.loads or self.folds or self.values or self.updates or self.stores):
-            return
-        self.passes.append(Pass(self.span, self.loop, self.per_lane, tuple(self.loads), tuple(self.folds), tuple(self.values),
-                                tuple(self.updates), tuple(self.stores), tuple(self.ws_loads), tuple(self.ws_stores),
-                                self.window()))
+    def order(self, dims: Iterable[str]) -> tuple[str, ...]:
+        return self.layout.order(dims)
 
-    def window(self) -> Window | None:
-        """The part of the axis this loop's programs can see (:mod:`fuser_core.codegen.bounds`): a
-        reduction loop whose every fold is masked the same way skips the tiles no lane sees."""
-        if not (self.loop and self.span in ("axis", "chunk")):
-            return None
-        steps = self.plan.axis_reductions()
-        selections = any(effective_op(self.plan, s) in ORDER_SELECTIONS or s.reduce in ORDER_SELECTIONS for s in steps)
-        counts = self.plan.strategy in FUSED_STRATEGIES and reads_count(self.plan)
-        folds = [(f.op, f.expr) for f in self.folds if not f.inner]
-        return axis_window(self.plan.axis, folds, counts=counts, selections=selections)
+    def let(self, name: str, dims: Iterable[str]) -> Ref:
+        """``name`` now holds a value on ``dims``."""
+        self.var_dims[name] = self.order(dims)
+        return Ref(name, self.var_dims[name])
 
-    def open(self, span: str, loop: bool) -> None:
-        self.close()
-        self._open(span, loop)
+    def var(self, name: str) -> Ref:
+        """The variable ``name``, defined earlier in the kernel, on its dims."""
+        return Ref(name, self.var_dims[name])
 
-    def need(self, exprs: Iterable[sp.Expr]) -> None:
-        """Loads and inner reductions that give every symbol of ``exprs`` a value (emit.need)."""
+    def env(self, *exprs: sp.Expr | None, extra: Mapping | None = None) -> Env:
+        """What each free symbol of ``exprs`` reads: ``extra`` first, then the values in scope."""
+        names = {**self.values, **(extra or {})}
+        out: dict[sp.Basic, Ref] = {}
         for e in exprs:
+            if e is None:
+                continue
             for s in sorted(e.free_symbols, key=lambda s: s.name):
-                if s.name in self.scope:
-                    continue
-                step = self.conv.leaf_step.get(s)
-                if step is not None and step.over != self.plan.axis:
-                    self.scope.add(s.name)
-                    integrand = self.conv.integrand(step)
-                    self.need([integrand])
-                    self.fold(step, step.over, step.reduce or "sum", integrand, inner=True)
-                elif step is None and isinstance(self.plan.spec.lookup(s.name), Input):
-                    self.load(s.name)
+                out[s] = lookup(names, s)
+        return tuple(out.items())
 
-    def load(self, name: str) -> None:
-        dims = self.plan.spec.input(name).dims
-        hoisted = self.loop and self.plan.axis not in dims
-        self.scope.add(name)
-        if hoisted or not self.loop:
-            self.persistent.add(name)
-        self.loads.append(Load(name, dims, hoisted))
-        if name not in self.inputs:
-            self.inputs.append(name)
+    def dims_of(self, e: sp.Expr, env: Env) -> tuple[str, ...]:
+        return self.layout.union(*(ref.dims for sym, ref in env if sym in e.free_symbols))
 
-    def fold(self, step: Step, over: str, op: str, e: sp.Expr, inner: bool = False) -> None:
-        dot = None
-        if op == "sum":
-            key = (over, e)
-            if key not in self.dots:
-                self.dots[key] = decide_dot(self.plan, e, over, self.dtypes)
-            dot = self.dots[key]
-        self.folds.append(Fold(step.name, over, op, e, dot, inner))
-
-    def value(self, exprs: Iterable[sp.Expr]) -> None:
-        exprs = [e for e in exprs if e is not None]
-        self.need(exprs)
-        self.values += [e for e in exprs if not e.is_Atom]
-
-    # -- reductions over the loop axis
-    def direct(self, step: Step) -> None:
-        integrand = self.conv.integrand(step)
-        self.need([integrand])
-        self.fold(step, self.plan.axis, effective_op(self.plan, step), integrand)
+    def effective_op(self, step: Step) -> str:
+        return effective_op(self.plan, step)
 
     def realisation(self, step: Step) -> Realisation:
         real = self.forms[step.name].realisation
         assert real is not None, f"{step.name} is streamed but not fused"
         return real
 
-    def running_value(self, real: Realisation) -> None:
-        """The reduction's value from its accumulators, for the reductions that read it in the loop."""
-        if not real.selection and real.value not in real.symbols:
-            self.value([real.value])
+    def axis_steps(self) -> list[Step]:
+        return self.plan.axis_reductions()
 
-    def stream(self, step: Step) -> None:
-        """One tile with the realisation's step rule: the accumulators moved to the new anchors,
-        each contribution folded over the tile, then the running value."""
-        real = self.realisation(step)
-        self.updates.append(step.name)
-        rules = real.step()
-        self.need([r.left for r in rules] + [r.right for r in rules])
-        for a in real.accumulators:
-            self.values += [t for t in a.move_terms if not t.is_Atom]
-        for rule in rules:
-            self.fold(step, self.plan.axis, rule.op, rule.right)
-        self.running_value(real)
+    def dot(self, e: sp.Expr, over: str) -> Dot | None:
+        key = (over, e)
+        if key not in self.dots:
+            self.dots[key] = decide_dot(self.plan, e, over, self.dtypes)
+        return self.dots[key]
 
-    def merge(self, step: Step) -> None:
-        """One partial state folded into the merged one with the realisation's merge rule."""
-        real = self.realisation(step)
-        self.updates.append(step.name)
-        self.ws_loads += [s.name for s in accumulators(self.plan, step)]
-        rules = real.merge()
-        self.need([r.left for r in rules] + [r.right for r in rules])
-        for a in real.accumulators:
-            for side in ("a", "b"):
-                self.values += [real.at_part(t, side) for t in a.move_terms if not t.is_Atom]
-        self.running_value(real)
-
-    def lane_states(self) -> bool:
-        """Decide (:func:`per_lane`) whether the streamed pass being collected keeps per-lane states; if
-        so, the ``lanes`` pass after it merges them (:meth:`merge_lanes`)."""
-        lanes = self.per_lane = per_lane(self.plan, self.folds)[0]
+    # ------------------------------------------------------------ set-up
+    def setup(self) -> None:
+        """Program ids, offsets and masks of every tile dim but the axis; sizes and indices by name."""
+        lanes, dims = self.plan.lanes, self.layout.dims
         if lanes:
-            self.open("lanes", False)
-            for step in self.plan.axis_reductions():
-                self.merge_lanes(step)
-        return lanes
+            self.head.append(Program(lanes=lanes, tile=frozenset(d for d in lanes if d in dims), used=frozenset()))
+        for d in self.plan.dims:
+            if d == self.axis or d not in dims:
+                continue
+            self.head.append(Offsets(dim=d, base="pid" if d in lanes else "", mask=True))
+            self.let(f"offs_{d}", (d,))
+            self.let(f"mask_{d}", (d,))
+        for d in self.plan.dims:
+            self.values[f"size({d})"] = Ref(f"size_{d}", (), "size")
+            self.values[f"index({d})"] = Ref(f"offs_{d}", (d,) if d in dims else ())
 
-    def merge_lanes(self, step: Step) -> None:
-        """The lanes of a per-lane state folded over the axis with the merge rule (each lane one part)."""
+    def axis_tile(self, start: str) -> None:
+        a = self.axis
+        self.add(Offsets(dim=a, base="start" if start != "0" else "", mask=True))
+        self.let(f"offs_{a}", (a,))
+        self.let(f"mask_{a}", (a,))
+
+    # ------------------------------------------------------------ loops
+    def loop(self, span: str, var: str, lo: str, hi: str, step: str | None, bounds: Iterable[str],
+             body: Callable[[], Callable[[], None] | None], resident: bool = False) -> Loop:
+        """Walk ``body()`` as the body of a loop; what it returns (a per-lane loop's lane merge), if
+        anything, is walked as the operations after the loop that merge its lanes."""
+        outer, outer_hoisted = self.out, self.hoisted
+        ops: list[Op] = []
+        self.out = ops
+        if not resident:
+            self.hoisted = []
+        per_lane_loop = body()
+        lanes: list[Op] = []
+        hoisted = tuple(self.hoisted or ()) if not resident else ()
+        self.hoisted = outer_hoisted
+        if per_lane_loop:
+            self.out = lanes
+            per_lane_loop()
+        self.out = outer
+        return self.add(Loop(span=span, var=var, lo=lo, hi=hi, step=step, bounds=frozenset(bounds), body=tuple(ops),
+                             resident=resident, per_lane=bool(per_lane_loop), lanes=tuple(lanes), hoisted=hoisted))
+
+    def begin_scope(self) -> None:
+        for name in self.loaded - self.persistent:
+            self.values.pop(name, None)
+        self.loaded = set(self.persistent)
+
+    # ------------------------------------------------------------ loads and inner reductions
+    def need(self, exprs: Iterable[sp.Expr]) -> None:
+        """Loads and inner reductions so that every symbol of ``exprs`` has a value here."""
+        for e in exprs:
+            for s in sorted(e.free_symbols, key=lambda s: s.name):
+                if s.name in self.values:
+                    continue
+                step = self.conv.leaf_step.get(s)
+                if step is not None and step.over != self.axis:
+                    self.inner_reduction(step)
+                elif step is None and self.spec.lookup(s.name) is not None:
+                    self.load(s.name)
+
+    def hoist(self, exprs: Iterable[sp.Expr]) -> None:
+        """The loop-invariant loads ``exprs`` would need, hoisted, without computing ``exprs`` here (a
+        running value computed only after the loop: its inputs are loaded once, before the loops)."""
+        if self.hoisted is None:
+            return
+        for e in exprs:
+            for s in sorted(e.free_symbols, key=lambda s: s.name):
+                if s.name in self.values:
+                    continue
+                step = self.conv.leaf_step.get(s)
+                if step is not None and step.over != self.axis:
+                    self.hoist([self.conv.integrand(step)])
+                elif (step is None and isinstance(self.spec.lookup(s.name), Input)
+                      and self.axis not in self.spec.input(s.name).dims):
+                    self.load(s.name)
+
+    def identity_loads(self, folds: list[tuple[str, sp.Expr]]) -> None:
+        """Each load masked once: an input that a max/min over the axis folds as it is, is loaded
+        with the fold's identity in its masked lanes (``other``), so the fold needs no tl.where.
+        Not for an input a tl.dot reads (its masked lanes must be 0 there), nor for index inputs
+        and fp8 bits (no infinity); every other use of it masks its lanes itself."""
+        for op, e in folds:
+            if op not in ("max", "min") or not isinstance(e, sp.Symbol) or e.name in self.values:
+                continue
+            inp = self.spec.lookup(e.name)
+            if not isinstance(inp, Input) or not inp.is_float or self.dtypes.get(e.name) == FP8:
+                continue
+            if self.axis not in inp.dims or e.name in self.no_fill:
+                continue
+            self.load(e.name, fill=op)
+
+    def load(self, name: str, fill: str | None = None) -> None:
+        inp = self.spec.input(name)
+        var = safe_name(name)
+        tile = self.order(inp.dims)
+        hoisted = self.hoisted is not None and self.axis not in inp.dims
+        if fill and tile:
+            self.filled[name] = fill
+        else:
+            self.filled.pop(name, None)
+        op = Load(input=name, name=var, dims=tile, input_dims=inp.dims, kind="tl.int32" if inp.is_index else "tl.float32",
+                  dtype=self.dtypes.get(name), fill=fill, hoisted=hoisted)
+        self.values[name] = self.let(var, inp.dims)
+        self.loaded.add(name)
+        if hoisted:  # loaded once per program, before the loops
+            self.prologue.append(op)
+            self.hoisted.append(name)
+            self.persistent.add(name)
+        else:
+            self.add(op)
+            if self.depth == 1:  # the kernel's top level: in scope for the rest of the kernel
+                self.persistent.add(name)
+        if name not in self.inputs:
+            self.inputs.append(name)
+
+    def inner_reduction(self, step: Step) -> None:
+        integrand = self.conv.integrand(step)
+        self.need([integrand])
+        var = safe_name(step.name)
+        self.add(Comment(text=f"# {step.name}: {step.reduce} over {step.over} of {sp.sstr(integrand)}"))
+        op = step.reduce or "sum"
+        dot = self.dot(integrand, step.over) if op == "sum" else None
+        if op not in ("sum", "max", "min"):
+            raise NotImplementedError(f"{op} inside a tile")  # validated earlier: inner reductions are sum/max/min
+        env = self.env(dot.p, dot.q, dot.scale) if dot is not None else self.env(integrand)
+        if dot is not None:
+            dims = self.order((dot.i, dot.j))
+            masked = not self.zero_filled(dot.p, step.over)
+        else:
+            dims = tuple(d for d in self.layout.union(self.dims_of(integrand, env), (step.over,)) if d != step.over)
+            masked = True
+        note = f"  # tl.dot: sum over {step.over} as a matrix product" if dot is not None else ""
+        self.add(Reduce(step=step.name, name=var, dims=dims, op=op, over=step.over, expr=integrand, env=env, inner=True,
+                        dot=dot, masked=masked, note=note))
+        self.values[step.name] = self.let(var, dims)
+        self.loaded.add(step.name)
+
+    def zero_filled(self, e: sp.Expr, over: str) -> bool:
+        """Is ``e`` an input loaded here with 0 in the masked lanes of ``over``?"""
+        return (isinstance(e, sp.Symbol) and e.name in self.loaded and e.name not in self.filled
+                and isinstance(self.spec.lookup(e.name), Input) and over in self.spec.input(e.name).dims)
+
+    # ------------------------------------------------------------ reductions over the loop axis
+    def state_dims(self, dims: Iterable[str]) -> set[str]:
+        return set(dims) | ({self.axis} if self.lanes else set())
+
+    def anchor_var(self, dep: str) -> str:
+        return f"{safe_name(dep)}_lane_anchor" if self.lanes else f"{safe_name(dep)}_anchor"
+
+    def init_state(self, step: Step, parts: int = 1) -> list[str]:
+        """The initial (empty) accumulators of an axis reduction; returns their names."""
+        var = safe_name(step.name)
+        dims = self.order(self.state_dims(step.dims))
+        op = self.effective_op(step)
+        if op in ORDER_SELECTIONS:  # (values, indices), selected on values (negated for bottom-k/argmin)
+            self.add(InitState(name=f"{var}_acc_values", dims=dims, dtype="float32", fill=-sp.oo))
+            self.add(InitState(name=f"{var}_acc_indices", dims=dims, dtype="int32", fill=2147483647,
+                               note="  # empty: no index yet"))
+            self.let(f"{var}_acc_values", dims)
+            self.let(f"{var}_acc_indices", dims)
+            return [f"{var}_acc"]
+        names = [state_name(step, j, parts, self.lanes) for j in range(parts)]
+        for n in names:
+            self.add(InitState(name=n, dims=dims, dtype="float32", fill=identity(op)))
+            self.let(n, dims)
+        return names
+
+    def tile_fold(self, step: Step, e: sp.Expr, env: Env) -> tuple[Dot | None, bool, tuple[str, ...], str]:
+        """A sum/max/min of ``e`` over the axis's tile: (its tl.dot, whether its masked lanes are set to
+        the identity, the dims of its value, a note)."""
+        a = self.axis
+        op = self.effective_op(step)
+        dot = self.dot(e, a) if op == "sum" else None
+        if dot is not None:
+            return dot, not self.zero_filled(dot.p, a), self.order((dot.i, dot.j)), f"  # tl.dot: sum over {a} as a matrix product"
+        dims = self.dims_of(e, env)
+        masked = not (isinstance(e, sp.Symbol) and self.filled.get(e.name) == op and e.name in self.values)
+        if masked:
+            dims = self.layout.union(dims, (a,))
+        return None, masked, tuple(d for d in dims if d != a), ""
+
+    def fold(self, step: Step, acc: str, e: sp.Expr, prev: sp.Expr | None = None, prev_names: Mapping | None = None) -> None:
+        """acc = prev (op) reduce over the tile of e (a tl.dot when e is a contraction that fits one);
+        ``prev`` is the accumulator moved before the tile (None: itself)."""
+        op = self.effective_op(step)
+        env_e = self.env(e)
+        env_prev = self.env(prev, extra=prev_names) if prev is not None else ()
+        if op in ORDER_SELECTIONS:
+            self.select(step, acc, e, env_e + env_prev, prev)
+            return
+        dot, masked, _, note = self.tile_fold(step, e, env_e)
+        env = (self.env(dot.p, dot.q, dot.scale) if dot is not None else env_e) + env_prev
+        self.add(Fold(step=step.name, name=acc, dims=self.var_dims[acc], op=op, over=self.axis, expr=e, env=env, prev=prev,
+                      dot=dot, masked=masked, note=note))
+
+    def lane_fold(self, step: Step, acc: str, e: sp.Expr, prev: sp.Expr | None, prev_names: Mapping | None) -> None:
+        """acc = prev (op) e, elementwise: each lane of the tile folds its own element into its own state;
+        masked-off lanes fold the identity (unless its load filled them)."""
+        op = self.effective_op(step)
+        masked = not (isinstance(e, sp.Symbol) and self.filled.get(e.name) == op and e.name in self.values)
+        env = self.env(e) + (self.env(prev, extra=prev_names) if prev is not None else ())
+        self.add(Fold(step=step.name, name=acc, dims=self.var_dims[acc], op=op, over=self.axis, expr=e, env=env, prev=prev,
+                      masked=masked, per_lane=True))
+
+    def select(self, step: Step, acc: str, e: sp.Expr, env: Env, prev: sp.Expr | None) -> None:
+        """Merge a tile into a running argmax/argmin or top-k/bottom-k (on negated values for the
+        smallest): the tile over the state's dims and the axis, as the merge helpers take it."""
+        a = self.axis
+        op = self.effective_op(step)
+        state = self.var_dims[f"{acc}_values"]
+        lanes = tuple(d for d in state if d != step.as_dim)  # a top-k list's slots are not the tile's
+        tile_dims = self.layout.union(lanes, (a,))
+        got = self.layout.union(self.dims_of(e, env), (a,))
+        slots = step.as_dim if op in ("topk", "bottomk") else None
+        self.add(Select(step=step.name, name=acc, dims=state, op=op, over=a, expr=e, env=env, prev=prev, slots=slots,
+                        k=step.k if slots else None, tile_dims=tile_dims, broadcast=got != tile_dims))
+
+    def selected(self, step: Step, acc: str) -> Ref:
+        """The accumulated values of an order reduction, signs undone."""
+        op = self.effective_op(step)
+        return Ref(f"{acc}_values", self.var_dims[f"{acc}_values"], "neg" if op in ("bottomk", "argmin") else "var")
+
+    def set_result(self, step: Step, value: Ref | None, indices: str | None = None, expr: sp.Expr | None = None,
+                   env: Env = ()) -> None:
+        """Name a reduction's final value: ``expr`` (fused: its realisation's value) or ``value`` (a
+        selection's values, or its accumulator); a variable already is read as it is."""
+        var = safe_name(step.name)
+        if step.reduce in ("argmax", "argmin"):
+            self.values[step.name] = self.var(indices)
+            self.add(Finalise(step=step.name, name="", dims=(), expr=expr, env=env))
+            return
+        target = f"{var}_values" if step.reduce == "topk" else var
+        if expr is not None:
+            bare = isinstance(expr, sp.Symbol) and lookup(dict(env), expr).form == "var"
+            dims = self.dims_of(expr, env)
+            ref = lookup(dict(env), expr) if bare else self.let(target, dims)
+            self.add(Finalise(step=step.name, name="" if bare else target, dims=ref.dims, expr=expr, env=env))
+        else:
+            bare = value.form == "var"
+            ref = Ref(value.name, value.dims) if bare else self.let(target, value.dims)
+            self.add(Finalise(step=step.name, name="" if bare else target, dims=ref.dims, expr=None, source=value))
+        if step.reduce == "topk":
+            self.values[f"{step.name}.values"] = ref
+            self.values[f"{step.name}.indices"] = self.var(indices)
+        else:
+            self.values[step.name] = ref
+
+    # ------------------------------------------------------------ outputs
+    def store(self, part: str) -> OutputStore:
+        """The store of an output part (a whole tile of it where it varies over fewer dims); the loads
+        and inner reductions its value needs are added first."""
+        name = part.split(".")[0]
+        step = self.spec.step(name)
+        dims = step.dims
+        if step.is_reduction and step.over == self.axis:
+            expr, env, value = None, (), self.values[part]
+            value_dims, constant = value.dims, False
+        else:
+            expr = self.conv.value(name, part.split(".")[1] if "." in part else None)
+            self.need([expr])
+            env, value = self.env(expr), None
+            value_dims, constant = self.dims_of(expr, env), is_literal(expr)
+        return OutputStore(part=part, name=safe_name(part), part_dims=dims, dims=self.order(dims), expr=expr, env=env,
+                           value=value, value_dims=value_dims, dtype=self.stores[part], constant=constant)
+
+    def outputs(self) -> None:
+        """Row outputs once; outputs that still have the loop axis in a last pass over it (a
+        parallel combine kernel: over its program's chunk, row outputs from chunk 0 only)."""
+        a = self.axis
+        along = axis_outputs(self.plan)
+        row = [p for p in self.spec.output_parts if p not in along]
+        chunked = self.role == "combine" and self.grid.split
+        if chunked and row:  # every program of a lane block has the row outputs: chunk 0's writes them
+            stores = [self.store(part) for part in row]  # loads stay outside the if
+            body: list[Op] = []
+            for part, op in zip(row, stores):
+                body += [Comment(text=f"# output {part}"), op]
+            self.add(FirstChunk(body=tuple(body)))
+        for part in row if not chunked else ():
+            self.add(Comment(text=f"# output {part}"))
+            self.add(self.store(part))
+        if not along:
+            return
+        if self.plan.strategy == "row_resident":
+            for part in along:
+                self.add(Comment(text=f"# output {part}"))
+                self.add(self.store(part))
+            return
+        if chunked:
+            self.add(Comment(text=f"# second pass, over this program's chunk of {a}: outputs {', '.join(along)} need "
+                                  "the final reductions"))
+            span, lo, hi, bounds = "chunk_outputs", "lo", f"tl.minimum(lo + chunk, size_{a})", ("lo", "chunk", f"size_{a}")
+        else:
+            self.add(Comment(text=f"# second pass over {a}: outputs {', '.join(along)} need the final reductions"))
+            span, lo, hi, bounds = "outputs", "0", f"size_{a}", (f"size_{a}",)
+
+        def body():
+            self.depth += 1
+            self.begin_scope()
+            self.axis_tile("start")
+            for part in along:
+                self.add(self.store(part))
+            self.depth -= 1
+            self.begin_scope()
+
+        self.loop(span, "start", lo, hi, f"BLOCK_{a}", (*bounds, f"BLOCK_{a}"), body)
+
+    # ------------------------------------------------------------ strategies
+    def row_resident(self) -> None:
+        a = self.axis
+
+        def body():
+            self.axis_tile("0")
+            for step in self.axis_steps():
+                integrand = self.conv.integrand(step)
+                # no identity_loads here: the row stays live through every reduction and output, and with
+                # -inf in its masked lanes sm_90 spilled more (safe_softmax n=32768: 560 -> 992 bytes)
+                self.need([integrand])
+                self.add(Comment(text=f"# {step.name} = {step.reduce} over {a} of {sp.sstr(integrand)}"))
+                self.direct_reduction(step, integrand)
+            self.outputs()
+
+        self.loop("axis", "start", "0", f"size_{a}", f"BLOCK_{a}", (), body, resident=True)
+
+    def direct_reduction(self, step: Step, value: sp.Expr) -> None:
+        if self.effective_op(step) not in ORDER_SELECTIONS:  # the whole axis is one tile: its reduction is the value
+            env = self.env(value)
+            dot, masked, dims, note = self.tile_fold(step, value, env)
+            if dot is not None:
+                env = self.env(dot.p, dot.q, dot.scale)
+            var = safe_name(step.name)
+            self.add(Reduce(step=step.name, name=var, dims=dims, op=self.effective_op(step), over=self.axis, expr=value,
+                            env=env, inner=False, dot=dot, masked=masked, note=note))
+            self.values[step.name] = self.let(var, dims)
+            return
+        acc = self.init_state(step)[0]
+        self.fold(step, acc, value)
+        if step.reduce in ("topk", "argmax", "argmin"):
+            self.set_result(step, self.selected(step, acc), f"{acc}_indices")
+        else:
+            self.set_result(step, self.var(acc))
+
+    def multi_pass(self) -> None:
+        a = self.axis
+        for step in self.axis_steps():
+            integrand = self.conv.integrand(step)
+            self.add(Comment(text=f"# pass: {step.name} = {step.reduce} over {a} of {sp.sstr(integrand)}"))
+            acc = self.init_state(step)[0]
+
+            def body(step=step, integrand=integrand, acc=acc):
+                self.depth += 1
+                self.begin_scope()
+                self.axis_tile("start")
+                self.identity_loads([(step.reduce or "", integrand)])
+                self.need([integrand])
+                self.fold(step, acc, integrand)
+                self.depth -= 1
+                self.begin_scope()
+
+            lo, hi, bounds = self.windowed([(step.reduce or "", integrand)], "0", f"size_{a}", (f"size_{a}", f"BLOCK_{a}"))
+            self.loop("axis", "start", lo, hi, f"BLOCK_{a}", bounds, body)
+            if step.reduce in ("topk", "argmax", "argmin"):
+                self.set_result(step, self.selected(step, acc), f"{acc}_indices")
+            else:
+                self.set_result(step, self.var(acc))
+        self.outputs()
+
+    def streaming_fused(self) -> None:
+        a = self.axis
+        self.streaming_loop("axis", "0", f"size_{a}", (f"size_{a}",))
+        self.finalize()
+        self.outputs()
+
+    def split_part(self) -> None:
+        self.add(Chunk(part=True))
+        a = self.axis
+        self.streaming_loop("chunk", "lo", f"tl.minimum(lo + chunk, size_{a})", ("lo", "chunk", f"size_{a}"))
+        for w in workspace(self.plan):
+            self.add(WorkspaceStore(entry=w.name, entry_dims=w.dims, dims=self.order(w.dims), value_dims=self.var_dims[w.name]))
+
+    def combine_kernel(self) -> None:
+        if self.grid.split:
+            self.add(Chunk(part=False))
+        self.combine()
+        self.finalize()
+        self.outputs()
+
+    # -- streaming: the derived incremental form
+    def stream_folds(self) -> list[_FoldFact]:
+        """The folds of the streamed loop (its reductions' tile contributions), for :func:`per_lane`."""
+        out = []
+        for step in self.axis_steps():
+            for rule in self.realisation(step).step():
+                dot = self.dot(rule.right, self.axis) if rule.op == "sum" else None
+                out.append(_FoldFact(step.name, self.axis, rule.op, rule.right, dot))
+        return out
+
+    def streaming_loop(self, span: str, lo: str, hi: str, hi_reads: tuple[str, ...]) -> None:
+        """The loop over the axis with the realisations' step rule; per tile (each tile reduced into the
+        state) or, where :func:`per_lane` allows it, per lane (each lane of the tile keeps its own state,
+        updated elementwise) with the lanes merged once after the loop."""
+        a = self.axis
+        steps = self.axis_steps()
+        self.lanes = self.lanes_states = per_lane(self.plan, self.stream_folds())[0]
+        accs = {s.name: self.init_state(s, len(self.realisation(s).accumulators)) for s in steps}
+        anchors = anchored_deps(self.plan)
+        for dep in anchors:
+            dims = self.order(self.state_dims(self.spec.step(dep).dims))
+            self.add(InitState(name=self.anchor_var(dep), dims=dims, dtype="float32", fill=None))
+            self.let(self.anchor_var(dep), dims)
+        counts = reads_count(self.plan)
+        if counts:
+            self.add(Count(mode="init", axis=a))
+        lanes = self.lanes
+
+        def body():
+            self.depth += 1
+            self.begin_scope()
+            self.axis_tile("start")
+            if counts:
+                self.add(Count(mode="tile", axis=a, hi=hi, hi_reads=frozenset(hi_reads)))
+            for dep in anchors:
+                anchor = self.anchor_var(dep)
+                self.add(Copy(name=f"{anchor}_old", dims=self.var_dims[anchor], source=anchor))
+                self.values[f"{dep}[old]"] = self.let(f"{anchor}_old", self.var_dims[anchor])
+                self.values[f"{dep}[new]"] = self.var(anchor)
+            self.values[COUNT_OLD] = Ref("count_old")  # by symbol: a step named `count` has its own count[old]
+            for step in steps:
+                self.streaming_update(step, accs[step.name])
+                if step.name in anchors:
+                    self.update_anchor(step)
+            self.depth -= 1
+            self.begin_scope()
+            self.accs = accs
+            return (lambda: self.merge_lanes(accs)) if lanes else None
+
+        folds = [(f.op, f.expr) for f in self.stream_folds() if not f.inner]
+        lo, hi, bounds = self.windowed(folds, lo, hi, (*hi_reads, f"BLOCK_{a}"))
+        self.loop(span, "start", lo, hi, f"BLOCK_{a}", bounds, body)
+
+    def windowed(self, folds: list[tuple[str, sp.Expr]], lo: str, hi: str,
+                 reads: tuple[str, ...]) -> tuple[str, str, tuple[str, ...]]:
+        """A reduction loop's ``lo``/``hi`` clamped to the part of the axis its program's lanes can
+        see (:mod:`fuser_core.codegen.bounds`; the lower end rounded down to a tile boundary), with
+        the names the bounds read."""
+        steps = self.axis_steps()
+        selections = any(effective_op(self.plan, s) in ORDER_SELECTIONS or s.reduce in ORDER_SELECTIONS
+                         for s in steps)
+        counts = self.plan.strategy in FUSED_STRATEGIES and reads_count(self.plan)
+        w = axis_window(self.axis, folds, counts=counts, selections=selections)
+        if w is None:
+            return lo, hi, reads
+        a, extra = self.axis, set()
+        if w.lo is not None:
+            text, used = bound_text(w.lo, self.layout.dims)
+            start = f"tl.maximum({text}, 0) // BLOCK_{a} * BLOCK_{a}"
+            lo = start if lo == "0" else f"tl.maximum({lo}, {start})"
+            extra |= used
+            self.add(Comment(text=f"# masked: this program's lanes see no {a} before {text}"))
+        if w.hi is not None:
+            text, used = bound_text(w.hi, self.layout.dims)
+            hi = f"tl.minimum({hi}, {text})"
+            extra |= used
+            self.add(Comment(text=f"# masked: this program's lanes see no {a} from {text} on"))
+        return lo, hi, (*reads, *sorted(extra - set(reads)))
+
+    def merge_lanes(self, lanes: dict[str, list[str]]) -> None:
+        """After a per-lane loop, each reduction's lanes folded over the axis once with the realisation's
+        merge rule (each lane a part, [old] = its anchors, [new] = the merged ones): the merged
+        accumulators have the names and shapes a per-tile loop leaves, so what follows reads them as
+        it would. Masked-off lanes hold the fold's identity, which every move keeps (rescale's guard)."""
+        a = self.axis
+        anchors = anchored_deps(self.plan)
+        lane_anchors = {dep: self.anchor_var(dep) for dep in anchors}
+        self.lanes = False
+        merged: dict[str, list[str]] = {}
+        for step in self.axis_steps():
+            names: dict = {}  # the merged anchors set so far (a dep's is set after its own merge)
+            for dep in anchors:
+                sym = self.conv.symbols[dep]
+                names[part_anchor(sym, "b")] = self.var(lane_anchors[dep])
+                if self.anchor_var(dep) in self.var_dims:
+                    names[new(sym)] = self.var(self.anchor_var(dep))
+            real = self.realisation(step)
+            moved = " re-anchored to the merged " + ", ".join(real.deps) if real.moves else ""
+            self.add(Comment(text=f"# {step.name}: its lanes merged, {real.op} over {a} of each lane's state{moved}"))
+            accs = merged[step.name] = [state_name(step, j, len(real.accumulators)) for j in range(len(real.accumulators))]
+            rules = real.merge()
+            self.need([r.right for r in rules])
+            extra = {**names, **{part_acc(j, "b"): self.var(lane) for j, lane in enumerate(lanes[step.name])}}
+            for acc, rule in zip(accs, rules):
+                env = self.env(rule.right, extra=extra)
+                dims = tuple(d for d in self.dims_of(rule.right, env) if d != a)
+                self.add(LaneMerge(step=step.name, name=acc, dims=dims, op=rule.op, axis=a, expr=rule.right, env=env))
+                self.let(acc, dims)
+            if self.read_in_loop(step):  # the merged value, for the merged anchor or a later merge
+                self.running_value(step, accs)
+                self.merged.add(step.name)
+            if step.name in anchors:
+                self.update_anchor(step, "merged")
+        self.accs = merged
+
+    def update_anchor(self, step: Step, what: str = "running") -> None:
+        anchor, value = self.anchor_var(step.name), self.values[step.name]
+        kinds = {self.forms[s.name].anchors.get(step.name) for s in self.axis_steps()} - {None}
+        estimate = any(k and k.startswith("running estimate") for k in kinds)
+        note = f"  # running estimate of {step.name}" if estimate else f"  # {what} {step.reduce} of {step.name}"
+        self.add(AnchorUpdate(dep=step.name, name=anchor, dims=value.dims, value=value, estimate=estimate, axis=self.axis,
+                              note=note))
+        self.let(anchor, value.dims)
+
+    def with_anchors(self, real: Realisation) -> dict[str, Ref | None]:
+        """Values for a tile's contribution: dependencies at their (new) anchors."""
+        saved = {}
+        for dep in real.anchors:
+            saved[dep] = self.values.get(dep)
+            self.values[dep] = self.var(self.anchor_var(dep))
+        return saved
+
+    def restore(self, saved: dict[str, Ref | None]) -> None:
+        for k, v in saved.items():
+            if v is None:
+                self.values.pop(k, None)
+            else:
+                self.values[k] = v
+
+    def state_names(self, real: Realisation, accs: list[str]) -> list[str]:
+        """The variable each accumulator's moved expression reads (a selection's: its values)."""
+        return [f"{acc}_values" if a.selection else acc for a, acc in zip(real.accumulators, accs)]
+
+    def streaming_update(self, step: Step, accs: list[str]) -> None:
+        """One tile with the realisation's step rule: acc_k = op(moved_k(acc), fold(contribution_k))."""
         real = self.realisation(step)
-        self.updates.append(step.name)
-        rules = real.merge()
-        self.need([r.right for r in rules])
-        for a in real.accumulators:
-            self.values += [real.at_part(t, "b") for t in a.move_terms if not t.is_Atom]
-        self.running_value(real)
+        reads = f", reads {', '.join(real.deps)}" if real.deps else ""
+        per = " per lane" if self.lanes else ""
+        self.add(Comment(text=f"# {step.name}: {real.op} over {self.axis}{per} ({real.kind}{reads})"))
+        saved = self.with_anchors(real)
+        rules = real.step()
+        self.identity_loads([(r.op, r.right) for r in rules])
+        self.need([r.left for r in rules] + [r.right for r in rules])
+        names = {sym: self.var(n) for sym, n in zip(real.symbols, self.state_names(real, accs))}
+        prevs, prev_names = self.moves(real, accs, [r.left for r in rules], names)
+        for acc, rule, prev in zip(accs, rules, prevs):
+            if self.lanes:
+                self.lane_fold(step, acc, rule.right, prev, prev_names)
+            else:
+                self.fold(step, acc, rule.right, prev, prev_names)
+        self.restore(saved)
+        if self.read_in_loop(step):
+            self.running_value(step, accs)
+        elif not real.selection and real.value not in real.symbols:
+            self.hoist([real.value])
+
+    def read_in_loop(self, step: Step) -> bool:
+        """Is a reduction's running value read inside its loop: by its anchor, or by a later
+        reduction's update or value? (If not, it is computed once, after the loop.)"""
+        if step.name in anchored_deps(self.plan):
+            return True
+        steps = self.axis_steps()
+        for later in steps[steps.index(step) + 1:]:
+            real = self.realisation(later)
+            exprs = [real.value, *(a.moved for a in real.accumulators), *(a.contribution for a in real.accumulators)]
+            if any(s.name == step.name for e in exprs for s in e.free_symbols):
+                return True
+        return False
+
+    def moves(self, real: Realisation, accs: list[str], exprs: list[sp.Expr], names: dict
+              ) -> tuple[list[sp.Expr | None], dict]:
+        """Each moved accumulator (None: unmoved) and what its symbols read. Where one reads another (a
+        Taylor shift), each is first computed into ``{acc}_moved``, so that none reads an updated one."""
+        moved: list[sp.Expr | None] = [None if e == sym else e for e, sym in zip(exprs, real.symbols)]
+        if not real.moves_jointly:
+            return moved, names
+        out, refs = [], {}
+        for acc, e, sym in zip(accs, moved, real.symbols):
+            e = sym if e is None else e
+            env = self.env(e, extra=names)
+            name = f"{acc}_moved"
+            self.add(Value(name=name, dims=self.dims_of(e, env), expr=e, env=env))
+            holder = _placeholder(name)
+            refs[holder] = self.let(name, self.dims_of(e, env))
+            out.append(holder)
+        return out, refs
+
+    def running_value(self, step: Step, accs: list[str]) -> None:
+        """The realisation's value (sum_j final_factor_j * acc_j + offset), dependencies at their current values."""
+        real = self.realisation(step)
+        var = safe_name(step.name)
+        if real.selection:
+            return  # order results are never dependencies (derive refuses them)
+        if real.value in real.symbols:  # the value is an accumulator: read it, no copy
+            self.values[step.name] = self.var(accs[real.symbols.index(real.value)])
+            return
+        self.need([real.value])
+        env = self.env(real.value, extra={s: self.var(a) for s, a in zip(real.symbols, accs)})
+        dims = self.dims_of(real.value, env)
+        self.add(Value(name=var, dims=dims, expr=real.value, env=env))
+        self.values[step.name] = self.let(var, dims)
 
     def finalize(self) -> None:
-        for step in self.plan.axis_reductions():
+        for step in self.axis_steps():
             real = self.realisation(step)
+            acc = self.accs[step.name][0]
+            if step.name in self.merged:  # its lane merge computed its final value
+                self.add(Finalise(step=step.name, name="", dims=self.values[step.name].dims, expr=real.value,
+                                  env=self.env(real.value, extra={s: self.var(a) for s, a in zip(real.symbols, self.accs[step.name])})))
+                continue
             if real.selection:
-                self.value([real.value])
+                self.need([real.value])
+                self.add(Comment(text=f"# {step.name}: final values from the accumulated {real.op}"))
+                env = self.env(real.value, extra={real.symbols[0]: self.selected(step, acc)})
+                self.set_result(step, None, f"{acc}_indices", real.value, env)
             else:
-                self.running_value(real)
+                # Triton's compiler scopes names assigned inside a loop to its body: the final
+                # value is recomputed here from the loop-carried accumulators
+                accs = self.accs[step.name]
+                var = safe_name(step.name)
+                extra = {s: self.var(a) for s, a in zip(real.symbols, accs)}
+                if real.value in real.symbols:
+                    self.values[step.name] = self.var(accs[real.symbols.index(real.value)])
+                    self.add(Finalise(step=step.name, name="", dims=self.values[step.name].dims, expr=real.value,
+                                      env=self.env(real.value, extra=extra)))
+                    continue
+                self.need([real.value])
+                env = self.env(real.value, extra=extra)
+                dims = self.dims_of(real.value, env)
+                self.add(Finalise(step=step.name, name=var, dims=dims, expr=real.value, env=env))
+                self.values[step.name] = self.let(var, dims)
 
-    # -- outputs
-    def output(self, part: str) -> None:
-        name = part.split(".")[0]
-        step = self.plan.spec.step(name)
-        if not (step.is_reduction and step.over == self.plan.axis):
-            self.value([self.conv.value(name, part.split(".")[1] if "." in part else None)])
-        self.stores.append(part)
+    # -- split: partial states over chunks of the axis, then a derived combine
+    def combine(self) -> None:
+        a = self.axis
+        steps = self.axis_steps()
+        accs = {s.name: self.init_state(s, len(self.realisation(s).accumulators)) for s in steps}
+        anchors = anchored_deps(self.plan)
+        for dep in anchors:
+            dims = self.order(self.spec.step(dep).dims)
+            self.add(InitState(name=f"{safe_name(dep)}_anchor", dims=dims, dtype="float32", fill=None))
+            self.let(f"{safe_name(dep)}_anchor", dims)
+        counts = reads_count(self.plan)
+        if counts:
+            self.add(Count(mode="init", axis=a))
+        ws = {w.name: w.dims for w in workspace(self.plan)}
 
-    def outputs(self, resident: bool = False, chunked: bool = False) -> None:
-        """Row outputs after the loops; outputs along the axis in one more loop over it (``chunked``:
-        over the program's own chunk of it)."""
-        parts = list(self.plan.spec.output_parts)
-        along = axis_outputs(self.plan)
-        for part in parts:
-            if part not in along or resident:
-                self.output(part)
-        if along and not resident:
-            self.open("chunk_outputs" if chunked else "outputs", True)
-            for part in along:
-                self.output(part)
-        self.close()
+        def body():
+            self.depth += 1
+            if counts:
+                self.add(Count(mode="part", axis=a))
+            for dep in anchors:
+                var = safe_name(dep)
+                self.add(Copy(name=f"{var}_anchor_old", dims=self.var_dims[f"{var}_anchor"], source=f"{var}_anchor"))
+                self.let(f"{var}_anchor_old", self.var_dims[f"{var}_anchor"])
+                self.load_part(f"{var}_anchor", ws[f"{var}_anchor"], other="0.0")
+            for step in steps:
+                self.merge_part(step, accs[step.name], ws)
+                if step.name in anchors:
+                    self.update_anchor(step)
+            self.depth -= 1
+
+        self.loop("split", "split", "0", "SPLIT", None, ("SPLIT",), body)
+        self.accs = accs
+
+    def load_part(self, name: str, dims: tuple[str, ...], other: str = "0") -> str:
+        tile = self.order(dims)
+        self.add(WorkspaceLoad(entry=name, dims=tile, entry_dims=dims, other=other))
+        self.let(f"{name}_part", tile)
+        return f"{name}_part"
+
+    def merge_part(self, step: Step, accs: list[str], ws: dict[str, tuple[str, ...]]) -> None:
+        """Fold part `split` into the merged state with the realisation's merge rule:
+        acc_k = op(moved_k(merged so far), moved_k(part)), both moved to the merged anchors."""
+        real = self.realisation(step)
+        self.add(Comment(text=f"# {step.name}: merge part `split` ({real.kind})"))
+        parts = []
+        for a, acc in zip(real.accumulators, accs):
+            if a.selection:
+                # the padding slots of a top-k list (BLOCK_as > k) must never win a merge: -inf, not 0
+                # (lists are kept largest-first: a bottomk accumulates negated values)
+                parts.append(self.load_part(f"{acc}_values", ws[f"{acc}_values"], other='float("-inf")'))
+                self.load_part(f"{acc}_indices", ws[f"{acc}_indices"], other="2147483647")
+            else:
+                parts.append(self.load_part(acc, ws[acc]))
+        rules = real.merge()
+        self.need([r.left for r in rules] + [r.right for r in rules])
+        names: dict = {COUNT_OLD: Ref("count_old"), part_count("a"): Ref("count_old"), part_count("b"): Ref("count_part")}
+        for j, (merged, part) in enumerate(zip(self.state_names(real, accs), parts)):
+            names[part_acc(j, "a")] = self.var(merged)
+            names[part_acc(j, "b")] = self.var(part)
+        for dep in anchored_deps(self.plan):
+            sym = self.conv.symbols[dep]
+            names[part_anchor(sym, "a")] = self.var(f"{safe_name(dep)}_anchor_old")
+            names[part_anchor(sym, "b")] = self.var(f"{safe_name(dep)}_anchor_part")
+            names[new(sym)] = self.var(f"{safe_name(dep)}_anchor")
+        lefts: list[sp.Expr] = [r.left for r in rules]
+        extra = dict(names)
+        if real.moves_jointly:  # a Taylor shift reads every merged accumulator: none may be updated first
+            held = []
+            for acc, left in zip(accs, lefts):
+                env = self.env(left, extra=names)
+                self.add(Value(name=f"{acc}_moved", dims=self.dims_of(left, env), expr=left, env=env))
+                holder = _placeholder(f"{acc}_moved")
+                extra[holder] = self.let(f"{acc}_moved", self.dims_of(left, env))
+                held.append(holder)
+            lefts = held
+        for acc, rule, left in zip(accs, rules, lefts):
+            env = self.env(left, rule.right, extra=extra)
+            state = self.var_dims[f"{acc}_values"] if rule.op in ORDER_SELECTIONS else self.var_dims[acc]
+            self.add(PartMerge(step=step.name, name=acc, dims=state, op=rule.op, left=left, right=rule.right, env=env,
+                               slots=step.as_dim if rule.op in ("topk", "bottomk") else None,
+                               k=step.k if rule.op in ("topk", "bottomk") else None))
+        if self.read_in_loop(step):
+            self.running_value(step, accs)
+        elif not real.selection and real.value not in real.symbols:
+            self.hoist([real.value])
+
+    # ------------------------------------------------------------ the kernel
+    def kernel_ops(self) -> tuple[Op, ...]:
+        """The set-up, hoisted loads and operations, less the offsets and masks no operation reads (a
+        combine kernel has no use for the inner dims' offsets): one defined once and read nowhere is
+        not set up, until none is left."""
+        ops = [*self.head, *self.prologue, *self.ops]
+        removed: set[str] = set()
+        while True:
+            defined: dict[str, int] = {}
+            read: set[str] = set()
+            for op in walk(ops):
+                names = []
+                if isinstance(op, Offsets):
+                    names = [op.name] + ([f"mask_{op.dim}"] if op.mask else [])
+                elif isinstance(op, Program):
+                    names = [f"offs_{d}" for d in op.lanes if d not in op.tile and f"offs_{d}" not in removed]
+                for n in names:
+                    defined[n] = defined.get(n, 0) + 1
+                read |= op.reads()
+            unused = {n for n, k in defined.items() if k == 1 and n not in read}
+            if not unused:
+                break
+            removed |= unused
+            ops = _without(ops, unused)
+        return tuple(_without(ops, set(), removed))
+
+
+def _without(ops: list[Op], unused: set[str], removed: set[str] | None = None) -> list[Op]:
+    """``ops`` with the offsets and masks named in ``unused`` not set up; ``removed``: every name taken
+    out, for a program's scalar lane offsets."""
+    out: list[Op] = []
+    for op in ops:
+        if isinstance(op, Offsets) and op.name in unused:
+            continue
+        if isinstance(op, Offsets) and op.mask and f"mask_{op.dim}" in unused:
+            op = Offsets(dim=op.dim, base=op.base, mask=False)
+        elif isinstance(op, Program) and removed is not None:
+            op = Program(lanes=op.lanes, tile=op.tile,
+                         used=frozenset(d for d in op.lanes if d not in op.tile and f"offs_{d}" not in removed))
+        elif isinstance(op, Loop):
+            op = Loop(span=op.span, var=op.var, lo=op.lo, hi=op.hi, step=op.step, bounds=op.bounds,
+                      body=tuple(_without(list(op.body), unused, removed)), resident=op.resident, per_lane=op.per_lane,
+                      lanes=tuple(_without(list(op.lanes), unused, removed)), hoisted=op.hoisted)
+        out.append(op)
+    return out
 
 
 # ---------------------------------------------------------------------- kernels and arguments
 
 
 def _args(plan: KernelPlan, inputs: Iterable[str], outputs: Iterable[str], ws: tuple[State, ...], role: str,
-          input_dtypes: Mapping[str, str], store_dtypes: Mapping[str, str]) -> tuple[Arg, ...]:
-
+          input_dtypes: Mapping[str, str], store_dtypes: Mapping[str, str], ops: Iterable[Op]) -> tuple[Arg, ...]:
+    """The kernel's parameters, in the order hand-written kernels have them (pointers, sizes, each
+    tensor's strides, the split's numbers, the blocks): exactly those its operations read."""
     spec = plan.spec
     used = [i for i in spec.inputs if i.name in set(inputs)]
     parts = [p for p in spec.output_parts if p in set(outputs)]
@@ -659,7 +1308,8 @@ def _args(plan: KernelPlan, inputs: Iterable[str], outputs: Iterable[str], ws: t
     if role in ("split_part", "combine"):
         out.append(Arg("chunk", "chunk"))
     out += [Arg(f"BLOCK_{d}", str(plan.blocks[d]), constexpr=True) for d in spec.dims]
-    return tuple(out)
+    read = set().union(*(op.reads() for op in walk(ops)))
+    return tuple(a for a in out if a.name in read)
 
 
 def tile_dims(plan: KernelPlan) -> tuple[str, ...]:
@@ -680,73 +1330,68 @@ def kernel_names(plan: KernelPlan) -> tuple[str, str]:
     return f"{base}_kernel", f"{base}_combine_kernel"
 
 
+_DOCS = {
+    "row_resident": "{name}, row-resident: the whole {a} axis of a row in one tile; one read, one write.",
+    "multi_pass": "{name}, multi-pass: one loop over {a} per reduction, re-reading the inputs.",
+    "streaming_fused": "{name}, streaming-fused: one pass over {a}; later reductions are kept with running values of "
+                       "earlier ones and corrected when those move (derived by foldwise).",
+    "split_part": "{name}, split-fused part 1: program (lanes, s) folds chunk s of {a} with the derived incremental form "
+                  "and writes its partial state.",
+    "combine": "{name}, split-fused part 2: merge the SPLIT partial states (each re-anchored to the merged dependencies "
+               "with the derived corrections), then write the outputs.",
+    "parallel_combine": "{name}, split-fused part 2: program (lanes, s) merges the SPLIT partial states (each re-anchored "
+                        "to the merged dependencies with the derived corrections), then writes chunk s of the outputs.",
+}
+
+
+def _kernel(plan: KernelPlan, name: str, role: str, grid: Grid, walker, input_dtypes: Mapping[str, str],
+            stores: Mapping[str, str], dots: dict, ws: tuple[State, ...], outputs: tuple[str, ...]) -> tuple[Kernel, _Walk]:
+    """One kernel: walked by ``walker`` (a _Walk method), walked again if an input it fills with a fold's
+    identity turned out to be read by one of its tl.dots (whose masked lanes must be 0)."""
+    no_fill: frozenset[str] = frozenset()
+    while True:
+        w = _Walk(plan, input_dtypes, stores, dots, role, grid, no_fill)
+        w.setup()
+        walker(w)
+        ops = w.kernel_ops()
+        dotted = {s.name for op in walk(ops) if isinstance(op, (Reduce, Fold)) and op.dot is not None
+                  for s in op.dot.p.free_symbols | op.dot.q.free_symbols}
+        filled = {op.input for op in walk(ops) if isinstance(op, Load) and op.fill} & dotted
+        if not filled - no_fill:
+            break
+        no_fill = no_fill | filled
+    key = "parallel_combine" if role == "combine" and grid.split else plan.strategy if role == "main" else role
+    doc = _DOCS[key].format(name=plan.spec.name, a=plan.axis)
+    states = tuple(s for step in plan.axis_reductions() for s in accumulators(plan, step, lanes=w.lanes_states))
+    args = _args(plan, w.inputs, outputs, ws, role, input_dtypes, stores, ops)
+    return Kernel(name, role, grid, doc, w.layout, ops, states, args, tuple(w.inputs), outputs), w
+
+
 def build_structure(plan: KernelPlan, input_dtypes: Mapping[str, str],
                     store_dtypes: Mapping[str, str] | None = None) -> ModuleStructure:
-    """The module's kernels, passes, loads, dots, states, workspace, arguments and launches.
+    """The module's kernels (each an ordered list of operations), states, workspace, arguments and launches.
 
-    ``store_dtypes``: each output part's storage dtype (only the launcher's fp8 views read it;
-    default float32)."""
+    ``store_dtypes``: each output part's storage dtype (default float32)."""
     stores = dict(store_dtypes or {p: "float32" for p in plan.spec.output_parts})
     dots: dict = {}
     a = plan.axis
-    steps = plan.axis_reductions()
     lanes = Grid(tuple((d, plan.blocks[d]) for d in plan.lanes))
-    states = tuple(s for step in steps for s in accumulators(plan, step))
     name, combine_name = kernel_names(plan)
-    w = _KernelWalk(plan, input_dtypes, dots)
-    kernels: list[Kernel] = []
-    if plan.strategy == "row_resident":
-        w.open("axis", False)
-        for step in steps:
-            w.direct(step)
-        w.outputs(resident=True)
-    elif plan.strategy == "multi_pass":
-        for step in steps:
-            w.open("axis", True)
-            w.direct(step)
-        w.open("once", False)
-        w.outputs()
-    elif plan.strategy == "streaming_fused":
-        w.open("axis", True)
-        for step in steps:
-            w.stream(step)
-        if w.lane_states():
-            states = tuple(s for step in steps for s in accumulators(plan, step, lanes=True))
-        w.open("once", False)
-        w.finalize()
-        w.outputs()
-    else:  # split_fused: the part kernel, then the combine kernel
-        ws = workspace(plan)
-        w.open("chunk", True)
-        for step in steps:
-            w.stream(step)
-        part_states = states
-        if w.lane_states():  # the chunk's lanes are merged before its partial state is stored
-            part_states = tuple(s for step in steps for s in accumulators(plan, step, lanes=True))
-        w.ws_stores = [s.name for s in ws]
-        w.close()
-        kernels.append(Kernel(name, "split_part", Grid(lanes.lanes, split=True), tuple(w.passes), part_states,
-                              _args(plan, w.inputs, (), ws, "split_part", input_dtypes, stores), tuple(w.inputs), ()))
-        c = _KernelWalk(plan, input_dtypes, dots)
-        c.open("split", True)
-        c.ws_loads = [f"{var_name(dep)}_anchor" for dep in anchored_deps(plan)]
-        for step in steps:
-            c.merge(step)
-        c.open("once", False)
-        c.finalize()
-        # outputs along the axis, few lane blocks: SPLIT programs per lane block, each merges the
-        # (few) partial states and writes its own chunk (plan.parallel_combine says when)
-        parallel = plan.parallel_combine and bool(axis_outputs(plan))
-        c.outputs(chunked=parallel)
-        combine_grid = Grid(lanes.lanes, split=parallel)
-        parts = tuple(plan.spec.output_parts)
-        kernels.append(Kernel(combine_name, "combine", combine_grid, tuple(c.passes), states,
-                              _args(plan, c.inputs, parts, ws, "combine", input_dtypes, stores), tuple(c.inputs), parts))
-        launch = SplitLaunch(Launch(name, kernels[0].grid), Launch(combine_name, combine_grid), plan.config.split, a,
-                             plan.blocks[a], ws)
-        return ModuleStructure(plan, tuple(kernels), (launch,), ws, tuple((o, e, d) for (o, e), d in dots.items()))
     parts = tuple(plan.spec.output_parts)
-    kernel = Kernel(name, "main", lanes, tuple(w.passes), states,
-                    _args(plan, w.inputs, parts, (), "main", input_dtypes, stores), tuple(w.inputs), parts)
-    return ModuleStructure(plan, (kernel,), (Launch(name, lanes),), (),
-                           tuple((o, e, d) for (o, e), d in dots.items()))
+    if plan.strategy != "split_fused":
+        walker = {"row_resident": _Walk.row_resident, "multi_pass": _Walk.multi_pass,
+                  "streaming_fused": _Walk.streaming_fused}[plan.strategy]
+        kernel, _ = _kernel(plan, name, "main", lanes, walker, input_dtypes, stores, dots, (), parts)
+        return ModuleStructure(plan, (kernel,), (Launch(name, lanes),), ())
+    ws = workspace(plan)
+    part, _ = _kernel(plan, name, "split_part", Grid(lanes.lanes, split=True), _Walk.split_part, input_dtypes, stores,
+                      dots, ws, ())
+    # outputs along the axis, few lane blocks: SPLIT programs per lane block, each merges the
+    # (few) partial states and writes its own chunk (plan.parallel_combine says when)
+    parallel = plan.parallel_combine and bool(axis_outputs(plan))
+    combine_grid = Grid(lanes.lanes, split=parallel)
+    combine, _ = _kernel(plan, combine_name, "combine", combine_grid, _Walk.combine_kernel, input_dtypes, stores, dots,
+                         ws, parts)
+    launch = SplitLaunch(Launch(name, part.grid), Launch(combine_name, combine_grid), plan.config.split, a,
+                         plan.blocks[a], ws)
+    return ModuleStructure(plan, (part, combine), (launch,), ws)

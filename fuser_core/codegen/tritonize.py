@@ -8,23 +8,28 @@ caller decides what ``mx`` or ``index(n)`` means in the kernel being written.
 
 Arithmetic is float32: integer symbols (indices, sizes) promote on contact with floats.
 
-Given a :class:`~fuser_core.codegen.layout.Layout` and the dims of each name's value, every
-operation's operands are placed on the union of their dims (``mx[:, None]``), so each value
-stays on the fewest dims it needs.
+Each name's value is a :class:`Ref`: the variable it reads and the tile dims it lives on. Given a
+:class:`~fuser_core.codegen.layout.Layout`, every operation's operands are placed on the union of
+their dims (``mx[:, None]``), so each value stays on the fewest dims it needs.
+
+The ``@triton.jit`` helpers an expression's code calls (``rescale``, ``tanh_accurate``, ...) are
+known without printing it: :func:`helpers_of` runs the same printer with any names.
 
 Example:
     >>> import sympy as sp
     >>> x, m = sp.symbols("x mx", real=True)
-    >>> to_triton(sp.exp(x - m) / sp.Symbol("den"), {"x": "x", "mx": "mx", "den": "den"})
+    >>> to_triton(sp.exp(x - m) / sp.Symbol("den"), {"x": Ref("x"), "mx": Ref("mx"), "den": Ref("den")})
     'tl.exp(x - mx) / den'
-    >>> dims = {"x": ("m", "n"), "mx": ("m",)}.get
-    >>> to_triton(sp.exp(x - m), {"x": "x", "mx": "mx"}, Layout(("m", "n")), lambda t: dims(t, ()))
+    >>> to_triton(sp.exp(x - m), {"x": Ref("x", ("m", "n")), "mx": Ref("mx", ("m",))}, Layout(("m", "n")))
     'tl.exp(x - mx[:, None])'
+    >>> sorted(helpers_of(sp.tanh(x) + sp.log(1 + x)))
+    ['log1p_accurate', 'tanh_accurate']
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import sympy as sp
 
@@ -69,42 +74,103 @@ def number(value: sp.Expr) -> str:
     return repr(float(value))
 
 
-DimsOf = Callable[[str], tuple[str, ...]]  # the dims of a value, from its Triton text
+@dataclass(frozen=True)
+class Ref:
+    """What an expression reads for one symbol: the variable ``name`` on the tile ``dims``; ``form``
+    ``size``: the size parameter ``name`` as a float (``(size_n * 1.0)``: sizes enter float
+    arithmetic); ``neg``: a selection's values, negated (``(-g_acc_values)``: bottom-k and arg-min
+    select on negated values)."""
+
+    name: str
+    dims: tuple[str, ...] = ()
+    form: str = "var"
+
+    @property
+    def text(self) -> str:
+        if self.form == "size":
+            return f"({self.name} * 1.0)"
+        if self.form == "neg":
+            return f"(-{self.name})"
+        return self.name
 
 
-def to_triton(e: sp.Expr, names: Mapping[str | sp.Symbol, str], layout: Layout | None = None,
-              dims_of: DimsOf | None = None) -> str:
+Names = Mapping[str | sp.Basic, Ref]
+
+
+def lookup(names: Names, e: sp.Symbol) -> Ref:
+    """The value of symbol ``e``: an exact symbol key first (two symbols may share a name, as a step
+    named ``count`` does with the count of values seen), then its name."""
+    if e in names:
+        return names[e]
+    try:
+        return names[e.name]
+    except KeyError:
+        raise UnsupportedExpression(f"no value for symbol {e.name!r} in this kernel") from None
+
+
+def to_triton(e: sp.Expr, names: Names, layout: Layout | None = None) -> str:
     """Triton source for ``e``; every free symbol, or its name, must be a key of ``names``
-    (a symbol key wins: two symbols may share a name, as a step named ``count`` does with
-    the count of values seen). With ``layout`` and ``dims_of``, operands on different dims
-    are placed on their union; the result is on :func:`expr_dims`."""
-    return _Printer(names, layout, dims_of).go(e)[0]
+    (:func:`lookup`). With ``layout``, operands on different dims are placed on their union; the
+    result is on :func:`expr_dims`."""
+    return _Printer(names, layout).go(e)[0]
 
 
-def expr_dims(e: sp.Expr, names: Mapping[str | sp.Symbol, str], layout: Layout, dims_of: DimsOf) -> tuple[str, ...]:
+def expr_dims(e: sp.Expr, names: Names, layout: Layout) -> tuple[str, ...]:
     """The dims the value of ``e`` lives on: every operation is elementwise, so the union of its symbols'."""
-    return _Printer(names, layout, dims_of).dims(e)
+    return layout.union(*(lookup(names, s).dims for s in e.free_symbols))
+
+
+def is_literal(e: sp.Expr) -> bool:
+    """Does ``e`` print as a number (a Python float or ``float("inf")``, no tensor): a constant step,
+    stored through ``tl.full`` since ``.to()`` takes tensors only."""
+    if e.is_Symbol:
+        return False
+    if e.is_Number or e in (sp.oo, -sp.oo, sp.nan):
+        text = number(e)
+    elif e.args and not e.free_symbols and not isinstance(e, sp.logic.boolalg.Boolean) and _constant_value(e) is not None:
+        text = number(sp.Float(_constant_value(e)))
+    elif e is sp.pi:
+        text = repr(float(sp.pi))
+    else:
+        return False
+    return not text.lstrip("-").startswith(("inf", "nan"))
+
+
+class _AnyName(dict):
+    """Every symbol read as one scalar variable (the helpers a printed expression calls do not depend on names)."""
+
+    def __contains__(self, key) -> bool:
+        return True
+
+    def __getitem__(self, key) -> Ref:
+        return Ref("v")
+
+
+def helpers_of(e: sp.Expr) -> list[str]:
+    """The ``@triton.jit`` helpers (fuser_core/codegen/helpers.py) the code of ``e`` calls, in order."""
+    printer = _Printer(_AnyName())
+    printer.go(e)
+    return list(dict.fromkeys(printer.helpers))
 
 
 class _Printer:
-    def __init__(self, names: Mapping[str | sp.Symbol, str], layout: Layout | None = None, dims_of: DimsOf | None = None):
+    def __init__(self, names: Names, layout: Layout | None = None):
         self.names = names
         self.layout = layout
-        self.dims_of = dims_of
         self.want: tuple[str, ...] | None = None  # the dims of the operation being printed
+        self.helpers: list[str] = []  # the helpers the printed code calls
 
     def symbol(self, e: sp.Symbol) -> str:
-        if e in self.names:  # an exact symbol first: two symbols may share a name (count[old])
-            return self.names[e]
-        try:
-            return self.names[e.name]
-        except KeyError:
-            raise UnsupportedExpression(f"no value for symbol {e.name!r} in this kernel") from None
+        return lookup(self.names, e).text
 
     def dims(self, e: sp.Expr) -> tuple[str, ...]:
-        if self.layout is None or self.dims_of is None:
+        if self.layout is None:
             return ()
-        return self.layout.union(*(self.dims_of(self.symbol(s)) for s in e.free_symbols))
+        return expr_dims(e, self.names, self.layout)
+
+    def call(self, helper: str, args: str) -> tuple[str, int]:
+        self.helpers.append(helper)
+        return f"{helper}({args})", _ATOM
 
     def go(self, e: sp.Expr) -> tuple[str, int]:
         """``e`` printed, placed on the dims of the operation it is an operand of."""
@@ -163,10 +229,10 @@ class _Printer:
                 out = f"{fn}({out}, {a})"
             return out, _ATOM
         if isinstance(e, sp.tanh):
-            return f"tanh_accurate({self.arg(e.args[0])})", _ATOM
+            return self.call("tanh_accurate", self.arg(e.args[0]))
         if isinstance(e, sp.log) and e.args[0].is_Add and e.args[0].as_coeff_Add()[0] == 1:
             # log(1 + a) (the spec's log1p): tl.log(1.0 + a) would lose a small a in float32
-            return f"log1p_accurate({self.arg(e.args[0] - 1)})", _ATOM
+            return self.call("log1p_accurate", self.arg(e.args[0] - 1))
         if e.func in _FUNCS:
             return f"{_FUNCS[e.func]}({self.arg(e.args[0])})", _ATOM
         if e.func in _CAST_DTYPE:
@@ -181,14 +247,14 @@ class _Printer:
                 # sizes only: Triton passes a size of 1 as a constant, so this may be a Python float too
                 a = f"tl.full([], {a}, tl.float32)"
             if dtype == "float8_e4m3fn":  # saturating, as the GPU's conversion and our reference
-                return f"fp8e4m3_round({a})", _ATOM
+                return self.call("fp8e4m3_round", a)
             if dtype == "bfloat16":  # nearest even (the interpreter's own conversion truncates)
-                return f"bf16_round({a})", _ATOM
+                return self.call("bf16_round", a)
             return f"({a}).to({_TRITON_DTYPE[dtype]}).to(tl.float32)", _ATOM
         if e.func == Rescale:  # the generated module's `rescale` helper: the same guard as the certificate's
-            return f"rescale({self.go(e.args[0])[0]}, {self.go(e.args[1])[0]})", _ATOM
+            return self.call("rescale", f"{self.go(e.args[0])[0]}, {self.go(e.args[1])[0]}")
         if e.func == Round:
-            return f"round_half_even({self.arg(e.args[0])})", _ATOM
+            return self.call("round_half_even", self.arg(e.args[0]))
         if isinstance(e, sp.Rel):
             return f"{self.wrap(e.lhs, _ADD)} {_REL[type(e)]} {self.wrap(e.rhs, _ADD)}", 0
         if isinstance(e, sp.ITE):  # a where() inside a where()'s condition, folded by sympy
@@ -260,9 +326,9 @@ class _Printer:
             return f"tl.exp2(({self.arg(exp)}) * tl.log2({self.arg(base)}))", _ATOM
         if exp.is_Integer:  # any base: |b| ** n, negated for a negative base and odd n
             b = self.arg(base)
-            p = f"pow_real(tl.abs({b}), {self.go(exp)[0]})"
+            p = self.call("pow_real", f"tl.abs({b}), {self.go(exp)[0]}")[0]
             return (f"tl.where({b} < 0.0, -{p}, {p})" if int(exp) % 2 else p), _ATOM
-        return f"pow_real({self.arg(base)}, {self.arg(exp)})", _ATOM
+        return self.call("pow_real", f"{self.arg(base)}, {self.arg(exp)}")
 
     def piecewise(self, e: sp.Piecewise) -> str:
         *branches, (last, cond) = e.args

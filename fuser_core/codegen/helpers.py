@@ -1,0 +1,173 @@
+"""The ``@triton.jit`` helpers that generated kernels call, as real functions.
+
+A generated module gets the source of each helper its kernels need, copied by name
+(:func:`fuser_core.codegen.emit.helper_source`), with the helpers those call, in the order they
+are defined here; which ones a kernel needs comes from its operations
+(:meth:`fuser_core.codegen.ops.Op.helpers`). Each helper is one block: its definition with the
+comments and statements just above it (``bf16_round``'s two definitions, chosen by
+``TRITON_INTERPRET`` where the module is loaded, are one block). Nothing else belongs in this
+file: every top-level statement after the imports is part of a helper's block.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def finite_or_zero(c):
+    """A correction that is inf or nan only multiplies an empty accumulator: use 0."""
+    return tl.where((c == c) & (c != float("inf")) & (c != float("-inf")), c, 0.0)
+
+
+@triton.jit
+def safe_anchor(v):
+    """A running max/min that is still infinite (only masked values seen) anchors at 0."""
+    return tl.where((v != float("inf")) & (v != float("-inf")) & (v == v), v, 0.0)
+
+
+@triton.jit
+def rescale(acc, c):
+    """acc * c, a non-finite c taken as 0 (it only multiplies an empty accumulator), and an
+    infinite accumulator that a zero correction would turn into NaN kept as it is. The
+    correction is guarded on its own (per row: attention's c is [BLOCK_m, 1]), the accumulator
+    by one NaN test of the product, the cheapest guard there is per element."""
+    t = acc * finite_or_zero(c)
+    return tl.where(t != t, acc, t)
+
+
+@triton.jit
+def argmax_merge(best, best_idx, tile, tile_idx, AXIS: tl.constexpr):
+    """A tile's (max value, first index) along its AXIS merged into the running (best, best_idx)
+    (the tile's shape without AXIS); the earlier index wins ties (an empty state has index
+    2147483647, so a tile of -inf still gives its first index). NaN is the extreme, as NumPy's
+    argmax/argmin (the reference) have it: the first NaN wins (tl.max alone would skip NaN on the GPU)."""
+    nan_t = tile != tile
+    has_nan = tl.max(nan_t.to(tl.int32), axis=AXIS) > 0
+    m = tl.max(tl.where(nan_t, float("-inf"), tile), axis=AXIS)
+    i = tl.min(tl.where(tile == tl.expand_dims(m, AXIS), tile_idx, 2147483647), axis=AXIS)
+    m = tl.where(has_nan, float("nan"), m)
+    i = tl.where(has_nan, tl.min(tl.where(nan_t, tile_idx, 2147483647), axis=AXIS), i)
+    take = (best == best) & (has_nan | (m > best) | ((m == best) & (i < best_idx)))  # empty: index 2147483647
+    return tl.where(take, m, best), tl.where(take, i, best_idx)
+
+
+@triton.jit
+def topk_merge(vals, idx, tile, tile_idx, slot, AXIS: tl.constexpr, SLOTS: tl.constexpr, K: tl.constexpr):
+    """Merge a tile (along its AXIS) into a running top-K list (along its SLOTS); the tile and the
+    list have the same shape besides those dims.
+
+    The list stays sorted descending; among equal values the lower index comes first. An
+    empty slot, and an element already taken, has index 2147483647 (a value of -inf is a
+    real candidate: a row masked to -inf still yields k distinct indices, as the reference's).
+    """
+    new_vals = tl.where(slot < 0, vals, float("-inf"))
+    new_idx = tl.where(slot < 0, idx, 2147483647)
+    for i in tl.static_range(K):
+        best_s = tl.max(vals, axis=SLOTS)
+        best_t = tl.max(tile, axis=AXIS)
+        i_s = tl.min(tl.where(vals == tl.expand_dims(best_s, SLOTS), idx, 2147483647), axis=SLOTS)
+        i_t = tl.min(tl.where(tile == tl.expand_dims(best_t, AXIS), tile_idx, 2147483647), axis=AXIS)
+        take_t = (best_t > best_s) | ((best_t == best_s) & (i_t < i_s))
+        new_vals = tl.where(slot == i, tl.expand_dims(tl.where(take_t, best_t, best_s), SLOTS), new_vals)
+        new_idx = tl.where(slot == i, tl.expand_dims(tl.where(take_t, i_t, i_s), SLOTS), new_idx)
+        # the winner leaves its list (matching index 2147483647 instead only re-empties empty slots)
+        taken_s = idx == tl.expand_dims(tl.where(take_t, 2147483647, i_s), SLOTS)
+        vals = tl.where(taken_s, float("-inf"), vals)
+        idx = tl.where(taken_s, 2147483647, idx)
+        taken_t = tile_idx == tl.expand_dims(tl.where(take_t, i_t, 2147483647), AXIS)
+        tile = tl.where(taken_t, float("-inf"), tile)
+        tile_idx = tl.where(taken_t, 2147483647, tile_idx)
+    return new_vals, new_idx
+
+
+# float8 e4m3fn crosses into and out of kernels as its bits (uint8): sm_80 has no fp8 type, and
+# Triton's interpreter converts without round-to-even, saturation or subnormals. The conversion
+# is done here, exactly, in integer and power-of-two arithmetic, the same on every target.
+@triton.jit
+def fp8e4m3_bits(x):
+    """The e4m3fn bits of x rounded to nearest even (saturating at 448, subnormals kept)."""
+    a = tl.minimum(tl.abs(x), 448.0)
+    e = tl.maximum((a.to(tl.uint32, bitcast=True) >> 23).to(tl.int32) - 127, -6)  # subnormals share -6
+    scale = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e): exact
+    m = round_half_even(a * scale).to(tl.int32)  # the significand in eighths; 16 carries into e + 1
+    code = (e + 6) * 8 + m
+    sign = (x.to(tl.uint32, bitcast=True) >> 31).to(tl.int32) * 0x80  # -0.0 keeps its sign
+    code = tl.where(x != x, 0x7F, code) + sign
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def fp8e4m3_to_float(bits):
+    """The float32 value of e4m3fn bits (uint8)."""
+    b = bits.to(tl.int32)
+    code = b & 0x7F
+    e = code >> 3
+    m = code & 7
+    normal = ((e + 120) << 23 | m << 20).to(tl.float32, bitcast=True)
+    value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormals: m * 2**-9
+    value = tl.where(code == 0x7F, float("nan"), value)
+    return tl.where(b >= 0x80, -value, value)
+
+
+@triton.jit
+def fp8e4m3_round(x):
+    """x rounded to float8 e4m3fn, as a float32."""
+    return fp8e4m3_to_float(fp8e4m3_bits(x))
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if INTERPRETED:
+    # Triton's interpreter truncates float32 -> bfloat16 (1.01171875 -> 1.0078125); round to
+    # nearest even on the bits, as the GPU's conversion does.
+    @triton.jit
+    def bf16_round(x):
+        """x rounded to bfloat16 (nearest even; inf and nan kept)."""
+        bits = x.to(tl.uint32, bitcast=True)
+        up = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, up.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def bf16_operand(x):
+        """x as a bfloat16 tl.dot operand, rounded to nearest even first (exact conversion after)."""
+        return bf16_round(x).to(tl.bfloat16)
+else:
+    @triton.jit
+    def bf16_round(x):
+        """x rounded to bfloat16 (the GPU's round-to-nearest-even conversion)."""
+        return x.to(tl.bfloat16).to(tl.float32)
+
+    @triton.jit
+    def bf16_operand(x):
+        """x as a bfloat16 tl.dot operand (the GPU's round-to-nearest-even conversion)."""
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def log1p_accurate(x):
+    """log(1 + x), accurate for small x: log(u) * x / (u - 1) with u = 1 + x (Kahan)."""
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.where(u == float("inf"), u, tl.log(u) * (x / (u - 1.0))))
+
+
+@triton.jit
+def tanh_accurate(x):
+    """tanh(x), accurate near 0: 2 sigmoid(2x) - 1 cancels to 0 for tiny x, so a Taylor series
+    (truncation below 1e-11 relative) serves |x| < 1/16."""
+    x2 = x * x
+    series = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 - x2 * 0.05396825396825397)))
+    return tl.where(tl.abs(x) < 0.0625, series, 2.0 * tl.sigmoid(2.0 * x) - 1.0)
+
+
+@triton.jit
+def round_half_even(x):
+    r = tl.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def pow_real(b, e):
+    return tl.where(b > 0.0, tl.exp2(e * tl.log2(b)), tl.where(b == 0.0, tl.where(e > 0.0, 0.0, float("inf")), float("nan")))
