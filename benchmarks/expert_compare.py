@@ -79,18 +79,25 @@ CASES = [
 # ---------------------------------------------------------------------------- Foldwise
 
 
-def window_trips(p: Any, plan: Any, shape: Mapping[str, int], blocks: Mapping[str, int]) -> float:
-    """Average iterations over the programs of a loop pass (a windowed loop: each program's own)."""
+def window_trips(loop: Any, plan: Any, folds: list, shape: Mapping[str, int], blocks: Mapping[str, int]) -> float:
+    """Average iterations over the programs of a loop (a loop bounded by a mask: each program's own;
+    fuser_core.codegen.bounds, from the loop's folds as the structure decided them)."""
     import sympy as sp
+
+    from fuser_core.codegen.bounds import axis_window
+    from fuser_core.codegen.structure import FUSED_STRATEGIES, reads_count
+    from fuser_core.realisation import SELECTIONS
 
     a = plan.axis
     full = -(-shape[a] // blocks[a])
-    if p.span == "split":
+    if loop.span == "split":
         return plan.config.split
-    if p.span in ("chunk", "chunk_outputs"):
+    if loop.span in ("chunk", "chunk_outputs"):
         chunk = -(-(-(-shape[a] // plan.config.split)) // blocks[a]) * blocks[a]
         full = chunk // blocks[a]
-    w = getattr(p, "window", None)
+    counts = plan.strategy in FUSED_STRATEGIES and reads_count(plan)
+    selections = any(s.reduce in SELECTIONS for s in plan.axis_reductions())
+    w = axis_window(a, folds, counts=counts, selections=selections) if loop.span in ("axis", "chunk") else None
     if w is None:
         return full
     lanes = sorted({s.name[s.name.index("(") + 1:-1] for e in (w.lo, w.hi) if e is not None for s in e.free_symbols
@@ -113,6 +120,7 @@ def foldwise_kernels(case: Case, strategy: str, config: Any) -> list[dict[str, A
     """Compile one strategy's module; per kernel its build, programs, warps and loop trips."""
     from fuser_core.catalog import load_catalog_spec
     from fuser_core.codegen.gpu_compile import CompileRequest, compile_request
+    from fuser_core.codegen.ops import Fold
     from fuser_core.codegen.plan import make_plan
     from fuser_core.codegen.structure import build_structure
     from fuser_core.derive import derive_cascade
@@ -128,7 +136,12 @@ def foldwise_kernels(case: Case, strategy: str, config: Any) -> list[dict[str, A
     for kernel, build in zip(structure.kernels, built.kernels):
         programs = math.prod(-(-problem.shape[d] // b) for d, b in kernel.grid.lanes) * (
             plan.config.split if kernel.grid.split else 1)
-        trips = [window_trips(p, plan, problem.shape, plan.blocks) for p in kernel.passes if p.loop]
+        trips = []
+        for loop in kernel.loops():
+            if loop.resident:
+                continue
+            folds = [(op.op, op.expr) for op in loop.body if isinstance(op, Fold)]
+            trips.append(window_trips(loop, plan, folds, problem.shape, plan.blocks))
         out.append({"build": build, "programs": programs, "num_warps": config.num_warps, "trips": trips or [1]})
     return out
 

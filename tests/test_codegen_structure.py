@@ -217,16 +217,19 @@ def test_the_combine_kernel_loads_a_split_invariant_input_before_the_split_loop(
 
 def test_an_input_a_max_folds_as_it_is_is_masked_once_by_its_load() -> None:
     """x's masked lanes are loaded as -inf where the max folds x itself: no tl.where(mask, x, -inf)
-    after an other=0 load; the sum of exp(x - mx) keeps its where (its identity is not exp's value
-    at other); the output pass loads x with other=0."""
+    after an other=0 load. The streamed sum of exp(x - mx_anchor) needs no where either (exp of -inf
+    minus a finite anchor is 0, the sum's identity: structure.needs_mask); multi_pass's sum reads
+    the final mx, which may be infinite, and keeps its where. The output pass loads x with other=0."""
     # row_resident keeps its where (emit.write_row_resident); streaming folds per lane (elementwise)
-    for strategy, fold_x, sum_exp in [("streaming_fused", "mx_lane = tl.maximum(mx_lane, x)", "tl.where(mask_n, tl.exp("),
+    for strategy, fold_x, sum_exp in [("streaming_fused", "mx_lane = tl.maximum(mx_lane, x)",
+                                       "den_lane = rescale(den_lane, tl.exp(mx_lane_anchor_old - mx_lane_anchor)) + "
+                                       "tl.exp(x - mx_lane_anchor)\n"),
                                       ("multi_pass", "tl.max(x, axis=0)", "tl.sum(tl.where(mask_n, tl.exp(")]:
         config = KernelConfig({"n": 64})
         body = "\n".join(b for _, b in kernel_sources(softmax_source(strategy, config)).values())
         assert 'other=float("-inf")' in body and fold_x in body, strategy
         assert 'tl.where(mask_n, x, float("-inf"))' not in body
-        assert sum_exp in body
+        assert sum_exp in body, strategy
     spec = load_catalog_spec("safe_softmax")
     report = self_check(spec, {"m": 5, "n": 300}, "float16", strategy="streaming_fused",
                         config=KernelConfig({"n": 64}), derivation=derive_cascade(spec))

@@ -184,22 +184,25 @@ class Anatomy:
         return out
 
     # ------------------------------------------------------------------ sketches
-    def structure(self, strategy: str, blocks: Mapping[str, int], parallel_combine: bool = False) -> st.ModuleStructure:
+    def structure(self, strategy: str, blocks: Mapping[str, int], parallel_combine: bool = False,
+                  per_lane: bool = True) -> st.ModuleStructure:
         """The code generator's structure of ``strategy`` with these blocks (every dim), unvalidated:
         the search space checks validity itself. ``parallel_combine``: the plan's decision
-        (:func:`fuser_core.codegen.plan.parallel_combine`, which needs the shape)."""
-        config = KernelConfig(dict(blocks), split=2 if strategy == "split_fused" else 1)
+        (:func:`fuser_core.codegen.plan.parallel_combine`, which needs the shape); ``per_lane``: the
+        configuration's (:attr:`KernelConfig.per_lane`)."""
+        config = KernelConfig(dict(blocks), split=2 if strategy == "split_fused" else 1, per_lane=per_lane)
         plan = KernelPlan(self.spec, self.derivation, strategy, self.axis, self.inner, dict(blocks), self.lanes, config,
                           parallel_combine)
         return st.build_structure(plan, self.dtypes)
 
-    def kernels(self, strategy: str, blocks: Mapping[str, int], parallel_combine: bool = False) -> list[KernelSketch]:
+    def kernels(self, strategy: str, blocks: Mapping[str, int], parallel_combine: bool = False,
+                per_lane: bool = True) -> list[KernelSketch]:
         """The kernels ``strategy`` launches with these blocks (every dim; see :meth:`full_blocks`)."""
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}")
-        key = (strategy, block_pattern(blocks), parallel_combine)
+        key = (strategy, block_pattern(blocks), parallel_combine, per_lane)
         if key not in self._cache:
-            structure = self.structure(strategy, blocks, parallel_combine)
+            structure = self.structure(strategy, blocks, parallel_combine, per_lane)
             self._cache[key] = [sketch(self, k, structure) for k in structure.kernels]
         return self._cache[key]
 

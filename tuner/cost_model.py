@@ -411,7 +411,7 @@ class _Model:
         loads: list[KernelLoad] = []
         touched: dict[str, float] = {}  # name -> requested bytes before the kernel that last read it
         done = 0.0
-        sketches = an.kernels(strategy, blocks, parallel_combine(strategy, an.lanes, self.shape, blocks))
+        sketches = an.kernels(strategy, blocks, parallel_combine(strategy, an.lanes, self.shape, blocks), config.per_lane)
         for kernel, built in zip(sketches, kernel_facts_for([k.name for k in sketches], compiled)):
             load = ev.evaluate(kernel, {n: done - at for n, at in touched.items()}, done, built)
             loads.append(load)

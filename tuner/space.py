@@ -15,7 +15,9 @@ Parameters (Optuna-style names; ``split`` only for split_fused):
   ``tl.dot`` applies; batch dims of a contraction (``b``, ``h``) stay 1 (a blocked batch dim
   turns a dot back into a broadcast product); other lanes take 1, 2, 4, ...;
 - ``num_warps`` 1..32 (32: a long resident row, as Liger-Kernel runs softmax over 32768), ``num_stages``
-  1..5 (1 for row_resident), ``split`` 2..64.
+  1..5 (1 for row_resident), ``split`` 2..64;
+- ``per_lane`` 1 or 0 (streaming and split, where the derivation allows per-lane states): a
+  streamed loop's running states per lane of the tile, or per tile (:attr:`KernelConfig.per_lane`).
 
 The unfused chain is a baseline, never a candidate.
 
@@ -167,7 +169,23 @@ class SearchSpace:
         if strategy == "split_fused":
             most = min(MAX_SPLIT, cdiv(self.shape[self.axis], min(self.axis_choices(strategy))))
             out["split"] = pow2_range(2, most) or [2]
+        if strategy in ("streaming_fused", "split_fused") and self._lanes_possible:
+            out["per_lane"] = [1, 0]  # running states per lane of the tile, or per tile (KernelConfig.per_lane)
         return out
+
+    @property
+    def _lanes_possible(self) -> bool:
+        """Could a streamed loop keep per-lane states here (structure.per_lane at the smallest blocks)?"""
+        if not hasattr(self, "_lanes_cache"):
+            from fuser_core.codegen.structure import per_lane
+
+            try:
+                plan = make_plan(self.spec, self.derivation, "streaming_fused", self.shape,
+                                 KernelConfig({d: 1 for d in self.lanes} | {self.axis: MIN_AXIS_BLOCK}))
+                self._lanes_cache = per_lane(plan, ())[0]
+            except NotValid:
+                self._lanes_cache = False
+        return self._lanes_cache
 
     def candidate(self, strategy: str, values: Mapping[str, int]) -> Candidate:
         """The candidate for chosen ``values``; a parameter left out takes its only choice (or,
@@ -187,6 +205,7 @@ class SearchSpace:
             num_warps=value("num_warps", 4),
             num_stages=value("num_stages", 2),
             split=value("split", 2) if strategy == "split_fused" else 1,
+            per_lane=bool(value("per_lane", 1)),
         )
         return Candidate(strategy, config)
 
@@ -196,6 +215,8 @@ class SearchSpace:
         out.update(num_warps=c.num_warps, num_stages=c.num_stages)
         if candidate.strategy == "split_fused":
             out["split"] = c.split
+        if "per_lane" in self.params(candidate.strategy):
+            out["per_lane"] = int(c.per_lane)
         return out
 
     # ------------------------------------------------------------------ feasibility
@@ -209,7 +230,7 @@ class SearchSpace:
         c = candidate.config
         info = input_info(self.spec, self.dtypes)
         return [resources(k, info, self.axis, blocks, c.num_warps, c.num_stages)
-                for k in self.anatomy.kernels(candidate.strategy, blocks)]
+                for k in self.anatomy.kernels(candidate.strategy, blocks, per_lane=c.per_lane)]
 
     def check(self, candidate: Candidate) -> str | None:
         """Why ``candidate`` cannot run on the target, or None; decided before compiling."""
@@ -254,7 +275,8 @@ class SearchSpace:
         strategy, c = candidate.strategy, candidate.config
         p = self.profile
         threads = 32 * c.num_warps
-        for kernel, r in zip(self.anatomy.kernels(strategy, self.blocks_of(candidate)), self.resources(candidate)):
+        kernels = self.anatomy.kernels(strategy, self.blocks_of(candidate), per_lane=c.per_lane)
+        for kernel, r in zip(kernels, self.resources(candidate)):
             where = f" ({kernel.name})" if strategy == "split_fused" else ""
             if r.smem_bytes > p.smem_per_block_max:
                 return (f"shared memory{where}: {r.smem_bytes // 1024} KiB > {p.smem_per_block_max // 1024} KiB per "
@@ -266,7 +288,7 @@ class SearchSpace:
             if r.min_regs_per_thread * threads > p.regs_per_sm:
                 return (f"registers{where}: at least {r.min_regs_per_thread} per thread x {threads} threads > "
                         f"{p.regs_per_sm} per SM on {p.name}")
-            if kernel is self.anatomy.kernels(strategy, self.blocks_of(candidate))[0] and \
+            if kernel is kernels[0] and \
                     threads > 4 * r.tile_elements and c.num_warps > 1:  # the combine kernel shares num_warps
                 return (f"num_warps = {c.num_warps} ({threads} threads) for a largest tile of {r.tile_elements} "
                         "elements: more than 4 threads per element")

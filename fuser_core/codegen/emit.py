@@ -25,7 +25,7 @@ from pathlib import Path
 import sympy as sp
 
 from fuser_core.codegen import ops as o
-from fuser_core.codegen.names import FP8
+from fuser_core.codegen.names import FP8, safe_name
 from fuser_core.codegen.structure import Kernel, ModuleStructure
 from fuser_core.codegen.tritonize import expr_dims, number, to_triton
 from fuser_core.realisation import identity
@@ -114,7 +114,7 @@ class KernelPrinter:
         self.depth = 1
         self.printers: dict[type, Callable] = {
             o.Comment: self.comment, o.Program: self.program, o.Offsets: self.offsets, o.Chunk: self.chunk,
-            o.Load: self.load, o.Loop: self.loop, o.InitState: self.init_state, o.Count: self.count, o.Copy: self.copy,
+            o.Load: self.load, o.Gather: self.gather, o.Loop: self.loop, o.InitState: self.init_state, o.Count: self.count, o.Copy: self.copy,
             o.Value: self.value, o.Reduce: self.reduce_op, o.Fold: self.fold, o.Select: self.select,
             o.AnchorUpdate: self.anchor_update, o.LaneMerge: self.lane_merge, o.WorkspaceLoad: self.workspace_load,
             o.PartMerge: self.part_merge, o.Finalise: self.finalise, o.WorkspaceStore: self.workspace_store,
@@ -282,6 +282,23 @@ class KernelPrinter:
         args = f"{ptr}, mask={mask}, other={other}" if mask else ptr
         note = "  # loop-invariant: loaded once per program" if op.hoisted else ""
         self.emit(f"{var} = {load_expr(args, op.dtype, op.kind)}{note}")
+
+    def gather(self, op: o.Gather) -> None:
+        at = f"{op.name}_at"
+        at_dims = self.tex_dims(op.at, op.env)
+        self.emit(f"{at} = {self.tex(op.at, op.env)}")
+        self.emit(f"{at}_ok = ({at} >= 0) & ({at} < size_{op.axis})  # an index outside the axis: no term")
+        for inp, dims, dtype, kind, var in op.inputs:
+            src = safe_name(inp)
+            rest = [(d, f"stride_{src}_{d}") for d in dims if d != op.axis]
+            tile = self.layout.union([d for d in dims if d != op.axis], at_dims)
+            ptr = " + ".join([self.pointer(f"{src}_ptr", rest, tile) if rest else f"{src}_ptr",
+                              f"{self.on(at, at_dims, tile)} * stride_{src}_{op.axis}"])
+            mask = " & ".join(m for m in (self.mask([d for d in dims if d != op.axis]), self.on(f"{at}_ok", at_dims, tile)) if m)
+            self.emit(f"{var} = {load_expr(f'{ptr}, mask={mask}, other=0', dtype, kind)}")
+        value, dims = self.tex(op.expr, op.env), self.tex_dims(op.expr, op.env)
+        both = self.layout.union(dims, at_dims)
+        self.emit(f"{op.name} = tl.where({self.on(f'{at}_ok', at_dims, both)}, {self.on(value, dims, both)}, 0.0)")
 
     def loop(self, op: o.Loop) -> None:
         if op.resident:  # one tile holds the whole axis

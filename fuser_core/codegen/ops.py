@@ -22,6 +22,7 @@ The operations:
 - :class:`Offsets`: ``offs_d`` (and ``mask_d``) of one dim's tile;
 - :class:`Chunk`: a split program's chunk of the loop axis (``lo``);
 - :class:`Load`: an input loaded as float32 (int32 for index inputs), hoisted or not;
+- :class:`Gather`: a reduction that is one term, ``sum of where(index(axis) == at, X, 0)``: X loaded at ``at``;
 - :class:`Loop`: a loop over the axis (its tiles, a split chunk of them, or the SPLIT partial
   states), its body and, after a per-lane loop, the merge of its lanes; one resident tile is a
   loop with one iteration, printed without ``for``;
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from fuser_core.codegen.names import FP8
+from fuser_core.codegen.names import FP8, safe_name
 from fuser_core.codegen.tritonize import Ref, helpers_of
 
 Env = tuple[tuple[sp.Basic, "Ref"], ...]  # each free symbol of an operation's expressions -> what it reads
@@ -207,6 +208,35 @@ class Load(Op):
 
     def helpers(self) -> list[str]:
         return ["fp8e4m3_to_float"] if self.dtype == FP8 else []
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gather(Op):
+    """The one term of ``sum over axis of where(index(axis) == at, X, 0)`` (:attr:`KernelPlan.gathers`):
+    ``at`` computed (``{name}_at``, on the lanes' dims), X's inputs that vary along the axis loaded
+    at that index (``inputs``: (input, its spec dims, dtype, kind, the variable it is read as)), X
+    evaluated there, 0 where ``at`` is outside the axis. One load per lane instead of a pass."""
+
+    step: str
+    name: str
+    dims: tuple[str, ...]
+    axis: str
+    at: sp.Expr
+    expr: sp.Expr
+    env: Env
+    inputs: tuple[tuple[str, tuple[str, ...], str | None, str, str], ...]
+    tile: tuple[str, ...]  # the lanes' tile dims of the loads (their masks)
+
+    def reads(self) -> set[str]:
+        out = _env_reads(self.env) | {f"size_{self.axis}"}
+        for inp, dims, _, _, _ in self.inputs:
+            var = safe_name(inp)
+            out |= {f"{var}_ptr"} | {f"stride_{var}_{d}" for d in dims}
+            out |= _tile_reads([d for d in dims if d != self.axis], [d for d in self.tile if d in dims and d != self.axis])
+        return out
+
+    def helpers(self) -> list[str]:
+        return _helpers(self.at, self.expr) + (["fp8e4m3_to_float"] if any(i[2] == FP8 for i in self.inputs) else [])
 
 
 @dataclass(frozen=True, kw_only=True)

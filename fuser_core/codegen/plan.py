@@ -21,13 +21,14 @@ Strategies (docs/THEORY.md section 6) and when each is valid, decided before any
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from fuser_core.derive import Derivation
-from fuser_core.spec import Spec, Step
+from fuser_core.spec import Input, Spec, Step
 
 STRATEGIES = ("row_resident", "streaming_fused", "split_fused", "multi_pass")
 BASELINE = "unfused_chain"
@@ -49,16 +50,25 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     split: int = 1
+    # a streamed loop keeps its running states per lane of the tile where the derivation allows it
+    # (structure.per_lane: no cross-warp reduction per tile, a correction exp per element); False:
+    # per tile, as Liger-Kernel's and the tutorials' online softmax (one exp per element, two
+    # tile reductions per iteration). A tuning choice; absent from to_dict() when True, so the
+    # configs stored before it keep their keys.
+    per_lane: bool = True
 
     def to_dict(self) -> dict[str, Any]:
-        return {"blocks": dict(sorted(self.blocks.items())), "num_warps": self.num_warps,
-                "num_stages": self.num_stages, "split": self.split}
+        out: dict[str, Any] = {"blocks": dict(sorted(self.blocks.items())), "num_warps": self.num_warps,
+                               "num_stages": self.num_stages, "split": self.split}
+        if not self.per_lane:
+            out["per_lane"] = False
+        return out
 
     @staticmethod
     def from_dict(raw: dict[str, Any]) -> KernelConfig:
         if not isinstance(raw, dict):
             raise ValueError("config must be a JSON object")
-        unknown = set(raw) - {"blocks", "num_warps", "num_stages", "split"}
+        unknown = set(raw) - {"blocks", "num_warps", "num_stages", "split", "per_lane"}
         if unknown:
             raise ValueError(f"unknown config field {sorted(unknown)[0]!r}")
         blocks = raw.get("blocks", {})
@@ -67,8 +77,10 @@ class KernelConfig:
         for v in blocks.values():
             if v & (v - 1):
                 raise ValueError(f"config.blocks: {v} is not a power of two")
+        if not isinstance(raw.get("per_lane", True), bool):
+            raise ValueError("config.per_lane must be true or false")
         out = KernelConfig(dict(blocks), int(raw.get("num_warps", 4)), int(raw.get("num_stages", 2)),
-                           int(raw.get("split", 1)))
+                           int(raw.get("split", 1)), bool(raw.get("per_lane", True)))
         if out.num_warps not in (1, 2, 4, 8, 16, 32) or out.split < 1 or out.num_stages < 1:
             raise ValueError("config: num_warps in 1..32 (power of two), split >= 1, num_stages >= 1")
         return out
@@ -110,10 +122,68 @@ class KernelPlan:
         return self.spec.dims
 
     def axis_reductions(self) -> list[Step]:
-        return [s for s in self.spec.steps if s.is_reduction and s.over == self.axis]
+        """The reductions over the loop axis that a pass over it computes (a gather is one load: :attr:`gathers`)."""
+        gathers = self.gathers
+        return [s for s in self.spec.steps if s.is_reduction and s.over == self.axis and s.name not in gathers]
+
+    @functools.cached_property
+    def gathers(self) -> dict[str, tuple[Any, Any]]:
+        """Reductions over the axis that are one term: step name -> (X, at) for ``sum over axis of
+        where(index(axis) == at, X, 0)`` (:func:`gather_form`): computed by loading X at index
+        ``at``, as Liger-Kernel's cross-entropy loads the target's logit, not by a pass."""
+        out = {}
+        for s in self.spec.steps:
+            if s.is_reduction and s.over == self.axis:
+                form = gather_form(self.spec, self.derivation, s, self.axis)
+                if form is not None:
+                    out[s.name] = form
+        return out
 
     def inner_reductions(self) -> list[Step]:
         return [s for s in self.spec.steps if s.is_reduction and s.over != self.axis]
+
+
+def gather_form(spec: Spec, derivation: Derivation, step: Step, axis: str) -> tuple[Any, Any] | None:
+    """(X, at) when ``step`` is ``sum over axis of where(index(axis) == at, X, 0)`` with ``at`` an
+    integer expression of indices and index inputs that does not vary along the axis, and X made of
+    inputs, params and sizes only (no other step: it is evaluated at one index, alone), and no other
+    reduction over the axis reads the step (it is not in the loop's states). Else None."""
+    import sympy as sp
+
+    if step.reduce != "sum" or step.over != axis:
+        return None
+    conv = derivation.symbols
+    e = conv.integrand(step)
+    if not (isinstance(e, sp.Piecewise) and len(e.args) == 2 and e.args[1] == (0, True)):
+        return None
+    x, cond = e.args[0]
+    if not isinstance(cond, sp.Eq):
+        return None
+    index = next((s for s in cond.free_symbols if s.name == f"index({axis})"), None)
+    if index is None:
+        return None
+    solved = sp.solve(cond, index)
+    if len(solved) != 1:
+        return None
+    at = solved[0]
+    for sym in at.free_symbols:  # an index input or an index of another dim: integers all
+        inp = spec.lookup(sym.name)
+        if sym.name.startswith("index("):
+            if sym.name == f"index({axis})":
+                return None
+            continue
+        if not (inp is not None and getattr(inp, "is_index", False) and axis not in inp.dims):
+            return None
+    if not all(c.is_Integer for c in sp.Add.make_args(at) for c in ([c] if c.is_number else [])):
+        return None
+    for sym in x.free_symbols:
+        if sym.name.startswith(("size(", "index(")):
+            continue
+        if not isinstance(spec.lookup(sym.name), Input):
+            return None  # a step's value (or a param folded later): not a plain load at one index
+    readers = [s for s in spec.steps if s.is_reduction and s.over == axis and s.name != step.name
+               and any(sym.name == step.name for sym in conv.integrand(s).free_symbols)]
+    return None if readers else (x, at)
 
 
 def loop_axis(spec: Spec) -> tuple[str, tuple[str, ...]]:
@@ -192,12 +262,14 @@ def default_config(spec: Spec, derivation: Derivation, strategy: str, shape: dic
       heads of at most 64), 8 warps only when ``BLOCK_M x BLOCK_N >= 128 x 128`` (tutorial 06's
       rule: two warpgroups on a smaller tile compute the same product twice);
     - otherwise loops take tiles of at least ``LOADS_PER_THREAD x 32 x num_warps`` elements, so
-      that every thread issues 128-bit loads of 16-bit values.
+      that every thread issues 128-bit loads of 16-bit values: a long row two such loads a thread
+      on 8 warps with its running states per tile (``per_lane`` false, Liger-Kernel's online
+      softmax: one exp per element), a decode's keys four.
     """
     axis, inner = loop_axis(spec)
     blocks: dict[str, int] = {}
     n = shape[axis]
-    num_warps, num_stages = 4, 2
+    num_warps, num_stages, per_lane = 4, 2, True
     free, batch = contraction_dims(spec, derivation)
     dot_lanes = [d for d in spec.dims if d in free and d != axis and d not in inner]
     held = math.prod(next_pow2(shape[d]) for d in inner)  # inner axes ride along in every tile
@@ -214,16 +286,19 @@ def default_config(spec: Spec, derivation: Derivation, strategy: str, shape: dic
         num_warps = 8 if blocks[row] * blocks[axis] >= 128 * 128 or (axis in free and blocks[row] >= 128) else 4
         num_stages = 3
     else:  # a streamed row (a decode's single query: its keys stream past the whole head dims)
-        want = LOADS_PER_THREAD * 32 * num_warps
         carried = max([held, *(blocks[d] for d in others)])  # elements per axis index of the widest tile
         if carried >= 64:  # K/V rows of a head: four 128-bit loads a thread in flight, as flash-decoding's 64-key tiles
-            want *= 4
+            want = 4 * LOADS_PER_THREAD * 32 * num_warps
+        else:  # a long row: Liger-Kernel's online softmax, states per tile over 16 values a thread on 8 warps
+            num_warps, per_lane = 8, False
+            want = 2 * LOADS_PER_THREAD * 32 * num_warps
         blocks[axis] = max(min(16, next_pow2(n)), min(next_pow2(n), next_pow2(-(-want // carried))))
         num_stages = 3
     split = 1
     if strategy == "split_fused":
         split = max(2, min(8, -(-n // blocks[axis])))
-    return KernelConfig(blocks, num_warps=num_warps, num_stages=num_stages, split=split)
+    return KernelConfig(blocks, num_warps=num_warps, num_stages=num_stages, split=split,
+                        per_lane=per_lane or strategy not in ("streaming_fused", "split_fused"))
 
 
 def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str, int], config: KernelConfig) -> KernelPlan:

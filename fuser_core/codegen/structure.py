@@ -39,6 +39,7 @@ from fuser_core.codegen.ops import (
     Finalise,
     FirstChunk,
     Fold,
+    Gather,
     InitState,
     LaneMerge,
     Load,
@@ -242,6 +243,8 @@ def per_lane(plan: KernelPlan, folds: Iterable) -> tuple[bool, str]:
     only (a shift or a joint Taylor move, ``shifted``/``taylor``, stays per tile: each lane would need
     its own count), anchor at running values (a running estimate reads the count), have no state dims
     besides the lanes, and fold elementwise (a ``tl.dot`` fold, attention's ``o``, stays per tile)."""
+    if not plan.config.per_lane:
+        return False, "the configuration keeps the states per tile (per_lane: false)"
     lanes = set(plan.lanes)
     for step in plan.axis_reductions():
         real = realisation(plan, step)
@@ -574,10 +577,43 @@ class _Walk:
                 if s.name in self.values:
                     continue
                 step = self.conv.leaf_step.get(s)
-                if step is not None and step.over != self.axis:
+                if step is not None and step.name in self.plan.gathers:
+                    self.gather(step)
+                elif step is not None and step.over != self.axis:
                     self.inner_reduction(step)
                 elif step is None and self.spec.lookup(s.name) is not None:
                     self.load(s.name)
+
+    def gather(self, step: Step) -> None:
+        """A reduction that is one term (:attr:`KernelPlan.gathers`): X loaded at index ``at`` of the
+        axis, per lane, instead of folded over it (cross-entropy's target logit)."""
+        x, at = self.plan.gathers[step.name]
+        a = self.axis
+        self.need([at])
+        var = safe_name(step.name)
+        lanes = self.dims_of(at, self.env(at))
+        inputs, extra = [], {}
+        for sym in sorted(x.free_symbols, key=lambda s: s.name):
+            inp = self.spec.lookup(sym.name)
+            if isinstance(inp, Input) and a in inp.dims:
+                name = f"{var}_{safe_name(inp.name)}"
+                dims = self.order([*(d for d in inp.dims if d != a), *lanes])
+                inputs.append((inp.name, inp.dims, self.dtypes.get(inp.name), "tl.int32" if inp.is_index else "tl.float32",
+                               name))
+                extra[sym] = self.let(name, dims)
+        others = [s for s in x.free_symbols if s not in extra]
+        self.need([sp.Add(*others)] if others else [])
+        env = self.env(x, at, extra={**extra, sp.Symbol(f"{var}_at"): Ref(f"{var}_at", lanes)})
+        dims = self.order(set(self.dims_of(x, env)) | set(lanes))
+        self.add(Comment(text=f"# {step.name}: sum over {a} of where(index({a}) == {sp.sstr(at)}, {sp.sstr(x)}, 0): "
+                              f"its one term, loaded at that index"))
+        self.add(Gather(step=step.name, name=var, dims=dims, axis=a, at=at, expr=x, env=env, inputs=tuple(inputs),
+                        tile=self.layout.dims))
+        for inp, *_ in inputs:  # its pointer and strides are arguments of this kernel
+            if inp not in self.inputs:
+                self.inputs.append(inp)
+        self.values[step.name] = self.let(var, dims)
+        self.loaded.add(step.name)
 
     def hoist(self, exprs: Iterable[sp.Expr]) -> None:
         """The loop-invariant loads ``exprs`` would need, hoisted, without computing ``exprs`` here (a
@@ -695,10 +731,41 @@ class _Walk:
         if dot is not None:
             return dot, not self.zero_filled(dot.p, a), self.order((dot.i, dot.j)), f"  # tl.dot: sum over {a} as a matrix product"
         dims = self.dims_of(e, env)
-        masked = not (isinstance(e, sp.Symbol) and self.filled.get(e.name) == op and e.name in self.values)
+        masked = self.needs_mask(e, op)
         if masked:
             dims = self.layout.union(dims, (a,))
         return None, masked, tuple(d for d in dims if d != a), ""
+
+    def needs_mask(self, e: sp.Expr, op: str) -> bool:
+        """Must a fold of ``e`` set the tail's masked lanes to ``op``'s identity? Not where the values
+        its loads put in those lanes already give it: an input loaded with -inf there (for its max)
+        makes a streamed ``exp(x - mx)`` 0, the sum's identity. Inputs loaded without a fill hold 0
+        there. Decided only when ``e`` at those values is a number, with every other symbol a
+        running anchor (finite: safe_anchor) that sympy takes as a finite real."""
+        if isinstance(e, sp.Symbol) and self.filled.get(e.name) == op and e.name in self.values:
+            return False
+        fills, others = {}, set()
+        for s in e.free_symbols:
+            inp = self.spec.lookup(s.name)
+            if isinstance(inp, Input) and s.name in self.values and self.axis in inp.dims:
+                fills[s] = identity(self.filled[s.name]) if s.name in self.filled else sp.Integer(0)
+            else:
+                others.add(s)
+        if not fills or any(not self._is_anchor(s) for s in others):
+            return True
+        # an anchor is finite but may be any finite value, 0 included: the identity for each of a few,
+        # the anchors put in first (sympy would take 0 / peak as 0; at peak = 0 it is NaN: masked)
+        for value in (0, 1, -1, sp.Rational(5, 2)):
+            got = e.subs({s: value for s in others}).subs(fills)
+            if not (got.is_number and got == identity(op)):
+                return True
+        return False
+
+    def _is_anchor(self, s: sp.Symbol) -> bool:
+        try:
+            return lookup(self.values, s).name.endswith("_anchor")
+        except Exception:  # noqa: BLE001 (no value here: not an anchor)
+            return False
 
     def fold(self, step: Step, acc: str, e: sp.Expr, prev: sp.Expr | None = None, prev_names: Mapping | None = None) -> None:
         """acc = prev (op) reduce over the tile of e (a tl.dot when e is a contraction that fits one);
@@ -718,7 +785,7 @@ class _Walk:
         """acc = prev (op) e, elementwise: each lane of the tile folds its own element into its own state;
         masked-off lanes fold the identity (unless its load filled them)."""
         op = self.effective_op(step)
-        masked = not (isinstance(e, sp.Symbol) and self.filled.get(e.name) == op and e.name in self.values)
+        masked = self.needs_mask(e, op)
         env = self.env(e) + (self.env(prev, extra=prev_names) if prev is not None else ())
         self.add(Fold(step=step.name, name=acc, dims=self.var_dims[acc], op=op, over=self.axis, expr=e, env=env, prev=prev,
                       masked=masked, per_lane=True))
@@ -773,6 +840,8 @@ class _Walk:
         name = part.split(".")[0]
         step = self.spec.step(name)
         dims = step.dims
+        if name in self.plan.gathers and part not in self.values:  # an output that is one term: loaded here
+            self.gather(step)
         if step.is_reduction and step.over == self.axis:
             expr, env, value = None, (), self.values[part]
             value_dims, constant = value.dims, False
