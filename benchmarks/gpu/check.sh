@@ -38,9 +38,10 @@ if [ -z "$OUT_DIR" ]; then
 fi
 mkdir -p "$OUT_DIR"
 
-# The carried wheels (prepare_wheels.sh, Python 3.12), installed beside the image's packages;
-# a dry run uses the environment it is started in.
-if [ "$DRY" = 0 ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+# The carried wheels (prepare_wheels.sh: built for the GPU image's Python 3.12), installed beside
+# the image's packages; a dry run, or another Python, uses the environment it is started in.
+PY312=$(python3 -c 'import sys; print(int(sys.version_info[:2] == (3, 12)))')
+if [ "$DRY" = 0 ] && [ "$PY312" = 1 ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   SITE="${FOLDWISE_GPU_SITE:-/tmp/foldwise-site}"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     || { echo "gpu check: the carried wheels did not install" >&2; exit 4; }
