@@ -592,3 +592,40 @@ def test_killed_worker_trial_is_failed_by_heartbeat_and_retried(db_url: str, cat
                 p.kill()
         if names[0]:
             optuna.delete_study(study_name=names[0], storage=storage)
+
+
+@pytest.mark.parametrize("name,shape,dtype", [
+    ("cross_entropy", {"t": 8192, "v": 128256}, "bfloat16"),
+    ("safe_softmax", {"m": 16384, "n": 1024}, "float16"),
+    ("attention", {"b": 128, "h": 16, "m": 512, "n": 512, "d": 64, "e": 64}, "float16"),
+])
+def test_a_new_study_first_tries_each_strategys_default(catalog_specs: dict, name: str, shape: dict, dtype: str) -> None:
+    """The configuration an expert starts from (plan.default_config) is every strategy's first trial:
+    a few trials on a GPU measure it. (Defaults that leave lane blocks of 1 implicit were once
+    dropped on their way to the study, so a 3-trial GPU run never tried them.)"""
+    from fuser_core.codegen.plan import default_config
+    from fuser_core.derive import derive_cascade
+    from fuser_core.problem import make_problem
+    from fuser_core.spec import load_spec
+    from tuner.measure import ModelMeasurer
+    from tuner.profiles import get_profile
+    from tuner.search import default_candidates, trial_result
+    from tuner.space import Candidate, SearchSpace
+
+    spec = load_spec(catalog_specs[name])
+    derivation = derive_cascade(spec)
+    problem = make_problem(spec, shape, dtype)
+    space = SearchSpace(problem, derivation, get_profile("h100"))
+    defaults = default_candidates(space)
+    fitting = [s for s in space.strategies() if space.check(space.candidate(
+        s, space.values_of(Candidate(s, default_config(spec, derivation, s, problem.shape))))) is None]
+    assert [s for s, _ in defaults] == fitting and "streaming_fused" in fitting  # every default that fits
+    tuner = Tuner(space, ModelMeasurer(problem, derivation, get_profile("h100")), seed=0)
+    tuner.run(len(defaults))
+    first = [trial_result(t) for t in tuner.study.trials[:len(defaults)]]
+    assert [t.user_attrs.get("source") for t in tuner.study.trials[:len(defaults)]] == ["default"] * len(defaults)
+    for (strategy, _), got in zip(defaults, first):
+        want = default_config(spec, derivation, strategy, problem.shape)
+        assert got["strategy"] == strategy
+        assert {d: got["config"]["blocks"][d] for d in want.blocks} == want.blocks
+        assert (got["config"]["num_warps"], got["config"].get("per_lane", True)) == (want.num_warps, want.per_lane)

@@ -382,7 +382,13 @@ def default_candidates(space: Any) -> list[tuple[str, dict[str, int]]]:
             config = default_config(space.spec, space.derivation, strategy, dict(space.shape))
         except Exception:  # noqa: BLE001 (no default for this strategy here: the frontier starts it)
             continue
-        candidate = Candidate(strategy, config)
+        # the default leaves lane blocks of 1 implicit: the space's candidate fills every parameter
+        candidate = space.candidate(strategy, space.values_of(Candidate(strategy, config)))
+        got = candidate.config
+        if ({d: got.blocks.get(d) for d in config.blocks} != config.blocks
+                or (got.num_warps, got.num_stages, got.split, got.per_lane)
+                != (config.num_warps, config.num_stages, config.split, config.per_lane)):
+            continue  # a default outside the space's choices: not this space's to try
         if space.check(candidate) is None:
             out.append((strategy, space.values_of(candidate)))
     return out
