@@ -79,52 +79,15 @@ CASES = [
 # ---------------------------------------------------------------------------- Foldwise
 
 
-def window_trips(loop: Any, plan: Any, folds: list, shape: Mapping[str, int], blocks: Mapping[str, int]) -> float:
-    """Average iterations over the programs of a loop (a loop bounded by a mask: each program's own;
-    fuser_core.codegen.bounds, from the loop's folds as the structure decided them)."""
-    import sympy as sp
-
-    from fuser_core.codegen.bounds import axis_window
-    from fuser_core.codegen.structure import FUSED_STRATEGIES, reads_count
-    from fuser_core.realisation import SELECTIONS
-
-    a = plan.axis
-    full = -(-shape[a] // blocks[a])
-    if loop.span == "split":
-        return plan.config.split
-    if loop.span in ("chunk", "chunk_outputs"):
-        chunk = -(-(-(-shape[a] // plan.config.split)) // blocks[a]) * blocks[a]
-        full = chunk // blocks[a]
-    counts = plan.strategy in FUSED_STRATEGIES and reads_count(plan)
-    selections = any(s.reduce in SELECTIONS for s in plan.axis_reductions())
-    w = axis_window(a, folds, counts=counts, selections=selections) if loop.span in ("axis", "chunk") else None
-    if w is None:
-        return full
-    lanes = sorted({s.name[s.name.index("(") + 1:-1] for e in (w.lo, w.hi) if e is not None for s in e.free_symbols
-                    if not s.name.startswith("size(")})
-    if len(lanes) != 1:
-        return full
-    d = lanes[0]
-    total, n = 0.0, -(-shape[d] // blocks[d])
-    subs_sizes = {sp.Symbol(f"size({x})", integer=True, positive=True): v for x, v in shape.items()}
-    for i in range(n):
-        vals = {sp.Symbol(f"first({d})", integer=True): i * blocks[d],
-                sp.Symbol(f"last({d})", integer=True): min((i + 1) * blocks[d], shape[d]) - 1, **subs_sizes}
-        lo = max(0, int(w.lo.subs(vals))) // blocks[a] * blocks[a] if w.lo is not None else 0
-        hi = min(shape[a], int(w.hi.subs(vals))) if w.hi is not None else shape[a]
-        total += max(0, -(-(hi - lo) // blocks[a]))
-    return min(full, total / n)
-
-
 def foldwise_kernels(case: Case, strategy: str, config: Any) -> list[dict[str, Any]]:
     """Compile one strategy's module; per kernel its build, programs, warps and loop trips."""
     from fuser_core.catalog import load_catalog_spec
     from fuser_core.codegen.gpu_compile import CompileRequest, compile_request
-    from fuser_core.codegen.ops import Fold
     from fuser_core.codegen.plan import make_plan
     from fuser_core.codegen.structure import build_structure
     from fuser_core.derive import derive_cascade
     from fuser_core.problem import make_problem
+    from tuner.static_bound import loop_trips
 
     spec = load_catalog_spec(case.spec)
     derivation = derive_cascade(spec)
@@ -136,12 +99,7 @@ def foldwise_kernels(case: Case, strategy: str, config: Any) -> list[dict[str, A
     for kernel, build in zip(structure.kernels, built.kernels):
         programs = math.prod(-(-problem.shape[d] // b) for d, b in kernel.grid.lanes) * (
             plan.config.split if kernel.grid.split else 1)
-        trips = []
-        for loop in kernel.loops():
-            if loop.resident:
-                continue
-            folds = [(op.op, op.expr) for op in loop.body if isinstance(op, Fold)]
-            trips.append(window_trips(loop, plan, folds, problem.shape, plan.blocks))
+        trips = [loop_trips(plan, loop, problem.shape) for loop in kernel.loops() if not loop.resident]
         out.append({"build": build, "programs": programs, "num_warps": config.num_warps, "trips": trips or [1]})
     return out
 

@@ -161,6 +161,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
     with CompilePool(min(len(requests), 4)) as pool:
         modules = pool.compile(requests)
         kernels = [{"strategy": m.strategy, **k.to_dict()} for m in modules for k in m.kernels]
+        bounds = _static_bounds(spec, shape, dtypes, modules, profile)
+        for k in kernels:
+            b = bounds.get((k["strategy"], k["kernel"]))
+            if b is not None:
+                k["static_bound"] = b
         failed = sum(not k["ok"] for k in kernels)
         if args.out and not failed:
             _write_binaries(pool, [r for r, m in zip(requests, modules) if not m.refused], Path(args.out))
@@ -176,17 +181,44 @@ def cmd_compile(args: argparse.Namespace) -> int:
     else:
         print(f"{spec.name} for {profile.name} ({profile.arch}), Triton {triton_version}: {len(kernels) - failed} of "
               f"{len(kernels)} kernels compile")
-        print(f"{'strategy':<16} {'kernel':<44} {'ok':<4} {'regs':>5} {'spill':>6} {'shared':>7}")
+        print(f"{'strategy':<16} {'kernel':<44} {'ok':<4} {'regs':>5} {'spill':>6} {'shared':>7}  static bound")
         for k in kernels:
             regs = "" if k["registers"] is None else k["registers"]
             spill = "" if k["spill_bytes"] is None else k["spill_bytes"]
             shared = "" if k["shared_bytes"] is None else k["shared_bytes"]
-            print(f"{k['strategy']:<16} {k['kernel']:<44} {'yes' if k['ok'] else 'NO':<4} {regs:>5} {spill:>6} {shared:>7}")
+            b = k.get("static_bound")
+            bound = f"  {1e3 * b['time_s']:.4g} ms ({b['bound']})" if b else ""
+            print(f"{k['strategy']:<16} {k['kernel']:<44} {'yes' if k['ok'] else 'NO':<4} {regs:>5} {spill:>6} {shared:>7}{bound}")
             if not k["ok"]:
                 print(f"    {k['error']}")
         for s, why in refused.items():
             print(f"{s:<16} refused: {why}")
     return 1 if failed else 0
+
+
+def _static_bounds(spec, shape, dtypes, modules, profile) -> dict[tuple[str, str], dict]:
+    """(strategy, kernel) -> its static bound at the target's rates (tuner.static_bound: HBM bytes,
+    issue, SFU and tensor work read from the compiled SASS) for every fused module that compiled."""
+    from fuser_core import STRATEGIES, KernelConfig, derive_cascade, make_problem
+    from fuser_core.codegen.plan import make_plan
+    from fuser_core.codegen.structure import build_structure
+    from tuner.bench import min_bytes
+    from tuner.static_bound import module_bounds
+
+    problem = make_problem(spec, shape, dtypes)
+    derivation = derive_cascade(spec)
+    out: dict[tuple[str, str], dict] = {}
+    for m in modules:
+        if m.refused or not m.ok or m.strategy not in STRATEGIES:
+            continue
+        plan = make_plan(spec, derivation, m.strategy, problem.shape, KernelConfig.from_dict(dict(m.config)))
+        structure = build_structure(plan, problem.dtypes, problem.output_dtypes)
+        found = module_bounds(plan, structure, m.kernels, profile, problem.shape,
+                              min_bytes(spec, problem.shape, problem.dtypes))
+        for k in found or []:
+            out[(m.strategy, k["kernel"])] = {"time_s": k["time_s"], "bound": k["bound"], "terms_s": k["terms_s"],
+                                              "programs": k["programs"], "trips": k["trips"]}
+    return out
 
 
 def _write_binaries(pool, requests: list, out: Path) -> None:

@@ -244,6 +244,14 @@ def test_cli_compiles_every_strategy_and_lists_refused_ones():
     for k in report["kernels"]:
         assert set(k) >= {"strategy", "kernel", "ok", "error", "registers", "spill_bytes", "shared_bytes"}
         assert k["ok"] and k["error"] is None and k["registers"] > 0
+        # what the cubin issues (fuser_core.codegen.sass) and, for a fused kernel, its static bound
+        assert k["sass"]["total"]["instructions"] > 0 and k["sass"]["total"]["load_bits"]
+        if k["strategy"] != BASELINE:
+            b = k["static_bound"]
+            assert b["bound"] in b["terms_s"] and b["time_s"] == max(b["terms_s"].values()) > 0
+    # 4 rows of 70000 bf16 values on an A100: nothing but bytes bounds the streamed kernel
+    streamed = next(k for k in report["kernels"] if k["strategy"] == "streaming_fused")
+    assert streamed["static_bound"]["bound"] in ("memory", "issue")
 
 
 def test_cli_exits_1_when_a_kernel_fails_and_names_it():

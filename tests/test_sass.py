@@ -113,3 +113,31 @@ def test_static_bound_takes_the_largest_term() -> None:
     longer = static_bound(sass, programs=4096, num_warps=4, trips=[64, 64], profile=h100)
     assert longer["terms_s"]["issue"] > b["terms_s"]["issue"]
     assert load_width(sass) == 128
+
+
+def test_the_model_measurer_never_predicts_below_the_static_bound() -> None:
+    """With the compile gate's facts, the model's prediction is at least the compiled code's static
+    bound (tuner.static_bound): cross-entropy's per-lane kernel issues 31 instructions per element,
+    an issue bound the byte-based model alone missed."""
+    from fuser_core.catalog import load_catalog_spec
+    from fuser_core.derive import derive_cascade
+    from fuser_core.problem import make_problem
+    from tuner.compile_gate import CompileGate
+    from tuner.measure import ModelMeasurer
+    from tuner.profiles import get_profile
+    from tuner.space import SearchSpace
+
+    spec = load_catalog_spec("cross_entropy")
+    derivation = derive_cascade(spec)
+    problem = make_problem(spec, {"t": 4096, "v": 128256}, "bfloat16")
+    h100 = get_profile("h100")
+    space = SearchSpace(problem, derivation, h100)
+    gate = CompileGate.for_space(space)
+    measurer = ModelMeasurer(problem, derivation, h100, verify=False, gate=gate)
+    for per_lane in (1, 0):
+        c = space.candidate("streaming_fused", {"block_v": 1024, "block_t": 1, "num_warps": 4, "num_stages": 3,
+                                                "per_lane": per_lane})
+        m = measurer.measure(c)
+        floor = m.details["static_bound"]
+        assert m.time_ms >= 1e3 * floor["time_s"] > 0
+        assert floor["kernels"][0]["bound"] in ("memory", "issue")

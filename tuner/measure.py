@@ -188,7 +188,32 @@ class ModelMeasurer:
             "waves": p.waves, "occupancy": p.occupancy,
             "kernels": [{k: v for k, v in kd.items() if k in _KERNEL_FIELDS} for kd in p.details["kernels"]],
         }
-        return Measurement(p.time_s * 1e3, None, True, details)
+        time_s = p.time_s
+        floor = self.static_floor(candidate, compiled)
+        if floor is not None:  # the compiled code cannot run faster than its static bound
+            details["static_bound"] = floor
+            time_s = max(time_s, floor["time_s"])
+        return Measurement(time_s * 1e3, None, True, details)
+
+    def static_floor(self, candidate: Candidate, compiled: Any) -> dict[str, Any] | None:
+        """The static bound of the compiled candidate (tuner.static_bound: the largest of HBM bytes,
+        instruction issue, SFU and tensor work read from its SASS), summed over its kernels; None
+        without compile facts."""
+        if compiled is None or not compiled.kernels or not all(getattr(k, "sass", None) for k in compiled.kernels):
+            return None
+        from fuser_core.codegen.plan import make_plan
+        from fuser_core.codegen.structure import build_structure
+        from tuner.bench import min_bytes
+        from tuner.static_bound import module_bounds
+
+        plan = make_plan(self.spec, self.derivation, candidate.strategy, self.problem.shape, candidate.config)
+        structure = build_structure(plan, self.problem.dtypes, self.problem.output_dtypes)
+        kernels = module_bounds(plan, structure, compiled.kernels, self.profile, self.problem.shape,
+                                min_bytes(self.spec, self.problem.shape, self.problem.dtypes))
+        if kernels is None:
+            return None
+        return {"time_s": sum(k["time_s"] for k in kernels),
+                "kernels": [{"kernel": k["kernel"], "bound": k["bound"], "terms_s": k["terms_s"]} for k in kernels]}
 
 
 _KERNEL_FIELDS = ("kernel", "time_s", "bound", "programs", "blocks_per_sm", "waves", "occupancy", "regs_per_thread",

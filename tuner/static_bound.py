@@ -108,6 +108,71 @@ def static_bound(sass: Mapping[str, Any], *, programs: int, num_warps: int, trip
     return out
 
 
+def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
+    """Iterations of a structure loop (``fuser_core.codegen.ops.Loop``) averaged over the programs:
+    a split chunk's share, SPLIT partial states, or, for a loop a mask bounds
+    (fuser_core.codegen.bounds), each program's own window of the axis."""
+    import sympy as sp
+
+    from fuser_core.codegen.bounds import axis_window
+    from fuser_core.codegen.ops import Fold
+    from fuser_core.codegen.structure import FUSED_STRATEGIES, reads_count
+    from fuser_core.realisation import SELECTIONS
+
+    blocks, a = plan.blocks, plan.axis
+    full = -(-shape[a] // blocks[a])
+    if loop.resident:
+        return 1.0
+    if loop.span == "split":
+        return float(plan.config.split)
+    if loop.span in ("chunk", "chunk_outputs"):
+        chunk = -(-(-(-shape[a] // plan.config.split)) // blocks[a]) * blocks[a]
+        full = chunk // blocks[a]
+    window = None
+    if loop.span in ("axis", "chunk"):
+        folds = [(op.op, op.expr) for op in loop.body if isinstance(op, Fold)]
+        window = axis_window(a, folds, counts=plan.strategy in FUSED_STRATEGIES and reads_count(plan),
+                             selections=any(s.reduce in SELECTIONS for s in plan.axis_reductions()))
+    if window is None:
+        return float(full)
+    lanes = sorted({s.name[s.name.index("(") + 1:-1] for e in (window.lo, window.hi) if e is not None
+                    for s in e.free_symbols if not s.name.startswith("size(")})
+    if len(lanes) != 1:
+        return float(full)
+    d = lanes[0]
+    sizes = {sp.Symbol(f"size({x})", integer=True, positive=True): v for x, v in shape.items()}
+    n, total = -(-shape[d] // blocks[d]), 0.0
+    for i in range(n):
+        at = {sp.Symbol(f"first({d})", integer=True): i * blocks[d],
+              sp.Symbol(f"last({d})", integer=True): min((i + 1) * blocks[d], shape[d]) - 1, **sizes}
+        lo = max(0, int(window.lo.subs(at))) // blocks[a] * blocks[a] if window.lo is not None else 0
+        hi = min(shape[a], int(window.hi.subs(at))) if window.hi is not None else shape[a]
+        total += max(0, -(-(hi - lo) // blocks[a]))
+    return min(float(full), total / n)
+
+
+def module_bounds(plan: Any, structure: Any, builds: Sequence[Any], profile: GpuProfile, shape: Mapping[str, int],
+                  unique_bytes: int | None = None) -> list[dict[str, Any]] | None:
+    """Per kernel of a generated module, its static bound (:func:`static_bound`) from its compile
+    facts (``builds``: the compile gate's KernelBuild per kernel, in launch order) and the
+    structure's grid and loops; None when a kernel has no SASS facts. ``unique_bytes``: the
+    module's minimum traffic, charged to its first kernel."""
+    import math
+
+    out = []
+    for i, (kernel, build) in enumerate(zip(structure.kernels, builds)):
+        sass = getattr(build, "sass", None)
+        if not sass:
+            return None
+        programs = math.prod(-(-shape[d] // b) for d, b in kernel.grid.lanes) * (
+            plan.config.split if kernel.grid.split else 1)
+        trips = [loop_trips(plan, loop, shape) for loop in kernel.loops() if not loop.resident] or [1.0]
+        bound = static_bound(sass, programs=programs, num_warps=plan.config.num_warps, trips=trips, profile=profile,
+                             unique_bytes=unique_bytes if i == 0 else None)
+        out.append({"kernel": kernel.name, "programs": programs, "trips": trips, **bound})
+    return out
+
+
 def load_width(sass: Mapping[str, Any]) -> int | None:
     """The widest global load the hot loop issues (bits), else the kernel's; None: no loads."""
     loops = sass.get("loops") or []
@@ -116,4 +181,4 @@ def load_width(sass: Mapping[str, Any]) -> int | None:
     return max((int(b) for b in widths), default=None)
 
 
-__all__ = ["ISSUE_PER_SM_PER_CLOCK", "load_width", "static_bound", "tensor_unit"]
+__all__ = ["ISSUE_PER_SM_PER_CLOCK", "load_width", "loop_trips", "module_bounds", "static_bound", "tensor_unit"]
