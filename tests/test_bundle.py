@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 
 import numpy as np
 import pytest
@@ -149,7 +150,7 @@ def test_bundle_speaks_canonical_names_and_callers_get_their_own():
     shape = {"row": 3, "col": 37}
     b_orig = bundle_for("layernorm", {"t": 3, "c": 37})
     b_renamed = make_bundle(make_problem(renamed, shape, "float32"), target="h100", strategy=b_orig["strategy"],
-                            config={"blocks": {"col": b_orig["config"]["blocks"]["d0"]}},
+                            config={**b_orig["config"], "blocks": {"col": b_orig["config"]["blocks"]["d0"]}},
                             measured=MEASURED)
     assert b_renamed == b_orig  # one bundle per spec_hash, whoever asked
     # layernorm's canonical dims put c first (inputs sorted: beta, gamma, x), so y is (c, t) there
@@ -196,14 +197,15 @@ def test_make_bundle_is_deterministic_and_fills_versions():
 TAMPERS = {
     "triton_source": lambda b: b.__setitem__("triton_source", b["triton_source"] + "\n# changed\n"),
     "source_constant": lambda b: b.__setitem__("triton_source",
-                                               b["triton_source"].replace("num_warps=4", "num_warps=8", 1)),
+                                               re.sub(r"num_warps=(\d+)", lambda m: f"num_warps={2 * int(m[1])}",
+                                                      b["triton_source"], count=1)),
     "spec": lambda b: b["spec"]["steps"][0].__setitem__("expr", "x * 2"),
     "spec_hash": lambda b: b.__setitem__("spec_hash", "0" * 64),
     "shape": lambda b: b["shape"].__setitem__(next(iter(b["shape"])), 1000),
     "dtype": lambda b: b.__setitem__("dtype", "float16"),
     "target": lambda b: b.__setitem__("target", "a100"),
     "strategy": lambda b: b.__setitem__("strategy", "multi_pass"),
-    "config": lambda b: b["config"].__setitem__("num_warps", 8),
+    "config": lambda b: b["config"].__setitem__("num_warps", 2 * b["config"]["num_warps"]),
     "measured": lambda b: b["measured"].__setitem__("time_ms", 0.001),
     "derivation": lambda b: b["derivation"].__setitem__("fusible", not b["derivation"]["fusible"]),
     "inputs": lambda b: b["inputs"]["x"].__setitem__("dtype", "float16"),
@@ -226,6 +228,7 @@ def test_tampered_bundle_fails_verification(softmax_bundle, how):
     bundle = copy.deepcopy(softmax_bundle)
     verify_bundle(bundle)
     TAMPERS[how](bundle)
+    assert bundle != softmax_bundle, "the tamper changed nothing"
     with pytest.raises(BundleError):
         verify_bundle(bundle)
     with pytest.raises(BundleError):
