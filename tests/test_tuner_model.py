@@ -187,6 +187,25 @@ def test_check_rejects_what_cannot_fit() -> None:
         "block_q is not a parameter of streaming_fused"
 
 
+def test_two_warpgroups_never_compute_the_same_dot() -> None:
+    """sm_90's wgmma gives each warpgroup 64 rows: a 64-row attention tile on 8 warps is pruned
+    (compiled: 1.5x the HGMMA instructions, 2x the exps of 128 x 64), 128 rows on 8 warps are not;
+    an A100's mma splits warps both ways, so the rule is Hopper's only."""
+    shape = {"b": 4, "h": 32, "m": 4096, "n": 4096, "d": 128, "e": 128}
+    tile = {"block_m": 64, "block_n": 128, "block_e": 128, "num_warps": 8, "num_stages": 2}
+    h100 = space_for("attention", shape, "float16")
+    assert h100.check(h100.candidate("streaming_fused", tile)).startswith(
+        "num_warps = 8 on a tl.dot of BLOCK_m = 64 rows")
+    assert h100.check(h100.candidate("streaming_fused", {**tile, "num_warps": 4})) is None
+    assert h100.check(h100.candidate("streaming_fused", {**tile, "block_m": 128, "block_n": 64})) is None
+    a100 = space_for("attention", shape, "float16", get_profile("a100"))
+    assert "warpgroup" not in (a100.check(a100.candidate("streaming_fused", tile)) or "")
+    # no tl.dot (a decode's single query row): 8 warps stream its keys
+    decode = space_for("attention", {**shape, "m": 1, "n": 8192}, "float16")
+    assert decode.check(decode.candidate("streaming_fused", {"block_m": 1, "block_n": 64, "block_e": 128,
+                                                             "num_warps": 8, "num_stages": 2})) is None
+
+
 def test_enumerate_yields_only_feasible_candidates() -> None:
     space = space_for("safe_softmax", {"m": 64, "n": 1000}, "float32")
     seen = list(space.enumerate())

@@ -152,7 +152,7 @@ class Anatomy:
         self.lanes = tuple(d for d in spec.dims if d != self.axis and d not in self.inner and d not in self.as_dims)
         self.axis_steps = [s for s in spec.steps if s.is_reduction and s.over == self.axis]
         self._sym_dims: dict[sp.Symbol, frozenset[str]] = {}
-        self._cache: dict[tuple, list[KernelSketch]] = {}
+        self._cache: dict[tuple, list] = {}
 
     # ------------------------------------------------------------------ dims of expressions
     def sym_dims(self, s: sp.Symbol) -> frozenset[str]:
@@ -204,6 +204,15 @@ class Anatomy:
         if key not in self._cache:
             structure = self.structure(strategy, blocks, parallel_combine, per_lane)
             self._cache[key] = [sketch(self, k, structure) for k in structure.kernels]
+        return self._cache[key]
+
+
+    def dot_rows(self, strategy: str, blocks: Mapping[str, int], per_lane: bool = True) -> list[frozenset[str]]:
+        """Per launched kernel, the row dims (``i`` of ``tl.dot(P[i, over], Q[over, j])``) of its dots."""
+        key = ("dot_rows", strategy, block_pattern(blocks), per_lane)
+        if key not in self._cache:
+            structure = self.structure(strategy, blocks, per_lane=per_lane)
+            self._cache[key] = [frozenset(d.i for d in k.dots) for k in structure.kernels]
         return self._cache[key]
 
 
@@ -483,12 +492,15 @@ def resources(kernel: KernelSketch, inputs: Mapping[str, tuple[tuple[str, ...], 
         biggest = max((elements(t, blocks) for t in held), default=1)
         tile = max(tile, biggest)
         live_max = max(live_max, state + loaded + 2 * biggest)
-        live_min = max(live_min, state + max(loaded, biggest))
+        # a lower bound: a tl.dot's operands loaded as they are may live in shared memory only
+        # (attention 64 x 128 at d = 128 on 4 warps: ptxas 248 registers; K and V counted, 385)
+        direct = {n for d in p.dots for n in d.direct}
+        in_registers = sum(elements(inputs[n][0], blocks) for n in p.loads if n not in direct)
+        live_min = max(live_min, state + max(in_registers, biggest))
         dot_smem = sum((elements(d.p_dims, blocks) + elements(d.q_dims, blocks)) * DOT_BYTES[d.precision] * num_stages
                        for d in p.dots)
         staged = 0
         if num_stages > 1 and p.loop in ("axis", "chunk") and axis is not None and blocks.get(axis, 1) > 1:
-            direct = {n for d in p.dots for n in d.direct}
             staged = (num_stages - 1) * sum(
                 elements(inputs[n][0], blocks) * inputs[n][1]
                 for n in p.loads if n not in direct and axis in inputs[n][0]

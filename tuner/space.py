@@ -58,6 +58,7 @@ from fuser_core.codegen.plan import (
     next_pow2,
     valid_strategies,
 )
+from fuser_core.codegen.gpu_compile import capability_of
 from fuser_core.derive import Derivation
 from fuser_core.problem import Problem
 from tuner.analysis import Anatomy, Resources, cdiv, input_info, resources
@@ -65,6 +66,9 @@ from tuner.profiles import GpuProfile
 
 WARPS = (1, 2, 4, 8, 16, 32)
 STAGES = (1, 2, 3, 4, 5)
+# sm_90's wgmma gives each warpgroup 64 rows of the product: on a 64-row tile, 8 warps compute it twice
+# (attention 64 x 128 on 8 warps at sm_90: 1.5x the HGMMA instructions and 2x the exps of 128 x 64)
+WGMMA_ROWS = 64
 MIN_AXIS_BLOCK = 16  # tl.dot's minimum; smaller loop tiles never pay on a GPU
 MAX_LANE_BLOCK = 256
 MAX_SPLIT = 64
@@ -275,7 +279,9 @@ class SearchSpace:
         strategy, c = candidate.strategy, candidate.config
         p = self.profile
         threads = 32 * c.num_warps
-        kernels = self.anatomy.kernels(strategy, self.blocks_of(candidate), per_lane=c.per_lane)
+        blocks = self.blocks_of(candidate)
+        kernels = self.anatomy.kernels(strategy, blocks, per_lane=c.per_lane)
+        rows = self.anatomy.dot_rows(strategy, blocks, per_lane=c.per_lane)
         for kernel, r in zip(kernels, self.resources(candidate)):
             where = f" ({kernel.name})" if strategy == "split_fused" else ""
             if r.smem_bytes > p.smem_per_block_max:
@@ -288,6 +294,12 @@ class SearchSpace:
             if r.min_regs_per_thread * threads > p.regs_per_sm:
                 return (f"registers{where}: at least {r.min_regs_per_thread} per thread x {threads} threads > "
                         f"{p.regs_per_sm} per SM on {p.name}")
+            if c.num_warps > 4 and capability_of(p.arch) >= 90:
+                short = [d for d in rows[kernels.index(kernel)] if blocks[d] < WGMMA_ROWS * c.num_warps // 4]
+                if short:
+                    return (f"num_warps = {c.num_warps} on a tl.dot of BLOCK_{short[0]} = {blocks[short[0]]} rows: a "
+                            f"warpgroup (4 warps) takes {WGMMA_ROWS} rows of a wgmma, so two warpgroups would "
+                            "compute the same product")
             if kernel is kernels[0] and \
                     threads > 4 * r.tile_elements and c.num_warps > 1:  # the combine kernel shares num_warps
                 return (f"num_warps = {c.num_warps} ({threads} threads) for a largest tile of {r.tile_elements} "
