@@ -128,10 +128,13 @@ if INTERPRETED:
         up = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return tl.where(x != x, x, up.to(tl.float32, bitcast=True))
 
+    # Its tl.dot also multiplies bfloat16 operands as their raw bits (numpy holds them as uint16):
+    # the operand stays float32, holding the bfloat16 value exactly. A product of two bfloat16
+    # values is exact in float32 and sums in float32, as on the GPU's bf16 tensor cores.
     @triton.jit
     def bf16_operand(x):
-        """x as a bfloat16 tl.dot operand, rounded to nearest even first (exact conversion after)."""
-        return bf16_round(x).to(tl.bfloat16)
+        """x rounded to bfloat16, as a float32 tl.dot operand (the interpreter's bfloat16 dot is wrong)."""
+        return bf16_round(x)
 else:
     @triton.jit
     def bf16_round(x):
