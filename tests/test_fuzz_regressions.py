@@ -897,3 +897,14 @@ def test_a_top_k_of_a_row_masked_to_minus_inf_gives_k_distinct_indices(strategy)
         np.testing.assert_array_equal(got, ref["tl.indices"])
         np.testing.assert_array_equal(out["am"].numpy(), ref["am"])
         assert all(len(set(row)) == 4 for row in got.tolist())
+
+
+def test_a_mask_window_over_an_inner_dim_starts_at_zero():
+    """fuzz seed 48: ``where(index(t) > index(e), ...)`` summed over t, where e is an inner axis
+    (another step sums over it), so every program holds e whole. The loop's window read
+    ``pid_e * BLOCK_e`` (NameError: no program id of e); a whole dim's first index is 0."""
+    spec = spec_of(
+        [red("sel", "min", "sqrt(x ** 4 + 1)", over="t"), red("p", "sum", "a / (2 + sin(q))", over="e"),
+         red("den", "sum", "where(index(t) > index(e), exp(sel - sqrt(x ** 4 + 1)) * x, 0)", over="t")],
+        ["sel", "p", "den"], inputs={"a": {"dims": ["e", "t"]}, "x": {"dims": ["t"]}, "q": {"dims": ["e"]}})
+    every_strategy_passes(spec, {"e": 5, "t": 37})

@@ -141,11 +141,12 @@ def axis_window(axis: str, folds: Sequence[tuple[str, sp.Expr]], *, counts: bool
     return window_of(sp.Symbol(f"index({axis})", integer=True, nonnegative=True), [conds[0]])
 
 
-def bound_text(e: sp.Expr, tile_dims: Iterable[str]) -> tuple[str, set[str]]:
+def bound_text(e: sp.Expr, tile_dims: Iterable[str], whole: Iterable[str] = ()) -> tuple[str, set[str]]:
     """A window end as Triton text, and the names it reads: ``first(d)`` is ``pid_d * BLOCK_d``,
     ``last(d) + 1`` the end of the program's block of d (``tl.minimum(pid_d * BLOCK_d + BLOCK_d,
-    size_d)``); a lane in no tile (block 1) is its scalar offset ``offs_d``; ``size(d)`` is ``size_d``."""
-    tile = set(tile_dims)
+    size_d)``); a lane in no tile (block 1) is its scalar offset ``offs_d``; a dim each program
+    holds ``whole`` (no program id: an inner axis) runs from 0 to ``size_d``; ``size(d)`` is ``size_d``."""
+    tile, whole = set(tile_dims), set(whole)
     reads: set[str] = set()
     ends = {s: sp.Symbol(f"end({s.name[5:-1]})", integer=True) - 1 for s in e.free_symbols if s.name.startswith("last(")}
     e = sp.expand(e.subs(ends)) if ends else e
@@ -159,6 +160,11 @@ def bound_text(e: sp.Expr, tile_dims: Iterable[str]) -> tuple[str, set[str]]:
             if name.startswith("size("):
                 reads.add(f"size_{dim}")
                 return f"size_{dim}"
+            if dim in whole:
+                if name.startswith("first("):
+                    return "0"
+                reads.add(f"size_{dim}")
+                return f"size_{dim}"  # end(d)
             if dim not in tile:  # a scalar lane: one index per program (its end: the next one)
                 reads.add(f"offs_{dim}")
                 return f"(offs_{dim} + 1)" if name.startswith("end(") else f"offs_{dim}"

@@ -1041,14 +1041,15 @@ class _Walk:
         if w is None:
             return lo, hi, reads
         a, extra = self.axis, set()
+        whole = [d for d in self.layout.dims if d != a and d not in self.plan.lanes]  # offsets without a program id
         if w.lo is not None:
-            text, used = bound_text(w.lo, self.layout.dims)
+            text, used = bound_text(w.lo, self.layout.dims, whole)
             start = f"tl.maximum({text}, 0) // BLOCK_{a} * BLOCK_{a}"
             lo = start if lo == "0" else f"tl.maximum({lo}, {start})"
             extra |= used
             self.add(Comment(text=f"# masked: this program's lanes see no {a} before {text}"))
         if w.hi is not None:
-            text, used = bound_text(w.hi, self.layout.dims)
+            text, used = bound_text(w.hi, self.layout.dims, whole)
             hi = f"tl.minimum({hi}, {text})"
             extra |= used
             self.add(Comment(text=f"# masked: this program's lanes see no {a} from {text} on"))
