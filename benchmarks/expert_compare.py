@@ -94,7 +94,7 @@ def foldwise_kernels(case: Case, strategy: str, config: Any) -> list[dict[str, A
     problem = make_problem(spec, case.shape, case.dtype)
     plan = make_plan(spec, derivation, strategy, problem.shape, config)
     structure = build_structure(plan, problem.dtypes, problem.output_dtypes)
-    built = compile_request(CompileRequest(spec, problem.shape, problem.dtypes, strategy, config.to_dict(), 90))
+    built = compile_request(CompileRequest(spec, problem.shape, problem.dtypes, strategy, config.to_dict(), 90, sass=True))
     out = []
     for kernel, build in zip(structure.kernels, built.kernels):
         programs = math.prod(-(-problem.shape[d] // b) for d, b in kernel.grid.lanes) * (

@@ -157,7 +157,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     else:
         raise UsageError(f"--strategy: unknown strategy {args.strategy!r}; one of {', '.join((*STRATEGIES, BASELINE))}, all")
     capability = capability_of(profile.arch)
-    requests = [CompileRequest(spec, shape, dtypes, s, config, capability) for s in strategies]
+    requests = [CompileRequest(spec, shape, dtypes, s, config, capability, sass=True) for s in strategies]
     with CompilePool(min(len(requests), 4)) as pool:
         modules = pool.compile(requests)
         kernels = [{"strategy": m.strategy, **k.to_dict()} for m in modules for k in m.kernels]

@@ -170,7 +170,7 @@ class CompileGate:
             missing = {c.key(): c for c in candidates if c.key() not in self._verdicts}
         if missing:
             requests = [CompileRequest(self.spec, self.shape, self.dtypes, c.strategy, c.config.to_dict(),
-                                       self.capability) for c in missing.values()]
+                                       self.capability, sass=True) for c in missing.values()]
             builds = (self.pool or shared_compile_pool()).compile(requests)
             with self._lock:
                 for key, build in zip(missing, builds):

@@ -83,7 +83,9 @@ class CompileRequest:
     """One generated module to compile: the spec, bound shape, input
     dtypes, strategy (or ``unfused_chain``), config (``KernelConfig.to_dict()`` form; None: the
     strategy's default) and the target's compute capability (90 for sm_90, 80 for sm_80).
-    Picklable, so it crosses to a worker process."""
+    ``sass``: also read what the cubin issues (:class:`KernelBuild` ``sass``, the static bound's
+    input); disassembling costs about half a compile, so a check that only needs registers,
+    spills and shared memory leaves it off. Picklable, so it crosses to a worker process."""
 
     spec: Spec
     shape: dict[str, int]
@@ -91,6 +93,7 @@ class CompileRequest:
     strategy: str
     config: dict[str, Any] | None = None
     capability: int = 90
+    sass: bool = False
 
 
 @dataclass(frozen=True)
@@ -412,8 +415,9 @@ def compile_artifacts(request: CompileRequest) -> dict[str, Any]:
             "config": config, "kernels": kernels}
 
 
-def compile_launch(launch: KernelLaunch, capability: int) -> KernelBuild:
-    """Compile one intercepted launch for ``sm_<capability>``; errors become ``ok=False``."""
+def compile_launch(launch: KernelLaunch, capability: int, sass: bool = True) -> KernelBuild:
+    """Compile one intercepted launch for ``sm_<capability>`` (with its SASS facts when ``sass``);
+    errors become ``ok=False``."""
     import triton
     from triton.compiler import ASTSource
 
@@ -427,7 +431,7 @@ def compile_launch(launch: KernelLaunch, capability: int) -> KernelBuild:
             compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target,
                                       options=options.__dict__)
             used = cubin_resources(compiled.asm["cubin"])
-            sass = _sass_facts(compiled.asm["cubin"], name)
+            facts = _sass_facts(compiled.asm["cubin"], name) if sass else None
             error = None
         except Exception as err:  # noqa: BLE001 - every compiler failure is reported, not raised
             error = err
@@ -443,7 +447,7 @@ def compile_launch(launch: KernelLaunch, capability: int) -> KernelBuild:
         stack_bytes=used.get("STACK"), local_bytes=used.get("LOCAL"),
         # the launch's dynamic shared memory plus the cubin's static allocation
         shared_bytes=int(compiled.metadata.shared) + used.get("SHARED", 0),
-        num_warps=options.num_warps, num_stages=options.num_stages, sass=sass,
+        num_warps=options.num_warps, num_stages=options.num_stages, sass=facts,
     )
 
 
@@ -470,7 +474,7 @@ def _cache_dir() -> Path:
 _BUILDS: dict[str, KernelBuild] = {}
 
 
-def _launch_key(launch: KernelLaunch, capability: int) -> str:
+def _launch_key(launch: KernelLaunch, capability: int, sass: bool) -> str:
     import triton
 
     try:
@@ -480,14 +484,14 @@ def _launch_key(launch: KernelLaunch, capability: int) -> str:
                  sorted((str(k), repr(v)) for k, v in attrs.items()), options.num_warps, options.num_stages]
     except Exception as error:  # noqa: BLE001 - unbindable launches are compiled (and fail) uncached
         return f"unbound-{id(launch)}-{error!r}"
-    payload = json.dumps([module_text, launch.fn.__name__, bound, capability, triton.__version__, FACTS_VERSION],
+    payload = json.dumps([module_text, launch.fn.__name__, bound, capability, triton.__version__, FACTS_VERSION, sass],
                          default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def cached_compile(launch: KernelLaunch, capability: int) -> KernelBuild:
+def cached_compile(launch: KernelLaunch, capability: int, sass: bool = False) -> KernelBuild:
     """:func:`compile_launch`, answered from memory or the disk cache when seen before."""
-    key = _launch_key(launch, capability)
+    key = _launch_key(launch, capability, sass)
     if key in _BUILDS:
         return _BUILDS[key]
     path = _cache_dir() / f"{key[:32]}.json"
@@ -495,7 +499,7 @@ def cached_compile(launch: KernelLaunch, capability: int) -> KernelBuild:
         with contextlib.suppress(OSError, ValueError, TypeError):
             _BUILDS[key] = KernelBuild.from_dict(json.loads(path.read_text()))
             return _BUILDS[key]
-    build = compile_launch(launch, capability)
+    build = compile_launch(launch, capability, sass)
     _BUILDS[key] = build
     if not key.startswith("unbound-"):
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -522,7 +526,7 @@ def compile_request(request: CompileRequest) -> ModuleBuild:
         text = f"{request.strategy} launcher: {type(error).__name__}: {error}"[:MAX_ERROR_CHARS]
         return ModuleBuild(request.strategy, request.config, (KernelBuild("launch", False, text),),
                            triton_version=version)
-    builds = tuple(cached_compile(launch, request.capability) for launch in launches)
+    builds = tuple(cached_compile(launch, request.capability, request.sass) for launch in launches)
     return ModuleBuild(request.strategy, config, builds, triton_version=version)
 
 
