@@ -184,10 +184,10 @@ def summarize(kernels: list[dict[str, Any]], case: Case, profile: Any) -> dict[s
 
 
 def _min_bytes(case: Case) -> int:
-    """Every input read once, every output written once (tuner.bench.min_bytes)."""
+    """Every input read once, every output written once (tuner.static_bound.min_bytes)."""
     from fuser_core.catalog import load_catalog_spec
     from fuser_core.problem import make_problem
-    from tuner.bench import min_bytes
+    from tuner.static_bound import min_bytes
 
     spec = load_catalog_spec(case.spec)
     p = make_problem(spec, case.shape, case.dtype)

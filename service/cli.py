@@ -200,10 +200,7 @@ def _static_bounds(spec, shape, dtypes, modules, profile) -> dict[tuple[str, str
     """(strategy, kernel) -> its static bound at the target's rates (tuner.static_bound: HBM bytes,
     issue, SFU and tensor work read from the compiled SASS) for every fused module that compiled."""
     from fuser_core import STRATEGIES, KernelConfig, derive_cascade, make_problem
-    from fuser_core.codegen.plan import make_plan
-    from fuser_core.codegen.structure import build_structure
-    from tuner.bench import min_bytes
-    from tuner.static_bound import module_bounds
+    from tuner import problem_bounds
 
     problem = make_problem(spec, shape, dtypes)
     derivation = derive_cascade(spec)
@@ -211,10 +208,8 @@ def _static_bounds(spec, shape, dtypes, modules, profile) -> dict[tuple[str, str
     for m in modules:
         if m.refused or not m.ok or m.strategy not in STRATEGIES:
             continue
-        plan = make_plan(spec, derivation, m.strategy, problem.shape, KernelConfig.from_dict(dict(m.config)))
-        structure = build_structure(plan, problem.dtypes, problem.output_dtypes)
-        found = module_bounds(plan, structure, m.kernels, profile, problem.shape,
-                              min_bytes(spec, problem.shape, problem.dtypes))
+        found = problem_bounds(problem, derivation, m.strategy, KernelConfig.from_dict(dict(m.config)), m.kernels,
+                               profile)
         for k in found or []:
             out[(m.strategy, k["kernel"])] = {"time_s": k["time_s"], "bound": k["bound"], "terms_s": k["terms_s"],
                                               "programs": k["programs"], "trips": k["trips"]}

@@ -21,6 +21,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("tuner.search", n) for n in (
         "Tuner", "NoResult", "budget_used", "fail_orphaned_trials", "make_storage", "study_name_for", "trial_result")},
     **{n: ("tuner.bench", n) for n in ("BASELINES", "BenchError", "run_bench")},
+    **{n: ("tuner.static_bound", n) for n in ("problem_bounds",)},
 }
 
 __all__ = list(_EXPORTS)

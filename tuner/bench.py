@@ -58,6 +58,7 @@ from tuner.measure_cuda import (
     WorkerProcess,
     problem_payload,
 )
+from tuner.static_bound import min_bytes
 
 BASELINES = ("chain", "eager", "compile", "handwritten")
 VARIANTS = ("fused", *BASELINES)
@@ -72,7 +73,6 @@ TARGETS = {
     "handwritten_0.9x": ("fused >= 0.9x hand-written", 0.9),
     "copy_bw_80": ("fused >= 80% of copy bandwidth (memory-bound)", 0.8),
 }
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int32": 4, "int64": 8}
 RESULT_FORMAT = 1
 
 
@@ -124,16 +124,6 @@ def case_id(case: Mapping[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------- per-case facts
-
-
-def min_bytes(spec: Any, shape: Mapping[str, int], dtypes: Mapping[str, str]) -> int:
-    """The minimum traffic: every input read once, every output written once."""
-    from fuser_core.codegen.module import output_dtypes
-
-    total = sum(math.prod(shape[d] for d in i.dims) * ITEMSIZE[dtypes[i.name]] for i in spec.inputs)
-    for part, dt in output_dtypes(spec, dict(dtypes)).items():
-        total += math.prod(shape[d] for d in spec.step(part.split(".")[0]).dims) * ITEMSIZE[dt]
-    return total
 
 
 def dependent_long_axes(spec: Any, derivation: Any, shape: Mapping[str, int]) -> list[str]:

@@ -201,15 +201,10 @@ class ModelMeasurer:
         without compile facts."""
         if compiled is None or not compiled.kernels or not all(getattr(k, "sass", None) for k in compiled.kernels):
             return None
-        from fuser_core.codegen.plan import make_plan
-        from fuser_core.codegen.structure import build_structure
-        from tuner.bench import min_bytes
-        from tuner.static_bound import module_bounds
+        from tuner.static_bound import problem_bounds
 
-        plan = make_plan(self.spec, self.derivation, candidate.strategy, self.problem.shape, candidate.config)
-        structure = build_structure(plan, self.problem.dtypes, self.problem.output_dtypes)
-        kernels = module_bounds(plan, structure, compiled.kernels, self.profile, self.problem.shape,
-                                min_bytes(self.spec, self.problem.shape, self.problem.dtypes))
+        kernels = problem_bounds(self.problem, self.derivation, candidate.strategy, candidate.config, compiled.kernels,
+                                 self.profile)
         if kernels is None:
             return None
         return {"time_s": sum(k["time_s"] for k in kernels),

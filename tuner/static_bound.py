@@ -128,8 +128,8 @@ def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
     if loop.span in ("chunk", "chunk_outputs"):
         chunk = -(-(-(-shape[a] // plan.config.split)) // blocks[a]) * blocks[a]
         full = chunk // blocks[a]
-    window = None
-    if loop.span in ("axis", "chunk"):
+    window = loop.window  # a loop split at its mask knows its part
+    if window is None and loop.span in ("axis", "chunk"):
         folds = [(op.op, op.expr) for op in loop.body if isinstance(op, Fold)]
         window = axis_window(a, folds, counts=plan.strategy in FUSED_STRATEGIES and reads_count(plan),
                              selections=any(s.reduce in SELECTIONS for s in plan.axis_reductions()))
@@ -137,17 +137,22 @@ def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
         return float(full)
     lanes = sorted({s.name[s.name.index("(") + 1:-1] for e in (window.lo, window.hi) if e is not None
                     for s in e.free_symbols if not s.name.startswith("size(")})
-    if len(lanes) != 1:
+    if len(lanes) > 1:
         return float(full)
-    d = lanes[0]
     sizes = {sp.Symbol(f"size({x})", integer=True, positive=True): v for x, v in shape.items()}
-    n, total = -(-shape[d] // blocks[d]), 0.0
-    for i in range(n):
-        at = {sp.Symbol(f"first({d})", integer=True): i * blocks[d],
-              sp.Symbol(f"last({d})", integer=True): min((i + 1) * blocks[d], shape[d]) - 1, **sizes}
+
+    def trips(at: Mapping[sp.Symbol, int]) -> int:
         lo = max(0, int(window.lo.subs(at))) // blocks[a] * blocks[a] if window.lo is not None else 0
         hi = min(shape[a], int(window.hi.subs(at))) if window.hi is not None else shape[a]
-        total += max(0, -(-(hi - lo) // blocks[a]))
+        return max(0, -(-(hi - lo) // blocks[a]))
+
+    if not lanes:  # the same part for every program (a loop's whole tiles, or its last partial one)
+        return min(float(full), float(trips(sizes)))
+    d = lanes[0]
+    n = -(-shape[d] // blocks[d])
+    total = sum(trips({sp.Symbol(f"first({d})", integer=True): i * blocks[d],
+                       sp.Symbol(f"last({d})", integer=True): min((i + 1) * blocks[d], shape[d]) - 1, **sizes})
+                for i in range(n))
     return min(float(full), total / n)
 
 
@@ -181,4 +186,34 @@ def load_width(sass: Mapping[str, Any]) -> int | None:
     return max((int(b) for b in widths), default=None)
 
 
-__all__ = ["ISSUE_PER_SM_PER_CLOCK", "load_width", "loop_trips", "module_bounds", "static_bound", "tensor_unit"]
+
+
+def min_bytes(spec: Any, shape: Mapping[str, int], dtypes: Mapping[str, str]) -> int:
+    """The minimum traffic: every input read once, every output written once."""
+    import math
+
+    from fuser_core import output_dtypes
+    from tuner.analysis import ELEMENT_BYTES
+
+    total = sum(math.prod(shape[d] for d in i.dims) * ELEMENT_BYTES[dtypes[i.name]] for i in spec.inputs)
+    for part, dt in output_dtypes(spec, dict(dtypes)).items():
+        total += math.prod(shape[d] for d in spec.step(part.split(".")[0]).dims) * ELEMENT_BYTES[dt]
+    return total
+
+
+def problem_bounds(problem: Any, derivation: Any, strategy: str, config: Any, builds: Sequence[Any],
+                   profile: GpuProfile) -> list[dict[str, Any]] | None:
+    """:func:`module_bounds` of the module generated for (``problem``, ``strategy``, ``config``: a
+    KernelConfig) from its compiled kernels ``builds``, the problem's minimum traffic charged once;
+    None without SASS facts."""
+    from fuser_core.codegen.plan import make_plan
+    from fuser_core.codegen.structure import build_structure
+
+    plan = make_plan(problem.spec, derivation, strategy, problem.shape, config)
+    structure = build_structure(plan, problem.dtypes, problem.output_dtypes)
+    return module_bounds(plan, structure, builds, profile, problem.shape,
+                         min_bytes(problem.spec, problem.shape, problem.dtypes))
+
+
+__all__ = ["ISSUE_PER_SM_PER_CLOCK", "load_width", "loop_trips", "min_bytes", "module_bounds", "problem_bounds",
+           "static_bound", "tensor_unit"]
