@@ -25,7 +25,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,11 +122,31 @@ def alembic_config(url: str | None = None):
     return config
 
 
+@contextlib.contextmanager
+def _migration_file_lock(url: str) -> Iterator[None]:
+    """On an SQLite file, an exclusive lock on ``<db>.migrate.lock`` while migrating: concurrent
+    ``upgrade`` runs in several processes otherwise may each read the old revision before the
+    other commits and add the same column twice (seen under load: "duplicate column"). PostgreSQL
+    serialises them with an advisory lock (migrations/env.py)."""
+    parsed = sa.engine.make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        yield
+        return
+    import fcntl
+
+    with open(f"{parsed.database}.migrate.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def upgrade(url: str, revision: str = "head") -> None:
     """Apply the migrations up to ``revision`` (``alembic upgrade head``)."""
     from alembic import command
 
-    with _ALEMBIC_LOCK:
+    with _ALEMBIC_LOCK, _migration_file_lock(url):
         command.upgrade(alembic_config(url), revision)
 
 
