@@ -89,6 +89,10 @@ def test_masked_attention_skips_tiles_and_matches_float64(mask: str, strategy: s
     assert "this program's lanes see no n from" in source  # the loop stops at the mask's edge
     if mask == "window":
         assert "this program's lanes see no n before" in source  # and starts at the window's
+    if strategy == "streaming_fused" and rows > 1:  # tiles below the diagonal fold without the mask
+        unmasked = source[source.index("# unmasked: every lane"):]
+        unmasked = unmasked[:unmasked.index("    for start", unmasked.index("for start") + 1)]
+        assert "offs_m" not in unmasked.split("\n", 2)[2] and "mask_n = tl.full(" in unmasked
     report = self_check(spec, shape, "float32", strategy=strategy, config=cfg, derivation=derivation)
     assert report["passed"], report
 

@@ -103,7 +103,9 @@ def test_dots_are_decided_once_and_printed_as_decided() -> None:
     spec, d, plan, dtypes = attention("streaming_fused")
     structure = build_structure(plan, dtypes)
     dots = structure.kernels[0].dots
-    assert sorted(x.over for x in dots) == ["d", "n"]  # s = q.k over d, o = p.v over n
+    # s = q.k over d, o = p.v over n, in each of the loop's two parts (whole tiles, then the partial one)
+    assert [loop.unmasked for loop in structure.kernels[0].loops()] == [True, False]
+    assert sorted(x.over for x in dots) == ["d", "d", "n", "n"]
     assert all(x.precision == "tl.float16" for x in dots)
     source = module_source(plan, output_dtypes(spec, dtypes), dtypes)
     assert sum("tl.dot(" in line for line in source.splitlines()) == len(dots)

@@ -19,6 +19,7 @@ from conftest import CATALOG_DIR, load_catalog
 
 from fuser_core.codegen.module import module_source, output_dtypes
 from fuser_core.codegen.plan import STRATEGIES, KernelConfig, make_plan, valid_strategies
+from fuser_core.codegen.structure import build_structure
 from fuser_core.derive import derive_cascade
 from fuser_core.problem import make_problem
 from fuser_core.runner import bind_dtypes
@@ -215,6 +216,10 @@ def test_enumerate_yields_only_feasible_candidates() -> None:
     assert len(seen) < space.size()
 
 
+def _dots_in(op) -> int:
+    return (getattr(op, "dot", None) is not None) + sum(_dots_in(c) for c in op.children())
+
+
 def test_dot_analysis_matches_the_generated_kernels() -> None:
     """The cost model's tl.dot count per kernel equals what the code generator writes."""
     cases = [
@@ -235,6 +240,10 @@ def test_dot_analysis_matches_the_generated_kernels() -> None:
                 plan = make_plan(spec, d, strategy, shape, config)
                 source = module_source(plan, output_dtypes(spec, dtypes), dtypes)
                 in_source = sum(1 for line in source.splitlines() if "tl.dot(" in line)
+                # a loop split at its tail or mask prints its dots twice; the model counts the pass once
+                twins = sum(_dots_in(loop) for k in build_structure(plan, dtypes).kernels for loop in k.loops()
+                            if loop.unmasked)
+                in_source -= twins
                 kernels = an.kernels(strategy, an.full_blocks(blocks, shape))
                 analysed = sum(len(p.dots) for k in kernels for p in k.passes)
                 assert analysed == in_source, (name, strategy, blocks)

@@ -417,6 +417,8 @@ def sketch(an: Anatomy, kernel: st.Kernel, structure: st.ModuleStructure) -> Ker
         if not isinstance(op, ops.Loop):
             straight.append(op)
             continue
+        if op.unmasked:  # the first part of a loop split at its mask: the masked part counts the whole pass
+            continue
         if straight:
             count(straight, "once", always=False)
             straight = []

@@ -68,11 +68,12 @@ def masked_condition(e: sp.Expr, op: str) -> sp.Expr | None:
     return None
 
 
-def window_of(index: sp.Symbol, conditions: Iterable[sp.Expr]) -> Window | None:
+def window_of(index: sp.Symbol, conditions: Iterable[sp.Expr], every_lane: bool = False) -> Window | None:
     """The window of ``index`` (``index(axis)``) allowed by a conjunction of linear
     inequalities, each with ``index`` at coefficient +-1 and other indices ``index(d)`` at
     integer coefficients (replaced by the program's ``first(d)``/``last(d)``, whichever gives the
-    widest bound). None when some condition is not of that form."""
+    widest bound: some lane may see it; ``every_lane``: the narrowest, where every lane of the
+    program sees it, so a tile inside needs no mask). None when some condition is not of that form."""
     lo: list[sp.Expr] = []
     hi: list[sp.Expr] = []
     for cond in conditions:
@@ -89,7 +90,7 @@ def window_of(index: sp.Symbol, conditions: Iterable[sp.Expr]) -> Window | None:
             if a not in (1, -1) or index in rest.free_symbols:
                 return None
             bound = -rest if a == 1 else rest  # a = 1: index <= -rest ; a = -1: index >= rest
-            widened = _widest(bound, upper=(a == 1))
+            widened = _widest(bound, upper=(a == 1) != every_lane)
             if widened is None:
                 return None
             if a == 1:
@@ -125,9 +126,10 @@ def _widest(bound: sp.Expr, upper: bool) -> sp.Expr | None:
     return sp.expand(out)
 
 
-def axis_window(axis: str, folds: Sequence[tuple[str, sp.Expr]], *, counts: bool, selections: bool) -> Window | None:
-    """The window of the loop axis for a pass folding ``folds`` ((op, contribution) over the
-    axis), or None when the pass must visit the whole axis (module docstring)."""
+def axis_mask(folds: Sequence[tuple[str, sp.Expr]], *, counts: bool, selections: bool) -> sp.Expr | None:
+    """The condition every fold of a pass (``folds``: (op, contribution) over the axis) shares,
+    outside which each adds its identity; None when there is none, or when skipping tiles would
+    change a state (a count, a selection)."""
     if counts or selections or not folds:
         return None
     conds = []
@@ -138,7 +140,18 @@ def axis_window(axis: str, folds: Sequence[tuple[str, sp.Expr]], *, counts: bool
         conds.append(c)
     if any(c != conds[0] for c in conds[1:]):
         return None
-    return window_of(sp.Symbol(f"index({axis})", integer=True, nonnegative=True), [conds[0]])
+    return conds[0]
+
+
+def axis_window(axis: str, folds: Sequence[tuple[str, sp.Expr]], *, counts: bool, selections: bool,
+                every_lane: bool = False) -> Window | None:
+    """The window of the loop axis for a pass folding ``folds`` ((op, contribution) over the
+    axis), or None when the pass must visit the whole axis (module docstring). ``every_lane``:
+    the part where the mask holds for all of a program's lanes (its tiles need no mask)."""
+    cond = axis_mask(folds, counts=counts, selections=selections)
+    if cond is None:
+        return None
+    return window_of(sp.Symbol(f"index({axis})", integer=True, nonnegative=True), [cond], every_lane)
 
 
 def bound_text(e: sp.Expr, tile_dims: Iterable[str], whole: Iterable[str] = ()) -> tuple[str, set[str]]:

@@ -264,7 +264,9 @@ class KernelPrinter:
         d = op.dim
         base = {"pid": f"pid_{d} * BLOCK_{d} + ", "start": "start + ", "": ""}[op.base]
         self.emit(f"offs_{d} = {base}tl.arange(0, BLOCK_{d})")
-        if op.mask:
+        if op.mask and op.inside:
+            self.emit(f"mask_{d} = tl.full([BLOCK_{d}], 1, tl.int1)  # every tile of this loop lies inside {d}")
+        elif op.mask:
             self.emit(f"mask_{d} = offs_{d} < size_{d}")
 
     def chunk(self, op: o.Chunk) -> None:

@@ -43,8 +43,9 @@ The operations:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import sympy as sp
 
@@ -155,11 +156,14 @@ class Program(Op):
 @dataclass(frozen=True, kw_only=True)
 class Offsets(Op):
     """``offs_d = [base +] tl.arange(0, BLOCK_d)`` and, with ``mask``, ``mask_d = offs_d < size_d``;
-    ``base``: ``pid`` (a lane: ``pid_d * BLOCK_d``), ``start`` (the loop's tile) or none."""
+    ``base``: ``pid`` (a lane: ``pid_d * BLOCK_d``), ``start`` (the loop's tile) or none. ``inside``:
+    the tile lies inside the dim (a loop that stops at a tile boundary at or below ``size_d``), so
+    its mask is a constant true the compiler folds away (unpredicated, full-width loads)."""
 
     dim: str
     base: str = ""
     mask: bool = True
+    inside: bool = False
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -171,7 +175,7 @@ class Offsets(Op):
 
     def reads(self) -> set[str]:
         d = self.dim
-        out = {f"BLOCK_{d}"} | ({f"size_{d}", self.name} if self.mask else set())  # the mask reads the offsets
+        out = {f"BLOCK_{d}"} | ({f"size_{d}", self.name} if self.mask and not self.inside else set())  # the mask reads the offsets
         return out | ({f"pid_{d}"} if self.base == "pid" else {"start"} if self.base == "start" else set())
 
 
@@ -247,7 +251,10 @@ class Loop(Op):
     holds the whole axis (row_resident), printed as its body. ``per_lane``: the states it folds keep
     one value per lane of the axis's tile (:func:`~fuser_core.codegen.structure.per_lane`);
     ``lanes`` merges them after the loop. ``hoisted``: inputs it reads, loaded before the loops
-    (they do not vary along the axis). ``bounds``: the parameters and variables lo, hi and step read."""
+    (they do not vary along the axis). ``bounds``: the parameters and variables lo, hi and step read.
+    ``window``: the part of the axis it covers when a mask bounds it (:class:`~fuser_core.codegen.bounds.Window`,
+    for counting its trips); ``unmasked``: its tiles lie where the mask holds for every lane, so its
+    body folds without the mask (the masked loop that follows it covers the rest)."""
 
     span: str
     var: str
@@ -260,6 +267,8 @@ class Loop(Op):
     per_lane: bool = False
     lanes: tuple[Op, ...] = ()
     hoisted: tuple[str, ...] = ()
+    window: Any = None
+    unmasked: bool = False
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -600,3 +609,18 @@ def walk(ops: Iterable[Op]) -> Iterator[Op]:
     for op in ops:
         yield op
         yield from walk(op.children())
+
+
+def assuming(op: Op, subs: Mapping[sp.Basic, sp.Basic]) -> Op:
+    """``op`` with ``subs`` applied to every expression it and the operations inside it hold (a
+    loop's mask condition replaced by true where every lane satisfies it)."""
+    changes: dict[str, Any] = {}
+    for f in fields(op):
+        v = getattr(op, f.name)
+        if isinstance(v, sp.Basic):
+            changes[f.name] = v.xreplace(subs)
+        elif isinstance(v, Dot):
+            changes[f.name] = replace(v, p=v.p.xreplace(subs), q=v.q.xreplace(subs))
+        elif isinstance(v, tuple) and v and all(isinstance(x, Op) for x in v):
+            changes[f.name] = tuple(assuming(x, subs) for x in v)
+    return replace(op, **changes) if changes else op

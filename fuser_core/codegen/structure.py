@@ -25,11 +25,12 @@ from dataclasses import dataclass, replace
 
 import sympy as sp
 
-from fuser_core.codegen.bounds import axis_window, bound_text
+from fuser_core.codegen.bounds import Window, axis_mask, axis_window, bound_text, window_of
 from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.names import FP8, kernel_arg, safe_name
 from fuser_core.codegen.ops import (
     AnchorUpdate,
+    assuming,
     Chunk,
     Comment,
     Copy,
@@ -1025,8 +1026,53 @@ class _Walk:
             return (lambda: self.merge_lanes(accs)) if lanes else None
 
         folds = [(f.op, f.expr) for f in self.stream_folds() if not f.inner]
+        start = lo
         lo, hi, bounds = self.windowed(folds, lo, hi, (*hi_reads, f"BLOCK_{a}"))
-        self.loop(span, "start", lo, hi, f"BLOCK_{a}", bounds, body)
+        if lanes or start != "0" or not self.split_at_mask(folds, span, lo, hi, bounds, body):
+            self.loop(span, "start", lo, hi, f"BLOCK_{a}", bounds, body)
+
+    def split_at_mask(self, folds: list[tuple[str, sp.Expr]], span: str, lo: str, hi: str, bounds: tuple[str, ...],
+                      body: Callable[[], Callable[[], None] | None]) -> bool:
+        """Walk the loop as two, as tutorial 06 does, where that saves work per element: the first
+        covers whole tiles that need no mask, the second the rest with the masks.
+
+        - A mask that bounds the loop from above only (causal attention: ``index(n) <= index(m)``):
+          the tiles below every lane's bound (``first(m) + 1``) fold with the mask taken as true,
+          the diagonal with it.
+        - Otherwise, in a loop of tensor-core tiles (issue-bound: its masks cost as much as its
+          dots): the whole tiles fold without the tail mask, the last partial tile with it.
+
+        Both first loops stop at a tile boundary at or below ``size(axis)``: no tail mask in them.
+        False when neither applies (the caller walks one loop)."""
+        a = self.axis
+        cond = axis_mask(folds, counts=self.plan.strategy in FUSED_STRATEGIES and reads_count(self.plan),
+                         selections=any(effective_op(self.plan, s) in ORDER_SELECTIONS or s.reduce in ORDER_SELECTIONS
+                                        for s in self.axis_steps()))
+        block, size = self.plan.blocks[a], sp.Symbol(f"size({a})", integer=True, positive=True)
+        index = sp.Symbol(f"index({a})", integer=True, nonnegative=True)
+        seen = window_of(index, [cond]) if cond is not None else None
+        full = window_of(index, [cond], every_lane=True) if cond is not None else None
+        if seen is not None and full is not None and seen.lo is None and full.lo is None and full.hi is not None:
+            whole = [d for d in self.layout.dims if d != a and d not in self.plan.lanes]
+            text, used = bound_text(full.hi, self.layout.dims, whole)
+            mid = f"tl.maximum(tl.minimum({hi}, {text}), 0) // BLOCK_{a} * BLOCK_{a}"
+            reads = (*bounds, *sorted(used - set(bounds)))
+            at = sp.floor(sp.Max(sp.Min(full.hi, size), 0) / block) * block  # `mid`, for counting trips
+            subs, tail_hi = {cond: sp.true}, seen.hi
+            self.add(Comment(text=f"# unmasked: every lane of this program sees the {a} below {text}"))
+        elif cond is None and hi == f"size_{a}" and any(f.dot is not None for f in self.stream_folds()):
+            mid, reads, at, subs, tail_hi = f"size_{a} // BLOCK_{a} * BLOCK_{a}", bounds, sp.floor(size / block) * block, {}, None
+            self.add(Comment(text=f"# whole tiles of {a} first, no tail mask; then the last partial tile"))
+        else:
+            return False
+        unmasked = self.loop(span, "start", lo, mid, f"BLOCK_{a}", reads, body)
+        # every tile below `mid` lies inside the axis too (mid <= hi <= size): no tail mask either
+        body_ops = tuple(replace(op, inside=True) if isinstance(op, Offsets) and op.dim == a else op
+                         for op in assuming(unmasked, subs).body)
+        self.out[-1] = replace(unmasked, body=body_ops, unmasked=True, window=Window(None, at))
+        self.loop(span, "start", mid, hi, f"BLOCK_{a}", reads, body)
+        self.out[-1] = replace(self.out[-1], window=Window(at, tail_hi))
+        return True
 
     def windowed(self, folds: list[tuple[str, sp.Expr]], lo: str, hi: str,
                  reads: tuple[str, ...]) -> tuple[str, str, tuple[str, ...]]:
@@ -1344,9 +1390,8 @@ def _without(ops: list[Op], unused: set[str], removed: set[str] | None = None) -
             op = Program(lanes=op.lanes, tile=op.tile,
                          used=frozenset(d for d in op.lanes if d not in op.tile and f"offs_{d}" not in removed))
         elif isinstance(op, Loop):
-            op = Loop(span=op.span, var=op.var, lo=op.lo, hi=op.hi, step=op.step, bounds=op.bounds,
-                      body=tuple(_without(list(op.body), unused, removed)), resident=op.resident, per_lane=op.per_lane,
-                      lanes=tuple(_without(list(op.lanes), unused, removed)), hoisted=op.hoisted)
+            op = replace(op, body=tuple(_without(list(op.body), unused, removed)),
+                         lanes=tuple(_without(list(op.lanes), unused, removed)))
         out.append(op)
     return out
 
