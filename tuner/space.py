@@ -47,6 +47,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fuser_core.codegen.gpu_compile import capability_of
 from fuser_core.codegen.plan import (
     MAX_TILE_ELEMENTS,
     STRATEGIES,
@@ -58,7 +59,6 @@ from fuser_core.codegen.plan import (
     next_pow2,
     valid_strategies,
 )
-from fuser_core.codegen.gpu_compile import capability_of
 from fuser_core.derive import Derivation
 from fuser_core.problem import Problem
 from tuner.analysis import Anatomy, Resources, cdiv, input_info, resources
@@ -282,7 +282,7 @@ class SearchSpace:
         blocks = self.blocks_of(candidate)
         kernels = self.anatomy.kernels(strategy, blocks, per_lane=c.per_lane)
         rows = self.anatomy.dot_rows(strategy, blocks, per_lane=c.per_lane)
-        for kernel, r in zip(kernels, self.resources(candidate)):
+        for kernel, r, dot_rows in zip(kernels, self.resources(candidate), rows):
             where = f" ({kernel.name})" if strategy == "split_fused" else ""
             if r.smem_bytes > p.smem_per_block_max:
                 return (f"shared memory{where}: {r.smem_bytes // 1024} KiB > {p.smem_per_block_max // 1024} KiB per "
@@ -295,7 +295,7 @@ class SearchSpace:
                 return (f"registers{where}: at least {r.min_regs_per_thread} per thread x {threads} threads > "
                         f"{p.regs_per_sm} per SM on {p.name}")
             if c.num_warps > 4 and capability_of(p.arch) >= 90:
-                short = [d for d in rows[kernels.index(kernel)] if blocks[d] < WGMMA_ROWS * c.num_warps // 4]
+                short = [d for d in dot_rows if blocks[d] < WGMMA_ROWS * c.num_warps // 4]
                 if short:
                     return (f"num_warps = {c.num_warps} on a tl.dot of BLOCK_{short[0]} = {blocks[short[0]]} rows: a "
                             f"warpgroup (4 warps) takes {WGMMA_ROWS} rows of a wgmma, so two warpgroups would "

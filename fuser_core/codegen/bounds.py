@@ -143,15 +143,13 @@ def axis_mask(folds: Sequence[tuple[str, sp.Expr]], *, counts: bool, selections:
     return conds[0]
 
 
-def axis_window(axis: str, folds: Sequence[tuple[str, sp.Expr]], *, counts: bool, selections: bool,
-                every_lane: bool = False) -> Window | None:
+def axis_window(axis: str, folds: Sequence[tuple[str, sp.Expr]], *, counts: bool, selections: bool) -> Window | None:
     """The window of the loop axis for a pass folding ``folds`` ((op, contribution) over the
-    axis), or None when the pass must visit the whole axis (module docstring). ``every_lane``:
-    the part where the mask holds for all of a program's lanes (its tiles need no mask)."""
+    axis), or None when the pass must visit the whole axis (module docstring)."""
     cond = axis_mask(folds, counts=counts, selections=selections)
     if cond is None:
         return None
-    return window_of(sp.Symbol(f"index({axis})", integer=True, nonnegative=True), [cond], every_lane)
+    return window_of(sp.Symbol(f"index({axis})", integer=True, nonnegative=True), [cond])
 
 
 def bound_text(e: sp.Expr, tile_dims: Iterable[str], whole: Iterable[str] = ()) -> tuple[str, set[str]]:
@@ -208,4 +206,4 @@ def bound_text(e: sp.Expr, tile_dims: Iterable[str], whole: Iterable[str] = ()) 
     return text(e), reads
 
 
-__all__ = ["Window", "axis_window", "bound_text", "first", "last", "masked_condition", "window_of"]
+__all__ = ["Window", "axis_mask", "axis_window", "bound_text", "first", "last", "masked_condition", "window_of"]

@@ -25,12 +25,11 @@ from dataclasses import dataclass, replace
 
 import sympy as sp
 
-from fuser_core.codegen.bounds import Window, axis_mask, axis_window, bound_text, window_of
+from fuser_core.codegen.bounds import Window, axis_mask, bound_text, window_of
 from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.names import FP8, kernel_arg, safe_name
 from fuser_core.codegen.ops import (
     AnchorUpdate,
-    assuming,
     Chunk,
     Comment,
     Copy,
@@ -55,6 +54,7 @@ from fuser_core.codegen.ops import (
     Value,
     WorkspaceLoad,
     WorkspaceStore,
+    assuming,
     walk,
 )
 from fuser_core.codegen.plan import KernelPlan
@@ -1045,16 +1045,12 @@ class _Walk:
         Both first loops stop at a tile boundary at or below ``size(axis)``: no tail mask in them.
         False when neither applies (the caller walks one loop)."""
         a = self.axis
-        cond = axis_mask(folds, counts=self.plan.strategy in FUSED_STRATEGIES and reads_count(self.plan),
-                         selections=any(effective_op(self.plan, s) in ORDER_SELECTIONS or s.reduce in ORDER_SELECTIONS
-                                        for s in self.axis_steps()))
+        cond = self.axis_mask(folds)
         block, size = self.plan.blocks[a], sp.Symbol(f"size({a})", integer=True, positive=True)
-        index = sp.Symbol(f"index({a})", integer=True, nonnegative=True)
-        seen = window_of(index, [cond]) if cond is not None else None
-        full = window_of(index, [cond], every_lane=True) if cond is not None else None
+        seen = window_of(self.axis_index(), [cond]) if cond is not None else None
+        full = window_of(self.axis_index(), [cond], every_lane=True) if cond is not None else None
         if seen is not None and full is not None and seen.lo is None and full.lo is None and full.hi is not None:
-            whole = [d for d in self.layout.dims if d != a and d not in self.plan.lanes]
-            text, used = bound_text(full.hi, self.layout.dims, whole)
+            text, used = self.bound_text(full.hi)
             mid = f"tl.maximum(tl.minimum({hi}, {text}), 0) // BLOCK_{a} * BLOCK_{a}"
             reads = (*bounds, *sorted(used - set(bounds)))
             at = sp.floor(sp.Max(sp.Min(full.hi, size), 0) / block) * block  # `mid`, for counting trips
@@ -1074,28 +1070,39 @@ class _Walk:
         self.out[-1] = replace(self.out[-1], window=Window(at, tail_hi))
         return True
 
+    def axis_mask(self, folds: list[tuple[str, sp.Expr]]) -> sp.Expr | None:
+        """The mask outside which every fold of the loop adds its identity (:func:`bounds.axis_mask`)."""
+        return axis_mask(folds, counts=self.plan.strategy in FUSED_STRATEGIES and reads_count(self.plan),
+                         selections=any(effective_op(self.plan, s) in ORDER_SELECTIONS or s.reduce in ORDER_SELECTIONS
+                                        for s in self.axis_steps()))
+
+    def axis_index(self) -> sp.Symbol:
+        return sp.Symbol(f"index({self.axis})", integer=True, nonnegative=True)
+
+    def bound_text(self, e: sp.Expr) -> tuple[str, set[str]]:
+        """A window end as Triton text (:func:`bounds.bound_text`); the tile dims without a program
+        id (held whole) start at 0."""
+        whole = [d for d in self.layout.dims if d != self.axis and d not in self.plan.lanes]
+        return bound_text(e, self.layout.dims, whole)
+
     def windowed(self, folds: list[tuple[str, sp.Expr]], lo: str, hi: str,
                  reads: tuple[str, ...]) -> tuple[str, str, tuple[str, ...]]:
         """A reduction loop's ``lo``/``hi`` clamped to the part of the axis its program's lanes can
         see (:mod:`fuser_core.codegen.bounds`; the lower end rounded down to a tile boundary), with
         the names the bounds read."""
-        steps = self.axis_steps()
-        selections = any(effective_op(self.plan, s) in ORDER_SELECTIONS or s.reduce in ORDER_SELECTIONS
-                         for s in steps)
-        counts = self.plan.strategy in FUSED_STRATEGIES and reads_count(self.plan)
-        w = axis_window(self.axis, folds, counts=counts, selections=selections)
+        cond = self.axis_mask(folds)
+        w = window_of(self.axis_index(), [cond]) if cond is not None else None
         if w is None:
             return lo, hi, reads
         a, extra = self.axis, set()
-        whole = [d for d in self.layout.dims if d != a and d not in self.plan.lanes]  # offsets without a program id
         if w.lo is not None:
-            text, used = bound_text(w.lo, self.layout.dims, whole)
+            text, used = self.bound_text(w.lo)
             start = f"tl.maximum({text}, 0) // BLOCK_{a} * BLOCK_{a}"
             lo = start if lo == "0" else f"tl.maximum({lo}, {start})"
             extra |= used
             self.add(Comment(text=f"# masked: this program's lanes see no {a} before {text}"))
         if w.hi is not None:
-            text, used = bound_text(w.hi, self.layout.dims, whole)
+            text, used = self.bound_text(w.hi)
             hi = f"tl.minimum({hi}, {text})"
             extra |= used
             self.add(Comment(text=f"# masked: this program's lanes see no {a} from {text} on"))
