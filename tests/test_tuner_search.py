@@ -598,6 +598,8 @@ def test_killed_worker_trial_is_failed_by_heartbeat_and_retried(db_url: str, cat
     ("cross_entropy", {"t": 8192, "v": 128256}, "bfloat16"),
     ("safe_softmax", {"m": 16384, "n": 1024}, "float16"),
     ("attention", {"b": 128, "h": 16, "m": 512, "n": 512, "d": 64, "e": 64}, "float16"),
+    # d = e = 128: the default 128 x 64 tile fits (129 KiB compiled), once K and V alone count per stage
+    ("attention_causal", {"b": 4, "h": 32, "m": 4096, "n": 4096, "d": 128, "e": 128}, "bfloat16"),
 ])
 def test_a_new_study_first_tries_each_strategys_default(catalog_specs: dict, name: str, shape: dict, dtype: str) -> None:
     """The configuration an expert starts from (plan.default_config) is every strategy's first trial:
@@ -620,6 +622,7 @@ def test_a_new_study_first_tries_each_strategys_default(catalog_specs: dict, nam
     fitting = [s for s in space.strategies() if space.check(space.candidate(
         s, space.values_of(Candidate(s, default_config(spec, derivation, s, problem.shape))))) is None]
     assert [s for s, _ in defaults] == fitting and "streaming_fused" in fitting  # every default that fits
+    assert fitting == space.strategies()  # and each strategy's default does fit
     tuner = Tuner(space, ModelMeasurer(problem, derivation, get_profile("h100")), seed=0)
     tuner.run(len(defaults))
     first = [trial_result(t) for t in tuner.study.trials[:len(defaults)]]
