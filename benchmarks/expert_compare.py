@@ -157,7 +157,7 @@ def summarize(kernels: list[dict[str, Any]], case: Case, profile: Any) -> dict[s
 
     elements = case.elements(case.shape)
     input_bytes = _input_bytes(case)
-    row: dict[str, Any] = {"registers": [], "spill_bytes": 0, "time_s": 0.0, "instructions": 0.0, "exp": 0.0,
+    row: dict[str, Any] = {"registers": [], "spill_bytes": 0, "time_s": 0.0, "instructions": 0.0, "exp": 0.0, "sfu": 0.0,
                            "reads": 0.0, "tensor": set(), "load_bits": None, "terms": {}, "tensor_macs": 0.0}
     for k in kernels:
         b = k["build"]
@@ -171,6 +171,7 @@ def summarize(kernels: list[dict[str, Any]], case: Case, profile: Any) -> dict[s
         row["time_s"] += sb["time_s"]
         row["instructions"] += sb["per_element"]["instructions"]
         row["exp"] += sb["per_element"]["exp"]
+        row["sfu"] += sb["per_element"]["sfu"]
         row["reads"] += sb["per_element"].get("input_reads", 0.0)
         row["tensor_macs"] += sb["per_element"]["tensor_macs"] * elements
         row["tensor"] |= set((b.sass["total"].get("tensor") or {}).keys())
@@ -248,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in CASES if not args.only or c.name in args.only.split(",")]
     rows = []
     print(f"# Foldwise against the experts, static (compiled for sm_90, rates of {profile.name}; not measured on GPU)\n")
-    print("| case | kernel | regs | spill B | instr/elt | exp/elt | load bits | input reads | tensor cores "
+    print("| case | kernel | regs | spill B | instr/elt | exp/elt | sfu/elt | load bits | input reads | tensor cores "
           "| bound | static bound us | Foldwise / expert |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case in cases:
         strategy, config, fw = best_foldwise(case, profile, args.strategy)
         entries = [(f"Foldwise {strategy} {json.dumps(config.to_dict()['blocks'])} w{config.num_warps}", fw)]
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             entries.append((f"Liger {case.expert.removeprefix('liger_')}", expert))
         for label, r in entries:
             if "error" in r:
-                print(f"| {case.name} | {label} | error: {r['error'][:80]} |||||||||")
+                print(f"| {case.name} | {label} | error: {r['error'][:80]} ||||||||||")
                 continue
             ratio = ""
             if r is fw and expert and "error" not in expert:
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             elif r is fw and case.name == "decode":
                 ratio = f"bound {fw['time_s'] / (_input_bytes(case) / profile.hbm_bytes_per_s):.2f}x bytes/BW"
             print(f"| {case.name} | {label} | {'/'.join(str(x) for x in r['registers'])} | {r['spill_bytes']} | "
-                  f"{r['instructions']:.1f} | {r['exp']:.2f} | {r['load_bits']} | {r['reads']:.2f} | {r['tensor']} | "
+                  f"{r['instructions']:.1f} | {r['exp']:.2f} | {r['sfu']:.2f} | {r['load_bits']} | {r['reads']:.2f} | {r['tensor']} | "
                   f"{r['bound']} | {1e6 * r['time_s']:.0f} | {ratio} |")
         rows.append({"case": case.name, "strategy": strategy, "config": config.to_dict(), "foldwise": fw,
                      "expert": expert})

@@ -18,7 +18,7 @@ warps, iterations of each innermost loop), four times, each at the profile's rat
 
 The bound is the largest; the kernel cannot run faster than it. Per element (``elements``: what
 the kernel processes, e.g. a row's values or attention's scores) it also gives the issued
-thread-instructions, exps and input reads, the units the issue tables of issue 22 use.
+thread-instructions, exps (``MUFU.EX2``), all special-function ops and input reads, the units the issue tables of issue 22 use.
 
 Iterations: the i-th innermost SASS loop runs ``trips[i]`` times per program; give one number
 when every loop runs the same count. Straight-line code runs once.
@@ -45,12 +45,13 @@ def _per_warp(sass: Mapping[str, Any], trips: Sequence[float]) -> dict[str, floa
     """Counts one warp issues in one program: straight-line code once, each loop trips[i] times."""
     total = sass["total"]
     loops = sass.get("loops") or []
-    out = {"instructions": float(total["instructions"]), "mufu": _mufu(total), "load_bytes": _bytes(total["load_bits"]),
+    out = {"instructions": float(total["instructions"]), "mufu": _mufu(total), "ex2": _ex2(total), "load_bytes": _bytes(total["load_bits"]),
            "store_bytes": _bytes(total["store_bits"]), "tensor_macs": float(total["tensor_macs"])}
     for i, lp in enumerate(loops):
         extra = float(trips[i] if i < len(trips) else trips[-1]) - 1.0  # once is in the total already (0 trips: -1)
         out["instructions"] += extra * lp["instructions"]
         out["mufu"] += extra * _mufu(lp)
+        out["ex2"] += extra * _ex2(lp)
         out["load_bytes"] += extra * _bytes(lp["load_bits"])
         out["store_bytes"] += extra * _bytes(lp["store_bits"])
         out["tensor_macs"] += extra * lp["tensor_macs"]
@@ -59,6 +60,10 @@ def _per_warp(sass: Mapping[str, Any], trips: Sequence[float]) -> dict[str, floa
 
 def _mufu(counts: Mapping[str, Any]) -> float:
     return float(sum(v for k, v in counts["classes"].items() if k.startswith("mufu.")))
+
+
+def _ex2(counts: Mapping[str, Any]) -> float:
+    return float(counts["classes"].get("mufu.ex2", 0))
 
 
 def _bytes(widths: Mapping[str, int]) -> float:
@@ -100,7 +105,8 @@ def static_bound(sass: Mapping[str, Any], *, programs: int, num_warps: int, trip
     if elements:
         out["per_element"] = {
             "instructions": chip["instructions"] * 32 / elements,  # thread instructions
-            "exp": chip["mufu"] * 32 / elements,
+            "exp": chip["ex2"] * 32 / elements,  # MUFU.EX2: the exps
+            "sfu": chip["mufu"] * 32 / elements,  # every MUFU op (exps, reciprocals, logs)
             "tensor_macs": chip["tensor_macs"] / elements,
         }
         if input_bytes:
