@@ -41,7 +41,7 @@ from fuser_core.realisation import COUNT_OLD, Combine, Realisation, new, old, pa
 from fuser_core.errors import DerivationLimitError
 from fuser_core.reference import Evaluator, cast_to, random_inputs
 from fuser_core.spec import Spec, load_spec
-from fuser_core.symbolic import CAST_FUNCTIONS
+from fuser_core.symbolic import CAST_FUNCTIONS, COMPARE_OPS
 
 TOLERANCE = 1e-9  # float64 re-association error is ~1e-15; anything near 1e-9 is a wrong form
 # An ill-conditioned reference (sin of an argument near 1e15) moves by O(1) when its inputs move by
@@ -75,8 +75,27 @@ class Certificate:
             "holds": self.holds,
             "tolerance": self.tolerance,
             "per_reduction": {rename.get(k, k): v for k, v in self.per_reduction.items()},
+            "failed": [rename.get(k, k) for k in self.failed],
+            "verdict": self.verdict(rename),
             "note": self.note,
         }
+
+    @property
+    def failed(self) -> list[str]:
+        """The fused reductions whose derived form missed the multi-pass reference."""
+        return [] if self.holds else [k for k, v in self.per_reduction.items() if not v <= self.tolerance] or list(
+            self.per_reduction)
+
+    def verdict(self, names: dict[str, str] | None = None) -> str:
+        """What the certificate means for the kernels, in one sentence (docs/THEORY.md section 7)."""
+        if self.holds:
+            return ("holds: every fused reduction equals its step-by-step form in float64 on random inputs; "
+                    "the fused kernels compute the spec")
+        failed = ", ".join(f"{(names or {}).get(k, k)} (relative error {self.per_reduction.get(k, math.inf):.2e})"
+                           for k in self.failed)
+        return (f"fails for {failed}, over the tolerance {self.tolerance:.0e}: the derived fused form disagrees "
+                "with the step-by-step float64 reference, so the fused strategies may compute wrong values; "
+                "tuning jobs for this spec are refused unless the request sets allow_uncertified")
 
 
 def certify(derivation: Derivation, *, trials: int = 12, seed: int = 0) -> Certificate:
@@ -188,7 +207,16 @@ def _rescale(acc: Any, c: Any) -> np.ndarray:
     return np.where(np.isnan(t), acc, t)
 
 
-_NUMPY_FUNCS = {"round": np.rint, "rescale": _rescale, "erf": scipy.special.erf,
+_NUMPY_COMPARE = {"<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal, "==": np.equal,
+                  "!=": np.not_equal}
+
+
+def _inf_compare(k: Any, lhs: Any, rhs: Any) -> np.ndarray:
+    """:class:`fuser_core.symbolic.InfCompare` in float64 (IEEE: NaN compares unequal)."""
+    return _NUMPY_COMPARE[COMPARE_OPS[int(k)]](lhs, rhs)
+
+
+_NUMPY_FUNCS = {"InfCompare": _inf_compare, "round": np.rint, "rescale": _rescale, "erf": scipy.special.erf,
                 "logical_or": _Broadcasting(np.logical_or), "logical_and": _Broadcasting(np.logical_and)}
 
 
@@ -270,7 +298,7 @@ def _run_trial(derivation, spec, shape, inputs, rng, keep_casts) -> dict[str, fl
         forms = [derivation.forms[m] for m in group.members if derivation.forms[m].fused]
         if not forms:
             continue
-        loop = _AxisLoop(derivation, evaluator, env, group.axis, forms, compiled)
+        loop = _AxisLoop(derivation, evaluator, env, group.axis, forms, compiled, _input_scale(inputs))
         final = loop.run_split(rng)
         for form in forms:
             errors[form.name] = loop.compare(form, final)
@@ -280,6 +308,12 @@ def _run_trial(derivation, spec, shape, inputs, rng, keep_casts) -> dict[str, fl
                 if form.name in movement:
                     errors[form.name] = loop.compare(form, final, CONDITIONING_K * movement[form.name])
     return errors
+
+
+def _input_scale(inputs: dict[str, np.ndarray]) -> float:
+    """The largest finite float input value: the size of what float64 rounds while a cascade runs."""
+    values = [np.abs(a[np.isfinite(a)]) for a in inputs.values() if np.issubdtype(a.dtype, np.floating)]
+    return float(max((v.max(initial=0.0) for v in values), default=0.0))
 
 
 def _reference_movement(evaluator: Evaluator, inputs: dict[str, np.ndarray], env: dict[str, np.ndarray],
@@ -338,8 +372,10 @@ def _safe(v: np.ndarray) -> np.ndarray:
 class _AxisLoop:
     """Runs the derived realisation of one axis's fused reductions over tiles and splits."""
 
-    def __init__(self, derivation, evaluator: Evaluator, env, axis: str, forms: list[ReductionForm], compiled):
+    def __init__(self, derivation, evaluator: Evaluator, env, axis: str, forms: list[ReductionForm], compiled,
+                 input_scale: float = 0.0):
         self.d = derivation
+        self.input_scale = input_scale
         self.ev = evaluator
         self.env = env
         self.axis = axis
@@ -530,7 +566,28 @@ class _AxisLoop:
             b = states.pop(j)
             a = states.pop(i)
             states.append(self.merge(a, b) if rng.random() < 0.5 else self.merge(b, a))
-        return states[0]
+        return self.settle(states[0])
+
+    def settle(self, st: dict[str, Any]) -> dict[str, Any]:
+        """The kernels' last move (fuser_core.codegen.structure, ``_Walk.settle``): a scaled reduction's
+        accumulators, held at a max/min's safe anchor (0 while it is infinite), moved to the final
+        max with a plain product. 1 where the max is finite; where it is not, the value the spec's
+        own formula gives (exp(inf - inf): NaN), as the multi-pass reference has it."""
+        for form in self.forms:
+            real = _real(form)
+            running = [n for n, how in form.anchors.items() if how == "running"]
+            if not running or real.selection or not form.settles_at({self.sym.symbols[n] for n in running}):
+                continue
+            state = st[_state(form)]
+            values = {old(self.sym.symbols[n]): state["anchor"][n] for n in running}
+            values |= {new(self.sym.symbols[n]): st["run"][n] for n in running}
+            state["accs"] = [
+                acc if a.correction is None or a.correction == 1 or not a.correction.free_symbols <= set(values)
+                else acc * self.evaluate(a.correction, values)
+                for acc, a in zip(state["accs"], real.accumulators)
+            ]
+            st["run"][form.name] = self.value(form, st)
+        return st
 
     # -- comparison with the reference
     def given_deps(self, form: ReductionForm, final: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -571,7 +628,7 @@ class _AxisLoop:
             if step.reduce == "topk":  # the k slots lie on the axis here, on `as` in the reference
                 as_pos = self.ev.spec.dims.index(step.as_dim)
                 ref_v, ref_i = env[f"{step.name}.values"], env[f"{step.name}.indices"]
-                return max(_rel_err(np.swapaxes(vals, self.pos, as_pos), ref_v),
+                return max(_rel_err(np.swapaxes(vals, self.pos, as_pos), ref_v, input_scale=self.input_scale),
                            self.index_err(form, idx, np.swapaxes(ref_i, self.pos, as_pos), env))
             return self.index_err(form, idx, env[form.name], env)
         magnitude = None
@@ -579,7 +636,7 @@ class _AxisLoop:
             with np.errstate(all="ignore"):
                 terms = np.abs(np.broadcast_to(self.ev.eval_expr(step.expr, env), self.full_shape(form, self.n)))
                 magnitude = terms.sum(axis=self.pos, keepdims=True)
-        return _rel_err(got, env[step.name], magnitude, allowance)
+        return _rel_err(got, env[step.name], magnitude, allowance, self.input_scale)
 
     def index_err(self, form: ReductionForm, idx: np.ndarray, ref_idx: np.ndarray, env: dict[str, np.ndarray]) -> float:
         """1.0 when an argmax/argmin/topk index (along the axis) differs from the reference's and
@@ -600,6 +657,12 @@ class _AxisLoop:
 
 
 CANCELLATION_FLOOR = 1e-4  # times sum |F|: below it a sum has cancelled, and is judged absolutely
+# times the largest input: a result this much smaller than the values it was computed from is judged
+# absolutely, at TOLERANCE * INPUT_FLOOR = 1e-14 of them (about 45 float64 ulps). An entropy of one
+# value is 0 in real arithmetic and x/t - mx - log(den) ~ 1e-16 in float64, reference and fused
+# form alike; judged relative to itself that rounding read as a failed certificate (1.0, or 2e284
+# against an exact 0). A wrong form errs at the size of the values themselves: ~1e5 here.
+INPUT_FLOOR = 1e-5
 TIE_RTOL = 1e-12  # values equal in real arithmetic differ by a few float64 ulps once rescaled by corrections
 
 
@@ -612,11 +675,12 @@ def _tied(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _rel_err(got: np.ndarray, ref: np.ndarray, magnitude: np.ndarray | None = None,
-             allowance: np.ndarray | None = None) -> float:
-    """Elementwise relative error, floored at 1e-12 of the largest reference value and, for a
-    sum (``magnitude`` = sum of |terms|), at CANCELLATION_FLOOR * magnitude: a sum that cancels
-    to almost nothing (sum of x - mean) carries float64 rounding of its terms, not of itself.
-    The check stays strict there: an error must be below 1e-13 of the terms' magnitude."""
+             allowance: np.ndarray | None = None, input_scale: float = 0.0) -> float:
+    """Elementwise relative error, floored at 1e-12 of the largest reference value, at
+    INPUT_FLOOR * ``input_scale`` (the largest input) and, for a sum (``magnitude`` = sum of
+    |terms|), at CANCELLATION_FLOOR * magnitude: a sum that cancels to almost nothing (sum of
+    x - mean) carries float64 rounding of its terms, not of itself. The check stays strict
+    there: an error must be below 1e-13 of the terms' magnitude."""
     got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
     try:
         if np.broadcast_shapes(got.shape, ref.shape) != ref.shape:
@@ -628,7 +692,7 @@ def _rel_err(got: np.ndarray, ref: np.ndarray, magnitude: np.ndarray | None = No
     same = (got == ref) | (np.isnan(got) & ~np.isfinite(ref)) | (~np.isfinite(got) & np.isnan(ref))
     finite = np.isfinite(ref)
     scale = float(np.max(np.abs(ref[finite]), initial=0.0))
-    floor = max(1e-12 * scale, 1e-300)
+    floor = max(1e-12 * scale, INPUT_FLOOR * input_scale, 1e-300)
     if magnitude is not None:
         magnitude = np.asarray(magnitude, dtype=np.float64)
         floor = np.maximum(floor, CANCELLATION_FLOOR * np.where(np.isfinite(magnitude), magnitude, 0.0))

@@ -149,6 +149,18 @@ class ReductionForm:
     def fused(self) -> bool:
         return self.reason is None
 
+    def settles_at(self, syms: set[sp.Symbol]) -> bool:
+        """Does the reference evaluate this reduction's integrand at the final value of ``syms`` (its
+        running max/min anchors) on every element? Not where every branch of F reading them is under a
+        where() condition (a mask): a fully masked row never evaluates exp(x - mx) at mx = -inf, and
+        its sum is the fill's 0. Where it does, a fused kernel moves its accumulators from the safe
+        anchor to the final value at the end (codegen.structure, certificate): exp(inf - inf) is NaN
+        there, as in the reference."""
+        F = self.integrand
+        if not isinstance(F, sp.Piecewise):
+            return True
+        return any(cond == sp.true for value, cond in F.args if value.free_symbols & syms)
+
     @property
     def independent(self) -> bool:
         """Fused with no dependency: a plain partial reduction (its running value is exact)."""

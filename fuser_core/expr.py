@@ -2,7 +2,10 @@
 
 User text is parsed only by this grammar (never ``eval``/``sympify``/``parse_expr``):
 
-    expr    := compare
+    expr    := either
+    either  := both (("or" | "|") both)*            conditions: where()'s first argument only
+    both    := negated (("and" | "&") negated)*
+    negated := ("not" | "!") negated | compare
     compare := sum [("<" | "<=" | ">" | ">=" | "==" | "!=") sum]
     sum     := product (("+" | "-") product)*
     product := unary (("*" | "/") unary)*
@@ -50,7 +53,8 @@ SPECIAL_FUNCTIONS = ("size", "index", "cast")
 CAST_DTYPES = ("float8_e4m3fn", "float16", "bfloat16", "float32")
 TOPK_PARTS = ("values", "indices")
 COMPARE_OPS = ("<", "<=", ">", ">=", "==", "!=")
-RESERVED = frozenset(FUNCTIONS) | frozenset(SPECIAL_FUNCTIONS) | {"inf", "nan"}
+LOGIC_WORDS = {"and": "and", "&": "and", "or": "or", "|": "or", "not": "not", "!": "not"}  # spelling -> op
+RESERVED = frozenset(FUNCTIONS) | frozenset(SPECIAL_FUNCTIONS) | {"inf", "nan", "and", "or", "not"}
 
 
 # ---------------------------------------------------------------- AST
@@ -99,6 +103,14 @@ class Compare:
 
 
 @dataclass(frozen=True, slots=True)
+class Logic:
+    """``and``/``or`` of two conditions, or ``not`` of one (``args``: one operand for not)."""
+
+    op: str  # and, or, not
+    args: tuple[Expr, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Call:
     func: str
     args: tuple[Expr, ...]
@@ -117,7 +129,8 @@ class Str:
     value: str
 
 
-Expr = Num | Ref | Size | Index | Neg | BinOp | Compare | Call | Cast | Str
+Expr = Num | Ref | Size | Index | Neg | BinOp | Compare | Logic | Call | Cast | Str
+CONDITIONS = (Compare, Logic)  # the nodes with a truth value: where()'s first argument only
 
 
 def children(e: Expr) -> tuple[Expr, ...]:
@@ -125,7 +138,7 @@ def children(e: Expr) -> tuple[Expr, ...]:
         return (e.operand,)
     if isinstance(e, BinOp | Compare):
         return (e.left, e.right)
-    if isinstance(e, Call):
+    if isinstance(e, Call | Logic):
         return e.args
     if isinstance(e, Cast):
         return (e.operand,)
@@ -151,6 +164,8 @@ def map_expr(e: Expr, fn: Callable[[Expr], Expr | None]) -> Expr:
         e = Compare(e.op, map_expr(e.left, fn), map_expr(e.right, fn))
     elif isinstance(e, Call):
         e = Call(e.func, tuple(map_expr(a, fn) for a in e.args))
+    elif isinstance(e, Logic):
+        e = Logic(e.op, tuple(map_expr(a, fn) for a in e.args))
     elif isinstance(e, Cast):
         e = Cast(map_expr(e.operand, fn), e.dtype)
     out = fn(e)
@@ -165,7 +180,7 @@ _TOKEN = re.compile(
   | (?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)
   | (?P<str>"[^"\\\n]*"|'[^'\\\n]*')
   | (?P<name>[A-Za-z_][A-Za-z0-9_]*)
-  | (?P<op>\*\*|<=|>=|==|!=|[-+*/()<>,.])
+  | (?P<op>\*\*|<=|>=|==|!=|[-+*/()<>,.&|!])
     """,
     re.VERBOSE | re.ASCII,  # ASCII digits and spaces only: float() would accept e.g. Arabic-Indic digits
 )
@@ -253,10 +268,38 @@ class _Parser:
 
     # -- grammar
     def parse(self) -> Expr:
-        e = self.compare()
+        e = self.either()
         if self.peek().type != "end":
             raise self.error("unexpected token")
         return e
+
+    def logic_word(self, op: str) -> bool:
+        """Is the next token ``op`` (and, or, not) in either spelling? Consumes it if so."""
+        tok = self.peek()
+        if tok.type in ("op", "name") and LOGIC_WORDS.get(tok.text) == op:
+            self.i += 1
+            return True
+        return False
+
+    def either(self) -> Expr:
+        left = self.both()
+        while self.logic_word("or"):
+            left = self.node(Logic("or", (left, self.both())))
+        return left
+
+    def both(self) -> Expr:
+        left = self.negated()
+        while self.logic_word("and"):
+            left = self.node(Logic("and", (left, self.negated())))
+        return left
+
+    def negated(self) -> Expr:
+        if self.logic_word("not"):
+            self.enter()
+            operand = self.negated()
+            self.depth -= 1
+            return self.node(Logic("not", (operand,)))
+        return self.compare()
 
     def compare(self) -> Expr:
         left = self.sum()
@@ -313,7 +356,7 @@ class _Parser:
             return self.node(Str(tok.text[1:-1]))
         if tok.type == "op" and tok.text == "(":
             self.enter()
-            e = self.compare()
+            e = self.either()
             self.expect(")")
             self.depth -= 1
             return e
@@ -340,9 +383,9 @@ class _Parser:
         self.enter()
         args: list[Expr] = []
         if not self.accept(")"):
-            args.append(self.compare())
+            args.append(self.either())
             while self.accept(","):
-                args.append(self.compare())
+                args.append(self.either())
             self.expect(")")
         self.depth -= 1
         arity = FUNCTIONS.get(func, 2 if func == "cast" else 1)
@@ -372,7 +415,7 @@ def parse_expr_text(
 
 # ---------------------------------------------------------------- printer
 
-_PREC = {"compare": 1, "+": 2, "-": 2, "*": 3, "/": 3, "neg": 4, "**": 5, "atom": 6}
+_PREC = {"or": -2, "and": -1, "not": 0, "compare": 1, "+": 2, "-": 2, "*": 3, "/": 3, "neg": 4, "**": 5, "atom": 6}
 
 
 def format_number(value: float) -> str:
@@ -386,6 +429,8 @@ def format_number(value: float) -> str:
 
 
 def _prec(e: Expr) -> int:
+    if isinstance(e, Logic):
+        return _PREC[e.op]
     if isinstance(e, Compare):
         return _PREC["compare"]
     if isinstance(e, BinOp):
@@ -423,6 +468,12 @@ def to_text(e: Expr, rename: Mapping[str, str] | None = None) -> str:
             return f"{e.func}({', '.join(go(a) for a in e.args)})"
         if isinstance(e, Neg):
             return "-" + wrap(e.operand, _prec(e.operand) < _PREC["neg"])
+        if isinstance(e, Logic):
+            p = _PREC[e.op]
+            if e.op == "not":
+                return "not " + wrap(e.args[0], _prec(e.args[0]) < p)
+            left, right = e.args
+            return f"{wrap(left, _prec(left) < p)} {e.op} {wrap(right, _prec(right) <= p)}"
         if isinstance(e, Compare):
             p = _PREC["compare"]
             return f"{wrap(e.left, _prec(e.left) <= p)} {e.op} {wrap(e.right, _prec(e.right) <= p)}"

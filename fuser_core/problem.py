@@ -55,10 +55,12 @@ class ShapeError(SpecError):
 # ---------------------------------------------------------------- sizes
 
 
-def bind_shape(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
+def bind_shape(spec: Spec, shape: Mapping[str, int], *, allow_empty: bool = False) -> dict[str, int]:
     """Check ``shape`` (dim -> positive int) against the spec; return a new, complete dict.
 
-    A topk ``as`` dim may be left out (it is then ``k``); if given it must equal ``k``.
+    A topk ``as`` dim may be left out (it is then ``k``); if given it must equal ``k``. With
+    ``allow_empty`` (running a kernel, not tuning one) a size may be 0 (fuser_core.empty), except
+    where an argmax/argmin reduces over it: nothing is there to select.
     """
     if not isinstance(shape, Mapping):
         raise ShapeError(f"expected an object of dim -> size, got {type(shape).__name__}", loc=("shape",))
@@ -78,9 +80,14 @@ def bind_shape(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
         if d not in shape:
             raise ShapeError("no size given for this dim", loc=("shape", d))
         n = shape[d]
-        if isinstance(n, bool) or not isinstance(n, Integral) or n < 1:
-            raise ShapeError(f"must be a positive integer, got {n!r:.40}", loc=("shape", d))
+        if isinstance(n, bool) or not isinstance(n, Integral) or n < (0 if allow_empty else 1):
+            what = "a non-negative" if allow_empty else "a positive"
+            raise ShapeError(f"must be {what} integer, got {n!r:.40}", loc=("shape", d))
         bound[d] = int(n)
+    for step in spec.steps:
+        if step.reduce in ("argmax", "argmin") and bound[step.over] == 0:
+            raise ShapeError(f"is 0, and step {step.name!r} takes the {step.reduce} over it: an empty dim has "
+                             "no position to select", loc=("shape", step.over))
     for d, step in as_dims.items():
         if bound[d] != step.k:
             raise ShapeError(f"is topk step {step.name!r}'s 'as' dim, so its size must be k={step.k}, got {bound[d]}",

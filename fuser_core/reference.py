@@ -106,6 +106,7 @@ COMPARE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal,
     "==": np.equal, "!=": np.not_equal,
 }
+LOGIC: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {"and": np.logical_and, "or": np.logical_or}
 assert set(FUNCTIONS) == set(ex.FUNCTIONS)
 # functions whose float32 result is exact (no rounding of their own)
 EXACT_FUNCTIONS = frozenset({"abs", "round", "maximum", "minimum", "where", "clamp"})
@@ -120,7 +121,7 @@ class Evaluator:
     def __init__(self, spec: Spec, shape: Mapping[str, int], *, tie_choice: int | None = None,
                  rounding: tuple[np.random.Generator, float] | None = None, cast_nudge: float = 1.0):
         self.spec = spec
-        self.shape = bind_shape(spec, shape)
+        self.shape = bind_shape(spec, shape, allow_empty=True)
         self.axis = {d: i for i, d in enumerate(spec.dims)}
         # None: argmax/argmin give the first exact extreme. k: the k-th position (the last when fewer)
         # among those within float32 resolution of it, which a float32 kernel may find instead
@@ -193,6 +194,9 @@ class Evaluator:
             return self.rounded(BINARY[e.op](self._eval(e.left, env), self._eval(e.right, env)))
         if isinstance(e, ex.Compare):
             return COMPARE[e.op](self._eval(e.left, env), self._eval(e.right, env))
+        if isinstance(e, ex.Logic):
+            args = [self._eval(a, env) for a in e.args]
+            return np.logical_not(args[0]) if e.op == "not" else LOGIC[e.op](*args)
         if isinstance(e, ex.Call):
             value = FUNCTIONS[e.func](*(self._eval(a, env) for a in e.args))
             return value if e.func in EXACT_FUNCTIONS else self.rounded(value)
@@ -209,10 +213,10 @@ class Evaluator:
             ax = self.axis[step.over]
             if step.reduce == "sum":
                 return {step.name: self.rounded(np.sum(value, axis=ax, keepdims=True))}
-            if step.reduce == "max":
-                return {step.name: np.max(value, axis=ax, keepdims=True)}
+            if step.reduce == "max":  # over an empty axis: the identity, -inf (torch.logsumexp of nothing is -inf)
+                return {step.name: np.max(value, axis=ax, keepdims=True, initial=-np.inf)}
             if step.reduce == "min":
-                return {step.name: np.min(value, axis=ax, keepdims=True)}
+                return {step.name: np.min(value, axis=ax, keepdims=True, initial=np.inf)}
             if step.reduce in ("argmax", "argmin"):
                 pick = np.argmax if step.reduce == "argmax" else np.argmin
                 first = pick(value, axis=ax, keepdims=True)
@@ -369,12 +373,12 @@ def random_inputs(
     standard normal never reaches in practice). Index inputs: int64 in [0, size(dim)) for the
     dim the input is compared with via ``index(dim)``, else [0, 4).
     """
-    bound = bind_shape(spec, shape)
+    bound = bind_shape(spec, shape, allow_empty=True)
     out: dict[str, np.ndarray] = {}
     for inp in spec.inputs:
         dims = tuple(bound[d] for d in inp.dims)
         if inp.is_index:
-            out[inp.name] = rng.integers(0, index_input_bound(spec, inp.name, bound), size=dims, dtype=np.int64)
+            out[inp.name] = rng.integers(0, max(index_input_bound(spec, inp.name, bound), 1), size=dims, dtype=np.int64)  # (v = 0: 0)
             continue
         dt = dtype if isinstance(dtype, str) else dtype.get(inp.name, "float32")
         if dt not in FLOAT_DTYPES:

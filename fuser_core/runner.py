@@ -71,6 +71,7 @@ from fuser_core.codegen.plan import BASELINE, KernelConfig, NotValid, default_co
 from fuser_core.derive import Derivation, derive_cascade
 from fuser_core.problem import FLOAT_DTYPES, INDEX_DTYPES, bind_dtypes  # noqa: F401  (re-exported)
 from fuser_core.tensors import device, to_torch  # noqa: F401  (re-exported)
+from fuser_core.empty import empty_outputs, has_empty_dim
 from fuser_core.reference import Evaluator, bind_shape, check_inputs, evaluate, random_inputs
 from fuser_core.spec import Spec
 
@@ -133,10 +134,15 @@ def run(
 ) -> RunResult:
     from fuser_core.codegen.module import generate
 
-    bound = bind_shape(spec, shape)
+    bound = bind_shape(spec, shape, allow_empty=True)
     dtypes = bind_dtypes(spec, dtype)
     dev = device()
     tensors = to_torch(check_inputs(spec, bound, inputs), dtypes, dev)
+    if has_empty_dim(bound):  # no launch: empty outputs, reductions over an empty axis their identities
+        from fuser_core.problem import output_dtypes
+
+        return RunResult(strategy or "none", config or KernelConfig(),
+                         empty_outputs(spec, bound, tensors, output_dtypes(spec, dtypes)), "")
     if strategy == BASELINE:  # the comparison baseline: one kernel per reduction, through memory
         from fuser_core.codegen.chain import run_chain_detailed
 
@@ -296,7 +302,7 @@ def self_check(
     """Run on random inputs and compare with the float64 reference; the `foldwise run` report."""
     from fuser_core.codegen.module import output_dtypes
 
-    bound = bind_shape(spec, shape)
+    bound = bind_shape(spec, shape, allow_empty=True)
     dtypes = bind_dtypes(spec, dtype)
     inputs = random_inputs(spec, bound, np.random.default_rng(seed), dtypes)
     with interpreter_quiet():  # the outputs are judged below

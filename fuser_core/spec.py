@@ -327,8 +327,8 @@ class _Loader:
                     raise SpecError("index() has no meaning in a param; use it in a step", loc=loc)
                 if isinstance(node, ex.Size) and node.dim not in self.dims:
                     raise SpecError(f"size() of unknown dim {node.dim!r}", loc=loc)
-                if isinstance(node, ex.Compare | ex.Str):
-                    raise SpecError("comparisons and strings are not allowed in a param", loc=loc)
+                if isinstance(node, ex.Compare | ex.Logic | ex.Str):
+                    raise SpecError("comparisons, and/or/not and strings are not allowed in a param", loc=loc)
                 if isinstance(node, ex.Call) and node.func == "where":
                     raise SpecError("where() is not allowed in a param", loc=loc)
             p = Param(name, e)
@@ -436,12 +436,22 @@ class _Loader:
                     raise SpecError(f"unknown dim {node.dim!r}", loc=loc, step=step)
             elif isinstance(node, ex.Compare) and not cond_ok:
                 raise SpecError("a comparison may only be the condition of where()", loc=loc, step=step)
+            elif isinstance(node, ex.Logic):
+                if not cond_ok:
+                    raise SpecError(f"{node.op} may only combine the conditions of where()", loc=loc, step=step)
+                for arg in node.args:
+                    if not isinstance(arg, ex.CONDITIONS):
+                        raise SpecError(f"{node.op} combines comparisons (or and/or/not of them), got "
+                                        f"{ex.to_text(arg)!r}", loc=loc, step=step)
+                    visit(arg, True)
+                return
             elif isinstance(node, ex.Str):
                 raise SpecError("a string may only be the dtype of cast()", loc=loc, step=step)
             if isinstance(node, ex.Call) and node.func == "where":
                 cond, a, b = node.args
-                if not isinstance(cond, ex.Compare):
-                    raise SpecError("where() needs a comparison as its first argument", loc=loc, step=step)
+                if not isinstance(cond, ex.CONDITIONS):
+                    raise SpecError("where() needs a comparison (or and/or/not of comparisons) as its first argument",
+                                    loc=loc, step=step)
                 visit(cond, True)
                 visit(a, False)
                 visit(b, False)

@@ -69,6 +69,49 @@ _UNARY = {
     "round": Round,
 }
 _COMPARE = {"<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge, "==": sp.Eq, "!=": sp.Ne}
+COMPARE_OPS = tuple(_COMPARE)  # InfCompare's first argument indexes this
+
+
+class InfCompare(sp.logic.boolalg.BooleanFunction):
+    """``lhs op rhs`` where a side is +-inf, kept as written: ``InfCompare(k, lhs, rhs)``, ``op`` =
+    ``COMPARE_OPS[k]``. sympy takes every symbol here as a finite real, so it folds
+    ``abs(mx) == inf`` to False and ``x > -inf`` to True; a where() guarding a reduction that is
+    infinite on a row (an all -inf row's max) was then dropped, and that row gave NaN where the
+    reference and torch give -inf. The comparison is evaluated only between numbers."""
+
+    nargs = 3
+
+    @classmethod
+    def eval(cls, k, lhs, rhs):  # noqa: ANN001, ANN206 (sympy's protocol)
+        if not lhs.free_symbols and not rhs.free_symbols:
+            return _COMPARE[COMPARE_OPS[int(k)]](lhs, rhs)
+        return None
+
+    @property
+    def op(self) -> str:
+        return COMPARE_OPS[int(self.args[0])]
+
+    # printers: sympy's code printers would rewrite a BooleanFunction through to_nnf (as if its
+    # arguments were booleans); lambdify calls the namespace's InfCompare (fuser_core.certificate)
+    def _numpycode(self, printer) -> str:  # noqa: ANN001
+        k, lhs, rhs = self.args
+        return f"InfCompare({int(k)}, {printer._print(lhs)}, {printer._print(rhs)})"
+
+    _lambdacode = _pythoncode = _numpycode
+
+    def _sympystr(self, printer) -> str:  # noqa: ANN001
+        return f"({printer._print(self.args[1])} {self.op} {printer._print(self.args[2])})"
+
+    def _latex(self, printer) -> str:  # noqa: ANN001
+        rel = {"<": "<", "<=": r"\le", ">": ">", ">=": r"\ge", "==": "=", "!=": r"\ne"}[self.op]
+        return f"{printer._print(self.args[1])} {rel} {printer._print(self.args[2])}"
+
+
+def compare(op: str, lhs: sp.Expr, rhs: sp.Expr) -> sp.Basic:
+    """The sympy form of ``lhs op rhs``: :class:`InfCompare` when a side holds +-inf."""
+    if any(side.has(sp.oo, -sp.oo) for side in (lhs, rhs)):
+        return InfCompare(sp.Integer(COMPARE_OPS.index(op)), lhs, rhs)
+    return _COMPARE[op](lhs, rhs)
 
 
 def number(value: float) -> sp.Expr:
@@ -260,7 +303,10 @@ class SymbolicSpec:
                 return float_power(a, b)  # 9 ** 9 ** 9: never an exact 370-million-digit integer
             return tame_numbers(a**b)
         if isinstance(e, ex.Compare):
-            return _COMPARE[e.op](self.convert(e.left), self.convert(e.right))
+            return compare(e.op, self.convert(e.left), self.convert(e.right))
+        if isinstance(e, ex.Logic):
+            args = [self.convert(a) for a in e.args]
+            return sp.Not(args[0]) if e.op == "not" else (sp.And if e.op == "and" else sp.Or)(*args)
         if isinstance(e, ex.Cast):
             return CAST_FUNCTIONS[e.dtype](self.convert(e.operand))
         if isinstance(e, ex.Call):

@@ -54,7 +54,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from fuser_core import Spec, SpecError, bind_dtypes, bind_shape, canonical_json, canonical_names, load_spec, spec_hash
+from fuser_core import (
+    Spec, SpecError, bind_dtypes, bind_shape, canonical_json, canonical_names, empty_outputs, has_empty_dim, load_spec,
+    spec_hash,
+)
 # the shape and dtype normalisers live with the Problem; importable from here as before
 from fuser_core import canonical_shape
 
@@ -669,12 +672,15 @@ class BundleKernel:
                 sizes[s.as_dim] = int(s.k)  # type: ignore[arg-type]
         shape = self._check_sizes(sizes)
         canonical_inputs = {name: given[name] for name in expected}
+        if has_empty_dim(shape):  # an empty batch (or axis): no launch (fuser_core/empty.py)
+            stores = {part: o["dtype"] for part, o in self.bundle["outputs"].items()}
+            return self._to_user(empty_outputs(self._canon, shape, canonical_inputs, stores))
         outputs = self._module.launch(canonical_inputs, shape)
         return self._to_user(outputs)
 
     def _check_sizes(self, sizes: dict[str, int]) -> dict[str, int]:
         try:
-            bind_shape(self._user, sizes)
+            bind_shape(self._user, sizes, allow_empty=True)
         except SpecError as err:
             raise BundleError(f"inputs: {err}") from None
         shape = {self._names[d]: n for d, n in sizes.items()}

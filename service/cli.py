@@ -43,7 +43,7 @@ def cmd_derive(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(format_report(report))
-    return 0
+    return 0 if report["certificate"]["holds"] else 1
 
 
 def cmd_catalog(args: argparse.Namespace) -> int:
@@ -480,6 +480,8 @@ def format_report(r: dict[str, Any]) -> str:
         + ("" if c["exact"] else f" (algebra {c['algebra_max_rel_err']:.2e}; inexact: {c['note']})")
         + ("" if c["holds"] else "  FAILED")
     )
+    if not c["holds"]:
+        lines.append(f"certificate {c['verdict']}")
     return "\n".join(line for line in lines if line)
 
 

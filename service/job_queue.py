@@ -37,7 +37,7 @@ from service import kernel_cache
 from service.db import MAX_LIST, RETRIES, committed, get_row, newest_first, page
 from service.errors import InvalidRequest, JobError, LeaseLost, NotFound
 from service.models import Job, Kernel, TrialRecord, UTCDateTime, WorkerRecord, new_id, utcnow
-from service.spec_store import ensure_spec
+from service.spec_store import ensure_spec, refuse_uncertified, uncertified
 from service.tuning_request import TuningRequest, check_choice, check_measurer, check_target
 
 MAX_ATTEMPTS = 3  # claims of one job; a job whose worker was lost this often fails
@@ -54,7 +54,8 @@ def submit_job(session: Session, request: TuningRequest) -> tuple[Job, bool]:
     a new row pointing at the kernel; ``created`` False). Race-safe: see the module
     docstring. Commits.
     """
-    ensure_spec(session, request.spec, request.source)
+    record = ensure_spec(session, request.spec, request.source)
+    refuse_uncertified(request.spec, uncertified(record.derivation), request.allow_uncertified)
     for _ in range(RETRIES):
         try:
             job, created = _submit_once(session, request)

@@ -14,6 +14,7 @@ Every function here ends its transaction (commit, or rollback on error).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -62,6 +63,30 @@ def ensure_spec(session: Session, spec: Spec, source: str) -> SpecRecord:
         if committed(session):
             return record
     raise JobError(f"could not store spec {shash}: concurrent writers kept conflicting")
+
+
+def uncertified(derivation: Mapping[str, Any]) -> list[str]:
+    """The reductions whose fused form the stored derivation's certificate failed ([]: it holds)."""
+    cert = derivation.get("certificate") or {}
+    if cert.get("holds", True):
+        return []
+    tolerance = cert.get("tolerance", 1e-9)
+    per = cert.get("per_reduction") or {}
+    return cert.get("failed") or [k for k, v in per.items() if not v <= tolerance] or list(per)
+
+
+def refuse_uncertified(spec: Spec, failed: list[str], allow: bool) -> None:
+    """A job for a spec whose certificate fails is refused (422, naming the first failed reduction's
+    step) unless the request allows it: its fused kernels may compute wrong values."""
+    if not failed or allow:
+        return
+    names = [s.name for s in spec.steps]
+    first = failed[0]
+    raise InvalidRequest(
+        f"the certificate fails for {', '.join(failed)}: the derived fused form disagrees with the step-by-step "
+        "float64 reference, so fused kernels may compute wrong values (see `foldwise derive`); set "
+        '"allow_uncertified": true to tune anyway', loc=("steps", names.index(first)) if first in names else (),
+        step=first)
 
 
 def get_spec(session: Session, spec_hash: str) -> SpecRecord:

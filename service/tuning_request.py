@@ -128,6 +128,7 @@ class TuningRequest:
     measurer: str
     budget_trials: int
     budget_seconds: float
+    allow_uncertified: bool = False  # tune a spec whose certificate fails (not part of the job's identity)
 
     @cached_property
     def shape_key(self) -> str:
@@ -146,7 +147,7 @@ class TuningRequest:
 def tuning_request(spec: Spec, source: str | Mapping[str, Any], shape: Mapping[str, int],
                    dtype: str | Mapping[str, str], target: str, measurer: str, budget_trials: int,
                    budget_seconds: float, *, limits: Limits | None = None,
-                   spec_hash: str | None = None) -> TuningRequest:
+                   spec_hash: str | None = None, allow_uncertified: bool = False) -> TuningRequest:
     """Check every field of a submission once and bind it to ``spec``.
 
     ``shape`` uses ``spec``'s own dim names; ``source`` is the spec as submitted (text or
@@ -182,4 +183,4 @@ def tuning_request(spec: Spec, source: str | Mapping[str, Any], shape: Mapping[s
     return TuningRequest(spec=spec, source=source if isinstance(source, str) else json.dumps(source),
                          spec_hash=spec_hash or compute_spec_hash(spec), shape=bound_to_canonical(spec, bound),
                          dtype=ndtype, target=target, measurer=measurer, budget_trials=budget[0],
-                         budget_seconds=budget[1])
+                         budget_seconds=budget[1], allow_uncertified=allow_uncertified)

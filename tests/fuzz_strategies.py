@@ -232,7 +232,7 @@ class _Cascade:
         if kind == "clamp":
             return f"clamp({sub()}, -1, {self.pick(['1', '0.5', '2'])})"
         if kind == "where":
-            return f"where({self.condition(pool)}, {sub()}, {self.pick([sub(None), '0', '-1'])})"
+            return f"where({self.combined(lambda: self.condition(pool))}, {sub()}, {self.pick([sub(None), '0', '-1'])})"
         if kind == "round":  # offset: sums of quantised values must not cancel exactly (see check_kernels)
             return f"(round({sub()} * 4) * 0.25 + 0.1)"
         if kind == "degenerate":
@@ -240,6 +240,17 @@ class _Cascade:
             return self.pick([f"({sub()} / ({zero} - {zero}))", f"(log({zero} - {zero}) + {sub()})"])
         assert kind == "cast"
         return f'cast({sub()}, "{self.pick(CAST_DTYPES)}")'
+
+    def combined(self, draw) -> str:
+        """A condition, or and/or/not of drawn ones, as masks compose (causal and padding)."""
+        roll = self.roll()
+        if roll < 0.12:
+            return f"{draw()} and {draw()}"
+        if roll < 0.18:
+            return f"{draw()} or {draw()}"
+        if roll < 0.22:
+            return f"not {draw()}"
+        return draw()
 
     def condition(self, pool: list[Atom]) -> str:
         op = self.pick(["<", "<=", ">", ">=", "==", "!="])
@@ -278,7 +289,7 @@ class _Cascade:
         fill = {"sum": "0", "max": "-inf", "topk": "-inf", "argmax": "-inf", "min": "inf", "argmin": "inf"}[op]
         if op in ("max", "min") and self.chance(0.5):
             fill = "-1e30" if op == "max" else "1e30"
-        return f"where({self.mask_condition()}, {expr}, {fill})"
+        return f"where({self.combined(self.mask_condition)}, {expr}, {fill})"
 
     def streamed(self, depth: int | None = None) -> str:
         """G(x): an expression that varies along the cascade axis."""

@@ -578,3 +578,38 @@ def test_concurrent_reads_while_a_writer_holds_the_database(db_url, sessions) ->
         finally:
             holder.rollback()
             holder.close()
+
+
+def test_a_spec_whose_certificate_fails_is_refused_unless_the_request_allows_it(client, sessions) -> None:
+    """A stored derivation whose certificate failed (here: softmax with den's correction dropped, a
+    wrong fused form) answers 422 naming the reduction, unless ``allow_uncertified``; a later request
+    without the flag is refused even though a job exists."""
+    import dataclasses
+
+    import sympy as sp
+
+    from fuser_core.canonical import canonical_json
+    from fuser_core.certificate import certify
+    from fuser_core.derive import derive_cascade
+    from fuser_core.present import present
+    from service.models import SpecRecord
+
+    spec = load_spec(SOFTMAX)
+    wrong = derive_cascade(spec)
+    wrong.forms["den"] = dataclasses.replace(wrong.forms["den"], corrections=(sp.Integer(1),))
+    wrong.realise("den")
+    report = present(wrong, certify(wrong, trials=4))
+    assert report["certificate"]["holds"] is False and report["certificate"]["failed"] == ["den"]
+    shash = compute_spec_hash(spec)
+    with sessions() as s:
+        s.add(SpecRecord(spec_hash=shash, name=spec.name, canonical=canonical_json(spec), source=json.dumps(SOFTMAX),
+                         derivation=report))
+        s.commit()
+    den = [st["name"] for st in SOFTMAX["steps"]].index("den")
+    body = assert_problem(client.post("/v1/jobs", json=job_body()), 422, f"spec.steps[{den}]", "allow_uncertified")
+    assert "den" in body["detail"] and body["errors"][0]["step"] == "den"
+    assert client.get("/v1/jobs").json()["jobs"] == []  # nothing queued
+    allowed = client.post("/v1/jobs", json=job_body(allow_uncertified=True))
+    assert allowed.status_code == 202 and allowed.json()["status"] == "queued"
+    assert_problem(client.post("/v1/jobs", json=job_body()), 422, f"spec.steps[{den}]")  # the job exists: still refused
+    assert client.get(f"/v1/specs/{shash}").json()["derivation"]["certificate"]["holds"] is False

@@ -397,3 +397,16 @@ def test_a_problem_is_bound_before_a_bundle_is_made(shape, dtype, message):
     spec, _ = loaded("safe_softmax")
     with pytest.raises(SpecError, match=message):
         make_problem(spec, shape, dtype)
+
+
+def test_an_empty_batch_through_a_loaded_kernel_gives_empty_outputs_without_a_launch(monkeypatch):
+    """Serving code calls with an empty batch: empty outputs in the caller's names and dtypes; an
+    empty reduced axis gives the formula at the identities (logsumexp: -inf, torch's answer)."""
+    import torch
+
+    kernel = load_bundle(bundle_for("logsumexp"), spec=loaded("logsumexp")[0])
+    monkeypatch.setattr(kernel._module, "launch", lambda *a: pytest.fail("launched for a zero-size problem"))
+    out = kernel(x=torch.zeros(0, 37))
+    assert out["lse"].shape == (0,) and out["lse"].dtype == torch.float32
+    out = kernel(x=torch.zeros(3, 0))
+    assert torch.equal(out["lse"], torch.logsumexp(torch.zeros(3, 0), -1))

@@ -49,3 +49,29 @@ def test_certificate_reports_trials_and_is_reproducible():
     a, b = certify(d, trials=5, seed=7), certify(d, trials=5, seed=7)
     assert a.trials == 5 and a.max_rel_err == b.max_rel_err
     assert a.to_dict()["exact"] is True
+
+
+ENTROPY_WITH_TEMPERATURE = {
+    "foldwise": 1, "name": "entropy_t", "inputs": {"x": {"dims": ["m", "n"]}}, "params": {"t": "0.7"},
+    "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x / t"},
+              {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x / t - mx)"},
+              {"name": "h", "reduce": "sum", "over": "n", "expr": "-(exp(x / t - mx) / den) * (x / t - mx - log(den))"}],
+    "outputs": ["h"]}
+
+
+def test_a_result_that_is_zero_in_real_arithmetic_is_judged_against_the_inputs_size():
+    """The entropy of one value is 0; float64 gives +-1e-16 in the reference and the fused form
+    alike. Judged relative to itself that failed the certificate (seeds 7, 22, 29, 38: error 1.0,
+    and 2e284 against an exact 0); against the inputs' size it is rounding. A wrong form still fails."""
+    from fuser_core.certificate import _rel_err
+
+    d = derive_cascade(load_spec(ENTROPY_WITH_TEMPERATURE))
+    for seed in (7, 22, 29, 38):
+        cert = certify(d, seed=seed)
+        assert cert.holds and cert.max_rel_err < 1e-9, (seed, cert.per_reduction)
+    assert _rel_err([2.2e-16], [0.0], input_scale=3.0) < 1e-9
+    assert _rel_err([1e-9], [0.0], input_scale=3.0) > 1e-9  # an absolute error of 1e-9 is not rounding
+    wrong = dataclasses.replace(d.forms["h"], corrections=(sp.Integer(1),))
+    d.forms["h"] = wrong
+    d.realise("h")
+    assert not certify(d, trials=8).holds

@@ -118,3 +118,38 @@ def test_derivation_over_its_limits_exits_2_naming_the_step(tmp_path, capsys):
     assert main(["derive", str(path)]) == 2
     err = capsys.readouterr().err
     assert "the derivation exceeds its limits" in err and "step 'e8'" in err, err
+
+
+def test_a_failing_certificate_exits_1_and_says_what_it_means(tmp_path, capsys, monkeypatch):
+    """A wrong fused form (den's correction dropped, in the derivation the certificate checks)
+    fails the certificate: exit 1, FAILED, and a line naming the reduction and the consequence."""
+    import dataclasses
+
+    import sympy as sp
+
+    import fuser_core.certificate as certificate
+    from fuser_core.report import clear_cache
+
+    real = certificate.certify
+
+    def certify_a_wrong_form(derivation, **kw):
+        den = next(k for k, f in derivation.forms.items() if f.step.reduce == "sum")
+        derivation.forms[den] = dataclasses.replace(derivation.forms[den], corrections=(sp.Integer(1),))
+        derivation.realise(den)
+        return real(derivation, **kw)
+
+    monkeypatch.setattr(certificate, "certify", certify_a_wrong_form)
+    clear_cache()
+    try:
+        path = tmp_path / "softmax.json"
+        path.write_text(json.dumps(load_catalog()["safe_softmax"]))
+        assert main(["derive", str(path)]) == 1
+        text = capsys.readouterr().out
+        assert "FAILED" in text and "certificate fails for den" in text and "allow_uncertified" in text
+        assert main(["derive", str(path), "--json"]) == 1
+        cert = json.loads(capsys.readouterr().out)["certificate"]
+        assert cert["holds"] is False and cert["failed"] == ["den"] and "den" in cert["verdict"]
+    finally:
+        monkeypatch.undo()
+        clear_cache()
+    assert main(["derive", str(path)]) == 0 and "FAILED" not in capsys.readouterr().out

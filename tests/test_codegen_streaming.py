@@ -91,7 +91,7 @@ def test_a_fold_drops_its_tail_mask_only_where_the_fill_is_the_identity() -> Non
     d = derive_cascade(peak)
     text = generate(peak, d, "streaming_fused", {"m": 3, "n": 45}, KernelConfig({"n": 8}), bind_dtypes(peak, "float32")).source
     r_line = next(line for line in text.splitlines() if line.strip().startswith("r_lane = rescale("))
-    peak_line = next(line for line in text.splitlines() if line.strip().startswith("peak_lane = tl.maximum("))
+    peak_line = next(line for line in text.splitlines() if line.strip().startswith("peak_lane = max_nan("))
     assert "tl.where(mask_n" in r_line and "tl.where(mask_n" in peak_line
     for strategy in ("streaming_fused", "split_fused"):
         config = KernelConfig({"n": 8}, split=6 if strategy == "split_fused" else 1)

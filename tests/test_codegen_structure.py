@@ -223,10 +223,10 @@ def test_an_input_a_max_folds_as_it_is_is_masked_once_by_its_load() -> None:
     minus a finite anchor is 0, the sum's identity: structure.needs_mask); multi_pass's sum reads
     the final mx, which may be infinite, and keeps its where. The output pass loads x with other=0."""
     # row_resident keeps its where (emit.write_row_resident); streaming folds per lane (elementwise)
-    for strategy, fold_x, sum_exp in [("streaming_fused", "mx_lane = tl.maximum(mx_lane, x)",
+    for strategy, fold_x, sum_exp in [("streaming_fused", "mx_lane = max_nan(mx_lane, x)",
                                        "den_lane = rescale(den_lane, tl.exp(mx_lane_anchor_old - mx_lane_anchor)) + "
                                        "tl.exp(x - mx_lane_anchor)\n"),
-                                      ("multi_pass", "tl.max(x, axis=0)", "tl.sum(tl.where(mask_n, tl.exp(")]:
+                                      ("multi_pass", "tl.reduce(x, 0, max_nan)", "tl.sum(tl.where(mask_n, tl.exp(")]:
         config = KernelConfig({"n": 64})
         body = "\n".join(b for _, b in kernel_sources(softmax_source(strategy, config)).values())
         assert 'other=float("-inf")' in body and fold_x in body, strategy

@@ -22,6 +22,7 @@ from fuser_core.expr import (
     Cast,
     Compare,
     Index,
+    Logic,
     Neg,
     Num,
     Ref,
@@ -212,6 +213,8 @@ def _extend(inner):
         inner.map(_neg),
         st.tuples(st.sampled_from(["+", "-", "*", "/", "**"]), inner, inner).map(lambda t: BinOp(*t)),
         st.tuples(st.sampled_from(COMPARE_OPS), inner, inner).map(lambda t: Compare(*t)),
+        st.tuples(st.sampled_from(["and", "or"]), inner, inner).map(lambda t: Logic(t[0], (t[1], t[2]))),
+        inner.map(lambda a: Logic("not", (a,))),
         st.tuples(inner, st.sampled_from(CAST_DTYPES)).map(lambda t: Cast(*t)),
         *[
             st.tuples(*[inner] * arity).map(lambda args, f=f: Call(f, args))
@@ -424,3 +427,24 @@ def test_left_deep_chain_prints_without_recursion_error():
 
 def test_reserved_words():
     assert {"inf", "nan", "exp", "where", "size", "index", "cast"} <= RESERVED
+
+
+# ---------------------------------------------------------------------------- and, or, not
+
+
+@pytest.mark.parametrize("text, tree", [
+    ("a < b and c < d", Logic("and", (Compare("<", Ref("a"), Ref("b")), Compare("<", Ref("c"), Ref("d"))))),
+    ("a < b & c < d", Logic("and", (Compare("<", Ref("a"), Ref("b")), Compare("<", Ref("c"), Ref("d"))))),
+    ("a < b or c < d and e < f", Logic("or", (Compare("<", Ref("a"), Ref("b")), Logic("and", (
+        Compare("<", Ref("c"), Ref("d")), Compare("<", Ref("e"), Ref("f"))))))),
+    ("!(a < b) | c != d", Logic("or", (Logic("not", (Compare("<", Ref("a"), Ref("b")),)), Compare("!=", Ref("c"), Ref("d"))))),
+    ("not a < b", Logic("not", (Compare("<", Ref("a"), Ref("b")),))),
+])
+def test_and_or_not_parse_with_pythons_precedence(text, tree):
+    """or binds loosest, then and, then not, then the comparison; & | ! are and, or, not."""
+    assert P(text) == tree
+    assert P(to_text(tree)) == tree and "&" not in to_text(tree)  # printed as words
+
+
+def test_and_or_not_are_reserved():
+    assert {"and", "or", "not"} <= RESERVED

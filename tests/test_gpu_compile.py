@@ -327,3 +327,27 @@ def test_a_sum_over_top_k_slots_in_the_epilogue_compiles(compile_pool, strategy)
     requests = [CompileRequest(spec, shape, bind_dtypes(spec, "float16"), strategy, config, cap) for cap in (90, 80)]
     builds = compile_pool.compile(requests)
     assert all(b.ok for b in builds), [b.first_error() for b in builds]
+
+
+PADDED_CAUSAL = {  # a padding mask and the causal mask in one condition (issue 23): one fused kernel
+    "foldwise": 1, "name": "attention_causal_padded",
+    "inputs": {"q": {"dims": ["b", "h", "m", "d"]}, "k": {"dims": ["b", "h", "n", "d"]}, "v": {"dims": ["b", "h", "n", "e"]},
+               "kv_len": {"dims": ["b"], "kind": "index"}},
+    "params": {"scale": "1 / sqrt(size(d))"},
+    "steps": [{"name": "s", "reduce": "sum", "over": "d", "expr": "q * k * scale"},
+              {"name": "s0", "expr": "where(index(n) <= index(m) and index(n) < kv_len, s, -inf)"},
+              {"name": "mx", "reduce": "max", "over": "n", "expr": "s0"},
+              {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(s0 - mx)"},
+              {"name": "o", "reduce": "sum", "over": "n", "expr": "exp(s0 - mx) * v / den"}],
+    "outputs": ["o"]}
+
+
+@pytest.mark.parametrize("strategy", ["row_resident", "streaming_fused", "split_fused", "multi_pass"])
+def test_a_padding_and_a_causal_mask_in_one_condition_compile(compile_pool, strategy):
+    spec = load_spec(PADDED_CAUSAL)
+    shape = {"b": 2, "h": 4, "m": 256, "n": 256, "d": 64, "e": 64}
+    blocks = {"m": 64} if strategy == "row_resident" else {"m": 64, "n": 64}
+    config = {"blocks": blocks, "num_warps": 4, "num_stages": 2, "split": 2 if strategy == "split_fused" else 1}
+    requests = [CompileRequest(spec, shape, bind_dtypes(spec, "float16"), strategy, config, cap) for cap in (90, 80)]
+    builds = compile_pool.compile(requests)
+    assert all(b.ok for b in builds), [b.first_error() for b in builds]

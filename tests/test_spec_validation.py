@@ -223,6 +223,13 @@ INVALID = [
      ("steps", 1, "expr"), "s", "a comparison may only be the condition of where()"),
     ("where-non-comparison", "attention_causal", _expr("s", "where(index(n) - index(m), s0, -inf)"),
      ("steps", 1, "expr"), "s", "where() needs a comparison"),
+    # -- and, or, not
+    ("logic-outside-where", "attention_causal", _expr("s", "index(n) <= index(m) and index(n) < 3"), ("steps", 1, "expr"),
+     "s", "and may only combine the conditions of where()"),
+    ("logic-of-a-number", "attention_causal", _expr("s", "where(index(n) <= index(m) and s0, s0, -inf)"),
+     ("steps", 1, "expr"), "s", "and combines comparisons"),
+    ("not-of-a-number", "attention_causal", _expr("s", "where(not s0, s0, -inf)"),
+     ("steps", 1, "expr"), "s", "not combines comparisons"),
     # -- cycles and order
     ("self-reference", "safe_softmax", _expr("den", "exp(x - mx) + den"), ("steps", 1, "expr"), "den", "uses itself"),
     ("forward-reference", "safe_softmax", _expr("mx", "x + den"), ("steps", 0, "expr"), "mx", "comes later"),

@@ -242,6 +242,12 @@ class _Builder:
             a, b = self.compile(e.left), self.compile(e.right)
             cmp = {"<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge, "==": torch.eq, "!=": torch.ne}[e.op]
             return lambda env: _compare(cmp, a(env), b(env))
+        if isinstance(e, ex.Logic):
+            args = [self.compile(a) for a in e.args]
+            if e.op == "not":
+                return lambda env: torch.logical_not(args[0](env))
+            fn = torch.logical_and if e.op == "and" else torch.logical_or
+            return lambda env: fn(args[0](env), args[1](env))
         if isinstance(e, ex.Call):
             args = [self.compile(a) for a in e.args]
             fn = _FUNCTIONS[e.func]
@@ -513,8 +519,10 @@ HANDWRITTEN_TEMPLATES: dict[str, dict] = {
         {"scale": "1 / sqrt(size(d))"}),
     "safe_softmax": _spec("safe_softmax", {"x": {"dims": ["m", "n"]}},
                           [*_SOFTMAX_STEPS, {"name": "y", "expr": "exp(x - mx) / den"}], ["y"]),
-    "logsumexp": _spec("logsumexp", {"x": {"dims": ["m", "n"]}},
-                       [*_SOFTMAX_STEPS, {"name": "lse", "expr": "mx + log(den)"}], ["lse"]),
+    "logsumexp": _spec("logsumexp", {"x": {"dims": ["m", "n"]}}, [  # torch's own guard of an infinite max
+        {"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
+        {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - where(abs(mx) == inf, 0, mx))"},
+        {"name": "lse", "expr": "where(abs(mx) == inf, 0, mx) + log(den)"}], ["lse"]),
     "layernorm": _spec("layernorm", {"x": {"dims": ["t", "c"]}, "gamma": {"dims": ["c"]}, "beta": {"dims": ["c"]}}, [
         {"name": "mean", "reduce": "sum", "over": "c", "expr": "x / size(c)"},
         {"name": "var", "reduce": "sum", "over": "c", "expr": "(x - mean) ** 2 / size(c)"},

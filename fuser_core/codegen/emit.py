@@ -25,7 +25,7 @@ from pathlib import Path
 import sympy as sp
 
 from fuser_core.codegen import ops as o
-from fuser_core.codegen.names import FP8, safe_name
+from fuser_core.codegen.names import FP8, NAN_MAX_MIN, safe_name
 from fuser_core.codegen.structure import Kernel, ModuleStructure
 from fuser_core.codegen.tritonize import expr_dims, number, to_triton
 from fuser_core.realisation import identity
@@ -162,7 +162,10 @@ class KernelPrinter:
     def reduce(self, op: str, value: str, dims, over: str) -> tuple[str, tuple[str, ...]]:
         """``tl.{op}`` of a value on ``dims`` along ``over``: the value on the other dims."""
         dims = self.layout.order(dims)
-        return f"tl.{op}({value}, axis={dims.index(over)})", tuple(d for d in dims if d != over)
+        rest = tuple(d for d in dims if d != over)
+        if op in NAN_MAX_MIN:  # tl.max/tl.min drop NaN: reduce with the NaN-propagating helper
+            return f"tl.reduce({value}, {dims.index(over)}, {NAN_MAX_MIN[op]})", rest
+        return f"tl.{op}({value}, axis={dims.index(over)})", rest
 
     def tile(self, op: str, e: sp.Expr, env: o.Env, over: str, masked: bool) -> tuple[str, tuple[str, ...]]:
         """A sum/max/min of ``e`` over the tile of ``over`` (masked lanes the identity unless filled)."""
@@ -200,7 +203,7 @@ class KernelPrinter:
     def combine(self, name: str, op: str, dims, left: str, left_dims, right: str, right_dims, note: str = "") -> None:
         """name = op(left, right) for two states of one accumulator (on ``dims``)."""
         left, right = self.on(left, left_dims, dims), self.on(right, right_dims, dims)
-        self.emit(f"{name} = {left} + {right}{note}" if op == "sum" else f"{name} = tl.{op}imum({left}, {right}){note}")
+        self.emit(f"{name} = {left} + {right}{note}" if op == "sum" else f"{name} = {NAN_MAX_MIN[op]}({left}, {right}){note}")
 
     # ------------------------------------------------------------ the kernel
     def arg_groups(self) -> list[list[str]]:
@@ -372,10 +375,12 @@ class KernelPrinter:
         if op.broadcast:  # a value that varies over fewer dims than the state: a whole tile of it
             tile = f"tl.broadcast_to({self.on(tile, got, op.tile_dims)}, {self.shape(op.tile_dims)})"
         axis = self.layout.axis(op.tile_dims, a)
+        # a masked lane's index is "empty": never chosen, not even over NaN (topk ranks NaN last)
+        tile_idx = f"tl.where({self.on(f'mask_{a}', (a,), op.tile_dims)}, {self.offs(a, op.tile_dims)}, 2147483647)"
         if op.slots is None:
-            merge = f"argmax_merge({prev}, {op.name}_indices, {tile}, {self.offs(a, op.tile_dims)}, {axis})"
+            merge = f"argmax_merge({prev}, {op.name}_indices, {tile}, {tile_idx}, {axis})"
         else:
-            merge = (f"topk_merge({prev}, {op.name}_indices, {tile}, {self.offs(a, op.tile_dims)}, "
+            merge = (f"topk_merge({prev}, {op.name}_indices, {tile}, {tile_idx}, "
                      f"{self.offs(op.slots, op.dims)}, {axis}, {self.layout.axis(op.dims, op.slots)}, {op.k})")
         self.emit(f"{op.name}_values, {op.name}_indices = {merge}")
 

@@ -16,6 +16,18 @@ import triton.language as tl
 
 
 @triton.jit
+def max_nan(a, b):
+    """max that propagates NaN, as torch's max and amax do (tl.maximum's default drops it: max.f32)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def min_nan(a, b):
+    """min that propagates NaN, as torch's min and amin do."""
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def finite_or_zero(c):
     """A correction that is inf or nan only multiplies an empty accumulator: use 0."""
     return tl.where((c == c) & (c != float("inf")) & (c != float("-inf")), c, 0.0)
@@ -54,30 +66,49 @@ def argmax_merge(best, best_idx, tile, tile_idx, AXIS: tl.constexpr):
 
 
 @triton.jit
+def topk_rank(v, i):
+    """The class a top-k candidate ranks by first: 2 a number (+-inf included), 1 NaN (below every
+    number, as the reference sorts it), 0 empty (a masked lane, a free slot or a taken element:
+    index 2147483647)."""
+    return tl.where(i == 2147483647, 0, tl.where(v != v, 1, 2))
+
+
+@triton.jit
+def topk_best(v, i, AXIS: tl.constexpr):
+    """The best candidate along AXIS: (its class, value, index); the lower index wins ties."""
+    c = topk_rank(v, i)
+    best_c = tl.max(c, axis=AXIS)
+    num = tl.where(c == 2, v, float("-inf"))
+    best_v = tl.max(num, axis=AXIS)
+    hit = (c == tl.expand_dims(best_c, AXIS)) & ((c != 2) | (num == tl.expand_dims(best_v, AXIS)))
+    best_i = tl.min(tl.where(hit, i, 2147483647), axis=AXIS)
+    best_v = tl.where(best_c == 1, float("nan"), best_v)
+    return best_c, best_v, best_i
+
+
+@triton.jit
 def topk_merge(vals, idx, tile, tile_idx, slot, AXIS: tl.constexpr, SLOTS: tl.constexpr, K: tl.constexpr):
     """Merge a tile (along its AXIS) into a running top-K list (along its SLOTS); the tile and the
     list have the same shape besides those dims.
 
-    The list stays sorted descending; among equal values the lower index comes first. An
-    empty slot, and an element already taken, has index 2147483647 (a value of -inf is a
-    real candidate: a row masked to -inf still yields k distinct indices, as the reference's).
+    The list stays sorted descending, NaN after every number (the reference's order; torch puts
+    NaN first: docs/SPEC.md); among equal values, NaN among them, the lower index comes first. An
+    empty slot, a masked lane and an element already taken have index 2147483647 and are never
+    chosen over a value (a value of -inf is a real candidate: a row masked to -inf still yields k
+    distinct indices, as the reference's).
     """
     new_vals = tl.where(slot < 0, vals, float("-inf"))
     new_idx = tl.where(slot < 0, idx, 2147483647)
     for i in tl.static_range(K):
-        best_s = tl.max(vals, axis=SLOTS)
-        best_t = tl.max(tile, axis=AXIS)
-        i_s = tl.min(tl.where(vals == tl.expand_dims(best_s, SLOTS), idx, 2147483647), axis=SLOTS)
-        i_t = tl.min(tl.where(tile == tl.expand_dims(best_t, AXIS), tile_idx, 2147483647), axis=AXIS)
-        take_t = (best_t > best_s) | ((best_t == best_s) & (i_t < i_s))
+        c_s, best_s, i_s = topk_best(vals, idx, SLOTS)
+        c_t, best_t, i_t = topk_best(tile, tile_idx, AXIS)
+        take_t = (c_t > c_s) | ((c_t == c_s) & ((best_t > best_s) | (((best_t == best_s) | (c_t == 1)) & (i_t < i_s))))
         new_vals = tl.where(slot == i, tl.expand_dims(tl.where(take_t, best_t, best_s), SLOTS), new_vals)
         new_idx = tl.where(slot == i, tl.expand_dims(tl.where(take_t, i_t, i_s), SLOTS), new_idx)
         # the winner leaves its list (matching index 2147483647 instead only re-empties empty slots)
         taken_s = idx == tl.expand_dims(tl.where(take_t, 2147483647, i_s), SLOTS)
-        vals = tl.where(taken_s, float("-inf"), vals)
         idx = tl.where(taken_s, 2147483647, idx)
         taken_t = tile_idx == tl.expand_dims(tl.where(take_t, i_t, 2147483647), AXIS)
-        tile = tl.where(taken_t, float("-inf"), tile)
         tile_idx = tl.where(taken_t, 2147483647, tile_idx)
     return new_vals, new_idx
 

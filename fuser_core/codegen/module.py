@@ -34,7 +34,8 @@ def _generator_version() -> str:
     digest = hashlib.sha256()
     for path in sorted(here.glob("*.py")):
         digest.update(path.read_bytes())
-    for core in ("derive.py", "realisation.py"):  # the derivation and the realisations the printer prints
+    # the derivation, the realisations the printer prints and the sympy forms of the spec's expressions
+    for core in ("derive.py", "realisation.py", "symbolic.py"):
         digest.update((here.parent / core).read_bytes())
     return digest.hexdigest()[:12]
 

@@ -21,3 +21,7 @@ def safe_name(name: str) -> str:
 def kernel_arg(var: str, dtype: str | None) -> str:
     """A launcher's tensor argument: an fp8 tensor is passed as its bits (uint8)."""
     return f"{var}.view(torch.uint8)" if dtype == FP8 else var
+
+# max/min in generated code: helpers that propagate NaN as torch does (fuser_core/codegen/helpers.py);
+# Triton's tl.maximum, tl.max and their min twins drop it by default
+NAN_MAX_MIN = {"max": "max_nan", "min": "min_nan"}

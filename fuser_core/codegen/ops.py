@@ -49,7 +49,7 @@ from typing import Any
 
 import sympy as sp
 
-from fuser_core.codegen.names import FP8, safe_name
+from fuser_core.codegen.names import FP8, NAN_MAX_MIN, safe_name
 from fuser_core.codegen.tritonize import Ref, helpers_of
 
 Env = tuple[tuple[sp.Basic, "Ref"], ...]  # each free symbol of an operation's expressions -> what it reads
@@ -104,6 +104,11 @@ def _helpers(*exprs: sp.Expr | None) -> list[str]:
         if e is not None:
             out += helpers_of(e)
     return out
+
+
+def _max_min(op: str) -> list[str]:
+    """The NaN-propagating helper a max/min fold or reduction prints (names.NAN_MAX_MIN)."""
+    return [NAN_MAX_MIN[op]] if op in NAN_MAX_MIN else []
 
 
 def _blocks(dims: Iterable[str]) -> set[str]:
@@ -378,7 +383,7 @@ class Reduce(Op):
         return _env_reads(self.env) | _dot_reads(self.dot, self.masked, self.over)
 
     def helpers(self) -> list[str]:
-        return _dot_helpers(self.dot) if self.dot is not None else _helpers(self.expr)
+        return _dot_helpers(self.dot) if self.dot is not None else _helpers(self.expr) + _max_min(self.op)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -406,7 +411,8 @@ class Fold(Op):
         return out | _dot_reads(self.dot, self.masked, self.over)
 
     def helpers(self) -> list[str]:
-        return _helpers(self.prev) + (_dot_helpers(self.dot) if self.dot is not None else _helpers(self.expr))
+        return _helpers(self.prev) + (_dot_helpers(self.dot) if self.dot is not None else _helpers(self.expr)) + _max_min(
+            self.op)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -476,7 +482,7 @@ class LaneMerge(Op):
         return _env_reads(self.env)
 
     def helpers(self) -> list[str]:
-        return _helpers(self.expr)
+        return _helpers(self.expr) + _max_min(self.op)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -60,7 +60,9 @@ from fuser_core.codegen.ops import (
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.tritonize import Ref, is_literal, lookup
 from fuser_core.derive import ReductionForm
-from fuser_core.realisation import COUNT_OLD, SELECTIONS, Realisation, identity, new, part_acc, part_anchor, part_count
+from fuser_core.realisation import (
+    COUNT_OLD, SELECTIONS, Realisation, identity, new, old, part_acc, part_anchor, part_count,
+)
 from fuser_core.spec import Input, Step
 
 ORDER_SELECTIONS = SELECTIONS
@@ -473,6 +475,10 @@ class _Walk:
         self.hoisted: list[str] | None = None  # the loop being walked: inputs hoisted for it
         self.inputs: list[str] = []
         self.accs: dict[str, list[str]] = {}
+        # the safe anchors (running, lane, old, merged and part values of a max/min's safe_anchor): finite
+        self.finite_prefixes = tuple(f"{safe_name(dep)}_{lane}anchor" for dep in anchored_deps(plan)
+                                     if not any(str(f.anchors.get(dep, "")).startswith("running estimate")
+                                                for f in self.forms.values()) for lane in ("", "lane_"))
 
     # ------------------------------------------------------------ small helpers
     def add(self, op: Op) -> Op:
@@ -485,11 +491,11 @@ class _Walk:
     def let(self, name: str, dims: Iterable[str]) -> Ref:
         """``name`` now holds a value on ``dims``."""
         self.var_dims[name] = self.order(dims)
-        return Ref(name, self.var_dims[name])
+        return self.var(name)
 
     def var(self, name: str) -> Ref:
         """The variable ``name``, defined earlier in the kernel, on its dims."""
-        return Ref(name, self.var_dims[name])
+        return Ref(name, self.var_dims[name], finite=name.startswith(self.finite_prefixes))
 
     def env(self, *exprs: sp.Expr | None, extra: Mapping | None = None) -> Env:
         """What each free symbol of ``exprs`` reads: ``extra`` first, then the values in scope."""
@@ -1241,8 +1247,33 @@ class _Walk:
         self.add(Value(name=var, dims=dims, expr=real.value, env=env))
         self.values[step.name] = self.let(var, dims)
 
+    def settle(self, step: Step) -> None:
+        """Move a scaled reduction's accumulators from its running anchors (a max/min's safe_anchor:
+        0 while that max is infinite) to the final max itself, with a plain product, not rescale:
+        ``den_acc = den_acc * exp(mx_anchor - mx_acc)``. Where the max is finite the anchor is the max
+        and the factor exp(0) = 1 exactly; where it is +-inf or NaN (a row holding +inf, a fully
+        masked row) the accumulator becomes what the spec's own formula gives there (inf - inf: NaN),
+        as the reference and the unfused strategies do, instead of the anchor's 0-based value."""
+        real = self.realisation(step)
+        running = {self.conv.symbols[d]: d for d, how in real.anchors.items() if how == "running"}
+        if not running or real.selection or not self.forms[step.name].settles_at(set(running)):
+            return
+        names = {old(sym): self.var(f"{safe_name(dep)}_anchor") for sym, dep in running.items()}
+        names.update({new(sym): self.values[dep] for sym, dep in running.items()})
+        moved = False
+        for sym, acc, a in zip(real.symbols, self.accs[step.name], real.accumulators):
+            if a.correction is None or a.correction == 1 or not a.correction.free_symbols <= set(names):
+                continue
+            expr = sym * a.correction
+            self.add(Value(name=acc, dims=self.var_dims[acc], expr=expr, env=self.env(expr, extra={**names, sym: self.var(acc)}),
+                           note=f"  # {step.name} at the final {', '.join(running.values())} (1 where it is finite)"))
+            moved = True
+        if moved and step.name in self.merged:  # its running value read the accumulators before they moved
+            self.running_value(step, self.accs[step.name])
+
     def finalize(self) -> None:
         for step in self.axis_steps():
+            self.settle(step)
             real = self.realisation(step)
             acc = self.accs[step.name][0]
             if step.name in self.merged:  # its lane merge computed its final value

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 import sympy as sp
 
 from fuser_core.codegen.layout import Layout
+from fuser_core.codegen.names import NAN_MAX_MIN
 from fuser_core.realisation import Rescale
-from fuser_core.symbolic import CAST_FUNCTIONS, Round
+from fuser_core.symbolic import CAST_FUNCTIONS, InfCompare, Round
 
 _FUNCS = {
     sp.exp: "tl.exp",
@@ -84,6 +85,7 @@ class Ref:
     name: str
     dims: tuple[str, ...] = ()
     form: str = "var"
+    finite: bool = False  # never +-inf or NaN (a max/min's safe anchor): a comparison with inf is decided
 
     @property
     def text(self) -> str:
@@ -112,7 +114,23 @@ def to_triton(e: sp.Expr, names: Names, layout: Layout | None = None) -> str:
     """Triton source for ``e``; every free symbol, or its name, must be a key of ``names``
     (:func:`lookup`). With ``layout``, operands on different dims are placed on their union; the
     result is on :func:`expr_dims`."""
-    return _Printer(names, layout).go(e)[0]
+    return _Printer(names, layout).go(decide_finite(e, names))[0]
+
+
+def decide_finite(e: sp.Expr, names: Names) -> sp.Expr:
+    """``e`` with each comparison of a finite value (``Ref.finite``: ``x``, ``-x`` or ``abs(x)``) with
+    +-inf decided: a where() guarding a max against inf costs nothing on the running anchor, which
+    safe_anchor keeps finite (``tl.abs(mx_anchor) == inf`` per element, otherwise)."""
+    decided = {}
+    for c in e.atoms(InfCompare):
+        for side in c.args[1:]:
+            inner = side.args[0] if isinstance(side, sp.Abs) or (side.is_Mul and side.args[0] == -1 and len(side.args) == 2
+                                                                 ) else side
+            if isinstance(inner, sp.Symbol) and lookup(names, inner).finite:
+                c2 = c.xreplace({inner: sp.Integer(0)})
+                if c2 in (sp.true, sp.false):
+                    decided[c] = c2
+    return e.xreplace(decided) if decided else e
 
 
 def expr_dims(e: sp.Expr, names: Names, layout: Layout) -> tuple[str, ...]:
@@ -221,8 +239,9 @@ class _Printer:
             return self.pow(e)
         if isinstance(e, sp.Piecewise):
             return self.piecewise(e), _ATOM
-        if isinstance(e, sp.Max | sp.Min):
-            fn = "tl.maximum" if isinstance(e, sp.Max) else "tl.minimum"
+        if isinstance(e, sp.Max | sp.Min):  # NaN-propagating, as torch.maximum/minimum and the reference
+            fn = NAN_MAX_MIN["max" if isinstance(e, sp.Max) else "min"]
+            self.helpers.append(fn)
             args = [self.go(a)[0] for a in e.args]
             out = args[0]
             for a in args[1:]:
@@ -257,6 +276,8 @@ class _Printer:
             return self.call("round_half_even", self.arg(e.args[0]))
         if isinstance(e, sp.Rel):
             return f"{self.wrap(e.lhs, _ADD)} {_REL[type(e)]} {self.wrap(e.rhs, _ADD)}", 0
+        if isinstance(e, InfCompare):
+            return f"{self.wrap(e.args[1], _ADD)} {e.op} {self.wrap(e.args[2], _ADD)}", 0
         if isinstance(e, sp.ITE):  # a where() inside a where()'s condition, folded by sympy
             c, a, b = (self.go(x)[0] for x in e.args)
             return f"tl.where({c}, {a}, {b})", _ATOM

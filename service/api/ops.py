@@ -33,6 +33,7 @@ class SpecInfo:
     canonical: Spec  # what jobs, kernels and bundles are keyed by
     source: Spec  # the spec as first submitted
     to_user: dict[str, str]  # canonical dim -> first-stored dim
+    uncertified: list[str]  # the reductions whose certificate failed ([]: it holds)
 
     def display_shape(self, shape: dict[str, int]) -> dict[str, int]:
         return {self.to_user.get(d, d): n for d, n in shape.items()}
@@ -45,7 +46,8 @@ def spec_info(session: Session, cache: SpecCache, spec_hash: str) -> SpecInfo | 
         if record is None:
             return None
         source = load_spec(record.source)
-        info = SpecInfo(spec_hash, spec_store.job_spec(record), source, user_names(source))
+        info = SpecInfo(spec_hash, spec_store.job_spec(record), source, user_names(source),
+                        spec_store.uncertified(record.derivation))
         cache.put(spec_hash, info)
     return info
 
@@ -89,6 +91,9 @@ def find_submitted(session: Session, cache: SpecCache, parsed: ParsedSpecs, req:
         return Submission(request)
     if job.status == "succeeded" and (job.k_triton, job.k_generator) != kernel_cache.current_versions():
         return Submission(request)  # its kernel predates this code (or is gone): submit_job searches again
+    info = spec_info(session, cache, job.spec_hash)
+    if info is not None:  # an earlier request may have allowed what this one does not
+        spec_store.refuse_uncertified(request.spec, info.uncertified, request.allow_uncertified)
     return Submission(request, view=job_view_named(session, cache, job), created=False)
 
 

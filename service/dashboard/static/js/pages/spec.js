@@ -13,7 +13,8 @@ export async function render(ctx) {
   replace(ctx.root,
     h("div", { class: "page-head" },
       h("h1", {}, "Spec ", h("span", { id: "spec-name" }, m.name), " ",
-        h("span", { class: `badge ${m.fusible ? "status-succeeded" : "status-failed"}` }, m.fusible ? "fusible" : "not fully fusible")),
+        h("span", { class: `badge ${m.fusible ? "status-succeeded" : "status-failed"}` }, m.fusible ? "fusible" : "not fully fusible"), " ",
+        certificateBadge(m.certificate)),
       h("a", { href: `#/jobs?spec_hash=${hash}`, class: "button-link" }, "Jobs"), " ",
       h("a", { href: `#/kernels?spec_hash=${hash}`, class: "button-link" }, "Kernels")),
     h("p", { class: "mono muted" }, hash),
@@ -30,6 +31,14 @@ export async function render(ctx) {
   return null;
 }
 
+// red when the certificate fails: the fused forms missed the float64 reference, and jobs for the
+// spec are refused unless they set allow_uncertified (docs/THEORY.md section 7)
+function certificateBadge(c) {
+  if (!c) return null;
+  return h("span", { id: "cert-verdict", class: `badge ${c.holds ? "status-succeeded" : "status-failed"}`, title: c.verdict || "" },
+    c.holds ? "certificate holds" : "certificate FAILS");
+}
+
 function certificate(c) {
   if (!c) return h("p", { class: "muted" }, "no certificate");
   const rows = [
@@ -38,7 +47,7 @@ function certificate(c) {
     ["exact", c.exact ? "yes: the fused form equals the multi-pass one in real arithmetic" : "no (casts inside the cascade)"],
   ];
   for (const [k, v] of Object.entries(c)) {
-    if (["max_rel_err", "trials", "exact"].includes(k)) continue;
+    if (["max_rel_err", "trials", "exact", "failed"].includes(k)) continue;
     if (typeof v === "number") rows.push([k.replaceAll("_", " "), Number.isInteger(v) ? String(v) : v.toExponential(2)]);
     else if (typeof v === "string" || typeof v === "boolean") rows.push([k.replaceAll("_", " "), String(v)]);
     else if (v && typeof v === "object" && !Array.isArray(v)) {

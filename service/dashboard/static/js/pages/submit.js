@@ -83,7 +83,8 @@ export async function render(ctx) {
     if (spec === undefined) return;
     try {
       const d = await api("v1/derivations", { method: "POST", body: { spec } });
-      replace(preview, `${d.name}: ${d.fusible ? "fusible" : "not fully fusible"}; ${d.reductions.map((r) => `${r.name} ${r.op} over ${r.over}${r.fused ? "" : " (not fused)"}`).join(", ")}`);
+      replace(preview, `${d.name}: ${d.fusible ? "fusible" : "not fully fusible"}; ${d.reductions.map((r) => `${r.name} ${r.op} over ${r.over}${r.fused ? "" : " (not fused)"}`).join(", ")}`,
+        d.certificate && !d.certificate.holds ? h("p", { class: "field-error", id: "cert-fails" }, `certificate ${d.certificate.verdict}`) : null);
     } catch (err) {
       showServerErrors(err, "spec");
     }
