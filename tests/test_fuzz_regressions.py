@@ -908,3 +908,14 @@ def test_a_mask_window_over_an_inner_dim_starts_at_zero():
          red("den", "sum", "where(index(t) > index(e), exp(sel - sqrt(x ** 4 + 1)) * x, 0)", over="t")],
         ["sel", "p", "den"], inputs={"a": {"dims": ["e", "t"]}, "x": {"dims": ["t"]}, "q": {"dims": ["e"]}})
     every_strategy_passes(spec, {"e": 5, "t": 37})
+
+
+def test_a_where_fill_that_is_a_symbolic_constant_is_compared_as_a_number():
+    """fuzz seed 50: ``sigmoid(where(c, lse, -1))`` summed over d has the fill sigmoid(-1) =
+    1/(1 + E); the mask check built sp.Float from it (TypeError: cannot create mpf) and every
+    strategy crashed while generating. The fill is not the sum's identity, so no mask window."""
+    spec = spec_of(
+        [{"name": "lse", "expr": 'cast(where(index(e) <= index(d), logits, v), "float8_e4m3fn")'},
+         red("h", "sum", "sigmoid(where(not index(e) <= index(d), lse, -1))", over="d")],
+        ["h"], inputs={"logits": {"dims": ["n", "d", "e"]}, "v": {"dims": ["d"]}})
+    every_strategy_passes(spec, {"n": 2, "d": 9, "e": 3})

@@ -63,9 +63,17 @@ def masked_condition(e: sp.Expr, op: str) -> sp.Expr | None:
         e = sp.piecewise_fold(e)
     if isinstance(e, sp.Piecewise) and len(e.args) == 2 and e.args[1][1] == sp.true:
         fill = e.args[1][0]
-        if fill == identity(op) or (fill.is_number and sp.Float(fill) == sp.Float(identity(op))):
+        if fill == identity(op) or (fill.is_number and _value(fill) == _value(identity(op))):
             return e.args[0][1]
     return None
+
+
+def _value(e: sp.Expr) -> float | None:
+    """A constant's float value (sp.Float cannot take sigmoid(-1) = 1/(1 + E): fuzz seed 50)."""
+    try:
+        return float(e)
+    except (TypeError, ValueError):  # complex, or not a number after all
+        return None
 
 
 def window_of(index: sp.Symbol, conditions: Iterable[sp.Expr], every_lane: bool = False) -> Window | None:
