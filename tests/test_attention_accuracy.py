@@ -63,3 +63,16 @@ def test_attention_within_twice_the_standard_attentions_error(name: str, dtype: 
         err = (got - ref).abs().max().item()
         print(f"{name} {dtype} peak {peak} {strategy}: {err:.3g} vs standard {standard_err:.3g} (fwd_atol {fwd_atol:.3g})")
         assert err <= 2 * standard_err + fwd_atol, (strategy, err, standard_err, fwd_atol)
+
+
+def test_the_kernel_checks_bfloat16_tolerance_admits_two_roundings_and_refuses_five_ulps() -> None:
+    """The tuner's gate refused bf16 causal multi_pass at 0.0121 (P and the output each rounded to
+    bf16 once: 2 ulps of 2^-8) under a fixed 1e-2; bf16 is allowed 4 of its ulps (runner.TOLERANCE),
+    and an error of 5 is still refused."""
+    from fuser_core.runner import TOLERANCE, rel_err
+
+    ref = np.linspace(1.0, 1.9, 64)
+    ulp = 2.0**-8  # bf16's spacing in [1, 2)
+    assert rel_err(ref * (1 + 2 * ulp), ref, 0.1) <= TOLERANCE["bfloat16"]
+    assert rel_err(ref * (1 + 0.0121), ref, 0.1) <= TOLERANCE["bfloat16"]
+    assert rel_err(ref * (1 + 5 * ulp), ref, 0.1) > TOLERANCE["bfloat16"]
