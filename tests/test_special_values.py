@@ -21,9 +21,10 @@ from fuser_core.catalog import load_catalog_spec
 from fuser_core.codegen.module import generate
 from fuser_core.codegen.plan import BASELINE, STRATEGIES, default_config, loop_axis
 from fuser_core.derive import derive_cascade
+from fuser_core.edge_rows import edge_inputs, special_mismatches
+from fuser_core.problem import bind_dtypes
 from fuser_core.reference import evaluate, random_inputs
 from fuser_core.runner import interpreter_quiet, run
-from fuser_core.problem import bind_dtypes
 from fuser_core.spec import load_spec
 
 SHAPES = {
@@ -36,36 +37,18 @@ SHAPES = {
 CONFIG_BLOCK = 16  # tiles of 16 along the reduced axis: three tiles and a partial one for 37
 
 
-def special_inputs(spec, shape: dict[str, int]) -> dict[str, np.ndarray]:
-    """Random inputs with special rows along the loop axis in the first float input over it: row 0
-    all -inf, row 1 one +inf, row 2 one NaN, row 3 all +inf, row 4 one -inf, row 5 random."""
-    axis, _ = loop_axis(spec)
-    inputs = random_inputs(spec, shape, np.random.default_rng(0), "float32")
-    target = next(i for i in spec.inputs if i.kind != "index" and axis in i.dims)
-    x = np.moveaxis(inputs[target.name].copy(), target.dims.index(axis), -1)
-    rows = x.reshape(-1, x.shape[-1])
-    rows[0, :] = -np.inf
-    rows[1, 3] = np.inf
-    rows[2, 5] = np.nan
-    rows[3, :] = np.inf
-    rows[4, 7] = -np.inf
-    inputs[target.name] = np.ascontiguousarray(np.moveaxis(rows.reshape(x.shape), -1, target.dims.index(axis)))
-    return inputs
-
-
 def as_numpy(t) -> np.ndarray:
     return (t.float() if t.dtype.is_floating_point else t).cpu().numpy().astype(np.float64)
 
 
 def assert_same_specials(got: np.ndarray, want: np.ndarray, where: str) -> None:
-    for name, test in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
-        differ = test(got) != test(want)
-        assert not differ.any(), f"{where}: {name} at {np.argwhere(differ)[:4].tolist()} differs"
+    wrong = special_mismatches(got, want)
+    assert not wrong, f"{where}: {'; '.join(wrong)} differ"
 
 
 def check(spec, shape: dict[str, int], strategies=(*STRATEGIES, BASELINE)) -> None:
     derivation = derive_cascade(spec)
-    inputs = special_inputs(spec, shape)
+    inputs = edge_inputs(spec, shape)
     with np.errstate(all="ignore"):
         reference = evaluate(spec, shape, inputs)
     axis, _ = loop_axis(spec)
@@ -108,7 +91,7 @@ def test_the_catalogs_softmax_and_logsumexp_match_torch_on_special_rows() -> Non
     for name, op, out in (("safe_softmax", lambda x: torch.softmax(x, -1), "y"),
                           ("logsumexp", lambda x: torch.logsumexp(x, -1), "lse")):
         spec, shape = load_catalog_spec(name), SHAPES[name]
-        inputs = special_inputs(spec, shape)
+        inputs = edge_inputs(spec, shape)
         want = op(torch.from_numpy(inputs["x"]).double()).numpy()
         for strategy in (*STRATEGIES, BASELINE):
             with interpreter_quiet():

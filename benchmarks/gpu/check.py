@@ -48,8 +48,8 @@ if str(REPO) not in sys.path:
 PRIORITY = ("cross_entropy", "safe_softmax", "attention_causal", "attention", "rmsnorm", "layernorm", "moe_routing",
             "fp8_quant_per_token", "logsumexp", "fp8_quant_gemm")
 # The stages in the order they run; each one's share of the budget (speed takes what the others leave).
-STAGES = ("probes", "correctness", "client", "speed")
-SHARES = {"probes": 0.05, "correctness": 0.45, "client": 0.1}
+STAGES = ("probes", "correctness", "specials", "client", "speed")
+SHARES = {"probes": 0.05, "correctness": 0.4, "specials": 0.08, "client": 0.1}
 CLIENT_SPEC = "safe_softmax"
 
 
@@ -208,6 +208,55 @@ def correctness(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
     return {"rows": rows, "counts": counts, "precompile": pre}
+
+
+def specials(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
+    """Every catalog spec x valid strategy and the unfused chain, float32, on the edge rows of
+    fuser_core.edge_rows (-inf, +inf and NaN rows) on this device: their NaN/inf pattern against
+    the float64 reference's, as tests/test_special_values.py checks it in the interpreter. Here
+    the GPU's own max.NaN, ex2 and comparisons compute it. Top-k indices are left out (a fused
+    top-k may order an all-NaN row differently: docs/SPEC.md)."""
+    import numpy as np
+
+    from fuser_core.catalog import catalog_names, load_catalog_spec
+    from fuser_core.codegen.plan import BASELINE, valid_strategies
+    from fuser_core.derive import derive_cascade
+    from fuser_core.edge_rows import edge_inputs, special_mismatches
+    from fuser_core.reference import evaluate
+    from fuser_core.runner import run
+
+    deadline = time.monotonic() + budget_s
+    rows = []
+    for name in sorted(catalog_names()):
+        spec = load_catalog_spec(name)
+        derivation = derive_cascade(spec)
+        shape = check_shape(spec, True)
+        inputs = edge_inputs(spec, shape, args.seed)
+        with np.errstate(all="ignore"):
+            reference = evaluate(spec, shape, inputs)
+        valid = [s for s, why in valid_strategies(spec, derivation, shape).items() if why is None]
+        for strategy in [*valid, BASELINE]:
+            row: dict[str, Any] = {"spec": name, "strategy": strategy}
+            if time.monotonic() > deadline:
+                rows.append({**row, "status": "not run", "reason": "time budget"})
+                continue
+            try:
+                outputs = run(spec, shape, "float32", inputs, strategy=strategy, derivation=derivation).outputs
+            except Exception as err:  # noqa: BLE001 (recorded per kernel; the others still run)
+                rows.append({**row, "status": "failed", "error": f"{type(err).__name__}: {str(err)[:600]}"})
+                continue
+            wrong = []
+            for part, want in reference.items():
+                if part.endswith(".indices"):
+                    continue
+                got = outputs[part]
+                got = (got.float() if got.dtype.is_floating_point else got).cpu().numpy()
+                wrong += [f"{part}: {m}" for m in special_mismatches(got, want)]
+            rows.append({**row, "status": "wrong" if wrong else "passed", "error": "; ".join(wrong)[:600] or None})
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    return {"rows": rows, "counts": counts}
 
 
 def precompile(plan: list[tuple], args: argparse.Namespace) -> dict[str, Any]:
@@ -404,6 +453,15 @@ def summary_markdown(results: Mapping[str, Any]) -> str:
         if "error" in c:
             lines.append(f"- stage error: {c['error'][-600:]}")
         lines.append("")
+    sv = st.get("specials", {})
+    if sv.get("counts") or sv.get("error"):
+        lines += ["## Special values (edge rows, float32)", "",
+                  "Counts: " + ", ".join(f"{k} {n}" for k, n in sorted(sv.get("counts", {}).items())), ""]
+        lines += [f"- {r['spec']} {r['strategy']}: {r['status']}: {str(r.get('error'))[:300]}"
+                  for r in sv.get("rows", []) if r["status"] in ("wrong", "failed")]
+        if "error" in sv:
+            lines.append(f"- stage error: {sv['error'][-600:]}")
+        lines.append("")
     cl = st.get("client", {})
     if cl:
         lines += ["## Client path", "", "```", json.dumps({k: val for k, val in cl.items() if k != "seconds"}, indent=1,
@@ -477,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock seconds for all stages")
     ap.add_argument("--trials", type=int, default=3, help="tuning trials per speed case")
     ap.add_argument("--only", default=None, help="speed: comma-separated spec names")
-    ap.add_argument("--stages", default="probes,correctness,client,speed")
+    ap.add_argument("--stages", default="probes,correctness,specials,client,speed")
     ap.add_argument("--target", default=None, help="the GPU profile when the device name has none")
     ap.add_argument("--timeout-s", type=float, default=90.0, help="one measurement job")
     ap.add_argument("--compile-workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
@@ -546,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 (out / "speed.md").write_text(markdown(stage))
             else:
-                stage = {"probes": probes, "correctness": correctness, "client": client}[name](args, budget)
+                stage = {"probes": probes, "correctness": correctness, "specials": specials, "client": client}[name](
+                    args, budget)
         except Exception:  # noqa: BLE001 (one stage's failure is recorded; the others still run)
             stage = {**results["stages"].get(name, {}), "error": traceback.format_exc()[-4000:]}
         stage["seconds"] = time.monotonic() - t0
