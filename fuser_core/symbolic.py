@@ -36,6 +36,7 @@ import sympy as sp
 
 from fuser_core import expr as ex
 from fuser_core.errors import DerivationLimitError, SpecError
+from fuser_core.grouping import Grouping
 from fuser_core.spec import Param, Spec, Step
 
 # Limits that keep sympy's own work bounded (each stops a derivation with DerivationLimitError,
@@ -183,6 +184,7 @@ class SymbolicSpec:
         self.symbols: dict[str, sp.Symbol] = {}
         self.leaf_dims: dict[sp.Symbol, tuple[str, ...]] = {}  # the named dims each leaf varies over
         self.leaf_step: dict[sp.Symbol, Step] = {}  # leaves that stand for reduction results
+        self.grouping = Grouping()  # the user's sums, for printers that keep them (fuser_core.grouping)
 
     # -- leaves
     def leaf(
@@ -291,10 +293,11 @@ class SymbolicSpec:
             return -self.convert(e.operand)
         if isinstance(e, ex.BinOp):
             a, b = self.convert(e.left), self.convert(e.right)
-            if e.op == "+":
-                return tame_numbers(a + b)
-            if e.op == "-":
-                return tame_numbers(a - b)
+            if e.op in "+-":
+                sign = 1 if e.op == "+" else -1
+                total = tame_numbers(a + sign * b)
+                self.grouping.record(total, a, b, sign)
+                return total
             if e.op == "*":
                 return tame_numbers(a * b)
             if e.op == "/":

@@ -498,7 +498,7 @@ class ElementwiseWriter:
             var, dims = self.var[o], self.spec.step(o).dims
             e = self.exprs[o]
             emit(f"    # output {o} = {sp.sstr(e)}")
-            value = to_triton(e, values, lay)
+            value = to_triton(e, values, lay, self.conv.grouping)
             if any(s.name in self.var or s.name.startswith("index(") for s in e.free_symbols):
                 full = lay.whole(value, expr_dims(e, values, lay), dims)
             else:  # no tensor in it (sizes and numbers only)

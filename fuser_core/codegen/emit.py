@@ -149,7 +149,7 @@ class KernelPrinter:
         return " + ".join([base, *(f"{self.offs(d, dims)} * {stride}" for d, stride in offsets)])
 
     def tex(self, e: sp.Expr, env: o.Env) -> str:
-        return to_triton(e, dict(env), self.layout)
+        return to_triton(e, dict(env), self.layout, self.kernel.grouping)
 
     def tex_dims(self, e: sp.Expr, env: o.Env) -> tuple[str, ...]:
         return expr_dims(e, dict(env), self.layout)

@@ -21,7 +21,7 @@ launcher printer (:mod:`fuser_core.codegen.module`) and the tuner's analysis
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import sympy as sp
 
@@ -60,6 +60,7 @@ from fuser_core.codegen.ops import (
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.tritonize import Ref, is_literal, lookup
 from fuser_core.derive import ReductionForm
+from fuser_core.grouping import Grouping
 from fuser_core.realisation import (
     COUNT_OLD, SELECTIONS, Realisation, identity, new, old, part_acc, part_anchor, part_count,
 )
@@ -127,6 +128,7 @@ class Kernel:
     args: tuple[Arg, ...]  # exactly the parameters its operations read
     inputs: tuple[str, ...]  # inputs it loads (spec names)
     outputs: tuple[str, ...]  # output parts it writes
+    grouping: Grouping = field(default_factory=Grouping, compare=False)  # the user's sums, printed as written
 
     def walk(self) -> Iterable[Op]:
         """Every operation, nested ones (a loop's body) after the one that holds them."""
@@ -1517,7 +1519,8 @@ def _kernel(plan: KernelPlan, name: str, role: str, grid: Grid, walker, input_dt
     doc = _DOCS[key].format(name=plan.spec.name, a=plan.axis)
     states = tuple(s for step in plan.axis_reductions() for s in accumulators(plan, step, lanes=w.lanes_states))
     args = _args(plan, w.inputs, outputs, ws, role, input_dtypes, stores, ops)
-    return Kernel(name, role, grid, doc, w.layout, ops, states, args, tuple(w.inputs), outputs), w
+    return Kernel(name, role, grid, doc, w.layout, ops, states, args, tuple(w.inputs), outputs,
+                  plan.derivation.symbols.grouping), w
 
 
 def build_structure(plan: KernelPlan, input_dtypes: Mapping[str, str],

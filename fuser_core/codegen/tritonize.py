@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ import sympy as sp
 
 from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.names import NAN_MAX_MIN
+from fuser_core.grouping import Grouping
 from fuser_core.realisation import Rescale
 from fuser_core.symbolic import CAST_FUNCTIONS, InfCompare, Round
 
@@ -110,11 +112,12 @@ def lookup(names: Names, e: sp.Symbol) -> Ref:
         raise UnsupportedExpression(f"no value for symbol {e.name!r} in this kernel") from None
 
 
-def to_triton(e: sp.Expr, names: Names, layout: Layout | None = None) -> str:
+def to_triton(e: sp.Expr, names: Names, layout: Layout | None = None, grouping: Grouping | None = None) -> str:
     """Triton source for ``e``; every free symbol, or its name, must be a key of ``names``
     (:func:`lookup`). With ``layout``, operands on different dims are placed on their union; the
-    result is on :func:`expr_dims`."""
-    return _Printer(names, layout).go(decide_finite(e, names))[0]
+    result is on :func:`expr_dims`. With ``grouping`` (the spec's, :mod:`fuser_core.grouping`), sums
+    keep the user's grouping and order of additions."""
+    return _Printer(names, layout, grouping).go(decide_finite(e, names))[0]
 
 
 def decide_finite(e: sp.Expr, names: Names) -> sp.Expr:
@@ -172,9 +175,10 @@ def helpers_of(e: sp.Expr) -> list[str]:
 
 
 class _Printer:
-    def __init__(self, names: Names, layout: Layout | None = None):
+    def __init__(self, names: Names, layout: Layout | None = None, grouping: Grouping | None = None):
         self.names = names
         self.layout = layout
+        self.grouping = grouping or Grouping()
         self.want: tuple[str, ...] | None = None  # the dims of the operation being printed
         self.helpers: list[str] = []  # the helpers the printed code calls
 
@@ -295,16 +299,39 @@ class _Printer:
         raise UnsupportedExpression(f"cannot print {e} for Triton")
 
     def add(self, e: sp.Expr) -> str:
-        terms = list(e.as_ordered_terms()) if len(e.args) < 8 else list(e.args)
-        terms.sort(key=lambda t: bool(t.as_coeff_Mul()[0].is_negative))  # `x - mx`, not `-mx + x`
-        out = self.wrap(terms[0], _ADD)
-        for t in terms[1:]:
-            coeff, rest = t.as_coeff_Mul()
-            if coeff.is_negative:
-                out += f" - {self.wrap(-t, _MUL)}"
-            else:
-                out += f" + {self.wrap(t, _MUL)}"
+        """A sum, in the user's grouping where the spec wrote it (:mod:`fuser_core.grouping`): float32
+        addition is not associative, and ``(a - ma) - (b - mb)`` keeps digits ``a - b - ma + mb`` loses."""
+        split = self.grouping.split(e)
+        if split is not None:
+            return self.wrap(split.left, _ADD) + self.added(split.sign * split.right, split.right, split.sign)
+        parts = self.grouping.arrange(e)
+        left = Counter(p.expr for p in parts if not p.grouped)
+        rest = []
+        for t in e.as_ordered_terms() if len(e.args) < 8 else e.args:  # sympy's order for terms in no user sum
+            if left[t] > 0:
+                left[t] -= 1
+                rest.append(t)
+        rest.sort(key=lambda t: bool(t.as_coeff_Mul()[0].is_negative))  # `x - mx`, not `-mx + x`
+        out = ""
+        for p in parts:
+            if not p.grouped:
+                continue
+            c, neg = abs(p.coeff), bool(p.coeff.is_negative)
+            inner = self.go(p.expr)[0]
+            text = f"{number(c)} * ({inner})" if c != 1 else f"({inner})" if out or neg else inner
+            out = out + (" - " if neg else " + ") + text if out else ("-" if neg else "") + text
+        for t in rest:
+            out = out + self.added(t, t, 1) if out else self.wrap(t, _ADD)
         return out
+
+    def added(self, value: sp.Expr, operand: sp.Expr, sign: int) -> str:
+        """`` + operand`` or `` - operand`` for adding ``value`` (= ``sign * operand``) to what is printed:
+        a sum operand in parentheses (its own additions first, as written)."""
+        if operand.is_Add:
+            return f" {'-' if sign < 0 else '+'} ({self.go(operand)[0]})"
+        if value.as_coeff_Mul()[0].is_negative:
+            return f" - {self.wrap(-value, _MUL)}"
+        return f" + {self.wrap(value, _MUL)}"
 
     def mul(self, e: sp.Expr) -> tuple[str, int]:
         coeff, rest = e.as_coeff_Mul()
