@@ -36,7 +36,7 @@ import scipy.special
 import sympy as sp
 
 from fuser_core import expr as ex
-from fuser_core.derive import Derivation, ReductionForm
+from fuser_core.derive import WEIGHTED_MEAN, Derivation, ReductionForm
 from fuser_core.realisation import COUNT_OLD, Combine, Realisation, new, old, part_acc, part_anchor, part_count
 from fuser_core.errors import DerivationLimitError
 from fuser_core.reference import Evaluator, cast_to, random_inputs
@@ -483,7 +483,7 @@ class _AxisLoop:
             if name not in form.anchors:
                 continue
             run = st["run"][name]
-            if form.anchors[name] == "running":
+            if form.anchors[name] in ("running", WEIGHTED_MEAN):
                 out[name] = _safe(run)
             else:  # running estimate of a sum: partial * size / count
                 out[name] = run * self.n / max(count, 1)

@@ -34,7 +34,11 @@ Each fused reduction gets a realisation, the state a loop carries and how it is 
   anchors, and moving the anchors by ``delta`` is the exact binomial shift
   ``acc_a <- c * sum_{b >= a} binom(b, a) delta^(b - a) acc_b`` (Pebay's higher-moment
   updates). Every accumulator stays centred, so ``sum (x - mx)^2`` or a softmax-weighted
-  variance never go through raw power sums.
+  variance never go through raw power sums. Factors that read dependencies with no running
+  anchor (``log(den)``) are kept apart: F = sum_b k^b P_b, each ``P_b`` centred on its own
+  accumulators and ``k^b`` applied at the end (softmax entropy: ``sum exp(x - mx) (x - mx)``).
+  A weighted mean ``sum w g / W`` (``W = sum w`` at the same anchors) anchors at its running
+  value, a convex combination of the ``g`` seen (:meth:`_Deriver.weighted_mean`).
 
 Two realisations are refused (the step is then not fused, and the reason says why) because
 they are exact in real arithmetic but not in floating point, found by fuzzing
@@ -85,6 +89,8 @@ SENTINEL_MAGNITUDE = 1e15  # a constant this large in a where() is a mask value,
 # Wall-clock budget of one derivation: derive_cascade raises DerivationLimitError past it (the
 # size limits of fuser_core.symbolic keep each sympy operation between two checks short).
 DERIVE_TIME_LIMIT_S = 5.0
+
+WEIGHTED_MEAN = "running weighted mean (the running value)"  # an anchor kind: see _Deriver.weighted_mean
 
 SUM_OPS = ("sum",)
 ORDER_OPS = ("max", "min", "topk", "argmax", "argmin")
@@ -563,7 +569,29 @@ class _Deriver:
             f = self.forms[name]
             if f.independent and f.op == "sum":
                 out[sym] = "running estimate (partial * size / count)"
+            elif self.weighted_mean(name):
+                out[sym] = WEIGHTED_MEAN
         return out
+
+    def weighted_mean(self, name: str) -> bool:
+        """Is dependency ``name`` a weighted mean ``sum w g / W`` with ``W = sum w`` another fused
+        dependency and ``w >= 0`` (softmax-weighted mean: ``sum exp(x - mx) v / den``)? Its running
+        value, both sums over the values seen at the same anchors, is then a convex combination of
+        the g seen (West's weighted mean): within their range, a centre as good as the final one."""
+        f = self.forms[name]
+        if f.kind != "scaled" or len(f.contributions) != 1 or has_cast(f.integrand):
+            return False
+        for w_name in f.deps:
+            w = self.forms[w_name]
+            w_sym = self.conv.symbols[w_name]
+            if (w.kind != "scaled" or len(w.contributions) != 1 or w.deferred != (1,) or w.op != "sum"
+                    or sp.simplify(f.deferred[0] * w_sym) != 1 or w.scales != f.scales
+                    or not w.contributions[0].is_nonnegative):
+                continue
+            g = sp.cancel(f.contributions[0] / w.contributions[0])
+            if not any(self.conv.leaf_step.get(s) is not None for s in g.free_symbols):
+                return True
+        return False
 
     def mean_like(self, sym: sp.Symbol) -> bool:
         """Is ``sym`` a sum over the axis of an integrand carrying 1/size(axis)? Its running estimate
@@ -653,7 +681,14 @@ class _Deriver:
                 )
 
     def taylor(self, terms: list[Term], dep_names: tuple[str, ...]) -> ReductionForm | None:
-        """Taylor-shifted accumulators (module docstring), or None when F is not of that shape."""
+        """Taylor-shifted accumulators (module docstring), or None when F is not of that shape.
+
+        Factors of F that read dependencies with no running anchor (a dependent sum: softmax
+        entropy's ``log(den)``, KL's ``log(da)``) stay out of the accumulators: each such factor
+        ``k`` is a symbol while F is taken apart, F = sum_b k^b P_b(x, D~), and each P_b gets its own
+        centred accumulators, ``k^b`` applied once at the end. So entropy accumulates
+        ``sum exp(x - mx) (x - mx)``, centred, not the raw ``sum exp(x - mx) x`` that
+        ``- mx sum exp(x - mx)`` must cancel at the end (issue 23: 22x to 123x the formula's error)."""
         if has_cast(self.F):
             return None
         anchorable = self.anchorable()
@@ -667,10 +702,11 @@ class _Deriver:
             elif free and not free <= set(anchorable):
                 b *= factor
         # differentiate the unexpanded form, so that coefficients stay centred: -2 (x - mx), not 2 mx - 2 x
-        centred = _combined(strip_casts(self.F) / (a * b))
+        centred, kept = _kept_apart(_combined(strip_casts(self.F) / (a * b)), self.dep_syms - set(anchorable),
+                                    self.streamed | set(anchorable))
         poly = sp.expand(centred, power_exp=True)
         if isinstance(poly, sp.Piecewise):  # a mask: each branch a polynomial, the conditions free of D
-            if any(c.free_symbols & self.dep_syms for _, c in poly.args):
+            if any(c.free_symbols & (self.dep_syms | set(kept)) for _, c in poly.args):
                 return None
             branches = [v for v, _ in poly.args]
         else:
@@ -678,16 +714,17 @@ class _Deriver:
         syms = sorted((poly.free_symbols & self.dep_syms), key=str)
         if not syms or not set(syms) <= set(anchorable):
             return None
+        kappas = sorted(kept, key=str)
         try:
-            polys = [sp.Poly(b, *syms) for b in branches]
+            polys = [sp.Poly(br, *syms, *kappas) for br in branches]
         except sp.PolynomialError:
             return None
         self.check_sentinel_anchors(syms)
-        total_degree = max(p.total_degree() for p in polys)
-        if total_degree > MAX_TAYLOR_DEGREE:
+        n = len(syms)
+        if max(sum(m[:n]) for p in polys for m in p.monoms()) > MAX_TAYLOR_DEGREE:
             return None
-        raw = [s for s in syms if s not in self.max_type() and not self.mean_like(s)]
-        if raw and max(sp.Poly(b, *raw).total_degree() for b in branches) >= 3:
+        raw = [s for s in syms if s not in self.max_type() and anchorable[s] != WEIGHTED_MEAN and not self.mean_like(s)]
+        if raw and max(sp.Poly(br, *raw).total_degree() for br in branches) >= 3:
             # The estimate partial * N / count of a raw sum strays from its final value by about
             # N / sqrt(count) rows' worth early on, and a cubic around it cancels that away in float32
             # (errors of 1e-4 to 5e-3 measured with fuzz_long.py --wild); a mean's estimate stays
@@ -696,35 +733,50 @@ class _Deriver:
                 f"a polynomial of degree >= 3 in {_names(set(raw))} would be centred on the running estimate "
                 "of a raw sum, which loses float32 accuracy; written as a mean (sum(x / size(axis))) it fuses"
             )
-        degrees = [max(p.degree(s) for p in polys) for s in syms]
-        orders = [o for o in _multi_indices(degrees) if sum(o) <= total_degree]
-        if len(orders) > MAX_TERMS:
+        kappa_powers = sorted({m[n:] for p in polys for m in p.monoms()})
+        if len(kappa_powers) > MAX_TERMS:
             return None
-        contributions = []
-        for order in orders:
-            self.check("Taylor coefficients")
-            d = centred
-            for s, k in zip(syms, order):
-                d = sp.diff(d, s, k) / math.factorial(k)
-            contributions.append(_combined(a * d))
-            self.check_range(contributions[-1])
         correction = self.correction(a)
-        acc = [sp.Symbol(f"acc[{k}]") for k in range(len(orders))]
         delta = {s: new(s) - old(s) for s in syms}
-        reanchor = []
-        for order in orders:
-            total = sp.Integer(0)
-            for k, other in enumerate(orders):
-                if all(o >= q for o, q in zip(other, order)):
-                    coeff = sp.Integer(1)
-                    for s, o, q in zip(syms, other, order):
-                        coeff *= sp.binomial(o, q) * delta[s] ** (o - q)
-                    total += coeff * acc[k]
-            reanchor.append(correction * total)
         zero = sp.Integer(0)
+        contributions: list[sp.Expr] = []
+        deferred: list[sp.Expr] = []
+        reanchor: list[sp.Expr] = []
+        for powers in kappa_powers:
+            part = centred  # the coefficient of prod kappa^powers, unexpanded
+            for k, p in zip(kappas, powers):
+                part = sp.diff(part, k, p) / math.factorial(p)
+            part = part.xreplace({k: zero for k in kappas})
+            part_polys = [sp.Poly(br, *syms) for br in _branches(sp.expand(part, power_exp=True))]
+            degrees = [max(p.degree(s) for p in part_polys) for s in syms]
+            total_degree = max(p.total_degree() for p in part_polys)
+            orders = [o for o in _multi_indices(degrees) if sum(o) <= total_degree]
+            if len(contributions) + len(orders) > MAX_TERMS:
+                return None
+            acc = [sp.Symbol(f"acc[{len(contributions) + k}]") for k in range(len(orders))]
+            for order in orders:
+                self.check("Taylor coefficients")
+                d = part
+                for s, k in zip(syms, order):
+                    d = sp.diff(d, s, k) / math.factorial(k)
+                contributions.append(_combined(a * d))
+                self.check_range(contributions[-1])
+            factor = b * sp.Mul(*(kept[k] ** p for k, p in zip(kappas, powers)))
+            deferred += [factor] + [zero] * (len(orders) - 1)
+            for order in orders:
+                total = zero
+                for k, other in enumerate(orders):
+                    if all(o >= q for o, q in zip(other, order)):
+                        coeff = sp.Integer(1)
+                        for s, o, q in zip(syms, other, order):
+                            coeff *= sp.binomial(o, q) * delta[s] ** (o - q)
+                        total += coeff * acc[k]
+                reanchor.append(correction * total)
+        contributions, deferred, reanchor = _merge_alike(contributions, deferred, reanchor, correction)
+        count = len(contributions)
         return ReductionForm(
             self.step, self.F, dep_names, "taylor", terms=tuple(terms), contributions=tuple(contributions),
-            scales=(a,) * len(orders), deferred=(b,) + (zero,) * (len(orders) - 1), corrections=(correction,) * len(orders),
+            scales=(a,) * count, deferred=tuple(deferred), corrections=(correction,) * count,
             reanchor=tuple(reanchor), effective_op="sum",
             anchors={n: anchorable[s] for n, s in self.deps.items() if s in set(syms) | (a.free_symbols & self.dep_syms)},
             guards=self.guards_for([correction]),
@@ -894,6 +946,65 @@ def _given(e: sp.Expr, known: tuple[tuple[sp.Basic, bool], ...]) -> sp.Expr:
         if decided.get(cond) is not False:
             return e  # undecided here: the whole where()
     return e
+
+
+def _merge_alike(contributions: list[sp.Expr], deferred: list[sp.Expr], reanchor: list[sp.Expr],
+                 correction: sp.Expr) -> tuple[list[sp.Expr], list[sp.Expr], list[sp.Expr]]:
+    """Taylor accumulators with one state where two hold the same sum up to a number: KL's
+    ``sum exp(a - ma)`` is a first-order coefficient in ``ma`` and in ``mb`` and the sum each of
+    ``log(da)`` and ``log(db)`` multiplies (five accumulators, two of them distinct). Accumulator
+    j joins i when ``C_j = c C_i`` and both only rescale when the anchors move (no other
+    accumulator flows into them): every read of ``acc[j]`` becomes ``c acc[i]``."""
+    acc = [sp.Symbol(f"acc[{k}]") for k in range(len(contributions))]
+    keep: list[int] = []
+    into: dict[int, tuple[int, sp.Expr]] = {}
+    for j, c in enumerate(contributions):
+        for i in keep:
+            ratio = sp.cancel(c / contributions[i]) if contributions[i] != 0 else None
+            if (ratio is not None and ratio.is_Number and ratio != 0 and reanchor[i] == correction * acc[i]
+                    and reanchor[j] == correction * acc[j]):
+                into[j] = (i, ratio)
+                break
+        else:
+            keep.append(j)
+    if not into:
+        return contributions, deferred, reanchor
+    deferred = list(deferred)
+    for j, (i, ratio) in into.items():
+        deferred[i] = deferred[i] + ratio * deferred[j]
+    renamed = {acc[j]: ratio * acc[i] for j, (i, ratio) in into.items()}
+    renamed = {k: v.xreplace({acc[i]: acc[keep.index(i)] for i in keep}) for k, v in renamed.items()}
+    renamed.update({acc[i]: acc[n] for n, i in enumerate(keep) if acc[i] not in renamed})
+    return ([contributions[i] for i in keep], [deferred[i] for i in keep],
+            [reanchor[i].xreplace(renamed) for i in keep])
+
+
+def _branches(e: sp.Expr) -> list[sp.Expr]:
+    """The values of a where() (a mask), or ``[e]``."""
+    return [v for v, _ in e.args] if isinstance(e, sp.Piecewise) else [e]
+
+
+def _kept_apart(e: sp.Expr, apart: set[sp.Symbol], inside: set[sp.Symbol]) -> tuple[sp.Expr, dict[sp.Symbol, sp.Expr]]:
+    """``e`` with each largest subexpression that reads symbols of ``apart`` and none of ``inside``
+    replaced by a fresh symbol (``log(den)`` in softmax entropy): returns the new expression and
+    what each symbol stands for. Those factors are constants of the loop, applied at the end."""
+    kept: dict[sp.Expr, sp.Symbol] = {}
+
+    def walk(node: sp.Basic) -> sp.Basic:
+        free = node.free_symbols
+        if isinstance(node, sp.Expr) and free & apart and not free & inside and not node.is_Symbol | node.is_Add:
+            if node not in kept:
+                kept[node] = sp.Symbol(f"kept[{len(kept)}]", real=True)
+            return kept[node]
+        if node.is_Symbol and node in apart:
+            kept.setdefault(node, sp.Symbol(f"kept[{len(kept)}]", real=True))
+            return kept[node]
+        if not node.args or not free & apart:
+            return node
+        return node.func(*(walk(a) for a in node.args))
+
+    out = walk(e)
+    return out, {sym: node for node, sym in kept.items()}
 
 
 def _names(syms: set[sp.Symbol]) -> str:
