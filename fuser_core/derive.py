@@ -579,16 +579,17 @@ class _Deriver:
         value, both sums over the values seen at the same anchors, is then a convex combination of
         the g seen (West's weighted mean): within their range, a centre as good as the final one."""
         f = self.forms[name]
-        if f.kind != "scaled" or len(f.contributions) != 1 or has_cast(f.integrand):
+        if f.kind != "scaled" or f.op != "sum" or has_cast(f.integrand):
             return False
         for w_name in f.deps:
             w = self.forms[w_name]
             w_sym = self.conv.symbols[w_name]
-            if (w.kind != "scaled" or len(w.contributions) != 1 or w.deferred != (1,) or w.op != "sum"
-                    or sp.simplify(f.deferred[0] * w_sym) != 1 or w.scales != f.scales
-                    or not w.contributions[0].is_nonnegative):
+            if (w.kind != "scaled" or w.op != "sum" or any(d != 1 for d in w.deferred)
+                    or any(sp.simplify(d * w_sym) != 1 for d in f.deferred)
+                    or len(set(w.scales) | set(f.scales)) != 1 or not sp.Add(*w.contributions).is_nonnegative):
                 continue
-            g = sp.cancel(f.contributions[0] / w.contributions[0])
+            # every accumulator of f deferred by 1/W: its running value is sum(f's contributions) / W
+            g = sp.cancel(sp.Add(*f.contributions) / sp.Add(*w.contributions))
             if not any(self.conv.leaf_step.get(s) is not None for s in g.free_symbols):
                 return True
         return False
