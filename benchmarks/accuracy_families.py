@@ -28,8 +28,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-ULP32 = 2.0**-24
-NAIVE_FLOOR = 4 * ULP32  # a few units in the last place: below it, both are exact
+from fuser_core.accuracy import VALUE_FAMILIES, ulp_floor  # noqa: E402 (after the path is set)
+
+NAIVE_FLOOR = ulp_floor("float32")  # a few units in the last place: below it, both are exact
 SHAPE_ROWS, SHAPE_COLS = 8, 300  # 300: no tile divides it
 
 MX = {"name": "mx", "reduce": "max", "over": "n", "expr": "x"}
@@ -62,26 +63,14 @@ USER_CASCADES: dict[str, dict[str, Any]] = {
 
 
 def family(name: str, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """One input family applied to a standard-normal float input (rows along the last axis)."""
-    if name == "normal":
-        return x
-    if name == "offset100":
-        return x + 100.0
-    if name == "offset1000":
-        return x + 1000.0
-    if name == "scale30":
-        return x * 30.0
-    if name == "peaked":  # one dominant value per row: softmax ~ one-hot
-        out = x.copy()
-        rows = out.reshape(-1, out.shape[-1])
-        rows[np.arange(rows.shape[0]), rng.integers(0, rows.shape[1], rows.shape[0])] += 20.0
-        return out
-    if name == "near_ties":  # a few levels, 1e-6 apart within each
-        return np.round(x * 2.0) / 2.0 + rng.normal(0.0, 1e-6, x.shape)
-    raise ValueError(name)
+    """One input family applied to a standard-normal float input (rows along the last axis):
+    fuser_core.accuracy's, the families the kernel checks draw."""
+    from fuser_core.accuracy import apply_family
+
+    return apply_family(name, x, rng)
 
 
-FAMILIES = ("normal", "offset100", "offset1000", "scale30", "peaked", "near_ties")
+FAMILIES = VALUE_FAMILIES  # the value families; the special ones are checked by the kernel checks
 
 
 def specs(only: set[str] | None) -> dict[str, Any]:
@@ -110,20 +99,16 @@ def shape_of(spec) -> dict[str, int]:
 
 
 def formula_error(spec, shape, inputs, reference) -> float:
-    """The error of the spec as written, evaluated step by step in float32: the reference's evaluator
-    with every rounding operation's result rounded to float32 (sums: their exact value, rounded once)."""
+    """The error of the spec as written, evaluated step by step in float32: the accuracy bar's
+    formula (fuser_core.accuracy.formula_outputs: every rounding operation's result rounded to
+    float32, a sum exact then rounded once; the largest of round-to-nearest and random roundings)."""
+    from fuser_core.accuracy import formula_outputs
     from fuser_core.problem import output_dtypes
-    from fuser_core.reference import Evaluator
     from fuser_core.runner import FLOOR, rel_err
 
-    class Float32Formula(Evaluator):
-        def rounded(self, value):  # noqa: ANN001, ANN202 (the evaluator's hook)
-            return np.asarray(np.asarray(value, np.float64).astype(np.float32), np.float64)
-
-    with np.errstate(all="ignore"):
-        got = Float32Formula(spec, shape).outputs(inputs)
     floor = FLOOR[output_dtypes(spec, {i.name: "float32" for i in spec.inputs if i.is_float})[spec.output_parts[0]]]
-    return max((rel_err(got[p], ref, floor) for p, ref in reference.items() if not p.endswith(".indices")), default=0.0)
+    return max((rel_err(got[p], ref, floor) for got in formula_outputs(spec, shape, inputs, "float32")
+                for p, ref in reference.items() if not p.endswith(".indices")), default=0.0)
 
 
 def errors(spec, shape, inputs, strategies) -> dict[str, float]:

@@ -33,6 +33,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("fuser_core.realisation", n) for n in ("Realisation", "Rescale", "part_acc", "unguarded")},
     "new_anchor": ("fuser_core.realisation", "new"),  # "new" alone says too little at package level
     **{n: ("fuser_core.runner", n) for n in ("PREFERENCE", "run", "self_check")},
+    **{n: ("fuser_core.accuracy", n) for n in ("FAMILIES", "GATE_FAMILIES", "RUN_FAMILIES", "accuracy_check",
+                                               "parse_families")},
+    "accuracy_table": ("fuser_core.accuracy", "table"),
     **{n: ("fuser_core.codegen.plan", n) for n in (
         "BASELINE", "STRATEGIES", "KernelConfig", "NotValid", "default_config", "valid_strategies")},
     **{n: ("fuser_core.codegen.module", n) for n in ("GENERATOR_VERSION", "generate")},

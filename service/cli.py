@@ -82,7 +82,7 @@ def shape_and_dtype(args: argparse.Namespace) -> tuple[dict[str, int], str | dic
 def cmd_run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from fuser_core import KernelConfig, NotValid, run, self_check
+    from fuser_core import KernelConfig, NotValid, accuracy_check, accuracy_table, parse_families, run, self_check
 
     spec = _read_spec(args.spec)
     shape, dtype = shape_and_dtype(args)
@@ -93,10 +93,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         except (json.JSONDecodeError, ValueError, TypeError) as err:
             raise UsageError(f"--config: {err}") from None
     try:
+        families = parse_families(args.families)
+    except ValueError as err:
+        raise UsageError(f"--families: {err}") from None
+    try:
         if not args.inputs:
             report = self_check(spec, shape, dtype, strategy=args.strategy, config=config)
+            if families:  # the accuracy bar per input family (docs/API.md): its table on stderr, stdout one JSON
+                report["accuracy"] = accuracy_check(spec, shape, dtype, families=families, strategy=report["strategy"],
+                                                    config=config)
+                print(accuracy_table(report["accuracy"]), file=sys.stderr)
             print(json.dumps(report, indent=2))
-            return 0 if report["passed"] else 1
+            return 0 if report["passed"] and report.get("accuracy", {"passed": True})["passed"] else 1
         try:
             with np.load(args.inputs) as npz:
                 arrays = {name: npz[name] for name in npz.files}
@@ -514,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="npz to write the outputs to (by output name; topk: NAME.values, NAME.indices)")
     run.add_argument("--strategy", help="row_resident|streaming_fused|split_fused|multi_pass, or unfused_chain (the baseline); default: best valid")
     run.add_argument("--config", help='JSON, e.g. {"blocks": {"n": 64}, "num_warps": 4, "split": 1}')
+    run.add_argument("--families", help="input families the accuracy bar checks (random self-check only), comma-separated: "
+                     "normal, offset100, offset1000, scale30, peaked, near_ties, masked, nan, axis1, empty, or all, "
+                     "values, specials, none; default all")
     run.set_defaults(func=cmd_run)
     compile_ = sub.add_parser(
         "compile", help="compile the generated kernels with Triton's GPU compiler for a target (no GPU needed)",

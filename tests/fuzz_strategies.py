@@ -642,7 +642,16 @@ class Outcome:
     kernels_checked: int = 0
     kernels_not_valid: int = 0  # (strategy, shape) pairs the planner refused with NotValid
     kernels_compiled: int = 0  # modules that passed the interpreter and went through the GPU compiler
+    families_checked: int = 0  # (kernel, input family) pairs judged by the accuracy bar
     detail: dict | None = None
+
+
+# the input families every checked kernel also runs on, judged by the accuracy bar (fuser_core.accuracy):
+# the tuner's gate families (offsets, peaked rows) and the special ones (masked rows, NaN, axis of 1, empty dims)
+FUZZ_FAMILIES = ("offset100", "offset1000", "peaked", "masked", "nan", "axis1", "empty")
+# the CI's bounded run: without masked rows and NaN, where fused forms of drawn cascades still differ from the
+# reference (x all -inf: sum((x - max)^2) is NaN in the reference, +inf fused), a finding for fuzz_long to count
+CI_FAMILIES = ("offset100", "offset1000", "peaked", "axis1", "empty")
 
 
 def kernel_configs(spec, derivation, shape):
@@ -664,7 +673,8 @@ def kernel_configs(spec, derivation, shape):
 
 
 def check_cascade(raw: dict, *, kernels: bool = False, time_limit_s: float | None = None,
-                  cert_trials: int = CERT_TRIALS, compile_pool=None, capabilities: tuple[int, ...] = (90,)) -> Outcome:
+                  cert_trials: int = CERT_TRIALS, compile_pool=None, capabilities: tuple[int, ...] = (90,),
+                  families: tuple[str, ...] = FUZZ_FAMILIES) -> Outcome:
     """Load, derive, certify and (optionally) run every valid kernel strategy of ``raw``; with a
     ``compile_pool`` (fuser_core.codegen.gpu_compile.CompilePool), every kernel that ran is also
     compiled for each of ``capabilities`` (90: sm_90) by Triton's GPU compiler.
@@ -715,7 +725,7 @@ def check_cascade(raw: dict, *, kernels: bool = False, time_limit_s: float | Non
     outcome = Outcome(status, detail={"reasons": reasons, "forms": {f.name: f.kind for f in derivation.forms.values()}})
     if not kernels:
         return outcome
-    outcome = check_kernels(spec, derivation, outcome, crash)
+    outcome = check_kernels(spec, derivation, outcome, crash, families)
     if compile_pool is None or outcome.failure:
         return outcome
     return check_compiles(spec, outcome, compile_pool, capabilities)
@@ -740,7 +750,7 @@ def check_compiles(spec, outcome: Outcome, pool, capabilities: tuple[int, ...]) 
     return outcome
 
 
-def check_kernels(spec, derivation, outcome: Outcome, crash) -> Outcome:
+def check_kernels(spec, derivation, outcome: Outcome, crash, families: tuple[str, ...] = FUZZ_FAMILIES) -> Outcome:
     import warnings
 
     from fuser_core.codegen.plan import NotValid
@@ -775,5 +785,22 @@ def check_kernels(spec, derivation, outcome: Outcome, crash) -> Outcome:
             bad = {p: e for p, e in report["errors"].items() if e > report["tolerances"][p]}
             outcome.failure = (f"kernel {label} ({report['strategy']}, {report['config']}) does not match the "
                                f"reference at {shape}: {bad}")
+            return outcome
+        # the accuracy bar on the input families (fuser_core.accuracy): a loss of digits is a wrong result
+        from fuser_core.accuracy import accuracy_check, refusal
+        from fuser_core.codegen.plan import KernelConfig
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                bar = accuracy_check(spec, shape, "float32", families=families, strategy=report["strategy"],
+                                     config=KernelConfig.from_dict(report["config"]), derivation=derivation,
+                                     reduce_shape=False)
+        except Exception as err:  # noqa: BLE001
+            outcome.failure = crash(f"accuracy {label}", err)
+            return outcome
+        outcome.families_checked += len(bar["families"])
+        if not bar["passed"]:
+            outcome.failure = f"wrong result: kernel {label} ({report['config']}) at {shape}: {refusal(report['strategy'], bar)}"
             return outcome
     return outcome

@@ -21,7 +21,7 @@ from collections import Counter
 from datetime import timedelta
 
 import pytest
-from fuzz_strategies import cascade_specs, check_cascade, mutated_specs
+from fuzz_strategies import CI_FAMILIES, cascade_specs, check_cascade, mutated_specs
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -78,16 +78,18 @@ def test_random_cascades_kernels_match_the_reference_and_compile(compile_pool):
     @bounded(24, deadline_s=240, shrink=False)
     @given(cascade_specs(max_steps=4))
     def check(raw):
-        outcome = check_cascade(raw, kernels=True, compile_pool=compile_pool, capabilities=(90, 80))
+        outcome = check_cascade(raw, kernels=True, compile_pool=compile_pool, capabilities=(90, 80), families=CI_FAMILIES)
         assert outcome.failure is None, f"{outcome.failure}\n{show(raw)}"
         counts["specs"] += 1
         counts["kernels checked"] += outcome.kernels_checked
         counts["not valid (NotValid)"] += outcome.kernels_not_valid
         counts["modules compiled"] += outcome.kernels_compiled
+        counts["families checked"] += outcome.families_checked
 
     check()
     print(f"\nkernels: {dict(counts)}")
     assert counts["kernels checked"] >= 2 * counts["specs"], counts  # most specs run several strategies
+    assert counts["families checked"] >= len(CI_FAMILIES) * counts["kernels checked"], counts  # the accuracy bar's families too
     assert counts["modules compiled"] >= 2 * counts["specs"], counts
 
 

@@ -6,9 +6,13 @@ machines without a GPU. The ``cuda`` measurer (tuner/measure_cuda.py) times on t
 
 Correctness still gates the model: before the first prediction for a strategy, that
 strategy's kernels run once under Triton's interpreter at a reduced shape (every dim shrunk,
-topk's ``k`` kept) against the float64 reference (:func:`fuser_core.runner.self_check`). The
+topk's ``k`` kept) against the float64 reference (:func:`fuser_core.runner.self_check`), then
+on the input families ``GATE_FAMILIES`` (x + 100, x + 1000, peaked rows) against the accuracy
+bar (:mod:`fuser_core.accuracy`: at most 2x the error of the spec's formula evaluated in the
+run's dtype, and 2x torch's op where the catalog has one and the formula itself meets it). The
 result is cached per (spec, strategy, dtypes); a failing strategy makes every one of its
-candidates a failed measurement carrying the error, never a time.
+candidates a failed measurement carrying the error (the bar's names the family and the ratio),
+never a time.
 
 Example (TRITON_INTERPRET=1 on a machine without a GPU):
     >>> from fuser_core.catalog import load_catalog_spec
@@ -159,6 +163,17 @@ class ModelMeasurer:
                 if not report["passed"]:
                     result["error"] = (f"{strategy} is wrong at the reduced shape {small}: max relative error "
                                        f"{report['max_rel_err']:.3g} (tolerances {report['tolerances']})")
+                else:  # the accuracy bar on the families that lose digits (fuser_core.accuracy)
+                    from fuser_core.accuracy import GATE_FAMILIES, accuracy_check, refusal
+
+                    bar = accuracy_check(self.spec, small, self.dtypes, families=GATE_FAMILIES, strategy=strategy,
+                                         config=config, derivation=self.derivation, reduce_shape=False)
+                    result["accuracy"] = {r["family"]: {k: r[k] for k in ("passed", "error", "formula_error", "ratio",
+                                                                           "torch_error", "torch_ratio", "note")}
+                                          for r in bar["families"]}
+                    if not bar["passed"]:
+                        result["passed"] = False
+                        result["error"] = f"{refusal(strategy, bar)} (at the reduced shape {small})"
             except Exception as err:  # a kernel that does not compile or crashes fails its strategy
                 result = {"passed": False, "shape": small, "config": config.to_dict(),
                           "error": f"{strategy} failed at the reduced shape {small}: {type(err).__name__}: {err}",

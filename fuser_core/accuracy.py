@@ -1,0 +1,586 @@
+"""The accuracy bar: every strategy on the inputs real models produce, against what the dtype can do.
+
+The float64 check (:func:`fuser_core.runner.judge`) draws standard-normal inputs and holds every
+output to a fixed tolerance. Issue 23 adds a second bar, relative to the dtype: on each input
+*family* below, a strategy's error (:func:`fuser_core.runner.rel_err` against the float64
+reference, the kernel check's measure) may be at most ``BAR`` (2) times
+
+- the error of the **spec's formula evaluated step by step in the run's dtype**
+  (:class:`FormulaEvaluator`: the float64 reference's evaluator with every rounding operation's
+  result rounded to that dtype; a sum accumulated exactly and rounded once), the largest over
+  round-to-nearest and ``FORMULA_SAMPLES`` evaluations with random roundings (|d| <= u): one input set's
+  error is one draw of the formula's rounding errors, and a strategy whose arithmetic is the
+  formula's lands up to 3x either side of a single draw (:func:`formula_outputs`), and
+- where torch has the op (``TORCH_OPS``: the catalog's safe_softmax, logsumexp, layernorm,
+  rmsnorm and cross_entropy, matched by spec hash), the error of **torch's own op** on the same
+  inputs in the same dtype,
+
+each floored at ``FLOOR_ULPS`` units in the last place of the output's dtype (below that both are
+exact, and a ratio of two roundings means nothing). The float64 check stays as it was; this is an
+additional verdict, reported per family (``foldwise run``'s ``accuracy`` section, the tuner's
+correctness gate, the fuzzers).
+
+**Families** (``FAMILIES``; each has one job, named in ``Family.job``). Value families transform
+every float input (along the loop axis where the input has it, else its last axis):
+``normal`` (as drawn), ``offset100`` and ``offset1000`` (x + 100, x + 1000: cancellation in
+``x - max`` and ``x - mean``), ``scale30`` (x * 30: a wide dynamic range in ``exp``), ``peaked``
+(one value per row 20 above the rest: softmax ~ one-hot) and ``near_ties`` (a few levels, 1e-6
+apart within each: max/argmax ties, variances of near-equal values). Special families check the
+special-value pattern (:func:`fuser_core.edge_rows.special_mismatches`: NaN, +inf and -inf where
+the reference has them) as well as the bar: ``masked`` (row 0 of the first float input over the
+loop axis fully -inf, row 1 half -inf: attention masks), ``nan`` (one NaN in row 0, row 1 all NaN:
+NaN propagates as torch propagates it), ``axis1`` (the loop axis of length 1) and ``empty`` (a
+zero-size dim: first a lane dim, then the loop axis; the outputs must be the reference's (an empty
+tensor, or a reduction's identity through the formula), or the run refuses with the same
+``ShapeError`` the reference raises (an argmax over nothing), never another exception).
+
+Index outputs (argmax/argmin/topk indices) are left to the float64 check, which judges a selection
+by what it selects; the bar covers float outputs. A fused strategy of a cascade whose derivation is
+inexact (a cast inside a fused reduction: fp8_quant_gemm) rounds its casts with running values, so
+it does not compute the formula as written: the bar does not apply (each family says so), and the
+float64 check judges it normwise.
+
+Example:
+    >>> import numpy as np
+    >>> apply_family("offset100", np.zeros((2, 3)), np.random.default_rng(0)).tolist()
+    [[100.0, 100.0, 100.0], [100.0, 100.0, 100.0]]
+    >>> formula_dtype({"x": "bfloat16", "w": "bfloat16"}), formula_dtype({"x": "float16", "w": "float32"})
+    ('bfloat16', 'float32')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fuser_core.reference import FLOAT_DTYPES, Evaluator, cast_to
+from fuser_core.spec import Spec
+
+BAR = 2.0  # a strategy may err at most this many times the formula's (and torch's) error
+FLOOR_ULPS = 4  # units in the last place of the output dtype below which errors count as equal
+# unit roundoff (half an ulp at 1): the relative rounding error of one operation
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8, "float8_e4m3fn": 2.0**-4}
+# the accuracy check's shape: small enough for the interpreter, several tiles and a tail on the loop axis
+AXIS_LIMIT = 300  # the loop axis (300: no power-of-two tile divides it)
+LANE_LIMIT = 4  # every other independent dim
+INNER_LIMIT = 16  # other reduced axes (attention's d): tl.dot's minimum
+FREE_LIMIT = 20  # free dims of a contraction: a tile of 16 and a tail
+
+
+@dataclass(frozen=True)
+class Family:
+    """One input family: ``transform`` moves a standard-normal float input (rows along its last
+    axis) to the family; ``special`` families are also judged on the special-value pattern;
+    ``shape`` (for ``axis1``/``empty``) changes the problem's shape instead."""
+
+    name: str
+    job: str
+    special: bool = False
+    transform: Callable[[np.ndarray, np.random.Generator], np.ndarray] | None = None
+    target_only: bool = False  # the transform touches only the first float input over the loop axis
+
+
+def _peaked(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    out = x.copy()
+    rows = out.reshape(-1, out.shape[-1])
+    if rows.size:
+        rows[np.arange(rows.shape[0]), rng.integers(0, rows.shape[1], rows.shape[0])] += 20.0
+    return out
+
+
+def _near_ties(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    return np.round(x * 2.0) / 2.0 + rng.normal(0.0, 1e-6, x.shape)
+
+
+def _masked(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    out = x.copy()
+    rows = out.reshape(-1, out.shape[-1])
+    if rows.shape[0] > 0:
+        rows[0, :] = -np.inf
+    if rows.shape[0] > 1:
+        rows[1, rows.shape[1] // 2:] = -np.inf
+    return out
+
+
+def _nan(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    out = x.copy()
+    rows = out.reshape(-1, out.shape[-1])
+    if rows.shape[0] > 0 and rows.shape[1] > 0:
+        rows[0, rows.shape[1] // 3] = np.nan
+    if rows.shape[0] > 1:
+        rows[1, :] = np.nan
+    return out
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("normal", "standard normal: the float64 check's inputs", transform=lambda x, rng: x),
+    Family("offset100", "x + 100: cancellation in x - max and x - mean", transform=lambda x, rng: x + 100.0),
+    Family("offset1000", "x + 1000: the same, three more bits lost", transform=lambda x, rng: x + 1000.0),
+    Family("scale30", "x * 30: a wide dynamic range through exp", transform=lambda x, rng: x * 30.0),
+    Family("peaked", "one value per row 20 above the rest: softmax ~ one-hot", transform=_peaked),
+    Family("near_ties", "a few levels 1e-6 apart: ties in max/argmax, variances of near-equal values",
+           transform=_near_ties),
+    Family("masked", "row 0 fully -inf, row 1 half -inf: the special values must be the reference's",
+           special=True, transform=_masked, target_only=True),
+    Family("nan", "one NaN in row 0, row 1 all NaN: NaN propagates as torch propagates it",
+           special=True, transform=_nan, target_only=True),
+    Family("axis1", "the loop axis of length 1", special=True),
+    Family("empty", "a zero-size dim (a lane, then the loop axis): an empty output or a clear error, never a crash",
+           special=True),
+)}
+VALUE_FAMILIES = tuple(n for n, f in FAMILIES.items() if not f.special)
+SPECIAL_FAMILIES = tuple(n for n, f in FAMILIES.items() if f.special)
+# what `foldwise run` checks unless told otherwise (--families), and what the tuner's gate checks
+RUN_FAMILIES = ("normal", "offset100", "offset1000", "scale30", "peaked", "near_ties", "masked", "nan", "axis1", "empty")
+GATE_FAMILIES = ("offset100", "offset1000", "peaked")
+
+
+def parse_families(text: str | None, default: Sequence[str] = RUN_FAMILIES) -> tuple[str, ...]:
+    """``"offset100,peaked"`` (or ``all``, ``values``, ``specials``, ``none``) -> family names; ValueError naming
+    an unknown one."""
+    if text is None:
+        return tuple(default)
+    names: list[str] = []
+    for word in (w.strip() for w in text.split(",") if w.strip()):
+        if word == "all":
+            names += list(FAMILIES)
+        elif word == "values":
+            names += list(VALUE_FAMILIES)
+        elif word == "specials":
+            names += list(SPECIAL_FAMILIES)
+        elif word == "none":
+            continue
+        elif word in FAMILIES:
+            names.append(word)
+        else:
+            raise ValueError(f"unknown input family {word!r}; one of {', '.join(FAMILIES)}, all, values, specials, none")
+    return tuple(dict.fromkeys(names))
+
+
+def apply_family(name: str, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """The family's transform of one standard-normal float array, rows along its last axis."""
+    fam = FAMILIES[name]
+    if fam.transform is None:
+        return x
+    return fam.transform(np.asarray(x, np.float64), rng)
+
+
+def formula_dtype(dtypes: Mapping[str, str]) -> str:
+    """The dtype the spec's formula is evaluated in: the float inputs' common dtype as torch
+    promotes it (float16 with bfloat16, or anything with float32, is float32); float8 inputs
+    count as float32 (nobody computes in float8: it is a storage format); no float input: float32."""
+    floats = {("float32" if d == "float8_e4m3fn" else d) for d in dtypes.values() if d in FLOAT_DTYPES}
+    return floats.pop() if len(floats) == 1 else "float32"
+
+
+def ulp_floor(store: str) -> float:
+    """``FLOOR_ULPS`` units of ``store``'s last place, as a relative error."""
+    return FLOOR_ULPS * UNIT_ROUNDOFF.get(store, UNIT_ROUNDOFF["float32"])
+
+
+class FormulaEvaluator(Evaluator):
+    """The spec as written, step by step in ``dtype``: the float64 reference's evaluator with
+    every rounding operation's result (arithmetic, math functions, non-integer constants, params,
+    sums) rounded to ``dtype``. A sum is its exact value rounded once (the formula at its most
+    accurate: no order of accumulation does better). With ``rng``, each result is instead moved by
+    a random relative error within the dtype's unit roundoff (the standard model of a rounding,
+    exact * (1 + d) with |d| <= u; overflow still overflows; d a function of the value, so equal
+    subexpressions round alike): another of the evaluations float arithmetic of the formula may give."""
+
+    def __init__(self, spec: Spec, shape: Mapping[str, int], dtype: str = "float32",
+                 rng: np.random.Generator | None = None):
+        super().__init__(spec, shape)
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; one of {', '.join(FLOAT_DTYPES)}")
+        self.dtype = dtype
+        self.rng = rng
+
+    def _noise(self, value: np.ndarray) -> np.ndarray:
+        """A pseudo-random number in [-1, 1) that is a function of the value (and of this
+        evaluation's salt): float arithmetic is deterministic, so a subexpression evaluated twice
+        (``x / t`` in ``max(x / t)`` and again in ``x / t - mx``) must round the same way twice."""
+        if not hasattr(self, "_salt"):
+            self._salt = np.uint64(int(self.rng.integers(1, 2**62)))
+        bits = np.ascontiguousarray(value, np.float64).view(np.uint64)
+        with np.errstate(over="ignore"):
+            h = (bits ^ self._salt) * np.uint64(0x9E3779B97F4A7C15)
+            h ^= h >> np.uint64(31)
+            h *= np.uint64(0xBF58476D1CE4E5B9)
+            h ^= h >> np.uint64(29)
+        return (h >> np.uint64(11)).astype(np.float64) / 2.0**52 - 1.0
+
+    def rounded(self, value: np.ndarray) -> np.ndarray:
+        value = np.asarray(value, np.float64)
+        with np.errstate(all="ignore"):
+            if self.rng is not None:  # the standard model of a rounding: exact * (1 + d), |d| <= u
+                exact = (value == np.round(value)) & (np.abs(value) < 2.0**24)
+                u = UNIT_ROUNDOFF[self.dtype]
+                overflow = np.isinf(cast_to(value, self.dtype)) & np.isfinite(value)
+                moved = np.where(exact, value, value * (1.0 + u * self._noise(value)))
+                return np.where(overflow, cast_to(value, self.dtype), moved)
+            return cast_to(value, self.dtype)
+
+
+FORMULA_SAMPLES = 7  # stochastically rounded evaluations of the formula besides round-to-nearest
+
+
+def formula_outputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarray], dtype: str,
+                    seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """The spec's outputs evaluated step by step in ``dtype`` (:class:`FormulaEvaluator`): rounded to
+    nearest, then ``FORMULA_SAMPLES`` times with random roundings (|d| <= u). The formula's error is the
+    largest of theirs: one input set's error is one draw of the formula's rounding errors (on
+    layernorm's peaked rows its own arithmetic, row_resident, measured 0.75x to 3x the
+    round-to-nearest formula's over six seeds), and the bar compares a strategy with the spread."""
+    rng = np.random.default_rng(seed)
+    with np.errstate(all="ignore"):
+        return [FormulaEvaluator(spec, shape, dtype, rng if i else None).outputs(inputs)
+                for i in range(1 + FORMULA_SAMPLES)]
+
+
+# ---------------------------------------------------------------- torch's own ops
+
+
+def _param(spec: Spec, shape: Mapping[str, int], name: str) -> float:
+    from fuser_core.reference import param_values
+
+    return param_values(spec, shape)[name]
+
+
+def _torch_ops() -> dict[str, Callable[[Spec, Mapping[str, int], Mapping[str, Any]], dict[str, Any]]]:
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    return {
+        "safe_softmax": lambda spec, shape, t: {"y": torch.softmax(t["x"], dim=-1)},
+        "logsumexp": lambda spec, shape, t: {"lse": torch.logsumexp(t["x"], dim=-1)},
+        "layernorm": lambda spec, shape, t: {"y": F.layer_norm(t["x"], (shape["c"],), t["gamma"], t["beta"],
+                                                                _param(spec, shape, "eps"))},
+        "rmsnorm": lambda spec, shape, t: {"y": F.rms_norm(t["x"], (shape["c"],), t["w"], _param(spec, shape, "eps"))},
+        "cross_entropy": lambda spec, shape, t: {"loss": F.cross_entropy(t["logits"], t["target"], reduction="none")},
+    }
+
+
+TORCH_OPS = ("safe_softmax", "logsumexp", "layernorm", "rmsnorm", "cross_entropy")
+_CATALOG_HASHES: dict[str, str] | None = None
+
+
+def torch_op_name(spec: Spec) -> str | None:
+    """The catalog op torch has for ``spec`` (``TORCH_OPS``), matched by spec hash (a renamed
+    copy of the catalog's layernorm counts; an edited one does not); None otherwise."""
+    global _CATALOG_HASHES
+    from fuser_core.canonical import spec_hash
+    from fuser_core.catalog import PACKAGED_DIR, load_catalog_spec
+
+    if _CATALOG_HASHES is None:
+        _CATALOG_HASHES = {spec_hash(load_catalog_spec(PACKAGED_DIR / f"{n}.json")): n for n in TORCH_OPS}
+    return _CATALOG_HASHES.get(spec_hash(spec))
+
+
+def torch_outputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarray],
+                  dtypes: Mapping[str, str]) -> dict[str, np.ndarray] | None:
+    """Torch's own op on ``inputs`` in their dtypes (on the CPU), as float64 arrays; None when torch
+    has no op for the spec or no CPU kernel for the dtype."""
+    import torch
+
+    name = torch_op_name(spec)
+    if name is None:
+        return None
+    tensors = {}
+    for inp in spec.inputs:
+        a = np.asarray(inputs[inp.name])
+        tensors[inp.name] = (torch.from_numpy(a.astype(np.int64)) if inp.is_index
+                             else torch.from_numpy(a.astype(np.float32)).to(getattr(torch, dtypes[inp.name])))
+    try:
+        with torch.no_grad():
+            got = _torch_ops()[name](spec, shape, tensors)
+    except (RuntimeError, NotImplementedError, TypeError):  # no CPU kernel for this dtype
+        return None
+    return {p: t.double().numpy() for p, t in got.items()}
+
+
+# ---------------------------------------------------------------- inputs and shapes
+
+
+def accuracy_shape(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
+    """``shape`` with every dim capped for the interpreter: the loop axis at ``AXIS_LIMIT``, other
+    reduced axes at ``INNER_LIMIT``, a contraction's free dims at ``FREE_LIMIT``, the rest at
+    ``LANE_LIMIT``; a top-k's ``as`` dim kept at k (the loop axis at least k)."""
+    from fuser_core.codegen.plan import loop_axis
+
+    axis, inner = loop_axis(spec)
+    as_dims = {s.as_dim: s.k for s in spec.steps if s.as_dim}
+    free = _free_dims(spec)
+    out = {}
+    for d in spec.dims:
+        n = shape[d]
+        if d in as_dims:
+            out[d] = as_dims[d]
+        elif d == axis:
+            out[d] = min(n, max(AXIS_LIMIT, max(as_dims.values(), default=0)))
+        elif d in inner:
+            out[d] = min(n, INNER_LIMIT)
+        elif d in free:
+            out[d] = min(n, FREE_LIMIT)
+        else:
+            out[d] = min(n, LANE_LIMIT)
+    return out
+
+
+def _free_dims(spec: Spec) -> set[str]:
+    try:
+        from fuser_core.codegen.plan import contraction_dims
+        from fuser_core.derive import derive_cascade
+
+        free, _batch = contraction_dims(spec, derive_cascade(spec))
+        return set(free)
+    except Exception:  # noqa: BLE001 (a spec the derivation refuses: no contraction to keep whole)
+        return set()
+
+
+def family_shape(name: str, spec: Spec, shape: Mapping[str, int]) -> list[dict[str, int]]:
+    """The shapes the family runs at: ``axis1`` the loop axis at 1; ``empty`` a lane dim at 0 (when
+    there is one), then the loop axis at 0; every other family ``shape`` itself."""
+    from fuser_core.codegen.plan import loop_axis
+
+    axis, _inner = loop_axis(spec)
+    as_dims = {s.as_dim for s in spec.steps if s.as_dim}
+    if name == "axis1":
+        if any(s.reduce == "topk" and s.k > 1 for s in spec.steps):
+            return []  # a top-k of k > 1 needs k values: no axis of length 1
+        return [{**shape, axis: 1}]
+    if name == "empty":
+        lanes = [d for d in spec.dims if d != axis and d not in as_dims and d in _lane_dims(spec)]
+        out = [{**shape, lanes[0]: 0}] if lanes else []
+        return out + [{**shape, axis: 0}]
+    return [dict(shape)]
+
+
+def _lane_dims(spec: Spec) -> set[str]:
+    reduced = {s.over for s in spec.steps if s.is_reduction}
+    return set(spec.dims) - reduced
+
+
+def family_inputs(spec: Spec, shape: Mapping[str, int], name: str, dtypes: Mapping[str, str],
+                  seed: int = 0) -> dict[str, np.ndarray]:
+    """Standard-normal inputs (as :func:`fuser_core.reference.random_inputs`) moved to the family,
+    each float input rounded to its dtype again (exactly representable, as the kernel reads it)."""
+    from fuser_core.codegen.plan import loop_axis
+    from fuser_core.reference import random_inputs
+
+    rng = np.random.default_rng(seed)
+    inputs = random_inputs(spec, shape, rng, dtypes)
+    fam = FAMILIES[name]
+    if fam.transform is None:
+        return inputs
+    axis, _ = loop_axis(spec)
+    target = next((i.name for i in spec.inputs if not i.is_index and axis in i.dims), None)
+    out = {}
+    for inp in spec.inputs:
+        x = inputs[inp.name]
+        if inp.is_index or (fam.target_only and inp.name != target):
+            out[inp.name] = x
+            continue
+        pos = inp.dims.index(axis) if axis in inp.dims else x.ndim - 1
+        moved = np.moveaxis(apply_family(name, np.moveaxis(x, pos, -1), rng), -1, pos)
+        out[inp.name] = cast_to(moved, dtypes[inp.name])
+    return out
+
+
+# ---------------------------------------------------------------- the verdict
+
+
+def _float64(t: Any) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t.astype(np.float64)
+    return (t.float() if t.dtype.is_floating_point else t).cpu().numpy().astype(np.float64)
+
+
+def bar_verdict(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, np.ndarray],
+                formula: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]], stores: Mapping[str, str],
+                torch_ref: Mapping[str, np.ndarray] | None = None, *, special: bool = False) -> dict[str, Any]:
+    """One family's verdict on ``outputs`` (a strategy's, torch tensors or arrays): per float part,
+    ``error`` = :func:`fuser_core.runner.rel_err` against the float64 ``reference``, ``formula_error``
+    the same of ``formula`` (:func:`formula_outputs`), ``torch_error`` of ``torch_ref`` (None
+    without one); ``ratio`` = error / max(formula error (the largest of ``formula``'s evaluations), floor), ``torch_ratio`` likewise; passed
+    when both ratios are at most ``BAR`` and, with ``special``, the special values are the
+    reference's. The worst part's numbers are reported at the top level."""
+    from fuser_core.edge_rows import special_mismatches
+    from fuser_core.runner import FLOOR, rel_err
+
+    formulas = [formula] if isinstance(formula, Mapping) else list(formula)
+    parts: dict[str, dict[str, Any]] = {}
+    for part, ref in reference.items():
+        if part.endswith(".indices") or stores.get(part) == "int32":
+            continue
+        got = _float64(outputs[part])
+        if got.size == np.size(ref):  # a scalar output may come back as () or (1,)
+            got = got.reshape(np.shape(ref))
+        else:
+            parts[part] = {"error": float("inf"), "formula_error": 0.0, "ratio": float("inf"), "torch_error": None,
+                           "torch_ratio": None, "spec_torch_ratio": None, "passed": False,
+                           "specials": [f"shape {list(got.shape)}, expected {list(np.shape(ref))}"]}
+            continue
+        floor = FLOOR[stores[part]]
+        ulps = ulp_floor(stores[part])
+        err = rel_err(got, ref, floor)
+        ferr = max(rel_err(f[part], ref, floor) for f in formulas)
+        ratio = err / max(ferr, ulps)
+        terr = rel_err(torch_ref[part], ref, floor) if torch_ref is not None and part in torch_ref else None
+        tratio = err / max(terr, ulps) if terr is not None else None
+        # the formula as written against torch: past the bar, no strategy of this spec is held to torch's error
+        spec_ratio = ferr / max(terr, ulps) if terr is not None else None
+        specials = special_mismatches(got, ref) if special else []
+        torch_holds = tratio is None or tratio <= BAR or spec_ratio > BAR
+        ok = ratio <= BAR and torch_holds and not specials
+        parts[part] = {"error": err, "formula_error": ferr, "ratio": ratio, "torch_error": terr,
+                       "torch_ratio": tratio, "spec_torch_ratio": spec_ratio, "passed": ok, "specials": specials}
+    worst = max(parts.values(), key=lambda p: (not p["passed"], max(p["ratio"], p["torch_ratio"] or 0.0)),
+                default=None)
+    out: dict[str, Any] = {"passed": all(p["passed"] for p in parts.values())}
+    for key in ("error", "formula_error", "ratio", "torch_error", "torch_ratio", "spec_torch_ratio", "specials"):
+        out[key] = worst[key] if worst else (0.0 if key in ("error", "formula_error", "ratio") else None)
+    if out["specials"] is None:
+        out["specials"] = []
+    worst_spec = max((p["spec_torch_ratio"] for p in parts.values() if p["spec_torch_ratio"] is not None), default=None)
+    # the spec's own verdict: its formula as written loses digits that torch's op keeps (every strategy inherits it)
+    out["spec_warning"] = (f"the spec's formula as written errs {worst_spec:.3g}x torch's op on these inputs: "
+                           f"a rearrangement (torch's) keeps those digits" if worst_spec is not None and worst_spec > BAR
+                           else None)
+    out["parts"] = parts
+    return out
+
+
+def check_family(spec: Spec, shape: Mapping[str, int], dtypes: Mapping[str, str], name: str, *,
+                 strategy: str | None = None, config: Any = None, derivation: Any = None,
+                 seed: int = 0) -> dict[str, Any]:
+    """Run the strategy on the family's inputs (at each of its shapes) and judge it by the bar:
+    ``{"family", "passed", "error", "formula_error", "ratio", "torch_error", "torch_ratio",
+    "specials", "shape", "note"}`` (the worst of its shapes)."""
+    from fuser_core.problem import ShapeError, output_dtypes
+    from fuser_core.reference import evaluate
+    from fuser_core.runner import interpreter_quiet, run
+
+    fam = FAMILIES[name]
+    shapes = family_shape(name, spec, shape)
+    fdtype = formula_dtype(dtypes)
+    stores = output_dtypes(spec, dtypes)
+    if not shapes:
+        return _refused(name, shape, fdtype, "does not apply (a top-k needs k values along its axis)")
+    verdicts = []
+    for sh in shapes:
+        try:
+            inputs = family_inputs(spec, sh, name, dtypes, seed)
+            with np.errstate(all="ignore"):
+                reference = evaluate(spec, sh, inputs)
+        except ShapeError as err:  # torch refuses it too (an argmax over nothing): so must the run
+            inputs = {i.name: np.zeros([sh[d] for d in i.dims], np.int64 if i.is_index else np.float64)
+                      for i in spec.inputs}
+            try:
+                run(spec, sh, dtypes, inputs, strategy=strategy, config=config, derivation=derivation)
+            except ShapeError as run_err:
+                verdicts.append(_refused(name, sh, fdtype, f"refused as the reference is: {run_err}"))
+                continue
+            except Exception as run_err:  # noqa: BLE001 (a crash: the family fails)
+                verdicts.append(_crashed(name, sh, fdtype, run_err))
+                continue
+            verdicts.append({**_refused(name, sh, fdtype, f"ran although the reference refuses: {err}"), "passed": False})
+            continue
+        try:
+            with interpreter_quiet():
+                got = run(spec, sh, dtypes, inputs, strategy=strategy, config=config, derivation=derivation).outputs
+        except Exception as err:  # noqa: BLE001 (a crash: the family fails, with the exception named)
+            verdicts.append(_crashed(name, sh, fdtype, err))
+            continue
+        formula = formula_outputs(spec, sh, inputs, fdtype, seed)
+        torch_ref = torch_outputs(spec, sh, inputs, dtypes) if not fam.special else None
+        v = bar_verdict(spec, got, reference, formula, stores, torch_ref, special=fam.special)
+        v.pop("parts")
+        verdicts.append({"family": name, **v, "shape": sh, "formula_dtype": fdtype, "note": ""})
+    worst = max(verdicts, key=lambda v: (not v["passed"], v["ratio"]))
+    notes = [v["note"] for v in verdicts if v["note"]]
+    return {**worst, "note": "; ".join(dict.fromkeys(notes))}
+
+
+def _refused(name: str, shape: Mapping[str, int], fdtype: str, note: str) -> dict[str, Any]:
+    return {"family": name, "passed": True, "error": 0.0, "formula_error": 0.0, "ratio": 0.0, "torch_error": None,
+            "torch_ratio": None, "spec_torch_ratio": None, "specials": [], "spec_warning": None, "shape": dict(shape),
+            "formula_dtype": fdtype, "note": note}
+
+
+def _crashed(name: str, shape: Mapping[str, int], fdtype: str, err: BaseException) -> dict[str, Any]:
+    return {**_refused(name, shape, fdtype, f"crashed: {type(err).__name__}: {str(err)[:300]}"), "passed": False,
+            "error": float("inf"), "ratio": float("inf")}
+
+
+def accuracy_check(spec: Spec, shape: Mapping[str, int], dtype: str | Mapping[str, str] = "float32", *,
+                   families: Iterable[str] = RUN_FAMILIES, strategy: str | None = None, config: Any = None,
+                   derivation: Any = None, seed: int = 0, reduce_shape: bool = True) -> dict[str, Any]:
+    """The bar on each family: ``{"passed", "bar", "floor_ulps", "shape", "formula_dtype",
+    "families": [check_family's verdicts], "failed": [names]}``. ``reduce_shape`` caps the shape
+    with :func:`accuracy_shape` first (the interpreter's cost)."""
+    from fuser_core.derive import derive_cascade
+    from fuser_core.problem import bind_dtypes, bind_shape
+
+    bound = bind_shape(spec, shape, allow_empty=True)
+    dtypes = bind_dtypes(spec, dtype)
+    small = accuracy_shape(spec, bound) if reduce_shape else dict(bound)
+    derivation = derivation or derive_cascade(spec)
+    if strategy is None:
+        from fuser_core.runner import choose_strategy
+
+        strategy = choose_strategy(spec, derivation, small)
+    if strategy in ("streaming_fused", "split_fused") and not derivation.exact:
+        # a cast inside a fused reduction rounds with running values (docs/THEORY.md 5): the kernel does not compute
+        # the formula as written, so it has no formula to be held to; the float64 check judges it normwise
+        rows = [_refused(f, small, formula_dtype(dtypes), "not applicable: the fused form rounds its casts with "
+                         "running values (judged normwise by the float64 check)") for f in families]
+    else:
+        rows = [check_family(spec, small, dtypes, f, strategy=strategy, config=config, derivation=derivation,
+                             seed=seed) for f in families]
+    failed = [r["family"] for r in rows if not r["passed"]]
+    warnings = {r["family"]: r["spec_warning"] for r in rows if r.get("spec_warning")}
+    return {"passed": not failed, "strategy": strategy, "bar": BAR, "floor_ulps": FLOOR_ULPS, "shape": small,
+            "formula_dtype": formula_dtype(dtypes), "torch_op": torch_op_name(spec), "families": rows,
+            "failed": failed, "spec_warnings": warnings}
+
+
+def refusal(strategy: str, verdict: Mapping[str, Any]) -> str:
+    """One line naming the first failing family, its ratio and what it was measured against."""
+    row = next(r for r in verdict["families"] if not r["passed"])
+    return f"{strategy} fails the accuracy bar on the {row['family']} family: " + describe(row)
+
+
+def describe(row: Mapping[str, Any]) -> str:
+    """A family's verdict in words."""
+    if row.get("note") and row["ratio"] in (0.0, float("inf")) and not row["specials"]:
+        return row["note"]
+    text = (f"error {row['error']:.3g} is {row['ratio']:.3g}x the formula's in {row['formula_dtype']} "
+            f"({row['formula_error']:.3g})")
+    if row.get("torch_ratio") is not None:
+        text += f" and {row['torch_ratio']:.3g}x torch's ({row['torch_error']:.3g})"
+    text += f"; the bar is {BAR:g}x, floored at {FLOOR_ULPS} ulps"
+    if row["specials"]:
+        text += "; special values differ from the reference's: " + ", ".join(row["specials"])
+    return text
+
+
+def table(verdict: Mapping[str, Any]) -> str:
+    """The per-family lines ``foldwise run`` prints."""
+    lines = [f"accuracy bar ({verdict['strategy']}, shape {verdict['shape']}, formula in {verdict['formula_dtype']}"
+             + (f", torch op {verdict['torch_op']}" if verdict.get("torch_op") else "") + f"): error <= {BAR:g} x "
+             f"max(formula error, {FLOOR_ULPS} ulps)" + (" and <= 2 x torch's" if verdict.get("torch_op") else ""),
+             f"  {'family':<11} {'error':>9} {'formula':>9} {'ratio':>8} {'torch':>9} {'ratio':>8}  verdict"]
+    for r in verdict["families"]:
+        t = "" if r["torch_error"] is None else f"{r['torch_error']:.2e}"
+        tr = "" if r["torch_ratio"] is None else f"{r['torch_ratio']:.2f}"
+        word = "pass" if r["passed"] else "FAIL"
+        extra = r["note"] or ("special values differ: " + ", ".join(r["specials"]) if r["specials"] else "")
+        lines.append(f"  {r['family']:<11} {r['error']:>9.2e} {r['formula_error']:>9.2e} {r['ratio']:>8.2f} "
+                     f"{t:>9} {tr:>8}  {word}" + (f"  ({extra})" if extra else ""))
+    for fam, text in verdict.get("spec_warnings", {}).items():
+        lines.append(f"  note ({fam}): {text}")
+    lines.append("accuracy: " + ("passed" if verdict["passed"] else "FAILED on " + ", ".join(verdict["failed"])))
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""The accuracy bar (fuser_core.accuracy, issue 23): a strategy's error on each input family at most
+2x the spec's formula evaluated in the run's dtype (and 2x torch's op where it has one), special
+values equal to the reference's; in ``foldwise run`` and the tuner's correctness gate."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fuser_core.accuracy import (
+    FAMILIES, FormulaEvaluator, accuracy_check, bar_verdict, family_inputs, formula_outputs, parse_families,
+)
+from fuser_core.catalog import load_catalog_spec
+from fuser_core.reference import evaluate
+from fuser_core.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANCE = {"foldwise": 1, "name": "softmax_weighted_variance",
+            "inputs": {"x": {"dims": ["m", "n"]}, "v": {"dims": ["m", "n"]}}, "steps": [
+                {"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
+                {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"},
+                {"name": "mu", "reduce": "sum", "over": "n", "expr": "exp(x - mx) * v / den"},
+                {"name": "var", "reduce": "sum", "over": "n", "expr": "exp(x - mx) * (v - mu) ** 2 / den"}],
+            "outputs": ["var"]}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    warnings.filterwarnings("ignore", category=RuntimeWarning)
+
+
+def test_an_output_that_loses_digits_is_refused_and_the_formula_passes():
+    spec = load_catalog_spec("safe_softmax")
+    shape = {"m": 4, "n": 40}
+    inputs = family_inputs(spec, shape, "offset100", {"x": "float32"})
+    reference = evaluate(spec, shape, inputs)
+    formula = formula_outputs(spec, shape, inputs, "float32")
+    stores = {"y": "float32"}
+    assert bar_verdict(spec, formula[0], reference, formula, stores)["passed"]
+    lossy = {"y": reference["y"] * (1 + 1e-5)}  # ~170 float32 ulps: what a cancelling fused form gives
+    verdict = bar_verdict(spec, lossy, reference, formula, stores)
+    assert not verdict["passed"] and verdict["ratio"] > 2, verdict
+
+
+def test_a_wrong_special_value_is_refused():
+    spec = load_catalog_spec("logsumexp")
+    shape = {"m": 4, "n": 40}
+    inputs = family_inputs(spec, shape, "nan", {"x": "float32"})
+    reference = evaluate(spec, shape, inputs)
+    assert np.isnan(reference["lse"][:2]).all() and np.isfinite(reference["lse"][2:]).all()
+    hidden = {"lse": np.nan_to_num(reference["lse"], nan=0.0)}  # a kernel that drops the NaN
+    verdict = bar_verdict(spec, hidden, reference, formula_outputs(spec, shape, inputs, "float32"), {"lse": "float32"},
+                          special=True)
+    assert not verdict["passed"] and verdict["specials"] == ["NaN at [[0], [1]]"], verdict
+
+
+def test_the_formula_rounds_to_the_runs_dtype():
+    spec = load_catalog_spec("rmsnorm")
+    shape = {"t": 3, "c": 40}
+    inputs = family_inputs(spec, shape, "normal", {"x": "bfloat16", "w": "bfloat16"})
+    got = FormulaEvaluator(spec, shape, "bfloat16").outputs(inputs)["y"]
+    import ml_dtypes
+
+    assert np.array_equal(got, got.astype(ml_dtypes.bfloat16).astype(np.float64))
+    assert not np.array_equal(got, evaluate(spec, shape, inputs)["y"])
+
+
+def test_families_are_parsed_by_name_and_group():
+    assert parse_families("offset100,peaked") == ("offset100", "peaked")
+    assert parse_families("specials") == ("masked", "nan", "axis1", "empty")
+    assert parse_families("none") == ()
+    assert set(parse_families("all")) == set(FAMILIES)
+    with pytest.raises(ValueError, match="unknown input family 'offset7'"):
+        parse_families("offset7")
+
+
+@pytest.mark.parametrize("name", ["safe_softmax", "layernorm", "cross_entropy", "moe_routing"])
+def test_a_catalog_spec_passes_every_family(name):
+    spec = load_catalog_spec(name)
+    dims = {d: 40 for d in spec.dims}
+    dims.update({s.as_dim: s.k for s in spec.steps if s.as_dim})
+    verdict = accuracy_check(spec, dims, "float32", families=tuple(FAMILIES))
+    assert verdict["passed"], [r for r in verdict["families"] if not r["passed"]]
+    assert [r["family"] for r in verdict["families"]] == list(FAMILIES)
+
+
+def test_an_argmax_over_an_empty_axis_is_refused_as_the_reference_refuses():
+    spec = load_spec({"foldwise": 1, "name": "am", "inputs": {"x": {"dims": ["m", "n"]}},
+                      "steps": [{"name": "i", "reduce": "argmax", "over": "n", "expr": "x"}], "outputs": ["i"]})
+    row = accuracy_check(spec, {"m": 3, "n": 20}, families=("empty",))["families"][0]
+    assert row["passed"] and "refused as the reference is" in row["note"], row
+
+
+def test_the_tuner_gate_refuses_a_strategy_that_loses_digits_naming_the_family():
+    from fuser_core.derive import derive_cascade
+    from fuser_core.problem import make_problem
+    from tuner.measure import ModelMeasurer, clear_verification_cache
+    from tuner.profiles import get_profile
+
+    clear_verification_cache()
+    spec = load_spec(VARIANCE)
+    derivation = derive_cascade(spec)
+    m = ModelMeasurer(make_problem(spec, {"m": 64, "n": 4096}, "float32"), derivation, get_profile("h100"))
+    fused = m.verification("streaming_fused")
+    assert not fused["passed"]
+    assert "fails the accuracy bar on the offset100 family" in fused["error"] and "x the formula's" in fused["error"]
+    assert m.verification("multi_pass")["passed"]  # the unfused arithmetic keeps the digits
+    sm = load_catalog_spec("safe_softmax")
+    m = ModelMeasurer(make_problem(sm, {"m": 64, "n": 4096}, "float32"), derive_cascade(sm), get_profile("h100"))
+    check = m.verification("streaming_fused")
+    assert check["passed"] and set(check["accuracy"]) == {"offset100", "offset1000", "peaked"}
+    clear_verification_cache()
+
+
+def foldwise_run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "service.cli", "run", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_foldwise_run_prints_a_line_per_family_and_reports_them_in_json():
+    proc = foldwise_run("safe_softmax", "--shape", "m=3,n=37", "--families", "offset100,peaked,masked")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["passed"] and report["accuracy"]["passed"]
+    assert [r["family"] for r in report["accuracy"]["families"]] == ["offset100", "peaked", "masked"]
+    lines = [ln.split() for ln in proc.stderr.splitlines()]
+    assert any(ln[:1] == ["offset100"] and ln[-1] == "pass" for ln in lines), proc.stderr
+    assert "accuracy: passed" in proc.stderr
+
+
+def test_foldwise_run_exits_1_when_a_family_fails():
+    path = REPO / "tests" / "data" / "_variance.json"
+    proc = None
+    try:
+        path.write_text(json.dumps(VARIANCE))
+        proc = foldwise_run(str(path), "--shape", "m=3,n=40", "--strategy", "streaming_fused", "--families", "offset100")
+    finally:
+        path.unlink(missing_ok=True)
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["passed"] and not report["accuracy"]["passed"] and report["accuracy"]["failed"] == ["offset100"]
+    assert "FAILED on offset100" in proc.stderr
+
+
+def test_foldwise_run_refuses_an_unknown_family():
+    proc = foldwise_run("safe_softmax", "--shape", "m=3,n=37", "--families", "offset7")
+    assert proc.returncode == 2 and "--families" in proc.stderr
