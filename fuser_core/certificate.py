@@ -209,6 +209,14 @@ def _rescale(acc: Any, c: Any) -> np.ndarray:
     return np.where(np.isnan(t), acc, t)
 
 
+def _shift_term(acc: Any, c: Any) -> np.ndarray:
+    """:data:`fuser_core.realisation.ShiftTerm` in float64: acc * c, exactly 0 where c is 0, as the
+    kernels' ``shift_term``."""
+    acc, c = np.asarray(acc, dtype=np.float64), np.asarray(c, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        return np.where(c == 0.0, 0.0, acc * c)
+
+
 _NUMPY_COMPARE = {"<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal, "==": np.equal,
                   "!=": np.not_equal}
 
@@ -218,7 +226,8 @@ def _inf_compare(k: Any, lhs: Any, rhs: Any) -> np.ndarray:
     return _NUMPY_COMPARE[COMPARE_OPS[int(k)]](lhs, rhs)
 
 
-_NUMPY_FUNCS = {"InfCompare": _inf_compare, "round": np.rint, "rescale": _rescale, "erf": scipy.special.erf,
+_NUMPY_FUNCS = {"InfCompare": _inf_compare, "round": np.rint, "rescale": _rescale, "shift_term": _shift_term,
+                "erf": scipy.special.erf,
                 "logical_or": _Broadcasting(np.logical_or), "logical_and": _Broadcasting(np.logical_and)}
 
 
@@ -581,6 +590,12 @@ class _AxisLoop:
             if not running or real.selection or not form.settles_at({self.sym.symbols[n] for n in running}):
                 continue
             state = st[_state(form)]
+            if real.moves_jointly:  # a Taylor form: its shift from every anchor to the final values
+                values = self.side_values(form, state, st["count"], None)
+                values |= {new(self.sym.symbols[n]): st["run"][n] for n in form.anchors}
+                state["accs"] = [self.evaluate(a.moved, values) for a in real.accumulators]
+                st["run"][form.name] = self.value(form, st)
+                continue
             values = {old(self.sym.symbols[n]): state["anchor"][n] for n in running}
             values |= {new(self.sym.symbols[n]): st["run"][n] for n in running}
             state["accs"] = [

@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 import sympy as sp
 
 from fuser_core import expr as ex
-from fuser_core.realisation import COUNT_OLD, Realisation, empty_adds_zero, new, old, realise
+from fuser_core.realisation import COUNT_OLD, Realisation, ShiftTerm, empty_adds_zero, new, old, realise
 from fuser_core.spec import Spec, Step
 from fuser_core.symbolic import Deadline, SymbolicSpec, cast_decides, has_cast, strip_casts
 
@@ -771,7 +771,7 @@ class _Deriver:
                         coeff = sp.Integer(1)
                         for s, o, q in zip(syms, other, order):
                             coeff *= sp.binomial(o, q) * delta[s] ** (o - q)
-                        total += coeff * acc[k]
+                        total += acc[k] if other == order else ShiftTerm(acc[k], coeff)
                 reanchor.append(correction * total)
         contributions, deferred, reanchor = _merge_alike(contributions, deferred, reanchor, correction)
         count = len(contributions)

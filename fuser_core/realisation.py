@@ -46,6 +46,20 @@ FOLD_OPS = ("sum", "max", "min") + SELECTIONS
 # times 0): the rescale guard of the kernels' `rescale` helper and of the certificate, one
 # definition for both.
 Rescale = sp.Function("rescale")
+# ``shift_term(acc, c)``: one term ``acc * c`` of a Taylor shift, exactly 0 when the shift ``c`` is 0 (a
+# part already at the merged anchor): in real arithmetic the term is 0 whatever acc is, and an
+# infinite accumulator (a -inf element centred on a finite max: (x - mx)^2 = inf) would make it NaN
+class ShiftTerm(sp.Function):
+    nargs = 2
+
+    @classmethod
+    def eval(cls, acc, c):  # noqa: ANN001, ANN206 (sympy's protocol)
+        if c.is_zero or acc.is_zero:
+            return sp.Integer(0)
+        return None
+
+
+ShiftTerm.__name__ = "shift_term"  # its name in printers and lambdify's namespace
 
 COUNT_OLD = sp.Symbol("count[old]", integer=True, nonnegative=True)
 

@@ -22,12 +22,16 @@ from fuser_core.reference import evaluate
 from fuser_core.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANCE = {"foldwise": 1, "name": "softmax_weighted_variance",
+# A variance weighted by exp(x - mx) (2 + sin(x)): positive weights, but sympy cannot prove 2 + sin(x) >= 0,
+# so the weighted mean is no anchor and the fused strategies accumulate raw moments sum w v^2, sum w v, sum w
+# (docs/THEORY.md 5, "Centred accumulators"): with v near 100 they cancel digits the formula keeps.
+WEIGHT = "exp(x - mx) * (2 + sin(x))"
+VARIANCE = {"foldwise": 1, "name": "weighted_variance",
             "inputs": {"x": {"dims": ["m", "n"]}, "v": {"dims": ["m", "n"]}}, "steps": [
                 {"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
-                {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"},
-                {"name": "mu", "reduce": "sum", "over": "n", "expr": "exp(x - mx) * v / den"},
-                {"name": "var", "reduce": "sum", "over": "n", "expr": "exp(x - mx) * (v - mu) ** 2 / den"}],
+                {"name": "den", "reduce": "sum", "over": "n", "expr": WEIGHT},
+                {"name": "mu", "reduce": "sum", "over": "n", "expr": f"{WEIGHT} * v / den"},
+                {"name": "var", "reduce": "sum", "over": "n", "expr": f"{WEIGHT} * (v - mu) ** 2 / den"}],
             "outputs": ["var"]}
 
 

@@ -50,6 +50,13 @@ def rescale(acc, c):
 
 
 @triton.jit
+def shift_term(acc, c):
+    """acc * c, a term of a Taylor shift: exactly 0 for a zero shift c (a part already at the merged
+    anchor), where an infinite accumulator would give NaN."""
+    return tl.where(c == 0.0, 0.0, acc * c)
+
+
+@triton.jit
 def argmax_merge(best, best_idx, tile, tile_idx, AXIS: tl.constexpr):
     """A tile's (max value, first index) along its AXIS merged into the running (best, best_idx)
     (the tile's shape without AXIS); the earlier index wins ties (an empty state has index

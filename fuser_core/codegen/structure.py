@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import sympy as sp
 
 from fuser_core.codegen.bounds import Window, axis_mask, bound_text, window_of
@@ -763,10 +764,22 @@ class _Walk:
         if not fills or any(not self._is_anchor(s) for s in others):
             return True
         # an anchor is finite but may be any finite value, 0 included: the identity for each of a few,
-        # the anchors put in first (sympy would take 0 / peak as 0; at peak = 0 it is NaN: masked)
-        for value in (0, 1, -1, sp.Rational(5, 2)):
-            got = e.subs({s: value for s in others}).subs(fills)
-            if not (got.is_number and got == identity(op)):
+        # evaluated in IEEE float64 as the kernel does (sympy takes exp(-oo) * sin(-oo) as 0, IEEE gives
+        # 0 * NaN = NaN; so does (round(x) - mx) * exp(x - mx) at x = -inf: such a fold is masked)
+        syms = sorted(e.free_symbols, key=str)
+        try:
+            f = sp.lambdify(syms, e, modules=[{"round": np.rint}, "numpy"])
+        except Exception:  # noqa: BLE001 (a function numpy lacks: mask it)
+            return True
+        want = float(identity(op))
+        for value in (0.0, 1.0, -1.0, 2.5):
+            args = [float(fills[s]) if s in fills else value for s in syms]
+            try:
+                with np.errstate(all="ignore"):
+                    got = float(f(*args))
+            except Exception:  # noqa: BLE001 (not evaluable as a float: mask it)
+                return True
+            if not got == want:
                 return True
         return False
 
@@ -1260,6 +1273,9 @@ class _Walk:
         running = {self.conv.symbols[d]: d for d, how in real.anchors.items() if how == "running"}
         if not running or real.selection or not self.forms[step.name].settles_at(set(running)):
             return
+        if real.moves_jointly:  # a Taylor form: its shift, from every anchor to the final values (0 where finite)
+            self.settle_jointly(step)
+            return
         names = {old(sym): self.var(f"{safe_name(dep)}_anchor") for sym, dep in running.items()}
         names.update({new(sym): self.values[dep] for sym, dep in running.items()})
         moved = False
@@ -1272,6 +1288,28 @@ class _Walk:
             moved = True
         if moved and step.name in self.merged:  # its running value read the accumulators before they moved
             self.running_value(step, self.accs[step.name])
+
+    def settle_jointly(self, step: Step) -> None:
+        """:meth:`settle` for accumulators that move together (Taylor): each is computed from all of them
+        before any changes (``{acc}_moved``), the anchors [old] and the final values [new]. Where the final
+        values are finite the shift is 0 and the correction 1, exactly; where a max is -inf (an all -inf
+        row), ``sum (x - mx)^2`` becomes the formula's NaN instead of its value at the anchor 0, inf."""
+        real = self.realisation(step)
+        accs = self.accs[step.name]
+        names: dict = {}
+        for dep in real.anchors:
+            sym = self.conv.symbols[dep]
+            names[old(sym)] = self.var(f"{safe_name(dep)}_anchor")
+            names[new(sym)] = self.values[dep]
+        names.update({sym: self.var(a) for sym, a in zip(real.symbols, accs)})
+        self.need([a.moved for a in real.accumulators])
+        moved, refs = self.moves(real, accs, [a.moved for a in real.accumulators], names)
+        for acc, m in zip(accs, moved):
+            if m is not None:
+                self.add(Value(name=acc, dims=self.var_dims[acc], expr=m, env=self.env(m, extra=refs),
+                               note=f"  # {step.name} at the final {', '.join(real.anchors)} (unmoved where finite)"))
+        if step.name in self.merged:
+            self.running_value(step, accs)
 
     def finalize(self) -> None:
         for step in self.axis_steps():

@@ -37,7 +37,7 @@ import sympy as sp
 from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.names import NAN_MAX_MIN
 from fuser_core.grouping import Grouping
-from fuser_core.realisation import Rescale
+from fuser_core.realisation import Rescale, ShiftTerm
 from fuser_core.symbolic import CAST_FUNCTIONS, InfCompare, Round
 
 _FUNCS = {
@@ -276,6 +276,8 @@ class _Printer:
             return f"({a}).to({_TRITON_DTYPE[dtype]}).to(tl.float32)", _ATOM
         if e.func == Rescale:  # the generated module's `rescale` helper: the same guard as the certificate's
             return self.call("rescale", f"{self.go(e.args[0])[0]}, {self.go(e.args[1])[0]}")
+        if e.func == ShiftTerm:  # a Taylor shift's term: 0 for a zero shift, as the certificate's
+            return self.call("shift_term", f"{self.go(e.args[0])[0]}, {self.go(e.args[1])[0]}")
         if e.func == Round:
             return self.call("round_half_even", self.arg(e.args[0]))
         if isinstance(e, sp.Rel):

@@ -25,8 +25,8 @@ import sympy as sp
 from sympy.printing.latex import LatexPrinter
 
 from fuser_core import (
-    REALISATIONS, Derivation, Realisation, ReductionForm, Rescale, accumulator_names, correction_text, merge_text,
-    new_anchor, part_acc, unguarded,
+    REALISATIONS, Derivation, Realisation, ReductionForm, Rescale, ShiftTerm, accumulator_names, correction_text,
+    merge_text, new_anchor, part_acc, unguarded,
 )
 
 _TAGGED = re.compile(r"^(?P<base>[A-Za-z_][A-Za-z0-9_]*)\[(?P<tag>old|new|a|b|\d+)\]$")
@@ -75,6 +75,10 @@ class _Printer(LatexPrinter):
         if expr.func == Rescale:  # acc * c with the empty-accumulator guard: shown as the product
             acc, c = expr.args
             out = rf"{_paren(c)}\, {self._print(acc)}"
+            return rf"\left({out}\right)^{{{exp}}}" if exp else out
+        if expr.func == ShiftTerm:  # a Taylor shift's term acc * c (0 for a zero shift): shown as the product
+            acc, c = expr.args
+            out = rf"{self._print(acc)}\, {_paren(c)}"
             return rf"\left({out}\right)^{{{exp}}}" if exp else out
         if fname.startswith("cast_") or fname == "round":
             dtype = fname[5:].replace("_", r"\_")
