@@ -68,6 +68,13 @@ def new(sym: sp.Symbol) -> sp.Symbol:
     return sp.Symbol(f"{sym.name}[new]", **sym.assumptions0)
 
 
+def state_symbols(dep_symbols) -> set[sp.Symbol]:
+    """The loop-state symbols a correction may read: each dependency's ``[old]`` and ``[new]`` anchor and
+    ``count[old]``. Anything else it reads is a constant of the loop (an attention sink's per-head
+    ``sink`` in ``exp(maximum(mx[old], sink) - maximum(mx[new], sink))``, a param, a size)."""
+    return {f(s) for s in dep_symbols for f in (old, new)} | {COUNT_OLD}
+
+
 def acc_symbol(j: int) -> sp.Symbol:
     """Accumulator j of a realisation (in ``moved`` and ``value``)."""
     return sp.Symbol(f"acc[{j}]")
