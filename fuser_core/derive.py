@@ -551,6 +551,14 @@ class _Deriver:
         _, den = sp.fraction(sp.together(factor))
         return any(f.free_symbols & self.dep_syms and f.is_zero is not False for f in sp.Mul.make_args(den))
 
+    def empty_may_be_zero(self) -> bool:
+        """Can the reference give 0 where an accumulator stays empty and its final factor is not finite?
+        Only through a where() around F (a masked row: its fill, 0). Without one the reference evaluates
+        F = G * H on every element, and a non-finite H makes each term, and so its sum, NaN or infinite:
+        an attention sink of +inf gives den = 0 and o = 0 / (0 + exp(inf - inf)) = NaN, which a guard
+        returning 0 would hide."""
+        return isinstance(strip_casts(self.F), sp.Piecewise)
+
     def guards_for(self, corrections: list[sp.Expr]) -> tuple[str, ...]:
         out = []
         anchors = self.max_type()
@@ -595,7 +603,8 @@ class _Deriver:
             self.step, self.F, dep_names, "scaled", terms=tuple(terms), contributions=tuple(contributions),
             scales=tuple(scales), deferred=tuple(deferred), corrections=tuple(corrections), offset=offset,
             effective_op=op, anchors={n: "running" for n, s in self.deps.items() if s in anchors},
-            guards=self.guards_for(corrections), empty_adds_zero=tuple(self.may_be_infinite(d) for d in deferred),
+            guards=self.guards_for(corrections), empty_adds_zero=tuple(self.empty_may_be_zero() and self.may_be_infinite(d)
+                                                                    for d in deferred),
         )
 
     def realise_sum(self, terms: list[Term], dep_names: tuple[str, ...]) -> ReductionForm:
