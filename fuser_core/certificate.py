@@ -37,7 +37,10 @@ import sympy as sp
 
 from fuser_core import expr as ex
 from fuser_core.derive import WEIGHTED_MEAN, Derivation, ReductionForm
-from fuser_core.realisation import COUNT_OLD, Combine, Realisation, new, old, part_acc, part_anchor, part_count
+from fuser_core.realisation import (
+    COUNT_OLD, Combine, Realisation, new, old, part_acc, part_anchor, part_count, settled,
+    state_symbols,
+)
 from fuser_core.errors import DerivationLimitError
 from fuser_core.reference import Evaluator, cast_to, random_inputs
 from fuser_core.spec import Spec, load_spec
@@ -599,8 +602,9 @@ class _AxisLoop:
             values = {old(self.sym.symbols[n]): state["anchor"][n] for n in running}
             values |= {new(self.sym.symbols[n]): st["run"][n] for n in running}
             state["accs"] = [
-                acc if a.correction is None or a.correction == 1 or not a.correction.free_symbols <= set(values)
-                else acc * self.evaluate(a.correction, values)
+                acc if a.correction is None or a.correction == 1
+                or not a.correction.free_symbols & state_symbols(real.dep_symbols) <= set(values)
+                else self.evaluate(settled(a, real.dep_symbols), values | {a.symbol: acc})
                 for acc, a in zip(state["accs"], real.accumulators)
             ]
             st["run"][form.name] = self.value(form, st)

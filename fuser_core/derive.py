@@ -495,7 +495,56 @@ class _Deriver:
                 a *= factor
         return a
 
+    def anchor_split(self, h: sp.Expr) -> tuple[sp.Expr, sp.Expr]:
+        """``(A, H / A)``: the anchored factor of H (:meth:`anchored_factor`) and the factor deferred to the end.
+
+        Expanding F moves an anchored exponential into a denominator it shares with other terms: an
+        attention sink's ``exp(s - maximum(mx, sink)) * v / (den + exp(sink - maximum(mx, sink)))``
+        separates as ``G = v exp(s)``, ``H = 1 / (den exp(maximum(mx, sink)) + exp(sink))``, with no
+        anchored factor left, so the state would hold the unanchored ``exp(s)`` (inf past s = 88 in
+        float32). Where H has none, the anchored exponential of its denominator (when there is
+        exactly one) is pulled out: ``A = exp(-maximum(mx, sink))`` and the deferred
+        ``1 / (den + exp(sink - maximum(mx, sink)))``, each exponent combined so that no exp(sink)
+        alone overflows."""
+        a = self.anchored_factor(h)
+        if a == 1:
+            pulled = self.pulled_anchor(h)
+            if pulled is not None:
+                return pulled
+        return a, sp.powsimp(sp.cancel(h / a), combine="exp")
+
+    def pulled_anchor(self, h: sp.Expr) -> tuple[sp.Expr, sp.Expr] | None:
+        """``(exp(-E), H exp(E))`` for the one anchored exponential ``exp(E)`` of H's denominator
+        (:meth:`anchor_split`), or None."""
+        anchors = self.max_type()
+        num, den = sp.fraction(h)
+        if not anchors or not den.is_Add or num.free_symbols & anchors:
+            return None
+        exponents = {
+            p.args[0] for term in den.args for p in sp.Mul.make_args(term)
+            if isinstance(p, sp.exp) and p.free_symbols & self.dep_syms and p.free_symbols & self.dep_syms <= anchors
+            and self.loop_constant(p.args[0].xreplace({s: sp.Integer(0) for s in anchors}))
+        }
+        if len(exponents) != 1:
+            return None
+        (e,) = exponents
+        a = sp.exp(-e)
+        if not a.is_positive:
+            return None
+        rest = num / sp.powsimp(sp.expand(den * sp.exp(-e), power_exp=True), combine="exp")
+        return a, rest
+
     def correction(self, a: sp.Expr) -> sp.Expr:
+        """``A(D_new) / A(D_old)``: the factor that moves an accumulator held at the old anchors to the new.
+
+        Exact for any anchors (it is the ratio itself); its size is what keeps the state bounded. For
+        ``A = exp(-mx)`` it is ``exp(mx_old - mx_new) <= 1``. For an anchor that enters through a
+        maximum/minimum with loop constants, ``A = exp(-maximum(mx, sink))``, it is
+        ``exp(maximum(mx_old, sink) - maximum(mx_new, sink))``, still ``<= 1``: maximum(., sink) is
+        non-decreasing and the running max only rises (check_range proves the direction of every
+        anchored exponent, :meth:`monotone_direction`). The kernels print maximum/minimum as the
+        NaN-propagating ``max_nan``/``min_nan``; the certificate evaluates it with NumPy's
+        NaN-propagating ``maximum``."""
         to_new = {s: new(s) for s in self.dep_syms}
         to_old = {s: old(s) for s in self.dep_syms}
         return sp.powsimp(a.xreplace(to_new) / a.xreplace(to_old), combine="exp")
@@ -507,6 +556,14 @@ class _Deriver:
             return True
         _, den = sp.fraction(sp.together(factor))
         return any(f.free_symbols & self.dep_syms and f.is_zero is not False for f in sp.Mul.make_args(den))
+
+    def empty_may_be_zero(self) -> bool:
+        """Can the reference give 0 where an accumulator stays empty and its final factor is not finite?
+        Only through a where() around F (a masked row: its fill, 0). Without one the reference evaluates
+        F = G * H on every element, and a non-finite H makes each term, and so its sum, NaN or infinite:
+        an attention sink of +inf gives den = 0 and o = 0 / (0 + exp(inf - inf)) = NaN, which a guard
+        returning 0 would hide."""
+        return isinstance(strip_casts(self.F), sp.Piecewise)
 
     def guards_for(self, corrections: list[sp.Expr]) -> tuple[str, ...]:
         out = []
@@ -528,8 +585,7 @@ class _Deriver:
         anchors = self.max_type()
         for t in terms:
             self.check("realising terms")
-            a = self.anchored_factor(t.h)
-            rest = sp.powsimp(sp.cancel(t.h / a), combine="exp")
+            a, rest = self.anchor_split(t.h)
             contribution = None
             if len(terms) == 1:
                 # Keep the user's own form (casts included) when it divides out cleanly.
@@ -544,6 +600,7 @@ class _Deriver:
             if contribution is None:
                 contribution = _combined(t.g * a)
             self.check_range(contribution)
+            self.check_deferred_anchor(contribution, rest)
             contributions.append(contribution)
             scales.append(a)
             deferred.append(rest)
@@ -552,7 +609,8 @@ class _Deriver:
             self.step, self.F, dep_names, "scaled", terms=tuple(terms), contributions=tuple(contributions),
             scales=tuple(scales), deferred=tuple(deferred), corrections=tuple(corrections), offset=offset,
             effective_op=op, anchors={n: "running" for n, s in self.deps.items() if s in anchors},
-            guards=self.guards_for(corrections), empty_adds_zero=tuple(self.may_be_infinite(d) for d in deferred),
+            guards=self.guards_for(corrections), empty_adds_zero=tuple(self.empty_may_be_zero() and self.may_be_infinite(d)
+                                                                    for d in deferred),
         )
 
     def realise_sum(self, terms: list[Term], dep_names: tuple[str, ...]) -> ReductionForm:
@@ -613,6 +671,14 @@ class _Deriver:
         So the state is bounded when ``E(x) + s * I_m(x)`` is bounded above (:func:`_bounded`): for
         softmax, ``x - mx`` becomes ``x - x = 0`` and every term is at most 1. ``exp(x - mx)`` with
         ``mx = max(x**3)`` is refused: early running maxima can be far below the final one.
+
+        The argument needs only that the exponent is monotone in ``m`` (:meth:`monotone_direction`),
+        not that it is linear: an attention sink's ``exp(s - maximum(mx, sink))`` is non-increasing
+        in the running ``mx``. Every element i already seen has ``mx~ >= I_m(x_i)`` (the running max
+        includes it), so its term is at most ``exp(E(x_i) - maximum(I_m(x_i), sink))``, and the bound
+        ``s - maximum(s, sink) = minimum(0, s - sink) <= 0`` keeps every term at most 1, as for
+        softmax. A direction that grows the term towards the final value (a running max in
+        ``exp(maximum(mx, c) - x)``) is bounded by the final value, a constant of the loop, as before.
         """
         anchors = {sym: self.forms[name] for name, sym in self.deps.items() if sym in self.max_type()}
         if not anchors:
@@ -630,13 +696,11 @@ class _Deriver:
                 continue
             bound, below_final = exponent, set()
             for sym, form in anchors.items():
-                s = sp.diff(exponent, sym)
-                if s == 0:
+                direction = self.monotone_direction(exponent, sym)
+                if direction == 0:
                     continue
-                if any(self.along_axis(v) for v in s.free_symbols) or s.is_positive is None and s.is_negative is None:
-                    raise NotSeparable(f"the exponent {exponent} is not linear in {sym} with a known sign")
                 rising = form.op == "max"  # a running max only rises, a running min only falls
-                if bool(s.is_negative) == rising:
+                if (direction < 0) == rising:
                     # under the where() branch that evaluates this power, the dependency's own mask
                     # (the same condition on the same element) has taken its branch too
                     bound = bound.xreplace({sym: _given(strip_casts(form.integrand), known)})
@@ -648,6 +712,82 @@ class _Deriver:
                     f"{_names(exponent.free_symbols & set(anchors))}: the fused state could overflow before "
                     "the anchor reaches its final value"
                 )
+
+    def check_deferred_anchor(self, contribution: sp.Expr, rest: sp.Expr) -> None:
+        """Refuse a term whose anchoring exponential is deferred to the end while the state holds an
+        unanchored exponential of the streamed values: ``exp(x - maximum(mx, t))`` with ``t`` a sum over
+        the same axis cannot be anchored at the running ``mx`` (``t`` has no running value there), so
+        the loop would sum ``exp(x)``, which overflows (x > 88 in float32) where the formula does not."""
+        anchors = self.max_type()
+        held = sorted((p for p in rest.atoms(sp.exp) if p.free_symbols & anchors), key=str)
+        if not held:
+            return
+        for power, _ in _powers_under_conditions(sp.powsimp(contribution, combine="exp")):
+            free = power.free_symbols
+            if free & anchors or not any(self.along_axis(v) and v not in self.dep_syms for v in free):
+                continue
+            raise NotSeparable(
+                f"{held[0]} reads the running {_names(held[0].free_symbols & anchors)} but is applied only at the "
+                f"end (it also reads {_names((held[0].free_symbols & self.dep_syms) - anchors) or 'no anchor alone'}), "
+                f"so the loop would sum the unanchored {power}, which can overflow where the formula does not"
+            )
+
+    def loop_constant(self, e: sp.Expr) -> bool:
+        """Is ``e`` the same at every element of the axis and through the whole loop: no streamed value,
+        no same-axis result (a per-head sink, a param, a size, a result over another axis)?"""
+        return not any(self.along_axis(v) for v in e.free_symbols)
+
+    def monotone_direction(self, exponent: sp.Expr, sym: sp.Symbol) -> int:
+        """+1 when ``exponent`` is provably non-decreasing in the anchor ``sym``, -1 when non-increasing,
+        0 when it does not read it; raises NotSeparable when neither is proved.
+
+        Each term of the (expanded) exponent reading ``sym`` must be ``c * sym`` or
+        ``c * maximum(g, k_1, ..)`` / ``c * minimum(g, k_1, ..)`` with ``c`` a loop constant of known
+        sign, every ``k_i`` a loop constant (:meth:`loop_constant`) and ``g`` itself such a term of
+        ``sym`` alone, with loop constants (recursively). ``maximum`` and ``minimum`` are
+        non-decreasing in each argument, so such a term has the direction of ``c`` times that of
+        ``g``; every term must agree. Refused: a constant that varies along the axis or is another
+        same-axis result (``maximum(mx, den)``: den's running value moves too, and the two anchors'
+        moves need not keep one direction), an argument reading ``sym`` twice (``maximum(mx, -mx)``
+        is ``|mx|``), any other function of ``sym`` (``mx**2``, ``sin(mx)``), terms that disagree
+        (``mx - 2 maximum(mx, c)``), and a factor ``c`` of unknown sign."""
+        direction = 0
+        for term in sp.Add.make_args(sp.expand(exponent)):
+            if sym not in term.free_symbols:
+                continue
+            d = self.term_direction(term, sym, exponent)
+            if direction and d != direction:
+                raise NotSeparable(f"the exponent {exponent} is not monotone in {sym}: its terms move in opposite directions")
+            direction = d
+        return direction
+
+    def term_direction(self, term: sp.Expr, sym: sp.Symbol, exponent: sp.Expr) -> int:
+        """The direction (+1/-1) of one term ``c * core`` of an exponent in ``sym`` (monotone_direction)."""
+        unknown = NotSeparable(f"the exponent {exponent} is not linear in {sym} with a known sign, nor monotone in it "
+                               "through maximum/minimum with constants of the loop")
+        c, core = term.as_independent(sym, as_Add=False)
+        if not self.loop_constant(c) or (c.is_positive is None and c.is_negative is None):
+            raise unknown
+        sign = 1 if c.is_positive else -1
+        if core == sym:
+            return sign
+        if isinstance(core, (sp.Max, sp.Min)):
+            reading = [a for a in core.args if sym in a.free_symbols]
+            others = [a for a in core.args if sym not in a.free_symbols]
+            if len(reading) != 1 or not all(self.loop_constant(a) for a in others):
+                raise unknown
+            (g,) = reading
+            if not self.loop_constant(g.xreplace({sym: sp.Integer(0)})):
+                raise unknown
+            inner = 0
+            for part in sp.Add.make_args(sp.expand(g)):
+                if sym in part.free_symbols:
+                    d = self.term_direction(part, sym, exponent)
+                    if inner and d != inner:
+                        raise unknown
+                    inner = d
+            return sign * inner
+        raise unknown
 
     def masked_alike(self, sym: sp.Symbol, dep: sp.Expr) -> bool:
         """Every branch of F that reads ``sym`` is taken only under a condition of ``dep``'s own
@@ -871,9 +1011,13 @@ def _bounded(e: sp.Expr, *, upper: bool, varies) -> bool:
         return all(_bounded(branch, upper=upper, varies=varies) for branch, _ in e.args)
     if e.is_Add:
         for arg in e.args:  # push the rest of the sum into a min, max or where, where it may cancel
-            if isinstance(arg, (sp.Min, sp.Max)):
+            k, core = arg.as_coeff_Mul()
+            if isinstance(core, (sp.Min, sp.Max)) and k.is_number and k.is_extended_real and k != 0:
+                # k * max(a, b) is max(k a, k b) for k > 0 and min(k a, k b) for k < 0: an attention
+                # sink's s - max(s, sink) is min(0, s - sink), bounded above by its 0
+                func = core.func if k > 0 else (sp.Max if core.func is sp.Min else sp.Min)
                 rest = e - arg
-                return _bounded(arg.func(*(a + rest for a in arg.args), evaluate=False), upper=upper, varies=varies)
+                return _bounded(func(*(k * a + rest for a in core.args), evaluate=False), upper=upper, varies=varies)
             if isinstance(arg, sp.Piecewise):
                 return _bounded(sp.piecewise_fold(e), upper=upper, varies=varies)
         return all(_bounded(arg, upper=upper, varies=varies) for arg in e.args)

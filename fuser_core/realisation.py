@@ -82,6 +82,33 @@ def new(sym: sp.Symbol) -> sp.Symbol:
     return sp.Symbol(f"{sym.name}[new]", **sym.assumptions0)
 
 
+def state_symbols(dep_symbols) -> set[sp.Symbol]:
+    """The loop-state symbols a correction may read: each dependency's ``[old]`` and ``[new]`` anchor and
+    ``count[old]``. Anything else it reads is a constant of the loop (an attention sink's per-head
+    ``sink`` in ``exp(maximum(mx[old], sink) - maximum(mx[new], sink))``, a param, a size)."""
+    return {f(s) for s in dep_symbols for f in (old, new)} | {COUNT_OLD}
+
+
+def settled(acc: "Accumulator", dep_symbols) -> sp.Expr:
+    """The accumulator moved from its running (safe) anchors ``dep[old]`` to the final values ``dep[new]`` at
+    the end of the loop, with a plain product ``acc * correction`` (no rescale guard: where the final max is
+    +-inf the formula's exp(inf - inf) is NaN, and so is the result).
+
+    Where the correction reads a constant of the loop as well (an attention sink:
+    ``exp(max(mx[old], sink) - max(mx[new], sink))``), the product is taken only where the anchored
+    exponent differs at the two anchors: with sink = +inf both are -inf, the correction is
+    exp(-inf + inf) = NaN, but the anchor does not matter there (every term is exp(s - inf) = 0 at either),
+    so the accumulator stays as it is. Without a constant, the exponents differ exactly where the
+    anchors do, and the plain product is kept."""
+    product = acc.symbol * acc.correction
+    a = acc.anchored_factor
+    if a is None or not (acc.correction.free_symbols - state_symbols(dep_symbols)) or not isinstance(a, sp.exp):
+        return product
+    at_old = a.args[0].xreplace({s: old(s) for s in dep_symbols})
+    at_new = a.args[0].xreplace({s: new(s) for s in dep_symbols})
+    return sp.Piecewise((acc.symbol, sp.Eq(at_old, at_new)), (product, True))
+
+
 def acc_symbol(j: int) -> sp.Symbol:
     """Accumulator j of a realisation (in ``moved`` and ``value``)."""
     return sp.Symbol(f"acc[{j}]")

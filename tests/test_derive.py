@@ -242,3 +242,80 @@ def test_taylor_accumulators_are_stable_with_a_large_offset():
     loop = _AxisLoop(d, ev, env, group.axis, [d.forms[m] for m in group.members], _compiled(d, True))
     with np.errstate(all="ignore"):
         assert loop.compare(d.forms["r"], loop.run_split(rng)) < 1e-6
+
+
+# -- anchors combined with loop constants through maximum/minimum (issue 23, 6a: attention sinks)
+ATTENTION_SINK = {
+    "foldwise": 1, "name": "attention_sink",
+    "inputs": {"q": {"dims": ["b", "h", "m", "d"]}, "k": {"dims": ["b", "h", "n", "d"]},
+               "v": {"dims": ["b", "h", "n", "e"]}, "sink": {"dims": ["h"]}},
+    "params": {"scale": "1 / sqrt(size(d))"},
+    "steps": [
+        {"name": "s", "reduce": "sum", "over": "d", "expr": "q * k * scale"},
+        {"name": "mx", "reduce": "max", "over": "n", "expr": "s"},
+        {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(s - maximum(mx, sink))"},
+        {"name": "o", "reduce": "sum", "over": "n",
+         "expr": "exp(s - maximum(mx, sink)) * v / (den + exp(sink - maximum(mx, sink)))"},
+    ],
+    "outputs": ["o"],
+}
+SINK_INPUTS = {"x": {"dims": ["m", "n"]}, "c": {"dims": ["m"]}}
+MN = {"name": "mn", "reduce": "min", "over": "n", "expr": "x"}
+
+
+def sink_form(steps):
+    d = derive_cascade(spec_of(steps, [steps[-1]["name"]], SINK_INPUTS))
+    return d, d.forms[steps[-1]["name"]]
+
+
+def test_attention_sink_fuses_with_the_max_of_anchor_and_sink_as_its_anchor():
+    """den = sum exp(s - max(mx, sink)): anchored at max(running mx, sink), rescaled by
+    exp(max(mx_old, sink) - max(mx_new, sink)) <= 1; o anchored the same way, its denominator
+    (den + exp(sink - max(mx, sink))) applied once at the end, in that form (no bare exp(sink))."""
+    d = derive_cascade(load_spec(ATTENTION_SINK))
+    assert d.fusible, {f.name: f.reason for f in d.forms.values()}
+    mx, sink, den = (d.symbols.symbols[n] for n in ("mx", "sink", "den"))
+    mx_old, mx_new = sp.Symbol("mx[old]", real=True), sp.Symbol("mx[new]", real=True)
+    want = sp.exp(sp.Max(mx_old, sink) - sp.Max(mx_new, sink))
+    for name in ("den", "o"):
+        form = d.forms[name]
+        assert form.kind == "scaled" and form.deps[0] == "mx"
+        assert form.scales == (sp.exp(-sp.Max(mx, sink)),)
+        assert sp.simplify(form.corrections[0] - want) == 0
+        assert form.contributions[0].has(sp.exp(d.symbols.symbols["s"] - sp.Max(mx, sink)))
+    assert d.forms["o"].deferred == (1 / (den + sp.exp(sink - sp.Max(mx, sink))),)
+    # no where() around F: the reference's own 0 * NaN (a sink of +inf) must not become a guarded 0
+    assert d.forms["o"].empty_adds_zero == (False,)
+    cert = certify(d, trials=12, seed=3)
+    assert cert.holds and cert.max_rel_err < 1e-9
+
+
+def test_a_running_min_with_a_constant_mirrors_the_max():
+    _, form = sink_form([MN, {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(minimum(mn, c) - x)"}])
+    mn, c = sp.Symbol("mn", real=True), sp.Symbol("c", real=True)
+    assert form.fused and form.scales == (sp.exp(sp.Min(mn, c)),)
+    mn_old, mn_new = sp.Symbol("mn[old]", real=True), sp.Symbol("mn[new]", real=True)
+    assert sp.simplify(form.corrections[0] - sp.exp(sp.Min(mn_new, c) - sp.Min(mn_old, c))) == 0
+
+
+@pytest.mark.parametrize("expr,reason", [
+    # maximum(-mx, c) falls as mx rises: the term grows with the running max, and x - max(-mx, c) is unbounded
+    ("exp(x - maximum(-mx, c))", "not bounded by the running value of mx"),
+    ("exp(x - minimum(mx, c))", "not bounded by the running value of mx"),  # capped by c: x - c unbounded
+    ("exp(x - minimum(maximum(mx, c), c + 5))", "not bounded by the running value of mx"),
+    ("exp(2 * x + maximum(mx, c) - 3 * maximum(mx, c + 1))", "not monotone in mx"),
+    ("exp(x - maximum(mx, -mx) + c)", "nor monotone in it"),  # |mx|: not monotone
+    ("exp(x - maximum(mx * mx, c))", "nor monotone in it"),
+    ("exp(x - maximum(mx, x) + c)", "mixes the streamed values"),  # a "constant" that varies along the axis
+])
+def test_anchors_through_maximum_that_are_not_monotone_or_unbounded_are_refused(expr, reason):
+    _, form = sink_form([MX, {"name": "den", "reduce": "sum", "over": "n", "expr": expr}])
+    assert not form.fused and reason in form.reason, form.reason
+
+
+def test_a_maximum_with_a_same_axis_sum_is_refused():
+    """t has no running value the loop could anchor at: max(mx, t) would be applied at the end and the
+    loop would sum the bare exp(x)."""
+    t = {"name": "t", "reduce": "sum", "over": "n", "expr": "x"}
+    _, form = sink_form([MX, t, {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - maximum(mx, t)) * c"}])
+    assert not form.fused and "so the loop would sum the unanchored exp(x)" in form.reason, form.reason

@@ -33,6 +33,7 @@ SHAPES = {
     "moe_routing": {"t": 6, "x": 37}, "fp8_quant_gemm": {"m": 6, "k": 37, "n": 16},
     "attention": {"b": 1, "h": 1, "m": 6, "n": 37, "d": 16, "e": 16},
     "attention_causal": {"b": 1, "h": 1, "m": 6, "n": 37, "d": 16, "e": 16},
+    "attention_sink": {"b": 1, "h": 1, "m": 6, "n": 37, "d": 16, "e": 16},
 }
 CONFIG_BLOCK = 16  # tiles of 16 along the reduced axis: three tiles and a partial one for 37
 

@@ -63,7 +63,8 @@ from fuser_core.codegen.tritonize import Ref, is_literal, lookup
 from fuser_core.derive import ReductionForm
 from fuser_core.grouping import Grouping
 from fuser_core.realisation import (
-    COUNT_OLD, SELECTIONS, Realisation, identity, new, old, part_acc, part_anchor, part_count,
+    COUNT_OLD, SELECTIONS, Realisation, identity, new, old, part_acc, part_anchor, part_count, settled,
+    state_symbols,
 )
 from fuser_core.spec import Input, Step
 
@@ -1280,9 +1281,10 @@ class _Walk:
         names.update({new(sym): self.values[dep] for sym, dep in running.items()})
         moved = False
         for sym, acc, a in zip(real.symbols, self.accs[step.name], real.accumulators):
-            if a.correction is None or a.correction == 1 or not a.correction.free_symbols <= set(names):
-                continue
-            expr = sym * a.correction
+            if (a.correction is None or a.correction == 1
+                    or not a.correction.free_symbols & state_symbols(real.dep_symbols) <= set(names)):
+                continue  # it reads other state (a sum's estimate); loop constants (a sink) are read as they are
+            expr = settled(a, real.dep_symbols)
             self.add(Value(name=acc, dims=self.var_dims[acc], expr=expr, env=self.env(expr, extra={**names, sym: self.var(acc)}),
                            note=f"  # {step.name} at the final {', '.join(running.values())} (1 where it is finite)"))
             moved = True

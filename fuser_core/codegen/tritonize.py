@@ -150,8 +150,8 @@ def is_literal(e: sp.Expr) -> bool:
         text = number(e)
     elif e.args and not e.free_symbols and not isinstance(e, sp.logic.boolalg.Boolean) and _constant_value(e) is not None:
         text = number(sp.Float(_constant_value(e)))
-    elif e is sp.pi:
-        text = repr(float(sp.pi))
+    elif isinstance(e, sp.NumberSymbol):  # pi, E
+        text = repr(float(e))
     else:
         return False
     return not text.lstrip("-").startswith(("inf", "nan"))
@@ -233,8 +233,8 @@ class _Printer:
             x = _constant_value(e)
             if x is not None:
                 return self.go(sp.Float(x))
-        if e is sp.pi:
-            return repr(float(sp.pi)), _ATOM
+        if isinstance(e, sp.NumberSymbol):  # pi, E (exp(1) folded by sympy)
+            return repr(float(e)), _ATOM
         if e.is_Add:
             return self.add(e), _ADD
         if e.is_Mul:
