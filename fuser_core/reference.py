@@ -212,7 +212,7 @@ class Evaluator:
             value = np.broadcast_to(self.eval_expr(step.expr, env), self.aligned_shape(edims))
             ax = self.axis[step.over]
             if step.reduce == "sum":
-                return {step.name: self.rounded(np.sum(value, axis=ax, keepdims=True))}
+                return {step.name: self.summed(value, ax)}
             if step.reduce == "max":  # over an empty axis: the identity, -inf (torch.logsumexp of nothing is -inf)
                 return {step.name: np.max(value, axis=ax, keepdims=True, initial=-np.inf)}
             if step.reduce == "min":
@@ -225,6 +225,10 @@ class Evaluator:
                 return {step.name: first.astype(np.int64)}
             assert step.reduce == "topk"
             return self.topk(step, value)
+
+    def summed(self, value: np.ndarray, ax: int) -> np.ndarray:
+        """A sum along axis ``ax`` (kept, of length 1): exact, then :meth:`rounded` once."""
+        return self.rounded(np.sum(value, axis=ax, keepdims=True))
 
     def topk(self, step: Step, value: np.ndarray) -> dict[str, np.ndarray]:
         """The k largest along ``over`` (stable: lower position first on ties), laid on ``as``."""

@@ -19,7 +19,8 @@ positive arguments, exponentials of bounded or max-shifted arguments, divisions 
 away from zero), because the kernel check compares float32 kernels with a float64
 reference: a spec that overflows float32 or divides by a near-zero cancellation would
 report rounding, not bugs. For the same reason an ``exp(G - m)`` uses the G that m is the
-maximum of (so it is at most 1, as in online softmax), and cubics are centred on maxima and
+maximum of (so it is at most 1, as in online softmax; sometimes combined with a constant of the
+loop, ``exp(G - maximum(mx, c))``, an attention sink), and cubics are centred on maxima and
 means; ``wild=True`` lifts both, to measure the known weaknesses these avoid. Everything else
 about the draw is free.
 
@@ -361,6 +362,15 @@ class _Cascade:
         weakness of anchored realisations when the anchor does not bound the exponent)."""
         if self.wild and self.chance(0.5):
             return f"exp({G} - {m.text})"
+        constants = [a for a in self.floats(with_axis=False) if a.over != self.axis]  # inputs, params, other axes
+        if constants and self.chance(0.35):
+            # an attention sink: the anchor combined with a constant of the loop, exp(F - maximum(max F, c))
+            # (or exp(minimum(min F, c) - F)): at most 1 still, the correction exp(max(m_old, c) - max(m_new, c))
+            c = self.pick(constants).text
+            self.note(c)
+            if m.op == "max":
+                return f"exp(({m.of}) - maximum({m.text}, {c}))"
+            return f"exp(minimum({m.text}, {c}) - ({m.of}))"
         return m.shifted_exp()
 
     def contraction(self) -> bool:
