@@ -46,9 +46,10 @@ FOLD_OPS = ("sum", "max", "min") + SELECTIONS
 # times 0): the rescale guard of the kernels' `rescale` helper and of the certificate, one
 # definition for both.
 Rescale = sp.Function("rescale")
-# ``shift_term(acc, c)``: one term ``acc * c`` of a Taylor shift, exactly 0 when the shift ``c`` is 0 (a
-# part already at the merged anchor): in real arithmetic the term is 0 whatever acc is, and an
-# infinite accumulator (a -inf element centred on a finite max: (x - mx)^2 = inf) would make it NaN
+# ``shift_term(acc, c)``: one term ``acc * c`` of a Taylor shift, 0 when the shift ``c`` is 0 (a part
+# already at the merged anchor: the term is 0 whatever acc is) or finite with acc infinite (an infinite
+# element's moments are infinite at every finite centre, and the order-0 accumulator already holds the
+# answer: (x - b)^2 = inf for x = -inf, where inf * c would cancel it to NaN)
 class ShiftTerm(sp.Function):
     nargs = 2
 

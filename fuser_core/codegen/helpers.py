@@ -51,9 +51,13 @@ def rescale(acc, c):
 
 @triton.jit
 def shift_term(acc, c):
-    """acc * c, a term of a Taylor shift: exactly 0 for a zero shift c (a part already at the merged
-    anchor), where an infinite accumulator would give NaN."""
-    return tl.where(c == 0.0, 0.0, acc * c)
+    """acc * c, a term of a Taylor shift, 0 where c is 0 or finite and acc infinite: the moments of an
+    infinite element are infinite at any finite centre (sum (x - b)^2 with x = -inf is inf for every b),
+    so only the accumulator of order 0 holds the answer, and inf * c would cancel it to NaN. An
+    infinite shift (a max that ended -inf) still multiplies: the formula's own inf - inf."""
+    finite_c = (c == c) & (c != float("inf")) & (c != float("-inf"))
+    infinite_acc = (acc == float("inf")) | (acc == float("-inf"))
+    return tl.where((c == 0.0) | (finite_c & infinite_acc), 0.0, acc * c)
 
 
 @triton.jit
