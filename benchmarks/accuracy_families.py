@@ -6,9 +6,9 @@ Triton interpreter without a GPU) on input families beyond standard normal: offs
 a scale (x30), peaked rows and near-ties. Each error is measured against the float64 reference
 (:func:`fuser_core.runner.rel_err`, the kernel check's measure) and set against the error of the
 spec's formula as written, evaluated step by step in float32 (every operation's result rounded
-to float32; a sum accumulated exactly and rounded once: the naive bar, at its most accurate). The
-unfused chain (one kernel per step through memory) is shown too: it prints sympy's arrangement of
-each step, not the user's. The goal is every ratio <= 2 (the naive error floored at 4 float32 ulps).
+to float32, a sum by pairwise float32 additions: the accuracy bar's formula, fuser_core.accuracy). The
+unfused chain (one kernel per step through memory, printed in the user's grouping) is shown too.
+The goal is every ratio <= 2 (the formula's error floored at 4 float32 ulps).
 
 Usage:
     TRITON_INTERPRET=1 python benchmarks/accuracy_families.py [--only kl,entropy_t] [--json OUT.json]
@@ -101,7 +101,7 @@ def shape_of(spec) -> dict[str, int]:
 def formula_error(spec, shape, inputs, reference) -> float:
     """The error of the spec as written, evaluated step by step in float32: the accuracy bar's
     formula (fuser_core.accuracy.formula_outputs: every rounding operation's result rounded to
-    float32, a sum exact then rounded once; the largest of round-to-nearest and random roundings)."""
+    float32, a sum by pairwise float32 additions; the largest of round-to-nearest and random roundings)."""
     from fuser_core.accuracy import formula_outputs
     from fuser_core.problem import output_dtypes
     from fuser_core.runner import FLOOR, rel_err

@@ -81,13 +81,22 @@ class Family:
     special: bool = False
     transform: Callable[[np.ndarray, np.random.Generator], np.ndarray] | None = None
     target_only: bool = False  # the transform touches only the first float input over the loop axis
+    # an affine family, as data (the GPU measurer applies it to device tensors, tuner.measure_cuda):
+    # x * scale + shift, plus ``peak`` at one random position of each row
+    scale: float = 1.0
+    shift: float = 0.0
+    peak: float = 0.0
+
+    @property
+    def affine(self) -> bool:
+        return self.transform is _affine
 
 
-def _peaked(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    out = x.copy()
+def _affine(x: np.ndarray, rng: np.random.Generator, fam: Family) -> np.ndarray:
+    out = x * fam.scale + fam.shift
     rows = out.reshape(-1, out.shape[-1])
-    if rows.size:
-        rows[np.arange(rows.shape[0]), rng.integers(0, rows.shape[1], rows.shape[0])] += 20.0
+    if fam.peak and rows.size:
+        rows[np.arange(rows.shape[0]), rng.integers(0, rows.shape[1], rows.shape[0])] += fam.peak
     return out
 
 
@@ -116,11 +125,11 @@ def _nan(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("normal", "standard normal: the float64 check's inputs", transform=lambda x, rng: x),
-    Family("offset100", "x + 100: cancellation in x - max and x - mean", transform=lambda x, rng: x + 100.0),
-    Family("offset1000", "x + 1000: the same, three more bits lost", transform=lambda x, rng: x + 1000.0),
-    Family("scale30", "x * 30: a wide dynamic range through exp", transform=lambda x, rng: x * 30.0),
-    Family("peaked", "one value per row 20 above the rest: softmax ~ one-hot", transform=_peaked),
+    Family("normal", "standard normal: the float64 check's inputs", transform=_affine),
+    Family("offset100", "x + 100: cancellation in x - max and x - mean", transform=_affine, shift=100.0),
+    Family("offset1000", "x + 1000: the same, three more bits lost", transform=_affine, shift=1000.0),
+    Family("scale30", "x * 30: a wide dynamic range through exp", transform=_affine, scale=30.0),
+    Family("peaked", "one value per row 20 above the rest: softmax ~ one-hot", transform=_affine, peak=20.0),
     Family("near_ties", "a few levels 1e-6 apart: ties in max/argmax, variances of near-equal values",
            transform=_near_ties),
     Family("masked", "row 0 fully -inf, row 1 half -inf: the special values must be the reference's",
@@ -165,6 +174,8 @@ def apply_family(name: str, x: np.ndarray, rng: np.random.Generator) -> np.ndarr
     fam = FAMILIES[name]
     if fam.transform is None:
         return x
+    if fam.affine:
+        return _affine(np.asarray(x, np.float64), rng, fam)
     return fam.transform(np.asarray(x, np.float64), rng)
 
 
@@ -244,16 +255,17 @@ FORMULA_SAMPLES = 7  # stochastically rounded evaluations of the formula besides
 
 
 def formula_outputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarray], dtype: str,
-                    seed: int = 0) -> list[dict[str, np.ndarray]]:
+                    seed: int = 0, make: Callable[[str, np.random.Generator | None], FormulaEvaluator] | None = None,
+                    ) -> list[dict[str, np.ndarray]]:
     """The spec's outputs evaluated step by step in ``dtype`` (:class:`FormulaEvaluator`): rounded to
     nearest, then ``FORMULA_SAMPLES`` times with random roundings (|d| <= u). The formula's error is the
     largest of theirs: one input set's error is one draw of the formula's rounding errors (on
     layernorm's peaked rows its own arithmetic, row_resident, measured 0.75x to 3x the
     round-to-nearest formula's over six seeds), and the bar compares a strategy with the spread."""
     rng = np.random.default_rng(seed)
+    make = make or (lambda d, r: FormulaEvaluator(spec, shape, d, r))  # ``make``: another evaluator (sampled rows)
     with np.errstate(all="ignore"):
-        return [FormulaEvaluator(spec, shape, dtype, rng if i else None).outputs(inputs)
-                for i in range(1 + FORMULA_SAMPLES)]
+        return [make(dtype, rng if i else None).outputs(inputs) for i in range(1 + FORMULA_SAMPLES)]
 
 
 # ---------------------------------------------------------------- torch's own ops

@@ -194,6 +194,33 @@ def test_cpu_measurer_times_checked_kernels_on_a_reused_worker() -> None:
         CudaMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, device="cpu", timeout_s=0)
 
 
+def test_the_device_gate_holds_a_fused_kernel_to_the_accuracy_bar() -> None:
+    """The GPU measurer's gate (here on the CPU worker) runs each fused variant on the gate families
+    (x + 100, x + 1000, peaked rows) at the job's shape and refuses one whose sampled rows lose digits
+    the formula keeps: a variance weighted by exp(x - mx) (2 + sin(x)), whose fused form accumulates
+    raw moments (sympy cannot prove the weights >= 0); its multi-pass kernel keeps them."""
+    weight = "exp(x - mx) * (2 + sin(x))"
+    spec = load_spec({"foldwise": 1, "name": "wvar", "inputs": {"x": {"dims": ["m", "n"]}, "v": {"dims": ["m", "n"]}},
+                      "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
+                                {"name": "den", "reduce": "sum", "over": "n", "expr": weight},
+                                {"name": "mu", "reduce": "sum", "over": "n", "expr": f"{weight} * v / den"},
+                                {"name": "var", "reduce": "sum", "over": "n", "expr": f"{weight} * (v - mu) ** 2 / den"}],
+                      "outputs": ["var"]})
+    d = derive_cascade(spec)
+    problem = make_problem(spec, SOFTMAX_SHAPE, "float32")
+    space = SearchSpace(problem, d, H100)
+    fused = space.candidate("streaming_fused", {"block_n": 16, "block_m": 1, "num_warps": 1, "num_stages": 2})
+    passes = space.candidate("multi_pass", {"block_n": 16, "block_m": 1, "num_warps": 1, "num_stages": 2})
+    with WorkerProcess("cpu") as worker:
+        m = CudaMeasurer(problem, d, H100, timeout_s=120, timing=FAST, worker=worker)
+        refused = m.measure(fused)
+        kept = m.measure(passes)
+        m.close()
+    assert refused.time_ms is None and "fails the accuracy bar on the offset" in refused.error, refused.error
+    assert kept.error is None and kept.details["accuracy"]["passed"], kept.details
+    assert [r["family"] for r in kept.details["accuracy"]["families"]] == ["offset100", "offset1000", "peaked"]
+
+
 def test_faults_fail_one_trial_and_the_next_succeeds(tmp_path) -> None:
     """Every fatal fault costs a worker start (seconds: torch is imported anew), so the hang
     runs on a second worker in a thread while the other faults run here."""

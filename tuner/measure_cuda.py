@@ -76,6 +76,7 @@ from typing import Any, Self
 import numpy as np
 
 from fuser_core import expr as ex
+from fuser_core.accuracy import FormulaEvaluator
 from fuser_core.derive import Derivation
 from fuser_core.problem import Problem
 from fuser_core.reference import Evaluator, index_input_bound
@@ -409,6 +410,8 @@ class CudaMeasurer:
             return Measurement(None, r.error, False, details)
         value = r.value
         details["check"] = value.get("check")
+        if value.get("accuracy") is not None:  # the accuracy bar's families (fused kernels)
+            details["accuracy"] = value["accuracy"]
         if value.get("error"):  # a wrong result: the check's verdict, never a time
             return Measurement(None, value["error"], False, details)
         details["timing"] = value["timing"]
@@ -497,6 +500,34 @@ class SampledEvaluator(Evaluator):
         return super()._eval(e, env)
 
 
+class SampledFormula(SampledEvaluator, FormulaEvaluator):
+    """The spec's formula in a dtype (:class:`fuser_core.accuracy.FormulaEvaluator`) on sampled rows
+    (:class:`SampledEvaluator`): the accuracy bar's yardstick for a device-sized problem."""
+
+    def __init__(self, spec: Spec, full_shape: Mapping[str, int], rows: Mapping[str, np.ndarray], dtype: str,
+                 rng: np.random.Generator | None):
+        SampledEvaluator.__init__(self, spec, full_shape, rows)
+        self.dtype, self.rng = dtype, rng
+
+
+def family_tensor(name: str, x: Any, pos: int, generator: Any) -> Any:
+    """An affine input family (:class:`fuser_core.accuracy.Family`: scale, shift, a peak per row along
+    axis ``pos``) applied to a device tensor, rounded to its dtype: the inputs never leave the device."""
+    import torch
+
+    from fuser_core.accuracy import FAMILIES
+
+    fam = FAMILIES[name]
+    assert fam.affine, f"{name} is not an affine family"
+    out = x.float() * fam.scale + fam.shift
+    if fam.peak and out.numel():
+        moved = out.movedim(pos, -1)
+        at = torch.randint(0, moved.shape[-1], (*moved.shape[:-1], 1), generator=generator, device=x.device)
+        moved.scatter_add_(-1, at, torch.full(at.shape, fam.peak, device=x.device))
+        out = moved.movedim(-1, pos)
+    return out.to(x.dtype)
+
+
 # ============================================================================ child side
 
 
@@ -547,6 +578,7 @@ class DeviceProblem:
         self._ties: list[dict[str, np.ndarray]] = []
         self._arrays: dict[str, np.ndarray] = {}  # the sampled inputs the reference read
         self._sets: list[dict[str, Any]] | None = None
+        self._families: dict[str, dict[str, Any]] = {}  # the accuracy bar's input sets (family())
         self.input_bytes = sum(t.numel() * t.element_size() for t in self.inputs.values())
 
     def random_inputs(self, index: int) -> dict[str, Any]:
@@ -587,6 +619,33 @@ class DeviceProblem:
             self._ties = tie_alternatives(with_ties, self.spec, self._reference)
             self._arrays = arrays
         return self._reference
+
+    def family(self, name: str) -> dict[str, Any]:
+        """The checked input set moved to family ``name`` on the device, with the sampled float64 reference
+        and the formula's evaluations in the run's dtype on the same rows (computed once per problem: a
+        variant only runs its kernel on them). Index inputs are kept; float inputs over the loop axis
+        get the family along it, others along their last dim (as fuser_core.accuracy.family_inputs)."""
+        if name not in self._families:
+            import torch
+
+            from fuser_core.accuracy import formula_dtype, formula_outputs
+            from fuser_core.codegen.plan import loop_axis
+
+            axis, _ = loop_axis(self.spec)
+            g = torch.Generator(device=self.device)
+            g.manual_seed(self.seed * 1000 + 999)
+            inputs = {}
+            for inp in self.spec.inputs:
+                x = self.inputs[inp.name]
+                pos = inp.dims.index(axis) if axis in inp.dims else x.dim() - 1
+                inputs[inp.name] = x if inp.is_index or x.dim() == 0 else family_tensor(name, x, pos, g)
+            arrays = {i.name: _to_numpy(_select(inputs[i.name], i.dims, self.rows)) for i in self.spec.inputs}
+            with np.errstate(all="ignore"):
+                reference = SampledEvaluator(self.spec, self.shape, self.rows_np).outputs(arrays)
+            formula = formula_outputs(self.spec, self.shape, arrays, formula_dtype(self.dtypes), self.seed,
+                                      make=lambda d, r: SampledFormula(self.spec, self.shape, self.rows_np, d, r))
+            self._families[name] = {"inputs": inputs, "reference": reference, "formula": formula}
+        return self._families[name]
 
     def knife_edges(self) -> list[dict[str, np.ndarray]]:
         """The reference's float32-sized evaluations for knife edges (fuser_core.runner.knife_edges)."""
@@ -726,6 +785,15 @@ class _Child:
         if not check["passed"]:
             result["error"] = check["error"]
             return result
+        if variant["kind"] == "fused" and (variant.get("strategy") not in ("streaming_fused", "split_fused")
+                                           or problem.derivation.exact):
+            bar = accuracy_bar(problem, fn)
+            result["accuracy"] = bar
+            if not bar["passed"]:
+                from fuser_core.accuracy import refusal
+
+                result["error"] = refusal(str(variant.get("strategy") or "the kernel"), bar)
+                return result
         if not payload.get("time", True):  # a correctness check only
             return result
         self.phase("running")
@@ -920,6 +988,26 @@ def chain_function(problem: Problem) -> Callable[[Mapping[str, Any]], dict[str, 
         return out
 
     return run
+
+
+def accuracy_bar(problem: DeviceProblem, fn: Callable[[Any], Any]) -> dict[str, Any]:
+    """The accuracy bar (fuser_core.accuracy) on the device, for the tuner's gate families
+    (``GATE_FAMILIES``: x + 100, x + 1000, peaked rows): the variant runs on each family's inputs at the
+    job's shape, and its sampled rows are held to 2x the formula's error in the run's dtype on the same
+    rows. torch's own op is the model measurer's comparison (at a reduced shape), not repeated here.
+    ``{"passed", "families": [{"family", "passed", "error", "formula_error", "ratio", ...}]}``."""
+    from fuser_core.accuracy import GATE_FAMILIES, bar_verdict, formula_dtype
+
+    rows = []
+    fdtype = formula_dtype(problem.dtypes)
+    for name in GATE_FAMILIES:
+        fam = problem.family(name)
+        outputs = fn(fam["inputs"])
+        sliced = {p: _select(outputs[p], problem.spec.step(p.split(".")[0]).dims, problem.rows) for p in fam["reference"]}
+        verdict = bar_verdict(problem.spec, sliced, fam["reference"], fam["formula"], problem.stores)
+        verdict.pop("parts")
+        rows.append({"family": name, **verdict, "shape": dict(problem.shape), "formula_dtype": fdtype, "note": ""})
+    return {"passed": all(r["passed"] for r in rows), "families": rows}
 
 
 def check_outputs(problem: DeviceProblem, outputs: Mapping[str, Any], variant: Mapping[str, Any]) -> dict[str, Any]:
