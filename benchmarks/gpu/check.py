@@ -48,8 +48,8 @@ if str(REPO) not in sys.path:
 PRIORITY = ("cross_entropy", "safe_softmax", "attention_causal", "attention", "rmsnorm", "layernorm", "moe_routing",
             "fp8_quant_per_token", "logsumexp", "fp8_quant_gemm")
 # The stages in the order they run; each one's share of the budget (speed takes what the others leave).
-STAGES = ("probes", "correctness", "specials", "client", "speed")
-SHARES = {"probes": 0.05, "correctness": 0.4, "specials": 0.08, "client": 0.1}
+STAGES = ("probes", "correctness", "specials", "accuracy", "client", "speed")
+SHARES = {"probes": 0.05, "correctness": 0.4, "specials": 0.08, "accuracy": 0.08, "client": 0.1}
 CLIENT_SPEC = "safe_softmax"
 
 
@@ -208,6 +208,48 @@ def correctness(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
     return {"rows": rows, "counts": counts, "precompile": pre}
+
+
+def accuracy(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
+    """The accuracy bar (fuser_core.accuracy) on this device: every catalog spec and the user cascades
+    of issue 23 (benchmarks/accuracy_families.py: KL, entropy with a temperature, a softmax-weighted
+    variance, skewness, z-loss) x valid strategy, float32, on the gate families (x + 100, x + 1000,
+    peaked rows) and masked rows: each error at most 2x the formula's in float32 (the interpreter's
+    verdicts are in benchmarks/results/accuracy_families_*.md; here the GPU's exp, rsqrt and tl.sum)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))  # accuracy_families: the user cascades of issue 23
+    from accuracy_families import specs as accuracy_specs
+
+    from fuser_core.accuracy import GATE_FAMILIES, accuracy_check
+    from fuser_core.codegen.plan import valid_strategies
+    from fuser_core.derive import derive_cascade
+
+    deadline = time.monotonic() + budget_s
+    rows = []
+    for name, spec in accuracy_specs(None).items():
+        derivation = derive_cascade(spec)
+        shape = check_shape(spec, True)
+        valid = [s for s, why in valid_strategies(spec, derivation, shape).items() if why is None]
+        for strategy in valid:
+            row: dict[str, Any] = {"spec": name, "strategy": strategy}
+            if time.monotonic() > deadline:
+                rows.append({**row, "status": "not run", "reason": "time budget"})
+                continue
+            try:
+                verdict = accuracy_check(spec, shape, "float32", families=(*GATE_FAMILIES, "masked"), strategy=strategy,
+                                         derivation=derivation)
+            except Exception as err:  # noqa: BLE001 (recorded per kernel; the others still run)
+                rows.append({**row, "status": "failed", "error": f"{type(err).__name__}: {str(err)[:600]}"})
+                continue
+            worst = max((r["ratio"] for r in verdict["families"]), default=0.0)
+            bad = [f"{r['family']}: {r['ratio']:.3g}x ({r['error']:.2e} vs formula {r['formula_error']:.2e})"
+                   + (f" specials {r['specials']}" if r.get("specials") else "") + (f" {r['note']}" if r.get("note") else "")
+                   for r in verdict["families"] if not r["passed"]]
+            rows.append({**row, "status": "passed" if verdict["passed"] else "wrong", "worst_ratio": worst,
+                         "error": "; ".join(bad)[:600] or None})
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    return {"rows": rows, "counts": counts}
 
 
 def specials(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
@@ -462,6 +504,19 @@ def summary_markdown(results: Mapping[str, Any]) -> str:
         if "error" in sv:
             lines.append(f"- stage error: {sv['error'][-600:]}")
         lines.append("")
+    ac = st.get("accuracy", {})
+    if ac.get("counts") or ac.get("error"):
+        lines += ["## Accuracy bar (float32: offsets, peaked, masked; error over the formula's in float32)", "",
+                  "Counts: " + ", ".join(f"{k} {n}" for k, n in sorted(ac.get("counts", {}).items())), ""]
+        lines += [f"- {r['spec']} {r['strategy']}: {r['status']}: {str(r.get('error'))[:300]}"
+                  for r in ac.get("rows", []) if r["status"] in ("wrong", "failed")]
+        worst = max((r for r in ac.get("rows", []) if r.get("worst_ratio") is not None), key=lambda r: r["worst_ratio"],
+                    default=None)
+        if worst:
+            lines.append(f"- worst ratio {worst['worst_ratio']:.2f} ({worst['spec']} {worst['strategy']})")
+        if "error" in ac:
+            lines.append(f"- stage error: {ac['error'][-600:]}")
+        lines.append("")
     cl = st.get("client", {})
     if cl:
         lines += ["## Client path", "", "```", json.dumps({k: val for k, val in cl.items() if k != "seconds"}, indent=1,
@@ -535,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock seconds for all stages")
     ap.add_argument("--trials", type=int, default=3, help="tuning trials per speed case")
     ap.add_argument("--only", default=None, help="speed: comma-separated spec names")
-    ap.add_argument("--stages", default="probes,correctness,specials,client,speed")
+    ap.add_argument("--stages", default="probes,correctness,specials,accuracy,client,speed")
     ap.add_argument("--target", default=None, help="the GPU profile when the device name has none")
     ap.add_argument("--timeout-s", type=float, default=90.0, help="one measurement job")
     ap.add_argument("--compile-workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
@@ -604,8 +659,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 (out / "speed.md").write_text(markdown(stage))
             else:
-                stage = {"probes": probes, "correctness": correctness, "specials": specials, "client": client}[name](
-                    args, budget)
+                stage = {"probes": probes, "correctness": correctness, "specials": specials, "accuracy": accuracy,
+                         "client": client}[name](args, budget)
         except Exception:  # noqa: BLE001 (one stage's failure is recorded; the others still run)
             stage = {**results["stages"].get(name, {}), "error": traceback.format_exc()[-4000:]}
         stage["seconds"] = time.monotonic() - t0

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one-call GPU check (issue 21): preflight, then benchmarks/gpu/check.py (probes,
 # correctness of every catalog kernel against float64, its special values on -inf, +inf and NaN rows
-# (fuser_core/edge_rows.py), the client's stored-cubin path, the
+# (fuser_core/edge_rows.py), the accuracy bar on offsets, peaked and masked rows (fuser_core/accuracy.py),
+# the client's stored-cubin path, the
 # paper suite's speed against torch and the experts). Sized for one device call of at most
 # 7 minutes on a bare H100/H200 of the GPU image (Python 3.12, torch 2.11, Triton 3.6).
 #
