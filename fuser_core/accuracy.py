@@ -336,36 +336,15 @@ def accuracy_shape(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
     """``shape`` with every dim capped for the interpreter: the loop axis at ``AXIS_LIMIT``, other
     reduced axes at ``INNER_LIMIT``, a contraction's free dims at ``FREE_LIMIT``, the rest at
     ``LANE_LIMIT``; a top-k's ``as`` dim kept at k (the loop axis at least k)."""
-    from fuser_core.codegen.plan import loop_axis
+    from fuser_core.codegen.plan import capped_shape
+    from fuser_core.derive import derive_cascade
 
-    axis, inner = loop_axis(spec)
-    as_dims = {s.as_dim: s.k for s in spec.steps if s.as_dim}
-    free = _free_dims(spec)
-    out = {}
-    for d in spec.dims:
-        n = shape[d]
-        if d in as_dims:
-            out[d] = as_dims[d]
-        elif d == axis:
-            out[d] = min(n, max(AXIS_LIMIT, max(as_dims.values(), default=0)))
-        elif d in inner:
-            out[d] = min(n, INNER_LIMIT)
-        elif d in free:
-            out[d] = min(n, FREE_LIMIT)
-        else:
-            out[d] = min(n, LANE_LIMIT)
-    return out
-
-
-def _free_dims(spec: Spec) -> set[str]:
     try:
-        from fuser_core.codegen.plan import contraction_dims
-        from fuser_core.derive import derive_cascade
-
-        free, _batch = contraction_dims(spec, derive_cascade(spec))
-        return set(free)
+        derivation = derive_cascade(spec)
     except Exception:  # noqa: BLE001 (a spec the derivation refuses: no contraction to keep whole)
-        return set()
+        derivation = None
+    return capped_shape(spec, derivation, shape, axis=AXIS_LIMIT, inner=INNER_LIMIT, free=FREE_LIMIT,
+                        batch=LANE_LIMIT, lane=LANE_LIMIT)
 
 
 def family_shape(name: str, spec: Spec, shape: Mapping[str, int]) -> list[dict[str, int]]:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from fuser_core.canonical import spec_hash
-from fuser_core.codegen.plan import KernelConfig, contraction_dims, loop_axis, next_pow2
+from fuser_core.codegen.plan import KernelConfig, capped_shape, contraction_dims, loop_axis, next_pow2
 from fuser_core.derive import Derivation
 from fuser_core.problem import Problem
 from fuser_core.spec import Spec
@@ -91,22 +91,9 @@ def reduced_problem(spec: Spec, derivation: Derivation, shape: Mapping[str, int]
     tiles) and a config for ``strategy`` on it."""
     axis, inner = loop_axis(spec)
     free, batch = contraction_dims(spec, derivation)
-    as_dims = {s.as_dim: s.k for s in spec.steps if s.as_dim}
-    small: dict[str, int] = {}
-    for d in spec.dims:
-        n = shape[d]
-        if d in as_dims:
-            small[d] = as_dims[d]
-        elif d == axis:
-            small[d] = min(n, max(REDUCED_AXIS, max(as_dims.values(), default=0)))
-        elif d in inner:
-            small[d] = min(n, REDUCED_INNER)
-        elif d in free:
-            small[d] = min(n, REDUCED_FREE)
-        elif d in batch:
-            small[d] = min(n, REDUCED_BATCH)
-        else:
-            small[d] = min(n, REDUCED_LANE)
+    as_dims = {s.as_dim for s in spec.steps if s.as_dim}
+    small = capped_shape(spec, derivation, shape, axis=REDUCED_AXIS, inner=REDUCED_INNER, free=REDUCED_FREE,
+                         batch=REDUCED_BATCH, lane=REDUCED_LANE)
     blocks: dict[str, int] = {}
     for d in spec.dims:
         if d == axis:

@@ -206,6 +206,33 @@ def loop_axis(spec: Spec) -> tuple[str, tuple[str, ...]]:
     raise NotValid(f"reductions over {', '.join(axes)} do not nest: no single loop axis")
 
 
+def capped_shape(spec: Spec, derivation: Derivation | None, shape: Mapping[str, int], *, axis: int, inner: int,
+                 free: int, batch: int, lane: int) -> dict[str, int]:
+    """``shape`` with each dim capped by its role, for a check at a small shape of the same structure: the
+    loop axis at ``axis`` (at least a top-k's k), other reduced axes at ``inner``, a contraction's free
+    dims at ``free`` and batch dims at ``batch`` (:func:`contraction_dims`; none without a derivation),
+    every other dim at ``lane``; a top-k's ``as`` dim stays k."""
+    loop, inner_axes = loop_axis(spec)
+    free_dims, batch_dims = contraction_dims(spec, derivation) if derivation is not None else (set(), set())
+    as_dims = {s.as_dim: s.k for s in spec.steps if s.as_dim}
+    out: dict[str, int] = {}
+    for d in spec.dims:
+        n = shape[d]
+        if d in as_dims:
+            out[d] = as_dims[d]
+        elif d == loop:
+            out[d] = min(n, max(axis, max(as_dims.values(), default=0)))
+        elif d in inner_axes:
+            out[d] = min(n, inner)
+        elif d in free_dims:
+            out[d] = min(n, free)
+        elif d in batch_dims:
+            out[d] = min(n, batch)
+        else:
+            out[d] = min(n, lane)
+    return out
+
+
 def contraction_dims(spec: Spec, derivation: Derivation) -> tuple[set[str], set[str]]:
     """(free dims, batch dims) of every contraction: sums of products whose factors carry
     other dims (inner reductions such as q.k, and reductions the derivation marks as
