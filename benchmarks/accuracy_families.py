@@ -79,7 +79,7 @@ def specs(only: set[str] | None) -> dict[str, Any]:
 
     out = {}
     for e in catalog_entries():
-        if e.packaged and e.name not in ("attention", "attention_causal", "fp8_quant_gemm"):  # 4-D / GEMM: own tests
+        if e.packaged and e.name not in ("attention", "attention_causal", "attention_sink", "fp8_quant_gemm"):  # 4-D / GEMM: own tests
             out[e.name] = load_catalog_spec(e.name)
     for name, raw in USER_CASCADES.items():
         out[name] = load_spec({"foldwise": 1, "name": name, **raw})
