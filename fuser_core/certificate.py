@@ -213,11 +213,12 @@ def _rescale(acc: Any, c: Any) -> np.ndarray:
 
 
 def _shift_term(acc: Any, c: Any) -> np.ndarray:
-    """:data:`fuser_core.realisation.ShiftTerm` in float64: acc * c, 0 where c is 0 or finite and acc
-    infinite, as the kernels' ``shift_term``."""
+    """:data:`fuser_core.realisation.ShiftTerm` in float64: acc * c, 0 where c is 0 or NaN (an anchor
+    that stayed at one infinity), where acc is 0 (nothing seen), or where c is finite and acc infinite,
+    as the kernels' ``shift_term``."""
     acc, c = np.asarray(acc, dtype=np.float64), np.asarray(c, dtype=np.float64)
     with np.errstate(invalid="ignore"):
-        return np.where((c == 0.0) | (np.isfinite(c) & np.isinf(acc)), 0.0, acc * c)
+        return np.where((c == 0.0) | np.isnan(c) | (acc == 0.0) | (np.isfinite(c) & np.isinf(acc)), 0.0, acc * c)
 
 
 _NUMPY_COMPARE = {"<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal, "==": np.equal,

@@ -47,9 +47,10 @@ FOLD_OPS = ("sum", "max", "min") + SELECTIONS
 # definition for both.
 Rescale = sp.Function("rescale")
 # ``shift_term(acc, c)``: one term ``acc * c`` of a Taylor shift, 0 when the shift ``c`` is 0 (a part
-# already at the merged anchor: the term is 0 whatever acc is) or finite with acc infinite (an infinite
-# element's moments are infinite at every finite centre, and the order-0 accumulator already holds the
-# answer: (x - b)^2 = inf for x = -inf, where inf * c would cancel it to NaN)
+# already at the merged anchor: the term is 0 whatever acc is) or NaN (an anchor that stayed at one
+# infinity: inf - inf, no move), when acc is 0 (nothing seen yet), or when c is finite and acc infinite
+# (an infinite element's moments are infinite at every finite centre, and the order-0 accumulator
+# already holds the answer: (x - b)^2 = inf for x = -inf, where inf * c would cancel it to NaN)
 class ShiftTerm(sp.Function):
     nargs = 2
 

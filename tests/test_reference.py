@@ -58,6 +58,7 @@ SMALL = {
     "logsumexp": {"m": 4, "n": 9},
     "attention": {"b": 2, "h": 3, "m": 5, "n": 7, "d": 4, "e": 6},
     "attention_causal": {"b": 2, "h": 2, "m": 6, "n": 6, "d": 4, "e": 3},
+    "attention_sink": {"b": 2, "h": 3, "m": 5, "n": 7, "d": 4, "e": 6},
     "moe_routing": {"t": 5, "x": 12},
     "layernorm": {"t": 4, "c": 10},
     "rmsnorm": {"t": 4, "c": 10},
@@ -111,6 +112,20 @@ def test_attention_vs_sdpa(name, mn):
     want = F.scaled_dot_product_attention(q, k, v, is_causal=name == "attention_causal")  # top-left causal
     assert o.shape == (2, 3, m, 6)
     close(o, want.numpy())
+
+
+def test_attention_sink_is_softmax_over_scores_and_the_sink_with_its_column_dropped():
+    """gpt-oss's sinks (FlashAttention-3's s_aux): softmax over [q k^T * scale, sink], the sink's column
+    dropped, times v."""
+    shape = SMALL["attention_sink"]
+    spec = catalog("attention_sink")
+    ins = random_inputs(spec, shape, rng(3))
+    o = evaluate(spec, shape, ins)["o"]
+    q, k, v = (torch.tensor(ins[x]) for x in "qkv")
+    sink = torch.tensor(ins["sink"]).reshape(1, -1, 1, 1).expand(2, 3, 5, 1)
+    scores = q @ k.transpose(-1, -2) / shape["d"] ** 0.5
+    p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    close(o, (p @ v).numpy())
 
 
 def test_attention_param():

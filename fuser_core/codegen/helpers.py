@@ -51,13 +51,16 @@ def rescale(acc, c):
 
 @triton.jit
 def shift_term(acc, c):
-    """acc * c, a term of a Taylor shift, 0 where c is 0 or finite and acc infinite: the moments of an
-    infinite element are infinite at any finite centre (sum (x - b)^2 with x = -inf is inf for every b),
-    so only the accumulator of order 0 holds the answer, and inf * c would cancel it to NaN. An
-    infinite shift (a max that ended -inf) still multiplies: the formula's own inf - inf."""
+    """acc * c, a term of a Taylor shift, 0 where: c is 0; c is NaN (an anchor that stayed at one
+    infinity, inf - inf: no move; an anchor that is NaN has made the order-0 accumulator NaN already);
+    acc is 0 (nothing seen yet adds nothing under any shift); or c is finite and acc infinite (an
+    infinite element's moments are infinite at every finite centre, (x - b)^2 = inf for x = -inf
+    whatever b, so the order-0 accumulator holds the answer and inf * c would cancel it to NaN).
+    An infinite shift of a nonzero accumulator (a max that ended -inf) still multiplies: the
+    formula's own inf - inf."""
     finite_c = (c == c) & (c != float("inf")) & (c != float("-inf"))
     infinite_acc = (acc == float("inf")) | (acc == float("-inf"))
-    return tl.where((c == 0.0) | (finite_c & infinite_acc), 0.0, acc * c)
+    return tl.where((c == 0.0) | (c != c) | (acc == 0.0) | (finite_c & infinite_acc), 0.0, acc * c)
 
 
 @triton.jit
