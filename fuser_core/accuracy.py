@@ -411,8 +411,11 @@ def family_inputs(spec: Spec, shape: Mapping[str, int], name: str, dtypes: Mappi
         if inp.is_index or (fam.target_only and inp.name != target):
             out[inp.name] = x
             continue
-        pos = inp.dims.index(axis) if axis in inp.dims else x.ndim - 1
-        moved = np.moveaxis(apply_family(name, np.moveaxis(x, pos, -1), rng), -1, pos)
+        if x.ndim == 0:  # a scalar input (dims []): the family's transform of a row of one value
+            moved = apply_family(name, np.reshape(x, (1,)), rng).reshape(())
+        else:
+            pos = inp.dims.index(axis) if axis in inp.dims else x.ndim - 1
+            moved = np.moveaxis(apply_family(name, np.moveaxis(x, pos, -1), rng), -1, pos)
         out[inp.name] = cast_to(moved, dtypes[inp.name])
     return out
 
