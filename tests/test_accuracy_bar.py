@@ -189,3 +189,27 @@ def test_the_empty_family_with_a_scalar_input(strategy):
     from fuser_core.tensors import to_torch
 
     assert to_torch({"b": np.float32(1.5).reshape(())}, {"b": "float32"}, "cpu")["b"].shape == ()
+
+
+# ---------------------------------------------------------------- fuzz seed 53: the formula overflows
+
+OVERFLOW = {"foldwise": 1, "name": "exp_of_max", "inputs": {"x": {"dims": ["m", "n"]}},
+            "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
+                      {"name": "e", "expr": "exp(mx)"}], "outputs": ["e"]}
+
+
+def test_an_overflow_the_formula_shares_is_not_the_strategys():
+    """exp(100) overflows float32, so the formula's error is inf; a kernel that gives the same inf was refused with
+    ratio inf/inf = NaN ("error inf is nanx the formula's"). A kernel that is wrong where the formula overflows still fails."""
+    spec = load_spec(OVERFLOW)
+    verdict = accuracy_check(spec, {"m": 3, "n": 9}, families=("offset100",), strategy="row_resident")
+    row = verdict["families"][0]
+    assert verdict["passed"] and row["formula_error"] < 1e-6, row
+    ref = {"e": np.array([1e43, 2.0])}
+    formula = {"e": np.array([np.inf, 2.0])}
+    stores = {"e": "float32"}
+    assert bar_verdict(spec, {"e": np.array([np.inf, 2.0])}, ref, formula, stores)["passed"]
+    assert not bar_verdict(spec, {"e": np.array([np.nan, 2.0])}, ref, formula, stores)["passed"]
+    ref, formula = {"e": np.array([1e39, 1e38])}, {"e": np.array([np.inf, 1e38])}  # the rest still held to the ratio
+    assert bar_verdict(spec, {"e": np.array([np.inf, 1e38])}, ref, formula, stores)["passed"]
+    assert not bar_verdict(spec, {"e": np.array([np.inf, 1.1e38])}, ref, formula, stores)["passed"]
