@@ -390,8 +390,11 @@ def family_inputs(spec: Spec, shape: Mapping[str, int], name: str, dtypes: Mappi
         if inp.is_index or (fam.target_only and inp.name != target):
             out[inp.name] = x
             continue
-        pos = inp.dims.index(axis) if axis in inp.dims else x.ndim - 1
-        moved = np.moveaxis(apply_family(name, np.moveaxis(x, pos, -1), rng), -1, pos)
+        if x.ndim == 0:  # a scalar input (dims []): the family's transform of a row of one value
+            moved = apply_family(name, np.reshape(x, (1,)), rng).reshape(())
+        else:
+            pos = inp.dims.index(axis) if axis in inp.dims else x.ndim - 1
+            moved = np.moveaxis(apply_family(name, np.moveaxis(x, pos, -1), rng), -1, pos)
         out[inp.name] = cast_to(moved, dtypes[inp.name])
     return out
 
@@ -403,6 +406,36 @@ def _float64(t: Any) -> np.ndarray:
     if isinstance(t, np.ndarray):
         return t.astype(np.float64)
     return (t.float() if t.dtype.is_floating_point else t).cpu().numpy().astype(np.float64)
+
+
+def _errors_beside_overflow(got: np.ndarray, ref: np.ndarray, formulas: Sequence[np.ndarray], floor: float,
+                            ulps: float) -> tuple[float, float]:
+    """The kernel's and the formula's errors (:func:`fuser_core.runner.elementwise_err`, the largest
+    element), on the elements where the formula in the dtype is not itself infinitely wrong.
+
+    Where the formula's evaluation in the dtype overflows (or gives NaN, or an infinity of the wrong
+    sign) against a finite float64 reference, its error there is inf, and a ratio inf/inf (NaN)
+    would refuse every kernel, even one that computes exactly what the formula computes: the
+    dtype cannot hold the value, and that is the spec's, not the strategy's. So such an element
+    is judged apart: the kernel passes there when it gives the value one of the formula's
+    evaluations gives (the same infinity, NaN where it is NaN) or is within the bar's floor
+    (``BAR`` x ``ulps``) of the reference; an element it fails counts as an infinite error. Every
+    other element is judged as always, its ratio against the formula's error on those elements."""
+    from fuser_core.runner import elementwise_err
+
+    e_got = elementwise_err(got, ref, floor)
+    e_form = np.max([elementwise_err(f, ref, floor) for f in formulas], axis=0)
+    over = ~np.isfinite(e_form)
+    if over.any():
+        g = np.broadcast_to(np.asarray(got, np.float64), e_form.shape)
+        same = np.zeros(e_form.shape, bool)
+        for f in formulas:
+            f = np.broadcast_to(f, e_form.shape)
+            same |= (g == f) | (np.isnan(g) & np.isnan(f))
+        held = same | (e_got <= BAR * ulps)
+        e_got = np.where(over, np.where(held, 0.0, np.inf), e_got)
+        e_form = np.where(over, 0.0, e_form)
+    return float(np.max(e_got, initial=0.0)), float(np.max(e_form, initial=0.0))
 
 
 def bar_verdict(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, np.ndarray],
@@ -432,8 +465,7 @@ def bar_verdict(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, 
             continue
         floor = FLOOR[stores[part]]
         ulps = ulp_floor(stores[part])
-        err = rel_err(got, ref, floor)
-        ferr = max(rel_err(f[part], ref, floor) for f in formulas)
+        err, ferr = _errors_beside_overflow(got, ref, [np.asarray(f[part], np.float64) for f in formulas], floor, ulps)
         ratio = err / max(ferr, ulps)
         terr = rel_err(torch_ref[part], ref, floor) if torch_ref is not None and part in torch_ref else None
         tratio = err / max(terr, ulps) if terr is not None else None

@@ -230,7 +230,14 @@ def _inf_compare(k: Any, lhs: Any, rhs: Any) -> np.ndarray:
     return _NUMPY_COMPARE[COMPARE_OPS[int(k)]](lhs, rhs)
 
 
-_NUMPY_FUNCS = {"InfCompare": _inf_compare, "round": np.rint, "rescale": _rescale, "shift_term": _shift_term,
+def _nan_of(v: Any) -> np.ndarray:
+    """0 for a finite v, NaN for an infinite or NaN v, as the kernels' ``nan_of`` (v - v)."""
+    v = np.asarray(v, np.float64)
+    with np.errstate(invalid="ignore"):
+        return v - v
+
+
+_NUMPY_FUNCS = {"InfCompare": _inf_compare, "nan_of": _nan_of, "round": np.rint, "rescale": _rescale, "shift_term": _shift_term,
                 "erf": scipy.special.erf,
                 "logical_or": _Broadcasting(np.logical_or), "logical_and": _Broadcasting(np.logical_and)}
 

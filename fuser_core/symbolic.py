@@ -73,6 +73,33 @@ _COMPARE = {"<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge, "==": sp.Eq, "!=":
 COMPARE_OPS = tuple(_COMPARE)  # InfCompare's first argument indexes this
 
 
+class NanOf(sp.Function):
+    """``nan_of(v)``: 0 for a finite v, NaN for an infinite or NaN v (IEEE's v - v). sympy applies
+    algebraic identities IEEE arithmetic does not (v - v = 0, x * 0 = 0, (a + b) - b = a): where
+    converting an operation drops a symbol one of its operands read, :meth:`SymbolicSpec.convert`
+    adds ``nan_of`` of that symbol, so an infinite or NaN value still gives the NaN the formula as
+    written gives. Printed in kernels as the helper ``nan_of`` (v - v), in the certificate's NumPy as v - v."""
+
+    nargs = 1
+
+    @classmethod
+    def eval(cls, v):  # noqa: ANN001, ANN206 (sympy's protocol)
+        if v.is_number and v.is_finite:
+            return sp.Integer(0)
+        return None
+
+
+NanOf.__name__ = "nan_of"  # its name in printers and lambdify's namespace
+
+
+def _cancelled(total: sp.Expr, *operands: sp.Expr) -> sp.Expr:
+    """``total`` plus ``nan_of(s)`` for each symbol an operand read that sympy's simplification of
+    the operation dropped (a size is finite and an index too: those are not kept)."""
+    lost = set().union(*(o.free_symbols for o in operands)) - total.free_symbols
+    lost = sorted((s for s in lost if not (s.name.startswith("size(") or s.name.startswith("index("))), key=str)
+    return total + sp.Add(*(NanOf(s) for s in lost)) if lost else total
+
+
 class InfCompare(sp.logic.boolalg.BooleanFunction):
     """``lhs op rhs`` where a side is +-inf, kept as written: ``InfCompare(k, lhs, rhs)``, ``op`` =
     ``COMPARE_OPS[k]``. sympy takes every symbol here as a finite real, so it folds
@@ -297,11 +324,11 @@ class SymbolicSpec:
                 sign = 1 if e.op == "+" else -1
                 total = tame_numbers(a + sign * b)
                 self.grouping.record(total, a, b, sign)
-                return total
+                return _cancelled(total, a, b)
             if e.op == "*":
-                return tame_numbers(a * b)
+                return _cancelled(tame_numbers(a * b), a, b)
             if e.op == "/":
-                return tame_numbers(a / b)
+                return _cancelled(tame_numbers(a / b), a, b)
             if a.is_number and b.is_number and not _small_exponent(b):
                 return float_power(a, b)  # 9 ** 9 ** 9: never an exact 370-million-digit integer
             return tame_numbers(a**b)

@@ -27,7 +27,7 @@ def to_torch(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str], dev: s
 
     out = {}
     for name, arr in arrays.items():
-        t = torch.from_numpy(np.ascontiguousarray(arr))
+        t = torch.from_numpy(np.ascontiguousarray(arr).reshape(np.shape(arr)))  # ascontiguousarray makes a 0-dim array (1,)
         dt = dtypes[name]
         t = t.to(torch.int64 if dt == "int64" else getattr(torch, dt if dt != "float8_e4m3fn" else "float32"))
         if dt == "float8_e4m3fn":

@@ -158,3 +158,58 @@ def test_foldwise_run_exits_1_when_a_family_fails():
 def test_foldwise_run_refuses_an_unknown_family():
     proc = foldwise_run("safe_softmax", "--shape", "m=3,n=37", "--families", "offset7")
     assert proc.returncode == 2 and "--families" in proc.stderr
+
+
+# ---------------------------------------------------------------- fuzz seed 53: scalar inputs (dims [])
+
+SCALAR_BIAS = {"foldwise": 1, "name": "scalar_bias", "inputs": {"x": {"dims": ["m", "n"]}, "b": {"dims": []}},
+               "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x + b"},
+                         {"name": "s", "reduce": "sum", "over": "n", "expr": "exp(x + b - mx)"}],
+               "outputs": ["s"]}
+
+
+def test_family_inputs_move_a_scalar_input_too():
+    """A 0-dim input has no axis to move: family_inputs moved axis -1 of it (AxisError, fuzz seed 53)."""
+    spec = load_spec(SCALAR_BIAS)
+    dtypes = {"x": "float32", "b": "float32"}
+    plain = family_inputs(spec, {"m": 2, "n": 5}, "normal", dtypes)
+    shifted = family_inputs(spec, {"m": 2, "n": 5}, "offset100", dtypes)
+    assert shifted["b"].shape == () and shifted["b"] == pytest.approx(plain["b"] + 100, rel=1e-6)
+    assert accuracy_check(spec, {"m": 2, "n": 7}, families=("offset100", "peaked", "masked", "nan"),
+                          strategy="row_resident")["passed"]
+
+
+@pytest.mark.parametrize("strategy", ["row_resident", "streaming_fused"])
+def test_the_empty_family_with_a_scalar_input(strategy):
+    """A 0-dim input reached the empty-shape path as (1,) (np.ascontiguousarray makes a 0-dim array 1-dim, in
+    fuser_core.tensors.to_torch), which the reference's shape check refused: a crash on the empty family."""
+    spec = load_spec(SCALAR_BIAS)
+    verdict = accuracy_check(spec, {"m": 2, "n": 7}, families=("empty",), strategy=strategy)
+    assert verdict["passed"], verdict["families"]
+    from fuser_core.tensors import to_torch
+
+    assert to_torch({"b": np.float32(1.5).reshape(())}, {"b": "float32"}, "cpu")["b"].shape == ()
+
+
+# ---------------------------------------------------------------- fuzz seed 53: the formula overflows
+
+OVERFLOW = {"foldwise": 1, "name": "exp_of_max", "inputs": {"x": {"dims": ["m", "n"]}},
+            "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
+                      {"name": "e", "expr": "exp(mx)"}], "outputs": ["e"]}
+
+
+def test_an_overflow_the_formula_shares_is_not_the_strategys():
+    """exp(100) overflows float32, so the formula's error is inf; a kernel that gives the same inf was refused with
+    ratio inf/inf = NaN ("error inf is nanx the formula's"). A kernel that is wrong where the formula overflows still fails."""
+    spec = load_spec(OVERFLOW)
+    verdict = accuracy_check(spec, {"m": 3, "n": 9}, families=("offset100",), strategy="row_resident")
+    row = verdict["families"][0]
+    assert verdict["passed"] and row["formula_error"] < 1e-6, row
+    ref = {"e": np.array([1e43, 2.0])}
+    formula = {"e": np.array([np.inf, 2.0])}
+    stores = {"e": "float32"}
+    assert bar_verdict(spec, {"e": np.array([np.inf, 2.0])}, ref, formula, stores)["passed"]
+    assert not bar_verdict(spec, {"e": np.array([np.nan, 2.0])}, ref, formula, stores)["passed"]
+    ref, formula = {"e": np.array([1e39, 1e38])}, {"e": np.array([np.inf, 1e38])}  # the rest still held to the ratio
+    assert bar_verdict(spec, {"e": np.array([np.inf, 1e38])}, ref, formula, stores)["passed"]
+    assert not bar_verdict(spec, {"e": np.array([np.inf, 1.1e38])}, ref, formula, stores)["passed"]

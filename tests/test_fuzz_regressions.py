@@ -933,3 +933,33 @@ def test_a_where_fill_that_is_a_symbolic_constant_is_compared_as_a_number():
          red("h", "sum", "sigmoid(where(not index(e) <= index(d), lse, -1))", over="d")],
         ["h"], inputs={"logits": {"dims": ["n", "d", "e"]}, "v": {"dims": ["d"]}})
     every_strategy_passes(spec, {"n": 2, "d": 9, "e": 3})
+
+
+# ---------------------------------------------------------------- sympy's cancellations and IEEE (fuzz seed 53)
+
+
+@pytest.mark.parametrize("expr", ["(x - x) - mx", "(x + 1) - (x - x) + mx * 0", "x * 0 + (mx + x) - x"])
+def test_cancelled_symbols_keep_their_nan(expr):
+    """sympy simplifies x - x to 0, x * 0 to 0 and (a + b) - b to a, so an infinite x gave a finite kernel value
+    where the formula as written (IEEE) gives NaN, in every strategy (the masked and NaN families refused
+    row_resident too). The conversion keeps nan_of(x) (0 for finite x, NaN otherwise) for a symbol it dropped."""
+    from fuser_core.accuracy import accuracy_check
+    from fuser_core.symbolic import NanOf
+
+    spec = spec_of([red("mx", "max", "x"), red("s", "sum", f"({expr}) ** 2")], ["s"])
+    d = derive_cascade(spec)
+    assert d.forms["s"].integrand.atoms(NanOf), d.forms["s"].integrand
+    for strategy in ("row_resident", "streaming_fused", "multi_pass"):
+        verdict = accuracy_check(spec, {"m": 3, "n": 9}, families=("masked", "nan"), strategy=strategy)
+        assert verdict["passed"], (strategy, verdict["families"])
+    assert certify(d, trials=4).holds
+
+
+def test_a_cancelled_elementwise_output_is_nan_where_its_input_is_infinite():
+    """p = -(kk - kk) printed as 0.0: the reference's p is NaN where kk is -inf."""
+    spec = spec_of([{"name": "p", "expr": "(-(kk - kk))"}, red("z", "max", "where(kk > 0, kk, -inf)", over="j2")],
+                   ["p", "z"], inputs={"kk": {"dims": ["j2"]}})
+    x = np.array([1.0, -np.inf, np.nan, 2.0])
+    out = run(spec, {"j2": 4}, "float32", {"kk": x}, strategy="row_resident").outputs
+    got = out["p"].numpy()
+    assert got[0] == 0 and got[3] == 0 and np.isnan(got[1]) and np.isnan(got[2])

@@ -64,6 +64,13 @@ def shift_term(acc, c):
 
 
 @triton.jit
+def nan_of(v):
+    """0 for a finite v, NaN for an infinite or NaN one: the formula's v - v (or x * 0, (a + b) - b) that
+    sympy simplified away, kept as IEEE computes it (fuser_core.symbolic.NanOf)."""
+    return v - v
+
+
+@triton.jit
 def argmax_merge(best, best_idx, tile, tile_idx, AXIS: tl.constexpr):
     """A tile's (max value, first index) along its AXIS merged into the running (best, best_idx)
     (the tile's shape without AXIS); the earlier index wins ties (an empty state has index

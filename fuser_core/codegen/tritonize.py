@@ -38,7 +38,7 @@ from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.names import NAN_MAX_MIN
 from fuser_core.grouping import Grouping
 from fuser_core.realisation import Rescale, ShiftTerm
-from fuser_core.symbolic import CAST_FUNCTIONS, InfCompare, Round
+from fuser_core.symbolic import CAST_FUNCTIONS, InfCompare, NanOf, Round
 
 _FUNCS = {
     sp.exp: "tl.exp",
@@ -278,6 +278,8 @@ class _Printer:
             return self.call("rescale", f"{self.go(e.args[0])[0]}, {self.go(e.args[1])[0]}")
         if e.func == ShiftTerm:  # a Taylor shift's term: 0 for a zero shift, as the certificate's
             return self.call("shift_term", f"{self.go(e.args[0])[0]}, {self.go(e.args[1])[0]}")
+        if e.func == NanOf:  # v - v as IEEE computes it (NaN for an infinite v), which sympy had cancelled
+            return self.call("nan_of", self.go(e.args[0])[0])
         if e.func == Round:
             return self.call("round_half_even", self.arg(e.args[0]))
         if isinstance(e, sp.Rel):

@@ -80,6 +80,9 @@ class _Printer(LatexPrinter):
             acc, c = expr.args
             out = rf"{self._print(acc)}\, {_paren(c)}"
             return rf"\left({out}\right)^{{{exp}}}" if exp else out
+        if fname == "nan_of":  # v - v kept as IEEE computes it (NaN for an infinite v): shown as written
+            out = rf"\left({self._print(expr.args[0])} - {self._print(expr.args[0])}\right)"
+            return rf"{out}^{{{exp}}}" if exp else out
         if fname.startswith("cast_") or fname == "round":
             dtype = fname[5:].replace("_", r"\_")
             label = r"\operatorname{round}" if fname == "round" else r"\operatorname{cast}_{\texttt{" + dtype + "}}"
