@@ -237,7 +237,12 @@ def _nan_of(v: Any) -> np.ndarray:
         return v - v
 
 
-_NUMPY_FUNCS = {"InfCompare": _inf_compare, "nan_of": _nan_of, "round": np.rint, "rescale": _rescale, "shift_term": _shift_term,
+def _unordered(a: Any, b: Any) -> np.ndarray:
+    """:class:`fuser_core.symbolic.Unordered` in float64: a or b is NaN."""
+    return np.isnan(np.asarray(a, dtype=np.float64)) | np.isnan(np.asarray(b, dtype=np.float64))
+
+
+_NUMPY_FUNCS = {"InfCompare": _inf_compare, "Unordered": _unordered, "nan_of": _nan_of, "round": np.rint, "rescale": _rescale, "shift_term": _shift_term,
                 "erf": scipy.special.erf,
                 "logical_or": _Broadcasting(np.logical_or), "logical_and": _Broadcasting(np.logical_and)}
 

@@ -135,6 +135,48 @@ class InfCompare(sp.logic.boolalg.BooleanFunction):
         return f"{printer._print(self.args[1])} {rel} {printer._print(self.args[2])}"
 
 
+class Unordered(sp.logic.boolalg.BooleanFunction):
+    """``unordered(a, b)``: a or b is NaN (IEEE's unordered comparison). sympy negates ``not (a < b)`` to
+    ``a >= b``, which a NaN makes False where the spec's ``not`` gives True; :func:`negate` writes it
+    ``a >= b or unordered(a, b)``. Evaluated only between numbers (sympy's numbers are never NaN here)."""
+
+    nargs = 2
+
+    @classmethod
+    def eval(cls, a, b):  # noqa: ANN001, ANN206 (sympy's protocol)
+        if not a.free_symbols and not b.free_symbols:
+            return sp.true if (a is sp.nan or b is sp.nan) else sp.false
+        return None
+
+    def _numpycode(self, printer) -> str:  # noqa: ANN001
+        a, b = (printer._print(x) for x in self.args)
+        return f"Unordered({a}, {b})"
+
+    _lambdacode = _pythoncode = _numpycode
+
+    def _sympystr(self, printer) -> str:  # noqa: ANN001
+        return f"unordered({printer._print(self.args[0])}, {printer._print(self.args[1])})"
+
+    def _latex(self, printer) -> str:  # noqa: ANN001
+        return rf"\operatorname{{isnan}}({printer._print(self.args[0])}) \lor \operatorname{{isnan}}({printer._print(self.args[1])})"
+
+
+_NEGATED = {sp.Lt: sp.Ge, sp.Le: sp.Gt, sp.Gt: sp.Le, sp.Ge: sp.Lt}
+
+
+def negate(c: sp.Basic) -> sp.Basic:
+    """``not c`` as IEEE evaluates it: an ordered comparison negated is the opposite comparison or an
+    unordered pair (``not (x < 1)`` is ``x >= 1 or isnan(x)``), pushed through and/or by De Morgan;
+    sympy's own ``Not`` drops the NaN case."""
+    if type(c) in _NEGATED:
+        return sp.Or(_NEGATED[type(c)](c.lhs, c.rhs), Unordered(c.lhs, c.rhs))
+    if isinstance(c, sp.And):
+        return sp.Or(*(negate(a) for a in c.args))
+    if isinstance(c, sp.Or):
+        return sp.And(*(negate(a) for a in c.args))
+    return sp.Not(c)  # ==, != (their negations agree with IEEE), InfCompare, Unordered, true/false
+
+
 def compare(op: str, lhs: sp.Expr, rhs: sp.Expr) -> sp.Basic:
     """The sympy form of ``lhs op rhs``: :class:`InfCompare` when a side holds +-inf."""
     if any(side.has(sp.oo, -sp.oo) for side in (lhs, rhs)):
@@ -336,7 +378,7 @@ class SymbolicSpec:
             return compare(e.op, self.convert(e.left), self.convert(e.right))
         if isinstance(e, ex.Logic):
             args = [self.convert(a) for a in e.args]
-            return sp.Not(args[0]) if e.op == "not" else (sp.And if e.op == "and" else sp.Or)(*args)
+            return negate(args[0]) if e.op == "not" else (sp.And if e.op == "and" else sp.Or)(*args)
         if isinstance(e, ex.Cast):
             return CAST_FUNCTIONS[e.dtype](self.convert(e.operand))
         if isinstance(e, ex.Call):
@@ -447,6 +489,10 @@ def tame_numbers(e: sp.Expr) -> sp.Expr:
     sympy's complex infinity (``x / 0`` is ``zoo*x``, ``log(0)`` is ``zoo``) means the spec
     divides by, or takes log/rsqrt of, something that is identically 0 once earlier steps are
     substituted: the converter reports that as a SpecError naming the step."""
+    if e.has(NanOf):  # nan_of(v) is 0 for every finite v: x / (x - x) divides by 0 all the same
+        plain = e.xreplace({n: sp.Integer(0) for n in e.atoms(NanOf)})
+        if plain is sp.zoo or (plain.is_Mul and sp.zoo in plain.args):
+            e = plain
     if e is sp.zoo or (e.is_Mul and sp.zoo in e.args):
         raise _Undefined(
             "is infinite or undefined for every input: it divides by, or takes log or rsqrt of, an expression "

@@ -551,6 +551,22 @@ def test_tanh_is_within_a_few_float32_ulps_everywhere():
     assert ulps.max() <= 3, (ulps.max(), x[np.argmax(ulps), 0])
 
 
+def test_not_of_a_comparison_keeps_ieee_nan():
+    """sympy turns not (g < 0.5) into g >= 0.5, which a NaN g makes False where the spec's `not` gives True
+    (CI fuzz, nan family: the max of where(not g < 0.5, x, -inf) was -inf, the reference NaN); `not` of an
+    ordered comparison is now the opposite comparison or an unordered pair, in every strategy."""
+    spec = spec_of([red("y", "max", "where(not x < 0.5 and not (x > 3 or x < -3), x * 2, -inf)", over="n")], ["y"],
+                   inputs={"x": {"dims": ["m", "n"]}})
+    x = np.random.default_rng(0).standard_normal((3, 13)).astype(np.float32)
+    x[0, 4] = np.nan
+    ref = evaluate(spec, {"m": 3, "n": 13}, {"x": x.astype(np.float64)})["y"]
+    assert np.isnan(ref[0]) and np.isfinite(ref[1:]).all()
+    for strategy in ("row_resident", "streaming_fused", "multi_pass", "unfused_chain"):
+        got = run(spec, {"m": 3, "n": 13}, "float32", {"x": x}, strategy=strategy).outputs["y"].double().numpy()
+        assert np.isnan(got[0]) and np.allclose(got[1:], ref[1:]), (strategy, got, ref)
+    assert certify(derive_cascade(spec), trials=4).holds
+
+
 # ---------------------------------------------------------------- cascades a new user writes (issue 14)
 
 

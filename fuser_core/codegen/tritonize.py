@@ -38,7 +38,7 @@ from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.names import NAN_MAX_MIN
 from fuser_core.grouping import Grouping
 from fuser_core.realisation import Rescale, ShiftTerm
-from fuser_core.symbolic import CAST_FUNCTIONS, InfCompare, NanOf, Round
+from fuser_core.symbolic import CAST_FUNCTIONS, InfCompare, NanOf, Round, Unordered
 
 _FUNCS = {
     sp.exp: "tl.exp",
@@ -284,6 +284,9 @@ class _Printer:
             return self.call("round_half_even", self.arg(e.args[0]))
         if isinstance(e, sp.Rel):
             return f"{self.wrap(e.lhs, _ADD)} {_REL[type(e)]} {self.wrap(e.rhs, _ADD)}", 0
+        if isinstance(e, Unordered):  # a NaN on either side (tl.where: a scalar side may be a Python float)
+            a, b = (self.wrap(x, _ADD) for x in e.args)
+            return f"tl.where({a} != {a}, {a} != {a}, {b} != {b})", _ATOM
         if isinstance(e, InfCompare):
             return f"{self.wrap(e.args[1], _ADD)} {e.op} {self.wrap(e.args[2], _ADD)}", 0
         if isinstance(e, sp.ITE):  # a where() inside a where()'s condition, folded by sympy
