@@ -93,11 +93,16 @@ NanOf.__name__ = "nan_of"  # its name in printers and lambdify's namespace
 
 
 def _cancelled(total: sp.Expr, *operands: sp.Expr) -> sp.Expr:
-    """``total`` plus ``nan_of(s)`` for each symbol an operand read that sympy's simplification of
-    the operation dropped (a size is finite and an index too: those are not kept)."""
+    """``total`` plus ``nan_of(o)`` for each operand ``o`` that read a symbol sympy's simplification of
+    the operation dropped (a size is finite and an index too: those are not kept). Of the operand, not
+    the symbol: ``s - s`` with ``s = clamp(where(x > 0, 2, 0), -1, 1)`` is 0 for an infinite x too,
+    as s is finite; ``x - x`` is NaN there."""
     lost = set().union(*(o.free_symbols for o in operands)) - total.free_symbols
-    lost = sorted((s for s in lost if not (s.name.startswith("size(") or s.name.startswith("index("))), key=str)
-    return total + sp.Add(*(NanOf(s) for s in lost)) if lost else total
+    lost = {s for s in lost if not (s.name.startswith("size(") or s.name.startswith("index("))}
+    if not lost:
+        return total
+    kept = dict.fromkeys(o for o in operands if o.free_symbols & lost)
+    return total + sp.Add(*(NanOf(o) for o in sorted(kept, key=sp.default_sort_key)))
 
 
 class InfCompare(sp.logic.boolalg.BooleanFunction):
@@ -156,6 +161,9 @@ class Unordered(sp.logic.boolalg.BooleanFunction):
 
     def _sympystr(self, printer) -> str:  # noqa: ANN001
         return f"unordered({printer._print(self.args[0])}, {printer._print(self.args[1])})"
+
+    def _eval_as_set(self):  # noqa: ANN202 (sympy's protocol: Piecewise folds conditions as sets where it can)
+        raise NotImplementedError("unordered(a, b) is no set of real numbers")
 
     def _latex(self, printer) -> str:  # noqa: ANN001
         return rf"\operatorname{{isnan}}({printer._print(self.args[0])}) \lor \operatorname{{isnan}}({printer._print(self.args[1])})"

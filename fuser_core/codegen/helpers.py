@@ -58,9 +58,10 @@ def shift_term(acc, c):
     whatever b, so the order-0 accumulator holds the answer and inf * c would cancel it to NaN).
     An infinite shift of a nonzero accumulator (a max that ended -inf) still multiplies: the
     formula's own inf - inf."""
-    finite_c = (c == c) & (c != float("inf")) & (c != float("-inf"))
-    infinite_acc = (acc == float("inf")) | (acc == float("-inf"))
-    return tl.where((c == 0.0) | (c != c) | (acc == 0.0) | (finite_c & infinite_acc), 0.0, acc * c)
+    t = acc * c  # single comparisons, nested where: the interpreter cannot | a scalar condition with a block
+    t = tl.where(tl.abs(c) < float("inf"), tl.where(tl.abs(acc) == float("inf"), 0.0, t), t)
+    t = tl.where(c != c, 0.0, t)
+    return tl.where(acc == 0.0, 0.0, t)
 
 
 @triton.jit
