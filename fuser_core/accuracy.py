@@ -271,62 +271,79 @@ def formula_outputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, n
 # ---------------------------------------------------------------- torch's own ops
 
 
-def _param(spec: Spec, shape: Mapping[str, int], name: str) -> float:
-    from fuser_core.reference import param_values
-
-    return param_values(spec, shape)[name]
-
-
-def _torch_ops() -> dict[str, Callable[[Spec, Mapping[str, int], Mapping[str, Any]], dict[str, Any]]]:
+def _torch_ops() -> dict[str, Callable[[Mapping[str, int], Mapping[str, float], Mapping[str, Any]], dict[str, Any]]]:
+    """Torch's op for each catalog spec of ``TORCH_OPS``: (shape, params, tensors) -> outputs, all
+    in the catalog spec's own names (:func:`torch_outputs` translates a renamed copy's)."""
     import torch
     import torch.nn.functional as F  # noqa: N812
 
     return {
-        "safe_softmax": lambda spec, shape, t: {"y": torch.softmax(t["x"], dim=-1)},
-        "logsumexp": lambda spec, shape, t: {"lse": torch.logsumexp(t["x"], dim=-1)},
-        "layernorm": lambda spec, shape, t: {"y": F.layer_norm(t["x"], (shape["c"],), t["gamma"], t["beta"],
-                                                                _param(spec, shape, "eps"))},
-        "rmsnorm": lambda spec, shape, t: {"y": F.rms_norm(t["x"], (shape["c"],), t["w"], _param(spec, shape, "eps"))},
-        "cross_entropy": lambda spec, shape, t: {"loss": F.cross_entropy(t["logits"], t["target"], reduction="none")},
+        "safe_softmax": lambda shape, p, t: {"y": torch.softmax(t["x"], dim=-1)},
+        "logsumexp": lambda shape, p, t: {"lse": torch.logsumexp(t["x"], dim=-1)},
+        "layernorm": lambda shape, p, t: {"y": F.layer_norm(t["x"], (shape["c"],), t["gamma"], t["beta"], p["eps"])},
+        "rmsnorm": lambda shape, p, t: {"y": F.rms_norm(t["x"], (shape["c"],), t["w"], p["eps"])},
+        "cross_entropy": lambda shape, p, t: {"loss": F.cross_entropy(t["logits"], t["target"], reduction="none")},
     }
 
 
 TORCH_OPS = ("safe_softmax", "logsumexp", "layernorm", "rmsnorm", "cross_entropy")
-_CATALOG_HASHES: dict[str, str] | None = None
+_CATALOG_SPECS: dict[str, tuple[str, Spec]] | None = None  # spec hash -> (op name, the catalog's spec)
+
+
+def _torch_op(spec: Spec) -> tuple[str, Spec] | None:
+    """The catalog op torch has for ``spec`` and the catalog's copy of it, matched by spec hash."""
+    global _CATALOG_SPECS
+    from fuser_core.canonical import spec_hash
+    from fuser_core.catalog import PACKAGED_DIR, load_catalog_spec
+
+    if _CATALOG_SPECS is None:
+        specs = {n: load_catalog_spec(PACKAGED_DIR / f"{n}.json") for n in TORCH_OPS}
+        _CATALOG_SPECS = {spec_hash(s): (n, s) for n, s in specs.items()}
+    return _CATALOG_SPECS.get(spec_hash(spec))
 
 
 def torch_op_name(spec: Spec) -> str | None:
     """The catalog op torch has for ``spec`` (``TORCH_OPS``), matched by spec hash (a renamed
-    copy of the catalog's layernorm counts; an edited one does not); None otherwise."""
-    global _CATALOG_HASHES
-    from fuser_core.canonical import spec_hash
-    from fuser_core.catalog import PACKAGED_DIR, load_catalog_spec
-
-    if _CATALOG_HASHES is None:
-        _CATALOG_HASHES = {spec_hash(load_catalog_spec(PACKAGED_DIR / f"{n}.json")): n for n in TORCH_OPS}
-    return _CATALOG_HASHES.get(spec_hash(spec))
+    copy of the catalog's layernorm counts, the service's canonical copy too; an edited one
+    does not); None otherwise."""
+    found = _torch_op(spec)
+    return found[0] if found else None
 
 
 def torch_outputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarray],
                   dtypes: Mapping[str, str]) -> dict[str, np.ndarray] | None:
-    """Torch's own op on ``inputs`` in their dtypes (on the CPU), as float64 arrays; None when torch
-    has no op for the spec or no CPU kernel for the dtype."""
+    """Torch's own op on ``inputs`` in their dtypes (on the CPU), as float64 arrays keyed by
+    ``spec``'s output names; None when torch has no op for the spec or no CPU kernel for the dtype."""
     import torch
 
-    name = torch_op_name(spec)
-    if name is None:
+    from fuser_core.canonical import canonical_names
+    from fuser_core.reference import param_values
+
+    found = _torch_op(spec)
+    if found is None:
         return None
+    name, catalog = found
+    # equal hashes: the two specs' dims, steps and params have the same canonical names
+    ours = {canon: mine for mine, canon in canonical_names(spec).items()}
+    theirs = {cat: ours[canon] for cat, canon in canonical_names(catalog).items()}
+    params = param_values(spec, shape)
     tensors = {}
-    for inp in spec.inputs:
+    for inp in spec.inputs:  # inputs keep their names in the canonical form
         a = np.asarray(inputs[inp.name])
         tensors[inp.name] = (torch.from_numpy(a.astype(np.int64)) if inp.is_index
                              else torch.from_numpy(a.astype(np.float32)).to(getattr(torch, dtypes[inp.name])))
     try:
         with torch.no_grad():
-            got = _torch_ops()[name](spec, shape, tensors)
+            got = _torch_ops()[name]({d: shape[theirs[d]] for d in catalog.dims},
+                                     {p.name: params[theirs[p.name]] for p in catalog.params if p.name in theirs},
+                                     tensors)
     except (RuntimeError, NotImplementedError, TypeError):  # no CPU kernel for this dtype
         return None
-    return {p: t.double().numpy() for p, t in got.items()}
+    out = {}
+    for part, t in got.items():  # in the spec's dim order (a canonical copy may order them otherwise)
+        order = [theirs[d] for d in catalog.step(part).dims]
+        out[theirs[part]] = t.double().numpy().transpose([order.index(d) for d in spec.step(theirs[part]).dims])
+    return out
 
 
 # ---------------------------------------------------------------- inputs and shapes

@@ -96,6 +96,24 @@ def test_a_catalog_spec_passes_every_family(name):
     assert [r["family"] for r in verdict["families"]] == list(FAMILIES)
 
 
+@pytest.mark.parametrize("name", ["rmsnorm", "layernorm"])
+def test_torchs_op_is_compared_on_the_services_canonical_copy(name):
+    """The service tunes the canonical copy (dims d0, d1 in another order, steps s0.., params p0..):
+    torch's op is still found, called in the catalog's names and laid out in the copy's dim order
+    (a job on rmsnorm failed with KeyError 'c' in the dashboard test)."""
+    from fuser_core.canonical import canonical_form
+
+    catalog = load_catalog_spec(name)
+    copy = load_spec(canonical_form(catalog))
+    renamed = {"c": "d0", "t": "d1"}
+    assert catalog.dims == ("t", "c") and copy.dims == ("d0", "d1")  # the copy lays outputs out (c, t)
+    verdict = accuracy_check(copy, {renamed[d]: n for d, n in {"c": 40, "t": 3}.items()}, "float32",
+                             families=("normal", "offset100"))
+    assert verdict["torch_op"] == name
+    for row in verdict["families"]:
+        assert row["passed"] and row["torch_error"] is not None and row["torch_error"] < 1e-3, row  # not transposed
+
+
 def test_an_argmax_over_an_empty_axis_is_refused_as_the_reference_refuses():
     spec = load_spec({"foldwise": 1, "name": "am", "inputs": {"x": {"dims": ["m", "n"]}},
                       "steps": [{"name": "i", "reduce": "argmax", "over": "n", "expr": "x"}], "outputs": ["i"]})
