@@ -54,12 +54,14 @@ def canonical_names(spec: Spec) -> dict[str, str]:
         return out
 
     dim_order: list[str] = []
-    for inp in sorted(spec.inputs, key=lambda i: i.name):
-        dim_order.extend(d for d in inp.dims if d not in dim_order)
+    for inp in sorted(spec.inputs, key=lambda i: i.name):  # the dims the user declared (merged ones' parts)
+        dim_order.extend(d for d in inp.storage_dims or inp.dims if d not in dim_order)
     dim_order.extend(s.as_dim for s in spec.steps if s.as_dim is not None)
     # a dim named only in size()/index() of a param cannot exist (validation), so all dims are covered
     for d, new in zip(dim_order, fresh("d", len(dim_order))):
         names[d] = new
+    for merged, parts in spec.merges.items():  # the name load_spec gives the canonical copy's merged dim
+        names[merged] = "_".join(names[p] for p in parts)
     for step, new in zip(spec.steps, fresh("s", len(spec.steps))):
         names[step.name] = new
     param_names = {p.name for p in spec.params}
@@ -78,7 +80,7 @@ def canonical_form(spec: Spec) -> dict[str, Any]:
     names = canonical_names(spec)
     inputs = {}
     for inp in sorted(spec.inputs, key=lambda i: i.name):
-        decl: dict[str, Any] = {"dims": [names[d] for d in inp.dims]}
+        decl: dict[str, Any] = {"dims": [names[d] for d in inp.storage_dims or inp.dims]}
         if not inp.is_float:
             decl["kind"] = inp.kind
         inputs[inp.name] = decl
@@ -88,7 +90,8 @@ def canonical_form(spec: Spec) -> dict[str, Any]:
         entry: dict[str, Any] = {"name": names[step.name], "expr": ex.to_text(step.expr, names)}
         if step.reduce is not None:
             entry["reduce"] = step.reduce
-            entry["over"] = names[step.over]  # type: ignore[index]
+            over = spec.over_text(step)
+            entry["over"] = [names[d] for d in over] if isinstance(over, list) else names[over]
         if step.reduce == "topk":
             entry["k"] = step.k
             entry["as"] = names[step.as_dim]  # type: ignore[index]

@@ -225,6 +225,12 @@ _NUMPY_COMPARE = {"<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.g
                   "!=": np.not_equal}
 
 
+def _nan_to_zero(d: Any) -> np.ndarray:
+    """:data:`fuser_core.realisation.NanToZero` in float64, as the kernels' ``nan_to_zero``."""
+    d = np.asarray(d, dtype=np.float64)
+    return np.where(np.isnan(d), 0.0, d)
+
+
 def _inf_compare(k: Any, lhs: Any, rhs: Any) -> np.ndarray:
     """:class:`fuser_core.symbolic.InfCompare` in float64 (IEEE: NaN compares unequal)."""
     return _NUMPY_COMPARE[COMPARE_OPS[int(k)]](lhs, rhs)
@@ -243,6 +249,7 @@ def _unordered(a: Any, b: Any) -> np.ndarray:
 
 
 _NUMPY_FUNCS = {"InfCompare": _inf_compare, "Unordered": _unordered, "nan_of": _nan_of, "round": np.rint, "rescale": _rescale, "shift_term": _shift_term,
+                "nan_to_zero": _nan_to_zero,
                 "erf": scipy.special.erf,
                 "logical_or": _Broadcasting(np.logical_or), "logical_and": _Broadcasting(np.logical_and)}
 

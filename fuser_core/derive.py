@@ -79,7 +79,7 @@ import sympy as sp
 from fuser_core import expr as ex
 from fuser_core.realisation import COUNT_OLD, Realisation, ShiftTerm, empty_adds_zero, new, old, realise
 from fuser_core.spec import Spec, Step
-from fuser_core.symbolic import Deadline, SymbolicSpec, cast_decides, has_cast, strip_casts
+from fuser_core.symbolic import Deadline, SymbolicSpec, axis_size, cast_decides, has_cast, strip_casts
 
 MAX_TERMS = 32  # rank limit for multi-term separation
 MAX_EXPAND_POWER = 12  # (x + D)**p with larger p is not expanded
@@ -656,7 +656,7 @@ class _Deriver:
         """Is ``sym`` a sum over the axis of an integrand carrying 1/size(axis)? Its running estimate
         (partial * size / count) is then a running average, within the range of the values averaged."""
         form = self.forms[self.conv.leaf_step[sym].name]
-        n = sp.Symbol(f"size({self.axis})", integer=True, positive=True)
+        n = axis_size(self.conv.spec, self.axis)
         scaled_up = _combined(strip_casts(form.integrand) * n)
         branches = [v for v, _ in scaled_up.args] if isinstance(scaled_up, sp.Piecewise) else [scaled_up]
         return form.op == "sum" and not any(n in sp.cancel(b).free_symbols for b in branches)
@@ -953,7 +953,7 @@ class _Deriver:
 
     def shifted(self, terms: list[Term], dep_names: tuple[str, ...]) -> ReductionForm | None:
         """Welford/Chan-style realisation when every changing term's sum is known from partials."""
-        n = sp.Symbol(f"size({self.axis})", integer=True, positive=True)
+        n = axis_size(self.conv.spec, self.axis)
         sum_deps = {
             name: sym for name, sym in self.deps.items() if self.forms[name].independent and self.forms[name].op == "sum"
         }

@@ -32,6 +32,7 @@ def present(derivation: Derivation, certificate: Certificate) -> dict[str, Any]:
         "axes": [
             {
                 "axis": g.axis,
+                "dims": list(derivation.spec.merges.get(g.axis, (g.axis,))),  # a merged axis: the dims it loops over
                 "reductions": list(g.members),
                 "dependencies": [list(e) for e in g.edges],
                 "horizontal": list(g.horizontal),

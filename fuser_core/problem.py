@@ -64,7 +64,7 @@ def bind_shape(spec: Spec, shape: Mapping[str, int], *, allow_empty: bool = Fals
     """
     if not isinstance(shape, Mapping):
         raise ShapeError(f"expected an object of dim -> size, got {type(shape).__name__}", loc=("shape",))
-    unknown = [d for d in shape if d not in spec.dims]
+    unknown = [d for d in shape if d not in spec.sized_dims]
     if unknown:
         raise ShapeError(
             f"unknown dim{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
@@ -73,7 +73,18 @@ def bind_shape(spec: Spec, shape: Mapping[str, int], *, allow_empty: bool = Fals
         )
     as_dims = {s.as_dim: s for s in spec.steps if s.reduce == "topk"}
     bound: dict[str, int] = {}
-    for d in spec.dims:
+    for merged, parts in spec.merges.items():  # the user gives the parts (c, p); a merged size given wins
+        if merged in shape:
+            continue
+        for d in parts:
+            n = shape.get(d)
+            if n is None:
+                raise ShapeError(f"no size given for this dim (reduced together as {list(parts)})", loc=("shape", d))
+            if isinstance(n, bool) or not isinstance(n, Integral) or n < 0:
+                raise ShapeError(f"must be a non-negative integer, got {n!r:.40}", loc=("shape", d))
+        shape = {**shape, merged: math.prod(int(shape[d]) for d in parts)}
+    shape = fill_parts(spec, shape)
+    for d in spec.sized_dims:
         if d not in shape and d in as_dims:
             bound[d] = as_dims[d].k
             continue
@@ -97,6 +108,28 @@ def bind_shape(spec: Spec, shape: Mapping[str, int], *, allow_empty: bool = Fals
                              f"{bound[step.over]}", loc=("shape", step.over))
     check_sizes(spec, bound)
     return bound
+
+
+def fill_parts(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
+    """``shape`` with each merged dim's parts sized to match it (``spec.merges``): kept where their
+    product is the merged size, else refit, inner parts first (kept at most their given size),
+    the outer part taking the rest, and the merged size set to the parts' product (at most what
+    was given: shapes derived by capping, the accuracy families' axis of length 1 or 0)."""
+    out = dict(shape)
+    for merged, parts in spec.merges.items():
+        if merged not in out:
+            continue
+        n = int(out[merged])
+        if all(d in out for d in parts) and math.prod(int(out[d]) for d in parts) == n:
+            continue
+        rest = n
+        for d in reversed(parts[1:]):
+            size = max(1, min(int(out.get(d, rest)), rest)) if rest else int(out.get(d, 1)) or 1
+            out[d] = size
+            rest //= size
+        out[parts[0]] = rest
+        out[merged] = math.prod(out[d] for d in parts)
+    return out
 
 
 def check_sizes(spec: Spec, bound: Mapping[str, int], *, max_elements: int = MAX_ELEMENTS,

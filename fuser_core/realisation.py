@@ -62,6 +62,10 @@ class ShiftTerm(sp.Function):
 
 
 ShiftTerm.__name__ = "shift_term"  # its name in printers and lambdify's namespace
+# ``nan_to_zero(d)``: a shifted (Welford) accumulator's move ``d``, 0 where it is NaN: an anchor that stayed
+# at one infinity (a running sum's estimate at -inf before and after a tile: inf - inf) does not move.
+# A NaN the data brought has already made the accumulator NaN (its contributions read the running anchor).
+NanToZero = sp.Function("nan_to_zero")
 
 COUNT_OLD = sp.Symbol("count[old]", integer=True, nonnegative=True)
 
@@ -279,8 +283,8 @@ class Realisation:
         """The re-anchoring correction in words (``text`` prints an expression)."""
         if self.kind == "first":
             return None
-        if self.kind == "shifted":
-            return f"add {text(self.accumulators[0].moved - self.accumulators[0].symbol)}"
+        if self.kind == "shifted":  # the move, without its NaN guard
+            return f"add {text((self.accumulators[0].moved - self.accumulators[0].symbol).args[0])}"
         if self.kind == "taylor":
             return "move accumulator k to: " + "; ".join(
                 f"acc[{k}] <- {text(a.moved)}" for k, a in enumerate(self.accumulators)
@@ -329,7 +333,7 @@ def realise(form: ReductionForm, dep_symbols: tuple[sp.Symbol, ...]) -> Realisat
     if form.kind == "shifted":
         assert form.delta is not None
         acc = acc_symbol(0)
-        accs.append(Accumulator(acc, "sum", form.integrand, acc + form.delta))
+        accs.append(Accumulator(acc, "sum", form.integrand, acc + NanToZero(form.delta)))
         value: sp.Expr = acc
     elif form.kind == "taylor":
         accs = [Accumulator(acc_symbol(j), "sum", c, m) for j, (c, m) in enumerate(zip(form.contributions, form.reanchor))]

@@ -31,7 +31,7 @@ from fuser_core.spec import Spec, load_spec
 
 REPORT_CACHE_SIZE = 512
 CERTIFICATE_TRIALS = 12
-_CANONICAL_TOKEN = re.compile(r"\b[sdp]\d+\b")
+_CANONICAL_TOKEN = re.compile(r"\b[sdp]\d+(?:_d\d+)*\b")  # d2_d3: the merged dim of a list "over"
 
 
 def derivation_report(spec: Spec) -> dict[str, Any]:

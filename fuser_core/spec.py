@@ -37,6 +37,7 @@ MAX_OUTPUTS = 16
 MAX_TOPK = 1024
 MAX_INLINED_NODES = 20_000  # an expression with every elementwise step substituted
 MAX_DOC_CHARS = 4096
+MAX_MERGED = 4  # dims one list 'over' reduces together
 
 REDUCE_OPS = ("sum", "max", "min", "topk", "argmax", "argmin")
 IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}\Z")
@@ -52,8 +53,9 @@ INPUT_KINDS = {"float": False, "index": True}  # input kind -> integer valued (p
 @dataclass(frozen=True)
 class Input:
     name: str
-    dims: tuple[str, ...]
+    dims: tuple[str, ...]  # logical: dims reduced together (a list ``over``) appear as their merged dim
     kind: str = "float"  # "float" or "index"
+    storage_dims: tuple[str, ...] = ()  # the dims the user declared (the tensor's own), when they differ
 
     @property
     def is_index(self) -> bool:
@@ -106,6 +108,9 @@ class Spec:
     steps: tuple[Step, ...]
     outputs: tuple[str, ...]
     dims: tuple[str, ...]  # every dim: inputs' dims by first appearance, then topk `as` dims
+    # merged dim -> the dims it merges, outer to inner: a reduction "over": ["c", "p"] runs one loop over
+    # the merged dim "c_p" (docs/SPEC.md "Reducing over several dims"); c and p are its parts
+    merges: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)  # hashed through dims
     _by_name: dict[str, Input | Param | Step] = field(default_factory=dict, repr=False, compare=False)
 
     def step(self, name: str) -> Step:
@@ -130,6 +135,25 @@ class Spec:
         if isinstance(obj, Input | Step):
             return obj.dims
         raise KeyError(ref.name)
+
+    @property
+    def part_dims(self) -> tuple[str, ...]:
+        """The dims merged into another (sizes of their own: size(c) may be used; no axis of their own)."""
+        return tuple(d for parts in self.merges.values() for d in parts)
+
+    @property
+    def sized_dims(self) -> tuple[str, ...]:
+        """Every dim with a size of its own: the dims, then the merged dims' parts (kernel arguments)."""
+        return self.dims + self.part_dims
+
+    def storage_dims(self, dims: tuple[str, ...]) -> tuple[str, ...]:
+        """``dims`` with each merged dim written as its parts: the user's tensor's dims."""
+        return tuple(part for d in dims for part in self.merges.get(d, (d,)))
+
+    def over_text(self, step: Step) -> str | list[str]:
+        """A reduction's ``over`` as the user writes it: a dim, or the list of dims merged."""
+        assert step.over is not None
+        return list(self.merges[step.over]) if step.over in self.merges else step.over
 
     def order_dims(self, dims: set[str] | tuple[str, ...]) -> tuple[str, ...]:
         """Dims in the spec's order (the output dim order rule of docs/API.md)."""
@@ -210,6 +234,8 @@ class _Loader:
         self.max_expr_chars = max_expr_chars
         self.by_name: dict[str, Input | Param | Step] = {}
         self.dims: list[str] = []
+        self.merges: dict[str, tuple[str, ...]] = {}  # merged dim -> its parts (Spec.merges)
+        self.merged_into: dict[str, str] = {}  # part -> its merged dim
 
     # -- small checks
     def ident(self, value: Any, loc: tuple[str | int, ...], what: str, step: str | None = None) -> str:
@@ -254,14 +280,14 @@ class _Loader:
         if not isinstance(doc, str) or len(doc) > MAX_DOC_CHARS:
             raise SpecError(f"must be text of at most {MAX_DOC_CHARS} characters", loc=("doc",))
 
-        inputs = self.load_inputs(raw["inputs"])
+        inputs = self.merge_dims(self.load_inputs(raw["inputs"]), raw["steps"])
         params = self.load_params(raw.get("params", {}))
         steps = self.load_steps(raw["steps"])
         outputs = self.load_outputs(raw["outputs"], steps)
         self.check_reachability(inputs, params, steps, outputs)
         return Spec(
             name=name, doc=doc, inputs=inputs, params=params, steps=steps, outputs=outputs,
-            dims=tuple(self.dims), _by_name=dict(self.by_name),
+            dims=tuple(self.dims), merges=dict(self.merges), _by_name=dict(self.by_name),
         )
 
     def load_inputs(self, raw: Any) -> tuple[Input, ...]:
@@ -299,6 +325,70 @@ class _Loader:
             out.append(inp)
         return tuple(out)
 
+    def merge_dims(self, inputs: tuple[Input, ...], raw_steps: Any) -> tuple[Input, ...]:
+        """Reductions with a list ``over`` ([c, p]) merge those dims into one, ``c_p`` (of size
+        size(c) * size(p)), and inputs' dims are logical from here on: an input holding them holds
+        the merged dim in their place (they must be next to each other, in that order: a view of
+        the tensor), and one holding some of them (a per-channel weight [c]) holds the merged dim
+        too, its values repeated along the others (:mod:`fuser_core.merged`, at the launch)."""
+        if not isinstance(raw_steps, list):
+            return inputs  # load_steps reports it
+        for i, s in enumerate(raw_steps):
+            over = s.get("over") if isinstance(s, dict) else None
+            if not isinstance(over, list):
+                continue
+            loc: tuple[str | int, ...] = ("steps", i, "over")
+            sname = s.get("name") if isinstance(s.get("name"), str) else None
+            if not 2 <= len(over) <= MAX_MERGED:
+                raise SpecError(f"a list 'over' names 2 to {MAX_MERGED} dims, got {len(over)}", loc=loc, step=sname)
+            parts = tuple(self.ident(d, (*loc, k), "dim name", sname) for k, d in enumerate(over))
+            if len(set(parts)) != len(parts):
+                raise SpecError("names a dim twice", loc=loc, step=sname)
+            for d in parts:
+                if d not in self.dims:
+                    raise SpecError(f"unknown dim {d!r}", loc=loc, step=sname)
+            known = next((m for m, ps in self.merges.items() if set(ps) & set(parts)), None)
+            if known is not None:
+                if self.merges[known] != parts:
+                    raise SpecError(f"dims {', '.join(set(self.merges[known]) & set(parts))} are already reduced "
+                                    f"together as {list(self.merges[known])}; every list 'over' with them must be "
+                                    "that list", loc=loc, step=sname)
+                continue
+            merged = "_".join(parts)
+            while merged in self.dims or any(merged == inp.name for inp in inputs) or merged in self.merges:
+                merged += "_"
+            self.merges[merged] = parts
+            self.merged_into.update({d: merged for d in parts})
+        if not self.merges:
+            return inputs
+        out = []
+        for inp in inputs:
+            dims: list[str] = []
+            for d in inp.dims:
+                merged = self.merged_into.get(d)
+                if merged is None:
+                    dims.append(d)
+                    continue
+                parts = self.merges[merged]
+                held = [p for p in inp.dims if p in parts]
+                start = inp.dims.index(held[0])
+                if list(inp.dims[start:start + len(held)]) != held or held != [p for p in parts if p in held]:
+                    raise SpecError(f"dims {', '.join(held)} are reduced together as {list(parts)}: an input "
+                                    "must hold them next to each other, in that order", loc=("inputs", inp.name, "dims"))
+                if not dims or dims[-1] != merged:
+                    dims.append(merged)
+            if tuple(dims) == inp.dims:
+                out.append(inp)
+                continue
+            new = Input(inp.name, tuple(dims), inp.kind, storage_dims=inp.dims)
+            self.by_name[inp.name] = new
+            out.append(new)
+        order: list[str] = []
+        for inp in out:
+            order.extend(d for d in inp.dims if d not in order)
+        self.dims = order
+        return tuple(out)
+
     def load_params(self, raw: Any) -> tuple[Param, ...]:
         if not isinstance(raw, dict):
             raise SpecError("expected an object of param name -> number or expression", loc=("params",))
@@ -325,7 +415,7 @@ class _Loader:
                     raise SpecError(f"unknown name {node.name!r}: a param may use numbers and size(dim) only", loc=loc)
                 if isinstance(node, ex.Index):
                     raise SpecError("index() has no meaning in a param; use it in a step", loc=loc)
-                if isinstance(node, ex.Size) and node.dim not in self.dims:
+                if isinstance(node, ex.Size) and node.dim not in self.dims and node.dim not in self.merged_into:
                     raise SpecError(f"size() of unknown dim {node.dim!r}", loc=loc)
                 if isinstance(node, ex.Compare | ex.Logic | ex.Str):
                     raise SpecError("comparisons, and/or/not and strings are not allowed in a param", loc=loc)
@@ -381,6 +471,15 @@ class _Loader:
         over = raw.get("over")
         if over is None:
             raise SpecError("a reduction needs 'over' (the dim it reduces)", loc=(*loc, "over"), step=sname)
+        if isinstance(over, list):  # checked by merge_dims: one loop over the merged dim
+            if reduce in ("topk", "argmax", "argmin"):
+                raise SpecError(f"{reduce} over several dims is not supported (a position in one of them)",
+                                loc=(*loc, "over"), step=sname)
+            over = self.merged_into[over[0]]
+        elif over in self.merged_into:
+            merged = self.merged_into[over]
+            raise SpecError(f"{over!r} is reduced together with the others of {list(self.merges[merged])} by another "
+                            "step: reduce over that list here too", loc=(*loc, "over"), step=sname)
         self.ident(over, (*loc, "over"), "dim name", sname)
         if over not in self.dims:
             raise SpecError(f"unknown dim {over!r}", loc=(*loc, "over"), step=sname)
@@ -432,7 +531,11 @@ class _Loader:
                 if is_topk and node.part is None:
                     raise SpecError(f"{node.name!r} is a topk step: use {node.name}.values or {node.name}.indices", loc=loc, step=step)
             elif isinstance(node, ex.Size | ex.Index):
-                if node.dim not in self.dims:
+                if isinstance(node, ex.Index) and node.dim in self.merged_into:
+                    raise SpecError(f"index({node.dim}) of a dim reduced together with others "
+                                    f"({list(self.merges[self.merged_into[node.dim]])}) is not supported",
+                                    loc=loc, step=step)
+                if node.dim not in self.dims and not (isinstance(node, ex.Size) and node.dim in self.merged_into):
                     raise SpecError(f"unknown dim {node.dim!r}", loc=loc, step=step)
             elif isinstance(node, ex.Compare) and not cond_ok:
                 raise SpecError("a comparison may only be the condition of where()", loc=loc, step=step)

@@ -207,6 +207,12 @@ def size_symbol(dim: str) -> sp.Symbol:
     return sp.Symbol(f"size({dim})", integer=True, positive=True)
 
 
+def axis_size(spec: Spec, axis: str) -> sp.Expr:
+    """The number of elements a reduction over ``axis`` sees: size(axis), or for a merged dim the
+    product of its parts' sizes, as the user writes it (mean = sum x / (size(c) * size(p)))."""
+    return sp.Mul(*(size_symbol(d) for d in spec.merges.get(axis, (axis,))))
+
+
 def index_symbol(dim: str) -> sp.Symbol:
     return sp.Symbol(f"index({dim})", integer=True, nonnegative=True)
 

@@ -56,7 +56,7 @@ from typing import Any
 
 from fuser_core import (
     Spec, SpecError, bind_dtypes, bind_shape, canonical_json, canonical_names, empty_outputs, has_empty_dim, load_spec,
-    spec_hash,
+    spec_hash, to_logical, to_storage,
 )
 # the shape and dtype normalisers live with the Problem; importable from here as before
 from fuser_core import canonical_shape
@@ -649,14 +649,15 @@ class BundleKernel:
             t = given[inp.name]
             if not isinstance(t, torch.Tensor):
                 raise BundleError(f"inputs.{inp.name}: expected a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != len(inp.dims):
+            dims = inp.storage_dims or inp.dims  # the user's dims (a merged dim's parts: c, p)
+            if t.dim() != len(dims):
                 raise BundleError(f"inputs.{inp.name}: has {t.dim()} dims {tuple(t.shape)}, expected "
-                                  f"{len(inp.dims)} ({', '.join(inp.dims)})")
+                                  f"{len(dims)} ({', '.join(dims)})")
             want = self.bundle["inputs"][inp.name]["dtype"]
             got = str(t.dtype).removeprefix("torch.")
             if got != want:
                 raise BundleError(f"inputs.{inp.name}: dtype {got}, but this kernel was generated for {want}")
-            for d, n in zip(inp.dims, t.shape):
+            for d, n in zip(dims, t.shape):
                 if sizes.setdefault(d, int(n)) != int(n):
                     raise BundleError(f"inputs.{inp.name}: dim {d} has size {int(n)}, but another input "
                                       f"gives {d} = {sizes[d]}")
@@ -670,20 +671,22 @@ class BundleKernel:
         for s in self._user.steps:
             if s.as_dim is not None:
                 sizes[s.as_dim] = int(s.k)  # type: ignore[arg-type]
-        shape = self._check_sizes(sizes)
-        canonical_inputs = {name: given[name] for name in expected}
+        bound, shape = self._check_sizes(sizes)
+        # logical tensors (fuser_core.merged: a merged dim in its parts' place); the user's otherwise
+        canonical_inputs = {name: to_logical(self._user, name, given[name], bound) for name in expected}
         if has_empty_dim(shape):  # an empty batch (or axis): no launch (fuser_core/empty.py)
             stores = {part: o["dtype"] for part, o in self.bundle["outputs"].items()}
-            return self._to_user(empty_outputs(self._canon, shape, canonical_inputs, stores))
+            return self._to_user(empty_outputs(self._canon, shape, canonical_inputs, stores), bound)
         outputs = self._module.launch(canonical_inputs, shape)
-        return self._to_user(outputs)
+        return self._to_user(outputs, bound)
 
-    def _check_sizes(self, sizes: dict[str, int]) -> dict[str, int]:
+    def _check_sizes(self, sizes: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+        """The sizes bound to the caller's spec, and in canonical names."""
         try:
-            bind_shape(self._user, sizes, allow_empty=True)
+            bound = bind_shape(self._user, sizes, allow_empty=True)
         except SpecError as err:
             raise BundleError(f"inputs: {err}") from None
-        shape = {self._names[d]: n for d, n in sizes.items()}
+        shape = {self._names[d]: n for d, n in bound.items()}
         if self.exact_shape and shape != self.bundle["shape"]:
             raise BundleError(f"inputs: sizes {shape_text(sizes)} are not the tuned shape {shape_text(self.shape)} "
                               "(the kernel was loaded with exact_shape=True)")
@@ -693,10 +696,11 @@ class BundleKernel:
                     f"inputs: dim {self._back[d]} = {shape[d]} is larger than {limit}, the block this "
                     f"{self.strategy} kernel holds it in (it was generated for {self._back[d]} = "
                     f"{self.bundle['shape'][d]}); fetch or tune a kernel for this shape")
-        return shape
+        return bound, shape
 
-    def _to_user(self, outputs: Mapping[str, Any]) -> dict[str, Any]:
-        """Canonical output parts -> the caller's names, dims permuted to the caller's order."""
+    def _to_user(self, outputs: Mapping[str, Any], bound: Mapping[str, int]) -> dict[str, Any]:
+        """Canonical output parts -> the caller's names, dims permuted to the caller's order (a
+        merged dim split into its parts)."""
         out = {}
         for part in self._user.output_parts:
             step, _, suffix = part.partition(".")
@@ -704,5 +708,6 @@ class BundleKernel:
             tensor = outputs[cstep + ("." + suffix if suffix else "")]
             cdims = self._canon.step(cstep).dims
             order = [cdims.index(self._names[d]) for d in self._user.step(step).dims]
-            out[part] = tensor if order == list(range(len(order))) else tensor.permute(order)
+            tensor = tensor if order == list(range(len(order))) else tensor.permute(order)
+            out[part] = to_storage(self._user, self._user.step(step).dims, tensor, bound)
         return out

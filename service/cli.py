@@ -82,7 +82,10 @@ def shape_and_dtype(args: argparse.Namespace) -> tuple[dict[str, int], str | dic
 def cmd_run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from fuser_core import KernelConfig, NotValid, accuracy_check, accuracy_table, parse_families, run, self_check
+    from fuser_core import (
+        KernelConfig, NotValid, accuracy_check, accuracy_table, bind_shape, parse_families, run, self_check,
+        to_logical, to_storage,
+    )
 
     spec = _read_spec(args.spec)
     shape, dtype = shape_and_dtype(args)
@@ -113,13 +116,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         missing = [i.name for i in spec.inputs if i.name not in arrays]
         if missing:
             raise UsageError(f"--inputs: {args.inputs} has no array named {missing[0]!r}")
-        result = run(spec, shape, dtype, {i.name: arrays[i.name] for i in spec.inputs}, strategy=args.strategy, config=config)
+        bound = bind_shape(spec, shape, allow_empty=True)  # arrays in the spec's dims as declared (c, p)
+        result = run(spec, shape, dtype, {i.name: to_logical(spec, i.name, arrays[i.name], bound) for i in spec.inputs},
+                     strategy=args.strategy, config=config)
     except NotValid as err:
         raise UsageError(f"--strategy: {err}") from None
     outputs = {}
     for part, tensor in result.outputs.items():
         # numpy has no bfloat16/float8: 16-bit and fp8 outputs are written as float32 (exact)
-        outputs[part] = tensor.cpu().numpy() if not tensor.dtype.is_floating_point else tensor.float().cpu().numpy()
+        array = tensor.cpu().numpy() if not tensor.dtype.is_floating_point else tensor.float().cpu().numpy()
+        outputs[part] = to_storage(spec, spec.step(part.split(".")[0]).dims, array, bound)
     if args.out:
         np.savez(args.out, **outputs)
     summary = {
@@ -467,7 +473,8 @@ def _add_bench_parser(sub: Any) -> None:
 def format_report(r: dict[str, Any]) -> str:
     lines = [f"{r['name']}  spec_hash {r['spec_hash'][:16]}  fusible: {'yes' if r['fusible'] else 'no'}"]
     for axis in r["axes"]:
-        lines.append(f"axis {axis['axis']}: " + ", ".join(axis["reductions"]))
+        merged = f" (one loop over {' x '.join(axis['dims'])})" if len(axis["dims"]) > 1 else ""
+        lines.append(f"axis {axis['axis']}{merged}: " + ", ".join(axis["reductions"]))
         for red in (x for x in r["reductions"] if x["over"] == axis["axis"]):
             head = f"  {red['name']:<10} {red['op']} over {red['over']}"
             if not red["fused"]:

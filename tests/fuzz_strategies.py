@@ -505,6 +505,8 @@ class _Cascade:
             raw["params"] = {k: v for k, v in params.items() if self.reads(k)}
         if self.chance(0.2):
             raw["doc"] = "a fuzzed cascade"
+        if self.chance(MERGE_CHANCE):
+            raw = split_axis(raw, self.axis, partial=self.chance(0.3)) or raw
         return raw
 
     def reads(self, name: str) -> bool:
@@ -532,6 +534,41 @@ class _Cascade:
             read |= set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", s["expr"]))
         outs = [n for n in names if n not in read or self.chance(0.15)]
         return outs
+
+
+MERGE_CHANCE = 0.15  # share of draws whose cascade axis becomes two dims reduced together ("over": [a, b])
+
+
+def split_axis(raw: dict, axis: str, *, partial: bool) -> dict | None:
+    """The same cascade with ``axis`` written as two dims reduced together: every input holding it
+    holds ``axis_hi, axis_lo`` instead, every reduction over it is ``"over": [hi, lo]`` and
+    ``size(axis)`` is ``size(hi) * size(lo)`` (docs/SPEC.md "Reducing over several dims").
+    ``partial``: one of several inputs holding the axis holds only ``hi`` (a per-channel weight).
+    None where the cascade cannot be written so (index(axis), or a position taken along it)."""
+    import re
+
+    text = " ".join(s["expr"] for s in raw["steps"]) + " " + " ".join(map(str, raw.get("params", {}).values()))
+    if re.search(rf"index\(\s*{axis}\s*\)", text):
+        return None
+    if any(s.get("over") == axis and s.get("reduce") in ("argmax", "argmin", "topk") for s in raw["steps"]):
+        return None
+    hi, lo = f"{axis}_hi", f"{axis}_lo"
+    out = copy.deepcopy(raw)
+    holders = [name for name, decl in out["inputs"].items() if axis in decl["dims"]]
+    for name in holders:
+        dims = out["inputs"][name]["dims"]
+        at = dims.index(axis)
+        split = [hi] if partial and len(holders) > 1 and name == holders[-1] else [hi, lo]
+        out["inputs"][name]["dims"] = dims[:at] + split + dims[at + 1:]
+    size = re.compile(rf"size\(\s*{axis}\s*\)")
+    for step in out["steps"]:
+        step["expr"] = size.sub(f"(size({hi}) * size({lo}))", step["expr"])
+        if step.get("over") == axis:
+            step["over"] = [hi, lo]
+    for name, value in out.get("params", {}).items():
+        if isinstance(value, str):
+            out["params"][name] = size.sub(f"(size({hi}) * size({lo}))", value)
+    return out
 
 
 @st.composite
@@ -631,6 +668,10 @@ def ragged_shape(spec, seed: int = 0) -> dict[str, int]:
         if d in as_dims:
             continue
         shape[d] = rng.choice(AXIS_SIZES) if d in axes else rng.choice((1, 2, 3))
+        if d in spec.merges:  # dims reduced together: 2-3 outer, 3-7 inner (never a multiple of 4)
+            outer, inner = spec.merges[d]
+            shape[outer], shape[inner] = rng.choice((2, 3)), rng.choice((3, 5, 7))
+            shape[d] = shape[outer] * shape[inner]
     for s in spec.steps:
         if s.reduce == "topk" and shape[s.over] < s.k:
             shape[s.over] = max(AXIS_SIZES)

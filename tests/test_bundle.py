@@ -23,6 +23,7 @@ from fuser_core.codegen.module import output_dtypes
 from fuser_core.codegen.plan import default_config, loop_axis
 from fuser_core.derive import derive_cascade
 from fuser_core.errors import SpecError
+from fuser_core.merged import input_to_storage, to_logical, to_storage
 from fuser_core.problem import make_problem, normalize_dtype
 from fuser_core.reference import bind_shape, evaluate, random_inputs
 from fuser_core.runner import INEXACT_TOLERANCE, TOLERANCE, bind_dtypes, choose_strategy, compare, rel_err, to_torch
@@ -83,9 +84,14 @@ def bundle_for(name: str, shape=None, strategy=None, config=None, dtype="float32
 def check_against_reference(spec, derivation, strategy, kernel, shape, dtype="float32", seed=0) -> None:
     """Run ``kernel`` on random inputs and compare every output with the float64 reference."""
     dtypes = bind_dtypes(spec, dtype)
-    arrays = random_inputs(spec, shape, np.random.default_rng(seed), dtypes)
-    outputs = kernel(to_torch(arrays, dtypes, "cpu"))
-    reference = evaluate(spec, shape, arrays)
+    bound = bind_shape(spec, shape)
+    # the caller's tensors (a merged dim as its parts, a per-channel weight as such); the kernels' logical ones
+    user = {n: input_to_storage(spec, n, a, bound)
+            for n, a in random_inputs(spec, shape, np.random.default_rng(seed), dtypes).items()}
+    arrays = {n: to_logical(spec, n, a, bound) for n, a in user.items()}
+    outputs = kernel(to_torch(user, dtypes, "cpu"))
+    reference = {p: to_storage(spec, spec.step(p.split(".")[0]).dims, r, bound)
+                 for p, r in evaluate(spec, shape, arrays).items()}
     assert set(outputs) == set(reference)
     for part, ref in reference.items():
         assert tuple(outputs[part].shape) == ref.shape, part

@@ -60,7 +60,9 @@ def rename(raw: dict, mapping: dict[str, str]) -> dict:
         s["name"] = mapping.get(s["name"], s["name"])
         s["expr"] = rename_expr(s["expr"], mapping)
         for key in ("over", "as"):
-            if key in s:
+            if isinstance(s.get(key), list):  # dims reduced together
+                s[key] = [mapping.get(d, d) for d in s[key]]
+            elif key in s:
                 s[key] = mapping.get(s[key], s[key])
         steps.append(s)
     out["steps"] = steps

@@ -29,12 +29,12 @@ from fuser_core.spec import load_spec
 from service.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-PAPER_SPECS = {"attention", "attention_causal", "attention_sink", "cross_entropy", "fp8_quant_gemm", "fp8_quant_per_token",
-               "layernorm", "logsumexp", "moe_routing", "rmsnorm", "safe_softmax"}
+PACKAGED_SPECS = {"attention", "attention_causal", "attention_sink", "cross_entropy", "fp8_quant_gemm",
+                  "fp8_quant_per_token", "group_norm", "layernorm", "logsumexp", "moe_routing", "rmsnorm", "safe_softmax"}
 
 
 def test_packaged_catalog_names_are_the_specs_own_names():
-    assert set(catalog_names([PACKAGED_DIR])) == PAPER_SPECS
+    assert set(catalog_names([PACKAGED_DIR])) == PACKAGED_SPECS
     for entry in catalog_entries([PACKAGED_DIR]):
         spec = load_catalog_spec(entry.name)
         assert spec.name == entry.name and entry.packaged and entry.doc  # every packaged spec says what it is
@@ -46,7 +46,7 @@ def test_the_package_data_ships_every_catalog_file():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     patterns = config["tool"]["setuptools"]["package-data"]["fuser_core.catalog"]
     files = [p.name for p in PACKAGED_DIR.iterdir() if p.is_file() and p.suffix == ".json"]
-    assert "suites.json" in files and len(files) == len(PAPER_SPECS) + 1
+    assert "suites.json" in files and len(files) == len(PACKAGED_SPECS) + 1
     assert all(any(fnmatch.fnmatch(name, pat) for pat in patterns) for name in files)
 
 
@@ -83,7 +83,7 @@ def test_user_folders_come_first_and_add_names(tmp_path, monkeypatch):
     (other / "suites.json").write_text(json.dumps({"doc": "not a suite", "smoke": [{"spec": "my_norm", "shape": {}}]}))
     monkeypatch.setenv("FOLDWISE_CATALOG_DIR", os.pathsep.join([str(mine), str(other), str(tmp_path / "absent")]))
     assert catalog_dirs() == [mine.resolve(), other.resolve(), PACKAGED_DIR]
-    assert set(catalog_names()) == PAPER_SPECS | {"my_norm"}
+    assert set(catalog_names()) == PACKAGED_SPECS | {"my_norm"}
     assert load_catalog_spec("safe_softmax").name == "logsumexp"  # the user's spec of that name
     assert load_catalog_spec("my_norm").name == "rmsnorm"
     entries = {e.name: e for e in catalog_entries()}
@@ -111,10 +111,10 @@ def test_cli_catalog_lists_and_prints(capsys, tmp_path, monkeypatch):
     assert main(["catalog"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^safe_softmax +Softmax over the last axis, max-shifted for numerical safety\.$", out, re.M)
-    assert f"{len(PAPER_SPECS)} specs; packaged catalog {PACKAGED_DIR}" in out
+    assert f"{len(PACKAGED_SPECS)} specs; packaged catalog {PACKAGED_DIR}" in out
     assert main(["catalog", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
-    assert {e["name"] for e in listing} == PAPER_SPECS and all(e["packaged"] for e in listing)
+    assert {e["name"] for e in listing} == PACKAGED_SPECS and all(e["packaged"] for e in listing)
     assert main(["catalog", "attention"]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads((PACKAGED_DIR / "attention.json").read_text())
     assert main(["catalog", "nope"]) == 2

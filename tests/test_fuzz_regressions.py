@@ -979,3 +979,22 @@ def test_a_cancelled_elementwise_output_is_nan_where_its_input_is_infinite():
     out = run(spec, {"j2": 4}, "float32", {"kk": x}, strategy="row_resident").outputs
     got = out["p"].numpy()
     assert got[0] == 0 and got[3] == 0 and np.isnan(got[1]) and np.isnan(got[2])
+
+
+def test_a_welford_move_between_one_infinity_is_no_move():
+    """CI fuzz after the list ``over`` draws: ``sum(x + T)`` with ``T = sum x`` is a shifted form that adds
+    count[old] (T[new] - T[old]) per tile. On a row holding -inf the running estimate of T is -inf before and
+    after a tile, and the move was inf - inf = NaN where the reference has -inf. ``nan_to_zero`` keeps it (a
+    NaN of the data is in the accumulator already: its contributions read the running estimate)."""
+    from fuser_core.accuracy import accuracy_check
+    from fuser_core.realisation import NanToZero
+
+    spec = spec_of([red("T", "sum", "x"), red("tl", "sum", "x + T")], ["tl"])
+    d = derive_cascade(spec)
+    assert d.forms["tl"].kind == "shifted" and d.forms["tl"].realisation.accumulators[0].moved.atoms(NanToZero)
+    for strategy in ("streaming_fused", "split_fused"):
+        config = KernelConfig({"n": 4}, split=2 if strategy == "split_fused" else 1)
+        verdict = accuracy_check(spec, {"m": 3, "n": 13}, families=("masked", "nan", "normal"), strategy=strategy,
+                                 config=config)
+        assert verdict["passed"], (strategy, verdict["families"])
+    assert certify(d, trials=4).holds

@@ -65,6 +65,7 @@ SMALL = {
     "cross_entropy": {"t": 6, "v": 11},
     "fp8_quant_per_token": {"t": 5, "c": 16},
     "fp8_quant_gemm": {"m": 4, "k": 16, "n": 3},
+    "group_norm": {"n": 2, "g": 3, "c": 4, "p": 5},
 }
 
 

@@ -105,7 +105,7 @@ class ChainKernel:
         args = {}
         for name, (where, what) in self.reads.items():
             args[name] = inputs[what] if where == "input" else memory[what]
-        own = {d: int(shape[d]) for d in self.spec.dims}
+        own = {d: int(shape[d]) for d in self.spec.sized_dims}
         out = self.load().launch(args, own)
         return {part: out[part].permute(self.permute[part]) if part in self.permute else out[part]
                 for part in self.writes}
@@ -454,7 +454,7 @@ class ElementwiseWriter:
 
     def signature(self) -> list[str]:
         args = [f"{self.var[n]}_ptr" for n in self.leaves] + [f"{self.var[o]}_ptr" for o in self.outputs]
-        args += [f"size_{d}" for d in self.spec.dims]
+        args += [f"size_{d}" for d in self.spec.sized_dims]
         for n in self.leaves:
             args += [f"stride_{self.var[n]}_{d}" for d in self.leaf_dims(n)]
         for o in self.outputs:
@@ -478,7 +478,7 @@ class ElementwiseWriter:
         for d in self.dims:
             emit(f"    offs_{d} = pid_{d} * BLOCK_{d} + tl.arange(0, BLOCK_{d})")
             emit(f"    mask_{d} = offs_{d} < size_{d}")
-        values: dict[str, Ref] = {f"size({d})": Ref(f"size_{d}", (), "size") for d in self.spec.dims}
+        values: dict[str, Ref] = {f"size({d})": Ref(f"size_{d}", (), "size") for d in self.spec.sized_dims}
         values.update({f"index({d})": Ref(f"offs_{d}", (d,)) for d in self.dims})
 
         def pointer(var: str, dims) -> str:
@@ -521,7 +521,7 @@ class ElementwiseWriter:
             f'    """Run {self.kernel}: ``inputs`` has the original inputs and the reduction results by part',
             '    name ("g.values" for a topk part); returns the outputs by name."""',
         ]
-        for d in self.spec.dims:
+        for d in self.spec.sized_dims:
             lines.append(f'    size_{d} = int(shape["{d}"])')
         for n in self.leaves:
             lines.append(f'    {self.var[n]} = inputs["{n}"]')
@@ -533,7 +533,7 @@ class ElementwiseWriter:
         grid = " * ".join(f"triton.cdiv(size_{d}, {self.blocks[d]})" for d in self.dims) or "1"
         args = [kernel_arg(self.var[n], self.input_dtypes.get(n)) for n in self.leaves]
         args += [kernel_arg(self.var[o], self.stores[o]) for o in self.outputs]
-        args += [f"size_{d}" for d in self.spec.dims]
+        args += [f"size_{d}" for d in self.spec.sized_dims]
         for n in self.leaves:
             args += [f"{self.var[n]}.stride({k})" for k in range(len(self.leaf_dims(n)))]
         for o in self.outputs:

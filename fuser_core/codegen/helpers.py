@@ -65,6 +65,13 @@ def shift_term(acc, c):
 
 
 @triton.jit
+def nan_to_zero(d):
+    """A shifted accumulator's move, 0 where it is NaN: an anchor that stayed at one infinity (inf - inf)
+    does not move; a NaN from the data is in the accumulator already (fuser_core.realisation.NanToZero)."""
+    return tl.where(d != d, 0.0, d)
+
+
+@triton.jit
 def nan_of(v):
     """0 for a finite v, NaN for an infinite or NaN one: the formula's v - v (or x * 0, (a + b) - b) that
     sympy simplified away, kept as IEEE computes it (fuser_core.symbolic.NanOf)."""

@@ -150,7 +150,7 @@ def launcher_source(structure: ModuleStructure, stores: dict[str, str]) -> str:
         f'    """Run {", ".join(k.name for k in structure.kernels)} on torch tensors; returns the outputs by name '
         '(dims in each step\'s order)."""',
     ]
-    for d in spec.dims:
+    for d in spec.sized_dims:
         lines.append(f'    size_{d} = int(shape["{d}"])')
     first = safe_name(spec.inputs[0].name)
     for i in spec.inputs:

@@ -544,6 +544,8 @@ class _Walk:
             self.head.append(Offsets(dim=d, base="pid" if d in lanes else "", mask=True))
             self.let(f"offs_{d}", (d,))
             self.let(f"mask_{d}", (d,))
+        for d in self.spec.part_dims:  # size(c) of a merged dim's part: an argument of its own
+            self.values[f"size({d})"] = Ref(f"size_{d}", (), "size")
         for d in self.plan.dims:
             self.values[f"size({d})"] = Ref(f"size_{d}", (), "size")
             self.values[f"index({d})"] = Ref(f"offs_{d}", (d,) if d in dims else ())
@@ -1488,7 +1490,7 @@ def _args(plan: KernelPlan, inputs: Iterable[str], outputs: Iterable[str], ws: t
     parts = [p for p in spec.output_parts if p in set(outputs)]
     out = [Arg(f"{var_name(i.name)}_ptr", kernel_arg(var_name(i.name), input_dtypes.get(i.name))) for i in used]
     out += [Arg(f"{var_name(p)}_ptr", kernel_arg(var_name(p), store_dtypes[p])) for p in parts]
-    out += [Arg(f"size_{d}", f"size_{d}") for d in spec.dims]
+    out += [Arg(f"size_{d}", f"size_{d}") for d in spec.sized_dims]
     for i in used:
         out += [Arg(f"stride_{var_name(i.name)}_{d}", f"{var_name(i.name)}.stride({k})") for k, d in enumerate(i.dims)]
     for p in parts:

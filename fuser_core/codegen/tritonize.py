@@ -37,7 +37,7 @@ import sympy as sp
 from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.names import NAN_MAX_MIN
 from fuser_core.grouping import Grouping
-from fuser_core.realisation import Rescale, ShiftTerm
+from fuser_core.realisation import NanToZero, Rescale, ShiftTerm
 from fuser_core.symbolic import CAST_FUNCTIONS, InfCompare, NanOf, Round, Unordered
 
 _FUNCS = {
@@ -278,6 +278,8 @@ class _Printer:
             return self.call("rescale", f"{self.go(e.args[0])[0]}, {self.go(e.args[1])[0]}")
         if e.func == ShiftTerm:  # a Taylor shift's term: 0 for a zero shift, as the certificate's
             return self.call("shift_term", f"{self.go(e.args[0])[0]}, {self.go(e.args[1])[0]}")
+        if e.func == NanToZero:  # a Welford move that is NaN only where an anchor stayed at one infinity
+            return self.call("nan_to_zero", self.go(e.args[0])[0])
         if e.func == NanOf:  # v - v as IEEE computes it (NaN for an infinite v), which sympy had cancelled
             return self.call("nan_of", self.go(e.args[0])[0])
         if e.func == Round:

@@ -59,7 +59,7 @@ function certificate(c) {
 
 function axes(m) {
   if (!m.axes || !m.axes.length) return null;
-  return h("div", {}, h("h3", {}, "Loops"), h("ul", {}, m.axes.map((a) => h("li", {}, `over ${a.axis}: ${a.reductions.join(", ")}`))));
+  return h("div", {}, h("h3", {}, "Loops"), h("ul", {}, m.axes.map((a) => h("li", {}, `over ${a.axis}${a.dims && a.dims.length > 1 ? ` (one loop over ${a.dims.join(" × ")})` : ""}: ${a.reductions.join(", ")}`))));
 }
 
 function math(latex, display = true) {
