@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=None, help="derive_cascade's time limit in seconds")
     parser.add_argument("--cert-trials", type=int, default=4, help="certificate trials per spec (default 4)")
     parser.add_argument("--max-steps", type=int, default=5, help="most steps per drawn cascade (default 5)")
+    parser.add_argument("--merged-share", type=float, default=None,
+                        help="share of cascades whose axis is written as two dims reduced together, \"over\": [a, b] "
+                             "(default 0.15)")
     parser.add_argument("--wild", action="store_true",
                         help="also draw exponents the anchor does not bound and cubics around raw-sum estimates "
                              "(known range/accuracy weaknesses of fused forms; expect failures)")
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fuzz(args: argparse.Namespace, pool) -> int:
-    from fuzz_strategies import cascade_specs, check_cascade, mutated_specs
+    from fuzz_strategies import MERGED_SHARE, cascade_specs, check_cascade, mutated_specs
     from hypothesis import HealthCheck, Phase, given, seed, settings
 
     if args.replay:
@@ -97,7 +100,8 @@ def fuzz(args: argparse.Namespace, pool) -> int:
 
     @seed(args.seed)
     @settings(max_examples=args.examples, **common)
-    @given(cascade_specs(max_steps=args.max_steps, wild=args.wild))
+    @given(cascade_specs(max_steps=args.max_steps, wild=args.wild,
+                         merged=MERGED_SHARE if args.merged_share is None else args.merged_share))
     def valid(raw: dict) -> None:
         if time.monotonic() > deadline:
             return

@@ -65,7 +65,17 @@ ShiftTerm.__name__ = "shift_term"  # its name in printers and lambdify's namespa
 # ``nan_to_zero(d)``: a shifted (Welford) accumulator's move ``d``, 0 where it is NaN: an anchor that stayed
 # at one infinity (a running sum's estimate at -inf before and after a tile: inf - inf) does not move.
 # A NaN the data brought has already made the accumulator NaN (its contributions read the running anchor).
-NanToZero = sp.Function("nan_to_zero")
+class NanToZero(sp.Function):
+    nargs = 1
+
+    @classmethod
+    def eval(cls, d):  # noqa: ANN001, ANN206 (sympy's protocol)
+        if d.is_number and d is not sp.nan:  # a number moves by itself (0: no move)
+            return d
+        return None
+
+
+NanToZero.__name__ = "nan_to_zero"  # its name in printers and lambdify's namespace
 
 COUNT_OLD = sp.Symbol("count[old]", integer=True, nonnegative=True)
 

@@ -78,10 +78,11 @@ class Atom:
 class _Cascade:
     """One draw of a valid spec; every choice goes through hypothesis' ``draw``."""
 
-    def __init__(self, draw, *, min_steps: int, max_steps: int, casts: bool, wild: bool):
+    def __init__(self, draw, *, min_steps: int, max_steps: int, casts: bool, wild: bool, merged: float = 0.0):
         self.draw = draw
         self.casts = casts
         self.wild = wild
+        self.merged = merged
         self.min_steps, self.max_steps = min_steps, max_steps
         self.rnd: random.Random = draw(st.randoms(use_true_random=False))
         self.atoms: list[Atom] = []
@@ -505,7 +506,7 @@ class _Cascade:
             raw["params"] = {k: v for k, v in params.items() if self.reads(k)}
         if self.chance(0.2):
             raw["doc"] = "a fuzzed cascade"
-        if self.chance(MERGE_CHANCE):
+        if self.merged and self.chance(self.merged):
             raw = split_axis(raw, self.axis, partial=self.chance(0.3)) or raw
         return raw
 
@@ -536,7 +537,7 @@ class _Cascade:
         return outs
 
 
-MERGE_CHANCE = 0.15  # share of draws whose cascade axis becomes two dims reduced together ("over": [a, b])
+MERGED_SHARE = 0.15  # fuzz_long's share of draws whose cascade axis becomes two dims reduced together ("over": [a, b])
 
 
 def split_axis(raw: dict, axis: str, *, partial: bool) -> dict | None:
@@ -572,11 +573,15 @@ def split_axis(raw: dict, axis: str, *, partial: bool) -> dict | None:
 
 
 @st.composite
-def cascade_specs(draw, *, min_steps: int = 2, max_steps: int = 5, casts: bool = True, wild: bool = False) -> dict:
+def cascade_specs(draw, *, min_steps: int = 2, max_steps: int = 5, casts: bool = True, wild: bool = False,
+                  merged: float = 0.0) -> dict:
     """A valid raw spec dict (see the module docstring). ``wild`` also draws exponents that the
     anchor does not bound and cubics around estimates of raw sums: valid specs whose fused forms
-    are known to lose range or accuracy (for the long run, to measure; not for CI)."""
-    return _Cascade(draw, min_steps=min_steps, max_steps=max_steps, casts=casts, wild=wild).build()
+    are known to lose range or accuracy (for the long run, to measure; not for CI). ``merged``: the
+    share of draws whose cascade axis is written as two dims reduced together (:func:`split_axis`;
+    the long run's default, MERGED_SHARE; the CI's bounded run keeps its draws and checks the merged
+    path with tests/test_group_norm.py)."""
+    return _Cascade(draw, min_steps=min_steps, max_steps=max_steps, casts=casts, wild=wild, merged=merged).build()
 
 
 # ---------------------------------------------------------------- invalid specs

@@ -998,3 +998,18 @@ def test_a_welford_move_between_one_infinity_is_no_move():
                                  config=config)
         assert verdict["passed"], (strategy, verdict["families"])
     assert certify(d, trials=4).holds
+
+
+def test_a_masked_lane_whose_term_overflows_float32_is_masked():
+    """CI fuzz: T = sum exp(mx - bias) * bias with mx = min(bias), its tail lanes loaded as 0: the term there is
+    0 * exp(mx - 0), which float64 gives as 0 for any anchor the old check tried, but float32 as 0 * inf = NaN once
+    the running min passes 88.7 (inputs near 100). The check now evaluates in float32 at anchors up to 1e30. (The
+    argmin keeps bias from being loaded with the min's fill, which would mask the lanes anyway.)"""
+    from fuser_core.accuracy import accuracy_check
+
+    spec = spec_of([red("nblk", "argmin", "bias ** 3"), red("mx", "min", "bias"), red("T", "sum", "exp(mx - bias) * bias"),
+                    red("top", "topk", "where(bias < 0, bias + T, -inf)", k=3, **{"as": "kdim"})], ["nblk", "top"],
+                   inputs={"bias": {"dims": ["n"]}})
+    verdict = accuracy_check(spec, {"n": 13}, families=("offset100", "normal"), strategy="streaming_fused",
+                             config=KernelConfig({"n": 16}))
+    assert verdict["passed"], verdict["families"]
