@@ -25,7 +25,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "canonical_shape", "bound_to_canonical", "normalize_dtype", "FLOAT_DTYPES", "INDEX_DTYPES",
         "MAX_ELEMENTS", "MAX_WORK")},
     **{n: ("fuser_core.empty", n) for n in ("empty_outputs", "has_empty_dim")},
-    **{n: ("fuser_core.merged", n) for n in ("to_logical", "to_storage", "input_to_storage")},
+    **{n: ("fuser_core.merged", n) for n in ("as_logical", "to_logical", "to_storage", "input_to_storage")},
     **{n: ("fuser_core.catalog", n) for n in (
         "CatalogError", "PACKAGED_DIR", "catalog_dirs", "catalog_entries", "load_suites", "spec_source")},
     **{n: ("fuser_core.derive", n) for n in ("Derivation", "ReductionForm", "derive_cascade")},

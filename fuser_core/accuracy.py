@@ -56,6 +56,8 @@ from typing import Any
 
 import numpy as np
 
+from fuser_core.merged import consistent
+from fuser_core.problem import bind_shape
 from fuser_core.reference import FLOAT_DTYPES, Evaluator, cast_to
 from fuser_core.spec import Spec
 
@@ -412,7 +414,7 @@ def family_inputs(spec: Spec, shape: Mapping[str, int], name: str, dtypes: Mappi
         else:
             pos = inp.dims.index(axis) if axis in inp.dims else x.ndim - 1
             moved = np.moveaxis(apply_family(name, np.moveaxis(x, pos, -1), rng), -1, pos)
-        out[inp.name] = cast_to(moved, dtypes[inp.name])
+        out[inp.name] = consistent(spec, inp.name, cast_to(moved, dtypes[inp.name]), bind_shape(spec, shape, allow_empty=True))
     return out
 
 

@@ -43,6 +43,7 @@ import scipy.special
 
 from fuser_core import expr as ex
 from fuser_core.problem import MAX_ELEMENTS, MAX_WORK, ShapeError, bind_shape, check_sizes  # noqa: F401  (re-exported)
+from fuser_core.merged import consistent
 from fuser_core.spec import Spec, Step
 
 FLOAT_DTYPES: dict[str, np.dtype] = {
@@ -387,5 +388,5 @@ def random_inputs(
         dt = dtype if isinstance(dtype, str) else dtype.get(inp.name, "float32")
         if dt not in FLOAT_DTYPES:
             raise ValueError(f"unknown dtype {dt!r} for input {inp.name!r}; one of {', '.join(FLOAT_DTYPES)}")
-        out[inp.name] = cast_to(rng.standard_normal(dims), dt)
+        out[inp.name] = consistent(spec, inp.name, cast_to(rng.standard_normal(dims), dt), bound)
     return out

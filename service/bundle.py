@@ -56,7 +56,7 @@ from typing import Any
 
 from fuser_core import (
     Spec, SpecError, bind_dtypes, bind_shape, canonical_json, canonical_names, empty_outputs, has_empty_dim, load_spec,
-    spec_hash, to_logical, to_storage,
+    as_logical, spec_hash, to_storage,
 )
 # the shape and dtype normalisers live with the Problem; importable from here as before
 from fuser_core import canonical_shape
@@ -672,11 +672,12 @@ class BundleKernel:
             if s.as_dim is not None:
                 sizes[s.as_dim] = int(s.k)  # type: ignore[arg-type]
         bound, shape = self._check_sizes(sizes)
-        # logical tensors (fuser_core.merged: a merged dim in its parts' place); the user's otherwise
-        canonical_inputs = {name: to_logical(self._user, name, given[name], bound) for name in expected}
+        # the user's tensors: the launcher views a merged dim's parts as one (fuser_core.merged)
+        canonical_inputs = {name: given[name] for name in expected}
         if has_empty_dim(shape):  # an empty batch (or axis): no launch (fuser_core/empty.py)
             stores = {part: o["dtype"] for part, o in self.bundle["outputs"].items()}
-            return self._to_user(empty_outputs(self._canon, shape, canonical_inputs, stores), bound)
+            logical = {name: as_logical(self._user, name, t, bound) for name, t in canonical_inputs.items()}
+            return self._to_user(empty_outputs(self._canon, shape, logical, stores), bound)
         outputs = self._module.launch(canonical_inputs, shape)
         return self._to_user(outputs, bound)
 

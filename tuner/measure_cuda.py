@@ -78,6 +78,7 @@ import numpy as np
 from fuser_core import expr as ex
 from fuser_core.accuracy import FormulaEvaluator
 from fuser_core.derive import Derivation
+from fuser_core.merged import consistent
 from fuser_core.problem import Problem
 from fuser_core.reference import Evaluator, index_input_bound
 from fuser_core.spec import Spec
@@ -599,7 +600,7 @@ class DeviceProblem:
             x = torch.randn(size, generator=g, device=self.device, dtype=torch.float32)
             if dt == "float8_e4m3fn":
                 x = x.clamp_(-448.0, 448.0)
-            out[inp.name] = x.to(getattr(torch, dt))
+            out[inp.name] = consistent(self.spec, inp.name, x.to(getattr(torch, dt)), self.shape)
         return out
 
     def reference(self) -> dict[str, np.ndarray]:
@@ -638,7 +639,8 @@ class DeviceProblem:
             for inp in self.spec.inputs:
                 x = self.inputs[inp.name]
                 pos = inp.dims.index(axis) if axis in inp.dims else x.dim() - 1
-                inputs[inp.name] = x if inp.is_index or x.dim() == 0 else family_tensor(name, x, pos, g)
+                inputs[inp.name] = (x if inp.is_index or x.dim() == 0 else
+                                    consistent(self.spec, inp.name, family_tensor(name, x, pos, g), self.shape))
             arrays = {i.name: _to_numpy(_select(inputs[i.name], i.dims, self.rows)) for i in self.spec.inputs}
             with np.errstate(all="ignore"):
                 reference = SampledEvaluator(self.spec, self.shape, self.rows_np).outputs(arrays)

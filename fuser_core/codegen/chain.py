@@ -57,6 +57,7 @@ from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.module import TORCH_DTYPES, _load, cached_source, generate, module_header, output_dtypes
 from fuser_core.codegen.names import FP8, kernel_arg, safe_name
 from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan, NotValid, make_plan, next_pow2
+from fuser_core.merged import as_logical
 from fuser_core.codegen.tritonize import Ref, expr_dims, helpers_of, to_triton
 from fuser_core.derive import Derivation, derive_cascade
 from fuser_core.reference import bind_shape, param_values
@@ -594,6 +595,8 @@ def run_chain_detailed(
     arrays = {n: a for n, a in inputs.items() if not isinstance(a, torch.Tensor)}
     tensors = {n: a for n, a in inputs.items() if isinstance(a, torch.Tensor)}
     tensors.update(to_torch(arrays, dtypes, dev))
+    # the chain's kernels read logical tensors (a per-channel weight repeated along the merged dim's other parts)
+    tensors = {n: as_logical(spec, n, t, bound) for n, t in tensors.items()}
     memory: dict[str, Any] = {}
     for k in kernels:
         memory.update(k.launch(tensors, memory, bound))

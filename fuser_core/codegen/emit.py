@@ -144,6 +144,12 @@ class KernelPrinter:
         """The tail mask of a tile over ``dims`` ("" when none: scalar lanes need none)."""
         return " & ".join(self.on(f"mask_{d}", (d,), dims) for d in self.layout.order(dims))
 
+    def addressed(self, base: str, address, dims, skip: str | None = None) -> str:
+        """An input's tile of pointers over ``dims`` from its address (fuser_core.merged.address: a merged
+        dim's part read at offs // size(inner)), leaving out dim ``skip``."""
+        return " + ".join([base, *(f"{fmt.format(self.offs(d, dims))} * {stride}"
+                                   for d, fmt, stride, _ in address if d != skip)])
+
     def pointer(self, base: str, offsets: list[tuple[str, str]], dims) -> str:
         """``base`` plus each (dim, stride) offset, as a tile of pointers over ``dims``."""
         return " + ".join([base, *(f"{self.offs(d, dims)} * {stride}" for d, stride in offsets)])
@@ -281,7 +287,7 @@ class KernelPrinter:
 
     def load(self, op: o.Load) -> None:
         var = op.name
-        ptr = self.pointer(f"{var}_ptr", [(d, f"stride_{var}_{d}") for d in op.input_dims], op.input_dims)
+        ptr = self.addressed(f"{var}_ptr", op.address, op.input_dims)
         mask = self.mask(op.input_dims)
         other = number(identity(op.fill)) if op.fill else "0"
         args = f"{ptr}, mask={mask}, other={other}" if mask else ptr
@@ -293,12 +299,12 @@ class KernelPrinter:
         at_dims = self.tex_dims(op.at, op.env)
         self.emit(f"{at} = {self.tex(op.at, op.env)}")
         self.emit(f"{at}_ok = ({at} >= 0) & ({at} < size_{op.axis})  # an index outside the axis: no term")
-        for inp, dims, dtype, kind, var in op.inputs:
+        for inp, dims, dtype, kind, var, where in op.inputs:
             src = safe_name(inp)
-            rest = [(d, f"stride_{src}_{d}") for d in dims if d != op.axis]
             tile = self.layout.union([d for d in dims if d != op.axis], at_dims)
-            ptr = " + ".join([self.pointer(f"{src}_ptr", rest, tile) if rest else f"{src}_ptr",
-                              f"{self.on(at, at_dims, tile)} * stride_{src}_{op.axis}"])
+            ptr = " + ".join([self.addressed(f"{src}_ptr", where, tile, skip=op.axis),
+                              *(f"{fmt.format(self.on(at, at_dims, tile))} * {stride}"
+                                for d, fmt, stride, _ in where if d == op.axis)])
             mask = " & ".join(m for m in (self.mask([d for d in dims if d != op.axis]), self.on(f"{at}_ok", at_dims, tile)) if m)
             self.emit(f"{var} = {load_expr(f'{ptr}, mask={mask}, other=0', dtype, kind)}")
         value, dims = self.tex(op.expr, op.env), self.tex_dims(op.expr, op.env)

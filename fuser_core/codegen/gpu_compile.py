@@ -164,13 +164,15 @@ def intercepted_launches():
 
 
 def meta_inputs(spec, shape: Mapping[str, int], dtypes: Mapping[str, str]) -> dict[str, Any]:
-    """Empty ``meta`` tensors for every input: dtypes and strides, no storage."""
+    """Empty ``meta`` tensors for every input: dtypes and strides, no storage; in the user's dims (a
+    contiguous per-channel weight, as inference servers pass it: fuser_core.merged)."""
     import torch
 
     out = {}
     for i in spec.inputs:
         dtype = dtypes.get(i.name, "int64" if i.is_index else "float32")
-        out[i.name] = torch.empty([int(shape[d]) for d in i.dims], dtype=getattr(torch, dtype), device="meta")
+        out[i.name] = torch.empty([int(shape[d]) for d in i.storage_dims or i.dims], dtype=getattr(torch, dtype),
+                                  device="meta")
     return out
 
 

@@ -24,6 +24,7 @@ from fuser_core.codegen.names import safe_name
 from fuser_core.codegen.plan import KernelConfig, KernelPlan, make_plan
 from fuser_core.codegen.structure import Grid, Launch, ModuleStructure, SplitLaunch, build_structure
 from fuser_core.derive import Derivation
+from fuser_core.merged import launcher_lines
 from fuser_core.problem import output_dtypes  # (also read here by codegen.chain)
 from fuser_core.spec import Spec
 
@@ -155,6 +156,7 @@ def launcher_source(structure: ModuleStructure, stores: dict[str, str]) -> str:
     first = safe_name(spec.inputs[0].name)
     for i in spec.inputs:
         lines.append(f'    {safe_name(i.name)} = inputs["{i.name}"]')
+        lines.extend(launcher_lines(spec, i.name, safe_name(i.name)))
     outs = []
     for part in spec.output_parts:
         var = safe_name(part)

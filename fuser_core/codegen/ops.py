@@ -208,12 +208,14 @@ class Load(Op):
     input_dims: tuple[str, ...]
     kind: str
     dtype: str | None
+    # per input dim: (dim, offset format, stride, sizes it reads): fuser_core.merged.address
+    address: tuple[tuple[str, str, str, tuple[str, ...]], ...]
     fill: str | None = None
     hoisted: bool = False
 
     def reads(self) -> set[str]:
-        return ({f"{self.name}_ptr"} | {f"stride_{self.name}_{d}" for d in self.input_dims}
-                | _tile_reads(self.input_dims, self.dims))
+        return ({f"{self.name}_ptr"} | {stride for _, _, stride, _ in self.address}
+                | {s for *_, sizes in self.address for s in sizes} | _tile_reads(self.input_dims, self.dims))
 
     def helpers(self) -> list[str]:
         return ["fp8e4m3_to_float"] if self.dtype == FP8 else []
@@ -233,14 +235,15 @@ class Gather(Op):
     at: sp.Expr
     expr: sp.Expr
     env: Env
-    inputs: tuple[tuple[str, tuple[str, ...], str | None, str, str], ...]
+    # (input, its spec dims, dtype, kind, the variable it is read as, its address: fuser_core.merged.address)
+    inputs: tuple[tuple[str, tuple[str, ...], str | None, str, str, tuple[tuple[str, str, str, tuple[str, ...]], ...]], ...]
     tile: tuple[str, ...]  # the lanes' tile dims of the loads (their masks)
 
     def reads(self) -> set[str]:
         out = _env_reads(self.env) | {f"size_{self.axis}"}
-        for inp, dims, _, _, _ in self.inputs:
+        for inp, dims, _, _, _, where in self.inputs:
             var = safe_name(inp)
-            out |= {f"{var}_ptr"} | {f"stride_{var}_{d}" for d in dims}
+            out |= {f"{var}_ptr"} | {stride for _, _, stride, _ in where} | {s for *_, sizes in where for s in sizes}
             out |= _tile_reads([d for d in dims if d != self.axis], [d for d in self.tile if d in dims and d != self.axis])
         return out
 

@@ -62,6 +62,7 @@ from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.tritonize import Ref, is_literal, lookup
 from fuser_core.derive import ReductionForm
 from fuser_core.grouping import Grouping
+from fuser_core.merged import address, kernel_dims
 from fuser_core.realisation import (
     COUNT_OLD, SELECTIONS, Realisation, identity, new, old, part_acc, part_anchor, part_count, settled,
     state_symbols,
@@ -612,7 +613,7 @@ class _Walk:
                 name = f"{var}_{safe_name(inp.name)}"
                 dims = self.order([*(d for d in inp.dims if d != a), *lanes])
                 inputs.append((inp.name, inp.dims, self.dtypes.get(inp.name), "tl.int32" if inp.is_index else "tl.float32",
-                               name))
+                               name, address(self.spec, inp.name, safe_name(inp.name))))
                 extra[sym] = self.let(name, dims)
         others = [s for s in x.free_symbols if s not in extra]
         self.need([sp.Add(*others)] if others else [])
@@ -669,7 +670,7 @@ class _Walk:
         else:
             self.filled.pop(name, None)
         op = Load(input=name, name=var, dims=tile, input_dims=inp.dims, kind="tl.int32" if inp.is_index else "tl.float32",
-                  dtype=self.dtypes.get(name), fill=fill, hoisted=hoisted)
+                  dtype=self.dtypes.get(name), address=address(self.spec, name, var), fill=fill, hoisted=hoisted)
         self.values[name] = self.let(var, inp.dims)
         self.loaded.add(name)
         if hoisted:  # loaded once per program, before the loops
@@ -1494,7 +1495,8 @@ def _args(plan: KernelPlan, inputs: Iterable[str], outputs: Iterable[str], ws: t
     out += [Arg(f"{var_name(p)}_ptr", kernel_arg(var_name(p), store_dtypes[p])) for p in parts]
     out += [Arg(f"size_{d}", f"size_{d}") for d in spec.sized_dims]
     for i in used:
-        out += [Arg(f"stride_{var_name(i.name)}_{d}", f"{var_name(i.name)}.stride({k})") for k, d in enumerate(i.dims)]
+        out += [Arg(f"stride_{var_name(i.name)}_{d}", f"{var_name(i.name)}.stride({k})")
+                for k, d in enumerate(kernel_dims(spec, i.name))]
     for p in parts:
         dims = spec.step(p.split(".")[0]).dims
         out += [Arg(f"stride_{var_name(p)}_{d}", f"{var_name(p)}.stride({k})") for k, d in enumerate(dims)]
