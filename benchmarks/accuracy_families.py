@@ -139,6 +139,8 @@ def errors(spec, shape, inputs, strategies) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     from fuser_core.codegen.plan import BASELINE, STRATEGIES
+    from fuser_core.merged import consistent
+    from fuser_core.problem import bind_shape
     from fuser_core.reference import random_inputs
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -162,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                 inputs["b"] = (inputs["a"] + 0.05 * rng.standard_normal(inputs["a"].shape)).astype(np.float32)
             if name == "softmax_weighted_variance":  # v ~ 100 regardless of the family of x
                 inputs["v"] = (100.0 + rng.standard_normal(inputs["v"].shape)).astype(np.float32)
+            # as a user's tensors are: a per-channel weight of a merged dim repeats along its other parts
+            bound = bind_shape(spec, shape)
+            inputs = {k: consistent(spec, k, v, bound) for k, v in inputs.items()}
             errs = errors(spec, shape, inputs, (BASELINE, *STRATEGIES))
             naive = errs.pop("formula")
             chain = errs.pop(BASELINE)

@@ -42,8 +42,8 @@ import numpy as np
 import scipy.special
 
 from fuser_core import expr as ex
-from fuser_core.problem import MAX_ELEMENTS, MAX_WORK, ShapeError, bind_shape, check_sizes  # noqa: F401  (re-exported)
 from fuser_core.merged import consistent
+from fuser_core.problem import MAX_ELEMENTS, MAX_WORK, ShapeError, bind_shape, check_sizes  # noqa: F401  (re-exported)
 from fuser_core.spec import Spec, Step
 
 FLOAT_DTYPES: dict[str, np.dtype] = {

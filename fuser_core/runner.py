@@ -70,7 +70,8 @@ import numpy as np
 
 from fuser_core.codegen.plan import BASELINE, KernelConfig, NotValid, default_config, valid_strategies
 from fuser_core.derive import Derivation, derive_cascade
-from fuser_core.problem import FLOAT_DTYPES, INDEX_DTYPES, bind_dtypes  # noqa: F401  (re-exported)
+from fuser_core.merged import consistent
+from fuser_core.problem import FLOAT_DTYPES, INDEX_DTYPES, ShapeError, bind_dtypes  # noqa: F401  (re-exported)
 from fuser_core.tensors import device, to_torch  # noqa: F401  (re-exported)
 from fuser_core.empty import empty_outputs, has_empty_dim
 from fuser_core.reference import Evaluator, bind_shape, check_inputs, evaluate, random_inputs
@@ -141,7 +142,13 @@ def run(
     bound = bind_shape(spec, shape, allow_empty=True)
     dtypes = bind_dtypes(spec, dtype)
     dev = device()
-    tensors = to_torch(check_inputs(spec, bound, inputs), dtypes, dev)
+    arrays = check_inputs(spec, bound, inputs)
+    for inp in spec.inputs:  # the fused kernels read a per-channel input at its first position along the rest
+        if not np.array_equal(consistent(spec, inp.name, arrays[inp.name], bound), arrays[inp.name], equal_nan=True):
+            raise ShapeError(f"holds only ({', '.join(inp.storage_dims)}) of dims reduced together: in the merged "
+                             "layout it must repeat along the others (fuser_core.merged.to_logical of the user's "
+                             "tensor)", loc=("inputs", inp.name))
+    tensors = to_torch(arrays, dtypes, dev)
     if has_empty_dim(bound):  # no launch: empty outputs, reductions over an empty axis their identities
         from fuser_core.problem import output_dtypes
 

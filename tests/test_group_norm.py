@@ -206,3 +206,16 @@ def test_the_weight_is_read_where_it_is_stored(group_norm, strategy):
     assert torch.equal(got_user, got_logical)
     want = torch_group_norm({k: v.numpy() for k, v in t.items()})
     assert np.abs(to_storage(spec, spec.step("y").dims, got_user.double().numpy(), bound) - want).max() < 1e-5
+
+
+def test_a_logical_weight_that_does_not_repeat_is_refused_naming_it(group_norm):
+    """The kernels read a per-channel weight at its first position along p, the reference at every one: a
+    logical w[g, c * p] that is no repeat of a user's w[g, c] has no meaning, and is refused, not run."""
+    spec, d = group_norm
+    bound = bind_shape(spec, SHAPE)
+    t = {k: to_logical(spec, k, v, bound) for k, v in user_tensors("normal", np.random.default_rng(2)).items()}
+    t["w"] = np.array(t["w"])
+    t["w"][1, 3] += 1.0
+    with pytest.raises(ShapeError) as err:
+        run(spec, SHAPE, "float32", t, strategy="streaming_fused", derivation=d)
+    assert err.value.loc == ("inputs", "w") and "repeat" in str(err.value)
