@@ -285,10 +285,23 @@ def _torch_ops() -> dict[str, Callable[[Mapping[str, int], Mapping[str, float], 
         "layernorm": lambda shape, p, t: {"y": F.layer_norm(t["x"], (shape["c"],), t["gamma"], t["beta"], p["eps"])},
         "rmsnorm": lambda shape, p, t: {"y": F.rms_norm(t["x"], (shape["c"],), t["w"], p["eps"])},
         "cross_entropy": lambda shape, p, t: {"loss": F.cross_entropy(t["logits"], t["target"], reduction="none")},
+        "group_norm": lambda shape, p, t: {"y": _group_norm(F, shape, p, t)},
     }
 
 
-TORCH_OPS = ("safe_softmax", "logsumexp", "layernorm", "rmsnorm", "cross_entropy")
+def _group_norm(F: Any, shape: Mapping[str, int], p: Mapping[str, float], t: Mapping[str, Any]) -> Any:  # noqa: N803
+    """torch's group_norm on the catalog's group_norm tensors in the merged layout: x[n, g, c_p] viewed as
+    [n, g * c, p], the weight and bias w[g, c_p] at their first position along p (fuser_core.merged)."""
+    n, g, c, q = (shape[d] for d in ("n", "g", "c", "p"))
+
+    def per_channel(w: Any) -> Any:
+        return w.reshape(g, c, q)[:, :, 0].reshape(g * c)
+
+    y = F.group_norm(t["x"].reshape(n, g * c, q), g, per_channel(t["w"]), per_channel(t["b"]), p["eps"])
+    return y.reshape(n, g, c * q)
+
+
+TORCH_OPS = ("safe_softmax", "logsumexp", "layernorm", "rmsnorm", "cross_entropy", "group_norm")
 _CATALOG_SPECS: dict[str, tuple[str, Spec]] | None = None  # spec hash -> (op name, the catalog's spec)
 
 
@@ -325,6 +338,7 @@ def torch_outputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.
     if found is None:
         return None
     name, catalog = found
+    shape = bind_shape(spec, shape, allow_empty=True)  # a merged dim's parts sized too
     # equal hashes: the two specs' dims, steps and params have the same canonical names
     ours = {canon: mine for mine, canon in canonical_names(spec).items()}
     theirs = {cat: ours[canon] for cat, canon in canonical_names(catalog).items()}
@@ -336,7 +350,7 @@ def torch_outputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.
                              else torch.from_numpy(a.astype(np.float32)).to(getattr(torch, dtypes[inp.name])))
     try:
         with torch.no_grad():
-            got = _torch_ops()[name]({d: shape[theirs[d]] for d in catalog.dims},
+            got = _torch_ops()[name]({d: shape[theirs[d]] for d in catalog.sized_dims},
                                      {p.name: params[theirs[p.name]] for p in catalog.params if p.name in theirs},
                                      tensors)
     except (RuntimeError, NotImplementedError, TypeError):  # no CPU kernel for this dtype

@@ -137,7 +137,7 @@ def launcher_lines(spec: Spec, name: str, var: str) -> list[str]:
 
     lines = [f"    if tuple({var}.shape) != {sizes(want)}:  # dims reduced together (fuser_core.merged)"]
     if want != tuple(inp.dims):
-        pick = ", ".join(":" if d in want else "0" for d in full)
+        pick = ", ".join(":" if d in inp.storage_dims else "0" for d in full)
         lines += [f"        if tuple({var}.shape) == {sizes(inp.dims)}:  # logical: its first positions along the rest",
                   f"            {var} = {var}.reshape{sizes(full)}[{pick}].reshape{sizes(want)}",
                   "        else:",
@@ -150,4 +150,4 @@ def launcher_lines(spec: Spec, name: str, var: str) -> list[str]:
 def _np_broadcast(array: Any, wide: list[int]) -> Any:
     import numpy as np
 
-    return np.broadcast_to(array, wide)
+    return np.broadcast_to(array, wide).copy()  # writable (torch.from_numpy warns on a read-only view)

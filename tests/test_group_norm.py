@@ -219,3 +219,19 @@ def test_a_logical_weight_that_does_not_repeat_is_refused_naming_it(group_norm):
     with pytest.raises(ShapeError) as err:
         run(spec, SHAPE, "float32", t, strategy="streaming_fused", derivation=d)
     assert err.value.loc == ("inputs", "w") and "repeat" in str(err.value)
+
+
+def test_the_accuracy_bar_compares_with_torchs_group_norm(group_norm):
+    """foldwise run's bar and the tuner's gate hold every strategy to torch's F.group_norm too, at a shape
+    that keeps the parts (c = 5, p = 7; a capped shape keeps them as far as it can)."""
+    from fuser_core.accuracy import accuracy_check
+    from fuser_core.codegen.plan import capped_shape
+
+    spec, d = group_norm
+    for strategy in ALL:
+        verdict = accuracy_check(spec, SHAPE, families=("normal", "offset100"), strategy=strategy, derivation=d)
+        assert verdict["torch_op"] == "group_norm" and verdict["passed"], verdict
+        assert all(r["torch_error"] is not None for r in verdict["families"]), verdict["families"]
+    small = capped_shape(spec, d, bind_shape(spec, {"n": 2, "g": 3, "c": 5, "p": 7}), axis=20, inner=5, free=4,
+                         batch=2, lane=3)
+    assert (small["c"], small["p"], small["c_p"]) == (2, 7, 14)

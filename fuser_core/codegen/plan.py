@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fuser_core.derive import Derivation
+from fuser_core.problem import fill_parts
 from fuser_core.spec import Input, Spec, Step
 
 STRATEGIES = ("row_resident", "streaming_fused", "split_fused", "multi_pass")
@@ -230,7 +231,8 @@ def capped_shape(spec: Spec, derivation: Derivation | None, shape: Mapping[str, 
             out[d] = min(n, batch)
         else:
             out[d] = min(n, lane)
-    return out
+    # a merged dim's parts, kept as far as the capped size allows (c=5, p=7 stay; capped to 20: c=2, p=7)
+    return fill_parts(spec, {**out, **{d: shape[d] for d in spec.part_dims if d in shape}})
 
 
 def contraction_dims(spec: Spec, derivation: Derivation) -> tuple[set[str], set[str]]:
