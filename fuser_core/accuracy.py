@@ -441,8 +441,47 @@ def _float64(t: Any) -> np.ndarray:
     return (t.float() if t.dtype.is_floating_point else t).cpu().numpy().astype(np.float64)
 
 
+class TermScales:
+    """A mixin for an :class:`~fuser_core.reference.Evaluator`: each sum step's terms' magnitudes,
+    ``sum |t|`` (in ``scales``, aligned), recorded as the steps run: the scale a sum's rounding errors
+    live on whatever the order of its additions."""
+
+    def reduce(self, step: Any, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if step.reduce == "sum":
+            edims = self.spec.expr_dims(step.expr)
+            with np.errstate(all="ignore"):
+                value = np.broadcast_to(self.eval_expr(step.expr, env), self.aligned_shape(edims))
+                self.scales = {**getattr(self, "scales", {}),
+                               step.name: np.sum(np.abs(value), axis=self.axis[step.over], keepdims=True)}
+        return super().reduce(step, env)
+
+
+class _TermScaled(TermScales, Evaluator):
+    pass
+
+
+def cancellation(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarray],
+                 reference: Mapping[str, np.ndarray], evaluator: Any = None) -> dict[str, np.ndarray]:
+    """For each output that is a sum step: ``sum |t| / |sum t|`` per element (at least 1), how far its
+    terms cancel. No order of additions holds such a sum to better than a few ulps of ``sum |t|``: a
+    13-term sum that cancels 22-fold errs 11 units of its result's roundoff in a kernel's tile order and
+    2 in the formula's pairwise order, both within 1 unit of its largest partial sum (fuzz seed 61). The
+    bar divides both errors by this factor, so the floor is a few ulps of the terms, not of the result.
+    Sums whose terms share a sign (every centred square) have factor 1: nothing changes for them."""
+    ev = evaluator or _TermScaled(spec, shape)  # ``evaluator``: another TermScales (the GPU measurer's sampled rows)
+    with np.errstate(all="ignore"):
+        ev.run(inputs)
+        out = {}
+        for part, ref in reference.items():
+            if part in getattr(ev, "scales", {}):
+                m = np.ascontiguousarray(ev.unaligned(ev.scales[part], spec.step(part).dims))
+                k = m / np.abs(np.asarray(ref, np.float64))
+                out[part] = np.where(np.isfinite(k) & (k > 1.0), k, 1.0)
+    return out
+
+
 def _errors_beside_overflow(got: np.ndarray, ref: np.ndarray, formulas: Sequence[np.ndarray], floor: float,
-                            ulps: float) -> tuple[float, float]:
+                            ulps: float, cancel: np.ndarray | None = None) -> tuple[float, float]:
     """The kernel's and the formula's errors (:func:`fuser_core.runner.elementwise_err`, the largest
     element), on the elements where the formula in the dtype is not itself infinitely wrong.
 
@@ -458,6 +497,8 @@ def _errors_beside_overflow(got: np.ndarray, ref: np.ndarray, formulas: Sequence
 
     e_got = elementwise_err(got, ref, floor)
     e_form = np.max([elementwise_err(f, ref, floor) for f in formulas], axis=0)
+    if cancel is not None:  # a cancelling sum: errors in units of its terms' magnitude (:func:`cancellation`)
+        e_got, e_form = e_got / cancel, e_form / cancel
     over = ~np.isfinite(e_form)
     if over.any():
         g = np.broadcast_to(np.asarray(got, np.float64), e_form.shape)
@@ -473,7 +514,8 @@ def _errors_beside_overflow(got: np.ndarray, ref: np.ndarray, formulas: Sequence
 
 def bar_verdict(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, np.ndarray],
                 formula: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]], stores: Mapping[str, str],
-                torch_ref: Mapping[str, np.ndarray] | None = None, *, special: bool = False) -> dict[str, Any]:
+                torch_ref: Mapping[str, np.ndarray] | None = None, *, special: bool = False,
+                cancel: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
     """One family's verdict on ``outputs`` (a strategy's, torch tensors or arrays): per float part,
     ``error`` = :func:`fuser_core.runner.rel_err` against the float64 ``reference``, ``formula_error``
     the same of ``formula`` (:func:`formula_outputs`), ``torch_error`` of ``torch_ref`` (None
@@ -498,7 +540,8 @@ def bar_verdict(spec: Spec, outputs: Mapping[str, Any], reference: Mapping[str, 
             continue
         floor = FLOOR[stores[part]]
         ulps = ulp_floor(stores[part])
-        err, ferr = _errors_beside_overflow(got, ref, [np.asarray(f[part], np.float64) for f in formulas], floor, ulps)
+        err, ferr = _errors_beside_overflow(got, ref, [np.asarray(f[part], np.float64) for f in formulas], floor, ulps,
+                                            (cancel or {}).get(part))
         ratio = err / max(ferr, ulps)
         terr = rel_err(torch_ref[part], ref, floor) if torch_ref is not None and part in torch_ref else None
         tratio = err / max(terr, ulps) if terr is not None else None
@@ -568,7 +611,8 @@ def check_family(spec: Spec, shape: Mapping[str, int], dtypes: Mapping[str, str]
             continue
         formula = formula_outputs(spec, sh, inputs, fdtype, seed)
         torch_ref = torch_outputs(spec, sh, inputs, dtypes) if not fam.special else None
-        v = bar_verdict(spec, got, reference, formula, stores, torch_ref, special=fam.special)
+        v = bar_verdict(spec, got, reference, formula, stores, torch_ref, special=fam.special,
+                        cancel=cancellation(spec, sh, inputs, reference))
         v.pop("parts")
         verdicts.append({"family": name, **v, "shape": sh, "formula_dtype": fdtype, "note": ""})
     worst = max(verdicts, key=lambda v: (not v["passed"], v["ratio"]))

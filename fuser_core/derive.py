@@ -618,7 +618,28 @@ class _Deriver:
             stable = self.shifted(terms, dep_names) or self.taylor(terms, dep_names)
             if stable is not None:
                 return stable
+            self.check_raw_moments(terms)
         return self.scaled(terms, dep_names, offset=sp.Integer(0), op="sum")
+
+    def check_raw_moments(self, terms: list[Term]) -> None:
+        """Refuse raw power sums: terms whose end factors are a polynomial of degree >= 2 in a dependency
+        with no running anchor (``sum((q - acc)^2)`` kept as ``sum(q^2) - 2 acc sum(q) + n acc^2``, acc a
+        dependent sum). Where q lies near acc the end cancels float32 accuracy away (17.6x and 25x the
+        formula's error, fuzz seeds 60 and 61); no centred form exists without a running anchor."""
+        free = self.dep_syms - self.max_type()
+        for t in terms:
+            syms = t.h.free_symbols & free
+            if not syms:
+                continue
+            try:
+                degree = sp.Poly(t.h, *sorted(syms, key=str)).total_degree()
+            except sp.PolynomialError:
+                continue
+            if degree >= 2:
+                raise NotSeparable(
+                    f"raw power sums: {t.h} multiplies sum({t.g}), a polynomial of degree {degree} in "
+                    f"{_names(syms)}, which has no running anchor to centre on; the end would cancel float32 accuracy away"
+                )
 
     def anchorable(self) -> dict[sp.Symbol, str]:
         """Dependencies with a running anchor: max/min (running value), first-level sums (estimate)."""
@@ -660,6 +681,53 @@ class _Deriver:
         scaled_up = _combined(strip_casts(form.integrand) * n)
         branches = [v for v, _ in scaled_up.args] if isinstance(scaled_up, sp.Piecewise) else [scaled_up]
         return form.op == "sum" and not any(n in sp.cancel(b).free_symbols for b in branches)
+
+    def centred_as_mean(self, branches: list[sp.Expr], sym: sp.Symbol) -> bool:
+        """Does every branch read the raw sum ``sym`` only as ``sym / size(axis)`` (``(x - s / size(n))^2``
+        with ``s = sum(x)``)? Its centre is then the running mean, as for a mean itself."""
+        n = axis_size(self.conv.spec, self.axis)
+        for br in branches:
+            for (k,), c in sp.Poly(br, sym).terms():
+                if k and (sp.cancel(c * n**k).free_symbols & n.free_symbols):
+                    return False
+        return True
+
+    def one_sided(self, branches: list[sp.Expr], kappas: list[sp.Symbol], sym: sp.Symbol) -> bool:
+        """Can a Taylor form centred on the running max (min) ``sym`` move its centre without cancellation?
+
+        Moving the centre by delta adds ``sum_j P^(j) delta^j / j!`` to each element's value. With
+        ``sym = I + t`` (a min: ``I - t``), ``I`` the max's own integrand and ``t >= 0`` how far the running
+        value is past the element's own (every element seen is at most the running max), the terms share
+        one sign when every derivative of P in ``t`` is provably of one sign: ``(x - mx)^2`` is ``t^2``, its
+        derivatives ``2t`` and ``2``. ``(maximum(w, x) - mx)^2`` is not: w may lie above the running max."""
+        form = self.forms[self.conv.leaf_step[sym].name]
+        integrand = strip_casts(form.integrand)
+        values = ([v for v, _ in integrand.args if v.is_finite is not False and v not in (sp.oo, -sp.oo)]
+                  if isinstance(integrand, sp.Piecewise) else [integrand])
+        t = sp.Dummy("t", nonnegative=True)
+        direction = 1 if form.op == "max" else -1  # the step's own op: max(-x) realised as a min is still >= -x
+        for br in branches:
+            parts = [c for _, c in sp.Poly(br, *kappas).terms()] if kappas else [br]
+            for part in parts:
+                degree = sp.Poly(part, sym).degree()
+                if degree <= 1:  # linear: one move is one product delta * acc1, as the formula's own product
+                    continue
+                for value in values:
+                    q = sp.expand(part.xreplace({sym: value + direction * t}))
+                    signs = set()
+                    for j in range(degree + 1):
+                        d = sp.expand(sp.diff(q, t, j))
+                        if d == 0:
+                            continue
+                        if d.is_nonnegative:
+                            signs.add(1)
+                        elif d.is_nonpositive:
+                            signs.add(-1)
+                        else:
+                            return False
+                    if len(signs) > 1:
+                        return False
+        return True
 
     def check_range(self, contribution: sp.Expr) -> None:
         """Refuse an anchored contribution whose running state can overflow where the final value cannot.
@@ -864,16 +932,26 @@ class _Deriver:
         n = len(syms)
         if max(sum(m[:n]) for p in polys for m in p.monoms()) > MAX_TAYLOR_DEGREE:
             return None
-        raw = [s for s in syms if s not in self.max_type() and anchorable[s] != WEIGHTED_MEAN and not self.mean_like(s)]
-        if raw and max(sp.Poly(br, *raw).total_degree() for br in branches) >= 3:
+        raw = [s for s in syms if s not in self.max_type() and anchorable[s] != WEIGHTED_MEAN
+               and not self.mean_like(s) and not self.centred_as_mean(branches, s)]
+        if raw and max(sp.Poly(br, *raw).total_degree() for br in branches) >= 2:
             # The estimate partial * N / count of a raw sum strays from its final value by about
-            # N / sqrt(count) rows' worth early on, and a cubic around it cancels that away in float32
-            # (errors of 1e-4 to 5e-3 measured with fuzz_long.py --wild); a mean's estimate stays
-            # within the values averaged, and the quadratic (shifted) form keeps its accuracy.
+            # N / sqrt(count) rows' worth early on, and a polynomial around it cancels that away in float32:
+            # errors of 1e-4 to 5e-3 for cubics (fuzz_long.py --wild), 17x to 25x the formula's for squares
+            # (fuzz seeds 60, 61: sum((q - acc)^2) with acc a raw sum); a mean's estimate stays within the
+            # values averaged.
             raise NotSeparable(
-                f"a polynomial of degree >= 3 in {_names(set(raw))} would be centred on the running estimate "
+                f"a polynomial of degree >= 2 in {_names(set(raw))} would be centred on the running estimate "
                 "of a raw sum, which loses float32 accuracy; written as a mean (sum(x / size(axis))) it fuses"
             )
+        for sym in syms:
+            if sym in self.max_type() and not self.one_sided(branches, kappas, sym):
+                # (maximum(w, x) - mx)^2 with w above the early running max of x: each move of mx cancels
+                # the squares of values near the final mx away (392x the formula's error, fuzz seed 61)
+                raise NotSeparable(
+                    f"the polynomial in {sym} would be centred on its running value while the values it is "
+                    f"centred against may lie on both sides of it: moving the centre would cancel float32 accuracy away"
+                )
         kappa_powers = sorted({m[n:] for p in polys for m in p.monoms()})
         if len(kappa_powers) > MAX_TERMS:
             return None

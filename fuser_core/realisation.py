@@ -259,6 +259,18 @@ class Realisation:
         return tuple(a.symbol for a in self.accumulators)
 
     @property
+    def rescales(self) -> bool:
+        """Do its moves multiply the accumulators by a correction (``exp(mx[old] - mx[new])``)? A kernel
+        moves such a state back to the final anchor at the end (``settle``), the formula's value at +-inf."""
+        return self.kind == "scaled"
+
+    @property
+    def shifts(self) -> bool:
+        """Do its moves add terms to the accumulators (shifted, Taylor)? Those terms skip an infinite
+        accumulator, so a non-finite result is computed again (the kernels' fallback passes)."""
+        return self.kind in ("shifted", "taylor")
+
+    @property
     def moves(self) -> bool:
         """Does any accumulator change when the anchors move?"""
         return any(a.moved != a.symbol for a in self.accumulators)

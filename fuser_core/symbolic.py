@@ -186,10 +186,29 @@ def negate(c: sp.Basic) -> sp.Basic:
 
 
 def compare(op: str, lhs: sp.Expr, rhs: sp.Expr) -> sp.Basic:
-    """The sympy form of ``lhs op rhs``: :class:`InfCompare` when a side holds +-inf."""
+    """The sympy form of ``lhs op rhs``: :class:`InfCompare` when a side holds +-inf, or when sympy
+    decides it from its assumptions about values that may be infinite or NaN. sympy takes every symbol
+    for a finite real, so ``0 != log2(sigmoid(w) + 1)`` is True to it, and ``exp(x) > 0`` too, while
+    at w = -inf the first is false (CI fuzz: a where() then took the wrong branch). Sizes and indices
+    are finite integers: comparisons of those are decided. A where() on a side is folded here, each
+    branch compared on its own (``where(c, a, 0) != b`` is ``(c and a != b) or (not c and 0 != b)``),
+    so that no later fold of it meets sympy's assumptions."""
+    k = sp.Integer(COMPARE_OPS.index(op))
+    for side, other, first in ((lhs, rhs, True), (rhs, lhs, False)):
+        if isinstance(side, sp.Piecewise) and side.args[-1][1] == sp.true:
+            out, rest = [], sp.true
+            for value, cond in side.args:
+                here = compare(op, value, other) if first else compare(op, other, value)
+                out.append(sp.And(rest, cond, here))
+                rest = sp.And(rest, negate(cond))
+            return sp.Or(*out)
     if any(side.has(sp.oo, -sp.oo) for side in (lhs, rhs)):
-        return InfCompare(sp.Integer(COMPARE_OPS.index(op)), lhs, rhs)
-    return _COMPARE[op](lhs, rhs)
+        return InfCompare(k, lhs, rhs)
+    decided = _COMPARE[op](lhs, rhs)
+    floats = {s for s in (lhs.free_symbols | rhs.free_symbols) if not s.name.startswith(("size(", "index("))}
+    if decided in (sp.true, sp.false) and floats:
+        return InfCompare(k, lhs, rhs)
+    return decided
 
 
 def number(value: float) -> sp.Expr:

@@ -231,3 +231,31 @@ def test_an_overflow_the_formula_shares_is_not_the_strategys():
     ref, formula = {"e": np.array([1e39, 1e38])}, {"e": np.array([np.inf, 1e38])}  # the rest still held to the ratio
     assert bar_verdict(spec, {"e": np.array([np.inf, 1e38])}, ref, formula, stores)["passed"]
     assert not bar_verdict(spec, {"e": np.array([np.inf, 1.1e38])}, ref, formula, stores)["passed"]
+
+
+def test_a_sum_that_cancels_is_judged_on_its_terms_magnitude():
+    """Fuzz seed 61: a 5-term sum of a row that cancels 22-fold (|sum| 0.14, sum |x| 3.05) erred 11 units of its
+    result's roundoff in a kernel's order of additions and at most 4 in the formula's: 2.7x, refused, although
+    both are within one unit of its largest partial sum. Both errors are now measured in units of the terms'
+    magnitude (fuser_core.accuracy.cancellation); a sum whose terms share a sign keeps the plain bar."""
+    from fuser_core.accuracy import cancellation
+
+    spec = load_spec({"foldwise": 1, "name": "plain_sum", "inputs": {"x": {"dims": ["m", "n"]}},
+                      "steps": [{"name": "u", "reduce": "sum", "over": "n", "expr": "x"},
+                                {"name": "q", "reduce": "sum", "over": "n", "expr": "x * x"}], "outputs": ["u", "q"]})
+    x = np.array([[-0.73226738, -0.54425901, -0.31630015, 0.41163054, 1.04251337]])
+    shape = {"m": 1, "n": 5}
+    reference = evaluate(spec, shape, {"x": x})
+    cancel = cancellation(spec, shape, {"x": x}, reference)
+    assert cancel["u"][0] == pytest.approx(np.abs(x).sum() / abs(x.sum()))
+    assert cancel["q"][0] == 1.0
+    formula = formula_outputs(spec, shape, {"x": x}, "float32")
+    sequential = np.float32(0.0)
+    for v in x[0].astype(np.float32):  # the order of a loop's additions: another float32 evaluation of the sum
+        sequential = np.float32(sequential + v)
+    got = {"u": np.array([sequential], np.float64), "q": formula[0]["q"]}
+    stores = {"u": "float32", "q": "float32"}
+    assert not bar_verdict(spec, got, reference, formula, stores)["passed"]
+    assert bar_verdict(spec, got, reference, formula, stores, cancel=cancel)["passed"]
+    lossy = {"u": got["u"], "q": formula[0]["q"] * (1 + 2e-6)}  # a square sum 34 ulps off fails either way
+    assert not bar_verdict(spec, lossy, reference, formula, stores, cancel=cancel)["passed"]

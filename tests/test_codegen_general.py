@@ -387,8 +387,10 @@ def test_a_sum_over_the_top_k_slots_runs_in_the_kernels_epilogue(strategy: str) 
     check(ROUTER_RENORM, shape, strategy=strategy, cfg=cfg, derivation=derivation)
     module = generate(ROUTER_RENORM, derivation, strategy, shape, cfg, bind_dtypes(ROUTER_RENORM, "float32"))
     lines = module.source.splitlines()
-    # once, at a kernel's top level (after its loops), in the strategy's own kernels: no extra launch
-    norms = [line for line in lines if line.strip().startswith("norm = tl.sum(")]
+    # once, at a kernel's top level (after its loops), in the strategy's own kernels: no extra launch (and once
+    # more for the outputs of the fallback passes, which rank again rows whose max ended +-inf or NaN)
+    fallback = next((i for i, line in enumerate(lines) if line.strip().startswith("# fallback:")), len(lines))
+    norms = [line for line in lines[:fallback] if line.strip().startswith("norm = tl.sum(")]
     assert len(norms) == 1 and norms[0].startswith("    norm = ")
     kernels = re.findall(r"^def (\w+_kernel)\(", module.source, re.M)
     assert len(kernels) == (2 if strategy == "split_fused" else 1), kernels

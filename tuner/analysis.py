@@ -400,6 +400,8 @@ def sketch(an: Anatomy, kernel: st.Kernel, structure: st.ModuleStructure) -> Ker
                     w.expr(op.expr)
                     counted = True
             elif isinstance(op, ops.OutputStore):
+                if op.gate:  # a fallback's store: masked off on the rows that are tuned on
+                    continue
                 if op.expr is not None:
                     w.expr(op.expr)
                 dims = frozenset(op.part_dims)
@@ -419,6 +421,8 @@ def sketch(an: Anatomy, kernel: st.Kernel, structure: st.ModuleStructure) -> Ker
             straight.append(op)
             continue
         if op.unmasked:  # the first part of a loop split at its mask: the masked part counts the whole pass
+            continue
+        if op.span == "fallback":  # runs only for rows whose dependencies ended non-finite: not the tuned case
             continue
         if straight:
             count(straight, "once", always=False)

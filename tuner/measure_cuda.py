@@ -76,7 +76,7 @@ from typing import Any, Self
 import numpy as np
 
 from fuser_core import expr as ex
-from fuser_core.accuracy import FormulaEvaluator
+from fuser_core.accuracy import FormulaEvaluator, TermScales
 from fuser_core.derive import Derivation
 from fuser_core.merged import consistent
 from fuser_core.problem import Problem
@@ -501,6 +501,10 @@ class SampledEvaluator(Evaluator):
         return super()._eval(e, env)
 
 
+class SampledTermScales(TermScales, SampledEvaluator):
+    """The terms' magnitudes of each sum (:func:`fuser_core.accuracy.cancellation`) on sampled rows."""
+
+
 class SampledFormula(SampledEvaluator, FormulaEvaluator):
     """The spec's formula in a dtype (:class:`fuser_core.accuracy.FormulaEvaluator`) on sampled rows
     (:class:`SampledEvaluator`): the accuracy bar's yardstick for a device-sized problem."""
@@ -629,7 +633,7 @@ class DeviceProblem:
         if name not in self._families:
             import torch
 
-            from fuser_core.accuracy import formula_dtype, formula_outputs
+            from fuser_core.accuracy import cancellation, formula_dtype, formula_outputs
             from fuser_core.codegen.plan import loop_axis
 
             axis, _ = loop_axis(self.spec)
@@ -646,7 +650,9 @@ class DeviceProblem:
                 reference = SampledEvaluator(self.spec, self.shape, self.rows_np).outputs(arrays)
             formula = formula_outputs(self.spec, self.shape, arrays, formula_dtype(self.dtypes), self.seed,
                                       make=lambda d, r: SampledFormula(self.spec, self.shape, self.rows_np, d, r))
-            self._families[name] = {"inputs": inputs, "reference": reference, "formula": formula}
+            cancel = cancellation(self.spec, self.shape, arrays, reference,
+                                  SampledTermScales(self.spec, self.shape, self.rows_np))
+            self._families[name] = {"inputs": inputs, "reference": reference, "formula": formula, "cancel": cancel}
         return self._families[name]
 
     def knife_edges(self) -> list[dict[str, np.ndarray]]:
@@ -1006,7 +1012,7 @@ def accuracy_bar(problem: DeviceProblem, fn: Callable[[Any], Any]) -> dict[str, 
         fam = problem.family(name)
         outputs = fn(fam["inputs"])
         sliced = {p: _select(outputs[p], problem.spec.step(p.split(".")[0]).dims, problem.rows) for p in fam["reference"]}
-        verdict = bar_verdict(problem.spec, sliced, fam["reference"], fam["formula"], problem.stores)
+        verdict = bar_verdict(problem.spec, sliced, fam["reference"], fam["formula"], problem.stores, cancel=fam["cancel"])
         verdict.pop("parts")
         rows.append({"family": name, **verdict, "shape": dict(problem.shape), "formula_dtype": fdtype, "note": ""})
     return {"passed": all(r["passed"] for r in rows), "families": rows}

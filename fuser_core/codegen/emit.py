@@ -118,7 +118,7 @@ class KernelPrinter:
             o.Value: self.value, o.Reduce: self.reduce_op, o.Fold: self.fold, o.Select: self.select,
             o.AnchorUpdate: self.anchor_update, o.LaneMerge: self.lane_merge, o.WorkspaceLoad: self.workspace_load,
             o.PartMerge: self.part_merge, o.Finalise: self.finalise, o.WorkspaceStore: self.workspace_store,
-            o.OutputStore: self.output_store, o.FirstChunk: self.first_chunk,
+            o.OutputStore: self.output_store, o.FirstChunk: self.first_chunk, o.FallbackFlag: self.fallback_flag,
         }
 
     # ------------------------------------------------------------ text helpers
@@ -322,6 +322,18 @@ class KernelPrinter:
         self.depth -= 1
         self.print_ops(op.lanes)
 
+    def fallback_flag(self, op: o.FallbackFlag) -> None:
+        flags = []
+        for ref, what in op.checks:
+            v = ref.text
+            bad = f"tl.abs({v}) == float('inf')" if what == "inf" else f"({v} != {v}) | (tl.abs({v}) == float('inf'))"
+            flag = f"tl.where({bad}, 1, 0)"
+            flags.append(f"tl.max({flag})" if ref.dims else flag)  # over every lane of the program's tile
+        text = flags[0]
+        for f in flags[1:]:
+            text = f"tl.maximum({text}, {f})"
+        self.emit(f"{op.name} = {text}")
+
     def init_state(self, op: o.InitState) -> None:
         shape = self.shape(op.dims)
         if op.fill is None:
@@ -439,6 +451,8 @@ class KernelPrinter:
         var, dims = op.name, op.part_dims
         ptr = self.pointer(f"{var}_ptr", [(d, f"stride_{var}_{d}") for d in dims], dims)
         mask = self.mask(dims)
+        if op.gate:  # a where, not `mask & flag`: the interpreter makes that of a tile and a scalar int32
+            mask = f"tl.where({op.gate} != 0, {mask}, False)" if mask else f"{op.gate} != 0"
         value = self.tex(op.expr, op.env) if op.expr is not None else op.value.text
         if op.constant:  # a constant step: .to() takes tensors only
             value = f"tl.full({self.shape(dims)}, {value}, tl.float32)"

@@ -38,6 +38,9 @@ The operations:
 - :class:`WorkspaceLoad`, :class:`PartMerge`: a split's partial state read and merged;
 - :class:`Finalise`: a reduction's final value;
 - :class:`WorkspaceStore`, :class:`OutputStore`: the partial state or an output part written;
+- :class:`FallbackFlag`: 1 where a dependency of a fused reduction ended at a value its fused form
+  does not hold (an infinity, a NaN), the gate of the fallback passes (a ``fallback`` loop) and of
+  their results;
 - :class:`FirstChunk`: operations only the program of chunk 0 runs; :class:`Comment`.
 """
 
@@ -255,7 +258,8 @@ class Gather(Op):
 class Loop(Op):
     """``for var in range(lo, hi[, step]):`` over the ``span``: ``axis`` (the axis's tiles), ``chunk``
     (a split program's chunk of them), ``split`` (the SPLIT partial states), ``outputs`` /
-    ``chunk_outputs`` (the pass that writes the outputs keeping the axis). ``resident``: one tile
+    ``chunk_outputs`` (the pass that writes the outputs keeping the axis), ``fallback`` (a pass that
+    runs only where a :class:`FallbackFlag` is set: its ``hi`` is 0 elsewhere). ``resident``: one tile
     holds the whole axis (row_resident), printed as its body. ``per_lane``: the states it folds keep
     one value per lane of the axis's tile (:func:`~fuser_core.codegen.structure.per_lane`);
     ``lanes`` merges them after the loop. ``hoisted``: inputs it reads, loaded before the loops
@@ -577,7 +581,8 @@ class WorkspaceStore(Op):
 class OutputStore(Op):
     """Output ``part`` (pointer ``{name}_ptr``, spec dims ``part_dims``) written from ``expr`` (None: the
     reduction's final value ``value``), converted to ``dtype``, as a whole tile of its dims.
-    ``constant``: the value prints as a number (stored through ``tl.full``)."""
+    ``constant``: the value prints as a number (stored through ``tl.full``); ``gate``: a 0/1 flag, the
+    store masked off where it is 0 (the fallback's stores, after the fused ones)."""
 
     part: str
     name: str
@@ -589,15 +594,29 @@ class OutputStore(Op):
     value_dims: tuple[str, ...]
     dtype: str
     constant: bool = False
+    gate: str | None = None  # written only where this 0/1 flag is set (a fallback's outputs)
 
     def reads(self) -> set[str]:
         out = ({f"{self.name}_ptr"} | {f"stride_{self.name}_{d}" for d in self.part_dims}
-               | _tile_reads(self.part_dims, self.dims))
+               | _tile_reads(self.part_dims, self.dims) | ({self.gate} if self.gate else set()))
         out |= _env_reads(self.env) if self.expr is not None else {self.value.name}
         return out | (_blocks(self.dims) if self.constant or self.value_dims != self.dims else set())
 
     def helpers(self) -> list[str]:
         return _helpers(self.expr) + (["fp8e4m3_bits"] if self.dtype == FP8 else [])
+
+
+@dataclass(frozen=True, kw_only=True)
+class FallbackFlag(Op):
+    """``name = 1`` where some lane of the program's tile holds a dependency value its fused reductions
+    do not hold (``checks``: each value and what it must not be: ``inf`` (+-inf) or ``nonfinite``
+    (+-inf or NaN)), else 0: an int32 scalar, the gate of the fallback passes after the fused loop."""
+
+    name: str
+    checks: tuple[tuple[Ref, str], ...]
+
+    def reads(self) -> set[str]:
+        return {ref.name for ref, _ in self.checks}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,6 +38,7 @@ from fuser_core.codegen.ops import (
     Dot,
     Env,
     Finalise,
+    FallbackFlag,
     FirstChunk,
     Fold,
     Gather,
@@ -472,6 +473,7 @@ class _Walk:
         self.merged: set[str] = set()  # reductions whose final value a lane merge computed
         self.lanes = False  # walking a per-lane loop (states and anchors per lane of the axis's tile)
         self.lanes_states = False  # its streamed loop keeps per-lane states (the kernel carries those)
+        self.direct = False  # walking fallback passes (:meth:`fallback`): reductions of the integrands as written
         self.head: list[Op] = []  # program ids and offsets
         self.prologue: list[Op] = []  # hoisted loads
         self.ops: list[Op] = []
@@ -517,6 +519,8 @@ class _Walk:
         return self.layout.union(*(ref.dims for sym, ref in env if sym in e.free_symbols))
 
     def effective_op(self, step: Step) -> str:
+        if self.direct:  # a fallback pass reduces the integrand itself, not a fused form's terms
+            return step.reduce or ""
         return effective_op(self.plan, step)
 
     def realisation(self, step: Step) -> Realisation:
@@ -790,8 +794,11 @@ class _Walk:
         return False
 
     def _is_anchor(self, s: sp.Symbol) -> bool:
+        """Is ``s`` read from a max/min's safe anchor (finite)? By the value's flag, not its name: a step named
+        ``den_anchor`` is a value like any other (fuzz seed 70: its -inf times a tail lane's 0 went unmasked),
+        and a sum's running estimate may be infinite."""
         try:
-            return lookup(self.values, s).name.endswith("_anchor")
+            return lookup(self.values, s).finite
         except Exception:  # noqa: BLE001 (no value here: not an anchor)
             return False
 
@@ -862,7 +869,7 @@ class _Walk:
             self.values[step.name] = ref
 
     # ------------------------------------------------------------ outputs
-    def store(self, part: str) -> OutputStore:
+    def store(self, part: str, gate: str | None = None) -> OutputStore:
         """The store of an output part (a whole tile of it where it varies over fewer dims); the loads
         and inner reductions its value needs are added first."""
         name = part.split(".")[0]
@@ -879,24 +886,25 @@ class _Walk:
             env, value = self.env(expr), None
             value_dims, constant = self.dims_of(expr, env), is_literal(expr)
         return OutputStore(part=part, name=safe_name(part), part_dims=dims, dims=self.order(dims), expr=expr, env=env,
-                           value=value, value_dims=value_dims, dtype=self.stores[part], constant=constant)
+                           value=value, value_dims=value_dims, dtype=self.stores[part], constant=constant, gate=gate)
 
-    def outputs(self) -> None:
+    def outputs(self, gate: str | None = None, only: set[str] | None = None) -> None:
         """Row outputs once; outputs that still have the loop axis in a last pass over it (a
-        parallel combine kernel: over its program's chunk, row outputs from chunk 0 only)."""
+        parallel combine kernel: over its program's chunk, row outputs from chunk 0 only).
+        ``gate``: written only where that 0/1 flag is set, ``only`` those parts (a fallback's)."""
         a = self.axis
-        along = axis_outputs(self.plan)
-        row = [p for p in self.spec.output_parts if p not in along]
+        along = [p for p in axis_outputs(self.plan) if only is None or p in only]
+        row = [p for p in self.spec.output_parts if p not in axis_outputs(self.plan) and (only is None or p in only)]
         chunked = self.role == "combine" and self.grid.split
         if chunked and row:  # every program of a lane block has the row outputs: chunk 0's writes them
-            stores = [self.store(part) for part in row]  # loads stay outside the if
+            stores = [self.store(part, gate) for part in row]  # loads stay outside the if
             body: list[Op] = []
             for part, op in zip(row, stores):
                 body += [Comment(text=f"# output {part}"), op]
             self.add(FirstChunk(body=tuple(body)))
         for part in row if not chunked else ():
-            self.add(Comment(text=f"# output {part}"))
-            self.add(self.store(part))
+            self.add(Comment(text=f"# output {part}" + (f", where {gate}" if gate else "")))
+            self.add(self.store(part, gate))
         if not along:
             return
         if self.plan.strategy == "row_resident":
@@ -911,6 +919,8 @@ class _Walk:
         else:
             self.add(Comment(text=f"# second pass over {a}: outputs {', '.join(along)} need the final reductions"))
             span, lo, hi, bounds = "outputs", "0", f"size_{a}", (f"size_{a}",)
+        if gate:  # the pass runs only where the flag is set
+            span, hi, bounds = "fallback", f"({hi}) * {gate}", (*bounds, gate)
 
         def body():
             self.depth += 1
@@ -959,35 +969,129 @@ class _Walk:
             self.set_result(step, self.var(acc))
 
     def multi_pass(self) -> None:
-        a = self.axis
         for step in self.axis_steps():
-            integrand = self.conv.integrand(step)
-            self.add(Comment(text=f"# pass: {step.name} = {step.reduce} over {a} of {sp.sstr(integrand)}"))
-            acc = self.init_state(step)[0]
-
-            def body(step=step, integrand=integrand, acc=acc):
-                self.depth += 1
-                self.begin_scope()
-                self.axis_tile("start")
-                self.identity_loads([(step.reduce or "", integrand)])
-                self.need([integrand])
-                self.fold(step, acc, integrand)
-                self.depth -= 1
-                self.begin_scope()
-
-            lo, hi, bounds = self.windowed([(step.reduce or "", integrand)], "0", f"size_{a}", (f"size_{a}", f"BLOCK_{a}"))
-            self.loop("axis", "start", lo, hi, f"BLOCK_{a}", bounds, body)
-            if step.reduce in ("topk", "argmax", "argmin"):
-                self.set_result(step, self.selected(step, acc), f"{acc}_indices")
-            else:
-                self.set_result(step, self.var(acc))
+            self.one_pass(step)
         self.outputs()
+
+    def one_pass(self, step: Step, gate: str | None = None) -> None:
+        """A loop over the axis that reduces ``step``'s integrand with every dependency at its final
+        value (multi_pass's pass); ``gate``: a 0/1 flag the loop's trip count is multiplied by (a
+        fallback pass, :meth:`fallback`)."""
+        a = self.axis
+        integrand = self.conv.integrand(step)
+        kind = "fallback pass" if gate else "pass"
+        self.add(Comment(text=f"# {kind}: {step.name} = {step.reduce} over {a} of {sp.sstr(integrand)}"))
+        acc = self.init_state(step)[0]
+
+        def body():
+            self.depth += 1
+            self.begin_scope()
+            self.axis_tile("start")
+            self.identity_loads([(step.reduce or "", integrand)])
+            self.need([integrand])
+            self.fold(step, acc, integrand)
+            self.depth -= 1
+            self.begin_scope()
+
+        lo, hi, bounds = self.windowed([(step.reduce or "", integrand)], "0", f"size_{a}", (f"size_{a}", f"BLOCK_{a}"))
+        if gate:
+            hi, bounds = f"({hi}) * {gate}", (*bounds, gate)
+        self.loop("fallback" if gate else "axis", "start", lo, hi, f"BLOCK_{a}", bounds, body)
+        if step.reduce in ("topk", "argmax", "argmin"):
+            self.set_result(step, self.selected(step, acc), f"{acc}_indices")
+        else:
+            self.set_result(step, self.var(acc))
+
+    def fallback(self) -> None:
+        """After the fused loop and its stores: where a dependency (or a shifted result) ended at a value the
+        fused forms do not hold, the reductions that read dependencies again, one pass each with the final
+        values (as multi_pass), and the outputs that read them written again over the fused ones, for the
+        whole program tile. The fused values are dead by then: the passes add no register pressure to the
+        fused loop (sm_90: layernorm, GroupNorm and MoE routing keep their registers, no spill in a loop).
+
+        The fused forms are exact for finite values. An infinite or NaN one breaks what they factor out or
+        shift: ``sum(a * mask)`` kept as ``mask * sum(a)`` is +inf at mask = -inf where the formula's terms
+        mix +inf and -inf (NaN); a max offset ``max(k + v)`` as ``max(k) + v``; a top-k's order under a NaN
+        offset; a Taylor shift to a NaN centre, or of infinite data at a centre that changes sign. The
+        checks (:meth:`fallback_checks`) leave out what the forms do hold: a running max/min anchor of a
+        scaled sum that ``settle`` moves to the formula's value at +-inf, and a NaN that a scaled sum's end
+        factor or offset propagates. So softmax and attention rows fully masked to -inf take no second pass
+        (unless the mask is a where() in the spec). The fallback loops run 0 times elsewhere (their trip
+        count is multiplied by the flag), their stores are masked off, and the tuner counts neither (fuzz
+        seeds 60, 61)."""
+        dependent = [s for s in self.axis_steps() if self.realisation(s).deps]
+        checks = self.fallback_checks(dependent)
+        if not checks:
+            return
+        self.add(Comment(text="# fallback: where a dependency ended +-inf or NaN, the fused forms' factored and "
+                              "shifted terms do not hold; those reductions again, one pass each, and their outputs"))
+        self.add(FallbackFlag(name="fallback", checks=tuple((self.values[d], what) for d, what in checks.items())))
+        self.let("fallback", ())
+        self.direct = True
+        for step in dependent:
+            self.one_pass(step, gate="fallback")
+        self.direct = False
+        redone = {s.name for s in dependent}
+        self.outputs(gate="fallback", only={p for p in self.spec.output_parts if self.reads_any(p.split(".")[0], redone)})
+
+    def finite_end(self, real: Realisation, sym: sp.Symbol) -> bool:
+        """Is a scaled sum's end (its value from the accumulators: end factors, offsets) provably finite
+        with dependency ``sym`` at +-inf, the accumulators and other dependencies finite (a sum of anchored
+        exponentials positive)? An attention sink's ``acc / (den + exp(sink - maximum(mx, sink)))`` is:
+        at mx = -inf its end is ``acc / (den + 1)``. Then an infinite ``sym`` is no reason for a fallback."""
+        repl: dict[sp.Basic, sp.Basic] = {a: sp.Dummy(real=True, finite=True) for a in real.symbols}
+        for dep in real.deps:
+            other = self.conv.symbols[dep]
+            if other != sym:
+                positive = _sum_of_anchored_exps(self.forms[dep])
+                repl[other] = sp.Dummy(positive=True, finite=True) if positive else sp.Dummy(real=True, finite=True)
+        for inf in (sp.oo, -sp.oo):
+            if real.value.xreplace({**repl, sym: inf}).is_finite is not True:
+                return False
+        return True
+
+    def reads_any(self, name: str, steps: set[str]) -> bool:
+        """Does step ``name`` (its value, once earlier elementwise steps are inlined) read one of ``steps``?"""
+        if name in steps:
+            return True
+        step = self.spec.step(name)
+        if step.is_reduction:
+            return False
+        return any(s.name.split(".")[0] in steps for s in self.conv.value(name).free_symbols)  # sel.indices: sel
+
+    def fallback_checks(self, dependent: list[Step]) -> dict[str, str]:
+        """Each dependency a fallback pass is taken for, and when: ``inf`` (+-inf) or ``nonfinite``."""
+        checks: dict[str, str] = {}
+        for step in dependent:
+            real = self.realisation(step)
+            for dep in real.deps:
+                if real.rescales and real.op == "sum":
+                    sym = self.conv.symbols[dep]
+                    at_end = sym in real.value.free_symbols
+                    if not at_end and real.anchors.get(dep) == "running" and self.forms[step.name].settles_at({sym}):
+                        continue  # only rescaled, by exp(anchor - final) at the end (settle): the formula's value at +-inf
+                    # an end factor or offset: NaN propagates as in the formula; a running anchor under a where()
+                    # is not settled (its condition need not exclude the infinite values)
+                    what = "inf" if at_end else "nonfinite"
+                    if what == "inf" and (_sum_of_anchored_exps(self.forms[dep]) or self.finite_end(real, sym)):
+                        continue  # never +-inf (a softmax denominator), or the end stays finite where it is
+                else:
+                    what = "nonfinite"
+                if checks.get(dep) != "nonfinite":
+                    checks[dep] = what
+            if real.shifts:
+                # an infinite value in the data: the accumulators' shifts skip an infinite accumulator, right
+                # where the centre's sign does not matter, wrong where it does (-mx * v at v = -inf, mx
+                # crossing 0 between tiles): a non-finite result is computed again
+                checks[step.name] = "nonfinite"
+        return checks
 
     def streaming_fused(self) -> None:
         a = self.axis
         self.streaming_loop("axis", "0", f"size_{a}", (f"size_{a}",))
         self.finalize()
         self.outputs()
+        self.fallback()
 
     def split_part(self) -> None:
         self.add(Chunk(part=True))
@@ -1002,6 +1106,7 @@ class _Walk:
         self.combine()
         self.finalize()
         self.outputs()
+        self.fallback()
 
     # -- streaming: the derived incremental form
     def stream_folds(self) -> list[_FoldFact]:
@@ -1460,6 +1565,21 @@ class _Walk:
             removed |= unused
             ops = _without(ops, unused)
         return tuple(_without(ops, set(), removed))
+
+
+def _sum_of_anchored_exps(form: ReductionForm) -> bool:
+    """Is a dependency a scaled sum of anchored exponentials and nothing else (a softmax or attention
+    denominator, ``sum exp(s - mx)``, masked terms 0)? Its terms are bounded at their running anchor
+    (derive's range check), so it is never +-inf: NaN only, from NaN data, which an end factor 1/den
+    propagates as the formula does."""
+    real = form.realisation
+    if real is None or not real.rescales or real.op != "sum" or form.offset != 0 or any(d != 1 for d in form.deferred):
+        return False
+    for c in form.contributions:
+        values = [v for v, _ in c.args] if isinstance(c, sp.Piecewise) else [c]
+        if not all(v == 0 or isinstance(v, sp.exp) for v in values):
+            return False
+    return True
 
 
 def _without(ops: list[Op], unused: set[str], removed: set[str] | None = None) -> list[Op]:
