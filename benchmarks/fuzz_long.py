@@ -7,7 +7,8 @@ ran is also compiled for sm_90 by Triton's GPU compiler (``--no-compile`` skips 
 
 Prints the counts by outcome (fusible, not fusible, limit-stopped, invalid, kernels
 checked, failures) and, for every failure, the finding and the spec JSON, so that it can
-be replayed (``--replay FILE`` runs the checks on one spec file and prints the outcome).
+be replayed (``--replay FILE`` runs the checks on one spec file and prints the outcome; given a run's
+``--json`` file, it checks every failure recorded there again, one line each).
 The CI runs a bounded, derandomised version of the same checks (tests/test_fuzz_cascades.py).
 Exit code 1 when there was a failure.
 """
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(known range/accuracy weaknesses of fused forms; expect failures)")
     parser.add_argument("--no-compile", action="store_true", help="skip the GPU compiler (sm_90) on checked kernels")
     parser.add_argument("--json", type=Path, default=None, help="also write counts and failures to this file")
-    parser.add_argument("--replay", type=Path, default=None, help="check one spec JSON file and print the outcome")
+    parser.add_argument("--replay", type=Path, default=None,
+                        help="check one spec JSON file and print the outcome, or every failure a --json file recorded")
     args = parser.parse_args(argv)
 
     from fuser_core.codegen.gpu_compile import CompilePool
@@ -65,10 +67,20 @@ def fuzz(args: argparse.Namespace, pool) -> int:
 
     if args.replay:
         raw = json.loads(args.replay.read_text())
-        outcome = check_cascade(raw, kernels=True, time_limit_s=args.time_limit, cert_trials=args.cert_trials,
-                                compile_pool=pool)
-        print(json.dumps(outcome.__dict__, indent=2, default=str))
-        return 1 if outcome.failure else 0
+        if "failures" not in raw:  # one spec
+            outcome = check_cascade(raw, kernels=True, time_limit_s=args.time_limit, cert_trials=args.cert_trials,
+                                    compile_pool=pool)
+            print(json.dumps(outcome.__dict__, indent=2, default=str))
+            return 1 if outcome.failure else 0
+        # a run's --json: every failure it recorded, checked again, one line each
+        still = 0
+        for i, failure in enumerate(raw["failures"]):
+            outcome = check_cascade(failure["spec"], kernels=True, time_limit_s=args.time_limit,
+                                    cert_trials=args.cert_trials, compile_pool=pool)
+            still += bool(outcome.failure)
+            print(f"#{i}: {'FAILS: ' + outcome.failure if outcome.failure else 'passes'}", flush=True)
+        print(f"{still} of {len(raw['failures'])} recorded failures still fail")
+        return 1 if still else 0
 
     counts: Counter[str] = Counter()
     reasons: Counter[str] = Counter()  # which limit stopped a derivation, which step was undefined
