@@ -40,17 +40,21 @@ Each fused reduction gets a realisation, the state a loop carries and how it is 
   A weighted mean ``sum w g / W`` (``W = sum w`` at the same anchors) anchors at its running
   value, a convex combination of the ``g`` seen (:meth:`_Deriver.weighted_mean`).
 
-Two realisations are refused (the step is then not fused, and the reason says why) because
+Some realisations are refused (the step is then not fused, and the reason says why) because
 they are exact in real arithmetic but not in floating point, found by fuzzing
-(``benchmarks/fuzz_long.py --wild``):
+(``benchmarks/fuzz_long.py``; docs/THEORY.md section 5):
 
 - an anchored exponent the running max/min does not bound (``exp(x - mx)`` with
   ``mx = max(x**3)``): early running maxima sit far below the final one and the state
   overflows where the unfused value does not (:meth:`_Deriver.check_range`);
-- a polynomial of degree 3 or more centred on the running estimate of a *raw* sum (one
+- a polynomial of degree 2 or more centred on the running estimate of a *raw* sum (one
   without ``1/size(axis)``): the estimate ``partial * N / count`` strays by about
-  ``N / sqrt(count)`` values' worth early on, and the cubic cancels float32 accuracy away.
-  Means, maxima and minima stay within the range of their values and keep the Taylor form.
+  ``N / sqrt(count)`` values' worth early on, and the square cancels float32 accuracy away.
+  Means (also ``s / size(n)`` of a raw ``s``), maxima and minima keep the Taylor form;
+- a polynomial of degree 2 or more centred on a running max (min) that its values may exceed
+  (:meth:`_Deriver.one_sided`): a move of the centre then adds terms of both signs;
+- raw power sums: an end factor of degree 2 or more in a dependency with no running anchor
+  (:meth:`_Deriver.check_raw_moments`).
 
 Each fused form is then turned, once, into a :class:`~fuser_core.realisation.Realisation`
 (``Derivation.realisations``): its accumulators as data, with the one tile-step and merge rule
@@ -66,7 +70,7 @@ Example:
     ...     "outputs": ["den"]})
     >>> d = derive_cascade(spec)
     >>> d.forms["den"].kind, d.forms["den"].corrections
-    ('scaled', (exp(mx[old] - mx[new]),))
+    ('scaled', (exp(-mx[new] + mx[old]),))
 """
 
 from __future__ import annotations
