@@ -54,6 +54,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import math
+
 import numpy as np
 
 from fuser_core.merged import consistent
@@ -227,19 +229,33 @@ class FormulaEvaluator(Evaluator):
             h ^= h >> np.uint64(29)
         return (h >> np.uint64(11)).astype(np.float64) / 2.0**52 - 1.0
 
+    sequential = False  # sums in a loop's order (see summed), not pairwise
+
     def summed(self, value: np.ndarray, ax: int) -> np.ndarray:
         """Pairwise: halves added and rounded, log2(n) times (zeros pad to a power of two, or to one
-        element for an empty axis: exact)."""
+        element for an empty axis: exact). With ``sequential``, in the order a loop over the axis adds
+        (the unfused chain's tiles): a running sum of tiles, each of a power of two near sqrt(n) elements
+        summed pairwise, at most ``SEQUENTIAL_STEPS`` tiles. Both are the formula in the
+        dtype; a later step that multiplies a sum's rounding (``sin(q * s)`` at large q, ``size * s``)
+        errs by as much as that order's rounding, and a kernel may add in either order."""
         value = np.moveaxis(np.asarray(value, np.float64), ax, -1)
         n = value.shape[-1]
-        width = 1 << max(n - 1, 0).bit_length()
+        if self.sequential:  # tiles of a power of two near sqrt(n), at most SEQUENTIAL_STEPS of them
+            chunk = 1 << max(math.isqrt(max(n - 1, 0)), -(-n // SEQUENTIAL_STEPS) - 1, 0).bit_length()
+            width = -(-max(n, 1) // chunk) * chunk
+        else:  # one chunk: the axis padded to a power of two
+            width = chunk = 1 << max(n - 1, 0).bit_length()
         if width > n:
             value = np.concatenate([value, np.zeros((*value.shape[:-1], width - n))], axis=-1)
         with np.errstate(all="ignore"):
-            while value.shape[-1] > 1:
+            value = value.reshape(*value.shape[:-1], width // chunk, chunk)
+            while value.shape[-1] > 1:  # pairwise within a chunk (all of the axis unless sequential)
                 half = value.shape[-1] // 2
                 value = self.rounded(value[..., :half] + value[..., half:])
-        return np.moveaxis(value, -1, ax)
+            running = value[..., 0, 0]
+            for k in range(1, value.shape[-2]):  # chunks in order, rounded after each
+                running = self.rounded(running + value[..., k, 0])
+        return np.moveaxis(np.reshape(running, (*value.shape[:-2], 1)), -1, ax)  # rounded() may add a dim to a 0-d
 
     def rounded(self, value: np.ndarray) -> np.ndarray:
         value = np.asarray(value, np.float64)
@@ -254,6 +270,7 @@ class FormulaEvaluator(Evaluator):
 
 
 FORMULA_SAMPLES = 7  # stochastically rounded evaluations of the formula besides round-to-nearest
+SEQUENTIAL_STEPS = 1024  # a sequential sum adds at most this many chunks in turn (a python loop each)
 
 
 def formula_outputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarray], dtype: str,
@@ -263,11 +280,20 @@ def formula_outputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, n
     nearest, then ``FORMULA_SAMPLES`` times with random roundings (|d| <= u). The formula's error is the
     largest of theirs: one input set's error is one draw of the formula's rounding errors (on
     layernorm's peaked rows its own arithmetic, row_resident, measured 0.75x to 3x the
-    round-to-nearest formula's over six seeds), and the bar compares a strategy with the spread."""
+    round-to-nearest formula's over six seeds), and the bar compares a strategy with the spread.
+    Half the random evaluations sum in a loop's order (:meth:`FormulaEvaluator.summed`), half pairwise."""
     rng = np.random.default_rng(seed)
     make = make or (lambda d, r: FormulaEvaluator(spec, shape, d, r))  # ``make``: another evaluator (sampled rows)
     with np.errstate(all="ignore"):
-        return [make(dtype, rng if i else None).outputs(inputs) for i in range(1 + FORMULA_SAMPLES)]
+        return [_evaluator(make, dtype, rng if i else None, sequential=i % 2 == 0 and i > 0).outputs(inputs)
+                for i in range(1 + FORMULA_SAMPLES)]
+
+
+def _evaluator(make: Callable[[str, np.random.Generator | None], FormulaEvaluator], dtype: str,
+               rng: np.random.Generator | None, *, sequential: bool) -> FormulaEvaluator:
+    ev = make(dtype, rng)
+    ev.sequential = sequential
+    return ev
 
 
 # ---------------------------------------------------------------- torch's own ops

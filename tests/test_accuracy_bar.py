@@ -237,7 +237,8 @@ def test_a_sum_that_cancels_is_judged_on_its_terms_magnitude():
     """Fuzz seed 61: a 5-term sum of a row that cancels 22-fold (|sum| 0.14, sum |x| 3.05) erred 11 units of its
     result's roundoff in a kernel's order of additions and at most 4 in the formula's: 2.7x, refused, although
     both are within one unit of its largest partial sum. Both errors are now measured in units of the terms'
-    magnitude (fuser_core.accuracy.cancellation); a sum whose terms share a sign keeps the plain bar."""
+    magnitude (fuser_core.accuracy.cancellation); a sum whose terms share a sign keeps the plain bar. (A loop's
+    order of additions is now among the formula's own evaluations: test_a_loops_order_of_additions_is_the_formulas.)"""
     from fuser_core.accuracy import cancellation
 
     spec = load_spec({"foldwise": 1, "name": "plain_sum", "inputs": {"x": {"dims": ["m", "n"]}},
@@ -250,12 +251,31 @@ def test_a_sum_that_cancels_is_judged_on_its_terms_magnitude():
     assert cancel["u"][0] == pytest.approx(np.abs(x).sum() / abs(x.sum()))
     assert cancel["q"][0] == 1.0
     formula = formula_outputs(spec, shape, {"x": x}, "float32")
-    sequential = np.float32(0.0)
-    for v in x[0].astype(np.float32):  # the order of a loop's additions: another float32 evaluation of the sum
-        sequential = np.float32(sequential + v)
-    got = {"u": np.array([sequential], np.float64), "q": formula[0]["q"]}
     stores = {"u": "float32", "q": "float32"}
+    # 3 ulps of sum |x| off: 66 units of the result's roundoff, refused by the plain bar, within it in the terms' units
+    off = 3 * 2.0**-24 * np.abs(x).sum()
+    got = {"u": reference["u"] + off, "q": formula[0]["q"]}
     assert not bar_verdict(spec, got, reference, formula, stores)["passed"]
     assert bar_verdict(spec, got, reference, formula, stores, cancel=cancel)["passed"]
     lossy = {"u": got["u"], "q": formula[0]["q"] * (1 + 2e-6)}  # a square sum 34 ulps off fails either way
     assert not bar_verdict(spec, lossy, reference, formula, stores, cancel=cancel)["passed"]
+
+
+def test_a_loops_order_of_additions_is_the_formulas():
+    """Half the formula's random evaluations add in a loop's order (tiles near sqrt(n), then a running sum):
+    fuzz seed 70's sin(q * s) at s ~ 1000 and size * s erred 2.2x and 2.7x the pairwise formula's error through
+    the order s was summed in alone. A sequential float32 sum of a cancelling row is within the formula's spread;
+    a sum 40 units of its result off is not."""
+    spec = load_spec({"foldwise": 1, "name": "plain_sum", "inputs": {"x": {"dims": ["m", "n"]}},
+                      "steps": [{"name": "u", "reduce": "sum", "over": "n", "expr": "x"}], "outputs": ["u"]})
+    x = np.array([[-0.73226738, -0.54425901, -0.31630015, 0.41163054, 1.04251337]])
+    shape = {"m": 1, "n": 5}
+    reference = evaluate(spec, shape, {"x": x})
+    formula = formula_outputs(spec, shape, {"x": x}, "float32")
+    sequential = np.float32(0.0)
+    for v in x[0].astype(np.float32):
+        sequential = np.float32(sequential + v)
+    stores = {"u": "float32"}
+    assert bar_verdict(spec, {"u": np.array([sequential], np.float64)}, reference, formula, stores)["passed"]
+    far = {"u": reference["u"] * (1 + 40 * 2.0**-24)}
+    assert not bar_verdict(spec, far, reference, formula, stores)["passed"]

@@ -70,7 +70,7 @@ def test_states_per_tile_or_per_lane_match_float64(name: str, shape: dict, strat
         sources.append(generate(spec, derivation, strategy, shape, config, bind_dtypes(spec, "float32")).source)
     lanes, tile = sources
     assert "_lane = " not in tile  # per tile: no per-lane state
-    if name != "layernorm":  # layernorm's shifted states stay per tile either way
+    if name != "layernorm":  # layernorm's Taylor states stay per tile either way
         assert "_lane = " in lanes
 
 

@@ -187,9 +187,9 @@ def test_math_shows_the_corrections(db, client):
     assert o["finalize"] == r"o = \frac{T}{\mathit{den}}"
     ln = submit(db, "layernorm", {"t": 2, "c": 8})
     var = next(r for r in client.get(f"/v1/specs/{ln.spec_hash}/math").json()["reductions"] if r["name"] == "var")
-    assert var["realisation"] == "shifted"
-    assert r"\mathrm{count}_{\mathrm{old}}" in var["correction"][0]
-    assert r"\mathrm{count}_{a}" in var["merge"][0] and r"\mathit{mean}_{b}" in var["merge"][0]
+    assert var["realisation"] == "taylor"
+    assert r"\mathrm{count}_{\mathrm{old}}" in var["correction"][0]  # the top coefficient, sum 1 / N, is the count
+    assert len(var["merge"]) == 2 and r"T_{1,a}^{\text{moved}}" in var["merge"][0]
 
 
 def test_spec_endpoints_validate_the_hash(client):

@@ -20,7 +20,7 @@ EXPECTED_KIND = {
     ("cross_entropy", "den"): "scaled",
     ("cross_entropy", "picked"): "first",
     ("fp8_quant_gemm", "acc"): "scaled",
-    ("layernorm", "var"): "shifted",
+    ("layernorm", "var"): "taylor",
     ("logsumexp", "den"): "scaled",
     ("moe_routing", "gate"): "scaled",
     ("safe_softmax", "den"): "scaled",
@@ -67,13 +67,33 @@ def test_attention_defers_the_denominator_like_flash_attention():
     assert o.contraction  # p.v should be a tl.dot
 
 
-def test_layernorm_variance_gets_the_welford_chan_update():
+def test_layernorm_variance_is_centred_with_its_first_order_sum():
+    """Taylor, not Welford: the state is sum (x - mean~)^2 / N and sum -2 (x - mean~) / N; the top
+    coefficient sum 1 / N is the count (no state). The shifted form's move would take the first-order
+    sum as 0, which a rounded running mean makes false (351x the formula's error at mean 1000)."""
+    from fuser_core.realisation import ShiftTerm
+
     var = derive_cascade(load_spec(CATALOG["layernorm"])).forms["var"]
-    assert len(var.terms) == 3
     count = sp.Symbol("count[old]", integer=True, nonnegative=True)
     n = sp.Symbol("size(c)", integer=True, positive=True)
+    x, mean = sp.Symbol("x", real=True), sp.Symbol("mean", real=True)
     m_old, m_new = sp.Symbol("mean[old]", real=True), sp.Symbol("mean[new]", real=True)
-    assert sp.simplify(var.delta - count * (m_new - m_old) ** 2 / n) == 0
+    acc0, acc1 = sp.Symbol("acc[0]"), sp.Symbol("acc[1]")
+    assert var.kind == "taylor" and len(var.contributions) == 2
+    assert sp.simplify(var.contributions[0] - (x - mean) ** 2 / n) == 0
+    assert sp.simplify(var.contributions[1] + 2 * (x - mean) / n) == 0
+    d = m_new - m_old
+    assert sp.simplify(var.reanchor[0] - (acc0 + ShiftTerm(acc1, d) + ShiftTerm(count / n, d**2))) == 0
+    assert sp.simplify(var.reanchor[1] - (acc1 + ShiftTerm(count / n, 2 * d))) == 0
+
+
+def test_a_cast_inside_a_multi_term_sum_keeps_the_shifted_form():
+    """Taylor does not take casts (the cast values are not a polynomial in the anchor); the shifted
+    (Welford/Chan) move still fuses them."""
+    mean = {"name": "mean", "reduce": "sum", "over": "n", "expr": "x / size(n)"}
+    d = derive_cascade(spec_of([mean, {"name": "r", "reduce": "sum", "over": "n",
+                                       "expr": '(cast(x, "bfloat16") - mean) ** 2 / size(n)'}], ["r"]))
+    assert d.forms["r"].kind == "shifted", d.forms["r"].reason
 
 
 def test_moe_topk_is_monotone_in_the_softmax():
@@ -170,7 +190,7 @@ def test_masked_tiles_and_parts_stay_finite():
 
 
 def test_variance_stays_accurate_with_a_large_offset():
-    """The shifted realisation avoids raw power sums' cancellation (mean 1e6, unit spread)."""
+    """The Taylor realisation avoids raw power sums' cancellation (mean 1e6, unit spread)."""
     import numpy as np
 
     from fuser_core.certificate import _AxisLoop, _compiled
@@ -207,18 +227,19 @@ def test_a_huge_product_is_refused_before_sympy_expands_it():
 
 
 @pytest.mark.parametrize(
-    "expr, degree",
+    "expr, states",
     [
-        ("(x - mx) ** 2 / size(n)", 2),  # variance around the running max
-        ("exp(x - mx) * (x - mean) ** 2 / size(n)", 2),  # softmax-weighted variance: two anchors
-        ("(x - mean) ** 3", 3),  # third central moment
+        ("(x - mx) ** 2 / size(n)", 2),  # variance around the running max: orders 0 and 1; order 2 is the count
+        ("exp(x - mx) * (x - mean) ** 2 / size(n)", 3),  # softmax-weighted variance: every order is weighted
+        ("(x - mean) ** 3", 3),  # third central moment: orders 0 to 2; order 3 is -count
     ],
 )
-def test_polynomial_dependence_gets_centred_taylor_accumulators(expr, degree):
+def test_polynomial_dependence_gets_centred_taylor_accumulators(expr, states):
     deps = [s for s in (MX, MEAN) if s["name"] in expr]
     d = derive_cascade(spec_of([*deps, {"name": "r", "reduce": "sum", "over": "n", "expr": expr}], ["r"]))
     r = d.forms["r"]
-    assert r.kind == "taylor" and len(r.contributions) == degree + 1
+    # one accumulator per order, but a top one that reads no value: a constant's sum, the count
+    assert r.kind == "taylor" and len(r.contributions) == states
     # centred: the contributions hold (x - anchor), never raw powers of x alone
     assert "x - " in str(r.contributions[0]).replace("-mean + x", "x - mean").replace("-mx + x", "x - mx")
     cert = certify(d, trials=10, seed=2)

@@ -100,8 +100,8 @@ def test_sum_that_cancels_to_zero_is_judged_against_its_terms():
     d = derive_cascade(spec)
     assert certify(d, trials=12).holds
     form = d.forms["r"]
-    assert form.kind == "shifted"
-    form.delta = 2 * form.delta + sp.Integer(1)  # wrong anchor move: off by a multiple of the terms
+    assert form.kind == "taylor"
+    form.reanchor = tuple(2 * r + sp.Integer(1) for r in form.reanchor)  # wrong anchor move: off by a multiple of the terms
     d.realise("r")
     assert not certify(d, trials=4).holds
 
@@ -124,9 +124,9 @@ def test_a_rule_that_reads_streamed_values_outside_a_tile_fails():
     spec = spec_of([mean, red("r", "sum", "(x - mean) ** 2")], ["r"])
     d = derive_cascade(spec)
     form = d.forms["r"]
-    assert form.kind == "shifted"
+    assert form.kind == "taylor"
     x = next(s for s in form.integrand.free_symbols if s.name == "x")
-    form.delta = form.delta * x  # reads the streamed x when moving anchors: never valid
+    form.reanchor = (form.reanchor[0] * x, *form.reanchor[1:])  # reads the streamed x when moving anchors: never valid
     d.realise("r")
     assert not certify(d, trials=4).holds
 
@@ -1005,16 +1005,17 @@ def test_a_cancelled_elementwise_output_is_nan_where_its_input_is_infinite():
 
 
 def test_a_welford_move_between_one_infinity_is_no_move():
-    """CI fuzz after the list ``over`` draws: ``sum(x + T)`` with ``T = sum x`` is a shifted form that adds
-    count[old] (T[new] - T[old]) per tile. On a row holding -inf the running estimate of T is -inf before and
-    after a tile, and the move was inf - inf = NaN where the reference has -inf. ``nan_to_zero`` keeps it (a
-    NaN of the data is in the accumulator already: its contributions read the running estimate)."""
+    """CI fuzz after the list ``over`` draws: ``sum(x + T)`` with ``T = sum x`` adds count[old] (T[new] - T[old])
+    per tile (then a shifted form, now Taylor's, its first-order coefficient being the count). On a row holding
+    -inf the running estimate of T is -inf before and after a tile, and the move was inf - inf = NaN where the
+    reference has -inf. ``shift_term`` (``nan_to_zero`` in the shifted form) takes that move as none (a NaN of
+    the data is in the accumulator already: its contributions read the running estimate)."""
     from fuser_core.accuracy import accuracy_check
-    from fuser_core.realisation import NanToZero
+    from fuser_core.realisation import ShiftTerm
 
     spec = spec_of([red("T", "sum", "x"), red("tl", "sum", "x + T")], ["tl"])
     d = derive_cascade(spec)
-    assert d.forms["tl"].kind == "shifted" and d.forms["tl"].realisation.accumulators[0].moved.atoms(NanToZero)
+    assert d.forms["tl"].kind == "taylor" and d.forms["tl"].realisation.accumulators[0].moved.atoms(ShiftTerm)
     for strategy in ("streaming_fused", "split_fused"):
         config = KernelConfig({"n": 4}, split=2 if strategy == "split_fused" else 1)
         verdict = accuracy_check(spec, {"m": 3, "n": 13}, families=("masked", "nan", "normal"), strategy=strategy,

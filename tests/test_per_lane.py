@@ -83,7 +83,7 @@ def test_attention_stays_per_tile(strategy: str) -> None:
 
 
 def test_shifted_and_taylor_stay_per_tile() -> None:
-    """layernorm's variance anchors at a running estimate of the mean (reads the count): per tile."""
+    """layernorm's variance (Taylor) anchors at a running estimate of the mean and reads the count: per tile."""
     spec = load_catalog_spec("layernorm")
     plan = make_plan(spec, derive_cascade(spec), "streaming_fused", {"t": 3, "c": 100}, KernelConfig({"c": 32}))
     streamed = next(loop for loop in build_structure(plan, bind_dtypes(spec, "float32")).kernels[0].loops()

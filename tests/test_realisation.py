@@ -90,7 +90,10 @@ def test_merge_rule_scaled_rescales_each_part_to_the_merged_max():
 
 
 def test_merge_rule_shifted_adds_each_parts_shift_with_its_count():
-    d = derived("layernorm")
+    # the shifted form, where Taylor does not apply: a cast inside the integrand (layernorm is Taylor)
+    steps = [{"name": "mean", "reduce": "sum", "over": "n", "expr": "x / size(n)"},
+             {"name": "var", "reduce": "sum", "over": "n", "expr": '(cast(x, "bfloat16") - mean) ** 2 / size(n)'}]
+    d = derive_cascade(spec_of(steps, ["var"]))
     real, mean = d.realisations["var"], sym(d, "mean")
     assert real.kind == "shifted"
     (acc,) = real.accumulators
@@ -110,11 +113,13 @@ def test_merge_rule_taylor_moves_every_coefficient_jointly():
              {"name": "v", "reduce": "sum", "over": "n", "expr": "(x - mx) ** 2"}]
     d = derive_cascade(spec_of(steps, ["v"]))
     real, mx = d.realisations["v"], sym(d, "mx")
-    assert real.kind == "taylor" and len(real.accumulators) == 3 and real.moves_jointly
+    # coefficients 0 and 1 held; coefficient 2 (sum 1) is the count, no state
+    assert real.kind == "taylor" and len(real.accumulators) == 2 and real.moves_jointly
     rules = real.merge()
     assert all(r.op == "sum" for r in rules)
-    # coefficient 0 after the move reads the higher coefficients (the binomial shift)
-    assert {part_acc(1, "a"), part_acc(2, "a")} <= rules[0].left.free_symbols
+    # coefficient 0 after the move reads the higher coefficients (the binomial shift), the top one as each part's count
+    assert {part_acc(1, "a"), part_count("a")} <= rules[0].left.free_symbols
+    assert {part_acc(1, "b"), part_count("b")} <= rules[0].right.free_symbols
     # unmoved anchors: the shift is the identity
     at_rest = {part_anchor(mx, "a"): new(mx)}
     for j, r in enumerate(rules):
@@ -174,7 +179,7 @@ def test_the_dashboard_renders_a_taylor_realisation_from_its_expressions():
     steps = [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
              {"name": "v", "reduce": "sum", "over": "n", "expr": "(x - mx) ** 2"}]
     m = reduction_math(derive_cascade(spec_of(steps, ["v"])).forms["v"])
-    assert len(m["accumulators"]) == 3 and len(m["merge"]) == 3
+    assert len(m["accumulators"]) == 2 and len(m["merge"]) == 2
     assert m["correction"][0].startswith(r"T_{1} \leftarrow T_{1} + T_{2}")  # the binomial shift, as moved
     for text in [*m["update"], *m["merge"], *m["correction"], m["finalize"]]:
         double_subscript = re.search(r"_\{[^{}]*\}_\{", text)  # T_{1}_{a}: KaTeX refuses it

@@ -1414,6 +1414,9 @@ class _Walk:
             names[old(sym)] = self.var(f"{safe_name(dep)}_anchor")
             names[new(sym)] = self.values[dep]
         names.update({sym: self.var(a) for sym, a in zip(real.symbols, accs)})
+        # after the loop the state holds every value seen: a move by the count reads the total, not the
+        # count before the last tile (`count_old`, still in scope)
+        names[COUNT_OLD] = Ref("count")
         self.need([a.moved for a in real.accumulators])
         moved, refs = self.moves(real, accs, [a.moved for a in real.accumulators], names)
         for acc, m in zip(accs, moved):
