@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 import ml_dtypes
 import numpy as np
 import scipy.special
+import sympy as sp
 
 from fuser_core import expr as ex
 from fuser_core.merged import consistent
@@ -211,6 +212,7 @@ class Evaluator:
         edims = self.spec.expr_dims(step.expr)
         with np.errstate(all="ignore"):
             value = np.broadcast_to(self.eval_expr(step.expr, env), self.aligned_shape(edims))
+            value = self.without_masked(step, value)
             ax = self.axis[step.over]
             if step.reduce == "sum":
                 return {step.name: self.summed(value, ax)}
@@ -226,6 +228,21 @@ class Evaluator:
                 return {step.name: first.astype(np.int64)}
             assert step.reduce == "topk"
             return self.topk(step, value)
+
+    def without_masked(self, step: Step, value: np.ndarray) -> np.ndarray:
+        """``value`` with the identity at the elements a where() on indices masks out (:mod:`fuser_core.masks`:
+        not part of the reduction, as in the kernels that skip them; ``0 * NaN`` there is 0)."""
+        from fuser_core.masks import step_exclusions
+        from fuser_core.realisation import identity
+
+        cond = step_exclusions(self.spec).get(step.name)
+        if cond is None:
+            return value
+        syms = sorted(cond.free_symbols, key=str)
+        args = [np.arange(self.shape[s.name[6:-1]], dtype=np.float64).reshape(self.aligned_shape((s.name[6:-1],)))
+                if s.name.startswith("index(") else np.float64(self.shape[s.name[5:-1]]) for s in syms]
+        keep = np.asarray(sp.lambdify(syms, cond, "numpy")(*args), bool)
+        return np.where(keep, value, float(identity(step.reduce)))
 
     def summed(self, value: np.ndarray, ax: int) -> np.ndarray:
         """A sum along axis ``ax`` (kept, of length 1): exact, then :meth:`rounded` once."""

@@ -29,8 +29,11 @@ def test_a_missing_softmax_correction_is_caught():
     assert "float64 rounding" not in cert.note.replace("beyond float64 rounding", "")  # never "the error is rounding"
 
 
-def test_a_wrong_welford_correction_is_caught():
-    d = corrupted("layernorm", "var", delta=sp.Integer(0))
+def test_a_wrong_taylor_shift_is_caught():
+    # layernorm's variance moved as if its first-order sum were 0 (the shifted, Welford move's assumption)
+    # and its count term dropped: no move at all in real arithmetic
+    form = derive_cascade(load_spec(CATALOG["layernorm"])).forms["var"]
+    d = corrupted("layernorm", "var", reanchor=tuple(sp.Symbol(f"acc[{k}]") for k in range(len(form.reanchor))))
     cert = certify(d, trials=8)
     assert not cert.holds and cert.per_reduction["var"] > 1e-3
 

@@ -1187,3 +1187,35 @@ def test_a_step_named_like_an_anchor_is_no_anchor():
     for strategy in ("row_resident", "multi_pass", "streaming_fused"):
         verdict = accuracy_check(spec, {"seq": 13}, families=("masked", "nan", "normal"), strategy=strategy)
         assert verdict["passed"], (strategy, verdict["families"])
+
+
+def test_an_element_masked_on_indices_is_not_read_in_any_strategy():
+    """Fuzz seed 70: ``sum exp(mn - where(index(t) <= index(j2), -a q, inf)) (q - mn)`` is 0 * (q - mn) past the
+    mask. multi_pass skipped those tiles (as FlashAttention skips masked keys) and gave a number; the formula read
+    literally, row_resident and the unfused chain gave 0 * NaN = NaN for a NaN q there. An element a where() on
+    indices masks to the identity is now not part of the reduction (fuser_core.masks): the reference drops it and
+    every kernel's fold takes the identity there, whether or not its loop skips the tile."""
+    from fuser_core.masks import step_exclusions
+
+    steps = [red("mx", "max", "where(index(n) <= index(m), s, -inf)"),
+             red("den", "sum", "exp(where(index(n) <= index(m), s, -inf) - mx)"),
+             red("o", "sum", "exp(where(index(n) <= index(m), s, -inf) - mx) * v / den")]
+    spec = spec_of(steps, ["o", "den"], inputs={"s": {"dims": ["m", "n"]}, "v": {"dims": ["n"]}})
+    assert set(step_exclusions(spec)) == {"mx", "den", "o"}
+    rng = np.random.default_rng(3)
+    shape = {"m": 13, "n": 13}
+    s, v = rng.standard_normal((13, 13)), rng.standard_normal(13)
+    v[9] = np.nan  # key 9: seen by queries 9..12 only
+    s[2, 11] = np.inf  # masked for query 2: exp(inf - mx) * v would be inf or NaN
+    ref = evaluate(spec, shape, {"s": s, "v": v})
+    assert np.isfinite(ref["o"][:9]).all() and np.isnan(ref["o"][9:]).all()
+    d = derive_cascade(spec)
+    valid = [st for st, why in valid_strategies(spec, d, shape).items() if why is None]
+    assert {"row_resident", "multi_pass", "streaming_fused", "split_fused"} <= set(valid)
+    for strategy in [*valid, "unfused_chain"]:
+        config = None if strategy in ("row_resident", "unfused_chain") else KernelConfig(
+            {"n": 4, "m": 1}, split=2 if strategy == "split_fused" else 1)
+        got = run(spec, shape, "float32", {"s": s, "v": v}, strategy=strategy, config=config, derivation=d).outputs
+        o = got["o"].double().numpy()
+        assert np.array_equal(np.isnan(o), np.isnan(ref["o"])), (strategy, o)
+        assert np.allclose(o[:9], ref["o"][:9], rtol=1e-5), (strategy, o, ref["o"])

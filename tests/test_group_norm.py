@@ -59,8 +59,9 @@ def test_derive_reports_it_fused_with_a_holding_certificate(group_norm):
     assert report["fusible"] and report["certificate"]["holds"], report
     assert report["axes"][0]["axis"] == "c_p" and report["axes"][0]["dims"] == ["c", "p"]
     var = next(r for r in report["reductions"] if r["name"] == "var")
-    # the count is the product of the parts' sizes, as the spec divides by it: a plain Welford update
-    assert var["correction"] == "add count[old]*(mean[new] - mean[old])**2/(size(c)*size(p))", var
+    # the count is the product of the parts' sizes, as the spec divides by it: the Taylor shift's top
+    # coefficient, sum 1 / (size(c) size(p)), is count[old] / (size(c) size(p))
+    assert var["realisation"] == "taylor" and "shift_term(count[old]/(size(c)*size(p))" in var["correction"], var
 
 
 def user_tensors(kind: str, rng: np.random.Generator) -> dict[str, np.ndarray]:

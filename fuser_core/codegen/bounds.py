@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from fuser_core.realisation import identity
+from fuser_core.masks import masked_condition
 
 _RELATIONS = (sp.LessThan, sp.StrictLessThan, sp.GreaterThan, sp.StrictGreaterThan)
 
@@ -54,26 +54,6 @@ def first(dim: str) -> sp.Symbol:
 
 def last(dim: str) -> sp.Symbol:
     return sp.Symbol(f"last({dim})", integer=True)
-
-
-def masked_condition(e: sp.Expr, op: str) -> sp.Expr | None:
-    """C when ``e`` is ``where(C, X, identity of op)``, after folding the where outwards
-    (``exp(where(C, s, -inf) - mx)`` is ``where(C, exp(s - mx), 0)``): outside C the fold adds nothing."""
-    if not isinstance(e, sp.Piecewise) and e.has(sp.Piecewise):
-        e = sp.piecewise_fold(e)
-    if isinstance(e, sp.Piecewise) and len(e.args) == 2 and e.args[1][1] == sp.true:
-        fill = e.args[1][0]
-        if fill == identity(op) or (fill.is_number and _value(fill) == _value(identity(op))):
-            return e.args[0][1]
-    return None
-
-
-def _value(e: sp.Expr) -> float | None:
-    """A constant's float value (sp.Float cannot take sigmoid(-1) = 1/(1 + E): fuzz seed 50)."""
-    try:
-        return float(e)
-    except (TypeError, ValueError):  # complex, or not a number after all
-        return None
 
 
 def window_of(index: sp.Symbol, conditions: Iterable[sp.Expr], every_lane: bool = False) -> Window | None:

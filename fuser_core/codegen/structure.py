@@ -63,6 +63,7 @@ from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.tritonize import Ref, is_literal, lookup
 from fuser_core.derive import ReductionForm
 from fuser_core.grouping import Grouping
+from fuser_core.masks import excluded
 from fuser_core.merged import address, kernel_dims
 from fuser_core.realisation import (
     COUNT_OLD, SELECTIONS, Realisation, identity, new, old, part_acc, part_anchor, part_count, settled,
@@ -489,6 +490,12 @@ class _Walk:
 
     # ------------------------------------------------------------ small helpers
     def add(self, op: Op) -> Op:
+        if isinstance(op, (Fold, Reduce)) and op.dot is None:
+            # an element a where() on indices masks to the identity is not folded, even as 0 * NaN
+            # (fuser_core.masks): what the loops that skip masked tiles give, in every loop
+            expr = excluded(op.expr, op.op)
+            if expr is not op.expr:
+                op = replace(op, expr=expr)
         self.out.append(op)
         return op
 

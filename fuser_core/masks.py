@@ -1,0 +1,94 @@
+"""Masked elements: what a reduction never sees, in the reference and in every kernel alike.
+
+A reduction over ``where(index(n) <= index(m), s, -inf)`` (a causal mask), or over a product with
+such a where() folded into it (``exp(where(C, s, -inf) - mx) * v``: 0 outside C), adds its
+operator's identity at every masked element. The streamed kernels do not read the masked tiles at
+all (:mod:`fuser_core.codegen.bounds`, as FlashAttention does not read masked keys), so a NaN or an
+infinity there never reaches the result; the formula read literally would give ``0 * NaN = NaN``.
+One meaning for every strategy: **an element whose contribution a where() on indices and sizes
+masks to the identity is not part of the reduction.** The reference (:mod:`fuser_core.reference`)
+drops it, and every kernel's fold takes the identity there (:func:`excluded`), whether or not its
+loop skips the tile.
+
+Only conditions on indices and sizes count (what a loop can skip); a where() on values
+(``where(x > 0, x, 0)``) keeps its IEEE meaning. A tensor-core fold (``tl.dot(p, v)``) cannot drop a
+product inside a tile: there a NaN of ``v`` at a key masked for one query and not for another in
+the same tile still reaches the masked query (FlashAttention's behaviour too; docs/SPEC.md).
+
+Example:
+    >>> import sympy as sp
+    >>> m, n = sp.Symbol("index(m)", integer=True), sp.Symbol("index(n)", integer=True)
+    >>> s, v = sp.Symbol("s", real=True), sp.Symbol("v", real=True)
+    >>> masked_condition(sp.exp(sp.Piecewise((s, n <= m), (-sp.oo, True))) * v, "sum")
+    index(m) >= index(n)
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import sympy as sp
+
+from fuser_core.realisation import identity
+
+EXCLUDING_OPS = ("sum", "max", "min")  # selections keep masked entries' indices (a top-k of a short row)
+
+
+def masked_condition(e: sp.Expr, op: str) -> sp.Expr | None:
+    """C when ``e`` is ``where(C, X, identity of op)``, after folding the where outwards
+    (``exp(where(C, s, -inf) - mx)`` is ``where(C, exp(s - mx), 0)``): outside C the fold adds nothing."""
+    if not isinstance(e, sp.Piecewise) and e.has(sp.Piecewise):
+        e = sp.piecewise_fold(e)
+    if isinstance(e, sp.Piecewise) and len(e.args) == 2 and e.args[1][1] == sp.true:
+        fill = e.args[1][0]
+        if fill == identity(op) or (fill.is_number and _value(fill) == _value(identity(op))):
+            return e.args[0][1]
+    return None
+
+
+def _value(e: sp.Expr) -> float | None:
+    """A constant's float value (sp.Float cannot take sigmoid(-1) = 1/(1 + E): fuzz seed 50)."""
+    try:
+        return float(e)
+    except (TypeError, ValueError):  # complex, or not a number after all
+        return None
+
+
+def on_indices(cond: sp.Basic) -> bool:
+    """Does ``cond`` read only indices and sizes (no value)?"""
+    return bool(cond.free_symbols) and all(s.name.startswith(("index(", "size(")) for s in cond.free_symbols)
+
+
+def exclusion(e: sp.Expr, op: str) -> sp.Expr | None:
+    """The condition on indices and sizes outside which a fold of ``e`` with ``op`` drops the element
+    (module docstring), or None."""
+    if op not in EXCLUDING_OPS:
+        return None
+    cond = masked_condition(e, op)
+    return cond if cond is not None and on_indices(cond) else None
+
+
+def excluded(e: sp.Expr, op: str) -> sp.Expr:
+    """``e`` as a kernel folds it: ``where(C, e, identity)`` where :func:`exclusion` finds C."""
+    cond = exclusion(e, op)
+    if cond is None:
+        return e
+    return sp.Piecewise((e, cond), (identity(op), True))
+
+
+@lru_cache(maxsize=512)
+def step_exclusions(spec) -> dict[str, sp.Expr]:  # noqa: ANN001 (a Spec; hashable, frozen)
+    """Each reduction step's :func:`exclusion` condition, for the reference (by step name)."""
+    from fuser_core.symbolic import SymbolicSpec
+
+    conv = SymbolicSpec(spec)
+    out = {}
+    for step in spec.steps:
+        if step.is_reduction and step.reduce in EXCLUDING_OPS:
+            cond = exclusion(conv.integrand(step), step.reduce)
+            if cond is not None:
+                out[step.name] = cond
+    return out
+
+
+__all__ = ["EXCLUDING_OPS", "excluded", "exclusion", "masked_condition", "on_indices", "step_exclusions"]
