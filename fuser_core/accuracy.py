@@ -7,8 +7,8 @@ reference, the kernel check's measure) may be at most ``BAR`` (2) times
 
 - the error of the **spec's formula evaluated step by step in the run's dtype**
   (:class:`FormulaEvaluator`: the float64 reference's evaluator with every rounding operation's
-  result rounded to that dtype; a sum accumulated exactly and rounded once), the largest over
-  round-to-nearest and ``FORMULA_SAMPLES`` evaluations with random roundings (|d| <= u): one input set's
+  result rounded to that dtype; a sum as additions in that dtype, pairwise or in a loop's order), the
+  largest over round-to-nearest and ``FORMULA_SAMPLES`` evaluations with random roundings (|d| <= u): one input set's
   error is one draw of the formula's rounding errors, and a strategy whose arithmetic is the
   formula's lands up to 3x either side of a single draw (:func:`formula_outputs`), and
 - where torch has the op (``TORCH_OPS``: the catalog's safe_softmax, logsumexp, layernorm,
@@ -269,7 +269,7 @@ class FormulaEvaluator(Evaluator):
             return cast_to(value, self.dtype)
 
 
-FORMULA_SAMPLES = 7  # stochastically rounded evaluations of the formula besides round-to-nearest
+FORMULA_SAMPLES = 15  # stochastically rounded evaluations of the formula besides round-to-nearest
 SEQUENTIAL_STEPS = 1024  # a sequential sum adds at most this many chunks in turn (a python loop each)
 
 

@@ -42,6 +42,7 @@ from fuser_core.realisation import (
     state_symbols,
 )
 from fuser_core.errors import DerivationLimitError
+from fuser_core.masks import may_exclude_every
 from fuser_core.reference import Evaluator, cast_to, random_inputs
 from fuser_core.spec import Spec, load_spec
 from fuser_core.symbolic import CAST_FUNCTIONS, COMPARE_OPS
@@ -672,12 +673,28 @@ class _AxisLoop:
                 return max(_rel_err(np.swapaxes(vals, self.pos, as_pos), ref_v, input_scale=self.input_scale),
                            self.index_err(form, idx, np.swapaxes(ref_i, self.pos, as_pos), env))
             return self.index_err(form, idx, env[form.name], env)
+        got = self.where_fallback(form, got, env)
         magnitude = None
         if step.reduce == "sum":  # sum |F|: the scale of float64's own rounding in a sum that cancels
             with np.errstate(all="ignore"):
                 terms = np.abs(np.broadcast_to(self.ev.eval_expr(step.expr, env), self.full_shape(form, self.n)))
                 magnitude = terms.sum(axis=self.pos, keepdims=True)
         return _rel_err(got, env[step.name], magnitude, allowance, self.input_scale)
+
+    def where_fallback(self, form: ReductionForm, got: np.ndarray, env: dict[str, np.ndarray]) -> np.ndarray:
+        """``got`` with the reference's value on the rows the kernels compute with a fallback pass, not with the
+        fused form: where a where() on indices may drop every element (fuser_core.masks) and a dependency ended
+        +-inf or NaN there (an empty row's max is -inf; its sum 0, where the settle gives 0 * inf)."""
+        real = form.realisation
+        if real is None or not form.deps or not any(
+                may_exclude_every(a.contribution, a.op, form.step.over) for a in real.accumulators):
+            return got
+        ref = np.asarray(env[form.step.name], np.float64)
+        redone = np.zeros(ref.shape, bool)
+        with np.errstate(all="ignore"):
+            for dep in form.deps:
+                redone |= np.broadcast_to(~np.isfinite(np.asarray(env[dep], np.float64)), ref.shape)
+        return np.where(redone, ref, np.broadcast_to(np.asarray(got, np.float64), ref.shape))
 
     def index_err(self, form: ReductionForm, idx: np.ndarray, ref_idx: np.ndarray, env: dict[str, np.ndarray]) -> float:
         """1.0 when an argmax/argmin/topk index (along the axis) differs from the reference's and

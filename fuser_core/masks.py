@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
 import sympy as sp
 
 from fuser_core.realisation import identity
@@ -76,6 +77,57 @@ def excluded(e: sp.Expr, op: str) -> sp.Expr:
     return sp.Piecewise((e, cond), (identity(op), True))
 
 
+def may_exclude_every(e: sp.Expr, op: str, axis: str) -> bool:
+    """Can a fold of ``e`` over ``axis`` drop every element of a row (:func:`exclusion`'s condition false for
+    every index of the axis)? False when the condition provably holds at index 0, at the last index or
+    at the index of another dim it compares with (causal attention's ``index(n) <= index(m)`` keeps key 0
+    and key m); True when unsure (``index(d) > index(t)`` drops every d once t >= size(d) - 1)."""
+    cond = exclusion(e, op)
+    if cond is None:
+        return False
+    here = next((s for s in cond.free_symbols if s.name == f"index({axis})"), None)
+    if here is None:
+        return True  # a condition on other dims only: it may drop the whole row
+    size = sp.Symbol(f"size({axis})", integer=True, positive=True)
+    others = [s for s in cond.free_symbols if s.name.startswith("index(") and s is not here]
+    for at in [sp.Integer(0), size - 1, *others]:
+        try:
+            if bool(cond.xreplace({here: at})) is True:
+                return False
+        except TypeError:  # undecided
+            continue
+    return True
+
+
+def truth(cond: sp.Basic, values: dict) -> np.ndarray:
+    """``cond`` (a condition on indices and sizes) evaluated with numpy arrays for its symbols (``values``), the
+    arrays broadcasting together (sympy's own printer folds ``and`` with ``logical_and.reduce`` over a tuple,
+    which refuses arrays of different shapes)."""
+    if cond is sp.true or cond is sp.false:
+        return np.asarray(cond is sp.true)
+    if isinstance(cond, (sp.And, sp.Or)):
+        parts = [truth(c, values) for c in cond.args]
+        out = parts[0]
+        for p in parts[1:]:
+            out = (out & p) if isinstance(cond, sp.And) else (out | p)
+        return out
+    if isinstance(cond, sp.Not):
+        return ~truth(cond.args[0], values)
+    if isinstance(cond, sp.Rel):
+        lhs, rhs = (_number(side, values) for side in (cond.lhs, cond.rhs))
+        return np.asarray(_RELATIONS[cond.rel_op](lhs, rhs))
+    raise ValueError(f"not a condition on indices and sizes: {cond}")
+
+
+def _number(e: sp.Expr, values: dict) -> np.ndarray:
+    syms = sorted(e.free_symbols, key=str)
+    return np.asarray(sp.lambdify(syms, e, "numpy")(*(values[s] for s in syms)), np.float64)
+
+
+_RELATIONS = {"<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal, "==": np.equal,
+              "!=": np.not_equal}
+
+
 @lru_cache(maxsize=512)
 def step_exclusions(spec) -> dict[str, sp.Expr]:  # noqa: ANN001 (a Spec; hashable, frozen)
     """Each reduction step's :func:`exclusion` condition, for the reference (by step name)."""
@@ -91,4 +143,5 @@ def step_exclusions(spec) -> dict[str, sp.Expr]:  # noqa: ANN001 (a Spec; hashab
     return out
 
 
-__all__ = ["EXCLUDING_OPS", "excluded", "exclusion", "masked_condition", "on_indices", "step_exclusions"]
+__all__ = ["EXCLUDING_OPS", "excluded", "exclusion", "masked_condition", "may_exclude_every", "on_indices",
+           "step_exclusions", "truth"]

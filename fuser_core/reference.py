@@ -40,7 +40,6 @@ from collections.abc import Callable, Mapping
 import ml_dtypes
 import numpy as np
 import scipy.special
-import sympy as sp
 
 from fuser_core import expr as ex
 from fuser_core.merged import consistent
@@ -232,17 +231,15 @@ class Evaluator:
     def without_masked(self, step: Step, value: np.ndarray) -> np.ndarray:
         """``value`` with the identity at the elements a where() on indices masks out (:mod:`fuser_core.masks`:
         not part of the reduction, as in the kernels that skip them; ``0 * NaN`` there is 0)."""
-        from fuser_core.masks import step_exclusions
+        from fuser_core.masks import step_exclusions, truth
         from fuser_core.realisation import identity
 
         cond = step_exclusions(self.spec).get(step.name)
         if cond is None:
             return value
-        syms = sorted(cond.free_symbols, key=str)
-        args = [np.arange(self.shape[s.name[6:-1]], dtype=np.float64).reshape(self.aligned_shape((s.name[6:-1],)))
-                if s.name.startswith("index(") else np.float64(self.shape[s.name[5:-1]]) for s in syms]
-        keep = np.asarray(sp.lambdify(syms, cond, "numpy")(*args), bool)
-        return np.where(keep, value, float(identity(step.reduce)))
+        values = {s: np.arange(self.shape[s.name[6:-1]], dtype=np.float64).reshape(self.aligned_shape((s.name[6:-1],)))
+                  if s.name.startswith("index(") else np.float64(self.shape[s.name[5:-1]]) for s in cond.free_symbols}
+        return np.where(truth(cond, values), value, float(identity(step.reduce)))
 
     def summed(self, value: np.ndarray, ax: int) -> np.ndarray:
         """A sum along axis ``ax`` (kept, of length 1): exact, then :meth:`rounded` once."""

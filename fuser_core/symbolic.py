@@ -71,6 +71,7 @@ _UNARY = {
 }
 _COMPARE = {"<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge, "==": sp.Eq, "!=": sp.Ne}
 COMPARE_OPS = tuple(_COMPARE)  # InfCompare's first argument indexes this
+_REL_OP = {cls: op for op, cls in _COMPARE.items()}  # a sympy relation's class -> its op
 
 
 class NanOf(sp.Function):
@@ -209,6 +210,22 @@ def compare(op: str, lhs: sp.Expr, rhs: sp.Expr) -> sp.Basic:
     if decided in (sp.true, sp.false) and floats:
         return InfCompare(k, lhs, rhs)
     return decided
+
+
+def logic(op: str, args: list[sp.Basic]) -> sp.Basic:
+    """``and``/``or`` of conditions. sympy folds ``a <= b or a > b`` to True (complements, for finite reals);
+    with a NaN both are false, and so is the formula's ``or`` (fuzz seed 72: a where() on two such
+    comparisons of a NaN took the other branch in every kernel). Where sympy decides an ``or`` that way, its
+    comparisons of values are kept as written (:class:`InfCompare`), so that nothing folds them."""
+    combine = sp.And if op == "and" else sp.Or
+    out = combine(*args)
+    if out in (sp.true, sp.false) and all(a not in (sp.true, sp.false) for a in args):
+        def kept(a: sp.Basic) -> sp.Basic:
+            if isinstance(a, sp.Rel) and any(not s.name.startswith(("size(", "index(")) for s in a.free_symbols):
+                return InfCompare(sp.Integer(COMPARE_OPS.index(_REL_OP[type(a)])), a.lhs, a.rhs)
+            return a
+        out = combine(*(kept(a) for a in args))
+    return out
 
 
 def number(value: float) -> sp.Expr:
@@ -411,7 +428,7 @@ class SymbolicSpec:
             return compare(e.op, self.convert(e.left), self.convert(e.right))
         if isinstance(e, ex.Logic):
             args = [self.convert(a) for a in e.args]
-            return negate(args[0]) if e.op == "not" else (sp.And if e.op == "and" else sp.Or)(*args)
+            return negate(args[0]) if e.op == "not" else logic(e.op, args)
         if isinstance(e, ex.Cast):
             return CAST_FUNCTIONS[e.dtype](self.convert(e.operand))
         if isinstance(e, ex.Call):

@@ -1219,3 +1219,60 @@ def test_an_element_masked_on_indices_is_not_read_in_any_strategy():
         o = got["o"].double().numpy()
         assert np.array_equal(np.isnan(o), np.isnan(ref["o"])), (strategy, o)
         assert np.allclose(o[:9], ref["o"][:9], rtol=1e-5), (strategy, o, ref["o"])
+
+
+def test_a_row_an_index_mask_empties_sums_to_zero_in_every_strategy():
+    """Fuzz seed 49, once masked elements were dropped: ``sum exp(where(index(d) > index(t), kk x, -inf) - lse)``
+    drops every d of the rows t >= size(d) - 1, so their sum is 0 and their max -inf; the fused strategies' settle
+    gave 0 * exp(0 - -inf) = NaN. Such rows now take the fallback pass (fuser_core.masks.may_exclude_every), and
+    the certificate compares them with the reference there. A row whose kept elements hold -inf is still NaN."""
+    from fuser_core.masks import may_exclude_every
+
+    spec = spec_of([red("lse", "max", "where(index(d) > index(t), kk * x, -inf)", over="d"),
+                    red("nblk", "sum", "exp(where(index(d) > index(t), kk * x, -inf) - lse)", over="d")],
+                   ["nblk"], inputs={"x": {"dims": ["d"]}, "kk": {"dims": ["t"]}})
+    d = derive_cascade(spec)
+    assert may_exclude_every(d.forms["nblk"].realisation.accumulators[0].contribution, "sum", "d")
+    assert certify(d, trials=12).holds
+    shape = {"d": 5, "t": 7}
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal(5), "kk": rng.standard_normal(7)}
+    inputs["x"][4] = -np.inf  # rows t < 4 keep d = 4: kk * x = +-inf there
+    ref = evaluate(spec, shape, inputs)["nblk"]
+    assert np.isnan(ref[3]) and (ref[4:] == 0).all()
+    for strategy in ("row_resident", "multi_pass", "streaming_fused", "split_fused", "unfused_chain"):
+        config = None if strategy in ("row_resident", "unfused_chain") else KernelConfig(
+            {"d": 2}, split=2 if strategy == "split_fused" else 1)
+        got = run(spec, shape, "float32", inputs, strategy=strategy, config=config, derivation=d).outputs["nblk"]
+        got = got.double().numpy()
+        assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.allclose(got[4:], 0.0), (strategy, got)
+        assert np.allclose(got[:3], ref[:3], rtol=1e-5), (strategy, got)
+
+
+def test_causal_attention_keeps_a_key_for_every_query():
+    """Causal attention's mask keeps key 0 for every query: no row is empty, so its fused kernels take no
+    fallback pass for it (their SASS is unchanged by the exclusion rule)."""
+    from fuser_core.masks import may_exclude_every
+
+    from fuser_core.catalog import load_catalog_spec
+
+    d = derive_cascade(load_catalog_spec("attention_causal"))
+    for name in ("den", "o"):
+        for acc in d.forms[name].realisation.accumulators:
+            assert not may_exclude_every(acc.contribution, acc.op, "n")
+
+
+def test_an_or_of_complementary_comparisons_is_false_for_nan():
+    """Fuzz seed 72: ``where(l * q <= l or l < q * l, q * a, 0)``: sympy folds the ``or`` of two complementary
+    comparisons to True, but for a NaN ``l`` both are false and the formula takes 0; every kernel added ``q * a``
+    there (28.5 against 19.1). Where sympy decides an ``or`` so, its comparisons of values are kept as written."""
+    from fuser_core.accuracy import accuracy_check
+    from fuser_core.symbolic import InfCompare, SymbolicSpec
+
+    spec = spec_of([red("amax", "sum", "where((logits * q) <= logits or logits < (q * logits), q * a, 0)"),
+                    red("tl", "sum", "(q - amax) ** 2")], ["tl"],
+                   inputs={"logits": {"dims": ["n"]}, "q": {"dims": ["n"]}, "a": {"dims": ["n"]}})
+    assert SymbolicSpec(spec).integrand(spec.step("amax")).atoms(InfCompare)
+    for strategy in ("row_resident", "multi_pass"):
+        verdict = accuracy_check(spec, {"n": 13}, families=("nan", "normal"), strategy=strategy)
+        assert verdict["passed"], (strategy, verdict["families"])

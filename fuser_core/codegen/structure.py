@@ -63,7 +63,7 @@ from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.tritonize import Ref, is_literal, lookup
 from fuser_core.derive import ReductionForm
 from fuser_core.grouping import Grouping
-from fuser_core.masks import excluded
+from fuser_core.masks import excluded, may_exclude_every
 from fuser_core.merged import address, kernel_dims
 from fuser_core.realisation import (
     COUNT_OLD, SELECTIONS, Realisation, identity, new, old, part_acc, part_anchor, part_count, settled,
@@ -1071,11 +1071,15 @@ class _Walk:
         checks: dict[str, str] = {}
         for step in dependent:
             real = self.realisation(step)
+            # a row whose every element a where() on indices drops (fuser_core.masks) sums to 0, but its running max
+            # ends -inf and the settle's 0 * exp(0 - -inf) is NaN: such rows take the fallback pass
+            empty = any(may_exclude_every(a.contribution, a.op, self.axis) for a in real.accumulators)
             for dep in real.deps:
                 if real.rescales and real.op == "sum":
                     sym = self.conv.symbols[dep]
                     at_end = sym in real.value.free_symbols
-                    if not at_end and real.anchors.get(dep) == "running" and self.forms[step.name].settles_at({sym}):
+                    if (not at_end and real.anchors.get(dep) == "running" and self.forms[step.name].settles_at({sym})
+                            and not empty):
                         continue  # only rescaled, by exp(anchor - final) at the end (settle): the formula's value at +-inf
                     # an end factor or offset: NaN propagates as in the formula; a running anchor under a where()
                     # is not settled (its condition need not exclude the infinite values)
