@@ -179,6 +179,14 @@ class Evaluator:
         with np.errstate(all="ignore"):
             return np.asarray(self._eval(e, env))
 
+    def size_value(self, dim: str) -> np.float64:
+        """``size(dim)``."""
+        return np.float64(self.shape[dim])
+
+    def index_array(self, dim: str) -> np.ndarray:
+        """``index(dim)``, aligned."""
+        return np.arange(self.shape[dim], dtype=np.float64).reshape(self.aligned_shape((dim,)))
+
     def _eval(self, e: ex.Expr, env: Mapping[str, np.ndarray]) -> np.ndarray:
         if isinstance(e, ex.Num):
             return self.rounded(np.float64(e.value))
@@ -186,9 +194,9 @@ class Evaluator:
             key = e.name if e.part is None else f"{e.name}.{e.part}"
             return np.asarray(env[key], np.float64)
         if isinstance(e, ex.Size):
-            return np.float64(self.shape[e.dim])
+            return self.size_value(e.dim)
         if isinstance(e, ex.Index):
-            return np.arange(self.shape[e.dim], dtype=np.float64).reshape(self.aligned_shape((e.dim,)))
+            return self.index_array(e.dim)
         if isinstance(e, ex.Neg):
             return np.negative(self._eval(e.operand, env))
         if isinstance(e, ex.BinOp):
@@ -237,8 +245,8 @@ class Evaluator:
         cond = step_exclusions(self.spec).get(step.name)
         if cond is None:
             return value
-        values = {s: np.arange(self.shape[s.name[6:-1]], dtype=np.float64).reshape(self.aligned_shape((s.name[6:-1],)))
-                  if s.name.startswith("index(") else np.float64(self.shape[s.name[5:-1]]) for s in cond.free_symbols}
+        values = {s: self.index_array(s.name[6:-1]) if s.name.startswith("index(") else self.size_value(s.name[5:-1])
+                  for s in cond.free_symbols}
         return np.where(truth(cond, values), value, float(identity(step.reduce)))
 
     def summed(self, value: np.ndarray, ax: int) -> np.ndarray:

@@ -1276,3 +1276,18 @@ def test_an_or_of_complementary_comparisons_is_false_for_nan():
     for strategy in ("row_resident", "multi_pass"):
         verdict = accuracy_check(spec, {"n": 13}, families=("nan", "normal"), strategy=strategy)
         assert verdict["passed"], (strategy, verdict["families"])
+
+
+def test_sigmoid_of_a_large_negative_value_is_not_zero():
+    """Fuzz seed 54: ``sigmoid(-v)`` at v near 100 printed as ``1 / (1 + exp(v))`` is 1 / inf = 0 in float32, where
+    the formula has exp(-100) (a denormal); an argmax over such values then picked another index. The printer
+    calls ``sigmoid_accurate`` (exp(x) / (1 + exp(x)) for x < 0)."""
+    spec = spec_of([red("out", "argmax", "sigmoid(-v)"), {"name": "s", "expr": "sigmoid(-v)"}], ["out", "s"],
+                   inputs={"v": {"dims": ["n"]}})
+    v = np.array([100.0, 99.5, 101.0, 100.2, 99.0, 100.7, 98.9, 100.1, 102.0, 99.9, 100.3, 99.8, 100.4])
+    ref = evaluate(spec, {"n": 13}, {"v": v})
+    for strategy in ("row_resident", "multi_pass"):
+        got = run(spec, {"n": 13}, "float32", {"v": v}, strategy=strategy).outputs
+        assert int(got["out"]) == int(ref["out"][0]) == 6, strategy
+        s = got["s"].double().numpy()
+        assert (s > 0).all() and np.allclose(s, ref["s"], rtol=1e-2, atol=2e-45), (strategy, s)  # denormals: steps of 1.4e-45

@@ -75,7 +75,6 @@ from typing import Any, Self
 
 import numpy as np
 
-from fuser_core import expr as ex
 from fuser_core.accuracy import FormulaEvaluator, TermScales
 from fuser_core.derive import Derivation
 from fuser_core.merged import consistent
@@ -493,12 +492,13 @@ class SampledEvaluator(Evaluator):
         self.full_shape = dict(full_shape)
         self.rows = {d: np.asarray(v, np.int64) for d, v in rows.items()}
 
-    def _eval(self, e: ex.Expr, env: Mapping[str, np.ndarray]) -> np.ndarray:
-        if isinstance(e, ex.Size):
-            return np.float64(self.full_shape[e.dim])
-        if isinstance(e, ex.Index) and e.dim in self.rows:
-            return self.rows[e.dim].astype(np.float64).reshape(self.aligned_shape((e.dim,)))
-        return super()._eval(e, env)
+    def size_value(self, dim: str) -> np.float64:
+        return np.float64(self.full_shape[dim])
+
+    def index_array(self, dim: str) -> np.ndarray:
+        if dim in self.rows:
+            return self.rows[dim].astype(np.float64).reshape(self.aligned_shape((dim,)))
+        return super().index_array(dim)
 
 
 class SampledTermScales(TermScales, SampledEvaluator):

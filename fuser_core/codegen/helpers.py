@@ -228,6 +228,15 @@ def tanh_accurate(x):
 
 
 @triton.jit
+def sigmoid_accurate(x):
+    """1 / (1 + exp(-x)) without overflow: exp(x) / (1 + exp(x)) for x < 0, so sigmoid(-100) is exp(-100) (a
+    float32 denormal), not 1 / inf = 0 (fuzz seed 54: an argmax of such values then picked another index).
+    One exp and one division, as the plain form; NaN stays NaN, +-inf give 1 and 0."""
+    e = tl.exp(-tl.abs(x))
+    return tl.where(x >= 0.0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
 def round_half_even(x):
     r = tl.floor(x + 0.5)
     tie = (r - x) == 0.5

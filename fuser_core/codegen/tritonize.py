@@ -174,6 +174,14 @@ def helpers_of(e: sp.Expr) -> list[str]:
     return list(dict.fromkeys(printer.helpers))
 
 
+def _sigmoid_arg(e: sp.Expr) -> sp.Expr | None:
+    """x when ``e`` is ``1 / (1 + exp(-x))`` (sympy's form of the spec's ``sigmoid(x)``), else None."""
+    if not (e.is_Pow and e.exp == -1 and e.base.is_Add and len(e.base.args) == 2):
+        return None
+    one, other = sorted(e.base.args, key=lambda a: not a.is_Number)
+    return -other.args[0] if one == 1 and isinstance(other, sp.exp) else None
+
+
 class _Printer:
     def __init__(self, names: Names, layout: Layout | None = None, grouping: Grouping | None = None):
         self.names = names
@@ -354,7 +362,7 @@ class _Printer:
             return f"-{self.wrap(-e, _UNARY + 1)}", _UNARY
         num, den = [], []
         for f in sp.Mul.make_args(e):
-            if f.is_Pow and f.exp.is_Number and f.exp.is_negative:
+            if f.is_Pow and f.exp.is_Number and f.exp.is_negative and _sigmoid_arg(f) is None:
                 den.append(f.base ** (-f.exp))
             elif f.is_Rational and not f.is_Integer:
                 if f.p != 1:
@@ -373,6 +381,9 @@ class _Printer:
 
     def pow(self, e: sp.Expr) -> tuple[str, int]:
         base, exp = e.base, e.exp
+        sigmoid = _sigmoid_arg(e)
+        if sigmoid is not None:  # the spec's sigmoid, as sympy holds it: 1 / (1 + exp(-x))
+            return self.call("sigmoid_accurate", self.arg(sigmoid))
         if exp == sp.Rational(1, 2):
             return f"tl.sqrt({self.arg(base)})", _ATOM
         if exp == sp.Rational(-1, 2):
