@@ -97,12 +97,17 @@ def _cancelled(total: sp.Expr, *operands: sp.Expr) -> sp.Expr:
     """``total`` plus ``nan_of(o)`` for each operand ``o`` that read a symbol sympy's simplification of
     the operation dropped (a size is finite and an index too: those are not kept). Of the operand, not
     the symbol: ``s - s`` with ``s = clamp(where(x > 0, 2, 0), -1, 1)`` is 0 for an infinite x too,
-    as s is finite; ``x - x`` is NaN there."""
+    as s is finite; ``x - x`` is NaN there. Of the lost symbols' part of it: an operand's other symbols are
+    taken at a finite value, as their infinities do not cancel."""
     lost = set().union(*(o.free_symbols for o in operands)) - total.free_symbols
     lost = {s for s in lost if not (s.name.startswith("size(") or s.name.startswith("index("))}
     if not lost:
         return total
-    kept = dict.fromkeys(o for o in operands if o.free_symbols & lost)
+    # each operand's part that reads the lost symbols: its other symbols at a generic finite value (3/7), so that
+    # an infinite kept symbol gives no NaN (``(-v) + (v - q)`` at q = -inf is inf, not NaN; fuzz seed 73)
+    generic = sp.Rational(3, 7)
+    kept = dict.fromkeys(o.xreplace({s: generic for s in o.free_symbols - lost}) for o in operands
+                         if o.free_symbols & lost)
     return total + sp.Add(*(NanOf(o) for o in sorted(kept, key=sp.default_sort_key)))
 
 

@@ -1291,3 +1291,48 @@ def test_sigmoid_of_a_large_negative_value_is_not_zero():
         assert int(got["out"]) == int(ref["out"][0]) == 6, strategy
         s = got["s"].double().numpy()
         assert (s > 0).all() and np.allclose(s, ref["s"], rtol=1e-2, atol=2e-45), (strategy, s)  # denormals: steps of 1.4e-45
+
+
+def test_a_cancelled_symbol_adds_nan_only_for_its_own_infinity():
+    """Fuzz seed 73: ``(-v) + (v - q)`` is ``-q`` to sympy, and IEEE's NaN for an infinite v was kept as
+    ``nan_of(v - q)``, NaN at q = -inf too, where the formula gives inf (a min over such values then NaN instead
+    of a number). The kept NaN now reads the lost symbol's part of the operand: ``nan_of(v)``."""
+    spec = spec_of([red("amax", "min", "(-v) + (v - q)", over="e")], ["amax"],
+                   inputs={"q": {"dims": ["e", "j2"]}, "v": {"dims": ["c"]}})
+    q = np.array([[-np.inf, -0.1], [-np.inf, 0.3], [-np.inf, -np.inf], [-np.inf, 0.9]])
+    v = np.array([-0.7])
+    shape = {"e": 4, "j2": 2, "c": 1}
+    ref = evaluate(spec, shape, {"q": q, "v": v})["amax"].ravel()
+    assert np.isposinf(ref[0]) and np.isfinite(ref[1])
+    for strategy in ("row_resident", "multi_pass"):
+        got = run(spec, shape, "float32", {"q": q, "v": v}, strategy=strategy).outputs["amax"].double().numpy().ravel()
+        assert np.isposinf(got[0]) and np.isclose(got[1], ref[1]), (strategy, got)
+    v_inf = np.array([np.inf])  # an infinite v still gives the formula's NaN
+    assert np.isnan(run(spec, shape, "float32", {"q": q, "v": v_inf}, strategy="row_resident").outputs["amax"]).all()
+
+
+def test_integer_powers_are_squarings():
+    """Fuzz seed 73: ``sin(c) ** 12`` printed as exp2(12 log2 |b|) erred 2.3x the formula's error; integer powers up
+    to 32 are printed as squarings (at most 2 log2(n) roundings)."""
+    from fuser_core.codegen.tritonize import _squarings
+
+    assert _squarings("b", 12).count("*") == 11 and _squarings("b", 4) == "(b * b) * (b * b)"
+    x = np.array([6.5, 0.3, -2.0, 1.1, -0.9, 3.0, 0.05])
+    spec = spec_of([{"name": "p", "expr": "sin(x) ** 12"}, red("s", "sum", "sin(x) ** 12")], ["p", "s"],
+                   inputs={"x": {"dims": ["n"]}})
+    got = run(spec, {"n": 7}, "float32", {"x": x}, strategy="row_resident").outputs
+    assert np.allclose(got["p"].double().numpy(), np.sin(x) ** 12, rtol=2e-6, atol=0)
+
+
+def test_an_output_float32_cannot_hold_is_held_to_infinity():
+    """Fuzz seed 73: ``sum(v * nblk)`` at 1.3e59 is +inf in float32, in the formula and every kernel; the special-
+    value check compared with the float64 value and called the infinity wrong. It now compares with the
+    reference as the output's dtype holds it."""
+    from fuser_core.accuracy import bar_verdict
+
+    spec = spec_of([red("s", "sum", "x")], ["s"], inputs={"x": {"dims": ["n"]}})
+    ref = {"s": np.array([1.26e59, -1.3e59, 2.0])}
+    got = {"s": np.array([np.inf, -np.inf, 2.0])}
+    assert bar_verdict(spec, got, ref, [got], {"s": "float32"}, special=True)["specials"] == []
+    wrong = {"s": np.array([np.inf, np.inf, 2.0])}
+    assert bar_verdict(spec, wrong, ref, [got], {"s": "float32"}, special=True)["specials"]
