@@ -1336,3 +1336,18 @@ def test_an_output_float32_cannot_hold_is_held_to_infinity():
     assert bar_verdict(spec, got, ref, [got], {"s": "float32"}, special=True)["specials"] == []
     wrong = {"s": np.array([np.inf, np.inf, 2.0])}
     assert bar_verdict(spec, wrong, ref, [got], {"s": "float32"}, special=True)["specials"]
+
+
+def test_an_output_reduced_over_another_axis_is_written_again_after_a_fallback():
+    """Fuzz seed 73: ``h = max over t of where(index(e) == g, q, 0)`` with ``g`` an argmax over e whose offset
+    ``best`` is NaN: the fallback pass redid g, but h, an output reduced over another axis from it, kept the fused
+    g's value (NaN at a position the reference has 0). Outputs reduced over other axes that read a redone step
+    are computed and written again."""
+    from fuser_core.accuracy import accuracy_check
+
+    spec = spec_of([red("best", "sum", "q", over="e"), red("g", "argmax", "(-q) * 2 + best", over="e"),
+                    red("h", "max", "where(index(e) == g, q, 0)", over="t")], ["h"],
+                   inputs={"q": {"dims": ["m", "e", "t"]}})
+    verdict = accuracy_check(spec, {"m": 2, "e": 13, "t": 5}, families=("nan", "normal"), strategy="streaming_fused",
+                             config=KernelConfig({"e": 16}, per_lane=False))
+    assert verdict["passed"], verdict["families"]

@@ -1062,9 +1062,10 @@ class _Walk:
         if name in steps:
             return True
         step = self.spec.step(name)
-        if step.is_reduction:
-            return False
-        return any(s.name.split(".")[0] in steps for s in self.conv.value(name).free_symbols)  # sel.indices: sel
+        # a reduction over another axis, computed in the output pass (``max over t of where(index(e) == g, q, 0)``),
+        # reads what its integrand reads (fuzz seed 73: it kept the fused g where the fallback had redone g)
+        value = self.conv.integrand(step) if step.is_reduction else self.conv.value(name)
+        return any(s.name.split(".")[0] in steps for s in value.free_symbols)  # sel.indices: sel
 
     def fallback_checks(self, dependent: list[Step]) -> dict[str, str]:
         """Each dependency a fallback pass is taken for, and when: ``inf`` (+-inf) or ``nonfinite``."""
