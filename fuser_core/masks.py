@@ -116,6 +116,14 @@ def truth(cond: sp.Basic, values: dict) -> np.ndarray:
     if isinstance(cond, sp.Rel):
         lhs, rhs = (_number(side, values) for side in (cond.lhs, cond.rhs))
         return np.asarray(_RELATIONS[cond.rel_op](lhs, rhs))
+    from fuser_core.symbolic import InfCompare, Unordered
+
+    if isinstance(cond, Unordered):  # `not a <= b` is `a > b or unordered(a, b)`: never, for indices and sizes
+        a, b = (_number(side, values) for side in cond.args)
+        return np.isnan(a) | np.isnan(b)
+    if isinstance(cond, InfCompare):
+        lhs, rhs = (_number(side, values) for side in cond.args[1:])
+        return np.asarray(_RELATIONS[cond.op](lhs, rhs))
     raise ValueError(f"not a condition on indices and sizes: {cond}")
 
 

@@ -1351,3 +1351,15 @@ def test_an_output_reduced_over_another_axis_is_written_again_after_a_fallback()
     verdict = accuracy_check(spec, {"m": 2, "e": 13, "t": 5}, families=("nan", "normal"), strategy="streaming_fused",
                              config=KernelConfig({"e": 16}, per_lane=False))
     assert verdict["passed"], verdict["families"]
+
+
+def test_a_negated_index_mask_is_evaluated_by_the_reference():
+    """CI fuzz: ``where(not index(m) <= index(n), x, -inf)`` is ``index(m) > index(n) or unordered(...)`` (NaN makes
+    a comparison false, and `not` true); the reference's masked-element rule could not evaluate the unordered
+    part and the certificate raised. It is never true for indices."""
+    spec = spec_of([red("sel", "max", "where(not index(m) <= index(n), x, -inf)", over="m"),
+                    red("vals", "sum", "(x - sel) ** 2", over="m")], ["vals", "sel"], inputs={"x": {"dims": ["n", "m"]}})
+    assert certify(derive_cascade(spec), trials=6).holds
+    x = np.arange(12, dtype=np.float64).reshape(3, 4)
+    sel = evaluate(spec, {"n": 3, "m": 4}, {"x": x})["sel"].ravel()
+    assert sel.tolist() == [3.0, 7.0, 11.0]
