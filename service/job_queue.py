@@ -115,9 +115,12 @@ def get_job(session: Session, job_id: str) -> Job:
 
 
 def list_jobs(session: Session, *, status: str | None = None, spec_hash: str | None = None,
-              target: str | None = None, limit: int = 100, offset: int = 0) -> list[Job]:
-    """Jobs, newest first, filtered by any of status, spec_hash, target."""
-    return newest_first(session, Job, limit, offset, status=status, spec_hash=spec_hash, target=target)
+              target: str | None = None, shape_key: str | None = None, dtype: str | None = None,
+              limit: int = 100, offset: int = 0) -> list[Job]:
+    """Jobs, newest first, filtered by any of status, spec_hash, target, shape_key (canonical,
+    :func:`service.tuning_request.shape_key`) and dtype (:func:`service.tuning_request.dtype_key`)."""
+    return newest_first(session, Job, limit, offset, status=status, spec_hash=spec_hash, target=target,
+                        shape_key=shape_key, dtype=dtype)
 
 
 def list_trials(session: Session, job_id: str) -> list[TrialRecord]:

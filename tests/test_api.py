@@ -204,6 +204,32 @@ def test_submit_is_idempotent_with_location_and_views(client, sessions) -> None:
     assert again.status_code == 202 and again.json()["id"] != job["id"] and again.json()["status"] == "queued"
 
 
+def test_jobs_listed_by_request_key(client) -> None:
+    """``GET /v1/jobs?spec_hash=&target=&shape=&dtype=``: the jobs of one request key (the
+    client names a queued job in its "no kernel" error), shape in either naming."""
+    job = client.post("/v1/jobs", json=job_body()).json()
+    client.post("/v1/jobs", json=job_body(shape={"m": 4, "n": 128}))
+    half = client.post("/v1/jobs", json=job_body(dtype="float16")).json()
+    shash = job["spec_hash"]
+
+    def ids(**params) -> list[str]:
+        r = client.get("/v1/jobs", params=params)
+        assert r.status_code == 200, r.text
+        return [j["id"] for j in r.json()["jobs"]]
+
+    assert len(ids(spec_hash=shash)) == 3
+    assert ids(spec_hash=shash, target="h100", shape="m=4,n=64", dtype="float32") == [job["id"]]
+    assert ids(spec_hash=shash, shape="d0=4,d1=64", dtype='{"x": "float32"}') == [job["id"]]  # canonical, a map
+    assert ids(spec_hash=shash, shape="n=64,m=4") == [half["id"], job["id"]]
+    assert ids(spec_hash=shash, dtype="float16") == [half["id"]]
+    assert ids(spec_hash=shash, shape="m=4,n=64", status="running") == []
+    assert ids(spec_hash="0" * 64, shape="m=4,n=64") == []  # a spec never stored has no jobs
+    assert_problem(client.get("/v1/jobs", params={"shape": "m=4,n=64"}), 422, "shape", "needs spec_hash")
+    assert_problem(client.get("/v1/jobs", params={"dtype": "float16"}), 422, "dtype", "needs spec_hash")
+    assert_problem(client.get("/v1/jobs", params={"spec_hash": shash, "shape": "m=4"}), 422, "shape.n")
+    assert_problem(client.get("/v1/jobs", params={"spec_hash": shash, "dtype": "float64"}), 422, "dtype")
+
+
 def test_submission_of_a_cached_kernel_is_200_with_the_kernel(client, sessions) -> None:
     kernel_id = store_kernel(sessions)
     r = client.post("/v1/jobs", json=job_body())

@@ -14,10 +14,10 @@ from sqlalchemy.orm import Session
 from fuser_core import Spec, SpecError, bound_to_canonical, canonical_shape, load_spec, normalize_dtype
 from service import job_queue, kernel_cache, spec_store
 from service.api.cache import SpecCache
-from service.api.problems import Problem, error_entry, invalid, not_found
+from service.api.problems import Problem, error_entry, invalid, invalid_field, not_found
 from service.api.schemas import JobRequest, iso, job_view, kernel_view, trial_view, worker_view
 from service.api.validation import ParsedSpecs, job_request, query_value
-from service.bundle import parse_dtype_text, parse_shape_text, user_names
+from service.bundle import dtype_text, parse_dtype_text, parse_shape_text, shape_text, user_names
 from service.models import Job, Kernel, SpecRecord
 from service.settings import Settings
 from service.tuning_request import TuningRequest
@@ -116,7 +116,23 @@ def get_job(session: Session, cache: SpecCache, job_id: str) -> dict[str, Any]:
     return job_view_named(session, cache, job_queue.get_job(session, job_id))
 
 
-def list_jobs(session: Session, cache: SpecCache, **filters: Any) -> list[dict[str, Any]]:
+def list_jobs(session: Session, cache: SpecCache, *, shape: str | None = None, dtype: str | None = None,
+              **filters: Any) -> list[dict[str, Any]]:
+    """Job views, newest first. ``shape`` and ``dtype`` (query text, as :func:`lookup_kernel`
+    reads them) narrow the list to one request key; they are read against the spec, so they
+    need ``spec_hash``. A spec never stored has no jobs."""
+    if (shape is not None or dtype is not None) and filters.get("spec_hash") is None:
+        field = "shape" if shape is not None else "dtype"
+        raise invalid_field((field,), f"filtering by {field} needs spec_hash (dim names and dtypes are read "
+                                      "against the spec)", where="query")
+    if shape is not None or dtype is not None:
+        info = spec_info(session, cache, filters["spec_hash"])
+        if info is None:
+            return []
+        if shape is not None:
+            filters["shape_key"] = shape_text(_query_shape(info, shape))
+        if dtype is not None:
+            filters["dtype"] = dtype_text(_query_dtype(info, dtype))
     return [job_view_named(session, cache, job) for job in job_queue.list_jobs(session, **filters)]
 
 
@@ -136,6 +152,28 @@ def _query_problem(err: SpecError) -> Problem:
     return invalid([error_entry(loc, err.message, where="query")])
 
 
+def _query_shape(info: SpecInfo, shape: str) -> dict[str, int]:
+    """A ``shape`` query (``d0=4,d1=300`` in canonical dim names, or in the names of the spec as
+    first submitted) as the canonical shape jobs and kernels are keyed by; 422 otherwise."""
+    from fuser_core import bind_shape
+
+    raw = query_value(parse_shape_text, shape)
+    try:
+        if set(raw) <= set(info.canonical.dims):
+            return bound_to_canonical(info.canonical, bind_shape(info.canonical, raw))
+        return canonical_shape(info.source, raw)
+    except SpecError as err:
+        raise _query_problem(err) from None
+
+
+def _query_dtype(info: SpecInfo, dtype: str) -> str | dict[str, str]:
+    """A ``dtype`` query in its one normal form (:func:`fuser_core.normalize_dtype`); 422 otherwise."""
+    try:
+        return normalize_dtype(info.canonical, query_value(parse_dtype_text, dtype))
+    except SpecError as err:
+        raise _query_problem(err) from None
+
+
 def lookup_kernel(session: Session, cache: SpecCache, *, spec_hash: str, target: str, shape: str | None,
                   dtype: str) -> dict[str, Any]:
     """The kernel view for a lookup: exact shape, else the nearest tuned one (``exact_match``).
@@ -143,25 +181,11 @@ def lookup_kernel(session: Session, cache: SpecCache, *, spec_hash: str, target:
     ``shape`` may use the canonical dim names (``d0=4,d1=300``, as :mod:`service.client`
     sends them and bundles speak) or the names of the spec as first submitted.
     """
-    from fuser_core import bind_shape
-
     info = spec_info(session, cache, spec_hash)
     if info is None:
         raise not_found("kernel for spec_hash", spec_hash)
-    cshape = None
-    if shape is not None:
-        raw = query_value(parse_shape_text, shape)
-        try:
-            if set(raw) <= set(info.canonical.dims):
-                cshape = bound_to_canonical(info.canonical, bind_shape(info.canonical, raw))
-            else:
-                cshape = canonical_shape(info.source, raw)
-        except SpecError as err:
-            raise _query_problem(err) from None
-    try:
-        ndtype = normalize_dtype(info.canonical, query_value(parse_dtype_text, dtype))
-    except SpecError as err:
-        raise _query_problem(err) from None
+    cshape = _query_shape(info, shape) if shape is not None else None
+    ndtype = _query_dtype(info, dtype)
     found = kernel_cache.find_kernel(session, spec_hash=spec_hash, target=target.strip().lower(), dtype=ndtype,
                                      shape=cshape)
     if found is None:

@@ -67,12 +67,18 @@ async def list_jobs(
     status: Annotated[Literal["queued", "running", "succeeded", "failed", "cancelled"] | None, Query()] = None,
     spec_hash: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
     target: Annotated[str | None, Query(max_length=32)] = None,
+    shape: Annotated[str | None, Query(max_length=2048, description="d0=4,d1=300 (needs spec_hash)")] = None,
+    dtype: Annotated[str | None, Query(max_length=2048, description="a dtype or a per-input map (needs spec_hash)")]
+    = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
 ) -> JSONResponse:
-    """Jobs, newest first, filtered by status, spec_hash and target."""
+    """Jobs, newest first, filtered by status, spec_hash, target, and (with spec_hash) shape and
+    dtype as ``GET /v1/kernels`` reads them: the jobs of one request key, e.g. the client's
+    "a job for this kernel is queued"."""
     views = await db.run(ops.list_jobs, context(request).specs, status=status, spec_hash=spec_hash,
-                         target=target.strip().lower() if target else None, limit=limit, offset=offset)
+                         target=target.strip().lower() if target else None, shape=shape, dtype=dtype,
+                         limit=limit, offset=offset)
     return JSONResponse({"jobs": views, "limit": limit, "offset": offset, "count": len(views)})
 
 
