@@ -312,7 +312,8 @@ def test_a_client_asks_a_server_from_before_format_3_for_format_2(split_bundle, 
             return httpx.Response(200, content=canonical_bytes(body), headers={"ETag": f'"{body["sha256"]}"'})
         return httpx.Response(200, json={"id": "a" * 32, "bundle_sha256": split_bundle["sha256"], "exact_match": True})
 
-    cache = KernelCache("http://fake", cache_dir=tmp_path, transport=httpx.MockTransport(serve))
+    # revalidate_after=0: no in-process memo, so the second get asks the server again
+    cache = KernelCache("http://fake", cache_dir=tmp_path, transport=httpx.MockTransport(serve), revalidate_after=0)
     spec = load_spec(spec_source("safe_softmax"))
     assert cache.get(spec, {"m": 4, "n": 3000}, dtype="float16").bundle == body
     cache._kernels.clear()

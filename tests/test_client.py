@@ -8,11 +8,15 @@ real ones from make_bundle; kernels run through Triton's interpreter.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -25,7 +29,7 @@ from fuser_core.problem import make_problem
 from fuser_core.reference import evaluate, random_inputs
 from fuser_core.runner import bind_dtypes, to_torch
 from fuser_core.spec import load_spec
-from service.bundle import canonical_bytes, shape_text
+from service.bundle import bundle_v1, canonical_bytes, shape_text
 from service.bundle_maker import make_bundle
 from service.client import (
     KernelAuthError,
@@ -33,6 +37,8 @@ from service.client import (
     KernelIntegrityError,
     KernelNotFound,
     KernelServiceError,
+    KernelTuningError,
+    TuningJob,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -64,9 +70,15 @@ class FakeServer:
         self.offline = False
         self.requests: list[httpx.Request] = []
         self.bodies_sent = 0
+        self.gate: threading.Event | None = None  # set: requests wait for it (a slow server)
+        self.entered = threading.Event()  # a request reached the gate
+        self.gate_timed_out = False  # a request waited for the gate in vain (10 s)
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
+        if self.gate is not None:
+            self.entered.set()
+            self.gate_timed_out |= not self.gate.wait(10)
         if self.offline:
             raise httpx.ConnectError("connection refused", request=request)
         if self.status is not None:
@@ -177,7 +189,7 @@ def test_etag_304_uses_the_disk_copy(server, tmp_path):
 
 
 def test_new_bundle_replaces_the_cached_one(server, tmp_path):
-    with client(server, tmp_path) as cache:
+    with client(server, tmp_path, revalidate_after=0) as cache:  # 0: every get asks the server
         cache.get(RAW, SHAPE)
         newer = softmax_bundle(time_ms=0.005)  # the server found a better kernel
         server.kernels["k0"] = newer
@@ -321,3 +333,342 @@ def test_the_client_imports_neither_sympy_nor_scipy():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(root)})
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ----------------------------------------------------------------------------- the hot path
+#
+# A warm get() answers from the in-process memo: no HTTP, no disk. Disk access is counted by an
+# audit hook ("open", and the os.* events that list, remove or rename files) and by wrapping
+# os.stat (Path.stat, exists and is_file go through it, and it raises no audit event).
+
+DISK_EVENTS = {"open", "os.listdir", "os.scandir", "os.remove", "os.rename", "os.replace", "os.mkdir", "os.unlink"}
+_disk_events: list[str] | None = None  # None: not counting
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _disk_events is not None and event in DISK_EVENTS:
+        _disk_events.append(f"{event} {args[0] if args else ''}")
+
+
+sys.addaudithook(_audit)  # hooks cannot be removed: it counts only while a test sets _disk_events
+
+
+@pytest.fixture()
+def disk_access(monkeypatch):
+    """A list that collects every file access while the test runs, from any thread."""
+    global _disk_events
+    events: list[str] = []
+    real_stat = os.stat
+
+    def counted_stat(path, *args, **kwargs):
+        events.append(f"stat {path}")
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counted_stat)
+    _disk_events = events
+    try:
+        yield events
+    finally:
+        _disk_events = None
+
+
+class Clock:
+    """The memo's clock, stepped by the test."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def with_clock(cache: KernelCache) -> Clock:
+    clock = Clock()
+    cache._now = clock
+    return clock
+
+
+def wait_until(predicate, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def client_log_records():
+    """Records of the foldwise.client logger (a handler of its own: an app's logging set-up in
+    the same session may stop foldwise loggers propagating to pytest's)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger("foldwise.client")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    return records, lambda: (logger.removeHandler(handler), logger.setLevel(old_level))
+
+
+@pytest.mark.parametrize("spec_form", ["dict", "json", "name", "path", "spec"])
+def test_a_warm_get_does_no_http_and_no_disk_access(server, tmp_path, disk_access, monkeypatch, spec_form):
+    spec = {"dict": RAW, "json": json.dumps(RAW), "name": "safe_softmax",
+            "path": CATALOG_DIR / "safe_softmax.json", "spec": SPEC}[spec_form]
+    with client(server, tmp_path) as cache:
+        cold = cache.get(spec, SHAPE)
+        assert len(server.requests) == 2 and disk_access  # the cold call asked and stored
+        hashed = []
+        monkeypatch.setattr("service.client.spec_hash", lambda s: hashed.append(s) or spec_hash(s))
+        requests_before, disk_access[:] = len(server.requests), []
+        warm = [cache.get(spec, SHAPE) for _ in range(100)]
+        assert len(server.requests) == requests_before
+        assert disk_access == []
+        assert hashed == []
+        assert all(k is cold for k in warm)
+    assert_runs(cold)
+
+
+def test_the_spec_is_parsed_and_hashed_once_per_distinct_argument(server, tmp_path, monkeypatch):
+    hashed = []
+    monkeypatch.setattr("service.client.spec_hash", lambda s: hashed.append(s) or spec_hash(s))
+    with client(server, tmp_path) as cache:
+        cache.get(RAW, SHAPE)
+        cache.get(RAW, {"m": 2, "n": 16})  # another shape of the same spec: a new request, no new hash
+        cache.get(dict(RAW), "m=3,n=37")  # an equal dict, the shape as text
+        assert len(hashed) == 1
+        cache.get(SPEC, SHAPE)  # another argument (a loaded Spec): hashed once more
+        cache.get(SPEC, {"m": 2, "n": 16})
+        assert len(hashed) == 2
+        with pytest.raises(ValueError, match="shape.n"):  # a float size is refused, never served from the memo
+            cache.get(RAW, {"m": 3, "n": 37.0})
+
+
+def test_revalidation_picks_up_a_new_kernel_after_the_interval_and_not_before(server, tmp_path):
+    with client(server, tmp_path, revalidate_after=60) as cache:
+        clock = with_clock(cache)
+        old = cache.get(RAW, SHAPE)
+        newer = softmax_bundle(time_ms=0.005)  # the server found a better kernel
+        server.kernels["k0"] = newer
+        asked = len(server.requests)
+        clock.now += 59.9
+        assert cache.get(RAW, SHAPE) is old
+        time.sleep(0.2)  # a revalidation scheduled by mistake would have asked by now
+        assert len(server.requests) == asked
+        clock.now += 0.2  # past the interval: this call still answers at once, and revalidates behind it
+        assert cache.get(RAW, SHAPE) is old
+        new = wait_until(lambda: (k := cache.get(RAW, SHAPE)).sha256 == newer["sha256"] and k, "the new kernel")
+        assert [r.url.path for r in server.requests[asked:]] == ["/v1/kernels", "/v1/kernels/k0/bundle"]
+        assert server.bodies_sent == 2 and (tmp_path / f"{newer['sha256']}.json").exists()
+        assert_runs(new)
+        assert cache.get(RAW, SHAPE) is new and len(server.requests) == asked + 2  # fresh again: no request
+        clock.now += 61  # unchanged on the server: one lookup, and no download
+        cache.get(RAW, SHAPE)
+        wait_until(lambda: len(server.requests) == asked + 3, "the second revalidation")
+        time.sleep(0.1)
+        assert len(server.requests) == asked + 3 and cache.get(RAW, SHAPE) is new
+
+
+def test_revalidation_never_blocks_the_caller_and_keeps_the_kernel_when_it_fails(server, tmp_path):
+    records, unhook = client_log_records()
+    try:
+        with client(server, tmp_path, revalidate_after=60) as cache:
+            clock = with_clock(cache)
+            old = cache.get(RAW, SHAPE)
+            server.gate = threading.Event()  # the server now hangs until the test lets it go
+            clock.now += 61
+            assert cache.get(RAW, SHAPE) is old
+            assert server.entered.wait(10)  # the revalidation is waiting on the server, not the caller
+            assert not server.gate_timed_out
+            assert cache.get(RAW, SHAPE) is old
+            server.served["k0"] = b"<html>proxy error</html>"  # and what it answers is refused
+            server.kernels["k0"] = softmax_bundle(time_ms=0.005)
+            server.gate.set()
+            wait_until(lambda: any("keeping kernel" in r.getMessage() for r in records), "the failure's log line")
+            assert cache.get(RAW, SHAPE) is old  # the verified kernel stays
+    finally:
+        unhook()
+
+
+def test_revalidate_after_none_never_asks_again_and_0_always_does(server, tmp_path):
+    with client(server, tmp_path, revalidate_after=None) as cache:
+        clock = with_clock(cache)
+        cache.get(RAW, SHAPE)
+        asked = len(server.requests)
+        clock.now += 1e9
+        cache.get(RAW, SHAPE)
+        time.sleep(0.1)
+        assert len(server.requests) == asked
+    with client(server, tmp_path, revalidate_after=0) as cache:
+        cache.get(RAW, SHAPE)
+        asked = len(server.requests)
+        cache.get(RAW, SHAPE)
+        assert len(server.requests) == asked + 2  # lookup, and the bundle (304)
+    for bad in (-1, float("nan"), "60", True):
+        with pytest.raises(ValueError, match="revalidate_after"):
+            client(server, tmp_path, revalidate_after=bad)
+
+
+def test_an_offline_answer_is_remembered_and_revalidated_later(server, tmp_path):
+    with client(server, tmp_path) as cache:
+        cache.get(RAW, SHAPE)
+    server.offline = True
+    with client(server, tmp_path, revalidate_after=60) as cache:
+        clock = with_clock(cache)
+        disk = cache.get(RAW, SHAPE)  # from the disk cache
+        asked = len(server.requests)
+        assert cache.get(RAW, SHAPE) is disk and len(server.requests) == asked  # not a timeout per call
+        server.offline = False
+        server.kernels["k0"] = newer = softmax_bundle(time_ms=0.005)
+        clock.now += 61
+        wait_until(lambda: cache.get(RAW, SHAPE).sha256 == newer["sha256"], "the server's kernel")
+
+
+def test_concurrent_gets_from_many_threads(server, tmp_path):
+    with client(server, tmp_path, revalidate_after=60) as cache:
+        clock = with_clock(cache)
+        shapes = [SHAPE, {"m": 2, "n": 16}]
+        errors, seen = [], set()
+
+        def hammer(i: int) -> None:
+            try:
+                for j in range(200):
+                    if j % 50 == 0:
+                        clock.now += 30  # stale now and then: revalidations run beside the calls
+                    seen.add(cache.get(RAW, shapes[(i + j) % 2], allow_nearest=True).sha256)
+            except Exception as err:  # noqa: BLE001
+                errors.append(err)
+
+        threads = [threading.Thread(target=hammer, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert errors == [] and seen == {BUNDLE["sha256"], OTHER_SHAPE_BUNDLE["sha256"]}
+
+
+def test_prefetch_warms_the_memo_without_blocking(server, tmp_path):
+    with client(server, tmp_path) as cache:
+        server.gate = threading.Event()
+        handle = cache.prefetch([(RAW, SHAPE), ("safe_softmax", {"m": 2, "n": 16}, "float32", "h100")])
+        assert not handle.done()  # returned while the server still holds the requests
+        server.gate.set()
+        kernels = handle.wait(timeout=60)
+        assert [k.sha256 for k in kernels] == [BUNDLE["sha256"], OTHER_SHAPE_BUNDLE["sha256"]]
+        asked = len(server.requests)
+        assert cache.get(RAW, SHAPE) is kernels[0]
+        assert cache.get("safe_softmax", {"m": 2, "n": 16}) is kernels[1]
+        assert len(server.requests) == asked  # warm
+        failing = cache.prefetch([(RAW, SHAPE, "float32", "a100")])
+        with pytest.raises(KernelNotFound, match="target a100"):
+            failing.wait(timeout=60)
+        with pytest.raises(ValueError, match=r"requests\[1\]"):
+            cache.prefetch([(RAW, SHAPE), (RAW,)])
+
+
+def test_tune_arguments_are_checked_before_asking(server, tmp_path):
+    with client(server, tmp_path) as cache:
+        for kwargs, name in (({"trials": 0}, "trials"), ({"trials": 2.5}, "trials"), ({"seconds": -1}, "seconds"),
+                             ({"timeout": 0}, "timeout"), ({"poll": float("inf")}, "poll")):
+            with pytest.raises(ValueError, match=name):
+                cache.tune(RAW, SHAPE, **kwargs)
+    assert server.requests == []
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture()
+def sqlite_db(tmp_path):
+    """A migrated SQLite service database (the client's behaviour does not depend on the backend,
+    which test_api.py and test_worker.py cover)."""
+    from service.db import upgrade
+
+    url = f"sqlite:///{tmp_path / 'foldwise.db'}"
+    upgrade(url)
+    return url
+
+
+def test_tune_and_tune_if_missing_against_a_real_server_with_a_worker(sqlite_db, tmp_path, monkeypatch):
+    """The service's app in-process (TestClient) and a worker thread (model measurer): a queued
+    job is named in the "no kernel" error; tune() joins it, shows its progress and returns the
+    kernel; get(tune_if_missing=True) tunes another shape."""
+    from fastapi.testclient import TestClient
+
+    from service.api import create_app
+    from service.settings import get_settings
+    from service.worker import run_worker
+
+    db_url = sqlite_db
+    settings = get_settings(db_url=db_url, lease_seconds=10.0, heartbeat_seconds=0.2, compile_binaries=False)
+    stop = threading.Event()
+    shape, other = {"m": 4, "n": 64}, {"m": 2, "n": 32}
+    with TestClient(create_app(settings)) as http:
+        cache = KernelCache("http://testserver", cache_dir=tmp_path / "client", http_client=http)
+        queued = cache.tune(RAW, shape, trials=2, wait=False)
+        assert isinstance(queued, TuningJob) and queued.status == "queued" and queued.trials_budget == 2
+        with pytest.raises(KernelNotFound, match=f"job {queued.id} for it is queued, 0/2 trials") as err:
+            cache.get(RAW, shape)
+        assert err.value.job == queued and "submit a tuning job" not in str(err.value)
+        with pytest.raises(KernelNotFound, match="submit a tuning job"):  # no job for this one
+            cache.get(RAW, other)
+
+        worker = threading.Thread(target=run_worker, args=(db_url,), daemon=True,
+                                  kwargs={"measurer": "model", "target": "h100", "stop": stop, "poll_s": 0.05,
+                                          "settings": settings})
+        worker.start()
+        try:
+            tty = FakeTTY()
+            monkeypatch.setattr(sys, "stderr", tty)
+            kernel = cache.tune(RAW, shape, trials=2, timeout=300, poll=0.05)
+            monkeypatch.undo()
+            written = tty.getvalue()  # one line, rewritten in place, ended once
+            assert written.count("\n") == 1 and written.endswith("\n")
+            states = written.rstrip("\n").split("\r\x1b[2K")[1:]
+            head = f"foldwise: tuning safe_softmax m=4,n=64 float32 h100: job {queued.id} "
+            assert len(states) >= 2 and all(state.startswith(head) for state in states)
+            assert re.fullmatch(r"succeeded, 2/2 trials, best [0-9.e+-]+ ms", states[-1][len(head):]), states
+            job = http.get(f"/v1/jobs/{queued.id}").json()  # tune() joined the queued job
+            assert job["status"] == "succeeded"
+            assert http.get(f"/v1/kernels/{job['kernel_id']}").json()["bundle_sha256"] == \
+                bundle_v1(kernel.bundle)["sha256"]
+            assert kernel.shape == shape
+            assert_runs(kernel, shape)
+            assert cache.get(RAW, shape) is kernel  # remembered
+
+            records, unhook = client_log_records()  # not a terminal: log lines
+            try:
+                tuned = cache.get(RAW, other, tune_if_missing=True)
+            finally:
+                unhook()
+            assert tuned.shape == other
+            assert_runs(tuned, other)
+            assert any("tuning safe_softmax m=2,n=32" in r.getMessage() and "succeeded" in r.getMessage()
+                       for r in records)
+        finally:
+            stop.set()
+            worker.join(30)
+            cache.close()
+
+
+def test_a_failed_job_raises_with_the_server_s_reason(tmp_path):
+    """tune() against a fake job API: the job fails; the error carries the server's reason."""
+    views = iter([{"status": "queued", "trials_done": 0}, {"status": "running", "trials_done": 1},
+                  {"status": "failed", "trials_done": 2, "error": "no configuration compiled"}])
+
+    def job_api(request: httpx.Request) -> httpx.Response:
+        state = next(views)
+        view = {"id": "a" * 32, "status": state["status"], "progress": {"trials_done": state["trials_done"],
+                                                                         "trials_budget": 2},
+                "best": None, "kernel_id": None, "error": state.get("error")}
+        if request.method == "POST":
+            assert json.loads(request.content)["budget"] == {"trials": 2}
+        return httpx.Response(202 if request.method == "POST" else 200, json=view)
+
+    with KernelCache(BASE, cache_dir=tmp_path, transport=httpx.MockTransport(job_api)) as cache:
+        with pytest.raises(KernelTuningError, match="job a{32} for spec safe_softmax .* failed: no configuration"):
+            cache.tune(RAW, SHAPE, trials=2, poll=0.01, progress=False)
