@@ -202,11 +202,11 @@ def as_spec(spec: Spec | Mapping[str, Any] | str | bytes | os.PathLike) -> Spec:
     return _spec_and_source(spec)[0]
 
 
-def _spec_and_source(spec: Any) -> tuple[Spec, str]:
+def _spec_and_source(spec: Any) -> tuple[Spec, str | None]:
     """(the spec, its JSON text as a job submits it): the caller's own text where there is one,
-    so the server shows the caller's names; a loaded Spec's canonical JSON otherwise."""
+    so the server shows the caller's names; None for a loaded Spec (its canonical JSON is sent)."""
     if isinstance(spec, Spec):
-        return spec, canonical_json(spec)
+        return spec, None
     if isinstance(spec, Mapping):
         return load_spec(spec), json.dumps(spec)
     if isinstance(spec, bytes):
@@ -247,7 +247,7 @@ class _SpecFacts:
     user: Spec  # the caller's spec (for a Spec argument, the object itself: memo keys hold it by id)
     shash: str
     back: dict[str, str]  # canonical dim -> the caller's name
-    source: str  # its JSON text, as a tuning job submits it
+    source: str | None  # the caller's JSON text, for a tuning job (None: a loaded Spec, sent canonical)
 
     @staticmethod
     def of(spec: Any) -> _SpecFacts:
@@ -265,7 +265,7 @@ class _Request:
     ndtype: str | dict[str, str]
     target: str
     back: dict[str, str]  # canonical dim -> the caller's name
-    source: str = ""  # the spec's JSON text, for a tuning job
+    source: str | None = None  # the caller's JSON text, for a tuning job (None: send the canonical form)
 
     @staticmethod
     def make(spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str], target: str) -> _Request:
@@ -289,9 +289,12 @@ class _Request:
         return {"spec_hash": self.shash, "target": self.target, "shape": shape_text(self.cshape),
                 "dtype": dtype_text(self.ndtype)}
 
-    @property
-    def user_shape(self) -> dict[str, int]:
-        return {self.back.get(d, d): n for d, n in self.cshape.items()}
+    def job_fields(self) -> dict[str, Any]:
+        """The spec and shape of ``POST /v1/jobs``, in the caller's names when their text is at
+        hand; a loaded Spec has none to send, so its canonical form and the canonical shape."""
+        if self.source is None:
+            return {"spec": canonical_json(self.user), "shape": self.cshape}
+        return {"spec": self.source, "shape": {self.back.get(d, d): n for d, n in self.cshape.items()}}
 
     def show(self, shape: Any) -> str:
         """A canonical shape in the caller's dim names, for messages."""
@@ -714,8 +717,7 @@ class KernelCache:
     def _submit(self, req: _Request, budget: dict, measurer: str | None) -> TuningJob:
         """``POST /v1/jobs`` for ``req``: a new job, or the queued, running or succeeded one of an
         identical request."""
-        body: dict[str, Any] = {"spec": req.source, "shape": req.user_shape, "dtype": req.ndtype,
-                                "target": req.target, "budget": budget}
+        body: dict[str, Any] = {**req.job_fields(), "dtype": req.ndtype, "target": req.target, "budget": budget}
         if measurer is not None:
             body["measurer"] = measurer
         path = "/v1/jobs"

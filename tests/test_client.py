@@ -38,6 +38,7 @@ from service.client import (
     KernelNotFound,
     KernelServiceError,
     KernelTuningError,
+    KernelTuningTimeout,
     TuningJob,
 )
 
@@ -655,8 +656,10 @@ def test_tune_and_tune_if_missing_against_a_real_server_with_a_worker(sqlite_db,
             cache.close()
 
 
-def test_a_failed_job_raises_with_the_server_s_reason(tmp_path):
-    """tune() against a fake job API: the job fails; the error carries the server's reason."""
+@pytest.mark.parametrize(("spec", "sent_shape"), [(RAW, SHAPE), (SPEC, {"d0": 3, "d1": 37})])
+def test_a_failed_job_raises_with_the_server_s_reason(tmp_path, spec, sent_shape):
+    """tune() against a fake job API: the job fails; the error carries the server's reason. The
+    job names the spec as the caller wrote it; a loaded Spec, which has no text, canonically."""
     views = iter([{"status": "queued", "trials_done": 0}, {"status": "running", "trials_done": 1},
                   {"status": "failed", "trials_done": 2, "error": "no configuration compiled"}])
 
@@ -666,9 +669,27 @@ def test_a_failed_job_raises_with_the_server_s_reason(tmp_path):
                                                                          "trials_budget": 2},
                 "best": None, "kernel_id": None, "error": state.get("error")}
         if request.method == "POST":
-            assert json.loads(request.content)["budget"] == {"trials": 2}
+            body = json.loads(request.content)
+            assert body["budget"] == {"trials": 2} and body["shape"] == sent_shape
+            assert spec_hash(load_spec(body["spec"])) == spec_hash(SPEC)
         return httpx.Response(202 if request.method == "POST" else 200, json=view)
 
     with KernelCache(BASE, cache_dir=tmp_path, transport=httpx.MockTransport(job_api)) as cache:
         with pytest.raises(KernelTuningError, match="job a{32} for spec safe_softmax .* failed: no configuration"):
-            cache.tune(RAW, SHAPE, trials=2, poll=0.01, progress=False)
+            cache.tune(spec, SHAPE, trials=2, poll=0.01, progress=False)
+
+
+def test_a_tune_timeout_leaves_the_job_running(tmp_path):
+    polls = []
+
+    def job_api(request: httpx.Request) -> httpx.Response:
+        polls.append(request.method)
+        return httpx.Response(202 if request.method == "POST" else 200, json={
+            "id": "b" * 32, "status": "running", "progress": {"trials_done": 1, "trials_budget": 40},
+            "best": {"time_ms": 0.5}, "kernel_id": None, "error": None})
+
+    with KernelCache(BASE, cache_dir=tmp_path, transport=httpx.MockTransport(job_api)) as cache:
+        with pytest.raises(KernelTuningTimeout, match=r"job b{32} .* is still running, 1/40 trials, best 0.5 ms "
+                                                      r"after 0.2 s; it goes on on the server"):
+            cache.tune(RAW, SHAPE, timeout=0.2, poll=0.05, progress=False)
+    assert polls[0] == "POST" and polls.count("POST") == 1 and "GET" in polls  # polled, never cancelled
