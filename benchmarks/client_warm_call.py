@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append((name, form, revalidate_after, calls, median, p99, server.requests - before))
             cache.close()
 
-    head = ("| spec | spec argument | revalidate_after | calls | median µs | p99 µs | HTTP requests in the timed calls |\n"
-            "|---|---|---|---|---|---|---|")
+    head = ("| spec | spec argument | revalidate_after | calls | median µs | p99 µs "
+            "| HTTP requests in the timed calls |\n|---|---|---|---|---|---|---|")
     lines = [head] + [f"| {n} | {f} | {r:g} | {c} | {m:.2f} | {p:.2f} | {h} |" for n, f, r, c, m, p, h in rows]
     facts = (f"{platform.python_implementation()} {platform.python_version()}, {platform.machine()}, "
              f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}")

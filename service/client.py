@@ -31,8 +31,10 @@ target; ``allow_nearest``). A *warm* call, the same request again, is one dict l
 HTTP, no disk access, no parsing or hashing (about 1-2 µs on a 2-core x86 host with the spec
 as a name, text or Spec, 10-30 µs as a dict, which is serialised to make its key:
 ``benchmarks/client_warm_call.py``). A spec argument is parsed and hashed once per distinct
-argument, whatever the shapes asked with it. Spelling the same request differently (another
-dim order, the shape as text) costs one more cold call, never a wrong answer. A catalog name or
+argument, whatever the shapes asked with it (and once more per bundle loaded for it, by
+:meth:`service.bundle.BundleKernel.for_spec`'s check that the spec is the bundle's). Spelling
+the same request differently (another dim order, the shape as text) costs one more cold call,
+never a wrong answer. A catalog name or
 a path is read once per ``KernelCache``: a spec file edited while the process runs is not
 seen (a new ``KernelCache`` sees it). At most ``MEMO_LIMIT`` requests are remembered, the
 oldest forgotten first.
@@ -116,7 +118,7 @@ import uuid
 from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import quote
