@@ -14,6 +14,10 @@ a :class:`~fuser_core.spec.Spec`: no numpy, sympy or scipy, so that the kernel c
 reference evaluator. :mod:`fuser_core.reference` and :mod:`fuser_core.runner` re-export the
 binders, :mod:`fuser_core.codegen.module` re-exports :func:`output_dtypes`.
 
+The size checks build lists, never generator expressions (``math.prod([...])``): a kernel call
+binds its sizes here, and torch.compile's Dynamo cannot trace a generator handed to a builtin
+(``fullgraph=True`` failed on it before any Triton code: issue 24).
+
 Example:
     >>> from fuser_core.spec import load_spec
     >>> spec = load_spec({"foldwise": 1, "name": "rowmax", "inputs": {"x": {"dims": ["m", "n"]}},
@@ -82,7 +86,7 @@ def bind_shape(spec: Spec, shape: Mapping[str, int], *, allow_empty: bool = Fals
                 raise ShapeError(f"no size given for this dim (reduced together as {list(parts)})", loc=("shape", d))
             if isinstance(n, bool) or not isinstance(n, Integral) or n < 0:
                 raise ShapeError(f"must be a non-negative integer, got {n!r:.40}", loc=("shape", d))
-        shape = {**shape, merged: math.prod(int(shape[d]) for d in parts)}
+        shape = {**shape, merged: math.prod([int(shape[d]) for d in parts])}
     shape = fill_parts(spec, shape)
     for d in spec.sized_dims:
         if d not in shape and d in as_dims:
@@ -120,7 +124,7 @@ def fill_parts(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
         if merged not in out:
             continue
         n = int(out[merged])
-        if all(d in out for d in parts) and math.prod(int(out[d]) for d in parts) == n:
+        if all([d in out for d in parts]) and math.prod([int(out[d]) for d in parts]) == n:
             continue
         rest = n
         for d in reversed(parts[1:]):
@@ -128,7 +132,7 @@ def fill_parts(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
             out[d] = size
             rest //= size
         out[parts[0]] = rest
-        out[merged] = math.prod(out[d] for d in parts)
+        out[merged] = math.prod([out[d] for d in parts])
     return out
 
 
@@ -144,13 +148,13 @@ def check_sizes(spec: Spec, bound: Mapping[str, int], *, max_elements: int = MAX
 
     tensors = [(f"input {i.name!r}", i.dims) for i in spec.inputs] + [(f"step {s.name!r}", s.dims) for s in spec.steps]
     for what, dims in tensors:
-        n = math.prod(bound[d] for d in dims)
+        n = math.prod([bound[d] for d in dims])
         if n > max_elements:
             raise ShapeError(f"{what} ({sizes(dims)}) would have {n} elements; the limit per tensor is {max_elements}",
                              loc=("shape",))
     for step in spec.steps:
         dims = [d for d in step.dims if d != step.as_dim] + ([step.over] if step.over else [])
-        n = math.prod(bound[d] for d in dims)
+        n = math.prod([bound[d] for d in dims])
         if n > max_work:
             raise ShapeError(f"step {step.name!r} iterates over {sizes(dims)}: {n} points; the limit is {max_work}",
                              loc=("shape",))

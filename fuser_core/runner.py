@@ -137,7 +137,10 @@ def run(
     spec: Spec, shape: Mapping[str, int], dtype: str | Mapping[str, str], inputs: Mapping[str, np.ndarray],
     *, strategy: str | None = None, config: KernelConfig | None = None, derivation: Derivation | None = None,
 ) -> RunResult:
+    import torch
+
     from fuser_core.codegen.module import generate
+    from fuser_core.problem import output_dtypes
 
     bound = bind_shape(spec, shape, allow_empty=True)
     dtypes = bind_dtypes(spec, dtype)
@@ -150,8 +153,6 @@ def run(
                              "tensor)", loc=("inputs", inp.name))
     tensors = to_torch(arrays, dtypes, dev)
     if has_empty_dim(bound):  # no launch: empty outputs, reductions over an empty axis their identities
-        from fuser_core.problem import output_dtypes
-
         return RunResult(strategy or "none", config or KernelConfig(),
                          empty_outputs(spec, bound, tensors, output_dtypes(spec, dtypes)), "")
     if strategy == BASELINE:  # the comparison baseline: one kernel per reduction, through memory
@@ -164,7 +165,12 @@ def run(
     strategy = strategy or choose_strategy(spec, derivation, bound)
     config = config or default_config(spec, derivation, strategy, bound)
     module = generate(spec, derivation, strategy, bound, config, dtypes)
-    outputs = module.load().launch(tensors, bound)
+    # outputs contiguous in the spec's dim order (docs/SPEC.md), whatever layout the launcher's own
+    # allocation picks (fuser_core.codegen.module.output_memory_order: the server's, for canonical specs)
+    stores = output_dtypes(spec, dtypes)
+    out = {p: torch.empty([bound[d] for d in spec.step(p.split(".")[0]).dims], dtype=getattr(torch, stores[p]),
+                          device=dev) for p in spec.output_parts}
+    outputs = module.load().launch(tensors, bound, out=out)
     return RunResult(strategy, config, outputs, module.source)
 
 

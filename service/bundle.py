@@ -14,8 +14,21 @@ canonical dims and the kernel is generated from the canonical spec.
 :func:`service.bundle_maker.make_bundle` accepts a spec in any naming and translates;
 :meth:`BundleKernel.for_spec` (or ``load_bundle(bundle, spec=...)``) gives a callable that
 speaks the caller's own names: output parts by the caller's step names, each with its dims in
-the caller's order (the canonical spec lists inputs sorted by name, so its output dim order
-can differ; such outputs are returned as permuted views, no copy).
+the caller's order.
+
+**Output layout.** Every output is contiguous in the caller's dim order (docs/SPEC.md: an
+output's dims by first appearance in the inputs' ``dims``, in the order the caller's spec lists
+its inputs). The canonical spec lists inputs sorted by name, so its output dim order can differ
+(rmsnorm's canonical ``y`` is ``[c, t]``); the kernel is handed the caller's tensor as a permuted
+view (its launcher takes ``out=``, and the kernels every output's strides), so nothing is
+copied and nothing is allocated beyond the outputs. ``kernel(..., out={part: tensor})`` writes
+into the caller's own tensors instead (shape, dtype and device checked, any strides). Inputs
+are never copied either: strided views are read as they are. A bundle made before launchers
+took ``out=`` is run as before and its outputs copied into place.
+
+**Meta tensors** (and torch's fake tensors) give the outputs' shapes, dtypes and device after
+the same checks, and launch nothing: :mod:`service.torch_ops` builds its fake kernel on
+:meth:`BundleKernel.output_shapes`.
 
 **Other sizes.** A bundle's kernel was tuned for ``shape``, but the generated launcher takes
 the sizes at call time, every dim is masked, and params like ``1/sqrt(size(d))`` are computed
@@ -44,12 +57,14 @@ import ast
 import base64
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import re
 import sys
 import threading
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -551,11 +566,53 @@ def load_bundle(bundle: dict, *, spec: Spec | None = None, exact_shape: bool = F
     return kernel.for_spec(spec) if spec is not None else kernel
 
 
+def ordered_tensors(given: Mapping[str, Any], names: tuple[str, ...], field: str, noun: str) -> list[Any]:
+    """``given``'s tensors in the order of ``names``, each name given once: :class:`BundleError`
+    naming ``field`` and an unknown or missing ``noun``, or ``field.<name>`` not a tensor.
+
+    Shared by :class:`BundleKernel` (inputs and ``out=``) and :class:`service.torch_ops.FoldwiseOp`,
+    whose call torch.compile's Dynamo traces: loops and look-ups only (no generator expressions)."""
+    import torch
+
+    verb = "takes" if noun == "input" else "writes"
+    for name in given:
+        if name not in names:
+            raise BundleError(f"{field}: unknown {noun} {name!r}; the kernel {verb} {', '.join(names)}")
+    out = []
+    for name in names:
+        if name not in given:
+            raise BundleError(f"{field}: missing {noun} {name!r}; the kernel {verb} {', '.join(names)}")
+        t = given[name]
+        if not isinstance(t, torch.Tensor):
+            raise BundleError(f"{field}.{name}: expected a torch.Tensor, got {type(t).__name__}")
+        out.append(t)
+    return out
+
+
+@dataclass(frozen=True)
+class _OutputPart:
+    """One output part as the caller sees it, and how the kernel's (canonical) tensor maps to it."""
+
+    name: str  # the caller's part name (``y``, ``g.values``)
+    canonical: str  # the bundle's part name (``s1``, ``s2.values``)
+    dims: tuple[str, ...]  # the caller's logical dims, in the caller's order (a merged dim as one)
+    storage: tuple[str, ...]  # the tensor's dims: ``dims`` with a merged dim written as its parts
+    order: tuple[int, ...]  # the caller's dim i is the kernel's dim order[i]
+    inverse: tuple[int, ...]  # the kernel's dim j is the caller's dim inverse[j]
+    dtype: str
+
+    @property
+    def same_order(self) -> bool:
+        return self.order == tuple(range(len(self.order)))
+
+
 class BundleKernel:
     """A loaded bundle: ``kernel(inputs)`` or ``kernel(x=..., w=...)`` -> {output part: tensor}.
 
     Inputs are checked before launching: names, number of dims, dtypes (exactly the
     bundle's), one device, consistent sizes per dim, and ``size_limits`` (module docstring).
+    ``out={part: tensor}`` writes into given tensors (every part; shape, dtype and device
+    checked). Outputs are contiguous in the caller's dim order; meta tensors launch nothing.
     """
 
     def __init__(self, bundle: dict, module: ModuleType, interpreted: bool, *, exact_shape: bool = False,
@@ -571,6 +628,21 @@ class BundleKernel:
         # caller's dim/step name -> canonical name (identity for the canonical spec itself)
         self._names = canonical_names(user) if user is not None else {n: n for n in self._all_names(self._canon)}
         self._back = user_names(user) if user is not None else {n: n for n in self._names}
+        # a bundle made before launchers took out= (generator of issue 24) is run, then copied into place
+        self._takes_out = "out" in inspect.signature(module.launch).parameters
+        self._input_dims = {i.name: i.storage_dims or i.dims for i in self._user.inputs}
+        self._parts = tuple(self._output_part(part) for part in self._user.output_parts)
+
+    def _output_part(self, part: str) -> _OutputPart:
+        step, _, suffix = part.partition(".")
+        cstep = self._names[step]
+        canonical = cstep + ("." + suffix if suffix else "")
+        dims = self._user.step(step).dims
+        cdims = self._canon.step(cstep).dims
+        order = tuple(cdims.index(self._names[d]) for d in dims)
+        inverse = tuple(order.index(j) for j in range(len(order)))
+        return _OutputPart(part, canonical, dims, self._user.storage_dims(dims), order, inverse,
+                           self.bundle["outputs"][canonical]["dtype"])
 
     @staticmethod
     def _all_names(spec: Spec) -> list[str]:
@@ -615,6 +687,63 @@ class BundleKernel:
     def output_parts(self) -> tuple[str, ...]:
         return self._user.output_parts
 
+    @property
+    def spec(self) -> Spec:
+        """The spec whose names this kernel speaks (the caller's, or the canonical one)."""
+        return self._user
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The inputs in the order the caller's spec lists them."""
+        return tuple(self._input_dims)
+
+    @property
+    def input_dims(self) -> dict[str, tuple[str, ...]]:
+        """Input -> its tensor's dims, caller's names (a merged dim's parts, as the tensor has them)."""
+        return dict(self._input_dims)
+
+    @property
+    def output_dims(self) -> dict[str, tuple[str, ...]]:
+        """Output part -> its tensor's dims in the caller's order (the order it is contiguous in)."""
+        return {p.name: p.storage for p in self._parts}
+
+    @property
+    def output_dtypes(self) -> dict[str, str]:
+        """Output part -> its dtype (``float32``, ``int32``...), caller's names."""
+        return {p.name: p.dtype for p in self._parts}
+
+    def output_shapes(self, sizes: Mapping[str, Any]) -> dict[str, list[Any]]:
+        """Output part -> its shape, from ``sizes`` (the caller's dim -> size, as the inputs give
+        them; a topk ``as`` dim may be left out: it is ``k``). Sizes are used as given, never
+        converted, so torch's symbolic sizes work (a fake kernel's shapes under torch.compile)."""
+        full = dict(sizes)
+        for s in self._user.steps:
+            if s.as_dim is not None:
+                full.setdefault(s.as_dim, int(s.k))  # type: ignore[arg-type]
+        return {p.name: [full[d] for d in p.storage] for p in self._parts}
+
+    def check_out(self, out: Any, shapes: Mapping[str, list[Any]], device: Any) -> dict[str, Any]:
+        """``out`` (output part -> tensor, every part) checked against ``shapes``
+        (:meth:`output_shapes`), the output dtypes and ``device``; returns it as a dict.
+        :class:`BundleError` naming ``out.<part>`` otherwise."""
+        if not isinstance(out, Mapping):
+            hint = (" (an input named 'out' is passed in the inputs dict: kernel({'out': ...}))"
+                    if "out" in self._input_dims else "")
+            raise BundleError(f"out: expected a dict of output part -> tensor, got {type(out).__name__}{hint}")
+        ordered_tensors(out, self.output_parts, "out", "output")
+        for p in self._parts:
+            t = out[p.name]
+            want = shapes[p.name]
+            if t.dim() != len(want) or list(t.shape) != list(want):
+                raise BundleError(f"out.{p.name}: has shape {tuple(t.shape)}, but the output is "
+                                  f"({', '.join(p.storage)}) = {tuple(want)}")
+            got = str(t.dtype).removeprefix("torch.")
+            if got != p.dtype:
+                raise BundleError(f"out.{p.name}: dtype {got}, but the kernel writes {p.dtype}")
+            if t.device != device:
+                raise BundleError(f"out.{p.name}: on {t.device}, but the inputs are on {device}")
+        return {p.name: out[p.name] for p in self._parts}
+
     def for_spec(self, spec: Spec) -> BundleKernel:
         """This kernel speaking ``spec``'s names (``spec`` must have the bundle's spec_hash)."""
         if not isinstance(spec, Spec):
@@ -630,25 +759,19 @@ class BundleKernel:
                 f"target={self.target}, sha256={self.sha256[:12]})")
 
     # -- running
-    def __call__(self, inputs: Mapping[str, Any] | None = None, /, **tensors: Any) -> dict[str, Any]:
+    def __call__(self, inputs: Mapping[str, Any] | None = None, /, *, out: Mapping[str, Any] | None = None,
+                 **tensors: Any) -> dict[str, Any]:
         import torch
 
         if inputs is not None and tensors:
             raise BundleError("pass the inputs either as one dict or as keyword arguments, not both")
         given = dict(inputs if inputs is not None else tensors)
-        expected = [i.name for i in self._user.inputs]
-        unknown = sorted(set(given) - set(expected))
-        if unknown:
-            raise BundleError(f"inputs: unknown input {unknown[0]!r}; the kernel takes {', '.join(expected)}")
-        missing = [n for n in expected if n not in given]
-        if missing:
-            raise BundleError(f"inputs: missing input {missing[0]!r}; the kernel takes {', '.join(expected)}")
+        expected = self.input_names
+        ordered_tensors(given, expected, "inputs", "input")
         sizes: dict[str, int] = {}
         devices = set()
         for inp in self._user.inputs:
             t = given[inp.name]
-            if not isinstance(t, torch.Tensor):
-                raise BundleError(f"inputs.{inp.name}: expected a torch.Tensor, got {type(t).__name__}")
             dims = inp.storage_dims or inp.dims  # the user's dims (a merged dim's parts: c, p)
             if t.dim() != len(dims):
                 raise BundleError(f"inputs.{inp.name}: has {t.dim()} dims {tuple(t.shape)}, expected "
@@ -672,14 +795,52 @@ class BundleKernel:
             if s.as_dim is not None:
                 sizes[s.as_dim] = int(s.k)  # type: ignore[arg-type]
         bound, shape = self._check_sizes(sizes)
+        if out is None:  # contiguous in the caller's dim order (module docstring, "Output layout")
+            dst = {p.name: torch.empty([bound[d] for d in p.storage], dtype=getattr(torch, p.dtype), device=device)
+                   for p in self._parts}
+        else:
+            dst = self.check_out(out, self.output_shapes(sizes), device)
+        if device.type == "meta":  # shapes and dtypes only: nothing to compute
+            return dst
         # the user's tensors: the launcher views a merged dim's parts as one (fuser_core.merged)
         canonical_inputs = {name: given[name] for name in expected}
         if has_empty_dim(shape):  # an empty batch (or axis): no launch (fuser_core/empty.py)
             stores = {part: o["dtype"] for part, o in self.bundle["outputs"].items()}
             logical = {name: as_logical(self._user, name, t, bound) for name, t in canonical_inputs.items()}
-            return self._to_user(empty_outputs(self._canon, shape, logical, stores), bound)
-        outputs = self._module.launch(canonical_inputs, shape)
-        return self._to_user(outputs, bound)
+            return self._copy_into(dst, self._to_user(empty_outputs(self._canon, shape, logical, stores), bound))
+        if not self._takes_out:
+            return self._copy_into(dst, self._to_user(self._module.launch(canonical_inputs, shape), bound))
+        views, copied = {}, []
+        for p in self._parts:
+            view = self._kernel_view(p, dst[p.name], bound)
+            if view is None:  # an out= tensor whose strides cannot merge a dim's parts: written after the launch
+                tmp = torch.empty([bound[d] for d in p.dims], dtype=getattr(torch, p.dtype), device=device)
+                view = tmp if p.same_order else tmp.permute(p.inverse)
+                copied.append(p.name)
+            views[p.canonical] = view
+        outputs = self._module.launch(canonical_inputs, shape, out=views)
+        if copied:
+            back = self._to_user(outputs, bound)
+            for name in copied:
+                dst[name].copy_(back[name])
+        return dst
+
+    def _kernel_view(self, p: _OutputPart, tensor: Any, bound: Mapping[str, int]) -> Any:
+        """The caller's output tensor as the kernel writes it (canonical dim order, a merged dim as
+        one): a view, or None where the caller's strides do not merge a dim's parts into one."""
+        if p.storage != p.dims:
+            try:
+                tensor = tensor.view([bound[d] for d in p.dims])
+            except RuntimeError:
+                return None
+        return tensor if p.same_order else tensor.permute(p.inverse)
+
+    @staticmethod
+    def _copy_into(dst: dict[str, Any], results: Mapping[str, Any]) -> dict[str, Any]:
+        """Results computed elsewhere (no launch, or a launcher without out=) written into ``dst``."""
+        for name, tensor in dst.items():
+            tensor.copy_(results[name])
+        return dst
 
     def _check_sizes(self, sizes: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
         """The sizes bound to the caller's spec, and in canonical names."""
@@ -701,14 +862,10 @@ class BundleKernel:
 
     def _to_user(self, outputs: Mapping[str, Any], bound: Mapping[str, int]) -> dict[str, Any]:
         """Canonical output parts -> the caller's names, dims permuted to the caller's order (a
-        merged dim split into its parts)."""
+        merged dim split into its parts): views of the kernel's tensors."""
         out = {}
-        for part in self._user.output_parts:
-            step, _, suffix = part.partition(".")
-            cstep = self._names[step]
-            tensor = outputs[cstep + ("." + suffix if suffix else "")]
-            cdims = self._canon.step(cstep).dims
-            order = [cdims.index(self._names[d]) for d in self._user.step(step).dims]
-            tensor = tensor if order == list(range(len(order))) else tensor.permute(order)
-            out[part] = to_storage(self._user, self._user.step(step).dims, tensor, bound)
+        for p in self._parts:
+            tensor = outputs[p.canonical]
+            tensor = tensor if p.same_order else tensor.permute(p.order)
+            out[p.name] = to_storage(self._user, p.dims, tensor, bound)
         return out

@@ -143,14 +143,32 @@ def grid_text(grid: Grid) -> str:
     return f"({lanes}, SPLIT)" if grid.split else f"({lanes},)"
 
 
+def output_memory_order(spec: Spec, dims: tuple[str, ...]) -> tuple[str, ...]:
+    """The dim order, outer to inner, a launcher lays out an output of ``dims`` in when it allocates
+    it: that of the first input (in ``spec``'s order) holding all of them, else ``dims``' own.
+
+    Why: callers get outputs contiguous in their own dim order (service.bundle), which follows the
+    inputs in the order *they* list them, while a bundle's canonical spec lists inputs sorted by
+    name (rmsnorm's canonical ``y`` is ``[c, t]``, its caller's ``[t, c]``). Both orders meet at the
+    input holding the output's dims (``x[t, c]``), whose order no naming changes: the layout the
+    server tunes and compiles (its cubins are specialised on these strides) is then the one an
+    inference server's call hands the kernel, and rows are written where the input is read, along
+    its contiguous dim."""
+    for inp in spec.inputs:
+        if set(dims) <= set(inp.dims):
+            return tuple(d for d in inp.dims if d in dims)
+    return dims
+
+
 def launcher_source(structure: ModuleStructure, stores: dict[str, str]) -> str:
     """The module's ``launch``: outputs (and a split kernel's workspace) allocated, kernels launched."""
     plan = structure.plan
     spec = plan.spec
     lines = [
-        "def launch(inputs, shape):",
+        "def launch(inputs, shape, out=None):",
         f'    """Run {", ".join(k.name for k in structure.kernels)} on torch tensors; returns the outputs by name '
-        '(dims in each step\'s order)."""',
+        '(dims in each step\'s order). ``out``: a tensor per output part to write into (any strides: a '
+        'caller\'s layout), else each is allocated here."""',
     ]
     for d in spec.sized_dims:
         lines.append(f'    size_{d} = int(shape["{d}"])')
@@ -162,8 +180,15 @@ def launcher_source(structure: ModuleStructure, stores: dict[str, str]) -> str:
     for part in spec.output_parts:
         var = safe_name(part)
         dims = spec.step(part.split(".")[0]).dims
-        size = "(" + "".join(f"size_{d}, " for d in dims) + ")"
-        lines.append(f"    {var} = torch.empty({size}, device={first}.device, dtype={TORCH_DTYPES[stores[part]]})")
+        memory = output_memory_order(spec, dims)
+        size = "(" + "".join(f"size_{d}, " for d in memory) + ")"
+        alloc = f"torch.empty({size}, device={first}.device, dtype={TORCH_DTYPES[stores[part]]})"
+        if memory != dims:
+            lines.append(f"    # {part} laid out as the input holding its dims: ({', '.join(memory)})")
+            alloc += ".permute(" + ", ".join(str(memory.index(d)) for d in dims) + ")"
+        # the caller may hand its own tensors (service.bundle: outputs laid out in the caller's dim
+        # order, or out= tensors); the kernels take every output's strides, so any layout is written
+        lines.append(f'    {var} = out["{part}"] if out is not None else {alloc}')
         outs.append((part, var))
     tail = [f"num_warps={plan.config.num_warps}", f"num_stages={plan.config.num_stages}",
             f"enable_fp_fusion={FP_FUSION}"]

@@ -1,0 +1,198 @@
+"""Foldwise kernels as torch operators: ``torch.ops.foldwise.run`` and ``torch.ops.foldwise.run_out``.
+
+What an inference server puts in its forward pass (issue 24, item 4)::
+
+    from service.torch_ops import foldwise_op
+    rmsnorm = foldwise_op(KernelCache(url).get("rmsnorm", {"t": 128, "c": 4096}, "bfloat16"))
+    y = rmsnorm(x=x, w=w)["y"]                  # or rmsnorm(x=x, w=w, out={"y": buf})
+
+**Design.** Two generic operators, registered once with :func:`torch.library.custom_op`, serve
+every kernel; the kernel is named by a string argument, a key into a process-wide registry of
+loaded :class:`~service.bundle.BundleKernel`\\ s:
+
+- ``foldwise::run(str kernel_key, Tensor[] inputs) -> Tensor[]``: inputs in the order the
+  caller's spec lists them (:attr:`BundleKernel.input_names`), outputs in the order of its
+  output parts (:attr:`BundleKernel.output_parts`).
+- ``foldwise::run_out(str kernel_key, Tensor[] inputs, Tensor(a!)[] outs) -> ()``: the same,
+  writing into ``outs`` (every part, in that order); shapes, dtypes and device are checked and
+  an error names the output (``out.y: has shape ...``).
+
+Why one generic operator rather than one per kernel: registering an operator is a process-wide,
+permanent act (its name cannot be freed), while kernels come and go (a better one from the
+server, other shapes). A registry key costs a dict entry, and a new kernel needs no new
+schema. The key is derived from the bundle's sha256 and the caller's spec (its names and input
+order decide the operator's argument order and output layout), so loading the same kernel
+again gives the same key, and torch.compile's graph (which holds the key as a constant) stays
+valid. A graph run in another process needs the kernel registered there first: the error says
+so.
+
+**Fake (meta) implementation.** ``register_fake`` computes the outputs' shapes from the inputs'
+sizes (:meth:`BundleKernel.output_shapes`, the spec's dims; symbolic sizes pass through, so
+dynamic shapes work) and their dtypes from the bundle, and runs nothing: torch.compile traces
+with it, and meta tensors dispatch to it. Calling a :class:`~service.bundle.BundleKernel` on meta
+tensors directly works too.
+
+**Outputs** are contiguous in the caller's dim order (the order of the output's dims in the
+caller's spec, docs/SPEC.md), which is what the fake implementation promises; the kernel writes
+them in place, no copy (:mod:`service.bundle`, "Output layout"). Strided inputs are read as
+they are, no copy.
+
+**Tracing.** Custom operators are opaque to Dynamo: the kernel's own checks and its Triton
+launch run at call time, outside the graph. What Dynamo traces is :class:`FoldwiseOp`'s call,
+written for it: dict and list look-ups and one operator call, no generator expressions, no I/O,
+nothing read from tensors but their metadata. So ``torch.compile(fullgraph=True)`` works over
+functions calling Foldwise ops (tests/test_torch_op.py, backends eager, aot_eager, inductor).
+
+**Not provided.** No autograd formula (the kernels are forward only; a backward through the op
+raises torch's error for an operator without one). The APIs used are those of torch 2.4 and
+later (``custom_op``, ``register_fake``, ``opcheck``), present in the 2.11 of the GPU machines
+and the 2.13 here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from service.bundle import BundleError, BundleKernel, ordered_tensors
+
+_KERNELS: dict[str, BundleKernel] = {}  # kernel_key -> kernel; entries are never removed (graphs hold keys)
+
+
+def kernel_key(kernel: BundleKernel) -> str:
+    """The registry key of ``kernel``: its spec's name and a digest of the bundle's sha256, the
+    caller's spec (input order, names and output dim order) and ``exact_shape``. The same kernel
+    loaded again gets the same key, in any process."""
+    if not isinstance(kernel, BundleKernel):
+        raise BundleError(f"kernel: expected a BundleKernel (service.client.KernelCache.get or "
+                          f"service.bundle.load_bundle), got {type(kernel).__name__}")
+    digest = hashlib.sha256(repr((kernel.sha256, kernel.exact_shape, kernel.spec)).encode("utf-8")).hexdigest()
+    return f"{kernel.spec.name}-{digest[:24]}"
+
+
+def register_kernel(kernel: BundleKernel) -> str:
+    """Make ``kernel`` callable through ``torch.ops.foldwise.run``; returns its key."""
+    key = kernel_key(kernel)
+    _KERNELS[key] = kernel
+    return key
+
+
+def registered_kernel(key: str) -> BundleKernel:
+    """The kernel registered under ``key``; :class:`BundleError` naming ``kernel_key`` otherwise."""
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        raise BundleError(f"kernel_key: no Foldwise kernel is registered under {key!r:.80} in this process; "
+                          "call service.torch_ops.foldwise_op(kernel) (or register_kernel) first")
+    return kernel
+
+
+def _named_inputs(kernel: BundleKernel, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    names = kernel.input_names
+    if len(inputs) != len(names):
+        raise BundleError(f"inputs: {len(inputs)} tensors given, the kernel takes {len(names)} ({', '.join(names)})")
+    return dict(zip(names, inputs))
+
+
+def _output_shapes(kernel: BundleKernel, inputs: Mapping[str, torch.Tensor]) -> dict[str, list[Any]]:
+    """Output shapes from the inputs' sizes, as given (symbolic under torch.compile): the first
+    input holding a dim gives its size; that the others agree is the kernel's check at run time."""
+    sizes: dict[str, Any] = {}
+    for name, dims in kernel.input_dims.items():
+        t = inputs[name]
+        if t.dim() != len(dims):
+            raise BundleError(f"inputs.{name}: has {t.dim()} dims {tuple(t.shape)}, expected "
+                              f"{len(dims)} ({', '.join(dims)})")
+        for d, n in zip(dims, t.shape):
+            sizes.setdefault(d, n)
+    return kernel.output_shapes(sizes)
+
+
+# ----------------------------------------------------------------------------- the operators
+
+
+@torch.library.custom_op("foldwise::run", mutates_args=())
+def run(kernel_key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run the registered kernel ``kernel_key`` on ``inputs`` (the spec's input order); its
+    output parts in the spec's order, each contiguous in the caller's dim order."""
+    kernel = registered_kernel(kernel_key)
+    outputs = kernel(_named_inputs(kernel, inputs))
+    return [outputs[part] for part in kernel.output_parts]
+
+
+@run.register_fake
+def _run_fake(kernel_key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    kernel = registered_kernel(kernel_key)
+    named = _named_inputs(kernel, inputs)
+    shapes = _output_shapes(kernel, named)
+    dtypes = kernel.output_dtypes
+    device = inputs[0].device
+    return [torch.empty(shapes[part], dtype=getattr(torch, dtypes[part]), device=device)
+            for part in kernel.output_parts]
+
+
+@torch.library.custom_op("foldwise::run_out", mutates_args=("outs",))
+def run_out(kernel_key: str, inputs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+    """Run the registered kernel ``kernel_key``, writing its output parts (the spec's order) into ``outs``."""
+    kernel = registered_kernel(kernel_key)
+    kernel(_named_inputs(kernel, inputs), out=_named_outs(kernel, outs))
+
+
+@run_out.register_fake
+def _run_out_fake(kernel_key: str, inputs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+    # the same checks as the kernel's, on the (possibly symbolic) sizes: a wrong out= tensor is
+    # refused while tracing, naming the output, not only when the graph first runs
+    kernel = registered_kernel(kernel_key)
+    named = _named_inputs(kernel, inputs)
+    kernel.check_out(_named_outs(kernel, outs), _output_shapes(kernel, named), inputs[0].device)
+
+
+def _named_outs(kernel: BundleKernel, outs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    parts = kernel.output_parts
+    if len(outs) != len(parts):
+        raise BundleError(f"out: {len(outs)} tensors given, the kernel writes {len(parts)} ({', '.join(parts)})")
+    return dict(zip(parts, outs))
+
+
+# ----------------------------------------------------------------------------- the friendly wrapper
+
+
+class FoldwiseOp:
+    """A kernel as a torch operator: ``op(x=..., w=...)`` or ``op({"x": ..., "w": ...})`` ->
+    ``{output part: tensor}``, like the :class:`~service.bundle.BundleKernel` it wraps; with
+    ``out={part: tensor}`` (every part) it writes into those tensors and returns them.
+
+    The call is what Dynamo traces (module docstring, "Tracing"): keep it to dict and list
+    look-ups and the operator call. An input named ``out`` is passed in the inputs dict.
+    """
+
+    def __init__(self, kernel: BundleKernel):
+        self.kernel = kernel
+        self.key = register_kernel(kernel)
+        self.input_names = kernel.input_names
+        self.output_parts = kernel.output_parts
+
+    def __repr__(self) -> str:
+        return f"FoldwiseOp({self.key!r})"
+
+    def __call__(self, inputs: Mapping[str, torch.Tensor] | None = None, /, *,
+                 out: Mapping[str, torch.Tensor] | None = None, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        if inputs is not None and tensors:
+            raise BundleError("pass the inputs either as one dict or as keyword arguments, not both")
+        # the operators take lists; names are checked here, where they are known (the rest at run time)
+        args = ordered_tensors(tensors if inputs is None else inputs, self.input_names, "inputs", "input")
+        if out is None:
+            return dict(zip(self.output_parts, torch.ops.foldwise.run(self.key, args)))
+        if not isinstance(out, Mapping):
+            raise BundleError(f"out: expected a dict of output part -> tensor, got {type(out).__name__}")
+        outs = ordered_tensors(out, self.output_parts, "out", "output")
+        torch.ops.foldwise.run_out(self.key, args, outs)
+        return dict(zip(self.output_parts, outs))
+
+
+def foldwise_op(kernel: BundleKernel) -> FoldwiseOp:
+    """``kernel`` (a loaded :class:`~service.bundle.BundleKernel`) registered as a torch operator,
+    and a callable over it whose call torch.compile(fullgraph=True) traces."""
+    return FoldwiseOp(kernel)
