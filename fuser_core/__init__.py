@@ -15,7 +15,7 @@ from typing import Any
 __version__ = "0.1.0"  # the project's version (pyproject.toml reads it from here)
 
 # public name -> (module, name there); grouped by module. Light: errors, spec, canonical,
-# problem, catalog, merged. Heavy (sympy, numpy, scipy, triton): the rest.
+# problem, catalog, merged, index_values. Heavy (sympy, numpy, scipy, triton): the rest.
 _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("fuser_core.errors", n) for n in ("SpecError", "DerivationLimitError")},
     **{n: ("fuser_core.spec", n) for n in ("Spec", "load_spec", "MAX_DIMS", "MAX_SPEC_BYTES")},
@@ -25,6 +25,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "canonical_shape", "bound_to_canonical", "normalize_dtype", "FLOAT_DTYPES", "INDEX_DTYPES",
         "MAX_ELEMENTS", "MAX_WORK")},
     **{n: ("fuser_core.empty", n) for n in ("empty_outputs", "has_empty_dim")},
+    **{n: ("fuser_core.index_values", n) for n in ("IndexRange", "index_ranges", "first_out_of_range",
+                                                   "out_of_range_message")},
     **{n: ("fuser_core.merged", n) for n in ("as_logical", "to_logical", "to_storage", "input_to_storage")},
     **{n: ("fuser_core.catalog", n) for n in (
         "CatalogError", "PACKAGED_DIR", "catalog_dirs", "catalog_entries", "load_suites", "spec_source")},

@@ -43,6 +43,7 @@ import scipy.special
 
 from fuser_core import expr as ex
 from fuser_core.merged import consistent
+from fuser_core.index_values import first_out_of_range, index_ranges, out_of_range_message
 from fuser_core.problem import MAX_ELEMENTS, MAX_WORK, ShapeError, bind_shape, check_sizes  # noqa: F401  (re-exported)
 from fuser_core.spec import Spec, Step
 
@@ -359,6 +360,9 @@ def check_inputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.n
         if inp.is_index and not np.issubdtype(array.dtype, np.integer):
             raise ShapeError(f"an index input needs integers, got {array.dtype}", loc=("inputs", inp.name))
         out[inp.name] = array
+    for rule in index_ranges(spec):  # a label outside its axis is refused, never turned into a number
+        if (bad := first_out_of_range(rule, out[rule.name], shape[rule.dim])) is not None:
+            raise ShapeError(out_of_range_message(rule, shape[rule.dim], *bad), loc=("inputs", rule.name))
     return out
 
 

@@ -71,7 +71,7 @@ from typing import Any
 
 from fuser_core import (
     Spec, SpecError, bind_dtypes, bind_shape, canonical_json, canonical_names, empty_outputs, has_empty_dim, load_spec,
-    as_logical, spec_hash, to_storage,
+    as_logical, first_out_of_range, index_ranges, out_of_range_message, spec_hash, to_storage,
 )
 # the shape and dtype normalisers live with the Problem; importable from here as before
 from fuser_core import canonical_shape
@@ -802,6 +802,7 @@ class BundleKernel:
             dst = self.check_out(out, self.output_shapes(sizes), device)
         if device.type == "meta":  # shapes and dtypes only: nothing to compute
             return dst
+        self._check_index_values(given, bound)
         # the user's tensors: the launcher views a merged dim's parts as one (fuser_core.merged)
         canonical_inputs = {name: given[name] for name in expected}
         if has_empty_dim(shape):  # an empty batch (or axis): no launch (fuser_core/empty.py)
@@ -824,6 +825,14 @@ class BundleKernel:
             for name in copied:
                 dst[name].copy_(back[name])
         return dst
+
+    def _check_index_values(self, given: Mapping[str, Any], bound: Mapping[str, int]) -> None:
+        """A label outside its axis is refused, never turned into a number (fuser_core.index_values); on a
+        GPU this costs one reduction and one synchronisation per index input that selects a position."""
+        for rule in index_ranges(self._user):
+            bad = first_out_of_range(rule, given[rule.name], bound[rule.dim])
+            if bad is not None:
+                raise BundleError(f"inputs.{rule.name}: {out_of_range_message(rule, bound[rule.dim], *bad)}")
 
     def _kernel_view(self, p: _OutputPart, tensor: Any, bound: Mapping[str, int]) -> Any:
         """The caller's output tensor as the kernel writes it (canonical dim order, a merged dim as

@@ -145,6 +145,9 @@ from service.bundle import (
 )
 from service.tuning_request import check_target
 
+if TYPE_CHECKING:
+    from service.torch_ops import FoldwiseOp
+
 log = logging.getLogger("foldwise.client")
 BINARIES_FORMAT = 3  # asked for: every Triton version's binaries; 2 from a server that predates it
 
@@ -509,6 +512,7 @@ class KernelCache:
         self._kernels: dict[str, BundleKernel] = {}
         self._lock = threading.Lock()  # loading bundles (self._kernels)
         self.revalidate_after = revalidate_after
+        self._ops: dict[int, FoldwiseOp] = {}  # id(kernel) -> its torch operator (op())
         self._memo: dict[Hashable, _MemoEntry] = {}  # get()'s arguments as given -> the kernel (module docstring)
         self._specs: dict[Hashable, _SpecFacts] = {}  # a spec argument -> what it means, hashed once
         self._memo_lock = threading.Lock()  # writes to both memos; reads are single dict lookups
@@ -563,6 +567,21 @@ class KernelCache:
             found = self._fetch(req, allow_nearest)
         self._remember(key, req, allow_nearest, found)
         return found.kernel
+
+    def op(self, spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str] = "float32",
+           target: str = "h100", **get_options: Any) -> FoldwiseOp:
+        """:meth:`get`'s kernel as a torch operator (:func:`service.torch_ops.foldwise_op`): callable with
+        ``out=``, on meta tensors, and inside ``torch.compile(fullgraph=True)``. One operator per kernel,
+        kept with it, so a warm call costs the memo's lookup and nothing more."""
+        from service.torch_ops import foldwise_op  # torch only for callers of op()
+
+        kernel = self.get(spec, shape, dtype, target, **get_options)
+        op = self._ops.get(id(kernel))
+        if op is None or op.kernel is not kernel:  # an id reused after a revalidation swapped the kernel
+            op = foldwise_op(kernel)
+            with self._lock:
+                _bounded_put(self._ops, id(kernel), op)
+        return op
 
     def cached(self, spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str] = "float32",
                target: str = "h100", *, allow_nearest: bool = False) -> BundleKernel | None:

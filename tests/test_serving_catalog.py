@@ -1,0 +1,238 @@
+"""The serving catalog (issue 24, 1): each spec an inference server needs, run through every
+strategy's kernel (Triton's interpreter) on sizes that are no multiple of the tiles, against the
+torch (or FlashAttention-convention) call its doc line names, in float64.
+
+Attention specs take the grouped layout [b, g, r, m, d] (a view of the usual [b, h, m, d], no
+copy) and align the causal diagonal bottom-right: decode (m = 1) and chunked prefill (m = 3)
+against a KV cache of n = 37 keys, checked against SDPA with ``causal_lower_right`` and
+``enable_gqa=True``. A query that sees no key gets 0 (FlashAttention's convention).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from fuser_core.catalog import catalog_entries, load_catalog_spec
+from fuser_core.codegen.plan import BASELINE, STRATEGIES, KernelConfig
+from fuser_core.derive import derive_cascade
+from fuser_core.problem import ShapeError
+from fuser_core.runner import interpreter_quiet, run
+from fuser_core.spec import load_spec
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+ALL = (*STRATEGIES, BASELINE)
+B, G, R, N, D, E = 2, 2, 2, 37, 7, 6  # n = 37: four tiles of 8 and a partial one
+SERVING = ("attention_gqa", "attention_padded", "attention_varlen", "attention_sliding_window",
+           "attention_softcap", "cross_entropy_ignore", "rmsnorm_residual", "swiglu_fp8_per_token")
+
+
+def config(strategy: str, blocks: dict[str, int]) -> KernelConfig | None:
+    if strategy in ("row_resident", BASELINE):
+        return None
+    return KernelConfig(blocks, split=3 if strategy == "split_fused" else 1)
+
+
+@pytest.fixture(scope="module")
+def derived():
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            spec = load_catalog_spec(name)
+            cache[name] = (spec, derive_cascade(spec))
+        return cache[name]
+    return get
+
+
+def run_all(derived, name: str, shape: dict[str, int], inputs: dict[str, np.ndarray], blocks: dict[str, int],
+            dtype: str | dict = "float32") -> dict[str, dict[str, np.ndarray]]:
+    """Every strategy's outputs, as float64 arrays (fp8 outputs as their float values)."""
+    spec, d = derived(name)
+    out = {}
+    for strategy in ALL:
+        with interpreter_quiet():
+            result = run(spec, shape, dtype, inputs, strategy=strategy, config=config(strategy, blocks), derivation=d)
+        out[strategy] = {k: v.float().double().cpu().numpy() for k, v in result.outputs.items()}
+    return out
+
+
+def test_catalog_docs_name_the_call_they_match():
+    docs = {e.name: e.doc or "" for e in catalog_entries()}
+    for name in SERVING:
+        assert "Matches" in docs[name] or "as torch" in docs[name], name
+
+
+# ----------------------------------------------------------------------------- attention
+
+def sdpa_mask(name: str, m: int, extra: dict) -> torch.Tensor:
+    """[b, 1, m, n] bool: which keys each query sees, per the call the spec's doc names."""
+    query = torch.arange(m)[:, None]
+    key = torch.arange(N)[None, :]
+    causal = torch.ones(m, N, dtype=torch.bool).tril(N - m)  # causal_lower_right(m, n), checked below
+    mask = causal.expand(B, 1, m, N).clone()
+    for b in range(B):
+        if name == "attention_padded":
+            mask[b, 0] &= key >= extra["kv_start"][b]
+        elif name == "attention_varlen":  # the m queries are the last m of the kv_len[b] keys
+            length = extra["kv_len"][b]
+            mask[b, 0] = (key < length) & (key <= query + length - m)
+        elif name == "attention_sliding_window":
+            mask[b, 0] &= key > query + N - m - extra["window"]
+    return mask
+
+
+def torch_attention(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: dict) -> torch.Tensor:
+    m = q.shape[3]
+    qh = q.reshape(B, G * R, m, D)  # the usual [b, h, m, d]: query heads g * r, grouped by key-value head
+    if name == "attention_gqa":
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=causal_lower_right(m, N), enable_gqa=True)
+        return o.reshape(B, G, R, m, E)
+    mask = sdpa_mask(name, m, extra)
+    if name == "attention_softcap":  # FlashAttention's softcap: cap * tanh(q.k * scale / cap), then the mask
+        kk, vv = k.repeat_interleave(R, 1), v.repeat_interleave(R, 1)
+        s = qh @ kk.transpose(-1, -2) / math.sqrt(D)
+        s = extra["softcap"] * torch.tanh(s / extra["softcap"])
+        o = torch.softmax(s.masked_fill(~mask, -math.inf), -1) @ vv
+    else:
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=True)
+    sees_nothing = ~mask.any(-1, keepdim=True).expand(B, G * R, m, 1)
+    return torch.where(sees_nothing, 0.0, o).reshape(B, G, R, m, E)
+
+
+ATTENTION_CASES = [
+    ("attention_gqa", 1, {}), ("attention_gqa", 3, {}),
+    ("attention_padded", 3, {"kv_start": [0, 30]}), ("attention_padded", 1, {"kv_start": [5, 37]}),
+    ("attention_varlen", 3, {"kv_len": [37, 20]}), ("attention_varlen", 1, {"kv_len": [1, 0]}),
+    ("attention_softcap", 3, {"softcap": 50.0}),
+]
+
+
+def test_the_mask_is_torchs_lower_right_causal_bias():
+    for m in (1, 3, N):
+        got = sdpa_mask("attention_gqa", m, {})[0, 0]
+        assert torch.equal(got, causal_lower_right(m, N)._materialize())
+
+
+@pytest.mark.parametrize("name,m,extra", ATTENTION_CASES, ids=[f"{n}-m{m}-{i}" for i, (n, m, _) in enumerate(ATTENTION_CASES)])
+def test_attention_matches_torch(derived, name, m, extra):
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(s) for s in ((B, G, R, m, D), (B, G, N, D), (B, G, N, E)))
+    if name == "attention_softcap":  # scores large enough for the cap to bend them
+        q *= 12
+    inputs = {"q": q, "k": k, "v": v, **{key: np.array(val) for key, val in extra.items() if key in ("kv_start", "kv_len")}}
+    want = torch_attention(name, *(torch.tensor(x) for x in (q, k, v)), extra).numpy()
+    shape = {"b": B, "g": G, "r": R, "m": m, "n": N, "d": D, "e": E}
+    for strategy, got in run_all(derived, name, shape, inputs, {"n": 8, "e": 4}).items():
+        np.testing.assert_allclose(got["o"], want, rtol=2e-5, atol=2e-6, err_msg=f"{name} {strategy}")
+
+
+def test_sliding_window_matches_torchs_band():
+    """The catalog's window (4096) holds a whole test cache; a window of 5 keys cuts into it."""
+    raw = json.loads(next(e.path for e in catalog_entries() if e.name == "attention_sliding_window").read_text())
+    raw["params"]["window"] = 5
+    narrow = load_spec(raw)
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal(s) for s in ((B, G, R, 3, D), (B, G, N, D), (B, G, N, E)))
+    want = torch_attention("attention_sliding_window", *(torch.tensor(x) for x in (q, k, v)), {"window": 5}).numpy()
+    shape = {"b": B, "g": G, "r": R, "m": 3, "n": N, "d": D, "e": E}
+    d = derive_cascade(narrow)
+    for strategy in ALL:
+        with interpreter_quiet():
+            got = run(narrow, shape, "float32", {"q": q, "k": k, "v": v}, strategy=strategy,
+                      config=config(strategy, {"n": 8, "e": 4}), derivation=d).outputs["o"].double().numpy()
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg=strategy)
+
+
+def test_padding_slots_never_reach_the_output(derived):
+    """A left-padded cache's pad slots hold garbage (here huge keys and values); a query never sees them."""
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal(s) for s in ((B, G, R, 1, D), (B, G, N, D), (B, G, N, E)))
+    clean = run_all(derived, "attention_padded", {"b": B, "g": G, "r": R, "m": 1, "n": N, "d": D, "e": E},
+                    {"q": q, "k": k, "v": v, "kv_start": np.array([4, 9])}, {"n": 8, "e": 4})
+    k[0, :, :4], v[0, :, :4], k[1, :, :9], v[1, :, :9] = 1e4, -1e30, -1e4, 1e30
+    dirty = run_all(derived, "attention_padded", {"b": B, "g": G, "r": R, "m": 1, "n": N, "d": D, "e": E},
+                    {"q": q, "k": k, "v": v, "kv_start": np.array([4, 9])}, {"n": 8, "e": 4})
+    for strategy in ALL:
+        np.testing.assert_array_equal(dirty[strategy]["o"], clean[strategy]["o"], err_msg=strategy)
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+
+def test_cross_entropy_ignore_index_matches_torch(derived):
+    rng = np.random.default_rng(7)
+    t, vocab = 11, 37
+    logits = rng.standard_normal((t, vocab)) * 3
+    logits[2] += 100  # logits near 100
+    target = rng.integers(0, vocab, t)
+    target[[1, 4, 5]] = -100
+    want_loss = F.cross_entropy(torch.tensor(logits), torch.tensor(target), ignore_index=-100, reduction="none")
+    want_mean = F.cross_entropy(torch.tensor(logits), torch.tensor(target), ignore_index=-100)
+    for strategy, got in run_all(derived, "cross_entropy_ignore", {"t": t, "v": vocab},
+                                 {"logits": logits, "target": target}, {"v": 8, "t": 4}).items():
+        np.testing.assert_allclose(got["loss"], want_loss.numpy(), rtol=1e-5, atol=1e-5, err_msg=strategy)
+        assert np.all(got["loss"][[1, 4, 5]] == 0), strategy
+        np.testing.assert_allclose(got["mean"], want_mean.numpy(), rtol=1e-5, err_msg=strategy)
+
+
+def test_cross_entropy_every_label_ignored_is_zero(derived):
+    logits = np.random.default_rng(8).standard_normal((5, 9))
+    for strategy, got in run_all(derived, "cross_entropy_ignore", {"t": 5, "v": 9},
+                                 {"logits": logits, "target": np.full(5, -100)}, {"v": 8, "t": 4}).items():
+        assert np.all(got["loss"] == 0) and got["mean"] == 0, strategy
+
+
+@pytest.mark.parametrize("name,label,allowed", [("cross_entropy", -100, "[0, 9)"), ("cross_entropy", 9, "[0, 9)"),
+                                                ("cross_entropy_ignore", 9, "[0, 9) or -100"),
+                                                ("cross_entropy_ignore", -1, "[0, 9) or -100")])
+def test_out_of_range_labels_are_refused(derived, name, label, allowed):
+    spec, d = derived(name)
+    target = np.array([0, 3, label, 1, 2])
+    with pytest.raises(ShapeError, match=rf"inputs.target: holds {label} at position \[2\].*{re.escape(allowed)}"):
+        run(spec, {"t": 5, "v": 9}, "float32", {"logits": np.zeros((5, 9)), "target": target}, derivation=d)
+
+
+# ----------------------------------------------------------------------------- norms and activations
+
+def test_rmsnorm_residual_matches_torch(derived):
+    rng = np.random.default_rng(9)
+    t, c = 5, 37
+    x, residual = rng.standard_normal((t, c)), rng.standard_normal((t, c)) * 50  # a residual stream grows large
+    w = rng.standard_normal(c)
+    h = torch.tensor(x) + torch.tensor(residual)
+    want_y = F.rms_norm(h, (c,), torch.tensor(w), eps=1e-6)
+    for strategy, got in run_all(derived, "rmsnorm_residual", {"t": t, "c": c},
+                                 {"x": x, "residual": residual, "w": w}, {"c": 8}).items():
+        np.testing.assert_allclose(got["h"], h.float().double().numpy(), rtol=1e-6, err_msg=strategy)
+        np.testing.assert_allclose(got["y"], want_y.numpy(), rtol=2e-5, atol=2e-6, err_msg=strategy)
+
+
+def vllm_swiglu_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's silu_and_mul then scaled_fp8_quant(use_per_token_if_dynamic=True), in float32."""
+    a = F.silu(gate) * up
+    scale = torch.clamp(a.abs().amax(-1, keepdim=True) / 448, min=1 / (448 * 512))
+    return (a / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def test_swiglu_fp8_matches_vllms_formula(derived):
+    rng = np.random.default_rng(10)
+    t, f = 5, 37
+    both = rng.standard_normal((t, 2 * f)).astype(np.float32)  # vLLM's [t, 2f]: gate first, then up
+    both[3] *= 1e-4  # a quiet row: the scale floor decides
+    gate, up = both[:, :f], both[:, f:]
+    want_q, want_scale = vllm_swiglu_fp8(torch.tensor(gate), torch.tensor(up))
+    for strategy, got in run_all(derived, "swiglu_fp8_per_token", {"t": t, "f": f},
+                                 {"gate": gate, "up": up}, {"f": 8}).items():
+        np.testing.assert_allclose(got["scale"], want_scale[:, 0].double().numpy(), rtol=1e-6, err_msg=strategy)
+        # one fp8 step of rounding apart at most (a / scale in float32 may land either side of a tie)
+        q, ref = got["q"], want_q.double().numpy()
+        assert np.all(np.abs(q - ref) <= np.abs(ref) * 2 ** -3 + 2 ** -9), strategy
+        assert np.mean(q == ref) > 0.95, strategy
