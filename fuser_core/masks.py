@@ -10,7 +10,8 @@ masks to the identity is not part of the reduction.** The reference (:mod:`fuser
 drops it, and every kernel's fold takes the identity there (:func:`excluded`), whether or not its
 loop skips the tile.
 
-Only conditions on indices and sizes count (what a loop can skip); a where() on values
+Only conditions on indices, sizes and index inputs count (what a loop can skip: a padding mask
+``index(n) >= kv_start`` is one; it drops a KV cache's pad slots, NaN garbage included); a where() on values
 (``where(x > 0, x, 0)``) keeps its IEEE meaning. A tensor-core fold (``tl.dot(p, v)``) cannot drop a
 product inside a tile: there a NaN of ``v`` at a key masked for one query and not for another in
 the same tile still reaches the masked query (FlashAttention's behaviour too; docs/SPEC.md).
@@ -56,8 +57,11 @@ def _value(e: sp.Expr) -> float | None:
 
 
 def on_indices(cond: sp.Basic) -> bool:
-    """Does ``cond`` read only indices and sizes (no value)?"""
-    return bool(cond.free_symbols) and all(s.name.startswith(("index(", "size(")) for s in cond.free_symbols)
+    """Does ``cond`` read only indices, sizes and index inputs (no value)?"""
+    from fuser_core.symbolic import IndexData
+
+    return bool(cond.free_symbols) and all(isinstance(s, IndexData) or s.name.startswith(("index(", "size("))
+                                           for s in cond.free_symbols)
 
 
 def exclusion(e: sp.Expr, op: str) -> sp.Expr | None:
@@ -91,11 +95,8 @@ def may_exclude_every(e: sp.Expr, op: str, axis: str) -> bool:
     size = sp.Symbol(f"size({axis})", integer=True, positive=True)
     others = [s for s in cond.free_symbols if s.name.startswith("index(") and s is not here]
     for at in [sp.Integer(0), size - 1, *others]:
-        try:
-            if bool(cond.xreplace({here: at})) is True:
-                return False
-        except TypeError:  # undecided
-            continue
+        if cond.xreplace({here: at}) is sp.true:  # not bool(): an undecided And is a truthy Python object
+            return False
     return True
 
 

@@ -220,7 +220,7 @@ class Evaluator:
         edims = self.spec.expr_dims(step.expr)
         with np.errstate(all="ignore"):
             value = np.broadcast_to(self.eval_expr(step.expr, env), self.aligned_shape(edims))
-            value = self.without_masked(step, value)
+            value = self.without_masked(step, value, env)
             ax = self.axis[step.over]
             if step.reduce == "sum":
                 return {step.name: self.summed(value, ax)}
@@ -237,7 +237,7 @@ class Evaluator:
             assert step.reduce == "topk"
             return self.topk(step, value)
 
-    def without_masked(self, step: Step, value: np.ndarray) -> np.ndarray:
+    def without_masked(self, step: Step, value: np.ndarray, env: Mapping[str, np.ndarray]) -> np.ndarray:
         """``value`` with the identity at the elements a where() on indices masks out (:mod:`fuser_core.masks`:
         not part of the reduction, as in the kernels that skip them; ``0 * NaN`` there is 0)."""
         from fuser_core.masks import step_exclusions, truth
@@ -246,8 +246,9 @@ class Evaluator:
         cond = step_exclusions(self.spec).get(step.name)
         if cond is None:
             return value
-        values = {s: self.index_array(s.name[6:-1]) if s.name.startswith("index(") else self.size_value(s.name[5:-1])
-                  for s in cond.free_symbols}
+        values = {s: self.index_array(s.name[6:-1]) if s.name.startswith("index(") else
+                  self.size_value(s.name[5:-1]) if s.name.startswith("size(") else np.asarray(env[s.name], np.float64)
+                  for s in cond.free_symbols}  # index inputs: their aligned values
         return np.where(truth(cond, values), value, float(identity(step.reduce)))
 
     def summed(self, value: np.ndarray, ax: int) -> np.ndarray:

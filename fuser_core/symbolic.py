@@ -258,6 +258,12 @@ def index_symbol(dim: str) -> sp.Symbol:
     return sp.Symbol(f"index({dim})", integer=True, nonnegative=True)
 
 
+class IndexData(sp.Symbol):
+    """An index input (``kind: "index"``: labels, lengths, starts): integer data, not a value. A
+    where() on it and on indices masks elements as one on indices alone does (fuser_core.masks:
+    a padding mask ``index(n) >= kv_start`` drops the pad slots, whatever they hold)."""
+
+
 def strip_casts(e: sp.Expr) -> sp.Expr:
     """The expression in real arithmetic: every cast replaced by its argument."""
     casts = {f for f in e.atoms(sp.Function) if f.func in CAST_FUNCTIONS.values()}
@@ -312,7 +318,8 @@ class SymbolicSpec:
 
     # -- leaves
     def leaf(
-        self, name: str, dims: tuple[str, ...], *, integer: bool = False, positive: bool | None = None
+        self, name: str, dims: tuple[str, ...], *, integer: bool = False, positive: bool | None = None,
+        index_data: bool = False,
     ) -> sp.Symbol:
         sym = self.symbols.get(name)
         if sym is None:
@@ -321,7 +328,7 @@ class SymbolicSpec:
                 kwargs["positive"] = True
             elif positive is False:
                 kwargs["nonnegative"] = True
-            sym = sp.Symbol(name, **kwargs)
+            sym = (IndexData if index_data else sp.Symbol)(name, **kwargs)
             self.symbols[name] = sym
             self.leaf_dims[sym] = dims
         return sym
@@ -354,7 +361,7 @@ class SymbolicSpec:
             self.leaf_step[out] = obj
         else:
             assert obj is not None
-            out = self.leaf(name, obj.dims, integer=obj.is_index)
+            out = self.leaf(name, obj.dims, integer=obj.is_index, index_data=obj.is_index)
         self._value[key] = out
         return out
 

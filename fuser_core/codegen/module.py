@@ -35,9 +35,10 @@ def _generator_version() -> str:
     digest = hashlib.sha256()
     for path in sorted(here.glob("*.py")):
         digest.update(path.read_bytes())
-    # the derivation, the realisations the printer prints, the sympy forms of the spec's expressions and how
+    # the derivation, the realisations the printer prints, the sympy forms of the spec's expressions, which
+    # elements a fold drops (masks) and how
     # kernels address and launchers lay out inputs of merged dims
-    for core in ("derive.py", "realisation.py", "symbolic.py", "merged.py"):
+    for core in ("derive.py", "realisation.py", "symbolic.py", "merged.py", "masks.py"):
         digest.update((here.parent / core).read_bytes())
     return digest.hexdigest()[:12]
 
