@@ -24,6 +24,7 @@ from fuser_core.catalog import catalog_entries, load_catalog_spec
 from fuser_core.codegen.plan import BASELINE, STRATEGIES, KernelConfig
 from fuser_core.derive import derive_cascade
 from fuser_core.problem import ShapeError
+from fuser_core.reference import evaluate
 from fuser_core.runner import interpreter_quiet, run
 from fuser_core.spec import load_spec
 
@@ -237,3 +238,20 @@ def test_swiglu_fp8_matches_vllms_formula(derived):
         q, ref = got["q"], want_q.double().numpy()
         assert np.all(np.abs(q - ref) <= np.abs(ref) * 2 ** -3 + 2 ** -9), strategy
         assert np.mean(q == ref) > 0.95, strategy
+
+
+@pytest.mark.parametrize("name,extra", [("attention_padded", {"kv_start": np.array([0, 3])}),
+                                        ("attention_varlen", {"kv_len": np.array([8, 0])})])
+def test_queries_that_see_no_key_under_tensor_core_tiles(derived, name, extra):
+    """A left-padded prefill's pad queries see no key; with tiles large enough for tl.dot (m, n, e = 16) the
+    fallback pass's product exp(where(C, s, -inf) - mx) * v is masked too: 0, never 0 / 0 (the example model's
+    prefill, examples/tiny_decoder.py)."""
+    rng = np.random.default_rng(11)
+    m = n = 8
+    q, k, v = (rng.standard_normal(s) for s in ((B, G, R, m, 16), (B, G, n, 16), (B, G, n, 16)))
+    shape = {"b": B, "g": G, "r": R, "m": m, "n": n, "d": 16, "e": 16}
+    want = evaluate(derived(name)[0], shape, {"q": q, "k": k, "v": v, **extra})["o"]
+    assert np.any(np.all(want == 0, axis=-1))  # some query sees nothing
+    for strategy, got in run_all(derived, name, shape, {"q": q, "k": k, "v": v, **extra},
+                                 {"n": 16, "m": 16, "e": 16}).items():
+        np.testing.assert_allclose(got["o"], want, rtol=2e-5, atol=2e-6, err_msg=strategy)

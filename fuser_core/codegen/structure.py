@@ -63,7 +63,7 @@ from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.tritonize import Ref, is_literal, lookup
 from fuser_core.derive import ReductionForm
 from fuser_core.grouping import Grouping
-from fuser_core.masks import excluded, may_exclude_every
+from fuser_core.masks import excluded, exclusion, may_exclude_every
 from fuser_core.merged import address, kernel_dims
 from fuser_core.realisation import (
     COUNT_OLD, SELECTIONS, Realisation, identity, new, old, part_acc, part_anchor, part_count, settled,
@@ -819,9 +819,27 @@ class _Walk:
             self.select(step, acc, e, env_e + env_prev, prev)
             return
         dot, masked, _, note = self.tile_fold(step, e, env_e)
+        if dot is not None:
+            dot = self.dot_excluded(dot, e, op)
         env = (self.env(dot.p, dot.q, dot.scale) if dot is not None else env_e) + env_prev
         self.add(Fold(step=step.name, name=acc, dims=self.var_dims[acc], op=op, over=self.axis, expr=e, env=env, prev=prev,
                       dot=dot, masked=masked, note=note))
+
+    def dot_excluded(self, dot: Dot, e: sp.Expr, op: str) -> Dot:
+        """``dot`` with its P set to 0 where a where() on indices masks ``e`` (fuser_core.masks), when that
+        condition does not vary along Q's own dim: a fallback pass's ``exp(where(C, s, -inf) - mx)`` is NaN
+        where C is false at mx = -inf (a query that sees no key), and its product must be 0 there, as the
+        streamed form's is. Q's values at masked elements still reach the product (0 * NaN: module
+        docstring of fuser_core.masks)."""
+        cond = exclusion(e, op)
+        if cond is None or (isinstance(dot.p, sp.Piecewise) and dot.p.args[0][1] == cond):
+            return dot  # nothing masked, or P is masked by it already (the streamed form)
+        dims: set[str] = set()
+        for sym in cond.free_symbols:
+            dims |= {sym.name[6:-1]} if sym.name.startswith("index(") else set(self.conv.leaf_dims.get(sym, ()))
+        if dot.j in dims:
+            return dot
+        return replace(dot, p=sp.Piecewise((dot.p, cond), (sp.Integer(0), True)))
 
     def lane_fold(self, step: Step, acc: str, e: sp.Expr, prev: sp.Expr | None, prev_names: Mapping | None) -> None:
         """acc = prev (op) e, elementwise: each lane of the tile folds its own element into its own state;

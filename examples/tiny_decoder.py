@@ -1,0 +1,284 @@
+"""A small decoder-only transformer whose norms, attention and loss run as Foldwise torch ops.
+
+The model is Llama-shaped and written in plain torch: token embedding, pre-norm layers (RMSNorm,
+rotary embeddings, grouped-query attention with 4 query heads over 2 key-value heads, SwiGLU MLP),
+a final RMSNorm and an LM head, random weights from a seed. One function, :func:`forward`, runs it
+with either set of ops:
+
+- :class:`TorchOps`: plain torch (``F.rms_norm``, ``F.scaled_dot_product_attention`` with a
+  bottom-right causal mask, ``F.cross_entropy(ignore_index=-100)``), the reference;
+- :class:`FoldwiseOps`: the catalog kernels served by ``foldwise serve`` and fetched with
+  :class:`service.client.KernelCache`, called as torch operators (``KernelCache.op``):
+  ``rmsnorm_residual`` (residual add + norm, both written; the final norm too),
+  ``attention_padded`` (GQA, causal aligned bottom-right, a left-padded batch) and
+  ``cross_entropy_ignore``.
+
+:func:`generate` runs a prefill over a left-padded batch and then greedy decode steps against a
+KV cache (the cache's slices are strided views handed to the kernel as they are; q is viewed as
+[b, g, r, m, d], no copy). :func:`compare` runs both, and the Foldwise model again under
+``torch.compile(fullgraph=True)``, and reports the logits' normwise error against torch and whether
+the tokens agree. Run it against a server::
+
+    foldwise serve --db sqlite:///foldwise.db &          # or any running server
+    python examples/tiny_decoder.py --server http://127.0.0.1:8000 --trials 4
+
+Without a GPU, kernels run through Triton's interpreter (``TRITON_INTERPRET=1``): correct, slow.
+On a GPU, ``--bench`` adds tokens per second of decode against plain torch and ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+EPS = 1e-6  # the catalog rmsnorm's eps (its spec bakes it in)
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab: int = 97
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    ffn: int = 96
+    max_len: int = 16  # the KV cache's length
+
+
+def init_weights(cfg: Config, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float | None = None) -> torch.Tensor:
+        scale = scale if scale is not None else 1 / math.sqrt(shape[-1])
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    w = {"embed": rand(cfg.vocab, cfg.hidden, scale=1.0), "norm": 1 + 0.1 * rand(cfg.hidden, scale=1.0),
+         "head": rand(cfg.vocab, cfg.hidden)}
+    for i in range(cfg.layers):
+        w |= {f"{i}.attn_norm": 1 + 0.1 * rand(cfg.hidden, scale=1.0), f"{i}.mlp_norm": 1 + 0.1 * rand(cfg.hidden, scale=1.0),
+              f"{i}.wq": rand(cfg.heads * cfg.head_dim, cfg.hidden), f"{i}.wk": rand(cfg.kv_heads * cfg.head_dim, cfg.hidden),
+              f"{i}.wv": rand(cfg.kv_heads * cfg.head_dim, cfg.hidden), f"{i}.wo": rand(cfg.hidden, cfg.heads * cfg.head_dim),
+              f"{i}.gate": rand(cfg.ffn, cfg.hidden), f"{i}.up": rand(cfg.ffn, cfg.hidden), f"{i}.down": rand(cfg.hidden, cfg.ffn)}
+    return w
+
+
+# ----------------------------------------------------------------------------- the two sets of ops
+
+class TorchOps:
+    """The reference: plain torch."""
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x + residual
+        return F.rms_norm(h, (h.shape[-1],), w, EPS), h
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_start: torch.Tensor) -> torch.Tensor:
+        """q [b, h, m, d] over k, v [b, g, n, d]: the m queries are the last m of the n keys; keys before
+        kv_start[b] are left padding. A query that sees no key (a pad row of the prefill) gets 0."""
+        m, n = q.shape[2], k.shape[2]
+        key = torch.arange(n, device=q.device)
+        causal = torch.ones(m, n, dtype=torch.bool, device=q.device).tril(n - m)  # causal_lower_right(m, n)
+        mask = causal[None, None] & (key[None, None, None, :] >= kv_start[:, None, None, None])
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return torch.where(mask.any(-1, keepdim=True), o, 0.0)
+
+    def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, target, ignore_index=-100)
+
+
+class FoldwiseOps:
+    """Foldwise kernels from a server, as torch operators. :meth:`prepare` tunes (or finds) one kernel per
+    spec at the largest shape the model uses; the calls then run it at every shape it admits (its
+    ``size_limits``), with no request: the operators are resolved before the forward, so
+    ``torch.compile(fullgraph=True)`` traces the forward with them."""
+
+
+    def __init__(self, cache, target: str = "h100"):  # noqa: ANN001 (service.client.KernelCache)
+        self.cache, self.target, self.ops = cache, target, {}
+
+    def prepare(self, cfg: Config, batch: int, trials: int | None = None) -> None:
+        t = batch * cfg.max_len
+        r = cfg.heads // cfg.kv_heads
+        shapes = {
+            "rmsnorm_residual": {"t": t, "c": cfg.hidden},
+            "attention_padded": {"b": batch, "g": cfg.kv_heads, "r": r, "m": cfg.max_len, "n": cfg.max_len,
+                                 "d": cfg.head_dim, "e": cfg.head_dim},
+            "cross_entropy_ignore": {"t": t, "v": cfg.vocab},
+        }
+        for name, shape in shapes.items():
+            try:
+                self.ops[name] = self.cache.op(name, shape, "float32", self.target)
+            except LookupError:  # service.client.KernelNotFound: tune it now
+                self.cache.tune(name, shape, "float32", self.target, trials=trials)
+                self.ops[name] = self.cache.op(name, shape, "float32", self.target)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        out = self.ops["rmsnorm_residual"](x=x.reshape(-1, shape[-1]), residual=residual.reshape(-1, shape[-1]), w=w)
+        return out["y"].view(shape), out["h"].view(shape)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_start: torch.Tensor) -> torch.Tensor:
+        b, h, m, d = q.shape
+        g = k.shape[1]
+        o = self.ops["attention_padded"](q=q.view(b, g, h // g, m, d), k=k, v=v, kv_start=kv_start)["o"]
+        return o.view(b, h, m, v.shape[-1])
+
+    def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.ops["cross_entropy_ignore"](logits=logits, target=target)["mean"]
+
+
+# ----------------------------------------------------------------------------- the model
+
+def rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x [b, heads, s, d] at positions [b, s] (half-split, as Llama)."""
+    d = x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = positions[:, None, :, None].float() * inv
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def forward(ops, w: dict[str, torch.Tensor], cfg: Config, tokens: torch.Tensor, start: int,  # noqa: ANN001
+            k_cache: torch.Tensor, v_cache: torch.Tensor, kv_start: torch.Tensor) -> torch.Tensor:
+    """Logits [b, s, vocab] of ``tokens`` [b, s] at cache positions start..start + s - 1; writes their keys and
+    values into the caches [layers, b, kv_heads, max_len, head_dim]. Positions count from each sequence's first
+    real token (kv_start[b])."""
+    b, s = tokens.shape
+    n = start + s
+    positions = (torch.arange(start, n, device=tokens.device)[None, :] - kv_start[:, None]).clamp(min=0)
+    x = w["embed"][tokens]
+    residual = torch.zeros_like(x)
+    for i in range(cfg.layers):
+        y, residual = ops.add_rmsnorm(x, residual, w[f"{i}.attn_norm"])
+        q = (y @ w[f"{i}.wq"].T).view(b, s, cfg.heads, cfg.head_dim).transpose(1, 2)
+        k = (y @ w[f"{i}.wk"].T).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        v = (y @ w[f"{i}.wv"].T).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        q, k = rotary(q, positions), rotary(k, positions)
+        k_cache[i, :, :, start:n] = k
+        v_cache[i, :, :, start:n] = v
+        # the cache up to n: a strided view, read in place by the kernel
+        o = ops.attention(q.contiguous(), k_cache[i, :, :, :n], v_cache[i, :, :, :n], kv_start)
+        x = o.transpose(1, 2).reshape(b, s, cfg.heads * cfg.head_dim) @ w[f"{i}.wo"].T
+        y, residual = ops.add_rmsnorm(x, residual, w[f"{i}.mlp_norm"])
+        x = (F.silu(y @ w[f"{i}.gate"].T) * (y @ w[f"{i}.up"].T)) @ w[f"{i}.down"].T
+    y, _ = ops.add_rmsnorm(x, residual, w["norm"])
+    return y @ w["head"].T
+
+
+def left_padded_batch(cfg: Config, lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of the given lengths, left-padded to the longest (pad token 0): (tokens, kv_start)."""
+    g = torch.Generator().manual_seed(seed)
+    s = max(lengths)
+    tokens = torch.zeros(len(lengths), s, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        tokens[row, s - length:] = torch.randint(1, cfg.vocab, (length,), generator=g)
+    return tokens, torch.tensor([s - length for length in lengths])
+
+
+def generate(ops, w, cfg: Config, tokens: torch.Tensor, kv_start: torch.Tensor, steps: int,  # noqa: ANN001
+             step_fn=forward) -> dict:  # noqa: ANN001
+    """Prefill, its loss (next-token cross-entropy, pad positions ignored), then greedy decode steps:
+    {"prefill": logits, "loss": mean loss, "decode": [logits of each step], "tokens": [b, steps]}."""
+    b, s = tokens.shape
+    device = tokens.device
+    caches = [torch.zeros(cfg.layers, b, cfg.kv_heads, cfg.max_len, cfg.head_dim, device=device) for _ in range(2)]
+    logits = step_fn(ops, w, cfg, tokens, 0, *caches, kv_start)
+    target = torch.cat([tokens[:, 1:], torch.full((b, 1), -100, device=device)], dim=1)
+    target = torch.where(torch.arange(s, device=device)[None, :] < kv_start[:, None], -100, target)
+    loss = ops.cross_entropy(logits.reshape(b * s, -1), target.reshape(-1))
+    out = {"prefill": logits, "loss": loss, "decode": [], "tokens": []}
+    nxt = logits[:, -1].argmax(-1)
+    for step in range(steps):
+        out["tokens"].append(nxt)
+        step_logits = step_fn(ops, w, cfg, nxt[:, None], s + step, *caches, kv_start)
+        out["decode"].append(step_logits[:, -1])
+        nxt = step_logits[:, -1].argmax(-1)
+    out["tokens"] = torch.stack(out["tokens"], 1)
+    return out
+
+
+def normwise(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def compare(cache, cfg: Config = Config(), lengths: tuple[int, ...] = (8, 5), steps: int = 4,  # noqa: ANN001
+            trials: int | None = None, compile_backend: str | None = "aot_eager", target: str = "h100") -> list[dict]:
+    """Rows of the example's table: each phase's logits error against plain torch, and whether tokens agree."""
+    w = init_weights(cfg)
+    tokens, kv_start = left_padded_batch(cfg, list(lengths))
+    fw = FoldwiseOps(cache, target)
+    fw.prepare(cfg, len(lengths), trials)
+    want = generate(TorchOps(), w, cfg, tokens, kv_start, steps)
+    runs = {"foldwise": generate(fw, w, cfg, tokens, kv_start, steps)}
+    if compile_backend:
+        torch._dynamo.reset()
+        runs[f"foldwise, torch.compile(fullgraph=True, backend={compile_backend!r})"] = generate(
+            fw, w, cfg, tokens, kv_start, steps,
+            step_fn=torch.compile(forward, fullgraph=True, backend=compile_backend, dynamic=False))
+    real = torch.arange(tokens.shape[1])[None, :] >= kv_start[:, None]  # pad rows' logits are no token's
+    rows = []
+    for name, got in runs.items():
+        rows.append({"run": name, "phase": "prefill (left-padded batch)",
+                     "logits_err": normwise(got["prefill"][real], want["prefill"][real]),
+                     "loss_err": abs(float(got["loss"]) - float(want["loss"])), "tokens_equal": None})
+        for step, (g, r) in enumerate(zip(got["decode"], want["decode"])):
+            rows.append({"run": name, "phase": f"decode step {step + 1}", "logits_err": normwise(g, r),
+                         "loss_err": None, "tokens_equal": bool(torch.equal(got["tokens"][:, step], want["tokens"][:, step]))})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| run | phase | logits error (normwise) | loss error | tokens equal |", "|---|---|---|---|---|"]
+    for r in rows:
+        loss = "" if r["loss_err"] is None else f"{r['loss_err']:.1e}"
+        tok = "" if r["tokens_equal"] is None else ("yes" if r["tokens_equal"] else "NO")
+        lines.append(f"| {r['run']} | {r['phase']} | {r['logits_err']:.1e} | {loss} | {tok} |")
+    return "\n".join(lines)
+
+
+def bench(cache, cfg: Config, batch: int, steps: int, target: str) -> str:  # noqa: ANN001
+    """Decode tokens per second (GPU): plain torch, torch.compile of it, Foldwise ops."""
+    w = init_weights(cfg, device="cuda")
+    tokens, kv_start = left_padded_batch(cfg, [cfg.max_len // 2] * batch)
+    tokens, kv_start = tokens.cuda(), kv_start.cuda()
+    fw = FoldwiseOps(cache, target)
+    fw.prepare(cfg, batch)
+    lines = ["| ops | tokens/s |", "|---|---|"]
+    for name, ops, fn in [("torch", TorchOps(), forward), ("torch.compile", TorchOps(), torch.compile(forward)),
+                          ("foldwise", fw, forward)]:
+        generate(ops, w, cfg, tokens, kv_start, steps, fn)  # warm-up (compiles)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        generate(ops, w, cfg, tokens, kv_start, steps, fn)
+        torch.cuda.synchronize()
+        lines.append(f"| {name} | {batch * (steps + tokens.shape[1]) / (time.perf_counter() - t0):.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from service.client import KernelCache
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--server", required=True, help="the Foldwise server's URL")
+    ap.add_argument("--token", default=None)
+    ap.add_argument("--target", default="h100")
+    ap.add_argument("--trials", type=int, default=None, help="tuning trials per missing kernel (server default)")
+    ap.add_argument("--backend", default="aot_eager", help="torch.compile backend for the compiled run ('' skips it)")
+    ap.add_argument("--bench", action="store_true", help="decode tokens/s on the GPU")
+    args = ap.parse_args(argv)
+    with KernelCache(args.server, token=args.token) as cache:
+        rows = compare(cache, trials=args.trials, compile_backend=args.backend or None, target=args.target)
+        print(table(rows))
+        if args.bench:
+            print(bench(cache, Config(max_len=512), batch=8, steps=64, target=args.target))
+    return 0 if all(r["tokens_equal"] is not False and r["logits_err"] <= 1e-5 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
