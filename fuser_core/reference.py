@@ -320,7 +320,7 @@ class Evaluator:
         out = {}
         for part in self.spec.output_parts:
             step = self.spec.step(part.split(".")[0])
-            out[part] = np.ascontiguousarray(self.unaligned(env[part], step.dims))
+            out[part] = np.asarray(self.unaligned(env[part], step.dims), order="C")  # 0-d kept (ascontiguousarray makes it 1-d)
         return out
 
 

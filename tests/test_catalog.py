@@ -30,7 +30,10 @@ from service.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGED_SPECS = {"attention", "attention_causal", "attention_sink", "cross_entropy", "fp8_quant_gemm",
-                  "fp8_quant_per_token", "group_norm", "layernorm", "logsumexp", "moe_routing", "rmsnorm", "safe_softmax"}
+                  "fp8_quant_per_token", "group_norm", "layernorm", "logsumexp", "moe_routing", "rmsnorm", "safe_softmax",
+                  # the serving catalog (issue 24)
+                  "attention_gqa", "attention_padded", "attention_varlen", "attention_sliding_window",
+                  "attention_softcap", "cross_entropy_ignore", "rmsnorm_residual", "swiglu_fp8_per_token"}
 
 
 def test_packaged_catalog_names_are_the_specs_own_names():
@@ -65,7 +68,7 @@ def test_an_existing_file_wins_over_a_catalog_name(tmp_path, monkeypatch):
 
 def test_unknown_names_say_what_exists():
     with pytest.raises(CatalogError, match=r"safe_softmaxx: no such file, and no catalog spec of that name; "
-                                           r"catalog names: attention, attention_causal,"):
+                                           r"catalog names: attention, attention_causal, attention_gqa,"):
         spec_path("safe_softmaxx")
     with pytest.raises(CatalogError, match=r"the catalog has 'layernorm': give the name without \.json"):
         spec_path("layernorm.json")
