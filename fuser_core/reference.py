@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -56,10 +57,42 @@ FLOAT_DTYPES: dict[str, np.dtype] = {
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 
 
-def param_values(spec: Spec, shape: Mapping[str, int]) -> dict[str, float]:
-    """Every param's value for these sizes (params use numbers, size(dim) and functions)."""
+def param_values(spec: Spec, shape: Mapping[str, int], scalars: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """Every constant param's value for these sizes (params use numbers, size(dim) and functions);
+    given ``scalars``, the runtime params' too, from it or their defaults (:func:`bind_scalars`)."""
     ev = Evaluator(spec, shape)
-    return {p.name: float(ev.eval_expr(p.expr, {})) for p in spec.params}
+    out = {p.name: float(ev.eval_expr(p.expr, {})) for p in spec.params if not p.runtime}
+    return out if scalars is None else {**out, **bind_scalars(spec, shape, scalars, ev)}
+
+
+def bind_scalars(spec: Spec, shape: Mapping[str, int], given: Mapping[str, Any],
+                 evaluator: Evaluator | None = None) -> dict[str, float]:
+    """Every runtime param's value (a float): ``given``'s, else its default at these sizes.
+
+    ``given`` may hold other names (the inputs, when scalars ride along with them): only runtime
+    params are read. A missing one without a default, a value that is not a real number, or a
+    non-positive value for a param declared positive raises :class:`ShapeError` naming
+    ``scalars.<name>``."""
+    out: dict[str, float] = {}
+    for p in spec.runtime_params:
+        loc = ("scalars", p.name)
+        if p.name in given:
+            value = given[p.name]
+            if isinstance(value, bool | str | bytes) or np.ndim(value) != 0:
+                raise ShapeError(f"a runtime scalar takes one real number, got {type(value).__name__}", loc=loc)
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                raise ShapeError(f"a runtime scalar takes one real number, got {type(value).__name__}", loc=loc) from None
+        elif p.expr is not None:
+            evaluator = evaluator or Evaluator(spec, shape)
+            number = float(evaluator.eval_expr(p.expr, {}))
+        else:
+            raise ShapeError("this runtime scalar has no default: pass its value", loc=loc)
+        if p.positive and not number > 0:  # the derivation assumed it (sqrt, division by it)
+            raise ShapeError(f"is declared positive, got {number:g}", loc=loc)
+        out[p.name] = number
+    return out
 
 
 # ---------------------------------------------------------------- casts and functions
@@ -303,8 +336,10 @@ class Evaluator:
         """Every input, param and step part, aligned (params as size-1 arrays)."""
         env = self.load_inputs(inputs)
         ones = (1,) * len(self.spec.dims)
+        scalars = bind_scalars(self.spec, self.shape, inputs, self)  # runtime params ride with the inputs
         for p in self.spec.params:
-            env[p.name] = np.broadcast_to(self.eval_expr(p.expr, env), ones).astype(np.float64)
+            value = scalars[p.name] if p.runtime else self.eval_expr(p.expr, env)
+            env[p.name] = np.broadcast_to(value, ones).astype(np.float64)
         for step in self.spec.steps:
             if step.is_reduction:
                 env.update(self.reduce(step, env))
@@ -344,7 +379,7 @@ def check_inputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.n
 
     Raises :class:`ShapeError` naming the input. Returns the inputs as NumPy arrays.
     """
-    names = {i.name for i in spec.inputs}
+    names = {i.name for i in spec.inputs} | {p.name for p in spec.runtime_params}  # scalars: bind_scalars
     unknown = [n for n in inputs if n not in names]
     if unknown:
         raise ShapeError("is not an input of the spec", loc=("inputs", str(unknown[0])))
@@ -374,6 +409,17 @@ def evaluate(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarr
 
 
 # ---------------------------------------------------------------- random inputs
+
+
+def random_scalars(spec: Spec, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A random value for every runtime param (0-d float64 arrays, to ride along with the inputs):
+    in [1/4, 4] when declared positive, else standard normal, rounded to float32 as the kernel
+    argument is."""
+    out = {}
+    for p in spec.runtime_params:
+        value = rng.uniform(0.25, 4.0) if p.positive else rng.standard_normal()
+        out[p.name] = np.asarray(np.float32(value), np.float64)
+    return out
 
 
 def index_input_bound(spec: Spec, name: str, shape: Mapping[str, int]) -> int:
