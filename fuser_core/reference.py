@@ -45,7 +45,7 @@ import scipy.special
 from fuser_core import expr as ex
 from fuser_core.merged import consistent
 from fuser_core.index_values import first_out_of_range, index_ranges, out_of_range_message
-from fuser_core.problem import MAX_ELEMENTS, MAX_WORK, ShapeError, bind_shape, check_sizes  # noqa: F401  (re-exported)
+from fuser_core.problem import MAX_ELEMENTS, MAX_WORK, ShapeError, bind_scalars, bind_shape, check_sizes  # noqa: F401  (re-exported)
 from fuser_core.spec import Spec, Step
 
 FLOAT_DTYPES: dict[str, np.dtype] = {
@@ -62,37 +62,7 @@ def param_values(spec: Spec, shape: Mapping[str, int], scalars: Mapping[str, Any
     given ``scalars``, the runtime params' too, from it or their defaults (:func:`bind_scalars`)."""
     ev = Evaluator(spec, shape)
     out = {p.name: float(ev.eval_expr(p.expr, {})) for p in spec.params if not p.runtime}
-    return out if scalars is None else {**out, **bind_scalars(spec, shape, scalars, ev)}
-
-
-def bind_scalars(spec: Spec, shape: Mapping[str, int], given: Mapping[str, Any],
-                 evaluator: Evaluator | None = None) -> dict[str, float]:
-    """Every runtime param's value (a float): ``given``'s, else its default at these sizes.
-
-    ``given`` may hold other names (the inputs, when scalars ride along with them): only runtime
-    params are read. A missing one without a default, a value that is not a real number, or a
-    non-positive value for a param declared positive raises :class:`ShapeError` naming
-    ``scalars.<name>``."""
-    out: dict[str, float] = {}
-    for p in spec.runtime_params:
-        loc = ("scalars", p.name)
-        if p.name in given:
-            value = given[p.name]
-            if isinstance(value, bool | str | bytes) or np.ndim(value) != 0:
-                raise ShapeError(f"a runtime scalar takes one real number, got {type(value).__name__}", loc=loc)
-            try:
-                number = float(value)
-            except (TypeError, ValueError):
-                raise ShapeError(f"a runtime scalar takes one real number, got {type(value).__name__}", loc=loc) from None
-        elif p.expr is not None:
-            evaluator = evaluator or Evaluator(spec, shape)
-            number = float(evaluator.eval_expr(p.expr, {}))
-        else:
-            raise ShapeError("this runtime scalar has no default: pass its value", loc=loc)
-        if p.positive and not number > 0:  # the derivation assumed it (sqrt, division by it)
-            raise ShapeError(f"is declared positive, got {number:g}", loc=loc)
-        out[p.name] = number
-    return out
+    return out if scalars is None else {**out, **bind_scalars(spec, shape, scalars)}
 
 
 # ---------------------------------------------------------------- casts and functions
@@ -336,7 +306,7 @@ class Evaluator:
         """Every input, param and step part, aligned (params as size-1 arrays)."""
         env = self.load_inputs(inputs)
         ones = (1,) * len(self.spec.dims)
-        scalars = bind_scalars(self.spec, self.shape, inputs, self)  # runtime params ride with the inputs
+        scalars = bind_scalars(self.spec, self.shape, inputs)  # runtime params ride with the inputs
         for p in self.spec.params:
             value = scalars[p.name] if p.runtime else self.eval_expr(p.expr, env)
             env[p.name] = np.broadcast_to(value, ones).astype(np.float64)

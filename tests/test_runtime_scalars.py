@@ -15,7 +15,8 @@ from fuser_core.codegen.plan import BASELINE, STRATEGIES, KernelConfig
 from fuser_core.derive import derive_cascade
 from fuser_core.errors import SpecError
 from fuser_core.problem import ShapeError
-from fuser_core.reference import bind_scalars, evaluate
+from fuser_core.problem import bind_scalars
+from fuser_core.reference import evaluate
 from fuser_core.runner import interpreter_quiet, run
 from fuser_core.spec import load_spec
 
@@ -137,3 +138,73 @@ def test_a_missing_scalar_without_default_is_an_error_naming_it():
     x, w = np.ones((2, 3), np.float32), np.ones(3, np.float32)
     with pytest.raises(ShapeError, match=r"^scalars\.eps: this runtime scalar has no default"):
         run(spec, {"t": 2, "c": 3}, "float32", {"x": x, "w": w})
+
+
+# ---------------------------------------------------------------- bundles and the torch op
+
+
+@pytest.fixture(scope="module")
+def rms_kernel(rms):
+    from fuser_core.codegen.plan import default_config
+    from fuser_core.problem import make_problem
+    from service.bundle import load_bundle
+    from service.bundle_maker import make_bundle
+
+    spec, d = rms
+    shape = {"t": 3, "c": 37}
+    measured = {"time_ms": 0.01, "measurer": "model", "predicted": True, "device": None,
+                "triton_version": "x", "torch_version": "y", "date": "2025-01-01T00:00:00+00:00"}
+    bundle = make_bundle(make_problem(spec, shape, "float32"), target="h100", strategy="row_resident",
+                         config=default_config(spec, d, "row_resident", shape).to_dict(), measured=measured)
+    assert bundle["spec"]["params"] == {"eps": {"runtime": "float", "positive": True}}
+    return load_bundle(bundle, spec=spec)
+
+
+def rms_args(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(3, 37, generator=g) * 3e-3), torch.randn(37, generator=g)
+
+
+def test_bundle_kernel_takes_eps_at_call_time(rms_kernel):
+    from service.bundle import BundleError
+
+    x, w = rms_args()
+    assert rms_kernel.scalar_names == ("eps",)
+    for eps in (1e-5, 1e-6):
+        want = torch.nn.functional.rms_norm(x, (37,), w, eps)
+        torch.testing.assert_close(rms_kernel(x=x, w=w, eps=eps)["y"], want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rms_kernel({"x": x, "w": w, "eps": eps})["y"], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rms_kernel(x=x, w=w)["y"], torch.nn.functional.rms_norm(x, (37,), w, 1e-6),
+                               rtol=1e-5, atol=1e-6)  # the caller's spec's default
+    with pytest.raises(BundleError, match=r"^scalars\.eps: is declared positive"):
+        rms_kernel(x=x, w=w, eps=-1.0)
+    with pytest.raises(BundleError, match=r"^scalars\.eps: a runtime scalar takes one real number"):
+        rms_kernel(x=x, w=w, eps="1e-5")
+
+
+def test_a_scalar_without_default_must_be_passed_to_the_bundle_kernel(rms_kernel):
+    from service.bundle import BundleError
+
+    required = load_spec(rms_raw({"runtime": "float", "positive": True}))
+    k = rms_kernel.for_spec(required)  # the same bundle: the default is no part of its identity
+    x, w = rms_args()
+    with pytest.raises(BundleError, match=r"^scalars\.eps: this runtime scalar has no default"):
+        k(x=x, w=w)
+    torch.testing.assert_close(k(x=x, w=w, eps=1e-5)["y"], torch.nn.functional.rms_norm(x, (37,), w, 1e-5),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_the_torch_op_takes_eps(rms_kernel):
+    from service.torch_ops import foldwise_op
+
+    op = foldwise_op(rms_kernel)
+    x, w = rms_args(1)
+    for eps in (1e-5, 1e-6):
+        want = torch.nn.functional.rms_norm(x, (37,), w, eps)
+        torch.testing.assert_close(op(x=x, w=w, eps=eps)["y"], want, rtol=1e-5, atol=1e-6)
+        out = {"y": torch.empty(3, 37)}
+        op(x=x, w=w, eps=eps, out=out)
+        torch.testing.assert_close(out["y"], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(op(x=x, w=w)["y"], torch.nn.functional.rms_norm(x, (37,), w, 1e-6), rtol=1e-5, atol=1e-6)
+    meta = op(x=x.to("meta"), w=w.to("meta"), eps=1e-5)["y"]  # the fake kernel takes the scalar too
+    assert meta.shape == (3, 37) and meta.device.type == "meta"
