@@ -149,6 +149,14 @@ def bind_scalars(spec: Spec, shape: Mapping[str, int], given: Mapping[str, Any])
     return out
 
 
+def placeholder_scalars(spec: Spec) -> dict[str, float]:
+    """A value for every runtime param where only the compiled kernel or its time matters (compile
+    checks, cubin loading, tuning launches): a runtime scalar is a plain fp32 argument, so its value
+    is no part of the binary (Triton specialises integer arguments, never floats). 1.0 satisfies
+    ``positive``."""
+    return {p.name: 1.0 for p in spec.runtime_params}
+
+
 def fill_parts(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
     """``shape`` with each merged dim's parts sized to match it (``spec.merges``): kept where their
     product is the merged size, else refit, inner parts first (kept at most their given size),
