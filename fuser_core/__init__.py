@@ -21,7 +21,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("fuser_core.spec", n) for n in ("Spec", "load_spec", "MAX_DIMS", "MAX_SPEC_BYTES")},
     **{n: ("fuser_core.canonical", n) for n in ("spec_hash", "canonical_json", "canonical_names", "canonical_form")},
     **{n: ("fuser_core.problem", n) for n in (
-        "Problem", "make_problem", "ShapeError", "bind_shape", "bind_dtypes", "check_sizes", "output_dtypes",
+        "Problem", "make_problem", "ShapeError", "bind_shape", "bind_scalars", "placeholder_scalars", "bind_dtypes", "check_sizes", "output_dtypes",
         "canonical_shape", "bound_to_canonical", "normalize_dtype", "FLOAT_DTYPES", "INDEX_DTYPES",
         "MAX_ELEMENTS", "MAX_WORK")},
     **{n: ("fuser_core.empty", n) for n in ("empty_outputs", "has_empty_dim")},

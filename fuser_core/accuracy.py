@@ -368,7 +368,7 @@ def torch_outputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.
     # equal hashes: the two specs' dims, steps and params have the same canonical names
     ours = {canon: mine for mine, canon in canonical_names(spec).items()}
     theirs = {cat: ours[canon] for cat, canon in canonical_names(catalog).items()}
-    params = param_values(spec, shape)
+    params = param_values(spec, shape, inputs)  # runtime scalars ride with the inputs
     tensors = {}
     for inp in spec.inputs:  # inputs keep their names in the canonical form
         a = np.asarray(inputs[inp.name])
@@ -377,7 +377,8 @@ def torch_outputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.
     try:
         with torch.no_grad():
             got = _torch_ops()[name]({d: shape[theirs[d]] for d in catalog.sized_dims},
-                                     {p.name: params[theirs[p.name]] for p in catalog.params if p.name in theirs},
+                                     {p.name: params[theirs.get(p.name, p.name)] for p in catalog.params
+                                      if p.name in theirs or p.runtime},  # runtime params keep their names
                                      tensors)
     except (RuntimeError, NotImplementedError, TypeError):  # no CPU kernel for this dtype
         return None

@@ -10,6 +10,8 @@ renaming of dims, steps or params get the same canonical form, hence the same ha
   ``as`` dims in step order;
 - steps are renamed ``s0, s1, ...`` in step order; params ``p0, p1, ...`` in order of first
   use, and params no step uses are dropped;
+- runtime params (scalars passed at call time) keep their names like inputs, and their
+  ``default`` is dropped: the same kernel serves every value;
 - a canonical name that is also an input's name is skipped (an input ``s0`` makes the steps
   ``s1, s2, ...``): otherwise ``s0`` in an expression would name two things;
 - expressions are printed from the parsed AST (whitespace, redundant parentheses and number
@@ -42,7 +44,9 @@ from fuser_core.spec import Spec
 def canonical_names(spec: Spec) -> dict[str, str]:
     """Map each dim, step and used param name of ``spec`` to its canonical name."""
     names: dict[str, str] = {}
-    taken = {inp.name for inp in spec.inputs}  # inputs keep their names: never reuse one
+    # inputs and runtime params keep their names (the kernel's interface: tensors and scalars passed by
+    # name at call time): never reuse one
+    taken = {inp.name for inp in spec.inputs} | {p.name for p in spec.runtime_params}
 
     def fresh(prefix: str, count: int) -> list[str]:
         out: list[str] = []
@@ -64,7 +68,7 @@ def canonical_names(spec: Spec) -> dict[str, str]:
         names[merged] = "_".join(names[p] for p in parts)
     for step, new in zip(spec.steps, fresh("s", len(spec.steps))):
         names[step.name] = new
-    param_names = {p.name for p in spec.params}
+    param_names = {p.name for p in spec.params if not p.runtime}
     used: list[str] = []
     for step in spec.steps:
         for node in ex.walk(step.expr):
@@ -84,7 +88,11 @@ def canonical_form(spec: Spec) -> dict[str, Any]:
         if not inp.is_float:
             decl["kind"] = inp.kind
         inputs[inp.name] = decl
-    params = {names[p.name]: ex.to_text(p.expr, names) for p in spec.params if p.name in names}
+    params: dict[str, Any] = {names[p.name]: ex.to_text(p.expr, names) for p in spec.params if p.name in names}
+    for p in spec.runtime_params:
+        # that it is a runtime scalar and its sign assumption are the computation; its default is the
+        # caller's convenience, not part of the kernel (the same kernel serves eps=1e-5 and 1e-6)
+        params[p.name] = {"runtime": "float", **({"positive": True} if p.positive else {})}
     steps = []
     for step in spec.steps:
         entry: dict[str, Any] = {"name": names[step.name], "expr": ex.to_text(step.expr, names)}

@@ -43,8 +43,8 @@ from fuser_core.realisation import (
 )
 from fuser_core.errors import DerivationLimitError
 from fuser_core.masks import may_exclude_every
-from fuser_core.reference import Evaluator, cast_to, random_inputs
-from fuser_core.spec import Spec, load_spec
+from fuser_core.reference import Evaluator, cast_to, random_inputs, random_scalars
+from fuser_core.spec import Spec, load_spec, raw_param
 from fuser_core.symbolic import CAST_FUNCTIONS, COMPARE_OPS
 
 TOLERANCE = 1e-9  # float64 re-association error is ~1e-15; anything near 1e-9 is a wrong form
@@ -113,7 +113,8 @@ def certify(derivation: Derivation, *, trials: int = 12, seed: int = 0) -> Certi
     plain_spec = spec if exact else _without_casts(spec)
     for _ in range(trials):
         shape = _random_shape(spec, rng)
-        inputs = random_inputs(spec, shape, rng, "float32")
+        # runtime scalars take random values too: the fused form must hold for every value, not its default
+        inputs = {**random_inputs(spec, shape, rng, "float32"), **random_scalars(spec, rng)}
         for name, err in _trial(derivation, spec, shape, inputs, rng, keep_casts=True).items():
             per[name] = max(per[name], err)
         if exact:
@@ -171,7 +172,7 @@ def _without_casts(spec: Spec) -> Spec:
         "foldwise": 1,
         "name": spec.name,
         "inputs": {i.name: {"dims": list(i.dims), "kind": i.kind} for i in spec.inputs},
-        "params": {p.name: ex.to_text(p.expr) for p in spec.params},
+        "params": {p.name: raw_param(p) for p in spec.params},
         "steps": [],
         "outputs": list(spec.outputs),
     }
@@ -385,7 +386,7 @@ def _reference_movement(evaluator: Evaluator, inputs: dict[str, np.ndarray], env
 
 
 def _has_cast(spec: Spec) -> bool:
-    exprs = [p.expr for p in spec.params] + [s.expr for s in spec.steps]
+    exprs = [p.expr for p in spec.params if p.expr is not None] + [s.expr for s in spec.steps]
     return any(isinstance(node, ex.Cast) for e in exprs for node in ex.walk(e))
 
 

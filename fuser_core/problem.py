@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from numbers import Integral
+from numbers import Integral, Real
+from typing import Any
 
 from fuser_core import expr as ex
 from fuser_core.canonical import canonical_names
@@ -112,6 +113,48 @@ def bind_shape(spec: Spec, shape: Mapping[str, int], *, allow_empty: bool = Fals
                              f"{bound[step.over]}", loc=("shape", step.over))
     check_sizes(spec, bound)
     return bound
+
+
+def bind_scalars(spec: Spec, shape: Mapping[str, int], given: Mapping[str, Any]) -> dict[str, float]:
+    """Every runtime param's value (a float): ``given``'s, else its default at these sizes.
+
+    ``given`` may hold other names (the inputs, when scalars ride along with them): only runtime
+    params are read. A missing one without a default, a value that is not one real number, or a
+    non-positive value for a param declared positive (the derivation assumed it) raises
+    :class:`ShapeError` naming ``scalars.<name>``. Light: a number default costs no import; an
+    expression of sizes (``1 / sqrt(size(d))``) is evaluated by the reference."""
+    out: dict[str, float] = {}
+    for p in spec.runtime_params:
+        loc = ("scalars", p.name)
+        if p.name in given:
+            value = given[p.name]
+            # a Python or NumPy number, or a 0-d array/tensor; never a bool or a string
+            if isinstance(value, bool) or not (isinstance(value, Real) or getattr(value, "ndim", None) == 0):
+                raise ShapeError(f"a runtime scalar takes one real number, got {type(value).__name__}", loc=loc)
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                raise ShapeError(f"a runtime scalar takes one real number, got {type(value).__name__}", loc=loc) from None
+        elif isinstance(p.expr, ex.Num):
+            number = p.expr.value
+        elif p.expr is not None:
+            from fuser_core.reference import Evaluator  # NumPy: only for a default that is an expression
+
+            number = float(Evaluator(spec, shape).eval_expr(p.expr, {}))
+        else:
+            raise ShapeError("this runtime scalar has no default: pass its value", loc=loc)
+        if p.positive and not number > 0:
+            raise ShapeError(f"is declared positive, got {number:g}", loc=loc)
+        out[p.name] = number
+    return out
+
+
+def placeholder_scalars(spec: Spec) -> dict[str, float]:
+    """A value for every runtime param where only the compiled kernel or its time matters (compile
+    checks, cubin loading, tuning launches): a runtime scalar is a plain fp32 argument, so its value
+    is no part of the binary (Triton specialises integer arguments, never floats). 1.0 satisfies
+    ``positive``."""
+    return {p.name: 1.0 for p in spec.runtime_params}
 
 
 def fill_parts(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:

@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -44,7 +45,7 @@ import scipy.special
 from fuser_core import expr as ex
 from fuser_core.merged import consistent
 from fuser_core.index_values import first_out_of_range, index_ranges, out_of_range_message
-from fuser_core.problem import MAX_ELEMENTS, MAX_WORK, ShapeError, bind_shape, check_sizes  # noqa: F401  (re-exported)
+from fuser_core.problem import MAX_ELEMENTS, MAX_WORK, ShapeError, bind_scalars, bind_shape, check_sizes  # noqa: F401  (re-exported)
 from fuser_core.spec import Spec, Step
 
 FLOAT_DTYPES: dict[str, np.dtype] = {
@@ -56,10 +57,12 @@ FLOAT_DTYPES: dict[str, np.dtype] = {
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 
 
-def param_values(spec: Spec, shape: Mapping[str, int]) -> dict[str, float]:
-    """Every param's value for these sizes (params use numbers, size(dim) and functions)."""
+def param_values(spec: Spec, shape: Mapping[str, int], scalars: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """Every constant param's value for these sizes (params use numbers, size(dim) and functions);
+    given ``scalars``, the runtime params' too, from it or their defaults (:func:`bind_scalars`)."""
     ev = Evaluator(spec, shape)
-    return {p.name: float(ev.eval_expr(p.expr, {})) for p in spec.params}
+    out = {p.name: float(ev.eval_expr(p.expr, {})) for p in spec.params if not p.runtime}
+    return out if scalars is None else {**out, **bind_scalars(spec, shape, scalars)}
 
 
 # ---------------------------------------------------------------- casts and functions
@@ -304,8 +307,10 @@ class Evaluator:
         """Every input, param and step part, aligned (params as size-1 arrays)."""
         env = self.load_inputs(inputs)
         ones = (1,) * len(self.spec.dims)
+        scalars = bind_scalars(self.spec, self.shape, inputs)  # runtime params ride with the inputs
         for p in self.spec.params:
-            env[p.name] = np.broadcast_to(self.eval_expr(p.expr, env), ones).astype(np.float64)
+            value = scalars[p.name] if p.runtime else self.eval_expr(p.expr, env)
+            env[p.name] = np.broadcast_to(value, ones).astype(np.float64)
         for step in self.spec.steps:
             if step.is_reduction:
                 env.update(self.reduce(step, env))
@@ -345,7 +350,7 @@ def check_inputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.n
 
     Raises :class:`ShapeError` naming the input. Returns the inputs as NumPy arrays.
     """
-    names = {i.name for i in spec.inputs}
+    names = {i.name for i in spec.inputs} | {p.name for p in spec.runtime_params}  # scalars: bind_scalars
     unknown = [n for n in inputs if n not in names]
     if unknown:
         raise ShapeError("is not an input of the spec", loc=("inputs", str(unknown[0])))
@@ -375,6 +380,17 @@ def evaluate(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.ndarr
 
 
 # ---------------------------------------------------------------- random inputs
+
+
+def random_scalars(spec: Spec, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A random value for every runtime param (0-d float64 arrays, to ride along with the inputs):
+    in [1/4, 4] when declared positive, else standard normal, rounded to float32 as the kernel
+    argument is."""
+    out = {}
+    for p in spec.runtime_params:
+        value = rng.uniform(0.25, 4.0) if p.positive else rng.standard_normal()
+        out[p.name] = np.asarray(np.float32(value), np.float64)
+    return out
 
 
 def index_input_bound(spec: Spec, name: str, shape: Mapping[str, int]) -> int:

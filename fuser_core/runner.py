@@ -74,7 +74,7 @@ from fuser_core.merged import consistent
 from fuser_core.problem import FLOAT_DTYPES, INDEX_DTYPES, ShapeError, bind_dtypes  # noqa: F401  (re-exported)
 from fuser_core.tensors import device, to_torch  # noqa: F401  (re-exported)
 from fuser_core.empty import empty_outputs, has_empty_dim
-from fuser_core.reference import Evaluator, bind_shape, check_inputs, evaluate, random_inputs
+from fuser_core.reference import Evaluator, bind_scalars, bind_shape, check_inputs, evaluate, random_inputs
 from fuser_core.spec import Spec
 
 # bfloat16: 4 of its ulps (2^-8 each). A bf16 attention rounds twice (P to the tensor cores' operand type, the
@@ -146,6 +146,7 @@ def run(
     dtypes = bind_dtypes(spec, dtype)
     dev = device()
     arrays = check_inputs(spec, bound, inputs)
+    scalars = bind_scalars(spec, bound, inputs)  # runtime params ride with the inputs (their defaults else)
     for inp in spec.inputs:  # the fused kernels read a per-channel input at its first position along the rest
         if not np.array_equal(consistent(spec, inp.name, arrays[inp.name], bound), arrays[inp.name], equal_nan=True):
             raise ShapeError(f"holds only ({', '.join(inp.storage_dims)}) of dims reduced together: in the merged "
@@ -159,7 +160,7 @@ def run(
         from fuser_core.codegen.chain import run_chain_detailed
 
         config = config or KernelConfig()
-        chain = run_chain_detailed(spec, bound, dtypes, tensors, config_blocks=config.blocks)
+        chain = run_chain_detailed(spec, bound, dtypes, tensors, config_blocks=config.blocks, scalars=scalars)
         return RunResult(strategy, config, chain.outputs, "\n\n".join(k.source for k in chain.kernels))
     derivation = derivation or derive_cascade(spec)
     strategy = strategy or choose_strategy(spec, derivation, bound)
@@ -170,7 +171,7 @@ def run(
     stores = output_dtypes(spec, dtypes)
     out = {p: torch.empty([bound[d] for d in spec.step(p.split(".")[0]).dims], dtype=getattr(torch, stores[p]),
                           device=dev) for p in spec.output_parts}
-    outputs = module.load().launch(tensors, bound, out=out)
+    outputs = module.load().launch(tensors, bound, out=out, scalars=scalars)
     return RunResult(strategy, config, outputs, module.source)
 
 

@@ -45,6 +45,8 @@ SPEC_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
 TOP_KEYS = {"foldwise", "name", "doc", "inputs", "params", "steps", "outputs"}
 STEP_KEYS = {"name", "expr", "reduce", "over", "k", "as", "doc"}
 INPUT_KEYS = {"dims", "kind", "doc"}
+RUNTIME_PARAM_KEYS = {"runtime", "default", "positive", "doc"}
+RUNTIME_KINDS = ("float",)  # a runtime scalar is passed to the kernel as fp32 (never an int: see docs/SPEC.md)
 
 
 INPUT_KINDS = {"float": False, "index": True}  # input kind -> integer valued (positions, lengths)
@@ -69,8 +71,15 @@ class Input:
 
 @dataclass(frozen=True)
 class Param:
+    """A constant of the cascade (``expr``: numbers and size(dim) only), or, with ``runtime``, a
+    scalar the caller passes at each call (eps, a softmax scale, a softcap): a kernel argument, not
+    part of the spec's identity; ``expr`` is then its default (None: the caller must pass it) and
+    ``positive`` the sign the derivation may assume (docs/SPEC.md, "Runtime scalars")."""
+
     name: str
-    expr: ex.Expr  # numbers and size(dim) only
+    expr: ex.Expr | None
+    runtime: bool = False
+    positive: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,9 +178,27 @@ class Spec:
         return self.order_dims(found)
 
     @property
+    def runtime_params(self) -> tuple[Param, ...]:
+        """The params passed at call time (kernel arguments), in the spec's order."""
+        return tuple(p for p in self.params if p.runtime)
+
+    @property
     def output_parts(self) -> tuple[str, ...]:
         """Every array written: output step names, with a topk step's two parts."""
         return tuple(part for name in self.outputs for part in self.step(name).parts)
+
+
+def raw_param(p: Param) -> Any:
+    """``p`` as a spec's JSON writes it (for specs built from another: sub-specs, a cast-free copy)."""
+    if not p.runtime:
+        assert p.expr is not None
+        return ex.to_text(p.expr)
+    out: dict[str, Any] = {"runtime": "float"}
+    if p.expr is not None:
+        out["default"] = ex.to_text(p.expr)
+    if p.positive:
+        out["positive"] = True
+    return out
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -391,40 +418,67 @@ class _Loader:
 
     def load_params(self, raw: Any) -> tuple[Param, ...]:
         if not isinstance(raw, dict):
-            raise SpecError("expected an object of param name -> number or expression", loc=("params",))
+            raise SpecError("expected an object of param name -> number, expression or {\"runtime\": \"float\"}",
+                            loc=("params",))
         if len(raw) > MAX_PARAMS:
             raise SpecError(f"{len(raw)} params; the limit is {MAX_PARAMS}", loc=("params",))
         out = []
         for name, value in raw.items():
             loc: tuple[str | int, ...] = ("params", name)
             self.ident(name, loc, "param name")
-            if isinstance(value, bool) or not isinstance(value, int | float | str):
-                raise SpecError("expected a number or an expression string", loc=loc)
-            if isinstance(value, str):
-                e = ex.parse_expr_text(value, loc, max_chars=self.max_expr_chars)
-            else:
-                try:
-                    number = float(value)
-                except OverflowError:  # an int too large for a float
-                    number = math.inf
-                if not math.isfinite(number):
-                    raise SpecError("must be a finite number", loc=loc)
-                e = ex.Num(number)
-            for node in ex.walk(e):
-                if isinstance(node, ex.Ref):
-                    raise SpecError(f"unknown name {node.name!r}: a param may use numbers and size(dim) only", loc=loc)
-                if isinstance(node, ex.Index):
-                    raise SpecError("index() has no meaning in a param; use it in a step", loc=loc)
-                if isinstance(node, ex.Size) and node.dim not in self.dims and node.dim not in self.merged_into:
-                    raise SpecError(f"size() of unknown dim {node.dim!r}", loc=loc)
-                if isinstance(node, ex.Compare | ex.Logic | ex.Str):
-                    raise SpecError("comparisons, and/or/not and strings are not allowed in a param", loc=loc)
-                if isinstance(node, ex.Call) and node.func == "where":
-                    raise SpecError("where() is not allowed in a param", loc=loc)
-            p = Param(name, e)
+            p = self.load_runtime_param(name, value, loc) if isinstance(value, dict) else Param(name, self.param_expr(value, loc))
             self.declare(name, p, loc, None)
             out.append(p)
         return tuple(out)
+
+    def load_runtime_param(self, name: str, raw: dict, loc: tuple[str | int, ...]) -> Param:
+        """``{"runtime": "float", "default": ..., "positive": true}``: a scalar passed at call time."""
+        self.keys(raw, RUNTIME_PARAM_KEYS, loc)
+        kind = raw.get("runtime")
+        if kind not in RUNTIME_KINDS:
+            raise SpecError(f"a param given as an object is a runtime scalar: 'runtime' must be "
+                            f"{' or '.join(map(repr, RUNTIME_KINDS))}, got {_show(kind, 40)}", loc=(*loc, "runtime"))
+        positive = raw.get("positive", False)
+        if not isinstance(positive, bool):
+            raise SpecError(f"must be true or false, got {_show(positive, 40)}", loc=(*loc, "positive"))
+        doc = raw.get("doc", "")
+        if not isinstance(doc, str) or len(doc) > MAX_DOC_CHARS:
+            raise SpecError(f"must be text of at most {MAX_DOC_CHARS} characters", loc=(*loc, "doc"))
+        default = None
+        if "default" in raw:
+            default = self.param_expr(raw["default"], (*loc, "default"))
+            if positive and isinstance(default, ex.Num) and not default.value > 0:
+                raise SpecError(f"the param is declared positive, but its default is {default.value:g}",
+                                loc=(*loc, "default"))
+        return Param(name, default, runtime=True, positive=positive)
+
+    def param_expr(self, value: Any, loc: tuple[str | int, ...]) -> ex.Expr:
+        """A constant param (or a runtime param's default): a finite number, or an expression of
+        numbers and size(dim)."""
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise SpecError("expected a number or an expression string", loc=loc)
+        if isinstance(value, str):
+            e = ex.parse_expr_text(value, loc, max_chars=self.max_expr_chars)
+        else:
+            try:
+                number = float(value)
+            except OverflowError:  # an int too large for a float
+                number = math.inf
+            if not math.isfinite(number):
+                raise SpecError("must be a finite number", loc=loc)
+            e = ex.Num(number)
+        for node in ex.walk(e):
+            if isinstance(node, ex.Ref):
+                raise SpecError(f"unknown name {node.name!r}: a param may use numbers and size(dim) only", loc=loc)
+            if isinstance(node, ex.Index):
+                raise SpecError("index() has no meaning in a param; use it in a step", loc=loc)
+            if isinstance(node, ex.Size) and node.dim not in self.dims and node.dim not in self.merged_into:
+                raise SpecError(f"size() of unknown dim {node.dim!r}", loc=loc)
+            if isinstance(node, ex.Compare | ex.Logic | ex.Str):
+                raise SpecError("comparisons, and/or/not and strings are not allowed in a param", loc=loc)
+            if isinstance(node, ex.Call) and node.func == "where":
+                raise SpecError("where() is not allowed in a param", loc=loc)
+        return e
 
     def load_steps(self, raw: Any) -> tuple[Step, ...]:
         if not isinstance(raw, list) or not raw:
@@ -601,3 +655,6 @@ class _Loader:
         for inp in inputs:
             if inp.name not in used:
                 raise SpecError("is not used by any step that reaches an output", loc=("inputs", inp.name))
+        for p in params:  # a kernel argument the kernel ignores would take a caller's value silently
+            if p.runtime and p.name not in used:
+                raise SpecError("a runtime param must be used by a step that reaches an output", loc=("params", p.name))

@@ -337,6 +337,8 @@ class SymbolicSpec:
     def params(self) -> dict[str, sp.Expr]:
         out: dict[str, sp.Expr] = {}
         for p in self.spec.params:
+            if p.runtime:  # a symbol of its own (value()), never its default: a kernel argument
+                continue
             try:
                 out[p.name] = self.convert(p.expr)
             except _Undefined as err:
@@ -350,7 +352,11 @@ class SymbolicSpec:
         if key in self._value:
             return self._value[key]
         obj = self.spec.lookup(name)
-        if isinstance(obj, Param):
+        if isinstance(obj, Param) and obj.runtime:
+            # a real scalar known only at call time, like an input over no dims; declared positive (eps,
+            # a scale), sqrt/rsqrt/division by it stay derivable
+            out = self.leaf(name, (), positive=True if obj.positive else None)
+        elif isinstance(obj, Param):
             out = self.params[name]
         elif isinstance(obj, Step) and not obj.is_reduction:
             out = self.convert_step(obj)

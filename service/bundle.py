@@ -70,7 +70,7 @@ from types import ModuleType
 from typing import Any
 
 from fuser_core import (
-    Spec, SpecError, bind_dtypes, bind_shape, canonical_json, canonical_names, empty_outputs, has_empty_dim, load_spec,
+    Spec, SpecError, bind_dtypes, bind_scalars, bind_shape, canonical_json, canonical_names, empty_outputs, has_empty_dim, load_spec,
     as_logical, first_out_of_range, index_ranges, out_of_range_message, spec_hash, to_storage,
 )
 # the shape and dtype normalisers live with the Problem; importable from here as before
@@ -631,6 +631,8 @@ class BundleKernel:
         # a bundle made before launchers took out= (generator of issue 24) is run, then copied into place
         self._takes_out = "out" in inspect.signature(module.launch).parameters
         self._input_dims = {i.name: i.storage_dims or i.dims for i in self._user.inputs}
+        # runtime params (eps, a scale): passed at call time by keyword, their names kept by the canonical form
+        self.scalar_names = tuple(p.name for p in self._user.runtime_params)
         self._parts = tuple(self._output_part(part) for part in self._user.output_parts)
 
     def _output_part(self, part: str) -> _OutputPart:
@@ -766,6 +768,10 @@ class BundleKernel:
         if inputs is not None and tensors:
             raise BundleError("pass the inputs either as one dict or as keyword arguments, not both")
         given = dict(inputs if inputs is not None else tensors)
+        given_scalars = {}
+        for name in self.scalar_names:  # kernel(x=x, w=w, eps=1e-5): scalars ride with the tensors
+            if name in given:
+                given_scalars[name] = given.pop(name)
         expected = self.input_names
         ordered_tensors(given, expected, "inputs", "input")
         sizes: dict[str, int] = {}
@@ -795,6 +801,7 @@ class BundleKernel:
             if s.as_dim is not None:
                 sizes[s.as_dim] = int(s.k)  # type: ignore[arg-type]
         bound, shape = self._check_sizes(sizes)
+        scalars = self._bind_scalars(given_scalars, bound)
         if out is None:  # contiguous in the caller's dim order (module docstring, "Output layout")
             dst = {p.name: torch.empty([bound[d] for d in p.storage], dtype=getattr(torch, p.dtype), device=device)
                    for p in self._parts}
@@ -810,7 +817,7 @@ class BundleKernel:
             logical = {name: as_logical(self._user, name, t, bound) for name, t in canonical_inputs.items()}
             return self._copy_into(dst, self._to_user(empty_outputs(self._canon, shape, logical, stores), bound))
         if not self._takes_out:
-            return self._copy_into(dst, self._to_user(self._module.launch(canonical_inputs, shape), bound))
+            return self._copy_into(dst, self._to_user(self._module.launch(canonical_inputs, shape, **scalars), bound))
         views, copied = {}, []
         for p in self._parts:
             view = self._kernel_view(p, dst[p.name], bound)
@@ -819,12 +826,23 @@ class BundleKernel:
                 view = tmp if p.same_order else tmp.permute(p.inverse)
                 copied.append(p.name)
             views[p.canonical] = view
-        outputs = self._module.launch(canonical_inputs, shape, out=views)
+        outputs = self._module.launch(canonical_inputs, shape, out=views, **scalars)
         if copied:
             back = self._to_user(outputs, bound)
             for name in copied:
                 dst[name].copy_(back[name])
         return dst
+
+    def _bind_scalars(self, given: Mapping[str, Any], bound: Mapping[str, int]) -> dict[str, Any]:
+        """The launcher's keyword for the runtime params: ``{"scalars": {name: value}}`` with the
+        caller's spec's defaults for those not given (the bundle's canonical spec has none: a default
+        is no part of the kernel); ``{}`` for a spec without (launchers before runtime params take none)."""
+        if not self.scalar_names:
+            return {}
+        try:
+            return {"scalars": bind_scalars(self._user, bound, given)}
+        except SpecError as err:  # names scalars.<name>
+            raise BundleError(str(err)) from None
 
     def _check_index_values(self, given: Mapping[str, Any], bound: Mapping[str, int]) -> None:
         """A label outside its axis is refused, never turned into a number (fuser_core.index_values); on a

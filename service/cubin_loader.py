@@ -145,6 +145,15 @@ def meta_inputs(bundle: Mapping[str, Any]) -> dict[str, Any]:
             for name, info in bundle["inputs"].items()}
 
 
+def _placeholder_scalars(bundle: Mapping[str, Any]) -> dict[str, Any]:
+    """The launcher's ``scalars=`` for a warm-up launch (any value: fp32 arguments are no part of the
+    kernel's key), or nothing for a spec without runtime params (older launchers take none)."""
+    from fuser_core import load_spec, placeholder_scalars
+
+    scalars = placeholder_scalars(load_spec(bundle["spec"], printed=True))
+    return {"scalars": scalars} if scalars else {}
+
+
 def seed_jit_caches(module: ModuleType, bundle: Mapping[str, Any], variant: Mapping[str, Any]) -> list[str]:
     """Put the variant's kernels into the JIT device caches of ``module``'s kernels (the module
     imported from ``bundle["triton_source"]``, interpreter off), each under the key Triton
@@ -208,7 +217,7 @@ def seed_jit_caches(module: ModuleType, bundle: Mapping[str, Any], variant: Mapp
         for fn in fns:
             fn.run = warm_up(fn)
         try:
-            module.launch(inputs, dict(bundle["shape"]))
+            module.launch(inputs, dict(bundle["shape"]), **_placeholder_scalars(bundle))
             if len(launched) != len(kernels):
                 raise CubinLoadError(f"the module launched {len(launched)} kernels, the variant stores {len(kernels)}")
         except BaseException as err:

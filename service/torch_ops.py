@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional  # Optional: the op schema inference knows it, not X | None
 
 import torch
 
@@ -113,17 +113,29 @@ def _output_shapes(kernel: BundleKernel, inputs: Mapping[str, torch.Tensor]) -> 
 # ----------------------------------------------------------------------------- the operators
 
 
+def _with_scalars(named: dict[str, Any], scalar_names: Optional[str], scalars: Optional[list[float]]) -> dict[str, Any]:
+    """The named inputs plus the runtime scalars given: ``scalar_names`` comma-separated (an op
+    schema has no list of strings; names are identifiers) and ``scalars`` their values, in step.
+    The kernel applies its defaults to the others and checks the values."""
+    if scalar_names:
+        named.update(zip(scalar_names.split(","), scalars or []))
+    return named
+
+
 @torch.library.custom_op("foldwise::run", mutates_args=())
-def run(kernel_key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Run the registered kernel ``kernel_key`` on ``inputs`` (the spec's input order); its
-    output parts in the spec's order, each contiguous in the caller's dim order."""
+def run(kernel_key: str, inputs: list[torch.Tensor], scalar_names: Optional[str] = None,
+        scalars: Optional[list[float]] = None) -> list[torch.Tensor]:
+    """Run the registered kernel ``kernel_key`` on ``inputs`` (the spec's input order), with the
+    runtime scalars ``scalar_names`` = ``scalars`` (eps, a scale; the others take their defaults);
+    its output parts in the spec's order, each contiguous in the caller's dim order."""
     kernel = registered_kernel(kernel_key)
-    outputs = kernel(_named_inputs(kernel, inputs))
+    outputs = kernel(_with_scalars(_named_inputs(kernel, inputs), scalar_names, scalars))
     return [outputs[part] for part in kernel.output_parts]
 
 
 @run.register_fake
-def _run_fake(kernel_key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _run_fake(kernel_key: str, inputs: list[torch.Tensor], scalar_names: Optional[str] = None,
+              scalars: Optional[list[float]] = None) -> list[torch.Tensor]:
     kernel = registered_kernel(kernel_key)
     named = _named_inputs(kernel, inputs)
     shapes = _output_shapes(kernel, named)
@@ -134,14 +146,16 @@ def _run_fake(kernel_key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]
 
 
 @torch.library.custom_op("foldwise::run_out", mutates_args=("outs",))
-def run_out(kernel_key: str, inputs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+def run_out(kernel_key: str, inputs: list[torch.Tensor], outs: list[torch.Tensor],
+            scalar_names: Optional[str] = None, scalars: Optional[list[float]] = None) -> None:
     """Run the registered kernel ``kernel_key``, writing its output parts (the spec's order) into ``outs``."""
     kernel = registered_kernel(kernel_key)
-    kernel(_named_inputs(kernel, inputs), out=_named_outs(kernel, outs))
+    kernel(_with_scalars(_named_inputs(kernel, inputs), scalar_names, scalars), out=_named_outs(kernel, outs))
 
 
 @run_out.register_fake
-def _run_out_fake(kernel_key: str, inputs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+def _run_out_fake(kernel_key: str, inputs: list[torch.Tensor], outs: list[torch.Tensor],
+                  scalar_names: Optional[str] = None, scalars: Optional[list[float]] = None) -> None:
     # the same checks as the kernel's, on the (possibly symbolic) sizes: a wrong out= tensor is
     # refused while tracing, naming the output, not only when the graph first runs
     kernel = registered_kernel(kernel_key)
@@ -173,6 +187,7 @@ class FoldwiseOp:
         self.key = register_kernel(kernel)
         self.input_names = kernel.input_names
         self.output_parts = kernel.output_parts
+        self.scalar_names = kernel.scalar_names
 
     def __repr__(self) -> str:
         return f"FoldwiseOp({self.key!r})"
@@ -181,14 +196,22 @@ class FoldwiseOp:
                  out: Mapping[str, torch.Tensor] | None = None, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
         if inputs is not None and tensors:
             raise BundleError("pass the inputs either as one dict or as keyword arguments, not both")
+        given = dict(tensors if inputs is None else inputs)
+        # runtime scalars (op(x=x, w=w, eps=1e-5)) go as two lists, those given only: the kernel applies
+        # its defaults (which may depend on sizes) at run time; values are checked there too
+        names, values = [], []
+        for name in self.scalar_names:
+            if name in given:
+                names.append(name)
+                values.append(float(given.pop(name)))
         # the operators take lists; names are checked here, where they are known (the rest at run time)
-        args = ordered_tensors(tensors if inputs is None else inputs, self.input_names, "inputs", "input")
+        args = ordered_tensors(given, self.input_names, "inputs", "input")
         if out is None:
-            return dict(zip(self.output_parts, torch.ops.foldwise.run(self.key, args)))
+            return dict(zip(self.output_parts, torch.ops.foldwise.run(self.key, args, ",".join(names) or None, values or None)))
         if not isinstance(out, Mapping):
             raise BundleError(f"out: expected a dict of output part -> tensor, got {type(out).__name__}")
         outs = ordered_tensors(out, self.output_parts, "out", "output")
-        torch.ops.foldwise.run_out(self.key, args, outs)
+        torch.ops.foldwise.run_out(self.key, args, outs, ",".join(names) or None, values or None)
         return dict(zip(self.output_parts, outs))
 
 

@@ -351,3 +351,18 @@ def test_a_padding_and_a_causal_mask_in_one_condition_compile(compile_pool, stra
     requests = [CompileRequest(spec, shape, bind_dtypes(spec, "float16"), strategy, config, cap) for cap in (90, 80)]
     builds = compile_pool.compile(requests)
     assert all(b.ok for b in builds), [b.first_error() for b in builds]
+
+
+def test_a_kernel_with_a_runtime_scalar_compiles(compile_pool):
+    """Runtime scalars (issue 24, 2): eps is an fp32 kernel argument, not a constexpr, and the
+    compiler takes it for every strategy and the chain."""
+    spec = load_spec({"foldwise": 1, "name": "rmsnorm", "inputs": {"x": {"dims": ["t", "c"]}, "w": {"dims": ["c"]}},
+                      "params": {"eps": {"runtime": "float", "default": 1e-6, "positive": True}},
+                      "steps": [{"name": "ms", "reduce": "sum", "over": "c", "expr": "x * x / size(c)"},
+                                {"name": "y", "expr": "x * rsqrt(ms + eps) * w"}],
+                      "outputs": ["y"]})
+    shape = {"t": 64, "c": 4096}
+    requests = [CompileRequest(spec, shape, bind_dtypes(spec, "bfloat16"), strategy, None, 90)
+                for strategy in ("row_resident", "streaming_fused", "multi_pass", "unfused_chain")]
+    builds = compile_pool.compile(requests)
+    assert all(b.ok and b.kernels for b in builds), [b.first_error() for b in builds]

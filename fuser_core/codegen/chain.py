@@ -55,7 +55,7 @@ from fuser_core.canonical import canonical_json
 from fuser_core.codegen.emit import load_expr, store_expr
 from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.module import TORCH_DTYPES, _load, cached_source, generate, module_header, output_dtypes
-from fuser_core.codegen.names import FP8, kernel_arg, safe_name
+from fuser_core.codegen.names import FP8, kernel_arg, safe_name, scalar_arg
 from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan, NotValid, make_plan, next_pow2
 from fuser_core.merged import as_logical
 from fuser_core.codegen.tritonize import Ref, expr_dims, helpers_of, to_triton
@@ -101,13 +101,16 @@ class ChainKernel:
     def load(self) -> ModuleType:
         return _load(self.key, self.path)
 
-    def launch(self, inputs: Mapping[str, Any], memory: Mapping[str, Any], shape: Mapping[str, int]) -> dict[str, Any]:
-        """Run the module: original ``inputs`` and earlier results in ``memory`` -> its parts."""
+    def launch(self, inputs: Mapping[str, Any], memory: Mapping[str, Any], shape: Mapping[str, int],
+               scalars: Mapping[str, float] | None = None) -> dict[str, Any]:
+        """Run the module: original ``inputs`` and earlier results in ``memory`` -> its parts;
+        ``scalars``: every runtime param's value (fuser_core.reference.bind_scalars)."""
         args = {}
         for name, (where, what) in self.reads.items():
             args[name] = inputs[what] if where == "input" else memory[what]
         own = {d: int(shape[d]) for d in self.spec.sized_dims}
-        out = self.load().launch(args, own)
+        mine = {p.name: scalars[p.name] for p in self.spec.runtime_params} if scalars is not None else None
+        out = self.load().launch(args, own, scalars=mine)
         return {part: out[part].permute(self.permute[part]) if part in self.permute else out[part]
                 for part in self.writes}
 
@@ -226,7 +229,9 @@ def sub_spec(spec: Spec, step: Step, shape: Mapping[str, int]) -> tuple[dict[str
 
     raw_params: dict[str, Any] = {}
     for p in spec.params:
-        if p.name in params:
+        if p.name in params and p.runtime:  # still a kernel argument of the sub-kernel, passed at launch
+            raw_params[p.name] = {"runtime": "float", **({"positive": True} if p.positive else {})}
+        elif p.name in params:
             uses = {n.dim for n in ex.walk(p.expr) if isinstance(n, ex.Size)}
             raw_params[p.name] = ex.to_text(p.expr) if uses <= dims else values[p.name]
     raw_steps = []
@@ -456,6 +461,7 @@ class ElementwiseWriter:
     def signature(self) -> list[str]:
         args = [f"{self.var[n]}_ptr" for n in self.leaves] + [f"{self.var[o]}_ptr" for o in self.outputs]
         args += [f"size_{d}" for d in self.spec.sized_dims]
+        args += [scalar_arg(p.name) for p in self.spec.runtime_params]
         for n in self.leaves:
             args += [f"stride_{self.var[n]}_{d}" for d in self.leaf_dims(n)]
         for o in self.outputs:
@@ -481,6 +487,7 @@ class ElementwiseWriter:
             emit(f"    mask_{d} = offs_{d} < size_{d}")
         values: dict[str, Ref] = {f"size({d})": Ref(f"size_{d}", (), "size") for d in self.spec.sized_dims}
         values.update({f"index({d})": Ref(f"offs_{d}", (d,)) for d in self.dims})
+        values.update({p.name: Ref(scalar_arg(p.name), ()) for p in self.spec.runtime_params})
 
         def pointer(var: str, dims) -> str:
             return " + ".join([f"{var}_ptr", *(f"{lay.expand(f'offs_{d}', (d,), dims)} * stride_{var}_{d}" for d in dims)])
@@ -518,12 +525,14 @@ class ElementwiseWriter:
 
     def launcher(self) -> str:
         lines = [
-            "def launch(inputs, shape):",
+            "def launch(inputs, shape, scalars=None):",
             f'    """Run {self.kernel}: ``inputs`` has the original inputs and the reduction results by part',
-            '    name ("g.values" for a topk part); returns the outputs by name."""',
+            '    name ("g.values" for a topk part); ``scalars`` every runtime param\'s value; returns the outputs by name."""',
         ]
         for d in self.spec.sized_dims:
             lines.append(f'    size_{d} = int(shape["{d}"])')
+        for p in self.spec.runtime_params:
+            lines.append(f'    {scalar_arg(p.name)} = float(scalars["{p.name}"])')
         for n in self.leaves:
             lines.append(f'    {self.var[n]} = inputs["{n}"]')
         first = self.var[self.leaves[0]] if self.leaves else None
@@ -535,6 +544,7 @@ class ElementwiseWriter:
         args = [kernel_arg(self.var[n], self.input_dtypes.get(n)) for n in self.leaves]
         args += [kernel_arg(self.var[o], self.stores[o]) for o in self.outputs]
         args += [f"size_{d}" for d in self.spec.sized_dims]
+        args += [scalar_arg(p.name) for p in self.spec.runtime_params]
         for n in self.leaves:
             args += [f"{self.var[n]}.stride({k})" for k in range(len(self.leaf_dims(n)))]
         for o in self.outputs:
@@ -580,9 +590,10 @@ def elementwise_kernel(spec: Spec, e: ChainElementwise, dtypes: Mapping[str, str
 
 def run_chain_detailed(
     spec: Spec, shape: Mapping[str, int], dtype: str | Mapping[str, str], inputs: Mapping[str, Any],
-    *, config_blocks: Mapping[str, int] | None = None,
+    *, config_blocks: Mapping[str, int] | None = None, scalars: Mapping[str, float] | None = None,
 ) -> ChainRun:
-    """Run the chain; inputs are NumPy arrays (converted like runner.run) or torch tensors."""
+    """Run the chain; inputs are NumPy arrays (converted like runner.run) or torch tensors;
+    ``scalars`` every runtime param's value (fuser_core.reference.bind_scalars)."""
     import torch
 
     from fuser_core.problem import bind_dtypes
@@ -599,7 +610,7 @@ def run_chain_detailed(
     tensors = {n: as_logical(spec, n, t, bound) for n, t in tensors.items()}
     memory: dict[str, Any] = {}
     for k in kernels:
-        memory.update(k.launch(tensors, memory, bound))
+        memory.update(k.launch(tensors, memory, bound, scalars))
     final = output_dtypes(spec, dtypes)
     outputs = {}
     for part in spec.output_parts:
@@ -612,7 +623,7 @@ def run_chain_detailed(
 
 def run_chain(
     spec: Spec, shape: Mapping[str, int], dtype: str | Mapping[str, str], inputs: Mapping[str, Any],
-    *, config_blocks: Mapping[str, int] | None = None,
+    *, config_blocks: Mapping[str, int] | None = None, scalars: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The spec's outputs by part name, as ``runner.run(...).outputs`` (dims and storage dtypes)."""
-    return run_chain_detailed(spec, shape, dtype, inputs, config_blocks=config_blocks).outputs
+    return run_chain_detailed(spec, shape, dtype, inputs, config_blocks=config_blocks, scalars=scalars).outputs

@@ -226,6 +226,8 @@ class KernelPrinter:
                 return a.name.rsplit("_", 1)[0]
             if a.name.startswith("size_"):
                 return "size"
+            if a.name.startswith("scalar_"):
+                return "scalar"
             return "split"
         out: list[list[str]] = []
         last = None

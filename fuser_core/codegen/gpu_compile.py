@@ -186,6 +186,7 @@ def request_launches(request: CompileRequest) -> tuple[dict[str, Any], list[Kern
     from fuser_core.codegen.module import generate
     from fuser_core.codegen.plan import BASELINE, KernelConfig, default_config
     from fuser_core.derive import DERIVE_TIME_LIMIT_S, derive_cascade
+    from fuser_core.problem import placeholder_scalars
     from fuser_core.reference import bind_shape
     from fuser_core.runner import bind_dtypes
 
@@ -196,7 +197,8 @@ def request_launches(request: CompileRequest) -> tuple[dict[str, Any], list[Kern
     if request.strategy == BASELINE:
         config = KernelConfig.from_dict(request.config or {})
         with intercepted_launches() as launches:
-            run_chain_detailed(spec, shape, dtypes, inputs, config_blocks=config.blocks)
+            run_chain_detailed(spec, shape, dtypes, inputs, config_blocks=config.blocks,
+                               scalars=placeholder_scalars(spec))
         return config.to_dict(), launches
     if spec not in _DERIVATIONS:
         # the spec was derived within its time limit before it was sent here; a loaded host must
@@ -209,7 +211,7 @@ def request_launches(request: CompileRequest) -> tuple[dict[str, Any], list[Kern
         config = KernelConfig.from_dict(request.config)
     module = generate(spec, derivation, request.strategy, shape, config, dtypes)
     with intercepted_launches() as launches:
-        module.load().launch(inputs, shape)
+        module.load().launch(inputs, shape, scalars=placeholder_scalars(spec))
     return config.to_dict(), launches
 
 

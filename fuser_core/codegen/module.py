@@ -20,7 +20,7 @@ from types import ModuleType
 
 from fuser_core.canonical import canonical_json
 from fuser_core.codegen.emit import helper_source, kernels_source
-from fuser_core.codegen.names import safe_name
+from fuser_core.codegen.names import safe_name, scalar_arg
 from fuser_core.codegen.plan import KernelConfig, KernelPlan, make_plan
 from fuser_core.codegen.structure import Grid, Launch, ModuleStructure, SplitLaunch, build_structure
 from fuser_core.derive import Derivation
@@ -166,13 +166,16 @@ def launcher_source(structure: ModuleStructure, stores: dict[str, str]) -> str:
     plan = structure.plan
     spec = plan.spec
     lines = [
-        "def launch(inputs, shape, out=None):",
+        "def launch(inputs, shape, out=None, scalars=None):",
         f'    """Run {", ".join(k.name for k in structure.kernels)} on torch tensors; returns the outputs by name '
         '(dims in each step\'s order). ``out``: a tensor per output part to write into (any strides: a '
-        'caller\'s layout), else each is allocated here."""',
+        'caller\'s layout), else each is allocated here. ``scalars``: runtime param -> its value, every one '
+        '(defaults are applied by the caller: fuser_core.problem.bind_scalars)."""',
     ]
     for d in spec.sized_dims:
         lines.append(f'    size_{d} = int(shape["{d}"])')
+    for p in spec.runtime_params:  # a Python float: an fp32 kernel argument, the same binary for every value
+        lines.append(f'    {scalar_arg(p.name)} = float(scalars["{p.name}"])')
     first = safe_name(spec.inputs[0].name)
     for i in spec.inputs:
         lines.append(f'    {safe_name(i.name)} = inputs["{i.name}"]')

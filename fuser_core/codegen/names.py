@@ -7,7 +7,7 @@ import keyword
 
 FP8 = "float8_e4m3fn"  # kernels see it as uint8 bits: see fp8e4m3_bits in HELPERS
 _RESERVED = {"tl", "triton", "pid", "start", "count", "count_old", "float", "range", "int", "math", "torch"}
-_PREFIXES = ("offs_", "mask_", "size_", "stride_", "BLOCK_", "nblk_", "pid_")
+_PREFIXES = ("offs_", "mask_", "size_", "scalar_", "stride_", "BLOCK_", "nblk_", "pid_")
 
 
 def safe_name(name: str) -> str:
@@ -16,6 +16,12 @@ def safe_name(name: str) -> str:
     if keyword.iskeyword(name) or name in _RESERVED or name.startswith(_PREFIXES) or name.endswith(("_ptr", "_anchor", "_old")):
         return f"v_{name}"
     return name
+
+
+def scalar_arg(name: str) -> str:
+    """The kernel argument (and launcher variable) of runtime param ``name``: a plain fp32 scalar,
+    never ``tl.constexpr``, so every value runs the same compiled kernel."""
+    return f"scalar_{name}"
 
 
 def kernel_arg(var: str, dtype: str | None) -> str:

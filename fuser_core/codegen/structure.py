@@ -28,7 +28,7 @@ import sympy as sp
 
 from fuser_core.codegen.bounds import Window, axis_mask, bound_text, window_of
 from fuser_core.codegen.layout import Layout
-from fuser_core.codegen.names import FP8, kernel_arg, safe_name
+from fuser_core.codegen.names import FP8, kernel_arg, safe_name, scalar_arg
 from fuser_core.codegen.ops import (
     AnchorUpdate,
     Chunk,
@@ -561,6 +561,8 @@ class _Walk:
         for d in self.plan.dims:
             self.values[f"size({d})"] = Ref(f"size_{d}", (), "size")
             self.values[f"index({d})"] = Ref(f"offs_{d}", (d,) if d in dims else ())
+        for p in self.spec.runtime_params:  # a scalar passed at call time: a kernel argument (fp32)
+            self.values[p.name] = Ref(scalar_arg(p.name), ())
 
     def axis_tile(self, start: str) -> None:
         a = self.axis
@@ -1647,6 +1649,7 @@ def _args(plan: KernelPlan, inputs: Iterable[str], outputs: Iterable[str], ws: t
     out = [Arg(f"{var_name(i.name)}_ptr", kernel_arg(var_name(i.name), input_dtypes.get(i.name))) for i in used]
     out += [Arg(f"{var_name(p)}_ptr", kernel_arg(var_name(p), store_dtypes[p])) for p in parts]
     out += [Arg(f"size_{d}", f"size_{d}") for d in spec.sized_dims]
+    out += [Arg(scalar_arg(p.name), scalar_arg(p.name)) for p in spec.runtime_params]
     for i in used:
         out += [Arg(f"stride_{var_name(i.name)}_{d}", f"{var_name(i.name)}.stride({k})")
                 for k, d in enumerate(kernel_dims(spec, i.name))]
