@@ -435,13 +435,14 @@ def family_inputs(spec: Spec, shape: Mapping[str, int], name: str, dtypes: Mappi
     """Standard-normal inputs (as :func:`fuser_core.reference.random_inputs`) moved to the family,
     each float input rounded to its dtype again (exactly representable, as the kernel reads it)."""
     from fuser_core.codegen.plan import loop_axis
-    from fuser_core.reference import random_inputs
+    from fuser_core.reference import random_inputs, random_scalars
 
     rng = np.random.default_rng(seed)
     inputs = random_inputs(spec, shape, rng, dtypes)
+    scalars = random_scalars(spec, np.random.default_rng(seed + 1))  # runtime params (self_check's rule)
     fam = FAMILIES[name]
     if fam.transform is None:
-        return inputs
+        return {**inputs, **scalars}
     axis, _ = loop_axis(spec)
     target = next((i.name for i in spec.inputs if not i.is_index and axis in i.dims), None)
     out = {}
@@ -456,7 +457,7 @@ def family_inputs(spec: Spec, shape: Mapping[str, int], name: str, dtypes: Mappi
             pos = inp.dims.index(axis) if axis in inp.dims else x.ndim - 1
             moved = np.moveaxis(apply_family(name, np.moveaxis(x, pos, -1), rng), -1, pos)
         out[inp.name] = consistent(spec, inp.name, cast_to(moved, dtypes[inp.name]), bind_shape(spec, shape, allow_empty=True))
-    return out
+    return {**out, **scalars}
 
 
 # ---------------------------------------------------------------- the verdict

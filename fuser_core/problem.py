@@ -157,6 +157,14 @@ def placeholder_scalars(spec: Spec) -> dict[str, float]:
     return {p.name: 1.0 for p in spec.runtime_params}
 
 
+def tuning_scalars(spec: Spec, shape: Mapping[str, int]) -> dict[str, float]:
+    """Runtime params for a tuning or baseline run: their defaults at these sizes, a placeholder
+    (:func:`placeholder_scalars`) where a param has none. A kernel's time does not depend on the
+    values; a baseline's result is then the spec's at its defaults."""
+    return bind_scalars(spec, shape, {n: v for n, v in placeholder_scalars(spec).items()
+                                      if next(p for p in spec.runtime_params if p.name == n).expr is None})
+
+
 def fill_parts(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
     """``shape`` with each merged dim's parts sized to match it (``spec.merges``): kept where their
     product is the merged size, else refit, inner parts first (kept at most their given size),

@@ -74,7 +74,7 @@ from fuser_core.merged import consistent
 from fuser_core.problem import FLOAT_DTYPES, INDEX_DTYPES, ShapeError, bind_dtypes  # noqa: F401  (re-exported)
 from fuser_core.tensors import device, to_torch  # noqa: F401  (re-exported)
 from fuser_core.empty import empty_outputs, has_empty_dim
-from fuser_core.reference import Evaluator, bind_scalars, bind_shape, check_inputs, evaluate, random_inputs
+from fuser_core.reference import Evaluator, bind_scalars, bind_shape, check_inputs, evaluate, random_inputs, random_scalars
 from fuser_core.spec import Spec
 
 # bfloat16: 4 of its ulps (2^-8 each). A bf16 attention rounds twice (P to the tensor cores' operand type, the
@@ -323,6 +323,9 @@ def self_check(
     bound = bind_shape(spec, shape, allow_empty=True)
     dtypes = bind_dtypes(spec, dtype)
     inputs = random_inputs(spec, bound, np.random.default_rng(seed), dtypes)
+    # runtime params at random values, as the certificate draws them (a canonical spec, as a worker has it,
+    # carries no default); their own generator leaves the inputs' draws as they were
+    inputs.update(random_scalars(spec, np.random.default_rng(seed + 1)))
     with interpreter_quiet():  # the outputs are judged below
         result = run(spec, bound, dtypes, inputs, strategy=strategy, config=config, derivation=derivation)
     reference = evaluate(spec, bound, inputs)

@@ -36,8 +36,8 @@ SERVING = ("attention_gqa", "attention_padded", "attention_varlen", "attention_s
            "attention_softcap", "cross_entropy_ignore", "rmsnorm_residual", "swiglu_fp8_per_token")
 
 
-def config(strategy: str, blocks: dict[str, int]) -> KernelConfig | None:
-    if strategy in ("row_resident", BASELINE):
+def config(strategy: str, blocks: dict[str, int], resident_tiles: bool = False) -> KernelConfig | None:
+    if strategy == BASELINE or (strategy == "row_resident" and not resident_tiles):
         return None
     return KernelConfig(blocks, split=3 if strategy == "split_fused" else 1)
 
@@ -55,13 +55,14 @@ def derived():
 
 
 def run_all(derived, name: str, shape: dict[str, int], inputs: dict[str, np.ndarray], blocks: dict[str, int],
-            dtype: str | dict = "float32") -> dict[str, dict[str, np.ndarray]]:
+            dtype: str | dict = "float32", resident_tiles: bool = False) -> dict[str, dict[str, np.ndarray]]:
     """Every strategy's outputs, as float64 arrays (fp8 outputs as their float values)."""
     spec, d = derived(name)
     out = {}
     for strategy in ALL:
         with interpreter_quiet():
-            result = run(spec, shape, dtype, inputs, strategy=strategy, config=config(strategy, blocks), derivation=d)
+            result = run(spec, shape, dtype, inputs, strategy=strategy, config=config(strategy, blocks, resident_tiles),
+                         derivation=d)
         out[strategy] = {k: v.float().double().cpu().numpy() for k, v in result.outputs.items()}
     return out
 
@@ -95,12 +96,13 @@ def torch_attention(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     m = q.shape[3]
     qh = q.reshape(B, G * R, m, D)  # the usual [b, h, m, d]: query heads g * r, grouped by key-value head
     if name == "attention_gqa":
-        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=causal_lower_right(m, N), enable_gqa=True)
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=causal_lower_right(m, N), enable_gqa=True,
+                                           scale=extra.get("scale"))
         return o.reshape(B, G, R, m, E)
     mask = sdpa_mask(name, m, extra)
     if name == "attention_softcap":  # FlashAttention's softcap: cap * tanh(q.k * scale / cap), then the mask
         kk, vv = k.repeat_interleave(R, 1), v.repeat_interleave(R, 1)
-        s = qh @ kk.transpose(-1, -2) / math.sqrt(D)
+        s = qh @ kk.transpose(-1, -2) * extra.get("scale", 1 / math.sqrt(D))
         s = extra["softcap"] * torch.tanh(s / extra["softcap"])
         o = torch.softmax(s.masked_fill(~mask, -math.inf), -1) @ vv
     else:
@@ -110,10 +112,10 @@ def torch_attention(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 ATTENTION_CASES = [
-    ("attention_gqa", 1, {}), ("attention_gqa", 3, {}),
+    ("attention_gqa", 1, {}), ("attention_gqa", 3, {"scale": 0.3}),
     ("attention_padded", 3, {"kv_start": [0, 30]}), ("attention_padded", 1, {"kv_start": [5, 37]}),
     ("attention_varlen", 3, {"kv_len": [37, 20]}), ("attention_varlen", 1, {"kv_len": [1, 0]}),
-    ("attention_softcap", 3, {"softcap": 50.0}),
+    ("attention_softcap", 3, {"softcap": 30.0}),  # a runtime scalar: not the spec's default, 50
 ]
 
 
@@ -129,7 +131,8 @@ def test_attention_matches_torch(derived, name, m, extra):
     q, k, v = (rng.standard_normal(s) for s in ((B, G, R, m, D), (B, G, N, D), (B, G, N, E)))
     if name == "attention_softcap":  # scores large enough for the cap to bend them
         q *= 12
-    inputs = {"q": q, "k": k, "v": v, **{key: np.array(val) for key, val in extra.items() if key in ("kv_start", "kv_len")}}
+    inputs = {"q": q, "k": k, "v": v, **{key: np.array(val) for key, val in extra.items() if key in ("kv_start", "kv_len")},
+              **{key: val for key, val in extra.items() if key in ("scale", "softcap")}}  # runtime scalars
     want = torch_attention(name, *(torch.tensor(x) for x in (q, k, v)), extra).numpy()
     shape = {"b": B, "g": G, "r": R, "m": m, "n": N, "d": D, "e": E}
     for strategy, got in run_all(derived, name, shape, inputs, {"n": 8, "e": 4}).items():
@@ -209,11 +212,13 @@ def test_rmsnorm_residual_matches_torch(derived):
     t, c = 5, 37
     x, residual = rng.standard_normal((t, c)), rng.standard_normal((t, c)) * 50  # a residual stream grows large
     w = rng.standard_normal(c)
+    x[2], residual[2] = x[2] * 1e-3, residual[2] * 2e-5  # a quiet row: mean(h^2) near eps, which then matters
     h = torch.tensor(x) + torch.tensor(residual)
-    want_y = F.rms_norm(h, (c,), torch.tensor(w), eps=1e-6)
+    want_y = F.rms_norm(h, (c,), torch.tensor(w), eps=1e-5)  # the model's eps, a runtime scalar (default 1e-6)
     for strategy, got in run_all(derived, "rmsnorm_residual", {"t": t, "c": c},
-                                 {"x": x, "residual": residual, "w": w}, {"c": 8}).items():
-        np.testing.assert_allclose(got["h"], h.float().double().numpy(), rtol=1e-6, err_msg=strategy)
+                                 {"x": x, "residual": residual, "w": w, "eps": 1e-5}, {"c": 8}).items():
+        h32 = (torch.tensor(x).float() + torch.tensor(residual).float()).double()  # the float32 sum, as torch's
+        np.testing.assert_array_equal(got["h"], h32.numpy(), err_msg=strategy)
         np.testing.assert_allclose(got["y"], want_y.numpy(), rtol=2e-5, atol=2e-6, err_msg=strategy)
 
 
@@ -253,5 +258,5 @@ def test_queries_that_see_no_key_under_tensor_core_tiles(derived, name, extra):
     want = evaluate(derived(name)[0], shape, {"q": q, "k": k, "v": v, **extra})["o"]
     assert np.any(np.all(want == 0, axis=-1))  # some query sees nothing
     for strategy, got in run_all(derived, name, shape, {"q": q, "k": k, "v": v, **extra},
-                                 {"n": 16, "m": 16, "e": 16}).items():
+                                 {"n": 16, "m": 16, "e": 16}, resident_tiles=True).items():
         np.testing.assert_allclose(got["o"], want, rtol=2e-5, atol=2e-6, err_msg=strategy)

@@ -96,7 +96,9 @@ def _liger_cross_entropy(problem: Problem) -> Fn:
 def _param(problem: Problem, name: str) -> float:
     from fuser_core.reference import param_values
 
-    return float(param_values(problem.spec, problem.shape)[name])
+    from fuser_core.problem import tuning_scalars
+
+    return float(param_values(problem.spec, problem.shape, scalars=tuning_scalars(problem.spec, problem.shape))[name])
 
 
 # ---------------------------------------------------------------------------- attention

@@ -78,7 +78,7 @@ import numpy as np
 from fuser_core.accuracy import FormulaEvaluator, TermScales
 from fuser_core.derive import Derivation
 from fuser_core.merged import consistent
-from fuser_core.problem import Problem
+from fuser_core.problem import Problem, tuning_scalars
 from fuser_core.reference import Evaluator, index_input_bound
 from fuser_core.spec import Spec
 from tuner.measure import Measurement
@@ -766,7 +766,7 @@ class _Child:
 
         problem = self.get_problem(payload["problem"], payload.get("timing", {}))
         module = fused_module(problem, payload["variant"])
-        module.launch(problem.inputs, problem.shape)
+        module.launch(problem.inputs, problem.shape, scalars=tuning_scalars(problem.spec, problem.shape))
         self.sync()
         return measured_artifacts(compiled_kernels(module))
 
@@ -932,7 +932,8 @@ def make_variant(problem: DeviceProblem, variant: Mapping[str, Any]) -> Callable
     kind = variant["kind"]
     if kind == "fused":
         launch = fused_module(problem, variant).launch
-        return lambda tensors: launch(tensors, shape)
+        scalars = tuning_scalars(spec, shape)
+        return lambda tensors: launch(tensors, shape, scalars=scalars)
     if kind == "chain":
         return chain_function(problem.problem)
     if kind in ("eager", "compile", "handwritten", "expert"):
@@ -985,10 +986,12 @@ def chain_function(problem: Problem) -> Callable[[Mapping[str, Any]], dict[str, 
     final = {p: getattr(torch, d) for p, d in problem.output_dtypes.items()}
     parts = spec.output_parts
 
+    scalars = tuning_scalars(spec, shape)
+
     def run(tensors: Mapping[str, Any]) -> dict[str, Any]:
         memory: dict[str, Any] = {}
         for k in kernels:
-            memory.update(k.launch(tensors, memory, shape))
+            memory.update(k.launch(tensors, memory, shape, scalars))
         out = {}
         for part in parts:
             t = memory[part]

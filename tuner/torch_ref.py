@@ -60,6 +60,7 @@ import numpy as np
 
 from fuser_core import expr as ex
 from fuser_core.problem import Problem
+from fuser_core.problem import tuning_scalars
 from fuser_core.reference import param_values
 from fuser_core.spec import Spec, Step, load_spec
 
@@ -183,7 +184,7 @@ class _Builder:
         self.shape = problem.shape
         self.dtypes = problem.dtypes
         self.stores = problem.output_dtypes
-        self.params = param_values(spec, self.shape)
+        self.params = param_values(spec, self.shape, scalars=tuning_scalars(spec, self.shape))
         self.rank = len(spec.dims)
         self.axis = {d: i for i, d in enumerate(spec.dims)}
         self.dot_dtype = contraction_dtype(self.dtypes)

@@ -982,6 +982,7 @@ class _Walk:
             env = self.env(value)
             dot, masked, dims, note = self.tile_fold(step, value, env)
             if dot is not None:
+                dot = self.dot_excluded(dot, value, self.effective_op(step))
                 env = self.env(dot.p, dot.q, dot.scale)
             var = safe_name(step.name)
             self.add(Reduce(step=step.name, name=var, dims=dims, op=self.effective_op(step), over=self.axis, expr=value,
