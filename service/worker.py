@@ -274,26 +274,35 @@ class Worker:
 
     def _tune_range(self, job: Job, spec: Any, canonical: Any, recorder: TrialRecorder,
                     early: str | None) -> tuple[str, Any]:
-        """A range job (service.shape_ranges): one search per bucket, smallest first, each on its
-        own study (``<job study>/<bucket shape>``, so a worker taking the job over continues
-        each) with the job's ``budget.trials``; ``budget.seconds`` is for the whole job. Trials are
-        recorded as ``bucket index * RANGE_TRIAL_STRIDE + trial number``. A bucket with no
-        result fails the job, naming the bucket: a range is served whole or not at all."""
+        """A range job (service.shape_ranges): one search per bucket, each on its own study
+        (``<job study>/<bucket shape>``, so a worker taking the job over continues each) with the
+        job's ``budget.trials``; ``budget.seconds`` is for the whole job. Trials are recorded as
+        ``bucket index (smallest first) * RANGE_TRIAL_STRIDE + trial number``. A bucket with no
+        result fails the job, naming the bucket: a range is served whole or not at all.
+
+        The largest bucket is searched first: each study is warm-started from the best of its
+        nearest tuned shape (tuner.search.warm_start), and a larger bucket's configuration is a
+        sound start for a smaller one (every dim is masked), while a configuration tuned for
+        t = 1 (one row per program) is the worst start for t = 16384."""
         from service.bundle import shape_text
         from service.shape_ranges import bucket_shapes, fixed_of, ranges_of
 
         shapes = bucket_shapes(fixed_of(job.shape), ranges_of(job.shape))
         found = []
-        for i, shape in enumerate(shapes):
+        for i, shape in reversed(list(enumerate(shapes))):
             recorder.number_offset = i * RANGE_TRIAL_STRIDE
+            early = early or recorder.reason()
+            if early in ("lost", "cancel", "shutdown"):
+                return early, None
             outcome, detail = self._search(job, spec, canonical, shape, f"{job.study_name}/{shape_text(shape)}",
-                                           recorder, early if i == 0 else recorder.reason(), catch_up=False)
+                                           recorder, early, catch_up=False)
             if outcome != "succeeded":
                 if outcome == "failed":
                     detail = f"bucket {i + 1} of {len(shapes)} ({shape_text(shape)}): {detail}"
                 return outcome, detail
             found.append((shape, *detail))
-        return "succeeded", found
+            early = None
+        return "succeeded", found[::-1]
 
     def _search(self, job: Job, spec: Any, canonical: Any, shape: Any, study_name: str, recorder: TrialRecorder,
                 early: str | None, *, catch_up: bool = True) -> tuple[str, Any]:
