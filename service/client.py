@@ -143,6 +143,8 @@ from service.bundle import (
     user_names,
     verify_bundle,
 )
+from service.range_kernel import RangeKernel
+from service.shape_ranges import pick_bucket
 from service.tuning_request import check_target
 
 if TYPE_CHECKING:
@@ -515,6 +517,8 @@ class KernelCache:
         self._ops: dict[int, FoldwiseOp] = {}  # id(kernel) -> its torch operator (op())
         self._memo: dict[Hashable, _MemoEntry] = {}  # get()'s arguments as given -> the kernel (module docstring)
         self._specs: dict[Hashable, _SpecFacts] = {}  # a spec argument -> what it means, hashed once
+        # (spec_hash, dtype, target, id(spec)) -> (range shape, its _Found, the spec held): tuned ranges loaded
+        self._ranges: dict[tuple, tuple[dict, _Found, Spec]] = {}
         self._memo_lock = threading.Lock()  # writes to both memos; reads are single dict lookups
         self._now = time.monotonic  # the memo's clock (tests step it)
         self._pool: ThreadPoolExecutor | None = None
@@ -558,6 +562,10 @@ class KernelCache:
                 self._revalidate_later(key, entry)
             return entry.found.kernel
         req = self._request(spec, shape, dtype, target)
+        found = self._in_known_range(req)
+        if found is not None:  # a range loaded by an earlier get() holds this shape: no request
+            self._remember(key, req, allow_nearest, found)
+            return found.kernel
         try:
             found = self._fetch(req, allow_nearest)
         except KernelNotFound as err:
@@ -717,6 +725,8 @@ class KernelCache:
         of) its bundle, verify, store, load. ``known``: the kernel in hand, kept as is (no
         download) when the server names the same kernel and bundle. Raises _Unavailable."""
         view = self._lookup(req)
+        if isinstance(view.get("range"), Mapping):  # a tuned range holds the shape: load every bucket
+            return self._resolve_range(req, view, known)
         if view.get("exact_match") is False and not allow_nearest:
             raise KernelNotFound(self._nearest_message(req, view.get("shape")))
         kernel_id, want = str(view["id"]), view.get("bundle_sha256")
@@ -733,6 +743,48 @@ class KernelCache:
         self._store(bundle, req.key, {"spec_hash": req.shash, "shape": req.cshape, "dtype": req.ndtype,
                                       "target": req.target, "kernel_id": view.get("id"), "exact": exact})
         return _Found(self._load(bundle).for_spec(req.user), want if isinstance(want, str) else None, kernel_id)
+
+    def _resolve_range(self, req: _Request, view: dict, known: _Found | None) -> _Found:
+        """A lookup answered by a tuned range (service.shape_ranges): download (or revalidate) and
+        verify every bucket's bundle, check each is for the request and its bucket's shape, and
+        wrap them in one :class:`service.range_kernel.RangeKernel`, remembered for every shape of
+        the range. ``known`` is kept when the server names the same range and bundles."""
+        rng = view["range"]
+        buckets = rng.get("buckets")
+        shape = rng.get("shape")
+        if not isinstance(buckets, list) or not buckets or not isinstance(shape, Mapping):
+            raise KernelServiceError(f"GET /v1/kernels: a range without buckets: {str(rng)[:200]}")
+        if pick_bucket(shape, req.cshape) is None:
+            raise KernelIntegrityError(f"the server answered {req.what} with a range {req.show(shape)} "
+                                       "that does not hold it")
+        ident = hashlib.sha256(json.dumps([rng.get("id"), [b.get("bundle_sha256") for b in buckets]])
+                               .encode()).hexdigest()
+        if known is not None and (known.kernel_id, known.bundle_sha256) == (f"range:{rng.get('id')}", ident):
+            return known
+        loaded = []
+        for b in buckets:
+            bundle = self._fetch_bundle({"id": b.get("kernel_id"), "bundle_sha256": b.get("bundle_sha256")}, req)
+            self._check_request_fields(bundle, req)
+            if bundle["shape"] != b.get("shape"):
+                raise KernelIntegrityError(f"the server sent a bundle for {req.show(bundle['shape'])} as the "
+                                           f"range's bucket {req.show(b.get('shape'))}")
+            self._store_bundle(bundle)
+            loaded.append((bundle["shape"], self._load(bundle).for_spec(req.user)))
+        try:
+            kernel = RangeKernel(shape, loaded)
+        except BundleError as err:
+            raise KernelIntegrityError(f"the range for {req.what}: {err}") from None
+        found = _Found(kernel, ident, f"range:{rng.get('id')}")
+        with self._memo_lock:  # every later get() inside this range is answered without a request
+            self._ranges[(req.shash, dtype_text(req.ndtype), req.target, id(req.user))] = (shape, found, req.user)
+        return found
+
+    def _in_known_range(self, req: _Request) -> _Found | None:
+        """A range already loaded in this process that holds ``req``'s shape (no request)."""
+        hit = self._ranges.get((req.shash, dtype_text(req.ndtype), req.target, id(req.user)))
+        if hit is None or pick_bucket(hit[0], req.cshape) is None:
+            return None
+        return hit[1]
 
     # ------------------------------------------------------------------------- tuning jobs
     def _submit(self, req: _Request, budget: dict, measurer: str | None) -> TuningJob:
@@ -908,10 +960,7 @@ class KernelCache:
 
     def _check_request(self, bundle: dict, req: _Request) -> None:
         """The server must have answered the question asked (a nearest shape must fit the request)."""
-        for field, expected in (("spec_hash", req.shash), ("target", req.target), ("dtype", req.ndtype)):
-            if bundle[field] != expected:
-                raise KernelIntegrityError(f"the server sent a bundle for {field} {bundle[field]!r:.80}, "
-                                           f"not {expected!r:.80}, when asked for {req.what}")
+        self._check_request_fields(bundle, req)
         limits = bundle["size_limits"]
         too_big = [(d, n, limits[d]) for d, n in req.cshape.items() if d in limits and n > limits[d]]
         if too_big:
@@ -919,6 +968,13 @@ class KernelCache:
             raise KernelNotFound(f"the nearest kernel for {req.what} (tuned for {req.show(bundle['shape'])}) holds "
                                  f"dim {req.back.get(d, d)} in a block of {limit} and cannot take {n}; "
                                  "submit a tuning job")
+
+    @staticmethod
+    def _check_request_fields(bundle: dict, req: _Request) -> None:
+        for field, expected in (("spec_hash", req.shash), ("target", req.target), ("dtype", req.ndtype)):
+            if bundle[field] != expected:
+                raise KernelIntegrityError(f"the server sent a bundle for {field} {bundle[field]!r:.80}, "
+                                           f"not {expected!r:.80}, when asked for {req.what}")
 
     def _bundle_path(self, sha: str) -> Path:
         if not (len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
@@ -961,14 +1017,19 @@ class KernelCache:
         os.replace(tmp, path)
 
     def _store(self, bundle: dict, key: str, entry: dict) -> None:
+        self._store_bundle(bundle)
+        entry = {**entry, "sha256": bundle["sha256"], "tuned_shape": bundle["shape"]}
+        self._write_atomic(self.cache_dir / "index" / f"{key}.json", json.dumps(entry, sort_keys=True).encode())
+
+    def _store_bundle(self, bundle: dict) -> None:
+        """The verified bundle on disk under its sha256 (a bundle with binaries linked from its
+        format-1 hash), so a later download is a 304."""
         path = self._bundle_path(bundle["sha256"])
         if self._read_disk(bundle["sha256"]) is None:
             self._write_atomic(path, canonical_bytes(bundle))
         if bundle["format"] != bundle_v1(bundle)["format"]:  # with binaries: link it from its format-1 hash
             (self.cache_dir / "v2").mkdir(exist_ok=True)
             self._write_atomic(self.cache_dir / "v2" / bundle_v1(bundle)["sha256"], bundle["sha256"].encode())
-        entry = {**entry, "sha256": bundle["sha256"], "tuned_shape": bundle["shape"]}
-        self._write_atomic(self.cache_dir / "index" / f"{key}.json", json.dumps(entry, sort_keys=True).encode())
 
     def _from_index(self, key: str, allow_nearest: bool) -> dict | None:
         try:

@@ -71,7 +71,10 @@ def _study_name(request: TuningRequest, job_id: str) -> str:
 
     # one study per job: a job resubmitted after failing searches afresh (warm-started
     # from its predecessor's study, which tuner.search.warm_start finds by spec and shape)
-    name = study_name_for(request.spec_hash, request.shape, request.dtype, request.target, request.measurer)
+    shape = request.shape
+    if request.is_range:  # the range as text (d0=1..16384); each bucket's study adds its shape (service.worker)
+        shape = {d: f"{v['min']}..{v['max']}" if isinstance(v, Mapping) else v for d, v in shape.items()}
+    name = study_name_for(request.spec_hash, shape, request.dtype, request.target, request.measurer)
     return f"{name}:{job_id[:8]}"
 
 
@@ -83,7 +86,9 @@ def _submit_once(session: Session, request: TuningRequest) -> tuple[Job, bool]:
             return job, False
         job.dedupe_key = None  # its kernel predates this code's Triton/generator: search again
         session.flush()
-    kernel = kernel_cache.exact_kernel(session, request)
+    # a range job is answered from the cache only through its dedupe key (above): its result is
+    # one kernel per bucket, which no single cached kernel stands for
+    kernel = None if request.is_range else kernel_cache.exact_kernel(session, request)
     now = utcnow()
     if kernel is not None and kernel_cache.kernel_serves(kernel, request.measurer):
         job = _new_job(request, now, status="succeeded", kernel_id=kernel.id,
@@ -453,3 +458,37 @@ def finish_job(session: Session, job_id: str, worker_id: str, *, bundle: dict, k
         if committed(session):
             return kernel
     raise JobError(f"could not store the kernel of job {job_id}: concurrent writers kept conflicting")
+
+
+def finish_range_job(session: Session, job_id: str, worker_id: str, *,
+                     buckets: Sequence[tuple[Mapping[str, int], dict, dict]]) -> list[Kernel]:
+    """Store a range job's result (:mod:`service.shape_ranges`): per bucket ``(shape, bundle,
+    kernel_fields)`` as :func:`finish_job` stores one kernel (keyed by the bucket's shape; a
+    better kernel already cached for that shape is kept), then the range row naming them; the
+    job succeeds, pointing at the largest bucket's kernel. All in one transaction.
+    :class:`LeaseLost` if not the holder. Commits."""
+    contents = [(shape, bundle, fields, *kernel_cache.bundle_content(bundle)) for shape, bundle, fields in buckets]
+    for _ in range(RETRIES):
+        job = _held(session, job_id, worker_id)
+        try:
+            kernels = []
+            for shape, bundle, fields, content, digest in contents:
+                values = kernel_cache.kernel_values(job, bundle, fields, shape=shape)
+                kernels.append((dict(shape), kernel_cache.store_kernel(session, job, values, digest, content,
+                                                                       shape=shape)))
+            kernel_cache.store_range(session, job, kernels)
+        except JobError:
+            session.rollback()
+            raise
+        except IntegrityError:  # another job stored one of the same kernels concurrently
+            session.rollback()
+            continue
+        now = utcnow()
+        job.status, job.kernel_id, job.lease_expires_at = "succeeded", kernels[-1][1].id, None
+        job.finished_at = job.updated_at = now
+        if job.best is None:
+            job.best = kernel_cache.kernel_best(kernels[-1][1])
+        _set_worker_job(session, worker_id, None, now)
+        if committed(session):
+            return [k for _, k in kernels]
+    raise JobError(f"could not store the kernels of range job {job_id}: concurrent writers kept conflicting")

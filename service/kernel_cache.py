@@ -27,7 +27,8 @@ from sqlalchemy.orm import Session
 from service.bundle import BundleError, canonical_bytes, verify_bundle
 from service.db import MAX_LIST, get_row, newest_first
 from service.errors import BundleCorrupted, InvalidBundle
-from service.models import Bundle, Job, Kernel, new_id, utcnow
+from service.models import Bundle, Job, Kernel, KernelRange, new_id, utcnow
+from service.shape_ranges import pick_bucket
 from service.served_bundles import bundle_intact, store_served
 from service.tuning_request import MEASURERS, TuningRequest, dtype_key, shape_key
 
@@ -87,12 +88,15 @@ def bundle_content(bundle: Any) -> tuple[bytes, str]:
         raise InvalidBundle(f"bundle: {err}") from None
 
 
-def kernel_values(job: Job, bundle: dict, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The Kernel row's values from the job (the key), the bundle and the measurement."""
+def kernel_values(job: Job, bundle: dict, given: Mapping[str, Any], *,
+                  shape: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The Kernel row's values from the job (the key), the bundle and the measurement.
+    ``shape``: the kernel's shape when it is not the job's (a range job's bucket)."""
     unknown = sorted(set(given) - KERNEL_FIELDS)
     if unknown:
         raise InvalidBundle(f"kernel_fields: unknown field {unknown[0]!r}; allowed: {', '.join(sorted(KERNEL_FIELDS))}")
-    expected = {"spec_hash": job.spec_hash, "shape": job.shape, "dtype": job.dtype_value, "target": job.target}
+    expected = {"spec_hash": job.spec_hash, "shape": dict(shape) if shape is not None else job.shape,
+                "dtype": job.dtype_value, "target": job.target}
     for field, value in expected.items():
         if bundle.get(field) != value:
             raise InvalidBundle(f"bundle: {field} {bundle.get(field)!r:.100} is not the job's {value!r:.100}")
@@ -119,9 +123,14 @@ def _rank(predicted: bool, time_ms: float) -> tuple[int, float]:
     return (1 if predicted else 0, time_ms)
 
 
-def store_kernel(session: Session, job: Job, fields: dict[str, Any], digest: str, content: bytes) -> Kernel:
+def store_kernel(session: Session, job: Job, fields: dict[str, Any], digest: str, content: bytes, *,
+                 shape: Mapping[str, int] | None = None) -> Kernel:
+    """Store (or keep the better) kernel for the job's key; ``shape``: a range job's bucket,
+    keyed by that shape instead of the job's."""
+    kshape = dict(shape) if shape is not None else job.shape
+    kkey = shape_key(kshape) if shape is not None else job.shape_key
     existing = session.execute(sa.select(Kernel).where(
-        Kernel.spec_hash == job.spec_hash, Kernel.shape_key == job.shape_key, Kernel.dtype == job.dtype,
+        Kernel.spec_hash == job.spec_hash, Kernel.shape_key == kkey, Kernel.dtype == job.dtype,
         Kernel.target == job.target, Kernel.triton_version == fields["triton_version"],
         Kernel.generator_version == fields["generator_version"]).with_for_update()
         .execution_options(populate_existing=True)).scalar_one_or_none()
@@ -131,7 +140,7 @@ def store_kernel(session: Session, job: Job, fields: dict[str, Any], digest: str
         return existing  # the cached kernel is at least as good (and its bundle intact): keep it
     _store_bundle(session, digest, content)
     now = utcnow()
-    kernel = existing or Kernel(id=new_id(), spec_hash=job.spec_hash, shape=job.shape, shape_key=job.shape_key,
+    kernel = existing or Kernel(id=new_id(), spec_hash=job.spec_hash, shape=kshape, shape_key=kkey,
                                 dtype=job.dtype, target=job.target, created_at=now)
     for name, value in fields.items():
         setattr(kernel, name, value)
@@ -191,15 +200,17 @@ def find_kernel(session: Session, *, spec_hash: str, target: str, dtype: str | M
     ``shape`` is canonical (``{"d0": 4, "d1": 300}``) and ``dtype`` normalized, as
     :mod:`service.client` sends them. Exact: the same shape, with this code's Triton and
     generator versions. Otherwise the nearest tuned shape of the same spec, target and dtype
-    (least sum over dims of ``|log2(a/b)|``; ties: current versions, a measurement, faster,
-    newer), with ``exact`` False. ``shape=None``: the best by those ties, not exact.
+    whose bundle's ``size_limits`` admit ``shape`` (a kernel holding a dim whole in a block of
+    256 cannot run 300, however near; service.bundle, "Other sizes"): least sum over dims of
+    ``|log2(a/b)|``; ties: current versions, a measurement, faster, newer; ``exact`` False.
+    None when no kernel admits the shape. ``shape=None``: the best by those ties, not exact.
     """
     skey = shape_key(shape) if shape is not None else None
     query = (sa.select(Kernel).where(Kernel.spec_hash == spec_hash, Kernel.target == str(target).strip().lower(),
                                      Kernel.dtype == dtype_key(dtype)).limit(10 * MAX_LIST))
     candidates = list(session.execute(query.execution_options(populate_existing=True)).scalars())
-    session.commit()
     if not candidates:
+        session.commit()
         return None
     current = current_versions()
 
@@ -208,11 +219,95 @@ def find_kernel(session: Session, *, spec_hash: str, target: str, dtype: str | M
         newer = -k.updated_at.timestamp()
         return (distance, (k.triton_version, k.generator_version) != current, k.predicted, k.time_ms, newer, k.id)
 
-    best = min(candidates, key=order)
-    if shape is not None and math.isinf(_shape_distance(shape, best.shape)):
+    best = None
+    for k in sorted(candidates, key=order):  # nearest first; the first one that can run the shape
+        if shape is not None and math.isinf(_shape_distance(shape, k.shape)):
+            break
+        if shape is None or k.shape_key == skey or _admits(session, k.bundle_sha256, shape):
+            best = k
+            break
+    session.commit()
+    if best is None:
         return None
     exact = skey is not None and best.shape_key == skey and (best.triton_version, best.generator_version) == current
     return best, exact
+
+
+def _admits(session: Session, bundle_sha256: str, shape: Mapping[str, int]) -> bool:
+    """Whether the stored bundle's ``size_limits`` hold ``shape`` (read only for nearest answers)."""
+    limits = _size_limits(session, bundle_sha256)
+    return limits is not None and all(shape.get(d, 0) <= n for d, n in limits.items())
+
+
+def _size_limits(session: Session, digest: str) -> dict[str, int] | None:
+    cached = _LIMITS.get(digest)
+    if cached is None:
+        content = session.execute(sa.select(Bundle.content).where(Bundle.sha256 == digest)).scalar_one_or_none()
+        try:
+            cached = dict(json.loads(content)["size_limits"]) if content is not None else None
+        except (ValueError, KeyError, TypeError):
+            cached = None
+        if cached is not None:  # content addressed: a digest's limits never change
+            if len(_LIMITS) >= 4096:
+                _LIMITS.clear()
+            _LIMITS[digest] = cached
+    return cached
+
+
+_LIMITS: dict[str, dict[str, int]] = {}
+
+
+# ----------------------------------------------------------------------------- ranges (service.shape_ranges)
+
+
+def store_range(session: Session, job: Job, kernels: list[tuple[dict[str, int], Kernel]]) -> KernelRange:
+    """The range job's result: its key mapped to each bucket's kernel (``(bucket shape, kernel)``,
+    smallest first), replacing an earlier range row for the same key. The caller commits."""
+    triton_version, generator_version = current_versions()
+    existing = session.execute(sa.select(KernelRange).where(
+        KernelRange.spec_hash == job.spec_hash, KernelRange.shape_key == job.shape_key, KernelRange.dtype == job.dtype,
+        KernelRange.target == job.target, KernelRange.triton_version == triton_version,
+        KernelRange.generator_version == generator_version).with_for_update()
+        .execution_options(populate_existing=True)).scalar_one_or_none()
+    now = utcnow()
+    row = existing or KernelRange(id=new_id(), spec_hash=job.spec_hash, shape=job.shape, shape_key=job.shape_key,
+                                  dtype=job.dtype, target=job.target, triton_version=triton_version,
+                                  generator_version=generator_version, created_at=now)
+    row.buckets = [{"shape": dict(shape), "kernel_id": k.id} for shape, k in kernels]
+    row.job_id, row.updated_at = job.id, now
+    if existing is None:
+        session.add(row)
+    session.flush()
+    return row
+
+
+def find_range(session: Session, *, spec_hash: str, target: str, dtype: str | Mapping[str, str],
+               shape: Mapping[str, int]) -> tuple[KernelRange, Kernel, list[Kernel]] | None:
+    """The tuned range holding ``shape`` (canonical): (range, the kernel of the bucket serving
+    ``shape``, every bucket's kernel smallest first), or None. Only ranges of this code's Triton
+    and generator versions count (as exact kernels); of several holding the shape, the newest."""
+    triton_version, generator_version = current_versions()
+    rows = session.execute(sa.select(KernelRange).where(
+        KernelRange.spec_hash == spec_hash, KernelRange.target == str(target).strip().lower(),
+        KernelRange.dtype == dtype_key(dtype), KernelRange.triton_version == triton_version,
+        KernelRange.generator_version == generator_version)
+        .order_by(KernelRange.updated_at.desc()).limit(MAX_LIST)
+        .execution_options(populate_existing=True)).scalars()
+    for row in rows:
+        bucket = pick_bucket(row.shape, shape)
+        if bucket is None:
+            continue
+        ids = [b["kernel_id"] for b in row.buckets]
+        by_id = {k.id: k for k in session.execute(sa.select(Kernel).where(Kernel.id.in_(ids))
+                                                  .execution_options(populate_existing=True)).scalars()}
+        if len(by_id) != len(set(ids)):
+            continue  # a bucket's kernel is gone: the range is not served
+        kernels = [by_id[i] for i in ids]
+        serving = next(k for b, k in zip(row.buckets, kernels) if b["shape"] == bucket)
+        session.commit()
+        return row, serving, kernels
+    session.commit()
+    return None
 
 
 def _shape_distance(a: Mapping[str, int], b: Mapping[str, Any]) -> float:

@@ -172,6 +172,37 @@ class Kernel(Base):
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class KernelRange(Base):
+    """A range job's result (:mod:`service.shape_ranges`, migration 0006): for one key (spec,
+    range shape, dtype, target, Triton and generator versions), the kernel of each bucket.
+
+    ``shape`` is the canonical range shape (``{"d0": {"min", "max", "buckets"}, "d1": 64}``),
+    ``shape_key`` its :func:`service.shape_ranges.range_key`. ``buckets`` lists, smallest first,
+    ``{"shape": <the bucket's full canonical shape>, "kernel_id"}``: each bucket's kernel is an
+    ordinary :class:`Kernel` row keyed by that shape (so its bundle, binaries and exact lookups are
+    those of any kernel, and a better kernel found later for that shape serves the range too)."""
+
+    __tablename__ = "kernel_ranges"
+    __table_args__ = (
+        sa.UniqueConstraint("spec_hash", "shape_key", "dtype", "target", "triton_version", "generator_version",
+                            name="uq_kernel_ranges_key"),
+        sa.Index("ix_kernel_ranges_lookup", "spec_hash", "target", "dtype"),
+    )
+
+    id: Mapped[str] = mapped_column(sa.String(32), primary_key=True, default=new_id)
+    spec_hash: Mapped[str] = mapped_column(sa.String(64), sa.ForeignKey("specs.spec_hash"))
+    shape: Mapped[dict[str, Any]] = mapped_column(_json())
+    shape_key: Mapped[str] = mapped_column(sa.String(2048))
+    dtype: Mapped[str] = mapped_column(sa.String(2048))
+    target: Mapped[str] = mapped_column(sa.String(32))
+    triton_version: Mapped[str] = mapped_column(sa.String(64))
+    generator_version: Mapped[str] = mapped_column(sa.String(64))
+    buckets: Mapped[list[dict[str, Any]]] = mapped_column(_json())
+    job_id: Mapped[str | None] = mapped_column(sa.String(32))  # the job that tuned it (no FK: jobs point at kernels)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class Job(Base):
     """One tuning request. ``dedupe_key`` makes identical live submissions one job (see service.job_queue)."""
 

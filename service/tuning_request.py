@@ -27,11 +27,13 @@ from functools import cached_property
 from typing import Any
 
 from fuser_core import (
-    MAX_ELEMENTS, MAX_WORK, Spec, SpecError, bind_shape, bound_to_canonical, check_sizes, normalize_dtype,
+    MAX_ELEMENTS, MAX_WORK, Spec, SpecError, bind_shape, bound_to_canonical, canonical_names, check_sizes,
+    normalize_dtype,
     spec_hash as compute_spec_hash,
 )
 from service.bundle import dtype_text, shape_text
 from service.errors import InvalidRequest
+from service.shape_ranges import bucket_shapes, has_ranges, range_key, split_shape
 
 MEASURERS = ("cuda", "model")  # cuda: timed on a worker's GPU; model: predicted by the cost model
 
@@ -122,17 +124,23 @@ class TuningRequest:
     spec: Spec
     source: str  # the spec's JSON text as submitted
     spec_hash: str
-    shape: dict[str, int]  # complete, canonical dim names (d0, d1, ...)
+    shape: dict[str, Any]  # complete, canonical dim names (d0, d1, ...); a ranged dim: {"min", "max", "buckets"}
     dtype: str | dict[str, str]  # normalized (fuser_core.problem.normalize_dtype)
     target: str
     measurer: str
     budget_trials: int
     budget_seconds: float
     allow_uncertified: bool = False  # tune a spec whose certificate fails (not part of the job's identity)
+    # a range job's buckets: each one's complete canonical shape, smallest first (service.shape_ranges)
+    buckets: tuple[dict[str, int], ...] = ()
+
+    @property
+    def is_range(self) -> bool:
+        return bool(self.buckets)
 
     @cached_property
     def shape_key(self) -> str:
-        return shape_text(self.shape)
+        return range_key(self.shape) if self.buckets else shape_text(self.shape)
 
     @cached_property
     def dtype_key(self) -> str:
@@ -165,6 +173,11 @@ def tuning_request(spec: Spec, source: str | Mapping[str, Any], shape: Mapping[s
             return None
 
     budget = check(check_budget, budget_trials, budget_seconds, limits)
+    ranges: dict = {}
+    if has_ranges(shape):  # a range job (service.shape_ranges): fixed sizes, and ranges checked field by field
+        split = check(lambda: split_shape(shape, max_dim=limits.max_dim))
+        if split is not None:
+            shape, ranges = split
     if isinstance(shape, Mapping) and limits.max_dim is not None:
         for dim, size in shape.items():
             if isinstance(size, int) and not 1 <= size <= limits.max_dim:
@@ -174,13 +187,28 @@ def tuning_request(spec: Spec, source: str | Mapping[str, Any], shape: Mapping[s
     measurer = check(check_measurer, measurer)
     if errors:
         raise InvalidRequest.of(errors)
-    bound = check(bind_shape, spec, shape)
-    if bound is not None:
-        check(lambda: check_sizes(spec, bound, max_elements=limits.max_elements, max_work=limits.max_work))
+    # every bucket is bound (and its sizes checked) as a job of its own would be; the largest is
+    # the one the limits bind, but binding each costs microseconds and catches any per-size rule
+    shapes = bucket_shapes(shape, ranges) if ranges else [shape]
+    bounds = []
+    for one in shapes:
+        bound = check(bind_shape, spec, one)
+        if bound is not None:
+            check(lambda: check_sizes(spec, bound, max_elements=limits.max_elements, max_work=limits.max_work))
+        bounds.append(bound)
+        if errors:
+            break
     ndtype = check(normalize_dtype, spec, dtype)
     if errors:
         raise InvalidRequest.of(errors)
+    canon_shapes = tuple(bound_to_canonical(spec, b) for b in bounds)
+    canon_shape: dict[str, Any] = canon_shapes[0]
+    if ranges:
+        names = canonical_names(spec)
+        canon_ranges = {names[d]: r.as_json() for d, r in ranges.items()}
+        canon_shape = {d: canon_ranges.get(d, n) for d, n in canon_shapes[0].items()}
     return TuningRequest(spec=spec, source=source if isinstance(source, str) else json.dumps(source),
-                         spec_hash=spec_hash or compute_spec_hash(spec), shape=bound_to_canonical(spec, bound),
+                         spec_hash=spec_hash or compute_spec_hash(spec), shape=canon_shape,
                          dtype=ndtype, target=target, measurer=measurer, budget_trials=budget[0],
-                         budget_seconds=budget[1], allow_uncertified=allow_uncertified)
+                         budget_seconds=budget[1], allow_uncertified=allow_uncertified,
+                         buckets=canon_shapes if ranges else ())

@@ -42,9 +42,11 @@ from sqlalchemy.orm import Session, sessionmaker
 from service import job_queue, spec_store
 from service.errors import LeaseLost
 from service.models import Job, utcnow
+from service.shape_ranges import has_ranges
 
 log = logging.getLogger("foldwise.worker")
 STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
+RANGE_TRIAL_STRIDE = 10_000  # a range job's trial numbers: bucket index * this + the bucket study's number
 
 
 def new_worker_id() -> str:
@@ -106,6 +108,7 @@ class TrialRecorder:
     deadline: float  # time.monotonic() at which budget.seconds is used up
     stopped_by: str | None = None  # cancel | lost | shutdown | deadline
     recorded: int = 0
+    number_offset: int = 0  # added to Optuna's trial numbers: a range job's bucket (Worker._tune_range)
     errors: list[str] = field(default_factory=list)
 
     def __call__(self, study: Any, trial: Any) -> None:
@@ -139,7 +142,7 @@ class TrialRecorder:
             try:
                 with self.sessions() as session:
                     job_queue.record_trial(
-                        session, self.job_id, self.worker_id, number=trial.number,
+                        session, self.job_id, self.worker_id, number=trial.number + self.number_offset,
                         strategy=r.get("strategy") or trial.params.get("strategy"), config=r.get("config"),
                         time_ms=time_ms if time_ms is None or (math.isfinite(time_ms) and time_ms > 0) else None,
                         error=r.get("error") or r.get("reason"),
@@ -254,18 +257,9 @@ class Worker:
             log.info("orphaned trials failed", extra={"job_id": job_id, "worker_id": self.worker_id, "trials": n})
 
     def _tune(self, job: Job, keeper: LeaseKeeper) -> tuple[str, Any]:
-        from fuser_core import SpecError
-        from service.tuning import SetupError, tuning_setup
-        from tuner import NoResult, Tuner
-
         with self.sessions() as session:
             record = spec_store.get_spec(session, job.spec_hash)
             spec, canonical = spec_store.job_spec(record), json.loads(record.canonical)
-        try:
-            space, measurer, gate, attrs = tuning_setup(spec, canonical, job.shape, job.dtype_value,
-                                                        job.target, job.measurer)
-        except (SetupError, SpecError) as err:
-            return "failed", f"cannot tune this job: {err}"
         elapsed = (utcnow() - job.started_at).total_seconds() if job.started_at else 0.0
         recorder = TrialRecorder(self.sessions, job.id, self.worker_id, keeper, self.stop,
                                  deadline=time.monotonic() + max(0.0, job.budget_seconds - elapsed))
@@ -274,11 +268,59 @@ class Worker:
             return early, None
         if job.attempts > 1:  # the previous holder's running trial would otherwise wait for its heartbeat grace
             self.close_orphans(job.id, job.study_name)
+        if has_ranges(job.shape):
+            return self._tune_range(job, spec, canonical, recorder, early)
+        return self._search(job, spec, canonical, job.shape, job.study_name, recorder, early)
+
+    def _tune_range(self, job: Job, spec: Any, canonical: Any, recorder: TrialRecorder,
+                    early: str | None) -> tuple[str, Any]:
+        """A range job (service.shape_ranges): one search per bucket, each on its own study
+        (``<job study>/<bucket shape>``, so a worker taking the job over continues each) with the
+        job's ``budget.trials``; ``budget.seconds`` is for the whole job. Trials are recorded as
+        ``bucket index (smallest first) * RANGE_TRIAL_STRIDE + trial number``. A bucket with no
+        result fails the job, naming the bucket: a range is served whole or not at all.
+
+        The largest bucket is searched first: each study is warm-started from the best of its
+        nearest tuned shape (tuner.search.warm_start), and a larger bucket's configuration is a
+        sound start for a smaller one (every dim is masked), while a configuration tuned for
+        t = 1 (one row per program) is the worst start for t = 16384."""
+        from service.bundle import shape_text
+        from service.shape_ranges import bucket_shapes, fixed_of, ranges_of
+
+        shapes = bucket_shapes(fixed_of(job.shape), ranges_of(job.shape))
+        found = []
+        for i, shape in reversed(list(enumerate(shapes))):
+            recorder.number_offset = i * RANGE_TRIAL_STRIDE
+            early = early or recorder.reason()
+            if early in ("lost", "cancel", "shutdown"):
+                return early, None
+            outcome, detail = self._search(job, spec, canonical, shape, f"{job.study_name}/{shape_text(shape)}",
+                                           recorder, early, catch_up=False)
+            if outcome != "succeeded":
+                if outcome == "failed":
+                    detail = f"bucket {i + 1} of {len(shapes)} ({shape_text(shape)}): {detail}"
+                return outcome, detail
+            found.append((shape, *detail))
+            early = None
+        return "succeeded", found[::-1]
+
+    def _search(self, job: Job, spec: Any, canonical: Any, shape: Any, study_name: str, recorder: TrialRecorder,
+                early: str | None, *, catch_up: bool = True) -> tuple[str, Any]:
+        """One search (the job's, or a range job's bucket) on ``study_name``."""
+        from fuser_core import SpecError
+        from service.tuning import SetupError, tuning_setup
+        from tuner import NoResult, Tuner
+
+        try:
+            space, measurer, gate, attrs = tuning_setup(spec, canonical, shape, job.dtype_value,
+                                                        job.target, job.measurer)
+        except (SetupError, SpecError) as err:
+            return "failed", f"cannot tune this job: {err}"
         # budget.seconds already used up by earlier attempts: no new trial, the best of the study so far
         max_trials = 0 if early == "deadline" else None
         tuner = Tuner(space, measurer, seed=job.attempts - 1, gate=gate)  # another seed when a job is taken over
         try:
-            result = tuner.run(job.budget_trials, storage=self.storage, study_name=job.study_name,
+            result = tuner.run(job.budget_trials, storage=self.storage, study_name=study_name,
                                callbacks=[recorder], attrs={**attrs, "budget": job.budget_trials, "job_id": job.id},
                                max_trials=max_trials)
             binary = None
@@ -298,10 +340,10 @@ class Worker:
                 close()
         if recorder.stopped_by in ("lost", "cancel", "shutdown"):
             return recorder.stopped_by, None
-        if job.attempts > 1:
+        if job.attempts > 1 and catch_up:
             import optuna
 
-            study = optuna.load_study(study_name=job.study_name, storage=self.storage)
+            study = optuna.load_study(study_name=study_name, storage=self.storage)
             n = recorder.catch_up(study.get_trials(deepcopy=False))
             if n:
                 log.info("trials of a lost worker recorded", extra={"job_id": job.id, "trials": n})
@@ -313,7 +355,9 @@ class Worker:
             outcome = "lost"
         try:
             with self.sessions() as session:
-                if outcome == "succeeded":
+                if outcome == "succeeded" and has_ranges(job.shape):
+                    self._finish_range(session, job, detail)
+                elif outcome == "succeeded":
                     self._finish(session, job, *detail)
                 elif outcome == "failed":
                     job_queue.fail_job(session, job.id, self.worker_id, str(detail))
@@ -344,6 +388,25 @@ class Worker:
 
     def _finish(self, session: Session, job: Job, spec: Any, space: Any, measurer: Any, result: Any,
                 binary: dict | None = None) -> None:
+        bundle, fields = self._bundle(job, spec, space, result)
+        kernel = job_queue.finish_job(session, job.id, self.worker_id, bundle=bundle, kernel_fields=fields)
+        # the kernel keeps an earlier, better bundle when this job's was not better: compile only ours
+        if self.settings.compile_binaries and kernel.bundle_sha256 == bundle["sha256"]:
+            self._store_binary(session, kernel.bundle_sha256, bundle, binary)
+
+    def _finish_range(self, session: Session, job: Job, found: list[tuple]) -> None:
+        """Store every bucket's kernel and the range (service.job_queue.finish_range_job)."""
+        made = [(shape, *self._bundle(job, spec, space, result), binary)
+                for shape, spec, space, _measurer, result, binary in found]
+        kernels = job_queue.finish_range_job(session, job.id, self.worker_id,
+                                             buckets=[(shape, bundle, fields) for shape, bundle, fields, _ in made])
+        if self.settings.compile_binaries:
+            for (_, bundle, _, binary), kernel in zip(made, kernels):
+                if kernel.bundle_sha256 == bundle["sha256"]:
+                    self._store_binary(session, kernel.bundle_sha256, bundle, binary)
+
+    def _bundle(self, job: Job, spec: Any, space: Any, result: Any) -> tuple[dict, dict]:
+        """The bundle of a search's best configuration, and its kernel fields."""
         from service.bundle_maker import make_bundle
         from service.tuning import gpu_name
 
@@ -358,12 +421,8 @@ class Worker:
             measured["baselines"] = baselines
         bundle = make_bundle(space.problem, target=job.target, strategy=result.strategy, config=result.config,
                              measured=measured)
-        kernel = job_queue.finish_job(session, job.id, self.worker_id, bundle=bundle,
-                                 kernel_fields={"time_ms": result.time_ms, "measurer": job.measurer,
-                                                "predicted": result.predicted, "baselines": baselines or None})
-        # the kernel keeps an earlier, better bundle when this job's was not better: compile only ours
-        if self.settings.compile_binaries and kernel.bundle_sha256 == bundle["sha256"]:
-            self._store_binary(session, kernel.bundle_sha256, bundle, binary)
+        return bundle, {"time_ms": result.time_ms, "measurer": job.measurer, "predicted": result.predicted,
+                        "baselines": baselines or None}
 
     def _store_binary(self, session: Session, bundle_sha256: str, bundle: dict, binary: dict | None) -> None:
         """Store the bundle's binary (service.binaries.job_variant: the one the cuda measurer ran,

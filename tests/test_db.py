@@ -64,11 +64,11 @@ def test_settings_reject_bad_values(overrides, field):
 
 
 def test_migrate_from_empty(service_db_url, engine):
-    with pytest.raises(db.DatabaseBehind, match=r"revision none .*code expects 0005: run `foldwise db upgrade --db "):
+    with pytest.raises(db.DatabaseBehind, match=r"revision none .*code expects 0006: run `foldwise db upgrade --db "):
         db.check_current(engine)
     db.upgrade(service_db_url)
     db.check_current(engine)
-    assert db.current_revision(engine) == db.head_revision() == "0005"
+    assert db.current_revision(engine) == db.head_revision() == "0006"
     assert TABLES <= set(sa.inspect(engine).get_table_names())
     db.upgrade(service_db_url)  # already at head: nothing to do
     db.check_current(engine)
@@ -103,7 +103,7 @@ def test_database_behind_a_newer_migration(service_db_url, engine, tmp_path, mon
     newer = tmp_path / "migrations"
     shutil.copytree(db.MIGRATIONS_DIR, newer, ignore=shutil.ignore_patterns("__pycache__"))
     (newer / "versions" / "0099_extra.py").write_text(
-        'import sqlalchemy as sa\nfrom alembic import op\n\nrevision = "0099"\ndown_revision = "0005"\n'
+        'import sqlalchemy as sa\nfrom alembic import op\n\nrevision = "0099"\ndown_revision = "0006"\n'
         'branch_labels = None\ndepends_on = None\n\n\n'
         'def upgrade():\n    op.create_table("extra", sa.Column("id", sa.Integer, primary_key=True))\n\n\n'
         'def downgrade():\n    op.drop_table("extra")\n')
@@ -112,7 +112,7 @@ def test_database_behind_a_newer_migration(service_db_url, engine, tmp_path, mon
     with pytest.raises(db.DatabaseBehind) as info:
         db.check_current(engine)
     assert not isinstance(info.value, db.DatabaseAhead)
-    assert "database at revision 0005, code expects 0099: run `foldwise db upgrade --db" in str(info.value)
+    assert "database at revision 0006, code expects 0099: run `foldwise db upgrade --db" in str(info.value)
     db.upgrade(service_db_url)
     db.check_current(engine)
     assert "extra" in sa.inspect(engine).get_table_names()

@@ -176,7 +176,9 @@ def _query_dtype(info: SpecInfo, dtype: str) -> str | dict[str, str]:
 
 def lookup_kernel(session: Session, cache: SpecCache, *, spec_hash: str, target: str, shape: str | None,
                   dtype: str) -> dict[str, Any]:
-    """The kernel view for a lookup: exact shape, else the nearest tuned one (``exact_match``).
+    """The kernel view for a lookup: a tuned range holding the shape (the view of the bucket's
+    kernel that serves it, with ``range``: every bucket, so a client loads them all at once), else
+    the exact shape, else the nearest tuned one that can run it (``exact_match``).
 
     ``shape`` may use the canonical dim names (``d0=4,d1=300``, as :mod:`service.client`
     sends them and bundles speak) or the names of the spec as first submitted.
@@ -186,6 +188,12 @@ def lookup_kernel(session: Session, cache: SpecCache, *, spec_hash: str, target:
         raise not_found("kernel for spec_hash", spec_hash)
     cshape = _query_shape(info, shape) if shape is not None else None
     ndtype = _query_dtype(info, dtype)
+    if cshape is not None:  # a tuned range holding the shape first: its buckets serve it (service.shape_ranges)
+        in_range = kernel_cache.find_range(session, spec_hash=spec_hash, target=target.strip().lower(),
+                                           dtype=ndtype, shape=cshape)
+        if in_range is not None:
+            row, serving, kernels = in_range
+            return kernel_view(serving, serving.shape == cshape, kernel_range=(row, kernels))
     found = kernel_cache.find_kernel(session, spec_hash=spec_hash, target=target.strip().lower(), dtype=ndtype,
                                      shape=cshape)
     if found is None:

@@ -19,7 +19,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from fuser_core import MAX_DIMS
-from service.models import Job, Kernel, TrialRecord, WorkerRecord
+from service.models import Job, Kernel, KernelRange, TrialRecord, WorkerRecord
+from service.shape_ranges import bucket_count
 from service.tuning_request import MEASURERS
 
 DEFAULT_TRIALS = 40
@@ -42,7 +43,10 @@ class DerivationRequest(BaseModel):
 class JobRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     spec: dict[str, Any] | str = Field(description="the spec: a JSON object (docs/SPEC.md), or its JSON text")
-    shape: dict[str, StrictInt] = Field(max_length=MAX_DIMS, description='dim sizes, e.g. {"m": 4, "n": 300}')
+    # a range is checked field by field by service.shape_ranges (errors name shape.t.min), not here
+    shape: dict[str, StrictInt | dict[str, Any]] = Field(
+        max_length=MAX_DIMS, description='dim sizes, e.g. {"m": 4, "n": 300}; a dim may be a range '
+                                         '{"min": 1, "max": 16384, "buckets": [...]} (docs/API.md, "Shape ranges")')
     dtype: str | dict[str, str] = Field("float32", description="float32|float16|bfloat16, or a map input -> dtype")
     target: str | None = Field(None, max_length=32, description="GPU profile (default: the server's, h100)")
     measurer: Literal[MEASURERS] | None = Field(  # type: ignore[valid-type]
@@ -68,7 +72,8 @@ def job_view(job: Job | Any) -> dict[str, Any]:
         "id": job.id, "status": job.status, "spec_hash": job.spec_hash, "shape": job.shape,
         "dtype": _dtype(job.dtype), "target": job.target, "measurer": job.measurer,
         "budget": {"trials": job.budget_trials, "seconds": job.budget_seconds},
-        "progress": {"trials_done": job.trials_done, "trials_budget": job.budget_trials},
+        # a range job runs budget.trials per bucket (service.shape_ranges)
+        "progress": {"trials_done": job.trials_done, "trials_budget": job.budget_trials * bucket_count(job.shape)},
         "best": job.best, "kernel_id": job.kernel_id, "error": job.error,
         "cancel_requested": bool(job.cancel_requested), "attempts": job.attempts, "worker_id": job.worker_id,
         "created_at": iso(job.created_at), "started_at": iso(job.started_at), "finished_at": iso(job.finished_at),
@@ -77,7 +82,10 @@ def job_view(job: Job | Any) -> dict[str, Any]:
     }
 
 
-def kernel_view(kernel: Kernel, exact: bool | None = None) -> dict[str, Any]:
+def kernel_view(kernel: Kernel, exact: bool | None = None, *,
+                kernel_range: tuple[KernelRange, list[Kernel]] | None = None) -> dict[str, Any]:
+    """A kernel's view; ``kernel_range`` (a lookup inside a tuned range): the range and its
+    buckets' kernels, shown as ``range`` (docs/API.md, "Shape ranges")."""
     view = {
         "id": kernel.id, "spec_hash": kernel.spec_hash, "shape": kernel.shape, "dtype": _dtype(kernel.dtype),
         "target": kernel.target, "strategy": kernel.strategy, "config": kernel.config, "time_ms": kernel.time_ms,
@@ -88,6 +96,14 @@ def kernel_view(kernel: Kernel, exact: bool | None = None) -> dict[str, Any]:
     }
     if exact is not None:
         view["exact_match"] = exact
+    if kernel_range is not None:
+        row, kernels = kernel_range
+        view["range"] = {
+            "id": row.id, "shape": row.shape, "job_id": row.job_id,
+            "buckets": [{"shape": b["shape"], "kernel_id": k.id, "bundle_sha256": k.bundle_sha256,
+                         "strategy": k.strategy, "config": k.config, "time_ms": k.time_ms, "predicted": k.predicted,
+                         "bundle_url": f"/v1/kernels/{k.id}/bundle"} for b, k in zip(row.buckets, kernels)],
+        }
     return view
 
 
@@ -127,7 +143,7 @@ class JobView(BaseModel):
     id: str
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
     spec_hash: str
-    shape: dict[str, int]
+    shape: dict[str, int | dict[str, Any]] = Field(description="a range job's ranged dims: {min, max, buckets}")
     dtype: str | dict[str, str]
     target: str
     measurer: str
@@ -185,6 +201,10 @@ class KernelView(BaseModel):
     measurer: str
     predicted: bool
     exact_match: bool | None = Field(None, description="lookups only: the kernel was tuned for exactly this shape")
+    range: dict[str, Any] | None = Field(
+        None, description="lookups inside a tuned range only: {id, shape, job_id, buckets: [{shape, kernel_id, "
+                          "bundle_sha256, strategy, config, time_ms, predicted, bundle_url}]}; the kernel shown is "
+                          "the bucket serving the shape asked for (the smallest bucket >= it)")
     bundle_sha256: str
     triton_version: str
     generator_version: str
