@@ -41,7 +41,17 @@ def spec_names(raw: dict) -> tuple[list[str], list[str], list[str]]:
     for decl in raw["inputs"].values():
         dims += [d for d in decl["dims"] if d not in dims]
     dims += [s["as"] for s in raw["steps"] if "as" in s]
-    return dims, [s["name"] for s in raw["steps"]], list(raw.get("params", {}))
+    # a runtime param keeps its name (the call's keyword; docs/SPEC.md): only constant params are renamings
+    return dims, [s["name"] for s in raw["steps"]], [p for p, v in raw.get("params", {}).items() if not isinstance(v, dict)]
+
+
+def _renamed_param(value, mapping: dict[str, str]):
+    """A param's value with names renamed: an expression, or a runtime param's default expression."""
+    if isinstance(value, str):
+        return rename_expr(value, mapping)
+    if isinstance(value, dict) and isinstance(value.get("default"), str):
+        return {**value, "default": rename_expr(value["default"], mapping)}
+    return value
 
 
 def rename(raw: dict, mapping: dict[str, str]) -> dict:
@@ -50,10 +60,7 @@ def rename(raw: dict, mapping: dict[str, str]) -> dict:
     out["inputs"] = {
         name: {**decl, "dims": [mapping.get(d, d) for d in decl["dims"]]} for name, decl in raw["inputs"].items()
     }
-    out["params"] = {
-        mapping.get(p, p): rename_expr(v, mapping) if isinstance(v, str) else v
-        for p, v in raw.get("params", {}).items()
-    }
+    out["params"] = {mapping.get(p, p): _renamed_param(v, mapping) for p, v in raw.get("params", {}).items()}
     steps = []
     for s in raw["steps"]:
         s = dict(s)
