@@ -19,8 +19,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from fuser_core import expr as ex
 from fuser_core.spec import Spec
 
@@ -80,7 +78,12 @@ def first_out_of_range(rule: IndexRange, values: Any, size: int) -> tuple[tuple[
         bad &= values != value
     if not bool(bad.any()):
         return None
-    first = bad.nonzero()[0] if hasattr(bad, "dim") else np.argwhere(bad)[0]  # torch, else NumPy
+    if hasattr(bad, "dim"):  # torch
+        first = bad.nonzero()[0]
+    else:  # NumPy, imported here: the client loads this module without it
+        import numpy as np
+
+        first = np.argwhere(bad)[0]
     position = tuple(int(i) for i in first)
     return position, int(values[position])
 

@@ -138,15 +138,40 @@ def bind_scalars(spec: Spec, shape: Mapping[str, int], given: Mapping[str, Any])
         elif isinstance(p.expr, ex.Num):
             number = p.expr.value
         elif p.expr is not None:
-            from fuser_core.reference import Evaluator  # NumPy: only for a default that is an expression
-
-            number = float(Evaluator(spec, shape).eval_expr(p.expr, {}))
+            number = size_expression_value(p.expr, shape, loc)
         else:
             raise ShapeError("this runtime scalar has no default: pass its value", loc=loc)
         if p.positive and not number > 0:
             raise ShapeError(f"is declared positive, got {number:g}", loc=loc)
         out[p.name] = number
     return out
+
+
+_SIZE_FUNCTIONS = {"sqrt": math.sqrt, "rsqrt": lambda x: 1 / math.sqrt(x), "exp": math.exp, "log": math.log,
+                   "log2": math.log2, "exp2": lambda x: 2.0 ** x, "abs": abs}
+_SIZE_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b,
+             "**": lambda a, b: a ** b}
+
+
+def size_expression_value(e: ex.Expr, shape: Mapping[str, int], loc: tuple) -> float:
+    """A runtime param's default (numbers, size(dim), arithmetic and a few functions: ``1 / sqrt(size(d))``)
+    at these sizes, in plain Python: the client evaluates it per call, without NumPy or the reference (which
+    imports this module). Anything else raises ShapeError at ``loc``."""
+    try:
+        if isinstance(e, ex.Num):
+            return float(e.value)
+        if isinstance(e, ex.Size):
+            return float(shape[e.dim])
+        if isinstance(e, ex.Neg):
+            return -size_expression_value(e.operand, shape, loc)
+        if isinstance(e, ex.BinOp):
+            return float(_SIZE_OPS[e.op](size_expression_value(e.left, shape, loc), size_expression_value(e.right, shape, loc)))
+        if isinstance(e, ex.Call) and e.func in _SIZE_FUNCTIONS and len(e.args) == 1:
+            return float(_SIZE_FUNCTIONS[e.func](size_expression_value(e.args[0], shape, loc)))
+    except (ArithmeticError, ValueError, KeyError) as err:
+        raise ShapeError(f"its default cannot be evaluated at these sizes: {err}", loc=loc) from None
+    raise ShapeError("its default uses more than numbers, size(), arithmetic, sqrt, rsqrt, exp, log: pass its value",
+                     loc=loc)
 
 
 def placeholder_scalars(spec: Spec) -> dict[str, float]:
