@@ -72,7 +72,12 @@ def index_ranges(spec: Spec) -> tuple[IndexRange, ...]:
 
 def first_out_of_range(rule: IndexRange, values: Any, size: int) -> tuple[tuple[int, ...], int] | None:
     """(position, value) of the first element of ``values`` (a NumPy array or a torch tensor)
-    outside the rule, or None when all are inside. One pass over the values."""
+    outside the rule, or None when all are inside. One pass over the values.
+
+    An empty axis (``size`` 0) has no position to select and nothing to read: its reductions give
+    their identities whatever the index holds (fuser_core.empty), so no value is refused."""
+    if size == 0:
+        return None
     bad = (values < 0) | (values >= size)
     for value in rule.allowed:
         bad &= values != value

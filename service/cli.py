@@ -47,7 +47,8 @@ def cmd_derive(args: argparse.Namespace) -> int:
 
 
 def cmd_catalog(args: argparse.Namespace) -> int:
-    """``foldwise catalog``: the specs known by name; ``foldwise catalog NAME``: one spec's JSON."""
+    """``foldwise catalog``: the specs known by name, each with its doc's first sentence (``--json``:
+    the whole doc); ``foldwise catalog NAME``: one spec's JSON."""
     from fuser_core import PACKAGED_DIR, catalog_dirs, catalog_entries
 
     if args.name:
@@ -60,7 +61,7 @@ def cmd_catalog(args: argparse.Namespace) -> int:
         return 0
     width = max((len(e.name) for e in entries), default=4)
     for e in entries:
-        print(f"{e.name:<{width}}  {e.doc or '(no doc)'}" + ("" if e.packaged else f"  [{e.path}]"))
+        print(f"{e.name:<{width}}  {e.summary or '(no doc)'}" + ("" if e.packaged else f"  [{e.path}]"))
     users = [str(d) for d in catalog_dirs() if d != PACKAGED_DIR]
     print(f"\n{len(entries)} specs; packaged catalog {PACKAGED_DIR}"
           + (f"; searched first: {', '.join(users)}" if users else "; add folders with $FOLDWISE_CATALOG_DIR"))

@@ -34,8 +34,8 @@ ATTENTION_SHAPE = {"b": 1, "h": 2, "m": 3, "n": 19, "d": 8, "e": 5}
 
 def shape_for(spec) -> dict[str, int]:
     """Small sizes: reduction axes 37 (19 for attention), other dims 3; topk `as` dims from k."""
-    if spec.name.startswith("attention"):
-        return dict(ATTENTION_SHAPE)
+    if spec.name.startswith("attention"):  # the grouped layout's g, r as well as h
+        return {d: ATTENTION_SHAPE.get(d, 2) for d in spec.dims}
     axes = {s.over for s in spec.steps if s.is_reduction}
     as_dims = {s.as_dim for s in spec.steps if s.as_dim}
     return {d: 37 if d in axes else 3 for d in spec.dims if d not in as_dims}

@@ -53,7 +53,7 @@ def shapes_for(name: str) -> dict[str, dict[str, int]]:
     spec, _ = spec_and_derivation(name)
     axis, inner = loop_axis(spec)
     as_dims = {s.as_dim: s.k for s in spec.steps if s.as_dim}
-    attention_like = bool(inner)  # attention: keep b = h = 1, the loop axis short
+    attention_like = bool(inner)  # attention: one batch and head (group), the loop axis short
     ragged: dict[str, int] = {}
     even: dict[str, int] = {}
     lane_sizes = iter([3, 5] * len(spec.dims))
@@ -64,7 +64,7 @@ def shapes_for(name: str) -> dict[str, dict[str, int]]:
             ragged[d], even[d] = (19, 16) if attention_like else (37, 32)
         elif d in inner:
             ragged[d], even[d] = 5, 4
-        elif attention_like and d in ("b", "h"):
+        elif attention_like and d in ("b", "h", "g"):  # g: the grouped layout's key-value heads
             ragged[d] = even[d] = 1
         else:
             ragged[d], even[d] = next(lane_sizes), 2

@@ -425,4 +425,4 @@ def test_generated_source_is_readable(name: str, strategy: str) -> None:
     for step in spec.steps:
         if step.is_reduction:
             assert any(re.search(rf"\b{step.name}\b", c) for c in comments), (step.name, comments)
-    assert "def launch(inputs, shape, out=None):" in source
+    assert "def launch(inputs, shape, out=None, scalars=None):" in source

@@ -12,6 +12,7 @@ from fuser_core.catalog import load_catalog_spec
 from fuser_core.codegen.module import generate
 from fuser_core.codegen.plan import KernelConfig, make_plan
 from fuser_core.derive import derive_cascade
+from fuser_core.problem import ShapeError
 from fuser_core.reference import evaluate, random_inputs
 from fuser_core.runner import bind_dtypes, compare, run, self_check
 from fuser_core.spec import load_spec
@@ -40,19 +41,26 @@ def test_cross_entropy_loads_the_target_logit() -> None:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_cross_entropy_targets_in_and_out_of_range(strategy: str) -> None:
-    """A target outside [0, v) (Hugging Face's ignore index -100, or v itself) has no term: the
-    loss is the row's logsumexp, as the reference sums it; in range, the logit at the target."""
+    """Targets at both ends of [0, v) select their logit; one outside it (Hugging Face's ignore
+    index -100, or v itself) selects nothing and is refused before a launch with the input, the
+    position and the value (issue 24: the formula would silently give the row's logsumexp;
+    cross_entropy_ignore is the spec that ignores -100)."""
     spec = load_catalog_spec("cross_entropy")
     shape = {"t": 6, "v": 100}
     inputs = random_inputs(spec, shape, np.random.default_rng(3))
-    inputs["target"] = np.array([0, 99, 42, -100, 100, 7], dtype=np.int64)
+    inputs["target"] = np.array([0, 99, 42, 1, 98, 7], dtype=np.int64)
     result = run(spec, shape, "float32", inputs, strategy=strategy, config=cfg(strategy))
     ref = evaluate(spec, shape, inputs)
     errors = compare(spec, result.outputs, ref, {"loss": "float32"})
     assert errors["loss"] <= 1e-4, errors
-    got = result.outputs["loss"].numpy()
-    logsumexp = np.log(np.exp(inputs["logits"]).sum(axis=1))
-    np.testing.assert_allclose(got[3:5], logsumexp[3:5], rtol=1e-5)
+    logits = inputs["logits"].astype(np.float64)
+    want = np.log(np.exp(logits).sum(axis=1)) - logits[np.arange(6), inputs["target"]]
+    np.testing.assert_allclose(result.outputs["loss"].numpy(), want, rtol=1e-5)
+    for position, bad in ((3, -100), (4, 100)):
+        target = inputs["target"].copy()
+        target[position] = bad
+        with pytest.raises(ShapeError, match=rf"inputs.target: holds {bad} at position \[{position}\]"):
+            run(spec, shape, "float32", {**inputs, "target": target}, strategy=strategy, config=cfg(strategy))
 
 
 @pytest.mark.parametrize("name,shape", [("safe_softmax", {"m": 5, "n": 300}), ("logsumexp", {"m": 5, "n": 300}),

@@ -207,7 +207,7 @@ def test_source_defaults_to_the_newest_job_then_the_tuned_kernel(db, client):
     src = r.json()
     assert src["shape"] == {"m": 4, "n": 300} and src["dtype_key"] == "float16"
     assert src["strategy"] == "streaming_fused" and src["kernel_id"] is None
-    assert "@triton.jit" in src["source"] and "def launch(inputs, shape, out=None):" in src["source"]
+    assert "@triton.jit" in src["source"] and "def launch(inputs, shape, out=None, scalars=None):" in src["source"]
     assert set(src["strategies"]) == {"row_resident", "streaming_fused", "split_fused", "multi_pass"}
     # a tuned kernel (canonical dim names in its config) becomes the default, shown in the spec's names
     canon_axis = next(d for d in job.shape if job.shape[d] == 300)

@@ -529,7 +529,7 @@ def test_argmin_over_values_equal_in_float32():
     inputs = random_inputs(spec, shape, np.random.default_rng(0))
     reference = evaluate(spec, shape, inputs)
     ties = tie_alternatives(lambda k: evaluate(spec, shape, inputs, tie_choice=k), spec, reference)
-    assert ties and any(int(t["am"][0]) != int(reference["am"][0]) for t in ties)
+    assert ties and any(int(t["am"]) != int(reference["am"]) for t in ties)
     assert any(r["passed"] for r in reports)
     x = inputs["x"]
     far = int(np.argmax(np.exp(np.sin(np.vectorize(math.erf)(x) ** 12))))  # the largest value: not tied
@@ -1288,7 +1288,7 @@ def test_sigmoid_of_a_large_negative_value_is_not_zero():
     ref = evaluate(spec, {"n": 13}, {"v": v})
     for strategy in ("row_resident", "multi_pass"):
         got = run(spec, {"n": 13}, "float32", {"v": v}, strategy=strategy).outputs
-        assert int(got["out"]) == int(ref["out"][0]) == 6, strategy
+        assert int(got["out"]) == int(ref["out"]) == 6, strategy
         s = got["s"].double().numpy()
         assert (s > 0).all() and np.allclose(s, ref["s"], rtol=1e-2, atol=2e-45), (strategy, s)  # denormals: steps of 1.4e-45
 

@@ -193,12 +193,11 @@ def test_dry_run_checks_every_catalog_kernel(full_dry_run: dict) -> None:
         strategies = [r["strategy"] for r in rows if (r["spec"], r["dtype"]) == (spec, dtype)]
         assert BASELINE in strategies and len(strategies) >= 2, (spec, dtype, strategies)
     assert len({row_key(r) for r in rows}) == len(rows)
-    # what the budget cut is listed as such; the budget leaves room for most of the plan even
-    # on a machine several times slower than a loaded 2-CPU one
+    # what the budget cut is listed as such; the specs take turns, so a cut (the interpreter is
+    # slow: CI's machine checks a third to a half of the rows in the budget) leaves none unchecked
     assert all(r.get("reason") == "time budget" for r in rows if r["status"] == "not run")
-    runnable = [r for r in rows if r["status"] != "not valid"]
     passed = [r for r in rows if r["status"] == "passed"]
-    assert len(passed) >= len(runnable) // 2, stage["counts"]
+    assert {r["spec"] for r in passed} == set(catalog_names()), stage["counts"]
     for r in passed:  # a pass is a comparison that happened: an error below its tolerance
         assert r["max_rel_err"] is not None and r["max_rel_err"] <= max(r["tolerances"].values()), r
     assert f"passed {len(passed)}" in (full_dry_run["out"] / "correctness.md").read_text()

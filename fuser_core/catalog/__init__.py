@@ -56,6 +56,11 @@ class CatalogEntry:
     doc: str | None
     packaged: bool
 
+    @property
+    def summary(self) -> str | None:
+        """The doc's first sentence: a listing's line (a serving spec's doc runs to a paragraph)."""
+        return None if self.doc is None else self.doc.split(". ", 1)[0].rstrip(".") + "."
+
 
 def catalog_dirs(extra: Sequence[str | os.PathLike] = ()) -> list[Path]:
     """The folders searched for specs by name, first match wins: ``extra``, then those of

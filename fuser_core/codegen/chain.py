@@ -104,7 +104,7 @@ class ChainKernel:
     def launch(self, inputs: Mapping[str, Any], memory: Mapping[str, Any], shape: Mapping[str, int],
                scalars: Mapping[str, float] | None = None) -> dict[str, Any]:
         """Run the module: original ``inputs`` and earlier results in ``memory`` -> its parts;
-        ``scalars``: every runtime param's value (fuser_core.reference.bind_scalars)."""
+        ``scalars``: every runtime param's value (problem.bind_scalars)."""
         args = {}
         for name, (where, what) in self.reads.items():
             args[name] = inputs[what] if where == "input" else memory[what]
@@ -593,15 +593,16 @@ def run_chain_detailed(
     *, config_blocks: Mapping[str, int] | None = None, scalars: Mapping[str, float] | None = None,
 ) -> ChainRun:
     """Run the chain; inputs are NumPy arrays (converted like runner.run) or torch tensors;
-    ``scalars`` every runtime param's value (fuser_core.reference.bind_scalars)."""
+    ``scalars``: runtime params' values, a default used where one is left out (problem.bind_scalars)."""
     import torch
 
-    from fuser_core.problem import bind_dtypes
+    from fuser_core.problem import bind_dtypes, bind_scalars
     from fuser_core.tensors import device, to_torch
 
     bound = bind_shape(spec, shape)
     dtypes = bind_dtypes(spec, dtype)
     kernels = chain_modules(spec, bound, dtypes, config_blocks)
+    scalars = bind_scalars(spec, bound, scalars or {})
     dev = device()
     arrays = {n: a for n, a in inputs.items() if not isinstance(a, torch.Tensor)}
     tensors = {n: a for n, a in inputs.items() if isinstance(a, torch.Tensor)}

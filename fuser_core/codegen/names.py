@@ -6,8 +6,11 @@ from __future__ import annotations
 import keyword
 
 FP8 = "float8_e4m3fn"  # kernels see it as uint8 bits: see fp8e4m3_bits in HELPERS
-_RESERVED = {"tl", "triton", "pid", "start", "count", "count_old", "float", "range", "int", "math", "torch"}
-_PREFIXES = ("offs_", "mask_", "size_", "scalar_", "stride_", "BLOCK_", "nblk_", "pid_")
+# the kernels' and the launcher's own names: a spec's step or input called "out" shadowed
+# launch()'s out= argument (fuzz regressions); "chunk" and "SPLIT" are a split launch's locals
+_RESERVED = {"tl", "triton", "pid", "start", "count", "count_old", "float", "range", "int", "math", "torch",
+             "inputs", "shape", "out", "scalars", "chunk", "SPLIT"}
+_PREFIXES = ("offs_", "mask_", "size_", "scalar_", "stride_", "BLOCK_", "nblk_", "pid_", "ws_")
 
 
 def safe_name(name: str) -> str:
