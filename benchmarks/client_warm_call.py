@@ -10,6 +10,13 @@ make none (the table says how many the timed calls made). Cases: the spec as a c
 loaded Spec, a dict and JSON text; the shape as a dict and as text; and, for comparison, the
 synchronous mode (``revalidate_after=0``: every call asks the server, as before the memo) on
 fewer calls. The kernel is not launched: this is the call's overhead, not the kernel's.
+
+The second table is what a forward pass pays per Foldwise layer through the torch operator
+(``KernelCache.torch_op``, issue 24's "warm-call cost of the torch op, launch stubbed"): the
+lookup, the operator's call (torch's dispatcher, the kernel's checks of names, dtypes, sizes and
+device, the outputs' allocation) with the generated module's ``launch`` replaced by a stub that
+returns the outputs it is handed, and both; the BundleKernel's own call for comparison. Inputs
+are CPU tensors of the bundle's shape; files opened during the timed calls are counted too.
 """
 
 from __future__ import annotations
@@ -81,10 +88,46 @@ def time_calls(call, calls: int) -> tuple[float, float]:
     return statistics.median(times) / 1e3, times[int(0.99 * (len(times) - 1))] / 1e3
 
 
+class StubModule:
+    """A generated module whose launch does nothing: returns the outputs it is handed."""
+
+    @staticmethod
+    def launch(inputs, shape, out=None, scalars=None):
+        return out
+
+
+_opened: list[str] = []
+sys.addaudithook(lambda event, args: _opened.append(str(args[0])) if event == "open" else None)
+
+
+def op_rows(cache: KernelCache, server: Server, calls: int) -> list[tuple]:
+    """(spec, what, calls, median µs, p99 µs, HTTP requests, files opened) of warm torch-op calls."""
+    import torch
+
+    rows = []
+    for name, (shape, _, _) in CASES.items():
+        op = cache.torch_op(name, shape, "float16", "h100")
+        op.kernel._module = StubModule  # the registered kernel is this object: the operator runs the stub
+        spec = load_spec(spec_source(name))
+        inputs = {i.name: torch.randn([shape[d] for d in i.dims], dtype=torch.float16) for i in spec.inputs}
+        op(**inputs)
+        cases = [("torch_op() lookup", lambda: cache.torch_op(name, shape, "float16", "h100")),
+                 ("op(**inputs), launch stubbed", lambda: op(**inputs)),
+                 ("torch_op() + op(**inputs), launch stubbed",
+                  lambda: cache.torch_op(name, shape, "float16", "h100")(**inputs)),
+                 ("BundleKernel(**inputs), launch stubbed (no operator)", lambda: op.kernel(**inputs))]
+        for what, call in cases:
+            before, _opened[:] = server.requests, []
+            median, p99 = time_calls(call, calls)
+            rows.append((name, what, calls, median, p99, server.requests - before, len(_opened)))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=10_000)
     ap.add_argument("--sync-calls", type=int, default=200, help="calls timed with revalidate_after=0")
+    ap.add_argument("--op-calls", type=int, default=2_000, help="calls timed through the torch operator")
     ap.add_argument("--out", type=Path, help="also write the table (Markdown) here")
     args = ap.parse_args(argv)
 
@@ -112,11 +155,16 @@ def main(argv: list[str] | None = None) -> int:
                     before = server.requests
                     median, p99 = time_calls(call, calls)
                     rows.append((name, form, revalidate_after, calls, median, p99, server.requests - before))
+            if revalidate_after:
+                ops = op_rows(cache, server, args.op_calls)
             cache.close()
 
     head = ("| spec | spec argument | revalidate_after | calls | median µs | p99 µs "
             "| HTTP requests in the timed calls |\n|---|---|---|---|---|---|---|")
     lines = [head] + [f"| {n} | {f} | {r:g} | {c} | {m:.2f} | {p:.2f} | {h} |" for n, f, r, c, m, p, h in rows]
+    lines += ["", "Through the torch operator (`KernelCache.torch_op`), revalidate_after 60:", "",
+              "| spec | call | calls | median µs | p99 µs | HTTP requests | files opened |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {n} | {w} | {c} | {m:.2f} | {p:.2f} | {h} | {o} |" for n, w, c, m, p, h, o in ops]
     facts = (f"{platform.python_implementation()} {platform.python_version()}, {platform.machine()}, "
              f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}")
     table = "\n".join(lines)

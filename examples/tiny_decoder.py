@@ -8,7 +8,7 @@ with either set of ops:
 - :class:`TorchOps`: plain torch (``F.rms_norm``, ``F.scaled_dot_product_attention`` with a
   bottom-right causal mask, ``F.cross_entropy(ignore_index=-100)``), the reference;
 - :class:`FoldwiseOps`: the catalog kernels served by ``foldwise serve`` and fetched with
-  :class:`service.client.KernelCache`, called as torch operators (``KernelCache.op``):
+  :class:`service.client.KernelCache`, called as torch operators (``KernelCache.torch_op``):
   ``rmsnorm_residual`` (residual add + norm, both written; the final norm too),
   ``attention_padded`` (GQA, causal aligned bottom-right, a left-padded batch) and
   ``cross_entropy_ignore``.
@@ -112,10 +112,10 @@ class FoldwiseOps:
         }
         for name, shape in shapes.items():
             try:
-                self.ops[name] = self.cache.op(name, shape, "float32", self.target)
+                self.ops[name] = self.cache.torch_op(name, shape, "float32", self.target)
             except LookupError:  # service.client.KernelNotFound: tune it now
                 self.cache.tune(name, shape, "float32", self.target, trials=trials)
-                self.ops[name] = self.cache.op(name, shape, "float32", self.target)
+                self.ops[name] = self.cache.torch_op(name, shape, "float32", self.target)
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape

@@ -634,6 +634,8 @@ class BundleKernel:
         # runtime params (eps, a scale): passed at call time by keyword, their names kept by the canonical form
         self.scalar_names = tuple(p.name for p in self._user.runtime_params)
         self._parts = tuple(self._output_part(part) for part in self._user.output_parts)
+        # index inputs that select a position (a label): read from the spec once, checked per call
+        self._index_rules = index_ranges(self._user)
 
     def _output_part(self, part: str) -> _OutputPart:
         step, _, suffix = part.partition(".")
@@ -846,8 +848,18 @@ class BundleKernel:
 
     def _check_index_values(self, given: Mapping[str, Any], bound: Mapping[str, int]) -> None:
         """A label outside its axis is refused, never turned into a number (fuser_core.index_values); on a
-        GPU this costs one reduction and one synchronisation per index input that selects a position."""
-        for rule in index_ranges(self._user):
+        GPU this costs one reduction and one synchronisation per index input that selects a position.
+
+        Not while a CUDA graph is being captured: a synchronisation is illegal there, and a graph
+        replays later data that no host code sees; a server that captures checks its labels (or
+        runs the spec that ignores them, cross_entropy_ignore) outside the graph."""
+        if not self._index_rules:
+            return
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        for rule in self._index_rules:
             bad = first_out_of_range(rule, given[rule.name], bound[rule.dim])
             if bad is not None:
                 raise BundleError(f"inputs.{rule.name}: {out_of_range_message(rule, bound[rule.dim], *bad)}")

@@ -576,11 +576,12 @@ class KernelCache:
         self._remember(key, req, allow_nearest, found)
         return found.kernel
 
-    def op(self, spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str] = "float32",
-           target: str = "h100", **get_options: Any) -> FoldwiseOp:
+    def torch_op(self, spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str] = "float32",
+                 target: str = "h100", **get_options: Any) -> FoldwiseOp:
         """:meth:`get`'s kernel as a torch operator (:func:`service.torch_ops.foldwise_op`): callable with
         ``out=``, on meta tensors, and inside ``torch.compile(fullgraph=True)``. One operator per kernel,
-        kept with it, so a warm call costs the memo's lookup and nothing more."""
+        kept with it, so a warm call costs the memo's lookup and nothing more. A shape inside a tuned
+        range gives the range's operator: each call runs the bucket its sizes fall in."""
         from service.torch_ops import foldwise_op  # torch only for callers of op()
 
         kernel = self.get(spec, shape, dtype, target, **get_options)

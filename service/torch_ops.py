@@ -58,29 +58,35 @@ from typing import Any, Optional  # Optional: the op schema inference knows it, 
 import torch
 
 from service.bundle import BundleError, BundleKernel, ordered_tensors
+from service.range_kernel import RangeKernel
 
-_KERNELS: dict[str, BundleKernel] = {}  # kernel_key -> kernel; entries are never removed (graphs hold keys)
+Kernel = BundleKernel | RangeKernel  # a range's kernel picks its bucket per call, inside the operator
+_KERNELS: dict[str, Kernel] = {}  # kernel_key -> kernel; entries are never removed (graphs hold keys)
 
 
-def kernel_key(kernel: BundleKernel) -> str:
-    """The registry key of ``kernel``: its spec's name and a digest of the bundle's sha256, the
-    caller's spec (input order, names and output dim order) and ``exact_shape``. The same kernel
-    loaded again gets the same key, in any process."""
-    if not isinstance(kernel, BundleKernel):
-        raise BundleError(f"kernel: expected a BundleKernel (service.client.KernelCache.get or "
+def kernel_key(kernel: Kernel) -> str:
+    """The registry key of ``kernel``: its spec's name and a digest of the bundle's sha256 (a
+    range's: every bucket's), the caller's spec (input order, names and output dim order) and
+    ``exact_shape``. The same kernel loaded again gets the same key, in any process."""
+    if isinstance(kernel, RangeKernel):
+        bundles: Any = tuple(k.sha256 for _, k in kernel.buckets)
+    elif isinstance(kernel, BundleKernel):
+        bundles = kernel.sha256
+    else:
+        raise BundleError(f"kernel: expected a BundleKernel or a RangeKernel (service.client.KernelCache.get or "
                           f"service.bundle.load_bundle), got {type(kernel).__name__}")
-    digest = hashlib.sha256(repr((kernel.sha256, kernel.exact_shape, kernel.spec)).encode("utf-8")).hexdigest()
+    digest = hashlib.sha256(repr((bundles, kernel.exact_shape, kernel.spec)).encode("utf-8")).hexdigest()
     return f"{kernel.spec.name}-{digest[:24]}"
 
 
-def register_kernel(kernel: BundleKernel) -> str:
+def register_kernel(kernel: Kernel) -> str:
     """Make ``kernel`` callable through ``torch.ops.foldwise.run``; returns its key."""
     key = kernel_key(kernel)
     _KERNELS[key] = kernel
     return key
 
 
-def registered_kernel(key: str) -> BundleKernel:
+def registered_kernel(key: str) -> Kernel:
     """The kernel registered under ``key``; :class:`BundleError` naming ``kernel_key`` otherwise."""
     kernel = _KERNELS.get(key)
     if kernel is None:
@@ -89,14 +95,14 @@ def registered_kernel(key: str) -> BundleKernel:
     return kernel
 
 
-def _named_inputs(kernel: BundleKernel, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+def _named_inputs(kernel: Kernel, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     names = kernel.input_names
     if len(inputs) != len(names):
         raise BundleError(f"inputs: {len(inputs)} tensors given, the kernel takes {len(names)} ({', '.join(names)})")
     return dict(zip(names, inputs))
 
 
-def _output_shapes(kernel: BundleKernel, inputs: Mapping[str, torch.Tensor]) -> dict[str, list[Any]]:
+def _output_shapes(kernel: Kernel, inputs: Mapping[str, torch.Tensor]) -> dict[str, list[Any]]:
     """Output shapes from the inputs' sizes, as given (symbolic under torch.compile): the first
     input holding a dim gives its size; that the others agree is the kernel's check at run time."""
     sizes: dict[str, Any] = {}
@@ -163,7 +169,7 @@ def _run_out_fake(kernel_key: str, inputs: list[torch.Tensor], outs: list[torch.
     kernel.check_out(_named_outs(kernel, outs), _output_shapes(kernel, named), inputs[0].device)
 
 
-def _named_outs(kernel: BundleKernel, outs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+def _named_outs(kernel: Kernel, outs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     parts = kernel.output_parts
     if len(outs) != len(parts):
         raise BundleError(f"out: {len(outs)} tensors given, the kernel writes {len(parts)} ({', '.join(parts)})")
@@ -182,7 +188,7 @@ class FoldwiseOp:
     look-ups and the operator call. An input named ``out`` is passed in the inputs dict.
     """
 
-    def __init__(self, kernel: BundleKernel):
+    def __init__(self, kernel: Kernel):
         self.kernel = kernel
         self.key = register_kernel(kernel)
         self.input_names = kernel.input_names
@@ -215,7 +221,10 @@ class FoldwiseOp:
         return dict(zip(self.output_parts, outs))
 
 
-def foldwise_op(kernel: BundleKernel) -> FoldwiseOp:
-    """``kernel`` (a loaded :class:`~service.bundle.BundleKernel`) registered as a torch operator,
+def foldwise_op(kernel: Kernel) -> FoldwiseOp:
+    """``kernel`` (a loaded :class:`~service.bundle.BundleKernel`, or a
+    :class:`~service.range_kernel.RangeKernel`: each call runs the bucket its sizes fall in, picked
+    inside the operator at run time, so one traced graph with dynamic sizes serves every bucket)
+    registered as a torch operator,
     and a callable over it whose call torch.compile(fullgraph=True) traces."""
     return FoldwiseOp(kernel)

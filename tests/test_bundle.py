@@ -141,14 +141,15 @@ def test_per_input_dtypes_with_fp8_weights():
 
 
 def test_bundle_speaks_canonical_names_and_callers_get_their_own():
-    """Renaming dims and steps gives the same bundle; each caller gets outputs in its names and dim order."""
+    """Renaming dims and steps gives the same bundle; each caller gets outputs in its names and dim order
+    (a runtime param keeps its name: it is the call's keyword, eps=...)."""
     renamed = load_spec({
         "foldwise": 1, "name": "my_norm",
         "inputs": {"x": {"dims": ["row", "col"]}, "gamma": {"dims": ["col"]}, "beta": {"dims": ["col"]}},
-        "params": {"epsilon": 1e-05},
+        "params": {"eps": {"runtime": "float", "default": 1e-05, "positive": True}},
         "steps": [{"name": "mu", "reduce": "sum", "over": "col", "expr": "x / size(col)"},
                   {"name": "sigma2", "reduce": "sum", "over": "col", "expr": "(x - mu)**2 / size(col)"},
-                  {"name": "out", "expr": "(x - mu) * rsqrt(sigma2 + epsilon) * gamma + beta"}],
+                  {"name": "out", "expr": "(x - mu) * rsqrt(sigma2 + eps) * gamma + beta"}],
         "outputs": ["out"]})
     original, _ = loaded("layernorm")
     assert spec_hash(renamed) == spec_hash(original)
@@ -168,7 +169,7 @@ def test_bundle_speaks_canonical_names_and_callers_get_their_own():
     canon = load_bundle(b_orig)
     dtypes = bind_dtypes(original, "float32")
     arrays = random_inputs(original, {"t": 3, "c": 37}, np.random.default_rng(1), dtypes)
-    out = canon(to_torch(arrays, dtypes, "cpu"))
+    out = canon({**to_torch(arrays, dtypes, "cpu"), "eps": 1e-05})  # the canonical spec has no default (no part of a kernel)
     assert set(out) == {"s2"} and tuple(out["s2"].shape) == (37, 3)
     mine = kernel(to_torch(arrays, dtypes, "cpu"))["out"]
     assert torch.equal(out["s2"].T, mine)

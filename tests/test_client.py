@@ -432,6 +432,25 @@ def test_a_warm_get_does_no_http_and_no_disk_access(server, tmp_path, disk_acces
     assert_runs(cold)
 
 
+def test_a_warm_torch_op_call_does_no_http_and_no_disk_access(server, tmp_path, disk_access):
+    """What a forward pass does per layer: torch_op() (the memo) and the operator's call, kernel
+    launched (the interpreter runs the module already loaded): no request, no file touched, the
+    same operator each time (benchmarks/client_warm_call.py times it with the launch stubbed)."""
+    import torch
+
+    with client(server, tmp_path) as cache:
+        op = cache.torch_op(RAW, SHAPE)
+        x = torch.randn(SHAPE["m"], SHAPE["n"])
+        want = op(x=x)["y"]
+        requests_before, disk_access[:] = len(server.requests), []
+        for _ in range(20):
+            again = cache.torch_op(RAW, SHAPE)
+            assert again is op and torch.equal(again(x=x)["y"], want)
+        assert len(server.requests) == requests_before
+        assert disk_access == []
+    np.testing.assert_allclose(want.numpy(), torch.softmax(x.double(), -1).numpy(), rtol=1e-5, atol=1e-7)
+
+
 def test_the_spec_is_parsed_and_hashed_once_per_distinct_argument(server, tmp_path, monkeypatch):
     hashed = []
     monkeypatch.setattr("service.client.spec_hash", lambda s: hashed.append(s) or spec_hash(s))

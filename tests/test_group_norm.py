@@ -202,8 +202,8 @@ def test_the_weight_is_read_where_it_is_stored(group_norm, strategy):
     t = {k: torch.from_numpy(v) for k, v in user_tensors("normal", np.random.default_rng(7)).items()}
     logical = {k: to_logical(spec, k, v, bound) for k, v in t.items()}
     with interpreter_quiet():
-        got_user = module.load().launch(t, bound)["y"]
-        got_logical = module.load().launch(logical, bound)["y"]
+        got_user = module.load().launch(t, bound, scalars={"eps": 1e-5})["y"]
+        got_logical = module.load().launch(logical, bound, scalars={"eps": 1e-5})["y"]
     assert torch.equal(got_user, got_logical)
     want = torch_group_norm({k: v.numpy() for k, v in t.items()})
     assert np.abs(to_storage(spec, spec.step("y").dims, got_user.double().numpy(), bound) - want).max() < 1e-5

@@ -196,6 +196,15 @@ def test_a_range_job_for_rmsnorm_serves_every_size_without_a_request(tmp_path) -
             assert y.shape == (t, C) and torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
         assert cache.get(RMSNORM, {"t": 1000, "c": C}) is kernel  # another shape of the range: no request
         assert counting.count == first
+        # the range as one torch operator: the bucket picked inside it per call, also under
+        # torch.compile(fullgraph=True) with dynamic sizes (one graph for every t)
+        op = cache.torch_op(RMSNORM, {"t": 37, "c": C})
+        compiled = torch.compile(lambda x: op(x=x, w=w)["y"], fullgraph=True, dynamic=True, backend="aot_eager")
+        for t, bucket in ((37, 64), (1000, 1024), (3, 64)):
+            x = torch.randn(t, C)
+            assert torch.equal(op(x=x, w=w)["y"], kernel(x=x, w=w)["y"]) and kernel.last_bucket["t"] == bucket
+            assert torch.equal(compiled(x), kernel(x=x, w=w)["y"])
+        assert counting.count == first
         with pytest.raises(Exception, match="above the tuned range 1..16384"):
             kernel(x=torch.randn(16385, C), w=w)
         with pytest.raises(KernelNotFound, match="nearest"):  # outside the range: as before, not exact

@@ -15,14 +15,17 @@ import types
 import numpy as np
 import pytest
 import torch
-from test_bundle import bundle_for, check_against_reference, loaded, small_shape
+from test_bundle import MEASURED, bundle_for, check_against_reference, loaded, small_shape
 
+from fuser_core.codegen.plan import default_config
+from fuser_core.derive import derive_cascade
 from fuser_core.merged import input_to_storage
-from fuser_core.problem import bind_shape
+from fuser_core.problem import bind_shape, make_problem
 from fuser_core.reference import random_inputs
 from fuser_core.runner import bind_dtypes, to_torch
 from fuser_core.spec import load_spec
 from service.bundle import BundleError, BundleKernel, load_bundle
+from service.bundle_maker import make_bundle
 from service.torch_ops import foldwise_op, kernel_key, registered_kernel
 
 # masked-off lanes of a tile compute on fill values (0 / 0, inf - inf); they are never stored
@@ -108,10 +111,10 @@ def test_strided_inputs_reach_the_kernel_without_a_copy_and_outputs_are_written_
     seen = {}
     launch = attn._module.launch
 
-    def spy(tensors, shape, out=None):
+    def spy(tensors, shape, out=None, scalars=None):
         seen["inputs"] = {n: t.data_ptr() for n, t in tensors.items()}
         seen["out"] = {p: t.data_ptr() for p, t in out.items()}
-        return launch(tensors, shape, out=out)
+        return launch(tensors, shape, out=out, scalars=scalars)
 
     monkeypatch.setattr(attn._module, "launch", spy)
     o = foldwise_op(attn)(**inputs)["o"]
@@ -145,11 +148,11 @@ def test_the_launchers_own_layout_is_the_one_callers_hand_it(name, monkeypatch):
     handed = {}
     launch = k._module.launch
 
-    def spy(tensors, canonical_shape, out=None):
+    def spy(tensors, canonical_shape, out=None, scalars=None):
         handed.update({p: t.stride() for p, t in out.items()})
-        own = launch(tensors, canonical_shape)
+        own = launch(tensors, canonical_shape, scalars=scalars)
         assert {p: t.stride() for p, t in own.items()} == handed
-        return launch(tensors, canonical_shape, out=out)
+        return launch(tensors, canonical_shape, out=out, scalars=scalars)
 
     monkeypatch.setattr(k._module, "launch", spy)
     for part, t in k(inputs).items():
@@ -160,7 +163,7 @@ def test_the_launchers_own_layout_is_the_one_callers_hand_it(name, monkeypatch):
 def test_a_renamed_spec_gets_its_own_dim_order_contiguous():
     """The same bundle for a spec listing w first: its y is (c, t), contiguous in that order."""
     renamed = load_spec({"foldwise": 1, "name": "norm_cw", "inputs": {"w": {"dims": ["c"]}, "x": {"dims": ["t", "c"]}},
-                         "params": {"eps": 1e-6},
+                         "params": {"eps": {"runtime": "float", "default": 1e-6, "positive": True}},
                          "steps": [{"name": "ms", "reduce": "sum", "over": "c", "expr": "x * x / size(c)"},
                                    {"name": "y", "expr": "x * rsqrt(ms + eps) * w"}], "outputs": ["y"]})
     rms = kernel("rmsnorm", RMS_SHAPE)
@@ -172,14 +175,23 @@ def test_a_renamed_spec_gets_its_own_dim_order_contiguous():
     assert kernel_key(mine) != kernel_key(rms)  # its argument order and output layout differ
 
 
-def test_a_launcher_without_out_is_run_then_copied_into_place(rms):
-    """A bundle made before launchers took out=: same results, same contiguous layout."""
-    real = rms._module.launch
-    old = BundleKernel(rms.bundle, types.SimpleNamespace(launch=lambda inputs, shape: real(inputs, shape)), True,
-                       user=rms.spec)
+def test_a_launcher_without_out_is_run_then_copied_into_place():
+    """A bundle made before launchers took out= (and runtime scalars: a spec without any, as such
+    bundles are): same results, contiguous in the caller's order (rmsnorm's canonical y is (c, t))."""
+    renamed = load_spec({"foldwise": 1, "name": "norm_old", "inputs": {"x": {"dims": ["t", "c"]}, "w": {"dims": ["c"]}},
+                         "params": {"eps": 1e-6},
+                         "steps": [{"name": "ms", "reduce": "sum", "over": "c", "expr": "x * x / size(c)"},
+                                   {"name": "y", "expr": "x * rsqrt(ms + eps) * w"}], "outputs": ["y"]})
+    config = default_config(renamed, derive_cascade(renamed), "row_resident", RMS_SHAPE).to_dict()
+    bundle = make_bundle(make_problem(renamed, RMS_SHAPE, "float32"), target="h100", strategy="row_resident",
+                         config=config, measured=MEASURED)
+    new = load_bundle(bundle, spec=renamed)
+    real = new._module.launch
+    old = BundleKernel(bundle, types.SimpleNamespace(launch=lambda inputs, shape: real(inputs, shape)), True,
+                       user=renamed)
     x, w = rms_inputs().values()
     y = old(x=x, w=w)["y"]
-    assert y.stride() == (37, 1) and torch.equal(y, rms(x=x, w=w)["y"])
+    assert y.stride() == (37, 1) and torch.equal(y, new(x=x, w=w)["y"])
 
 
 def test_an_empty_batch_gives_empty_contiguous_outputs(rms):

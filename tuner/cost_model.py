@@ -523,12 +523,13 @@ def _chain_elementwise(m: _Model, plan: ChainElementwise, earlier: Mapping[str, 
     p = Pass("once")
     work = WorkCounter(m.anatomy, p)
     inputs: dict[str, tuple[tuple[str, ...], int]] = {}
+    runtime = {q.name for q in spec.runtime_params}
     for o in plan.outputs:
         e = m.anatomy.conv.value(o)
         for s in sorted(e.free_symbols, key=lambda s: s.name):
             name = s.name
-            if name.startswith(("size(", "index(")) or name in inputs:
-                continue
+            if name.startswith(("size(", "index(")) or name in inputs or name in runtime:
+                continue  # a runtime param is a scalar argument, nothing loaded
             obj = spec.lookup(name)
             if isinstance(obj, Input):
                 inputs[name] = (obj.dims, m.inputs[name][1])

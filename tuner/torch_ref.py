@@ -502,8 +502,14 @@ _ATTENTION_INPUTS = {"q": {"dims": ["b", "h", "m", "d"]}, "k": {"dims": ["b", "h
 _SOFTMAX_STEPS = [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
                   {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"}]
 
+def _runtime_eps(default: float) -> dict:
+    """The norms' eps, a runtime scalar since issue 24. Its default is no part of the spec_hash; the
+    hand-written baselines run at it, as tuning launches do (fuser_core.problem.tuning_scalars)."""
+    return {"runtime": "float", "default": default, "positive": True}
+
+
 # The structure each hand-written kernel computes: the catalog specs (fuser_core/catalog) as of
-# issue 4. A spec gets the kernel only when its spec_hash equals its template's.
+# issue 4 (issue 24: eps at call time). A spec gets the kernel only when its spec_hash equals its template's.
 HANDWRITTEN_TEMPLATES: dict[str, dict] = {
     "attention": _spec("attention", _ATTENTION_INPUTS, [
         {"name": "s", "reduce": "sum", "over": "d", "expr": "q * k * scale"},
@@ -527,10 +533,10 @@ HANDWRITTEN_TEMPLATES: dict[str, dict] = {
     "layernorm": _spec("layernorm", {"x": {"dims": ["t", "c"]}, "gamma": {"dims": ["c"]}, "beta": {"dims": ["c"]}}, [
         {"name": "mean", "reduce": "sum", "over": "c", "expr": "x / size(c)"},
         {"name": "var", "reduce": "sum", "over": "c", "expr": "(x - mean) ** 2 / size(c)"},
-        {"name": "y", "expr": "(x - mean) * rsqrt(var + eps) * gamma + beta"}], ["y"], {"eps": 1e-05}),
+        {"name": "y", "expr": "(x - mean) * rsqrt(var + eps) * gamma + beta"}], ["y"], {"eps": _runtime_eps(1e-05)}),
     "rmsnorm": _spec("rmsnorm", {"x": {"dims": ["t", "c"]}, "w": {"dims": ["c"]}}, [
         {"name": "ms", "reduce": "sum", "over": "c", "expr": "x * x / size(c)"},
-        {"name": "y", "expr": "x * rsqrt(ms + eps) * w"}], ["y"], {"eps": 1e-06}),
+        {"name": "y", "expr": "x * rsqrt(ms + eps) * w"}], ["y"], {"eps": _runtime_eps(1e-06)}),
     "cross_entropy": _spec("cross_entropy", {"logits": {"dims": ["t", "v"]}, "target": {"dims": ["t"], "kind": "index"}}, [
         {"name": "mx", "reduce": "max", "over": "v", "expr": "logits"},
         {"name": "den", "reduce": "sum", "over": "v", "expr": "exp(logits - mx)"},
