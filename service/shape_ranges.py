@@ -37,6 +37,7 @@ from typing import Any
 from service.errors import InvalidRequest
 
 MAX_BUCKETS = 32  # buckets per range job, over all ranged dims: each is a search of its own
+TRIAL_STRIDE = 10_000  # a range job's trial numbers: bucket index (smallest first) * this + the bucket study's number
 RANGE_FIELDS = ("min", "max", "buckets")
 
 
@@ -172,6 +173,14 @@ def bucket_count(shape: Mapping[str, Any]) -> int:
         if is_range(v):
             n *= len(v["buckets"])
     return n
+
+
+def range_view(shape: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What a job view says of a range job's buckets (None for a plain job): every bucket's full
+    shape, smallest first, and the stride of its trials' numbers (trial n ran bucket n // stride)."""
+    if not has_ranges(shape):
+        return None
+    return {"buckets": bucket_shapes(fixed_of(shape), ranges_of(shape)), "trial_number_stride": TRIAL_STRIDE}
 
 
 def range_key(shape: Mapping[str, Any]) -> str:

@@ -42,11 +42,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from service import job_queue, spec_store
 from service.errors import LeaseLost
 from service.models import Job, utcnow
-from service.shape_ranges import has_ranges
+from service.shape_ranges import TRIAL_STRIDE, has_ranges
 
 log = logging.getLogger("foldwise.worker")
 STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
-RANGE_TRIAL_STRIDE = 10_000  # a range job's trial numbers: bucket index * this + the bucket study's number
 
 
 def new_worker_id() -> str:
@@ -277,7 +276,7 @@ class Worker:
         """A range job (service.shape_ranges): one search per bucket, each on its own study
         (``<job study>/<bucket shape>``, so a worker taking the job over continues each) with the
         job's ``budget.trials``; ``budget.seconds`` is for the whole job. Trials are recorded as
-        ``bucket index (smallest first) * RANGE_TRIAL_STRIDE + trial number``. A bucket with no
+        ``bucket index (smallest first) * TRIAL_STRIDE + trial number``. A bucket with no
         result fails the job, naming the bucket: a range is served whole or not at all.
 
         The largest bucket is searched first: each study is warm-started from the best of its
@@ -290,7 +289,7 @@ class Worker:
         shapes = bucket_shapes(fixed_of(job.shape), ranges_of(job.shape))
         found = []
         for i, shape in reversed(list(enumerate(shapes))):
-            recorder.number_offset = i * RANGE_TRIAL_STRIDE
+            recorder.number_offset = i * TRIAL_STRIDE
             early = early or recorder.reason()
             if early in ("lost", "cancel", "shutdown"):
                 return early, None

@@ -429,12 +429,12 @@ def test_cancel_from_the_job_page(server, page):
     page.shot("11-job-cancelled", full=True)
 
 
-def _finished_job(server, name: str, shape: dict) -> dict:
+def _finished_job(server, name: str, shape: dict, trials: int = 4) -> dict:
     """A job submitted through the API (writer token), waited for until it finished."""
     raw = json.loads((CATALOG_DIR / f"{name}.json").read_text())
     r = _api(server, "POST", "/v1/jobs", server["writer"], json={
         "spec": raw, "shape": shape, "dtype": "float32", "target": "h100", "measurer": "model",
-        "budget": {"trials": 4, "seconds": 300}})
+        "budget": {"trials": trials, "seconds": 300}})
     assert r.status_code in (200, 202), r.text
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while True:
@@ -443,6 +443,21 @@ def _finished_job(server, name: str, shape: dict) -> dict:
             assert job["status"] == "succeeded", job
             return job
         time.sleep(0.3)
+
+
+def test_a_range_jobs_page_shows_each_bucket(server, page):
+    """A range job (issue 24, item 3) runs one search per bucket: its page lists the buckets in the
+    caller's dim names, smallest first, with each one's trials and best time."""
+    job = _finished_job(server, "rmsnorm", {"t": {"min": 1, "max": 64, "buckets": [8, 64]}, "c": 64}, trials=2)
+    assert job["range"]["trial_number_stride"] > 0 and len(job["range"]["buckets"]) == 2
+    page.open(f"#/jobs/{job['id']}")
+    page.sign_in(server["writer"])
+    rows = "#buckets-table tbody tr"
+    page.wait(lambda d: len(page.all(rows)) == 2, 15, "no bucket rows")
+    cells = [[c.text for c in row.find_elements(By.CSS_SELECTOR, "td")] for row in page.all(rows)]
+    assert [c[0] for c in cells] == ["c=64,t=8", "c=64,t=64"], cells
+    assert all(c[1] == "2" and c[2] not in ("", "—") and c[3] for c in cells), cells
+    page.shot("12-range-job-buckets", full=True)
 
 
 def test_read_only_views_for_a_kernels_read_token(server, page):

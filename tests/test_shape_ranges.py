@@ -168,6 +168,13 @@ def test_a_range_job_for_rmsnorm_serves_every_size_without_a_request(tmp_path) -
             worker.join(30)
         assert view["status"] == "succeeded", view
         assert view["progress"]["trials_done"] == 4
+        # the view lists the buckets (canonical names: t is d1), and each trial's number says its bucket
+        assert [b["d1"] for b in view["range"]["buckets"]] == BUCKETS, view["range"]
+        stride = view["range"]["trial_number_stride"]
+        trials = http.get(f"/v1/jobs/{job['id']}/trials").json()["trials"]
+        assert sorted(t["number"] // stride for t in trials) == [0, 1, 2, 3]
+        plain = http.post("/v1/jobs", json={**body, "shape": {"t": 37, "c": C}}).json()
+        assert plain["range"] is None
 
         # the server's lookup inside the range: the bucket's kernel, marked, with every bucket
         found = http.get("/v1/kernels", params={"spec_hash": job["spec_hash"], "shape": f"t=37,c={C}"}).json()

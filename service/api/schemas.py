@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from fuser_core import MAX_DIMS
 from service.models import Job, Kernel, KernelRange, TrialRecord, WorkerRecord
-from service.shape_ranges import bucket_count
+from service.shape_ranges import bucket_count, range_view
 from service.tuning_request import MEASURERS
 
 DEFAULT_TRIALS = 40
@@ -79,6 +79,7 @@ def job_view(job: Job | Any) -> dict[str, Any]:
         "created_at": iso(job.created_at), "started_at": iso(job.started_at), "finished_at": iso(job.finished_at),
         "url": f"/v1/jobs/{job.id}",
         "kernel_url": f"/v1/kernels/{job.kernel_id}" if job.kernel_id else None,
+        "range": range_view(job.shape),  # a range job's buckets (docs/API.md, "Shape ranges"); else null
     }
 
 
@@ -160,6 +161,9 @@ class JobView(BaseModel):
     finished_at: str | None
     url: str
     kernel_url: str | None
+    range: dict[str, Any] | None = Field(
+        None, description="a range job's buckets: {buckets: [every bucket's full shape, smallest first], "
+                          "trial_number_stride} (trial n ran bucket n // trial_number_stride); null for a plain job")
 
 
 class JobList(BaseModel):

@@ -1,4 +1,4 @@
-// One job: its facts, best-so-far vs trial chart, every trial, and the cancel button.
+// One job: its facts, best-so-far vs trial chart, a range job's buckets, every trial, and the cancel button.
 import { api, download } from "../api.js";
 import { displayConfig, displayShape, lookupSpecs, specName } from "../names.js";
 import {
@@ -28,11 +28,13 @@ export async function render(ctx) {
   const chartBox = h("div", { class: "chart", id: "job-chart" });
   const chartNote = h("p", { class: "muted", id: "chart-note" });
   const tbody = h("tbody", { id: "trials-body" });
+  // a range job (one search per bucket): each bucket's trials and best, from the trials' numbers
+  const bucketsBox = h("div", { id: "job-buckets" });
   const trialsTable = h("table", { class: "grid", id: "trials-table" },
     h("thead", {}, h("tr", {}, ["#", "state", "strategy", "config", "time / failure", "compiled", "source", "worker"].map((c) => h("th", {}, c)))),
     tbody);
   replace(ctx.root, head, message, facts,
-    h("h2", {}, "Best so far vs trial"), chartBox, chartNote,
+    bucketsBox, h("h2", {}, "Best so far vs trial"), chartBox, chartNote,
     h("h2", {}, "Trials ", h("span", { class: "muted", id: "trials-count" })), trialsTable);
 
   let chart = null;
@@ -41,6 +43,27 @@ export async function render(ctx) {
   let stop = null;
   let finishedSeen = false;
   let hash = null;
+  let range = null; // the job view's range: {buckets, trial_number_stride}, or null
+
+  const renderBuckets = (trials) => {
+    if (!range) { replace(bucketsBox); return; }
+    const stride = range.trial_number_stride;
+    const rows = range.buckets.map((shape, i) => {
+      const mine = trials.filter((t) => Math.floor(t.number / stride) === i);
+      const done = mine.filter((t) => t.time_ms !== null && t.time_ms !== undefined && (t.state === undefined || t.state === "complete"));
+      const best = done.reduce((b, t) => (b === null || t.time_ms < b.time_ms ? t : b), null);
+      return h("tr", { "data-bucket": i },
+        h("td", { class: "mono" }, fmtShape(displayShape(hash, shape))),
+        h("td", { class: "num" }, mine.length),
+        h("td", { class: "num" }, best ? fmtMs(best.time_ms) : "—"),
+        h("td", {}, best ? best.strategy || "" : ""),
+        h("td", {}, best ? h("code", { class: "config" }, fmtJson(displayConfig(hash, best.config))) : ""));
+    });
+    replace(bucketsBox, h("h2", {}, "Buckets ", h("span", { class: "muted" }, `(${range.buckets.length}: a search each, largest first)`)),
+      h("table", { class: "grid", id: "buckets-table" },
+        h("thead", {}, h("tr", {}, ["bucket", "trials", "best", "strategy", "config"].map((c) => h("th", {}, c)))),
+        h("tbody", {}, rows)));
+  };
 
   const drawChart = (trials) => {
     const xs = [];
@@ -76,6 +99,7 @@ export async function render(ctx) {
     await lookupSpecs([j.spec_hash]);
     if (!ctx.alive()) return;
     hash = j.spec_hash;
+    range = j.range || null;
     const canCancel = ctx.can("jobs:write") && !FINISHED.has(j.status);
     const cancel = canCancel ? h("button", { type: "button", class: "danger", id: "cancel-button", disabled: j.cancel_requested === true, onclick: async (e) => {
       e.target.disabled = true;
@@ -123,6 +147,7 @@ export async function render(ctx) {
         h("td", { class: "mono muted" }, t.worker_id ?? t.worker ?? ""));
     }));
     chartNote.textContent = trials.length ? "" : "No trials yet.";
+    renderBuckets(trials);
     drawChart(trials);
   };
 
