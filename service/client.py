@@ -775,6 +775,7 @@ class KernelCache:
             kernel = RangeKernel(shape, loaded)
         except BundleError as err:
             raise KernelIntegrityError(f"the range for {req.what}: {err}") from None
+        self._store_range(req, shape, [(b["shape"], k.sha256) for b, (_, k) in zip(buckets, loaded)])
         found = _Found(kernel, ident, f"range:{rng.get('id')}")
         with self._memo_lock:  # every later get() inside this range is answered without a request
             self._ranges[(req.shash, dtype_text(req.ndtype), req.target, id(req.user))] = (shape, found, req.user)
@@ -1043,12 +1044,52 @@ class KernelCache:
             return None
         return self._read_disk(entry["sha256"])
 
-    def _offline(self, req: _Request, allow_nearest: bool, reason: str) -> BundleKernel:
+    def _offline(self, req: _Request, allow_nearest: bool, reason: str) -> BundleKernel | RangeKernel:
         bundle = self._from_index(req.key, allow_nearest)
-        if bundle is None:
+        if bundle is not None:
+            return self._load(bundle).for_spec(req.user)
+        in_range = self._range_from_disk(req)
+        if in_range is None:
             raise KernelNotFound(f"{reason}; and the disk cache {self.cache_dir} has no kernel for {req.what}",
                                  offline=True)
-        return self._load(bundle).for_spec(req.user)
+        return in_range
+
+    # A tuned range on disk: ranges/<spec, dtype, target digest>-<range digest>.json lists the range's
+    # shape and each bucket's shape and bundle sha256, so a restart without the server serves every
+    # shape of the range from the stored bundles (the index above is per exact request).
+    def _range_prefix(self, req: _Request) -> str:
+        return hashlib.sha256(json.dumps([req.shash, dtype_text(req.ndtype), req.target]).encode()).hexdigest()[:16]
+
+    def _store_range(self, req: _Request, shape: Mapping[str, Any], buckets: list[tuple[Any, str]]) -> None:
+        folder = self.cache_dir / "ranges"
+        folder.mkdir(exist_ok=True)
+        entry = {"spec_hash": req.shash, "dtype": req.ndtype, "target": req.target, "shape": dict(shape),
+                 "buckets": [{"shape": b, "sha256": sha} for b, sha in buckets]}
+        digest = hashlib.sha256(json.dumps(dict(shape), sort_keys=True).encode()).hexdigest()[:16]
+        self._write_atomic(folder / f"{self._range_prefix(req)}-{digest}.json", json.dumps(entry, sort_keys=True).encode())
+
+    def _range_from_disk(self, req: _Request) -> RangeKernel | None:
+        """A stored range holding ``req``'s shape whose every bucket's bundle is on disk and
+        verifies, as a :class:`RangeKernel`; None otherwise (a damaged entry is skipped)."""
+        for path in sorted((self.cache_dir / "ranges").glob(f"{self._range_prefix(req)}-*.json")):
+            try:
+                entry = json.loads(path.read_bytes())
+                if (entry["spec_hash"], entry["target"]) != (req.shash, req.target) or entry["dtype"] != req.ndtype:
+                    continue
+                if pick_bucket(entry["shape"], req.cshape) is None:
+                    continue
+                loaded = []
+                for b in entry["buckets"]:
+                    bundle = self._read_disk(b["sha256"])
+                    if bundle is None or bundle["shape"] != b["shape"]:
+                        break
+                    self._check_request_fields(bundle, req)
+                    loaded.append((bundle["shape"], self._load(bundle).for_spec(req.user)))
+                else:
+                    return RangeKernel(entry["shape"], loaded)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, KernelIntegrityError, BundleError):
+                continue
+        return None
 
     def _load(self, bundle: dict) -> BundleKernel:
         with self._lock:

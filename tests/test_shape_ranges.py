@@ -218,6 +218,19 @@ def test_a_range_job_for_rmsnorm_serves_every_size_without_a_request(tmp_path) -
             cache.get(RMSNORM, {"t": 37, "c": 4})
         cache.close()
 
+    # a restart with the server down: the range is served from the disk cache, every shape of it
+    def refused(request):
+        raise httpx.ConnectError("connection refused", request=request)
+
+    offline = KernelCache("http://testserver", cache_dir=tmp_path / "client", transport=httpx.MockTransport(refused))
+    again = offline.get(RMSNORM, {"t": 1000, "c": C})
+    assert isinstance(again, RangeKernel) and again is not kernel
+    x = torch.randn(1000, C)
+    assert torch.equal(again(x=x, w=w)["y"], kernel(x=x, w=w)["y"]) and again.last_bucket == {"c": C, "t": 1024}
+    with pytest.raises(KernelNotFound, match="disk cache"):  # outside every stored range
+        offline.get(RMSNORM, {"t": 37, "c": 4})
+    offline.close()
+
 
 # ----------------------------------------------------------------------------- nearest honours size_limits
 
