@@ -3,7 +3,8 @@ strategy and the unfused chain, default configs, at a small ragged size and at e
 suite size (the suite's dtype; float16 at the small size), for h100 (sm_90) and a100 (sm_80).
 
     python benchmarks/compile_catalog.py [--sizes small|paper|all] [--small-dtypes float16,float32]
-                                         [--targets h100,a100] [--out benchmarks/results/compile_catalog_sm90_sm80.md]
+                                         [--dtype-turns N] [--targets h100,a100]
+                                         [--out benchmarks/results/compile_catalog_sm90_sm80.md]
 
 Prints a Markdown table: registers per thread, spilled bytes per thread and shared memory per
 program of every kernel, and the strategies refused at each size. Exit 1 when a kernel fails.
@@ -42,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the small ragged size, the paper suite's sizes, or both (default)")
     parser.add_argument("--small-dtypes", default="float16",
                         help="comma-separated dtypes of every float input at the small size (default float16)")
+    parser.add_argument("--dtype-turns", type=int, metavar="START",
+                        help="the --small-dtypes take turns over strategies and targets, starting from the "
+                             "START-th, instead of each compiling them all (CI's Triton 3.6 job: its time)")
     args = parser.parse_args(argv)
+    small_dtypes = args.small_dtypes.split(",")
 
     paper = load_suites()["paper"]
     cases, refused = [], []
@@ -50,18 +55,20 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_catalog_spec(name)
         derivation = derive_cascade(spec)
         small = bind_shape(spec, small_shape(spec))
-        sizes = [(small, d, "small") for d in args.small_dtypes.split(",")] if args.sizes != "paper" else []
+        turns = args.dtype_turns is not None
+        sizes = ([(small, None if turns else d, "small") for d in (small_dtypes[:1] if turns else small_dtypes)]
+                 if args.sizes != "paper" else [])
         if args.sizes != "small":
             sizes += [(bind_shape(spec, c["shape"]), c["dtype"], "paper") for c in paper if c["spec"] == name]
         for shape, dtype, label in sizes:
             valid = valid_strategies(spec, derivation, shape)
             refused += [(name, label, s, why) for s, why in valid.items() if why]
-            dtypes = bind_dtypes(spec, dtype)
             for target in args.targets.split(","):
                 capability = capability_of(get_profile(target).arch)
                 for strategy in [s for s in STRATEGIES if not valid.get(s)] + [BASELINE]:
-                    request = CompileRequest(spec, shape, dtypes, strategy, None, capability)
-                    cases.append((name, label, shape, dtype, target, request))
+                    this = dtype if dtype is not None else small_dtypes[(args.dtype_turns + len(cases)) % len(small_dtypes)]
+                    request = CompileRequest(spec, shape, bind_dtypes(spec, this), strategy, None, capability)
+                    cases.append((name, label, shape, this, target, request))
     start = time.perf_counter()
     with CompilePool() as pool:
         builds = pool.compile([c[-1] for c in cases])

@@ -93,6 +93,6 @@ def test_tune_prints_no_interpreter_warnings():
     are checked, so NumPy's warnings about those lanes are not printed."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-m", "service.cli", "tune", "moe_routing", "--shape", "t=8,x=64",
-                           "--trials", "20"], capture_output=True, text=True, env=env, timeout=300)
+                           "--trials", "6"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "0 failed" in proc.stdout and "RuntimeWarning" not in proc.stderr, proc.stderr
