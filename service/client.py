@@ -582,7 +582,7 @@ class KernelCache:
         ``out=``, on meta tensors, and inside ``torch.compile(fullgraph=True)``. One operator per kernel,
         kept with it, so a warm call costs the memo's lookup and nothing more. A shape inside a tuned
         range gives the range's operator: each call runs the bucket its sizes fall in."""
-        from service.torch_ops import foldwise_op  # torch only for callers of op()
+        from service.torch_ops import foldwise_op  # torch only for callers of torch_op()
 
         kernel = self.get(spec, shape, dtype, target, **get_options)
         op = self._ops.get(id(kernel))
@@ -1066,7 +1066,8 @@ class KernelCache:
         entry = {"spec_hash": req.shash, "dtype": req.ndtype, "target": req.target, "shape": dict(shape),
                  "buckets": [{"shape": b, "sha256": sha} for b, sha in buckets]}
         digest = hashlib.sha256(json.dumps(dict(shape), sort_keys=True).encode()).hexdigest()[:16]
-        self._write_atomic(folder / f"{self._range_prefix(req)}-{digest}.json", json.dumps(entry, sort_keys=True).encode())
+        path = folder / f"{self._range_prefix(req)}-{digest}.json"
+        self._write_atomic(path, json.dumps(entry, sort_keys=True).encode())
 
     def _range_from_disk(self, req: _Request) -> RangeKernel | None:
         """A stored range holding ``req``'s shape whose every bucket's bundle is on disk and
