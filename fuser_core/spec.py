@@ -530,7 +530,7 @@ class _Loader:
                 raise SpecError(f"{reduce} over several dims is not supported (a position in one of them)",
                                 loc=(*loc, "over"), step=sname)
             over = self.merged_into[over[0]]
-        elif over in self.merged_into:
+        elif isinstance(over, str) and over in self.merged_into:
             merged = self.merged_into[over]
             raise SpecError(f"{over!r} is reduced together with the others of {list(self.merges[merged])} by another "
                             "step: reduce over that list here too", loc=(*loc, "over"), step=sname)

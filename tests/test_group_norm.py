@@ -161,6 +161,8 @@ def variant(**step) -> dict:
     (variant(over=["c", "q"]), ("steps", 0, "over"), "unknown dim 'q'"),
     (variant(over=["c", "c"]), ("steps", 0, "over"), "twice"),
     (variant(reduce="argmax"), ("steps", 0, "over"), "argmax over several dims"),
+    (variant(over={}), ("steps", 0, "over"), "must be an identifier"),  # unhashable: found by the fuzz test in CI
+    (variant(over=3), ("steps", 0, "over"), "must be an identifier"),
     (variant(expr="x * index(c)"), ("steps", 0, "expr"), "index(c)"),
     ({**BASE, "inputs": {"x": {"dims": ["c", "n", "p"]}, "w": {"dims": ["c"]}}}, ("inputs", "x", "dims"),
      "next to each other"),
