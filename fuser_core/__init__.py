@@ -18,6 +18,7 @@ __version__ = "0.1.0"  # the project's version (pyproject.toml reads it from her
 # problem, catalog, merged, index_values. Heavy (sympy, numpy, scipy, triton): the rest.
 _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("fuser_core.errors", n) for n in ("SpecError", "DerivationLimitError")},
+    **{n: ("fuser_core.targets", n) for n in ("Target",)},
     **{n: ("fuser_core.spec", n) for n in ("Spec", "load_spec", "MAX_DIMS", "MAX_SPEC_BYTES")},
     **{n: ("fuser_core.canonical", n) for n in ("spec_hash", "canonical_json", "canonical_names", "canonical_form")},
     **{n: ("fuser_core.problem", n) for n in (
