@@ -304,6 +304,37 @@ def test_exit_codes_and_signals_are_named(tmp_path) -> None:
         assert w._state["proc"] is None
 
 
+ECHO_JOBS = """
+class EchoJobs:
+    def __init__(self, device, conn):
+        self.info = {"device": device, "runner": "echo"}
+
+    def run(self, job, payload, fault):
+        if job == "boom":
+            raise ValueError("no " + payload["what"])
+        return {"job": job, **payload}
+"""
+
+
+def test_the_worker_process_runs_any_job_runner(tmp_path) -> None:
+    """The crash-isolated worker is not tied to measuring: it runs the job runner it is given
+    (``module:Class``), answers a job's exception as that job's failure and keeps its child, and
+    a runner that cannot be set up is a startup error answered at once to every later call."""
+    (tmp_path / "echo_jobs.py").write_text(ECHO_JOBS)
+    env = {"PYTHONPATH": str(tmp_path)}  # the child also gets the repository on its path
+    with WorkerProcess("cpu", env=env, jobs="echo_jobs:EchoJobs") as w:
+        r = w.call("echo", {"x": 1})
+        assert r.ok and r.value == {"job": "echo", "x": 1} and w.info == {"device": "cpu", "runner": "echo"}
+        pid = w.pid
+        bad = w.call("boom", {"what": "luck"})
+        assert (bad.ok, bad.kind, bad.error) == (False, "exception", "ValueError: no luck")
+        assert w.call("echo").ok and w.pid == pid and w.starts == 1
+    with WorkerProcess("cpu", env=env, jobs="echo_jobs:Missing") as w:
+        r = w.call("echo")
+        assert (r.ok, r.kind) == (False, "startup") and "AttributeError" in r.error
+        assert w.call("echo").error == r.error and w.starts == 1
+
+
 def test_the_child_answers_the_measured_binary_job_after_measuring() -> None:
     """The kernel store's ``binary`` job (tuner.measured_binary) through the child on the CPU
     device: the measured module is launched again, but Triton's interpreter keeps no JIT cache
