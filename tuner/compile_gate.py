@@ -107,7 +107,7 @@ def judge(build: ModuleBuild, profile: GpuProfile) -> CompileVerdict:
         if shared > profile.smem_per_block_max:
             return CompileVerdict(arch, build.kernels, (
                 f"shared memory ({k.kernel}): the compiler allocates {shared} bytes > {profile.smem_per_block_max} "
-                f"per block on {profile.name} ({arch})"))
+                f"{profile.smem_limit_words} on {profile.name} ({arch})"))
         if regs > profile.regs_per_thread_max:
             return CompileVerdict(arch, build.kernels, (
                 f"registers ({k.kernel}): {regs} per thread > {profile.regs_per_thread_max} on {profile.name}"))
@@ -115,7 +115,7 @@ def judge(build: ModuleBuild, profile: GpuProfile) -> CompileVerdict:
         if held > profile.regs_per_sm:
             return CompileVerdict(arch, build.kernels, (
                 f"registers ({k.kernel}): {regs} per thread x {profile.warp_size * warps} threads need {held} > "
-                f"{profile.regs_per_sm} per SM on {profile.name}"))
+                f"{profile.regs_per_sm} per {profile.sm_word} on {profile.name}"))
     return CompileVerdict(arch, build.kernels)
 
 
