@@ -3,9 +3,9 @@ it is measured or predicted.
 
 :meth:`SearchSpace.check` judges a candidate from estimates (registers from live values,
 shared memory from tile sizes); the compiler knows. :class:`CompileGate` compiles a
-candidate's module(s) for the target's arch (``GpuProfile.arch``, e.g. ``sm_90``) with
-:mod:`fuser_core.codegen.gpu_compile`, which needs no GPU, and answers with a
-:class:`CompileVerdict`:
+candidate's module(s) for the profile's target (``GpuProfile.target``: ``sm_90`` gives a cubin,
+``gfx942`` an hsaco) with :mod:`fuser_core.codegen.gpu_compile`, which needs no GPU, and
+answers with a :class:`CompileVerdict`:
 
 - a kernel does not compile: **pruned**, the reason is the compiler's message, with the Triton
   version that gave it (``does not compile for sm_90 with Triton 3.6.0: <kernel>: line N: ...``):
