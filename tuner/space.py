@@ -287,7 +287,8 @@ class SearchSpace:
             where = f" ({kernel.name})" if strategy == "split_fused" else ""
             if r.smem_bytes > p.smem_per_block_max:
                 return (f"shared memory{where}: {r.smem_bytes // 1024} KiB > {p.smem_per_block_max // 1024} KiB "
-                        f"{p.smem_limit_words} on {p.name} (tl.dot operands and pipelined loads x num_stages = {c.num_stages})")
+                        f"{p.smem_limit_words} on {p.name} "
+                        f"(tl.dot operands and pipelined loads x num_stages = {c.num_stages})")
             # registers are pruned here by a lower bound only: the compile gate has ptxas's count
             if r.min_regs_per_thread > p.regs_per_thread_max:
                 return (f"registers{where}: at least {r.min_regs_per_thread} per thread > {p.regs_per_thread_max} "
