@@ -323,7 +323,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """``foldwise bench``: tuned fused kernels against their baselines (tuner/bench.py). Without
+    """``foldwise bench``: tuned fused kernels against their baselines (tuner/bench/). Without
     a CUDA GPU it refuses (exit 2) unless ``--device cpu`` asks for the interpreter smoke mode."""
     from tuner import BASELINES, BenchError, TimingSettings, run_bench
 

@@ -1,4 +1,4 @@
-"""``foldwise bench`` (tuner/bench.py) and the PyTorch baselines (tuner/torch_ref.py).
+"""``foldwise bench`` (tuner/bench/) and the PyTorch baselines (tuner/torch_ref/).
 
 Without a GPU the bench must refuse (exit 2); ``--device cpu`` runs the whole pipeline
 (tuning with the cuda measurer's worker, the baselines checked then timed, the writers)
@@ -30,13 +30,20 @@ from fuser_core.reference import bind_shape, evaluate, random_inputs
 from fuser_core.runner import TOLERANCE, bind_dtypes, compare, to_torch
 from fuser_core.spec import load_spec
 from service.cli import main
-from tuner import bench
+from tuner.bench.errors import BenchError
+from tuner.bench.report import write_outputs
+from tuner.bench.run import run_bench
+from tuner.bench.suites import case_id
+from tuner.bench.targets import TARGETS, dependent_long_axes, evaluate_case, roofline, summarize_targets
 from tuner.device.inputs import problem_payload
 from tuner.device.timing import CPU_LABEL, TimingSettings
 from tuner.device.worker import WorkerProcess
 from tuner.measure import reduced_problem
 from tuner.profiles import get_profile
-from tuner.torch_ref import HANDWRITTEN_TEMPLATES, build, contraction_flops, handwritten, handwritten_reason
+from tuner.static_bound import min_bytes
+from tuner.torch_ref.builder import build
+from tuner.torch_ref.contractions import contraction_flops
+from tuner.torch_ref.handwritten import HANDWRITTEN_TEMPLATES, handwritten, handwritten_reason
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked tile lanes compute 0/0
 
@@ -52,7 +59,7 @@ def loaded(name: str):
 
 
 def case_name(case: dict) -> str:
-    return bench.case_id(case)
+    return case_id(case)
 
 
 # ------------------------------------------------------------------------------ torch baselines
@@ -118,8 +125,8 @@ def test_case_classification_for_the_paper_suite() -> None:
         spec, d = loaded(case["spec"])
         shape = bind_shape(spec, case["shape"])
         dtypes = bind_dtypes(spec, case["dtype"])
-        r = bench.roofline(spec, shape, dtypes, h100)
-        facts[case_name(case)] = (r["memory_bound"], bench.dependent_long_axes(spec, d, shape))
+        r = roofline(spec, shape, dtypes, h100)
+        facts[case_name(case)] = (r["memory_bound"], dependent_long_axes(spec, d, shape))
     by_spec = {}
     for case in SUITES["paper"]:
         by_spec.setdefault(case["spec"], []).append(facts[case_name(case)])
@@ -130,7 +137,7 @@ def test_case_classification_for_the_paper_suite() -> None:
     assert by_spec["rmsnorm"] == [(True, [])]  # one reduction only
     assert by_spec["layernorm"] == [(True, ["c"])] and by_spec["cross_entropy"] == [(True, ["v"])]
     spec, _ = loaded("rmsnorm")
-    assert bench.min_bytes(spec, {"t": 8, "c": 16}, {"x": "bfloat16", "w": "bfloat16"}) == (8 * 16 + 16 + 8 * 16) * 2
+    assert min_bytes(spec, {"t": 8, "c": 16}, {"x": "bfloat16", "w": "bfloat16"}) == (8 * 16 + 16 + 8 * 16) * 2
 
 
 def _entry(times: dict, *, memory_bound: bool = True, long_axes=("n",), hand: bool = True) -> dict:
@@ -144,7 +151,7 @@ def _entry(times: dict, *, memory_bound: bool = True, long_axes=("n",), hand: bo
 def test_targets_are_judged_only_on_a_gpu() -> None:
     copy = {"bytes_per_s": 3e12}
     e = _entry({"fused": 1e-3, "chain": 2.5e-3, "compile": 0.9e-3, "handwritten": 1.05e-3, "eager": 4e-3})
-    bench.evaluate_case(e, copy, "cuda")
+    evaluate_case(e, copy, "cuda")
     t = e["targets"]
     assert t["chain_2x"]["status"] == "met" and t["chain_2x"]["value"] == pytest.approx(2.5)
     assert t["compile_1x"]["status"] == "missed" and t["compile_1x"]["value"] == pytest.approx(0.9)
@@ -152,12 +159,12 @@ def test_targets_are_judged_only_on_a_gpu() -> None:
     assert t["copy_bw_80"]["status"] == "met" and t["copy_bw_80"]["value"] == pytest.approx(1.0)  # 3 MB in 1 us
     e = _entry({"fused": 2e-3, "chain": 2.5e-3}, memory_bound=False, long_axes=(), hand=False)
     e["variants"]["compile"] = {"status": "wrong", "error": "wrong result"}
-    bench.evaluate_case(e, copy, "cuda")
+    evaluate_case(e, copy, "cuda")
     t = e["targets"]
-    assert [t[k]["status"] for k in bench.TARGETS] == ["n/a", "not measured", "n/a", "n/a"]
+    assert [t[k]["status"] for k in TARGETS] == ["n/a", "not measured", "n/a", "n/a"]
     assert "torch.compile: wrong" in t["compile_1x"]["reason"]
     e = _entry({"fused": 1e-3, "chain": 2.5e-3, "compile": 2e-3, "handwritten": 2e-3})
-    bench.evaluate_case(e, copy, "cpu")
+    evaluate_case(e, copy, "cpu")
     assert {t["status"] for t in e["targets"].values()} == {"not evaluated"}
 
 
@@ -178,8 +185,8 @@ def test_bench_bad_options_exit_2(capsys, tmp_path) -> None:
     assert main(["bench", "--baselines", "chain,magic", "--device", "cpu"]) == 2
     assert "--baselines: unknown baseline 'magic'" in capsys.readouterr().err
     assert main(["bench", "--trials", "0", "--device", "cpu"]) == 2
-    with pytest.raises(bench.BenchError, match="no case of spec 'layernorm'"):
-        bench.run_bench("smoke", None, trials=1, device="cpu", only=["layernorm"])
+    with pytest.raises(BenchError, match="no case of spec 'layernorm'"):
+        run_bench("smoke", None, trials=1, device="cpu", only=["layernorm"])
 
 
 def test_bench_cpu_smoke_runs_the_whole_pipeline(capfd, tmp_path) -> None:
@@ -238,12 +245,12 @@ def test_writers_render_gpu_results(tmp_path) -> None:
         e = _entry(times, hand="handwritten" in times)
         e.update(id=name, spec=name, shape={"n": 8}, suite_shape={"n": 8}, dtype={"x": "float16"},
                  tuning={"strategy": "streaming_fused"})
-        bench.evaluate_case(e, copy, "cuda")
+        evaluate_case(e, copy, "cuda")
         cases.append(e)
     results = {"suite": "paper", "gpu": True, "device": {"device_name": "GPU"}, "versions": {"torch": "x"},
                "date": "2030-01-01", "timing_label": "GPU", "target": "h100", "copy_bandwidth": copy,
-               "settings": {"trials": 1}, "cases": cases, "summary": bench.summarize_targets(cases)}
-    paths = bench.write_outputs(results, tmp_path)
+               "settings": {"trials": 1}, "cases": cases, "summary": summarize_targets(cases)}
+    paths = write_outputs(results, tmp_path)
     md = paths["markdown"].read_text()
     assert "| a | float16 | 1 (streaming_fused) | 2.5 | 3 | 0.8 | none | 2.5x | 0.8x | - |" in md
     assert "met (2.50x)" in md and "**missed** (0.80x)" in md and CPU_LABEL not in md

@@ -214,7 +214,7 @@ def test_dry_run_client_loads_its_bundle_from_source(full_dry_run: dict) -> None
 
 
 def test_dry_run_times_the_fused_kernel_and_its_baselines(full_dry_run: dict) -> None:
-    from tuner.bench import case_id, load_suite
+    from tuner.bench.suites import case_id, load_suite
 
     stage = full_dry_run["results"]["stages"]["speed"]
     assert "error" not in stage, stage.get("error")
@@ -264,7 +264,7 @@ def test_speed_stage_lists_the_cases_it_did_not_run() -> None:
     import argparse
     import importlib.util
 
-    from tuner.bench import case_id, load_suite
+    from tuner.bench.suites import case_id, load_suite
 
     spec = importlib.util.spec_from_file_location("gpu_check", GPU / "check.py")
     check = importlib.util.module_from_spec(spec)
@@ -279,7 +279,7 @@ def test_speed_stage_lists_the_cases_it_did_not_run() -> None:
         wanted = c["spec"] in ("attention", "safe_softmax")
         assert c.get("skipped", "").startswith("time budget" if wanted else "not asked for (--only)"), c
     assert saved == []  # no case ran, so no partial save
-    from tuner.bench import markdown
+    from tuner.bench.report import markdown
 
     not_run = markdown(stage).split("## Not run")[1]
     assert all(c["id"] in not_run for c in cases)

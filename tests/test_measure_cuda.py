@@ -123,7 +123,7 @@ def test_check_outputs_on_sampled_rows() -> None:
     a row outside the sample fails; a finite error outside the sample is (by design) not seen."""
     import torch
 
-    from tuner.torch_ref import build
+    from tuner.torch_ref.builder import build
 
     spec, d = loaded("safe_softmax")
     shape = {"m": 50, "n": 40}

@@ -23,7 +23,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("tuner.search.tuner", n) for n in ("Tuner", "NoResult")},
     **{n: ("tuner.search.storage", n) for n in ("fail_orphaned_trials", "make_storage", "study_name_for")},
     **{n: ("tuner.search.trials", n) for n in ("budget_used", "trial_result")},
-    **{n: ("tuner.bench", n) for n in ("BASELINES", "BenchError", "run_bench")},
+    **{n: ("tuner.bench.variants", n) for n in ("BASELINES",)},
+    **{n: ("tuner.bench.errors", n) for n in ("BenchError",)},
+    **{n: ("tuner.bench.run", n) for n in ("run_bench",)},
     **{n: ("tuner.static_bound", n) for n in ("problem_bounds",)},
 }
 

@@ -1,6 +1,6 @@
 """Expert kernels to time the fused kernels against: what a performance engineer would use.
 
-:mod:`tuner.torch_ref` gives torch's own hand-written kernel per catalog cascade (one each);
+:mod:`tuner.torch_ref.handwritten` gives torch's own hand-written kernel per catalog cascade (one each);
 this module adds the others an inference stack reaches for, by catalog cascade:
 
 - Liger-Kernel's softmax, RMSNorm, LayerNorm and cross-entropy (the PyPI package
@@ -15,9 +15,9 @@ this module adds the others an inference stack reaches for, by catalog cascade:
   (a lower bound for the GEMM part, labelled so).
 
 An expert applies only where the spec has the exact structure of the catalog spec of its name
-(:func:`tuner.torch_ref.handwritten_reason`: same ``spec_hash``), so a user spec that happens
+(:func:`tuner.torch_ref.handwritten.handwritten_reason`: same ``spec_hash``), so a user spec that happens
 to be called ``rmsnorm`` never gets Liger's RMSNorm. Every expert is a function
-``fn(tensors, shape) -> outputs`` like :class:`tuner.torch_ref.Handwritten`; the measurement
+``fn(tensors, shape) -> outputs`` like :class:`tuner.torch_ref.handwritten.Handwritten`; the measurement
 worker checks its outputs against the float64 reference before timing it, as it does for
 every variant (:mod:`tuner.device.checks`), so an expert that computes something else is
 reported wrong, never timed.
@@ -230,7 +230,7 @@ EXPERTS: dict[str, tuple[Expert, ...]] = {
 
 def experts_for(problem: Problem) -> list[Expert]:
     """The experts that compute ``problem``'s spec (its structure is the catalog spec's)."""
-    from tuner.torch_ref import HANDWRITTEN_TEMPLATES, template_hash
+    from tuner.torch_ref.handwritten import HANDWRITTEN_TEMPLATES, template_hash
     from fuser_core.canonical import spec_hash
 
     spec = problem.spec

@@ -426,7 +426,8 @@ def client_load(path: str, seed: int) -> dict[str, Any]:
 def speed(args: argparse.Namespace, budget_s: float, save_partial: Callable[[dict], None]) -> dict[str, Any]:
     """The paper suite (tiny: the smoke suite) in priority order through ``foldwise bench``'s
     pipeline, with the experts, inside the budget."""
-    from tuner.bench import case_id, load_suite, run_bench
+    from tuner.bench.run import run_bench
+    from tuner.bench.suites import case_id, load_suite
     from tuner.device.timing import TimingSettings
 
     suite = speed_suite(args)
@@ -539,7 +540,7 @@ def summary_markdown(results: Mapping[str, Any]) -> str:
                   f"Copy bandwidth (read + write): {copy / 1e9:.0f} GB/s" if copy else "Copy bandwidth: not measured", "",
                   "| case | dtype | Foldwise (strategy) ms | baseline | baseline ms | Foldwise / baseline | BW / copy |",
                   "|---|---|---|---|---|---|---|"]
-        from tuner.bench import label_of
+        from tuner.bench.variants import label_of
 
         for case in sp["cases"]:
             if "skipped" in case:
@@ -618,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = next(n for n in stages if n not in STAGES)
         ap.error(f"--stages: unknown stage {unknown!r}; choose from {', '.join(STAGES)}")
     if args.only:
-        from tuner.bench import load_suite
+        from tuner.bench.suites import load_suite
 
         specs = {c["spec"] for name in speed_suite(args).split("+") for c in load_suite(name)}
         unknown = sorted(set(args.only.split(",")) - specs)
@@ -666,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if name == "speed":
                 stage = speed(args, budget, save_speed)
-                from tuner.bench import markdown
+                from tuner.bench.report import markdown
 
                 (out / "speed.md").write_text(markdown(stage))
             else:

@@ -47,12 +47,12 @@ def make_variant(problem: DeviceProblem, variant: Mapping[str, Any]) -> Callable
     if kind in ("eager", "compile", "handwritten", "expert"):
         import torch
 
-        from tuner.torch_ref import matmul_precision
+        from tuner.torch_ref.contractions import matmul_precision
 
         # float32 matmuls in TF32 exactly where the fused kernels use it (bf16 inputs)
         torch.set_float32_matmul_precision(matmul_precision(dtypes))
     if kind in ("eager", "compile"):
-        from tuner.torch_ref import build
+        from tuner.torch_ref.builder import build
 
         fn = build(problem.problem)
         if kind == "compile":
@@ -62,7 +62,7 @@ def make_variant(problem: DeviceProblem, variant: Mapping[str, Any]) -> Callable
             fn = torch.compile(fn, dynamic=False)
         return fn
     if kind == "handwritten":
-        from tuner.torch_ref import handwritten, handwritten_reason
+        from tuner.torch_ref.handwritten import handwritten, handwritten_reason
 
         hw = handwritten(spec)
         if hw is None:

@@ -1,27 +1,20 @@
-"""PyTorch implementations of a spec: the eager and ``torch.compile`` baselines, and the
-hand-written kernels torch ships for some catalog cascades.
+"""Any spec as a plain function of torch tensors: :func:`build`, the eager baseline, and
+wrapped in ``torch.compile`` the Inductor baseline.
 
-:func:`build` turns **any** spec into a plain function of torch tensors, derived from the
-spec's steps the way :mod:`fuser_core.reference` evaluates them in NumPy: every value in the
-*aligned layout* (one axis per dim of the spec, size 1 where a value lacks the dim, so
-broadcasting by name is torch broadcasting), steps run in order, each one materialised, as
-op-by-op PyTorch code does. The same function is the eager baseline and, wrapped in
-``torch.compile``, the Inductor baseline (it is traceable: the spec is interpreted once, when
-the function is built, into closures of torch ops; numbers-only subexpressions are folded
-then, in float64).
+The function is derived from the spec's steps the way :mod:`fuser_core.reference` evaluates
+them in NumPy: every value in the *aligned layout* (one axis per dim of the spec, size 1 where a
+value lacks the dim, so broadcasting by name is torch broadcasting), steps run in order, each
+one materialised, as op-by-op PyTorch code does. It is traceable: the spec is interpreted once,
+when the function is built, into closures of torch ops; numbers-only subexpressions are folded
+then, in float64.
 
 Precision (decided here; the docs are silent):
 
 - elementwise math and reductions run in float32 (16-bit and fp8 inputs are upcast on use;
   index inputs stay int64), as Inductor does internally and as careful eager code does;
-- a ``sum`` whose expression is a product of factors carrying different dims (q.k, p.v, a
-  GEMM) is a **contraction** and goes through ``torch.einsum``, never through the broadcast
-  product (attention's [b, h, m, n, d] product would not fit in memory). Its operands are
-  float16 when the spec has float16 inputs (tensor cores, float32 accumulation, as the fused
-  kernel does), else float32 (bf16 values are exact in float32); float32 matmuls use TF32 for
-  bf16 inputs and IEEE float32 for float32 inputs, as the fused kernels do
-  (:func:`matmul_precision`, set by the worker before each baseline and recorded);
-  factors that do not carry the reduced dim are applied after the contraction, in float32;
+- a ``sum`` that is a contraction (:mod:`tuner.torch_ref.contractions`, which also decides its
+  operand dtype and matmul precision) goes through ``torch.einsum``; factors that do not carry
+  the reduced dim are applied after the contraction, in float32;
 - outputs are stored in the dtypes the kernels store
   (:func:`fuser_core.codegen.module.output_dtypes`), indices as int32;
 - ``cast(x, "float8_e4m3fn")`` clamps to +-448 before converting, like the reference.
@@ -29,31 +22,11 @@ Precision (decided here; the docs are silent):
 Semantics that differ from the reference only in corner cases: ``topk`` ties may come in any
 order (the checks accept tied indices in either order), and NaN ranks as the largest value
 in torch's ``topk`` (the reference ranks it smallest).
-
-:func:`handwritten` maps a spec to the kernel torch ships for it (``scaled_dot_product_attention``
-for attention, ``softmax``, ``logsumexp``, ``layer_norm``, ``rms_norm``, ``cross_entropy``),
-**only** when the spec has the exact structure of the catalog spec of that name (same
-``spec_hash`` as the template kept here): a user spec called ``safe_softmax`` that computes
-something else never gets ``torch.softmax``.
-
-Example:
-    >>> import torch
-    >>> from fuser_core.problem import make_problem
-    >>> from fuser_core.spec import load_spec
-    >>> spec = load_spec(HANDWRITTEN_TEMPLATES["safe_softmax"])
-    >>> fn = build(make_problem(spec, {"m": 2, "n": 5}, {"x": "float32"}))
-    >>> x = torch.randn(2, 5)
-    >>> torch.allclose(fn({"x": x})["y"], torch.softmax(x, -1))
-    True
-    >>> hand = handwritten(spec)
-    >>> hand.name, torch.allclose(hand.fn({"x": x}, {"m": 2, "n": 5})["y"], torch.softmax(x, -1))
-    ('torch.softmax', True)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -62,27 +35,14 @@ from fuser_core import expr as ex
 from fuser_core.problem import Problem
 from fuser_core.problem import tuning_scalars
 from fuser_core.reference import param_values
-from fuser_core.spec import Spec, Step, load_spec
+from fuser_core.spec import Step
+from tuner.torch_ref.contractions import contraction_dtype, contraction_factors
 
 Value = Any  # a torch.Tensor or a Python number
 Env = dict[str, Any]
 Thunk = Callable[[Env], Value]
 
 FP8_MAX = 448.0
-
-
-def contraction_dtype(dtypes: Mapping[str, str]) -> str:
-    """Operand dtype of contractions: float16 when the spec has float16 inputs, else float32."""
-    return "float16" if "float16" in dtypes.values() else "float32"
-
-
-def matmul_precision(dtypes: Mapping[str, str]) -> str:
-    """``torch.set_float32_matmul_precision`` for the baselines, as the fused kernels choose:
-    TF32 (``"high"``) for float32 contractions of bf16 inputs, IEEE float32 (``"highest"``)
-    otherwise (float32 inputs are held to float32 tolerances)."""
-    if contraction_dtype(dtypes) == "float32" and "bfloat16" in dtypes.values():
-        return "high"
-    return "highest"
 
 
 def _torch():
@@ -128,48 +88,6 @@ def _fold(e: ex.Expr, shape: Mapping[str, int], params: Mapping[str, float]) -> 
 
             return float(cast_to(np.float64(v), e.dtype))
     return None  # Ref to an input or step, Index, Compare
-
-
-# ---------------------------------------------------------------------------- contractions
-
-
-def factors(e: ex.Expr, out: list[tuple[ex.Expr, bool]], inverse: bool = False) -> list[tuple[ex.Expr, bool]]:
-    """Multiplicative factors of ``e``: (factor, is a divisor)."""
-    if isinstance(e, ex.BinOp) and e.op == "*":
-        factors(e.left, out, inverse)
-        factors(e.right, out, inverse)
-    elif isinstance(e, ex.BinOp) and e.op == "/" and not inverse:
-        factors(e.left, out, False)
-        factors(e.right, out, True)
-    else:
-        out.append((e, inverse))
-    return out
-
-
-def contraction_factors(spec: Spec, step: Step) -> tuple[list[tuple[ex.Expr, bool]], list[tuple[ex.Expr, bool]]] | None:
-    """For a ``sum`` that is a contraction, (factors carrying the reduced dim, the others);
-    None when the step is not one: at least two factors must carry the reduced dim, and they
-    must not all carry the same dims (else the product is no larger than a factor)."""
-    if step.reduce != "sum":
-        return None
-    parts = factors(step.expr, [])
-    inside = [(f, inv) for f, inv in parts if step.over in spec.expr_dims(f)]
-    outside = [(f, inv) for f, inv in parts if step.over not in spec.expr_dims(f)]
-    dim_sets = [set(spec.expr_dims(f)) for f, _ in inside]
-    if len(inside) < 2 or all(s == dim_sets[0] for s in dim_sets):
-        return None
-    return inside, outside
-
-
-def contraction_flops(spec: Spec, shape: Mapping[str, int]) -> int:
-    """2 x multiply-adds of every contraction (the FLOPs tensor cores do; elementwise math not counted)."""
-    total = 0
-    for step in spec.steps:
-        split = contraction_factors(spec, step)
-        if split is not None:
-            dims = set().union(*(set(spec.expr_dims(f)) for f, _ in split[0]))
-            total += 2 * int(np.prod([shape[d] for d in dims], dtype=np.float64))
-    return total
 
 
 # ---------------------------------------------------------------------------- the builder
@@ -482,143 +400,4 @@ def build(problem: Problem) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
     return _Builder(problem).build()
 
 
-# ---------------------------------------------------------------------------- hand-written kernels
-
-
-@dataclass(frozen=True)
-class Handwritten:
-    """A kernel torch ships for one catalog cascade: ``fn(inputs, shape) -> outputs``."""
-
-    name: str  # what the table shows, e.g. "F.scaled_dot_product_attention"
-    fn: Callable[[Mapping[str, Any], Mapping[str, int]], dict[str, Any]]
-
-
-def _spec(name: str, inputs: dict, steps: list, outputs: list, params: dict | None = None) -> dict:
-    return {"foldwise": 1, "name": name, "inputs": inputs, "params": params or {}, "steps": steps, "outputs": outputs}
-
-
-_ATTENTION_INPUTS = {"q": {"dims": ["b", "h", "m", "d"]}, "k": {"dims": ["b", "h", "n", "d"]},
-                     "v": {"dims": ["b", "h", "n", "e"]}}
-_SOFTMAX_STEPS = [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
-                  {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"}]
-
-def _runtime_eps(default: float) -> dict:
-    """The norms' eps, a runtime scalar since issue 24. Its default is no part of the spec_hash; the
-    hand-written baselines run at it, as tuning launches do (fuser_core.problem.tuning_scalars)."""
-    return {"runtime": "float", "default": default, "positive": True}
-
-
-# The structure each hand-written kernel computes: the catalog specs (fuser_core/catalog) as of
-# issue 4 (issue 24: eps at call time). A spec gets the kernel only when its spec_hash equals its template's.
-HANDWRITTEN_TEMPLATES: dict[str, dict] = {
-    "attention": _spec("attention", _ATTENTION_INPUTS, [
-        {"name": "s", "reduce": "sum", "over": "d", "expr": "q * k * scale"},
-        {"name": "mx", "reduce": "max", "over": "n", "expr": "s"},
-        {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(s - mx)"},
-        {"name": "o", "reduce": "sum", "over": "n", "expr": "exp(s - mx) * v / den"}], ["o"],
-        {"scale": "1 / sqrt(size(d))"}),
-    "attention_causal": _spec("attention_causal", _ATTENTION_INPUTS, [
-        {"name": "s0", "reduce": "sum", "over": "d", "expr": "q * k * scale"},
-        {"name": "s", "expr": "where(index(n) <= index(m), s0, -inf)"},
-        {"name": "mx", "reduce": "max", "over": "n", "expr": "s"},
-        {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(s - mx)"},
-        {"name": "o", "reduce": "sum", "over": "n", "expr": "exp(s - mx) * v / den"}], ["o"],
-        {"scale": "1 / sqrt(size(d))"}),
-    "safe_softmax": _spec("safe_softmax", {"x": {"dims": ["m", "n"]}},
-                          [*_SOFTMAX_STEPS, {"name": "y", "expr": "exp(x - mx) / den"}], ["y"]),
-    "logsumexp": _spec("logsumexp", {"x": {"dims": ["m", "n"]}}, [  # torch's own guard of an infinite max
-        {"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
-        {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - where(abs(mx) == inf, 0, mx))"},
-        {"name": "lse", "expr": "where(abs(mx) == inf, 0, mx) + log(den)"}], ["lse"]),
-    "layernorm": _spec("layernorm", {"x": {"dims": ["t", "c"]}, "gamma": {"dims": ["c"]}, "beta": {"dims": ["c"]}}, [
-        {"name": "mean", "reduce": "sum", "over": "c", "expr": "x / size(c)"},
-        {"name": "var", "reduce": "sum", "over": "c", "expr": "(x - mean) ** 2 / size(c)"},
-        {"name": "y", "expr": "(x - mean) * rsqrt(var + eps) * gamma + beta"}], ["y"], {"eps": _runtime_eps(1e-05)}),
-    "rmsnorm": _spec("rmsnorm", {"x": {"dims": ["t", "c"]}, "w": {"dims": ["c"]}}, [
-        {"name": "ms", "reduce": "sum", "over": "c", "expr": "x * x / size(c)"},
-        {"name": "y", "expr": "x * rsqrt(ms + eps) * w"}], ["y"], {"eps": _runtime_eps(1e-06)}),
-    "cross_entropy": _spec("cross_entropy", {"logits": {"dims": ["t", "v"]}, "target": {"dims": ["t"], "kind": "index"}}, [
-        {"name": "mx", "reduce": "max", "over": "v", "expr": "logits"},
-        {"name": "den", "reduce": "sum", "over": "v", "expr": "exp(logits - mx)"},
-        {"name": "picked", "reduce": "sum", "over": "v", "expr": "where(index(v) == target, logits, 0)"},
-        {"name": "loss", "expr": "mx + log(den) - picked"}], ["loss"]),
-}
-
-
-def _sdpa(causal: bool):
-    def fn(t: Mapping[str, Any], shape: Mapping[str, int]) -> dict[str, Any]:
-        import torch.nn.functional as F
-
-        return {"o": F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=causal)}
-
-    return fn
-
-
-def _softmax(t, shape):
-    return {"y": _torch().softmax(t["x"], dim=-1)}
-
-
-def _logsumexp(t, shape):
-    return {"lse": _torch().logsumexp(t["x"], dim=-1)}
-
-
-def _layer_norm(t, shape):
-    import torch.nn.functional as F
-
-    x = t["x"]
-    return {"y": F.layer_norm(x, (x.shape[-1],), t["gamma"], t["beta"], eps=1e-05)}
-
-
-def _rms_norm(t, shape):
-    import torch.nn.functional as F
-
-    x = t["x"]
-    return {"y": F.rms_norm(x, (x.shape[-1],), t["w"], eps=1e-06)}
-
-
-def _cross_entropy(t, shape):
-    import torch.nn.functional as F
-
-    return {"loss": F.cross_entropy(t["logits"], t["target"].long(), reduction="none")}
-
-
-_HANDWRITTEN: dict[str, Handwritten] = {
-    "attention": Handwritten("F.scaled_dot_product_attention", _sdpa(False)),
-    "attention_causal": Handwritten("F.scaled_dot_product_attention(is_causal=True)", _sdpa(True)),
-    "safe_softmax": Handwritten("torch.softmax", _softmax),
-    "logsumexp": Handwritten("torch.logsumexp", _logsumexp),
-    "layernorm": Handwritten("F.layer_norm", _layer_norm),
-    "rmsnorm": Handwritten("F.rms_norm", _rms_norm),
-    "cross_entropy": Handwritten("F.cross_entropy(reduction='none')", _cross_entropy),
-}
-_TEMPLATE_HASHES: dict[str, str] = {}
-
-
-def template_hash(name: str) -> str:
-    from fuser_core.canonical import spec_hash
-
-    if name not in _TEMPLATE_HASHES:
-        _TEMPLATE_HASHES[name] = spec_hash(load_spec(HANDWRITTEN_TEMPLATES[name]))
-    return _TEMPLATE_HASHES[name]
-
-
-def handwritten_reason(spec: Spec) -> str | None:
-    """None when torch has a hand-written kernel for ``spec``, else why not."""
-    from fuser_core.canonical import spec_hash
-
-    if spec.name not in _HANDWRITTEN:
-        return f"torch has no hand-written kernel for {spec.name!r}"
-    if spec_hash(spec) != template_hash(spec.name):
-        return (f"{spec.name!r} does not have the structure of the catalog spec of that name "
-                f"(its spec_hash differs), so {_HANDWRITTEN[spec.name].name} does not compute it")
-    return None
-
-
-def handwritten(spec: Spec) -> Handwritten | None:
-    """The hand-written torch kernel for ``spec``, or None (see :func:`handwritten_reason`)."""
-    return _HANDWRITTEN[spec.name] if handwritten_reason(spec) is None else None
-
-
-__all__ = ["HANDWRITTEN_TEMPLATES", "Handwritten", "build", "contraction_dtype", "contraction_factors",
-           "contraction_flops", "factors", "handwritten", "handwritten_reason", "matmul_precision", "template_hash"]
-
+__all__ = ["build"]
