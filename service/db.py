@@ -205,7 +205,7 @@ def check_current(engine: sa.Engine) -> None:
 def study_storage_url(db_url: str) -> str:
     """Where Optuna's study tables live for the service database ``db_url``.
 
-    PostgreSQL: the same database (``tuner.search.make_storage`` puts Optuna's tables in the
+    PostgreSQL: the same database (``tuner.search.storage.make_storage`` puts Optuna's tables in the
     schema ``optuna``, beside the service's tables in ``public``). SQLite has no schemas and
     Optuna keeps its own ``alembic_version`` table, so its tables go to a sibling file:
     ``foldwise.db`` -> ``foldwise.optuna.sqlite``. An in-memory SQLite URL is returned as is.

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from service.tuning_request import check_measurer, check_target
+
+if TYPE_CHECKING:  # for the annotation only: tuner.measure is loaded when a job is set up, not on import
+    from tuner import Measurer
 
 
 class SetupError(ValueError):
@@ -53,10 +56,10 @@ def quiet_optuna() -> None:
 
 
 class TuningSetup(NamedTuple):
-    """What one tuning job searches with: pass ``gate`` to :class:`tuner.search.Tuner`."""
+    """What one tuning job searches with: pass ``gate`` to :class:`tuner.search.tuner.Tuner`."""
 
     space: Any  # tuner.space.SearchSpace
-    measurer: Any
+    measurer: Measurer
     gate: Any  # tuner.compile_gate.CompileGate, or None when compile checks are off
     attrs: dict[str, Any]  # the study's user attrs
 

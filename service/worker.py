@@ -5,7 +5,7 @@
 
 1. sets up the search exactly as ``foldwise tune`` does (:func:`service.tuning.tuning_setup`)
    for the job's canonical spec, shape, dtype, target and measurer;
-2. runs :class:`tuner.search.Tuner` on the job's own Optuna study, stored beside the service
+2. runs :class:`tuner.search.tuner.Tuner` on the job's own Optuna study, stored beside the service
    database (:func:`service.db.study_storage_url`), so a worker that takes over a job whose
    worker died continues the same study: finished trials are kept, the trial budget is shared;
 3. records every finished trial (:func:`service.job_queue.record_trial`) from an Optuna callback;
