@@ -32,7 +32,7 @@ from fuser_core.problem import make_problem  # noqa: E402
 from fuser_core.catalog import load_catalog_spec, load_suites  # noqa: E402
 from tuner.measure import ModelMeasurer  # noqa: E402
 from tuner.profiles import get_profile  # noqa: E402
-from tuner.search import Tuner  # noqa: E402
+from tuner.search.tuner import Tuner  # noqa: E402
 from tuner.space import SearchSpace  # noqa: E402
 
 

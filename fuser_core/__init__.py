@@ -40,6 +40,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("fuser_core.accuracy", n) for n in ("FAMILIES", "GATE_FAMILIES", "RUN_FAMILIES", "accuracy_check",
                                                "parse_families")},
     "accuracy_table": ("fuser_core.accuracy", "table"),
+    **{n: ("fuser_core.sampled_reference", n) for n in (
+        "REFERENCE_BUDGET", "SampledEvaluator", "SampledFormula", "SampledTermScales", "reference_cost", "sample_rows",
+        "sliceable_dims")},
     **{n: ("fuser_core.codegen.plan", n) for n in (
         "BASELINE", "STRATEGIES", "KernelConfig", "NotValid", "default_config", "valid_strategies")},
     **{n: ("fuser_core.codegen.module", n) for n in ("GENERATOR_VERSION", "generate")},

@@ -85,7 +85,7 @@ class Family:
     special: bool = False
     transform: Callable[[np.ndarray, np.random.Generator], np.ndarray] | None = None
     target_only: bool = False  # the transform touches only the first float input over the loop axis
-    # an affine family, as data (the GPU measurer applies it to device tensors, tuner.measure_cuda):
+    # an affine family, as data (the GPU measurer applies it to device tensors, tuner.device.inputs):
     # x * scale + shift, plus ``peak`` at one random position of each row
     scale: float = 1.0
     shift: float = 0.0

@@ -97,7 +97,7 @@ def tuning_setup(spec: Any, raw_spec: Any, shape: Mapping[str, int], dtype: Any,
 
 
 def cuda_measurer(profile: Any):
-    """The cuda measurer's class, after checking there is a GPU and it matches the target."""
+    """The cuda measurer's class (the device measurer), after checking there is a GPU and it matches the target."""
     import torch
 
     flag = "--measurer cuda"
@@ -105,8 +105,8 @@ def cuda_measurer(profile: Any):
         raise SetupError("no CUDA GPU is visible on this machine (torch.cuda.is_available() is "
                          "false); use --measurer model for predictions from the target's profile",
                          field="measurer", flag=flag)
-    try:  # tuner/measure_cuda.py (its own part of issue 4); same constructor as ModelMeasurer
-        from tuner import CudaMeasurer
+    try:  # tuner/device/measurer.py; same constructor as ModelMeasurer
+        from tuner import DeviceMeasurer
     except ImportError:
         raise SetupError("the cuda measurer is not available in this build; use --measurer model",
                          field="measurer", flag=flag) from None
@@ -119,7 +119,7 @@ def cuda_measurer(profile: Any):
     if found != profile.name:
         raise SetupError(f"this GPU ({name}) is not the target {profile.name!r}; pass --target {found}",
                          field="target", flag=flag)
-    return CudaMeasurer
+    return DeviceMeasurer
 
 
 def gpu_name() -> str | None:
@@ -137,7 +137,7 @@ def default_measurer() -> str:
     if gpu_name() is None:
         return "model"
     try:
-        from tuner import CudaMeasurer  # noqa: F401
+        from tuner import DeviceMeasurer  # noqa: F401
     except ImportError:
         return "model"
     return "cuda"

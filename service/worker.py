@@ -334,9 +334,7 @@ class Worker:
                 return "failed", f"budget.seconds ({job.budget_seconds:g} s) was used up before any trial finished"
             return "failed", str(err)
         finally:
-            close = getattr(measurer, "close", None)
-            if close is not None:
-                close()
+            measurer.close()
         if recorder.stopped_by in ("lost", "cancel", "shutdown"):
             return recorder.stopped_by, None
         if job.attempts > 1 and catch_up:

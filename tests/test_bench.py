@@ -31,8 +31,10 @@ from fuser_core.runner import TOLERANCE, bind_dtypes, compare, to_torch
 from fuser_core.spec import load_spec
 from service.cli import main
 from tuner import bench
+from tuner.device.inputs import problem_payload
+from tuner.device.timing import CPU_LABEL, TimingSettings
+from tuner.device.worker import WorkerProcess
 from tuner.measure import reduced_problem
-from tuner.measure_cuda import CPU_LABEL, TimingSettings, WorkerProcess, problem_payload
 from tuner.profiles import get_profile
 from tuner.torch_ref import HANDWRITTEN_TEMPLATES, build, contraction_flops, handwritten, handwritten_reason
 

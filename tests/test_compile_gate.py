@@ -28,7 +28,9 @@ from tuner.compile_gate import CompileGate, CompileVerdict, judge
 from tuner.cost_model import predict
 from tuner.measure import ModelMeasurer
 from tuner.profiles import get_profile
-from tuner.search import Objective, Tuner, candidate_params, default_candidates
+from tuner.search.objective import Objective
+from tuner.search.proposals import candidate_params, default_candidates
+from tuner.search.tuner import Tuner
 from tuner.space import Candidate, SearchSpace
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked tile lanes compute 0/0

@@ -1,4 +1,4 @@
-"""The cuda measurer (tuner/measure_cuda.py): worker process, correctness gate, sampled
+"""The device measurer (tuner/device/, ``--measurer cuda``): worker process, correctness gate, sampled
 reference, timeouts and crashes.
 
 Without a GPU everything runs with ``device="cpu"``: the same worker process and protocol,
@@ -28,22 +28,14 @@ from fuser_core.problem import make_problem
 from fuser_core.reference import bind_shape, evaluate
 from fuser_core.spec import load_spec
 from tuner.measure import Measurer
-from tuner.measure_cuda import (
-    CPU_LABEL,
-    FAULT_ENV,
-    CudaMeasurer,
-    DeviceProblem,
-    SampledEvaluator,
-    TimingSettings,
-    WorkerProcess,
-    check_outputs,
-    problem_payload,
-    reference_cost,
-    sample_rows,
-    sliceable_dims,
-)
+from fuser_core.sampled_reference import SampledEvaluator, reference_cost, sample_rows, sliceable_dims
+from tuner.device.checks import check_outputs
+from tuner.device.inputs import DeviceProblem, problem_payload
+from tuner.device.measurer import DeviceMeasurer
+from tuner.device.timing import CPU_LABEL, TimingSettings
+from tuner.device.worker import FAULT_ENV, WorkerProcess
 from tuner.profiles import get_profile
-from tuner.search import Tuner
+from tuner.search.tuner import Tuner
 from tuner.space import SearchSpace
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked tile lanes compute 0/0
@@ -171,7 +163,7 @@ def test_cpu_measurer_times_checked_kernels_on_a_reused_worker() -> None:
     with WorkerProcess("cpu") as worker:
         info = worker.call("info")
         assert info.ok and info.value["device"] == "cpu" and info.value["timing_label"] == CPU_LABEL
-        m = CudaMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, timeout_s=60, timing=FAST, worker=worker)
+        m = DeviceMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, timeout_s=60, timing=FAST, worker=worker)
         assert isinstance(m, Measurer) and m.name == "cuda-interpreter" and m.device == "cpu"
         r = m.measure(c)
         assert r.error is None and r.time_ms is not None and r.time_ms > 0 and r.predicted is False
@@ -191,7 +183,7 @@ def test_cpu_measurer_times_checked_kernels_on_a_reused_worker() -> None:
     with pytest.raises(ValueError, match="device"):
         WorkerProcess("tpu")
     with pytest.raises(ValueError, match="timeout_s"):
-        CudaMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, device="cpu", timeout_s=0)
+        DeviceMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, device="cpu", timeout_s=0)
 
 
 def test_the_device_gate_holds_a_fused_kernel_to_the_accuracy_bar() -> None:
@@ -212,7 +204,7 @@ def test_the_device_gate_holds_a_fused_kernel_to_the_accuracy_bar() -> None:
     fused = space.candidate("streaming_fused", {"block_n": 16, "block_m": 1, "num_warps": 1, "num_stages": 2})
     passes = space.candidate("multi_pass", {"block_n": 16, "block_m": 1, "num_warps": 1, "num_stages": 2})
     with WorkerProcess("cpu") as worker:
-        m = CudaMeasurer(problem, d, H100, timeout_s=120, timing=FAST, worker=worker)
+        m = DeviceMeasurer(problem, d, H100, timeout_s=120, timing=FAST, worker=worker)
         refused = m.measure(fused)
         kept = m.measure(passes)
         m.close()
@@ -228,12 +220,12 @@ def test_faults_fail_one_trial_and_the_next_succeeds(tmp_path) -> None:
 
     spec, d, _, c = softmax_candidate()
 
-    def measurer(name: str, timeout_s: float) -> tuple[CudaMeasurer, Path]:
+    def measurer(name: str, timeout_s: float) -> tuple[DeviceMeasurer, Path]:
         fault = tmp_path / name
         worker = WorkerProcess("cpu", env={FAULT_ENV: str(fault)})  # the child takes the file before each job
-        return CudaMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, timeout_s=timeout_s, timing=FAST, worker=worker), fault
+        return DeviceMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, timeout_s=timeout_s, timing=FAST, worker=worker), fault
 
-    def succeeds(m: CudaMeasurer) -> None:
+    def succeeds(m: DeviceMeasurer) -> None:
         r = m.measure(c)
         assert r.error is None and r.time_ms > 0 and r.details["check"]["passed"], r.error
 
@@ -312,13 +304,44 @@ def test_exit_codes_and_signals_are_named(tmp_path) -> None:
         assert w._state["proc"] is None
 
 
+ECHO_JOBS = """
+class EchoJobs:
+    def __init__(self, device, conn):
+        self.info = {"device": device, "runner": "echo"}
+
+    def run(self, job, payload, fault):
+        if job == "boom":
+            raise ValueError("no " + payload["what"])
+        return {"job": job, **payload}
+"""
+
+
+def test_the_worker_process_runs_any_job_runner(tmp_path) -> None:
+    """The crash-isolated worker is not tied to measuring: it runs the job runner it is given
+    (``module:Class``), answers a job's exception as that job's failure and keeps its child, and
+    a runner that cannot be set up is a startup error answered at once to every later call."""
+    (tmp_path / "echo_jobs.py").write_text(ECHO_JOBS)
+    env = {"PYTHONPATH": str(tmp_path)}  # the child also gets the repository on its path
+    with WorkerProcess("cpu", env=env, jobs="echo_jobs:EchoJobs") as w:
+        r = w.call("echo", {"x": 1})
+        assert r.ok and r.value == {"job": "echo", "x": 1} and w.info == {"device": "cpu", "runner": "echo"}
+        pid = w.pid
+        bad = w.call("boom", {"what": "luck"})
+        assert (bad.ok, bad.kind, bad.error) == (False, "exception", "ValueError: no luck")
+        assert w.call("echo").ok and w.pid == pid and w.starts == 1
+    with WorkerProcess("cpu", env=env, jobs="echo_jobs:Missing") as w:
+        r = w.call("echo")
+        assert (r.ok, r.kind) == (False, "startup") and "AttributeError" in r.error
+        assert w.call("echo").error == r.error and w.starts == 1
+
+
 def test_the_child_answers_the_measured_binary_job_after_measuring() -> None:
     """The kernel store's ``binary`` job (tuner.measured_binary) through the child on the CPU
     device: the measured module is launched again, but Triton's interpreter keeps no JIT cache
     of compiled kernels, so the answer is a clear error (on a GPU it is the measured cubins;
     not measured on GPU here)."""
     spec, d, _, c = softmax_candidate()
-    with CudaMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, device="cpu", timeout_s=60, timing=FAST) as m:
+    with DeviceMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, device="cpu", timeout_s=60, timing=FAST) as m:
         assert m.measure(c).error is None
         with pytest.raises(RuntimeError, match="no compiled kernel in the module's JIT cache"):
             m.measured_binary(c.strategy, c.config.to_dict())
@@ -327,7 +350,7 @@ def test_the_child_answers_the_measured_binary_job_after_measuring() -> None:
 @pytest.mark.skipif(HAS_CUDA, reason="checks the answer of a machine without a GPU")
 def test_no_gpu_is_a_clear_failure_remembered_once() -> None:
     spec, d, _, c = softmax_candidate()
-    with CudaMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, device="cuda", timeout_s=60) as m:
+    with DeviceMeasurer(make_problem(spec, SOFTMAX_SHAPE, "float32"), d, H100, device="cuda", timeout_s=60) as m:
         r = m.measure(c)
         assert r.time_ms is None and "could not start on cuda" in r.error and "no CUDA GPU" in r.error
         t0 = time.monotonic()
@@ -344,7 +367,7 @@ def test_gpu_measure_flushes_l2_and_rotates_inputs() -> None:
     space = SearchSpace(make_problem(spec, shape, "float16"), d, H100)
     c = space.candidate("streaming_fused", {"block_n": 1024, "block_m": 1, "num_warps": 8, "num_stages": 2})
     assert space.check(c) is None
-    with CudaMeasurer(space.problem, d, H100, timeout_s=300) as m:
+    with DeviceMeasurer(space.problem, d, H100, timeout_s=300) as m:
         r = m.measure(c)
         assert r.error is None, r.error
         t, info = r.details["timing"], m.worker.info

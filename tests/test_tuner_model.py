@@ -364,6 +364,23 @@ def test_reduced_problem_keeps_the_structure() -> None:
     assert small == {"t": 3, "x": 40, "j": 8} and config.blocks == {"t": 2, "x": 64}
 
 
+def test_measurer_contract_is_measure_measured_binary_and_close() -> None:
+    space = space_for("safe_softmax", {"m": 64, "n": 256}, "float16")
+    m = ModelMeasurer(space.problem, space.derivation, H100)
+    assert isinstance(m, Measurer)
+    assert m.measured_binary("streaming_fused", {"blocks": {"n": 256}}) is None  # a prediction ran no kernel
+    m.close()
+    m.close()  # idempotent: nothing is held
+
+    class MeasureOnly:  # what the search alone would need: not the contract
+        name = "partial"
+
+        def measure(self, candidate: Candidate) -> Measurement:
+            return Measurement(1.0)
+
+    assert not isinstance(MeasureOnly(), Measurer)
+
+
 def test_model_measurer_verifies_each_strategy_once(monkeypatch: pytest.MonkeyPatch) -> None:
     clear_verification_cache()
     shape = {"m": 4096, "n": 32768}

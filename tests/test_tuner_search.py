@@ -1,4 +1,4 @@
-"""The Optuna search (tuner/search.py) and ``foldwise tune`` / ``foldwise worker``.
+"""The Optuna search (tuner/search/) and ``foldwise tune`` / ``foldwise worker``.
 
 Unit tests use a small fake space and measurer (counting calls); the distributed tests run
 real worker processes (``python -m service.cli tune|worker``) on one study, in the real
@@ -26,16 +26,11 @@ import pytest
 from optuna.trial import TrialState
 
 from fuser_core.codegen.plan import KernelConfig
-from tuner.search import (
-    MeasurementFailed,
-    NoResult,
-    SharedBudget,
-    Tuner,
-    budget_used,
-    make_storage,
-    study_name_for,
-    warm_start,
-)
+from tuner.search.objective import MeasurementFailed
+from tuner.search.storage import make_storage, study_name_for
+from tuner.search.trials import SharedBudget, budget_used
+from tuner.search.tuner import NoResult, Tuner
+from tuner.search.warm_start import warm_start
 
 REPO = Path(__file__).resolve().parents[1]
 optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -205,7 +200,7 @@ def test_a_candidate_another_worker_is_measuring_is_waited_for() -> None:
     result instead of measuring it again (and measures itself if trial 0 never finishes)."""
     import threading
 
-    from tuner.search import Objective
+    from tuner.search.objective import Objective
 
     space, measurer = FakeSpace(), FakeMeasurer()
     params, candidate = _fixed(space)
@@ -243,7 +238,7 @@ def test_frontier_candidates_fill_what_fits(catalog_specs: dict) -> None:
     from fuser_core.problem import make_problem
     from fuser_core.spec import load_spec
     from tuner.profiles import get_profile
-    from tuner.search import frontier_candidates
+    from tuner.search.proposals import frontier_candidates
     from tuner.space import SearchSpace
 
     spec = load_spec(catalog_specs["safe_softmax"])
@@ -611,7 +606,8 @@ def test_a_new_study_first_tries_each_strategys_default(catalog_specs: dict, nam
     from fuser_core.spec import load_spec
     from tuner.measure import ModelMeasurer
     from tuner.profiles import get_profile
-    from tuner.search import default_candidates, trial_result
+    from tuner.search.proposals import default_candidates
+    from tuner.search.trials import trial_result
     from tuner.space import Candidate, SearchSpace
 
     spec = load_spec(catalog_specs[name])

@@ -27,7 +27,7 @@ from service.tuning import SetupError
 from service.tuning_request import tuning_request
 from service.worker import Worker, run_worker
 from tests.conftest import load_catalog
-from tuner.search import make_storage
+from tuner.search.storage import make_storage
 
 RAW = load_catalog()["safe_softmax"]
 SPEC = load_spec(RAW)

@@ -14,12 +14,15 @@ from typing import Any
 _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("tuner.profiles", n) for n in ("GpuProfile", "PROFILES", "get_profile", "profile_for_device_name")},
     **{n: ("tuner.space", n) for n in ("Candidate", "SearchSpace")},
-    **{n: ("tuner.measure", n) for n in ("Measurement", "ModelMeasurer", "reduced_problem")},
-    **{n: ("tuner.measure_cuda", n) for n in ("CudaMeasurer", "TimingSettings", "WorkerProcess")},
+    **{n: ("tuner.measure", n) for n in ("Measurement", "Measurer", "ModelMeasurer", "reduced_problem")},
+    **{n: ("tuner.device.measurer", n) for n in ("DeviceMeasurer",)},
+    **{n: ("tuner.device.timing", n) for n in ("TimingSettings",)},
+    **{n: ("tuner.device.worker", n) for n in ("WorkerProcess",)},
     **{n: ("tuner.cost_model", n) for n in ("Prediction", "predict", "predict_chain", "exhaustive_best")},
     **{n: ("tuner.compile_gate", n) for n in ("CompileGate", "shared_compile_pool")},
-    **{n: ("tuner.search", n) for n in (
-        "Tuner", "NoResult", "budget_used", "fail_orphaned_trials", "make_storage", "study_name_for", "trial_result")},
+    **{n: ("tuner.search.tuner", n) for n in ("Tuner", "NoResult")},
+    **{n: ("tuner.search.storage", n) for n in ("fail_orphaned_trials", "make_storage", "study_name_for")},
+    **{n: ("tuner.search.trials", n) for n in ("budget_used", "trial_result")},
     **{n: ("tuner.bench", n) for n in ("BASELINES", "BenchError", "run_bench")},
     **{n: ("tuner.static_bound", n) for n in ("problem_bounds",)},
 }

@@ -3,7 +3,7 @@
 For every case of a suite (the catalog's ``suites.json``, :mod:`fuser_core.catalog`: a catalog spec, sizes, dtype)
 the bench
 
-1. tunes the fused kernel with the ``cuda`` measurer (:class:`tuner.measure_cuda.CudaMeasurer`,
+1. tunes the fused kernel with the ``cuda`` measurer (:class:`tuner.device.measurer.DeviceMeasurer`,
    ``trials`` per case);
 2. times, in the same worker process and with the same harness (correctness check against
    the float64 reference first, then CUDA events, L2 flushed, inputs rotated, median): the
@@ -50,14 +50,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tuner.measure_cuda import (
-    CPU_LABEL,
-    DEFAULT_TIMEOUT_S,
-    CudaMeasurer,
-    TimingSettings,
-    WorkerProcess,
-    problem_payload,
-)
+from tuner.device.inputs import problem_payload
+from tuner.device.measurer import DeviceMeasurer
+from tuner.device.timing import CPU_LABEL, TimingSettings
+from tuner.device.worker import DEFAULT_TIMEOUT_S, WorkerProcess
 from tuner.static_bound import min_bytes
 
 BASELINES = ("chain", "eager", "compile", "handwritten")
@@ -237,7 +233,7 @@ def run_bench(
     from tuner.compile_gate import CompileGate
     from tuner.measure import reduced_problem
     from tuner.profiles import get_profile, profile_for_device_name
-    from tuner.search import NoResult, Tuner
+    from tuner.search.tuner import NoResult, Tuner
     from tuner.space import SearchSpace
     from tuner.torch_ref import handwritten_reason
 
@@ -321,7 +317,7 @@ def run_bench(
                 "variants": {},
             }
             space = SearchSpace(problem, derivation, profile)
-            measurer = CudaMeasurer(problem, derivation, profile, device=device, timeout_s=timeout_s, timing=timing,
+            measurer = DeviceMeasurer(problem, derivation, profile, device=device, timeout_s=timeout_s, timing=timing,
                                     worker=worker)
             try:
                 # compiled for the target before it is timed: what does not compile or fit is pruned

@@ -19,7 +19,7 @@ An expert applies only where the spec has the exact structure of the catalog spe
 to be called ``rmsnorm`` never gets Liger's RMSNorm. Every expert is a function
 ``fn(tensors, shape) -> outputs`` like :class:`tuner.torch_ref.Handwritten`; the measurement
 worker checks its outputs against the float64 reference before timing it, as it does for
-every variant (:mod:`tuner.measure_cuda`), so an expert that computes something else is
+every variant (:mod:`tuner.device.checks`), so an expert that computes something else is
 reported wrong, never timed.
 
 Example (on a GPU)::

@@ -1,8 +1,11 @@
 """Measurers: one small interface, a time (or a failure) per candidate.
 
-``Measurer`` is what the search calls; :class:`ModelMeasurer` (``--measurer model``) answers
-with the cost model's prediction for the target profile, labelled ``predicted=True``, for
-machines without a GPU. The ``cuda`` measurer (tuner/measure_cuda.py) times on the GPU.
+:class:`Measurer` is the contract every measurer keeps and everyone calls it by: the search
+calls ``measure`` (and records ``name``), the service worker reads ``measured_binary`` of the
+winner and then calls ``close``. :class:`ModelMeasurer` (``--measurer model``) answers with the
+cost model's prediction for the target profile, labelled ``predicted=True``, for machines
+without a GPU. The device measurer (:class:`tuner.device.measurer.DeviceMeasurer`, ``--measurer
+cuda``) times on the GPU.
 
 Correctness still gates the model: before the first prediction for a strategy, that
 strategy's kernels run once under Triton's interpreter at a reduced shape (every dim shrunk,
@@ -70,11 +73,22 @@ class Measurement:
 
 @runtime_checkable
 class Measurer(Protocol):
-    """What the search calls: ``name`` is recorded with every result."""
+    """A time (or a failure) per candidate; ``name`` is recorded with every result.
+
+    ``measure`` never raises for a candidate's failure: it returns a :class:`Measurement` with
+    the error. ``measured_binary(strategy, config)`` gives the compiled kernels of a candidate
+    as this measurer ran them (:mod:`tuner.measured_binary`'s artifacts), or None when it ran
+    none (a prediction); it raises RuntimeError when it ran them but cannot give them.
+    ``close`` releases what the measurer holds (a worker process); it is idempotent.
+    """
 
     name: str
 
     def measure(self, candidate: Candidate) -> Measurement: ...
+
+    def measured_binary(self, strategy: str, config: Mapping[str, Any]) -> dict[str, Any] | None: ...
+
+    def close(self) -> None: ...
 
 
 # (spec hash, strategy, dtypes) -> self_check report (or {"passed": False, "error": ...})
@@ -211,6 +225,13 @@ class ModelMeasurer:
             return None
         return {"time_s": sum(k["time_s"] for k in kernels),
                 "kernels": [{"kernel": k["kernel"], "bound": k["bound"], "terms_s": k["terms_s"]} for k in kernels]}
+
+    def measured_binary(self, strategy: str, config: Mapping[str, Any]) -> None:
+        """None: a prediction runs no kernel (the service compiles the winner on its host instead)."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to release: the model holds no process or device."""
 
 
 _KERNEL_FIELDS = ("kernel", "time_s", "bound", "programs", "blocks_per_sm", "waves", "occupancy", "regs_per_thread",

@@ -8,7 +8,7 @@ saved as soon as it ends, so a run cut short still leaves what it measured:
    flush evicts (a buffer inside L2 read hot, then after the flush);
 2. **correctness**: every catalog spec x valid strategy (and the unfused chain) at a moderate
    shape whose loop axis is not a multiple of any block, in the suite's dtype and in float32,
-   checked against the float64 reference in the measurement worker (:mod:`tuner.measure_cuda`);
+   checked against the float64 reference in the measurement worker (:mod:`tuner.device`);
 3. **client**: a bundle built from the cubin the worker launched (as a cuda-measured job stores
    it) is loaded in a fresh process with an empty Triton cache: it must run without compiling
    and match float64;
@@ -164,7 +164,9 @@ def correctness(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
     from fuser_core.codegen.plan import BASELINE, default_config, valid_strategies
     from fuser_core.derive import derive_cascade
     from fuser_core.problem import make_problem
-    from tuner.measure_cuda import TimingSettings, WorkerProcess, problem_payload
+    from tuner.device.inputs import problem_payload
+    from tuner.device.timing import TimingSettings
+    from tuner.device.worker import WorkerProcess
 
     deadline = time.monotonic() + budget_s
     per_spec = []  # each spec's (problem, derivation, strategy or chain, config, refused reason)
@@ -335,7 +337,9 @@ def client(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
     from fuser_core.problem import make_problem
     from service.bundle import bundle_v2, canonical_spec, make_variant
     from service.bundle_maker import make_bundle
-    from tuner.measure_cuda import TimingSettings, WorkerProcess, problem_payload
+    from tuner.device.inputs import problem_payload
+    from tuner.device.timing import TimingSettings
+    from tuner.device.worker import WorkerProcess
 
     spec = load_catalog_spec(CLIENT_SPEC)
     user = make_problem(spec, check_shape(spec, args.tiny), suite_dtypes(CLIENT_SPEC)[0])
@@ -421,7 +425,7 @@ def speed(args: argparse.Namespace, budget_s: float, save_partial: Callable[[dic
     """The paper suite (tiny: the smoke suite) in priority order through ``foldwise bench``'s
     pipeline, with the experts, inside the budget."""
     from tuner.bench import case_id, load_suite, run_bench
-    from tuner.measure_cuda import TimingSettings
+    from tuner.device.timing import TimingSettings
 
     suite = speed_suite(args)
     cases = []

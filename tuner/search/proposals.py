@@ -1,0 +1,333 @@
+"""Which candidates a search tries: start-up designs, local search, and TPE's sampler.
+
+Contract: a candidate is proposed as Optuna trial parameters, ``{"strategy": s,
+"<s>/<param>": position}``; a parameter is a position in the space's ordered list of choices
+(``suggest_int(0, n-1)``), so TPE sees their order (64 lies between 32 and 128), and a
+parameter with a single choice is not a trial parameter. :func:`suggest_candidate` reads a
+trial's candidate back, :func:`candidate_params` writes one, :func:`values_from_params` reads
+enqueued parameters. The start-up designs (:func:`default_candidates`,
+:func:`frontier_candidates`, :func:`random_candidates`) return only candidates the space's
+check accepts; :class:`LocalSearch` enqueues one untried neighbour of the best trial after
+each trial; :func:`default_sampler` is TPE for whatever is not enqueued. Nothing here
+measures or stores a result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import optuna
+from optuna.trial import FrozenTrial, Trial, TrialState
+
+from tuner.search.trials import budget_used_by, trial_result
+
+if TYPE_CHECKING:
+    from tuner.space import SearchSpace
+
+
+def default_sampler(seed: int | None = 0, n_startup_trials: int = 10) -> optuna.samplers.TPESampler:
+    """TPE, seeded; multivariate over each strategy's own parameters.
+
+    ``group=True`` lets multivariate TPE model a conditional space (each strategy's
+    parameters form their own group) instead of falling back to independent sampling.
+    ``n_startup_trials`` matches :class:`Tuner`'s enqueued start-up trials, so TPE models
+    from the first trial after them.
+
+    Example::
+
+        study = optuna.create_study(sampler=default_sampler(seed=1))
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=n_startup_trials)
+
+
+
+def suggest_candidate(trial: Trial, space: SearchSpace) -> tuple[str, dict[str, int]]:
+    """Suggest a strategy, then its own parameters (positions in each list of choices; a
+    parameter with a single choice is not a trial parameter)."""
+    strategy = trial.suggest_categorical("strategy", list(space.strategies()))
+    values: dict[str, int] = {}
+    for name, choices in space.params(strategy).items():
+        i = trial.suggest_int(f"{strategy}/{name}", 0, len(choices) - 1) if len(choices) > 1 else 0
+        values[name] = choices[i]
+    return strategy, values
+
+
+def candidate_params(space: SearchSpace, strategy: str, values: Mapping[str, int]) -> dict[str, Any] | None:
+    """The trial parameters that suggest ``(strategy, values)`` in ``space``; None when a value
+    is not among this space's choices (or the strategy is not in it)."""
+    if strategy not in space.strategies():
+        return None
+    params: dict[str, Any] = {"strategy": strategy}
+    for name, choices in space.params(strategy).items():
+        if name not in values or values[name] not in choices:
+            return None
+        if len(choices) > 1:
+            params[f"{strategy}/{name}"] = list(choices).index(values[name])
+    return params
+
+
+def default_candidates(space: SearchSpace) -> list[tuple[str, dict[str, int]]]:
+    """Per strategy, the configuration a Triton engineer would start from
+    (:func:`fuser_core.codegen.plan.default_config`), where it fits: the first trials, so that
+    a search of a few trials on a GPU has measured the expert's choice."""
+    from fuser_core.codegen.plan import default_config
+    from tuner.space import Candidate
+
+    out = []
+    for strategy in space.strategies():
+        try:
+            config = default_config(space.spec, space.derivation, strategy, dict(space.shape))
+        except Exception:  # noqa: BLE001 (no default for this strategy here: the frontier starts it)
+            continue
+        # the default leaves lane blocks of 1 implicit: the space's candidate fills every parameter
+        candidate = space.candidate(strategy, space.values_of(Candidate(strategy, config)))
+        got = candidate.config
+        if ({d: got.blocks.get(d) for d in config.blocks} != config.blocks
+                or (got.num_warps, got.num_stages, got.split, got.per_lane)
+                != (config.num_warps, config.num_stages, config.split, config.per_lane)):
+            continue  # a default outside the space's choices: not this space's to try
+        if space.check(candidate) is None:
+            out.append((strategy, space.values_of(candidate)))
+    return out
+
+
+#: start-up layouts: (num_warps, which blocks grow first); see :func:`frontier_candidates`
+FRONTIER_LAYOUTS = ((4, "axis"), (16, "axis"), (4, "lanes"))
+
+
+def frontier_candidates(space: SearchSpace, layouts: Sequence[tuple[int, str]] = FRONTIER_LAYOUTS,
+                        ) -> list[tuple[str, dict[str, int]]]:
+    """Per strategy, the largest tiles that fit: sensible first trials.
+
+    These kernels are mostly memory-bound: a program should keep many bytes in flight, so the
+    best configurations sit near the frontier of what fits (registers, shared memory, tile
+    size), which a random start rarely reaches and a model of pruned trials even steers away
+    from. For each ``(num_warps, first)`` layout, start from the smallest blocks (num_stages
+    3, split 8, or the nearest choices) and grow, one power of two at a time while the
+    candidate still fits: ``"axis"`` grows the loop axis' block first and then the other
+    blocks in turn (a long row per program), ``"lanes"`` grows the other blocks in turn first
+    (rows per program, a contraction's M/N tile) and the loop axis last.
+
+    Example::
+
+        for strategy, values in frontier_candidates(space):
+            study.enqueue_trial(candidate_params(space, strategy, values))
+    """
+    axis = getattr(space, "axis", None)
+    out: list[tuple[str, dict[str, int]]] = []
+    for strategy in space.strategies():
+        params = space.params(strategy)
+        blocks = [n for n, c in params.items() if n.startswith("block_") and len(c) > 1]
+        loop = [n for n in blocks if n == f"block_{axis}"]
+        lanes = [n for n in blocks if n not in loop]
+        base = {name: choices[0] for name, choices in params.items()}
+        base["num_stages"] = _nearest(3, params.get("num_stages", [1]))
+        if "split" in params:
+            base["split"] = _nearest(8, params["split"])
+        for warps, first in layouts:
+            values: dict[str, int] | None = dict(base, num_warps=_nearest(warps, params.get("num_warps", [warps])))
+            for group in ((loop, lanes) if first == "axis" else (lanes, loop)):
+                values = values and _grow(space, strategy, values, group)
+            if values is None or (strategy, values) in out:
+                continue
+            if space.check(space.candidate(strategy, values)) is None:
+                out.append((strategy, values))
+    return out
+
+
+def _grow(space: SearchSpace, strategy: str, values: dict[str, int], names: Sequence[str]) -> dict[str, int] | None:
+    """Double the named blocks in turn while the candidate fits (through an infeasible start)."""
+    params = space.params(strategy)
+
+    def fits(v: dict[str, int]) -> bool:
+        return space.check(space.candidate(strategy, v)) is None
+
+    active = list(names)
+    while active:
+        for name in list(active):
+            choices = params[name]
+            j = choices.index(values[name]) + 1
+            if j >= len(choices):
+                active.remove(name)
+                continue
+            bigger = dict(values, **{name: choices[j]})
+            if fits(bigger) or not fits(values):
+                values = bigger
+            else:
+                active.remove(name)
+    return values
+
+
+class LocalSearch:
+    """Enqueue the next untried neighbour of the best trial: first-improvement hill climbing
+    on the grid of choices, interleaved with TPE's own suggestions.
+
+    After each finished trial (and while no enqueued trial is waiting), the best trial so far
+    that still has untried feasible neighbours gets one enqueued: first the *pattern* move
+    (repeat the step that led to it), then each parameter one choice up or down, then a step
+    that does not fit taken with a step back of another parameter (along the edge of what
+    fits), then any two parameters at once (a tile's shape at the same size, or tile and warps
+    scaled together), then moves of parameters the trials show to be flat (changing them alone
+    never changed the time), then the same values under the other strategies; each group in
+    an order seeded by ``seed`` and the trial's candidate. TPE suggests the trial whenever
+    nothing is enqueued: once every feasible neighbour of every finished trial was tried, and
+    on every ``tpe_every``-th trial when that is set (0: never by turn).
+
+    Why not TPE alone: on the paper suite with the model measurer, TPE (multivariate, group,
+    any start-up) ends 40 trials up to ~50% from the optimum: the times have wide plateaus
+    (bandwidth-bound regions where the tiling does not matter) and the optimum sits on the
+    edge of what fits, a corner the plateau gives no gradient towards and pruned neighbours
+    push TPE away from. Starting at that edge (:func:`frontier_candidates`) and climbing from
+    the best point ends within 3% there (benchmarks/tuner_quality.py).
+
+    Example::
+
+        study.optimize(objective, n_trials=40, callbacks=[LocalSearch(space, seed=0)])
+    """
+
+    def __init__(self, space: SearchSpace, *, seed: int | None = 0, tpe_every: int = 0, budget: int | None = None):
+        self.space = space
+        self.seed = seed
+        self.tpe_every = tpe_every
+        self.budget = budget
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        trials = study.get_trials(deepcopy=False)
+        if any(t.state == TrialState.WAITING for t in trials):
+            return
+        if self.budget is not None and budget_used_by(trials) >= self.budget:
+            return
+        if self.tpe_every and (len(trials) + 1) % self.tpe_every == 0:
+            return
+        tried = {t.user_attrs["candidate"] for t in trials if "candidate" in t.user_attrs}
+        done = [t for t in trials
+                if t.state == TrialState.COMPLETE and t.value is not None and "result" in t.user_attrs]
+        for best in sorted(done, key=lambda t: (t.value, t.number)):
+            for strategy, values in self.neighbours(best, trials):
+                candidate = self.space.candidate(strategy, values)
+                if candidate.key() in tried or self.space.check(candidate) is not None:
+                    continue
+                params = candidate_params(self.space, strategy, values)
+                if params is None:
+                    continue
+                source = {"source": f"local: from trial {best.number}", "parent": best.number}
+                # skip_if_exists: another worker may have enqueued the same neighbour a moment ago
+                study.enqueue_trial(params, user_attrs=source, skip_if_exists=True)
+                return
+
+    @staticmethod
+    def flat_params(strategy: str, names: Sequence[str], trials: Sequence[FrozenTrial]) -> set[str]:
+        """Parameters that, as far as the trials show, do not change the time: every pair of
+        measured trials of ``strategy`` that differ in that parameter alone took the same time
+        (and at least one such pair exists). Their moves are tried last."""
+        rows = []
+        for t in trials:
+            r = trial_result(t)
+            if t.state == TrialState.COMPLETE and t.value is not None and r.get("strategy") == strategy:
+                rows.append((r["values"], float(t.value)))
+        flat = set()
+        for name in names:
+            by_rest: dict[str, dict[Any, float]] = {}  # the other values -> {this value: time}
+            for values, value in rows:
+                rest = json.dumps({k: v for k, v in values.items() if k != name}, sort_keys=True)
+                by_rest.setdefault(rest, {})[values.get(name)] = round(value, 9)
+            informative = [times for times in by_rest.values() if len(times) >= 2]
+            if informative and all(len(set(times.values())) == 1 for times in informative):
+                flat.add(name)
+        return flat
+
+    def neighbours(self, best: FrozenTrial, trials: Sequence[FrozenTrial]) -> Iterable[tuple[str, dict[str, int]]]:
+        r = best.user_attrs["result"]
+        strategy, values = r["strategy"], r["values"]
+        params = self.space.params(strategy)
+        names = [n for n, c in params.items() if len(c) > 1 and values.get(n) in c]
+        rng = random.Random(f"{self.seed}:{best.user_attrs.get('candidate', best.number)}")
+
+        def step(deltas: Mapping[str, int]) -> dict[str, int] | None:
+            out = dict(values)
+            for name, d in deltas.items():
+                j = params[name].index(values[name]) + d
+                if not 0 <= j < len(params[name]):
+                    return None
+                out[name] = params[name][j]
+            return out
+
+        parent = best.user_attrs.get("parent")
+        if isinstance(parent, int) and 0 <= parent < len(trials):
+            before = trial_result(trials[parent])
+            if before.get("strategy") == strategy:
+                deltas = {n: params[n].index(values[n]) - params[n].index(before["values"][n]) for n in names
+                          if before["values"].get(n) in params[n]}
+                pattern = step({n: d for n, d in deltas.items() if d})
+                if pattern is not None and any(deltas.values()):
+                    yield strategy, pattern
+        flat = self.flat_params(strategy, names, trials)
+        live = [n for n in names if n not in flat]
+        fits = {(n, d): (v := step({n: d})) is not None and self.space.check(self.space.candidate(strategy, v)) is None
+                for n in names for d in (-1, 1)}
+        singles = [step({n: d}) for n in live for d in (-1, 1)]
+        # a step that does not fit, taken together with a step back of another parameter:
+        # along the edge of what fits (grow the rows, shrink the row length)
+        repairs = [step({a: da, b: -da}) for a in live for da in (-1, 1) if not fits[(a, da)] for b in live if b != a]
+        pairs = [step({a: da, b: db}) for a, b in itertools.combinations(live, 2) for da in (-1, 1) for db in (-1, 1)]
+        rest = [step({n: d}) for n in flat for d in (-1, 1)]
+        rest += [step({a: da, b: db}) for a, b in itertools.combinations(names, 2) if a in flat or b in flat
+                 for da in (-1, 1) for db in (-1, 1)]
+        for group in (singles, repairs, pairs, rest):
+            moves = [v for v in group if v is not None]
+            rng.shuffle(moves)
+            yield from ((strategy, v) for v in moves)
+        for other in self.space.strategies():
+            if other != strategy:
+                yield other, {n: _nearest(values.get(n, c[0]), c) for n, c in self.space.params(other).items()}
+
+
+def random_candidates(space: SearchSpace, n: int, seed: int | None, *, exclude: Iterable[str] = (),
+                      tries: int = 400) -> list[tuple[str, dict[str, int]]]:
+    """Up to ``n`` distinct feasible candidates drawn at random (strategies in turn, each
+    parameter uniform over its choices; infeasible draws rejected, at most ``tries`` per pick).
+
+    A start-up design for TPE that never wastes a trial on a candidate :meth:`check` rejects,
+    which matters where most of the space does not fit (attention with long rows: ~1% of it).
+    """
+    rng = random.Random(seed)
+    strategies = list(space.strategies())
+    seen = set(exclude)
+    out: list[tuple[str, dict[str, int]]] = []
+    dead: set[str] = set()
+    turn = 0
+    while len(out) < n and len(dead) < len(strategies):
+        strategy = strategies[turn % len(strategies)]
+        turn += 1
+        if strategy in dead:
+            continue
+        params = space.params(strategy)
+        for _ in range(tries):
+            values = {name: rng.choice(choices) for name, choices in params.items()}
+            candidate = space.candidate(strategy, values)
+            if candidate.key() not in seen and space.check(candidate) is None:
+                seen.add(candidate.key())
+                out.append((strategy, values))
+                break
+        else:
+            dead.add(strategy)
+    return out
+
+
+def values_from_params(space: SearchSpace, params: Mapping[str, Any]) -> dict[str, int]:
+    """The values of the candidate that trial parameters ``params`` suggest (:func:`candidate_params` inverted)."""
+    strategy = params["strategy"]
+    return {name: choices[params.get(f"{strategy}/{name}", 0)] for name, choices in space.params(strategy).items()}
+
+
+def _nearest(value: int, choices: Sequence[int]) -> int:
+    return min(choices, key=lambda c: (abs(math.log2(max(c, 1)) - math.log2(max(value, 1))), c))
+
