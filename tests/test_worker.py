@@ -20,6 +20,7 @@ from fuser_core.spec import load_spec
 from service import job_queue, kernel_cache
 from service.bundle import verify_bundle
 from service.db import DatabaseBehind, study_storage_url
+from service.job_outcome import JobOutcome
 from service.binaries import stored_variants
 from service.models import Job, KernelBinary, utcnow
 from service.settings import get_settings
@@ -200,7 +201,7 @@ def test_a_crashing_search_fails_the_job_with_the_reason(db_url, sessions, monke
     def boom(*args, **kwargs):
         raise RuntimeError("the search blew up")
 
-    monkeypatch.setattr(service.tuning, "tuning_setup", boom)
+    monkeypatch.setattr(service.tuning, "search_setup", boom)
     assert run_worker(db_url, measurer="model", target="h100", once=True, settings=settings(db_url)) == 1
     job = reload(sessions, job_id)
     assert job.status == "failed" and "RuntimeError: the search blew up" in job.error and job.dedupe_key is None
@@ -215,7 +216,7 @@ def test_takeover_continues_the_dead_workers_study(db_url, sessions) -> None:
     cfg = settings(db_url, lease_seconds=1.0, heartbeat_seconds=0.2)
     stop = threading.Event()
     dead = Worker(db_url, measurer="model", target="h100", worker_id="w-dead", stop=stop, settings=cfg)
-    dead._settle = lambda job, outcome, detail, keeper: "died"  # dies: neither finishes nor releases
+    dead._settle = lambda job, outcome, detail, keeper: JobOutcome.LOST  # dies: neither finishes nor releases
     watcher = threading.Thread(target=lambda: wait_for(lambda: reload(sessions, job_id).trials_done >= 3)
                                and stop.set(), daemon=True)
     try:
