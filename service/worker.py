@@ -359,7 +359,8 @@ class Worker:
             if recorder.stopped_by is not None:
                 return recorder.stopped_by, None
             if out_of_time:
-                return JobOutcome.FAILED, f"budget.seconds ({job.budget_seconds:g} s) was used up before any trial finished"
+                return JobOutcome.FAILED, (f"budget.seconds ({job.budget_seconds:g} s) was used up before any "
+                                           "trial finished")
             return JobOutcome.FAILED, str(err)
         finally:
             close = getattr(measurer, "close", None)

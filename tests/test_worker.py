@@ -22,7 +22,7 @@ from service.bundle import verify_bundle
 from service.db import DatabaseBehind, study_storage_url
 from service.job_outcome import JobOutcome
 from service.binaries import stored_variants
-from service.models import Job, KernelBinary, utcnow
+from service.models import Job, Kernel, KernelBinary, utcnow
 from service.settings import get_settings
 from service.tuning import SetupError
 from service.tuning_request import tuning_request
@@ -191,6 +191,31 @@ def test_budget_seconds_used_up_by_earlier_attempts(db_url, sessions) -> None:
     run_worker(db_url, measurer="model", target="h100", once=True, settings=settings(db_url))
     job = reload(sessions, job_id)
     assert job.status == "failed" and "budget.seconds (5 s) was used up" in job.error and job.trials_done == 0
+
+
+def test_a_range_job_is_derived_once_for_all_its_buckets(db_url, sessions, monkeypatch) -> None:
+    """The worker derives a job's spec once (service.worker.Worker._tune): every bucket's search
+    and every bucket's bundle use that derivation."""
+    import fuser_core
+    import fuser_core.derive
+
+    job_id = submit(sessions, trials=1, shape={"m": {"min": 1, "max": 4, "buckets": [2, 4]}, "n": 64})
+    real, calls = fuser_core.derive.derive_cascade, []
+
+    def counted(spec, **kwargs):
+        calls.append(spec.name)
+        return real(spec, **kwargs)
+
+    fuser_core.derive_cascade  # noqa: B018 (the lazy export, loaded before it is patched)
+    monkeypatch.setattr(fuser_core, "derive_cascade", counted)
+    monkeypatch.setattr(fuser_core.derive, "derive_cascade", counted)
+    assert run_worker(db_url, measurer="model", target="h100", once=True,
+                      settings=settings(db_url, compile_binaries=False)) == 1
+    job = reload(sessions, job_id)
+    with sessions() as s:
+        kernels = s.scalar(sa.select(sa.func.count()).select_from(Kernel))
+    assert job.status == "succeeded" and kernels == 2, job.error
+    assert len(calls) == 1, calls  # the report's derivation was cached when the job was submitted
 
 
 def test_a_crashing_search_fails_the_job_with_the_reason(db_url, sessions, monkeypatch) -> None:
