@@ -192,7 +192,7 @@ async def bundle_answer(ctx: AppContext, kernel_id: str, authorization: str | No
     """(status, headers, body) of a bundle request; raises Problem for errors. ``format`` 2 or 3,
     or an ``arch`` (format 2 unless 3 is asked for): the precomputed view (service.served_bundles)."""
     view = view_of(arch, 3 if format == 3 else 2) if (format in (2, 3) or arch is not None) else None
-    reader: LoopReader | None = ctx.extra.get("loop_reader")
+    reader = ctx.loop_reader
     found = None
     if reader is not None:
         try:

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from service.api import ops
-from service.api.deps import Db, context, database
+from service.api.deps import Context, Db, database
 from service.api.fastpath import bundle_answer
 from service.api.routes_jobs import ERRORS
 from service.api.schemas import KernelView
@@ -28,7 +28,7 @@ KernelId = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="a kernel 
 
 @router.get("/v1/kernels", response_model=KernelView, responses=ERRORS)
 async def lookup_kernel(
-    request: Request, db: Annotated[Db, Depends(database("kernels:read"))],
+    ctx: Context, db: Annotated[Db, Depends(database("kernels:read"))],
     spec_hash: Annotated[str, Query(pattern=r"^[0-9a-f]{64}$", description="the spec's sha256")],
     target: Annotated[str | None, Query(max_length=32, description="default: the server's target")] = None,
     shape: Annotated[str | None, Query(max_length=2048, description="d0=4,d1=300 (canonical dims) or the spec's own")] = None,
@@ -36,7 +36,6 @@ async def lookup_kernel(
 ) -> JSONResponse:
     """The best kernel for exactly this shape, else the nearest tuned shape of the same spec,
     target and dtype (``exact_match`` false)."""
-    ctx = context(request)
     view = await db.run(ops.lookup_kernel, ctx.specs, spec_hash=spec_hash, target=target or ctx.settings.target,
                         shape=shape, dtype=dtype)
     return JSONResponse(view)
@@ -52,7 +51,7 @@ async def get_kernel(kernel_id: KernelId, db: Annotated[Db, Depends(database("ke
             responses={200: {"content": {"application/json": {}}, "description": "the bundle, as stored"},
                        304: {"description": "If-None-Match matched the ETag"}, **ERRORS})
 async def get_bundle(
-    kernel_id: KernelId, request: Request,
+    kernel_id: KernelId, request: Request, ctx: Context,
     _auth: Annotated[Db, Depends(database("kernels:read"))],
     if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
     format: Annotated[int, Query(ge=1, le=3, description="1 (default): source only; 2: with compiled binaries, one "
@@ -71,7 +70,7 @@ async def get_bundle(
     ``foldwise-bundle/3``, with every Triton version's; ETag the served sha256, as precomputed
     when the bundle or a binary was stored (service.served_bundles). Format 1 stays the default
     so clients written for it are served what they understand."""
-    status, headers, body = await bundle_answer(context(request), kernel_id, request.headers.get("authorization"),
+    status, headers, body = await bundle_answer(ctx, kernel_id, request.headers.get("authorization"),
                                                 if_none_match, format=format, arch=arch)
     return Response(body, status_code=status, headers=headers)
 
