@@ -3,17 +3,18 @@ it is measured or predicted.
 
 :meth:`SearchSpace.check` judges a candidate from estimates (registers from live values,
 shared memory from tile sizes); the compiler knows. :class:`CompileGate` compiles a
-candidate's module(s) for the target's arch (``GpuProfile.arch``, e.g. ``sm_90``) with
-:mod:`fuser_core.codegen.gpu_compile`, which needs no GPU, and answers with a
-:class:`CompileVerdict`:
+candidate's module(s) for the profile's target (``GpuProfile.target``: ``sm_90`` gives a cubin,
+``gfx942`` an hsaco) with :mod:`fuser_core.codegen.gpu_compile`, which needs no GPU, and
+answers with a :class:`CompileVerdict`:
 
 - a kernel does not compile: **pruned**, the reason is the compiler's message, with the Triton
   version that gave it (``does not compile for sm_90 with Triton 3.6.0: <kernel>: line N: ...``):
   the installed Triton decides (3.6 rejects some float32 multi_pass configs that 3.9 compiles);
-- a kernel needs more shared memory than a block may have (``profile.smem_per_block_max``), or
-  more registers per thread than the target allows, or its registers for ``num_warps`` warps
-  exceed an SM's register file: **pruned**, naming the kernel and the numbers (a launch would
-  fail with "out of resources");
+- a kernel needs more shared memory than a block may have (``profile.smem_per_block_max``: the
+  LDS of a CU on AMD), or more registers per thread than the target allows, or its registers for
+  ``num_warps`` warps (64-lane wavefronts on AMD) exceed an SM's register file (a CU's VGPR
+  file): **pruned**, naming the kernel and the numbers (a launch would fail with "out of
+  resources");
 - a kernel spills (stack or local bytes > 0): **not pruned**, its facts are kept and the model
   measurer charges the local-memory traffic (:mod:`tuner.cost_model`); the cuda measurer times
   it as it is.
@@ -48,7 +49,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest, KernelBuild, ModuleBuild, capability_of
+from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest, KernelBuild, ModuleBuild
 from fuser_core.spec import Spec
 from tuner.profiles import GpuProfile
 
@@ -106,15 +107,15 @@ def judge(build: ModuleBuild, profile: GpuProfile) -> CompileVerdict:
         if shared > profile.smem_per_block_max:
             return CompileVerdict(arch, build.kernels, (
                 f"shared memory ({k.kernel}): the compiler allocates {shared} bytes > {profile.smem_per_block_max} "
-                f"per block on {profile.name} ({arch})"))
+                f"{profile.smem_limit_words} on {profile.name} ({arch})"))
         if regs > profile.regs_per_thread_max:
             return CompileVerdict(arch, build.kernels, (
                 f"registers ({k.kernel}): {regs} per thread > {profile.regs_per_thread_max} on {profile.name}"))
         held = profile.registers_per_program(regs, warps)
         if held > profile.regs_per_sm:
             return CompileVerdict(arch, build.kernels, (
-                f"registers ({k.kernel}): {regs} per thread x {32 * warps} threads need {held} > "
-                f"{profile.regs_per_sm} per SM on {profile.name}"))
+                f"registers ({k.kernel}): {regs} per thread x {profile.warp_size * warps} threads need {held} > "
+                f"{profile.regs_per_sm} per {profile.sm_word} on {profile.name}"))
     return CompileVerdict(arch, build.kernels)
 
 
@@ -148,7 +149,6 @@ class CompileGate:
         self.shape = dict(shape)
         self.dtypes = dict(dtypes)
         self.profile = profile
-        self.capability = capability_of(profile.arch)
         self.pool = pool
         self.compiled = 0  # candidates this gate sent to the compiler (not answered from its own cache)
         self._verdicts: dict[str, CompileVerdict] = {}
@@ -170,7 +170,7 @@ class CompileGate:
             missing = {c.key(): c for c in candidates if c.key() not in self._verdicts}
         if missing:
             requests = [CompileRequest(self.spec, self.shape, self.dtypes, c.strategy, c.config.to_dict(),
-                                       self.capability, sass=True) for c in missing.values()]
+                                       target=self.profile.target, sass=True) for c in missing.values()]
             builds = (self.pool or shared_compile_pool()).compile(requests)
             with self._lock:
                 for key, build in zip(missing, builds):
