@@ -180,7 +180,7 @@ def test_canonical_spec_gives_the_same_bundle():
     canon = load_spec(canonical_json(spec), printed=True)
     shape = small_shape("attention")
     b1 = bundle_for("attention", shape)
-    from service.bundle import canonical_shape
+    from fuser_core import canonical_shape
 
     b2 = make_bundle(make_problem(canon, canonical_shape(spec, shape), "float32"), target="H100",
                      strategy=b1["strategy"], config=b1["config"], measured=MEASURED)
