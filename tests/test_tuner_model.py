@@ -28,7 +28,7 @@ from tuner import measure as measure_mod
 from tuner.analysis import Anatomy, tree_cost
 from tuner.cost_model import KernelLoad, kernel_time, predict, predict_chain
 from tuner.measure import Measurement, Measurer, ModelMeasurer, clear_verification_cache, reduced_problem
-from tuner.profiles import PROFILES, get_profile, profile_for_device_name
+from tuner.profiles import FLEET, PROFILES, get_profile, profile_for_device_name
 from tuner.space import Candidate, SearchSpace
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked tile lanes compute 0/0
@@ -68,12 +68,15 @@ def best_of(space: SearchSpace, strategy: str):
 
 
 def test_profiles_are_sane() -> None:
-    assert {"h100", "h200", "a100"} <= set(PROFILES)
+    assert set(FLEET) == set(PROFILES) == {"a100", "l40s", "h100", "h200", "b200", "mi300x", "mi355x"}
     for p in PROFILES.values():
-        assert p.sm_count > 0 and p.hbm_bytes_per_s > 1e12 and p.l2_bytes >= 32 * 2**20
-        assert 0 < p.smem_per_block_max <= p.smem_per_sm and p.regs_per_sm == 65536
-        assert p.max_warps_per_sm == 64 and p.launch_overhead_s > 0 and p.sfu_ops_per_s > 1e12
-        assert p.peak_flops["fp32"] < p.peak_flops["tf32"] < p.peak_flops["fp16"] == p.peak_flops["bf16"]
+        assert p.sm_count > 0 and p.hbm_bytes_per_s > 5e11 and p.l2_bytes >= 32 * 2**20
+        assert 0 < p.smem_per_block_max <= p.smem_per_sm
+        # 64K 32-bit registers per SM on NVIDIA; AMD's 512 KiB VGPR file per CU holds 128K
+        assert p.regs_per_sm == (65536 if p.target.backend == "cuda" else 131072)
+        assert p.max_warps_per_sm * p.warp_size <= 2048 and p.launch_overhead_s > 0 and p.sfu_ops_per_s > 1e12
+        assert p.peak_flops["fp32"] < p.peak_flops.get("tf32", p.peak_flops["fp16"]) <= p.peak_flops["fp16"]
+        assert p.peak_flops["fp16"] == p.peak_flops["bf16"] < p.peak_flops.get("fp8", float("inf"))
         assert json.loads(json.dumps(p.to_dict()))["name"] == p.name
     h100, h200, a100 = PROFILES["h100"], PROFILES["h200"], PROFILES["a100"]
     assert (h100.sm_count, h100.hbm_bytes_per_s, h100.l2_bytes) == (132, 3.35e12, 50 * 2**20)
@@ -87,8 +90,8 @@ def test_profiles_are_sane() -> None:
 
 def test_profile_lookup() -> None:
     assert get_profile("H100") is PROFILES["h100"]
-    with pytest.raises(ValueError, match="unknown target 'b200'; known targets: a100, h100, h200"):
-        get_profile("b200")
+    with pytest.raises(ValueError, match="unknown target 'b100'; known targets: a100, b200, h100, h200, l40s, mi300x, mi355x"):
+        get_profile("b100")
     assert profile_for_device_name("NVIDIA H100 80GB HBM3") == "h100"
     assert profile_for_device_name("NVIDIA H200") == "h200"
     assert profile_for_device_name("NVIDIA A100-SXM4-80GB") == "a100"

@@ -12,7 +12,7 @@ from typing import Any
 
 # public name -> (module, name there); grouped by module
 _EXPORTS: dict[str, tuple[str, str]] = {
-    **{n: ("tuner.profiles", n) for n in ("GpuProfile", "PROFILES", "get_profile", "profile_for_device_name")},
+    **{n: ("tuner.profiles", n) for n in ("FLEET", "GpuProfile", "PROFILES", "get_profile", "profile_for_device_name")},
     **{n: ("tuner.space", n) for n in ("Candidate", "SearchSpace")},
     **{n: ("tuner.measure", n) for n in ("Measurement", "ModelMeasurer", "reduced_problem")},
     **{n: ("tuner.measure_cuda", n) for n in ("CudaMeasurer", "TimingSettings", "WorkerProcess")},
