@@ -55,13 +55,14 @@ class BinaryKind:
     name: str  # "cubin", "hsaco": the kernel's base64 field, beside <name>_sha256 and <name>_size
     asm: str  # the assembly text Triton keeps beside it: "ptx", "amdgcn"
     compiler: str  # the variant's field naming the compiler that made the binary
+    vendor: str  # whose GPUs run it
     run_on_device: bool  # loading a stored binary of this kind has run on a GPU of its vendor
 
 
 KINDS = {
-    "cubin": BinaryKind("cubin", "ptx", "ptxas_version", run_on_device=True),
+    "cubin": BinaryKind("cubin", "ptx", "ptxas_version", "NVIDIA", run_on_device=True),
     # not run on AMD: no ROCm machine was available (module docstring)
-    "hsaco": BinaryKind("hsaco", "amdgcn", "compiler_version", run_on_device=False),
+    "hsaco": BinaryKind("hsaco", "amdgcn", "compiler_version", "AMD", run_on_device=False),
 }
 
 
@@ -203,7 +204,7 @@ def choose_binary(bundle: Mapping[str, Any], *, arch: str | None, triton_version
     kind = variant_kind(variant)
     if not kind.run_on_device:
         return None, (f"the stored {arch} {kind.name} is not loaded: loading a stored {kind.name} has not been "
-                      "run on a GPU of its vendor, so the source is compiled")
+                      f"run on {kind.vendor}, so the source is compiled")
     return variant, f"stored {arch} {kind.name} (Triton {variant['triton_version']}, {variant_compiler(variant)})"
 
 
