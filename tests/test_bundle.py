@@ -11,7 +11,11 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -417,3 +421,14 @@ def test_an_empty_batch_through_a_loaded_kernel_gives_empty_outputs_without_a_la
     assert out["lse"].shape == (0,) and out["lse"].dtype == torch.float32
     out = kernel(x=torch.zeros(3, 0))
     assert torch.equal(out["lse"], torch.logsumexp(torch.zeros(3, 0), -1))
+
+
+def test_the_bundle_package_stays_light():
+    """service.bundle is on an inference server's start-up path (service.client): importing it
+    imports no derivation (sympy, SciPy, NumPy), no database layer and neither torch nor triton."""
+    code = ("import sys, service.bundle; "
+            "print(sorted(m for m in ('sympy', 'scipy', 'numpy', 'sqlalchemy', 'torch', 'triton') if m in sys.modules))")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
