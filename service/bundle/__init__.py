@@ -47,9 +47,9 @@ trust, over HTTPS.
 **Light.** This package is the bundle format, its verification and the runtime loader: what
 :mod:`service.client` needs on an inference server's start-up path. It imports neither sympy,
 scipy nor numpy, nor torch, triton or sqlalchemy (torch and triton only when a kernel is run or
-a binary installed); tests/test_client.py checks it. Making a bundle (derivation and code
-generation) is the server's: :mod:`service.bundle_maker`; storing binaries is
-:mod:`service.binaries`'.
+a binary installed); tests/test_bundle.py and tests/test_client.py check it. Making a bundle
+(derivation and code generation) is the server's, :mod:`service.bundle_maker`; storing
+binaries too, :mod:`service.binaries`.
 
 **Modules, by job.** :mod:`~service.bundle.hashing` (the canonical bytes and the sha256),
 :mod:`~service.bundle.formats` (formats 1 to 3 and the text forms of shapes, dtypes and names),
