@@ -94,7 +94,7 @@ def foldwise_kernels(case: Case, strategy: str, config: Any) -> list[dict[str, A
     problem = make_problem(spec, case.shape, case.dtype)
     plan = make_plan(spec, derivation, strategy, problem.shape, config)
     structure = build_structure(plan, problem.dtypes, problem.output_dtypes)
-    built = compile_request(CompileRequest(spec, problem.shape, problem.dtypes, strategy, config.to_dict(), 90, sass=True))
+    built = compile_request(CompileRequest(spec, problem.shape, problem.dtypes, strategy, config.to_dict(), sass=True))
     out = []
     for kernel, build in zip(structure.kernels, built.kernels):
         programs = math.prod(-(-problem.shape[d] // b) for d, b in kernel.grid.lanes) * (
@@ -112,7 +112,8 @@ def liger_kernels(case: Case) -> list[dict[str, Any]]:
     import torch
     from liger_kernel.transformers import functional as liger
 
-    from fuser_core.codegen.gpu_compile import compile_launch, intercepted_launches
+    from fuser_core.codegen.gpu_compile import compile_launch
+    from fuser_core.codegen.launches import intercepted_launches
 
     dt = getattr(torch, case.dtype)
     s = case.shape
@@ -137,7 +138,7 @@ def liger_kernels(case: Case) -> list[dict[str, Any]]:
             pass
     out = []
     for launch in launches:
-        build = compile_launch(launch, 90)
+        build = compile_launch(launch)  # sm_90, with its SASS facts
         block = next((v for k, v in launch.kwargs.items() if k.startswith("BLOCK")), cols)
         loops = (build.sass or {}).get("loops") or []
         # a loop that loads nothing only stores: Liger's cross-entropy zeroes an ignored row's

@@ -36,7 +36,7 @@ def kernel_lines(source: str) -> int:
 
 def measure() -> list[dict]:
     from fuser_core.catalog import catalog_names, load_catalog_spec, load_suites
-    from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest, capability_of
+    from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest
     from fuser_core.codegen.module import generate
     from fuser_core.codegen.plan import STRATEGIES, default_config, valid_strategies
     from fuser_core.derive import derive_cascade
@@ -46,7 +46,6 @@ def measure() -> list[dict]:
     from tuner.space import Candidate
 
     profile = get_profile("h100")
-    capability = capability_of(profile.arch)
     rows, requests = [], []
     for case in load_suites()["paper"]:
         name = case["spec"]
@@ -66,7 +65,7 @@ def measure() -> list[dict]:
                 "kernel_lines": kernel_lines(source), "module_lines": sum(1 for x in source.splitlines() if x.strip()),
                 "model_us": model.time_s * 1e6,
             })
-            requests.append(CompileRequest(spec, shape, dtypes, strategy, None, capability))
+            requests.append(CompileRequest(spec, shape, dtypes, strategy, None, profile.target))
     with CompilePool() as pool:
         builds = pool.compile(requests)
     for row, build in zip(rows, builds):

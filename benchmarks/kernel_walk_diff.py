@@ -442,7 +442,7 @@ def registers(args: argparse.Namespace) -> int:
         wanted = set(Path(args.ids).read_text().split())
         cases = [c for c in cases if c["id"] in wanted]
     os.environ.setdefault("FOLDWISE_CACHE_DIR", tempfile.mkdtemp(prefix="kernel-walk-cache-"))
-    requests = [CompileRequest(load_spec(c["spec"]), c["shape"], c["dtypes"], c["strategy"], c["config"], 90)
+    requests = [CompileRequest(load_spec(c["spec"]), c["shape"], c["dtypes"], c["strategy"], c["config"])
                 for c in cases]
     found = {}
     path = out / "registers.json"

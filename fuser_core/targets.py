@@ -28,6 +28,7 @@ from typing import Any
 CUDA = "cuda"
 HIP = "hip"
 BINARY_KINDS = {CUDA: "cubin", HIP: "hsaco"}
+ASSEMBLY_KINDS = {CUDA: "ptx", HIP: "amdgcn"}  # the text Triton keeps beside the binary
 WARP_SIZES = {CUDA: 32, HIP: 64}
 
 _SM = re.compile(r"sm_(\d{2,3})a?")
@@ -72,6 +73,11 @@ class Target:
     def binary_kind(self) -> str:
         """What the backend's compiler gives: ``cubin`` (NVIDIA) or ``hsaco`` (an AMDGPU ELF)."""
         return BINARY_KINDS[self.backend]
+
+    @property
+    def assembly_kind(self) -> str:
+        """The assembly Triton keeps beside the binary: ``ptx`` (NVIDIA) or ``amdgcn`` (AMD)."""
+        return ASSEMBLY_KINDS[self.backend]
 
     @property
     def capability(self) -> int | None:

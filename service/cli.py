@@ -140,106 +140,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    """``foldwise compile``: the GPU compiler on each generated kernel, for a target's arch, with no
-    GPU needed. Exit 0 when every kernel compiles, 1 when one fails, 2 on bad input."""
-    from fuser_core import (
-        BASELINE, STRATEGIES, CompilePool, CompileRequest, KernelConfig, bind_dtypes, bind_shape, capability_of,
-        derive_cascade, valid_strategies,
-    )
-    from tuner import get_profile
+    """``foldwise compile``: the GPU compiler on each generated kernel, for a target or the fleet,
+    with no GPU needed (service/cli_compile.py). Exit 0 when every kernel compiles, 1 when one
+    fails, 2 on bad input."""
+    from fuser_core import bind_dtypes, bind_shape
+    from service.cli_compile import compile_command
 
     spec = _read_spec(args.spec)
     raw_shape, raw_dtype = shape_and_dtype(args)
     shape = bind_shape(spec, raw_shape)
-    dtypes = bind_dtypes(spec, raw_dtype)
-    try:
-        profile = get_profile(args.target)
-    except ValueError as err:
-        raise UsageError(f"--target: {err}") from None
-    config = None
-    if args.config:
-        try:
-            config = KernelConfig.from_dict(json.loads(args.config)).to_dict()
-        except (json.JSONDecodeError, ValueError, TypeError) as err:
-            raise UsageError(f"--config: {err}") from None
-    refused: dict[str, str] = {}
-    if args.strategy == "all":
-        valid = valid_strategies(spec, derive_cascade(spec), shape)
-        refused = {s: why for s, why in valid.items() if why}
-        strategies = [s for s in STRATEGIES if s in valid and not valid[s]] + [BASELINE]
-    elif args.strategy in (*STRATEGIES, BASELINE):
-        strategies = [args.strategy]
-    else:
-        raise UsageError(f"--strategy: unknown strategy {args.strategy!r}; one of {', '.join((*STRATEGIES, BASELINE))}, all")
-    capability = capability_of(profile.arch)
-    requests = [CompileRequest(spec, shape, dtypes, s, config, capability, sass=True) for s in strategies]
-    with CompilePool(min(len(requests), 4)) as pool:
-        modules = pool.compile(requests)
-        kernels = [{"strategy": m.strategy, **k.to_dict()} for m in modules for k in m.kernels]
-        bounds = _static_bounds(spec, shape, dtypes, modules, profile)
-        for k in kernels:
-            b = bounds.get((k["strategy"], k["kernel"]))
-            if b is not None:
-                k["static_bound"] = b
-        failed = sum(not k["ok"] for k in kernels)
-        if args.out and not failed:
-            _write_binaries(pool, [r for r, m in zip(requests, modules) if not m.refused], Path(args.out))
-    for module in modules:
-        if module.refused:
-            refused[module.strategy] = module.refused
-    # the facts are this Triton's (its ptxas allocates registers differently from another's)
-    triton_version = next((m.triton_version for m in modules if m.triton_version), None)
-    if args.json:
-        print(json.dumps({"spec": spec.name, "target": profile.name, "arch": profile.arch, "shape": shape,
-                          "dtypes": dtypes, "triton_version": triton_version, "kernels": kernels, "refused": refused,
-                          "configs": {m.strategy: m.config for m in modules if not m.refused}}, indent=2))
-    else:
-        print(f"{spec.name} for {profile.name} ({profile.arch}), Triton {triton_version}: {len(kernels) - failed} of "
-              f"{len(kernels)} kernels compile")
-        print(f"{'strategy':<16} {'kernel':<44} {'ok':<4} {'regs':>5} {'spill':>6} {'shared':>7}  static bound")
-        for k in kernels:
-            regs = "" if k["registers"] is None else k["registers"]
-            spill = "" if k["spill_bytes"] is None else k["spill_bytes"]
-            shared = "" if k["shared_bytes"] is None else k["shared_bytes"]
-            b = k.get("static_bound")
-            bound = f"  {1e3 * b['time_s']:.4g} ms ({b['bound']})" if b else ""
-            print(f"{k['strategy']:<16} {k['kernel']:<44} {'yes' if k['ok'] else 'NO':<4} {regs:>5} {spill:>6} {shared:>7}{bound}")
-            if not k["ok"]:
-                print(f"    {k['error']}")
-        for s, why in refused.items():
-            print(f"{s:<16} refused: {why}")
-    return 1 if failed else 0
-
-
-def _static_bounds(spec, shape, dtypes, modules, profile) -> dict[tuple[str, str], dict]:
-    """(strategy, kernel) -> its static bound at the target's rates (tuner.static_bound: HBM bytes,
-    issue, SFU and tensor work read from the compiled SASS) for every fused module that compiled."""
-    from fuser_core import STRATEGIES, KernelConfig, derive_cascade, make_problem
-    from tuner import problem_bounds
-
-    problem = make_problem(spec, shape, dtypes)
-    derivation = derive_cascade(spec)
-    out: dict[tuple[str, str], dict] = {}
-    for m in modules:
-        if m.refused or not m.ok or m.strategy not in STRATEGIES:
-            continue
-        found = problem_bounds(problem, derivation, m.strategy, KernelConfig.from_dict(dict(m.config)), m.kernels,
-                               profile)
-        for k in found or []:
-            out[(m.strategy, k["kernel"])] = {"time_s": k["time_s"], "bound": k["bound"], "terms_s": k["terms_s"],
-                                              "programs": k["programs"], "trips": k["trips"]}
-    return out
-
-
-def _write_binaries(pool, requests: list, out: Path) -> None:
-    """``compile --out DIR``: each module's cubin and PTX per kernel, as the kernel store keeps
-    them (``CompilePool.artifacts``), in ``DIR/<strategy>/<kernel name>.cubin|.ptx``."""
-    for request, artifacts in zip(requests, pool.artifacts(requests)):
-        folder = out / request.strategy
-        folder.mkdir(parents=True, exist_ok=True)
-        for kernel in artifacts["kernels"]:
-            (folder / f"{kernel['name']}.cubin").write_bytes(kernel["cubin"])
-            (folder / f"{kernel['name']}.ptx").write_text(kernel["ptx"])
+    return compile_command(spec, shape, bind_dtypes(spec, raw_dtype), args)
 
 
 def _quiet_optuna() -> None:
@@ -536,18 +446,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
     compile_ = sub.add_parser(
         "compile", help="compile the generated kernels with Triton's GPU compiler for a target (no GPU needed)",
-        description="Compile every kernel of the generated module(s) for the target's arch (h100/h200: sm_90, "
-                    "a100: sm_80) and report registers, spills and shared memory. Exit 0 when all compile, 1 when "
-                    "one fails, 2 on bad input.")
+        description="Compile every kernel of the generated module(s) for the target's arch (h100/h200: sm_90a "
+                    "cubins, a100: sm_80, mi300x: gfx942 hsaco...) or for every target of the fleet (--target all), "
+                    "and report registers, spills and shared memory. Exit 0 when all compile, 1 when one fails, "
+                    "2 on bad input.")
     _add_problem_arguments(compile_)
-    compile_.add_argument("--target", default="h100", help="GPU profile whose arch to compile for (h100, h200, a100)")
+    compile_.add_argument("--target", default="h100",
+                          help="GPU profile whose arch to compile for (a100, l40s, h100, h200, b200, mi300x, mi355x), "
+                               "an arch (sm_90, gfx942), or all: every profile, one row each")
     compile_.add_argument("--strategy", default="all",
                           help="one strategy, unfused_chain, or all (every valid strategy plus the chain)")
     compile_.add_argument("--config", help='JSON, e.g. {"blocks": {"n": 64}, "num_warps": 4}; default: each '
                                            "strategy's default configuration")
     compile_.add_argument("--json", action="store_true", help="print one JSON object (one entry per kernel)")
-    compile_.add_argument("--out", metavar="DIR", help="also write each kernel's cubin and PTX to "
-                                                      "DIR/<strategy>/<kernel>.cubin|.ptx (when every kernel compiles)")
+    compile_.add_argument("--out", metavar="DIR", help="also write each kernel's binary and assembly to "
+                                                      "DIR/<strategy>/<kernel>.cubin|.ptx (AMD: .hsaco|.amdgcn; "
+                                                      "--target all: DIR/<target>/...) for targets whose kernels "
+                                                      "all compile")
     compile_.set_defaults(func=cmd_compile)
     tune = sub.add_parser("tune", help="search kernel configurations with Optuna")
     _add_problem_arguments(tune)

@@ -1,4 +1,6 @@
-"""Small shapes for catalog specs, shared by the compile tests and benchmarks/compile_catalog.py."""
+"""Small shapes for catalog specs, and the targets each (spec, strategy) compiles for in turn:
+shared by the compile tests (tests/test_gpu_compile.py) and benchmarks/compile_catalog.py (CI's
+Triton 3.6 job)."""
 
 from __future__ import annotations
 
@@ -20,3 +22,26 @@ def small_shape(spec) -> dict[str, int]:
         else:
             shape[d] = 5 if d in inner else 3
     return bind_shape(spec, shape)
+
+
+def distinct_targets(profiles) -> list[tuple[str, object]]:
+    """(profile name, Target) of each distinct compile target of these GPU profiles, in order, the
+    first name kept (h200 compiles as h100: the same sm_90a cubins)."""
+    from tuner.profiles import get_profile
+
+    out: dict[object, str] = {}
+    for name in profiles:
+        out.setdefault(get_profile(name).target, get_profile(name).name)
+    return [(name, target) for target, name in out.items()]
+
+
+def targets_in_turn(targets: list[tuple[str, object]], turn: int) -> list[tuple[str, object]]:
+    """The targets the ``turn``-th (spec, strategy) of a compile matrix compiles for: the first
+    always, and one of each vendor's others taking turns. So every strategy compiles for both
+    vendors, each target sees every strategy over the catalog, and the matrix grows by one target
+    per vendor instead of by the fleet's size (CI's time)."""
+    first, *others = targets
+    by_backend: dict[str, list] = {}
+    for name, target in others:
+        by_backend.setdefault(target.backend, []).append((name, target))
+    return [first] + [group[turn % len(group)] for group in by_backend.values()]

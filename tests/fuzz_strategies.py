@@ -792,14 +792,15 @@ def check_compiles(spec, outcome: Outcome, pool, capabilities: tuple[int, ...]) 
     compiler rejects)."""
     from fuser_core.codegen.gpu_compile import CompileRequest
     from fuser_core.runner import bind_dtypes
+    from fuser_core.targets import Target
 
     shape = outcome.detail["shape"]
     dtypes = bind_dtypes(spec, "float32")
-    requests = [CompileRequest(spec, shape, dtypes, strategy, config, cap)
+    requests = [CompileRequest(spec, shape, dtypes, strategy, config, Target("cuda", cap, 32))
                 for strategy, config in outcome.detail.get("ran", []) for cap in capabilities]
     for request, build in zip(requests, pool.compile(requests)):
         if build.refused or not build.ok:
-            outcome.failure = (f"compile {request.strategy} {request.config} for sm_{request.capability}: "
+            outcome.failure = (f"compile {request.strategy} {request.config} for {request.target}: "
                                f"{build.refused or build.first_error()}")
             return outcome
         outcome.kernels_compiled += 1

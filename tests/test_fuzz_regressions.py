@@ -825,7 +825,7 @@ def test_a_cast_of_a_size_compiles_where_the_size_is_1(compile_pool):
                    ["t", "acc"], inputs={"x": {"dims": ["m", "j", "n"]}}, params={"scale": "size(n) * 0.5"})
     shape = {"m": 13, "j": 1, "n": 1}
     for r in every_strategy_passes(spec, shape):
-        [build] = compile_pool.compile([CompileRequest(spec, shape, {"x": "float32"}, r["strategy"], r["config"], 90)])
+        [build] = compile_pool.compile([CompileRequest(spec, shape, {"x": "float32"}, r["strategy"], r["config"])])
         assert build.ok and build.kernels, build.first_error()
 
 
@@ -906,6 +906,7 @@ def test_a_combine_kernel_recomputes_a_dependency_a_per_lane_part_kernel_merged(
     after its split loop, then read the loop-scoped r (NameError on sm_90). Each kernel now starts
     with nothing in scope (KernelWriter.begin_kernel)."""
     from fuser_core.codegen.gpu_compile import CompileRequest
+    from fuser_core.targets import Target
 
     spec = load_spec({
         "foldwise": 1, "name": "riyc", "inputs": {"kk": {"dims": ["seq"]}, "x": {"dims": ["seq"]}},
@@ -919,7 +920,7 @@ def test_a_combine_kernel_recomputes_a_dependency_a_per_lane_part_kernel_merged(
     report = self_check(spec, {"seq": 13}, "float32", strategy="split_fused", config=config)
     assert report["passed"], report
     builds = compile_pool.compile([CompileRequest(spec, {"seq": 13}, {"kk": "float32", "x": "float32"}, "split_fused",
-                                                  config.to_dict(), cap) for cap in (90, 80)])
+                                                  config.to_dict(), Target.parse(arch)) for arch in ("sm_90", "sm_80")])
     assert all(b.ok and len(b.kernels) == 2 for b in builds), [b.first_error() for b in builds]
 
 

@@ -1,16 +1,20 @@
-"""Issue 12: every generated kernel goes through Triton's GPU compiler, for sm_90 and sm_80,
-on this machine without a GPU (fuser_core.codegen.gpu_compile).
+"""Issues 12 and 25: every generated kernel goes through Triton's GPU compiler, for the whole
+fleet (NVIDIA cubins and AMD hsaco), on this machine without a GPU (fuser_core.codegen.gpu_compile).
 
 The matrix: every catalog spec x every valid strategy and the unfused chain x the default
-config, at a small ragged size for h100 (sm_90) and a100 (sm_80), and at every suites.json
-"paper" size for h100; the float dtype (float16, bfloat16, float32; fp8_quant_gemm: its fp8
-weight as in suites.json; fp8_quant_per_token writes fp8) takes turns over strategies and
-targets, so each (spec, strategy, target) compiles in one of them and each (spec, dtype) in
-several; plus, at the paper sizes, a fixed-seed sample of the tuner's search space (one config
-per strategy). Why not the full product (3 dtypes x 2 targets at every size, 2 sampled
-configs): cold, it took 8 of CI's 40 minutes once the serving catalog (issue 24) brought 8 more
-specs, 5 of them attention. The Triton 3.6 job (.ci/triton36) compiles the small size with the
-dtypes taking turns from another start, so the two jobs see different (strategy, dtype) pairs.
+config, at a small ragged size and at every suites.json "paper" size for h100 (sm_90). At the
+small size each (spec, strategy) also compiles for one other NVIDIA target (a100 sm_80, l40s
+sm_89, b200 sm_100) and one AMD target (mi300x gfx942, mi355x gfx950), taking turns
+(catalog_shapes.targets_in_turn; h200 compiles as h100), so every strategy compiles for both
+vendors and every target sees every strategy over the catalog. The float dtype (float16,
+bfloat16, float32; fp8_quant_gemm: its fp8 weight as in suites.json; fp8_quant_per_token writes
+fp8) takes turns too, so each (spec, dtype) compiles in several modules; plus, at the paper sizes,
+a fixed-seed sample of the tuner's search space (one config per strategy). Why not the full
+product (3 dtypes x 7 targets at every size, 2 sampled configs): cold, 3 dtypes x 2 targets
+took 8 of CI's 40 minutes once the serving catalog (issue 24) brought 8 more specs, 5 of them
+attention; the AMD turn adds about a third more modules, and an AMD compile costs a fraction of
+ptxas's. The Triton 3.6 job (.ci/triton36) compiles the small size with the targets and dtypes
+taking turns from another start, so the two jobs see different (strategy, target, dtype) triples.
 The interpreter accepts kernels the compiler rejects, so a kernel that is not in this matrix
 is not known to run on a GPU. The compiler is the installed Triton's: CI runs this file under
 3.9 (.ci/run) and its compile-check tests under 3.6 (.ci/triton36), where the sampled configs
@@ -29,10 +33,11 @@ from pathlib import Path
 
 import pytest
 import triton
-from catalog_shapes import small_shape
+from catalog_shapes import distinct_targets, small_shape, targets_in_turn
 from conftest import CATALOG_DIR, load_catalog
 
-from fuser_core.codegen.gpu_compile import CompileRequest, capability_of, compiler_stderr, pipeline_failure
+from fuser_core.codegen.compiler_errors import compiler_stderr, pipeline_failure
+from fuser_core.codegen.gpu_compile import CompileRequest
 from fuser_core.codegen.module import generate
 from fuser_core.codegen.plan import BASELINE, KernelConfig, valid_strategies
 from fuser_core.derive import derive_cascade
@@ -41,11 +46,15 @@ from fuser_core.reference import bind_shape
 from fuser_core.runner import bind_dtypes
 from fuser_core.spec import load_spec
 from tuner.compile_gate import judge
-from tuner.profiles import get_profile
+from fuser_core.targets import CUDA, HIP, Target
+from tuner.profiles import FLEET, get_profile
 from tuner.space import SearchSpace
 
 CATALOG = load_catalog()
-TARGETS = ("h100", "a100")
+TARGETS = distinct_targets(["h100", *FLEET])  # h100 first: every strategy compiles for it, at every size
+HOME = TARGETS[0][1]  # Target("cuda", 90, 32)
+PROFILE_OF = {target: get_profile(name) for name, target in TARGETS}
+REGRESSION_TARGETS = tuple(Target.parse(arch) for arch in ("sm_90", "sm_80", "gfx942"))  # a found failure's checks
 FLOATS = ("float16", "bfloat16", "float32")
 SAMPLED_CONFIGS = 1  # per strategy and paper size, from the tuner's search space
 SEED = 12
@@ -85,41 +94,39 @@ def sampled_configs(space: SearchSpace, strategy: str, rng: random.Random) -> li
 
 
 def matrix() -> list[tuple[str, CompileRequest]]:
-    """Default configs for every (size, strategy) and, at the small size, every target; the dtypes
-    taking turns (each size starts from the next one, so targets and sizes see different pairs);
-    at the paper sizes (first target), also SAMPLED_CONFIGS configs of the search space per
-    strategy, the dtypes taking turns again (a tiny shape leaves the search little to choose)."""
+    """Default configs for every (size, strategy): at the paper sizes for h100, at the small size
+    for h100 and one target of each vendor in turn (the k-th spec's j-th strategy: turn k + j);
+    the dtypes taking turns; at the paper sizes also SAMPLED_CONFIGS configs of h100's search
+    space per strategy, the dtypes taking turns again (a tiny shape leaves the search little to
+    choose)."""
     rng = random.Random(SEED)
     out = []
-    for name in sorted(CATALOG):
+    for k, name in enumerate(sorted(CATALOG)):
         spec = load_spec(CATALOG[name])
         derivation = derive_cascade(spec)
         paper = [bind_shape(spec, s) for s in paper_shapes(name)]
         for shape in [small_shape(spec), *paper]:
             valid = valid_strategies(spec, derivation, shape)
             strategies = [s for s, why in valid.items() if why is None] + [BASELINE]
-            # the paper sizes for the first target only: the small size checks every target (CI time)
-            for target in (TARGETS if shape not in paper else TARGETS[:1]):
-                profile = get_profile(target)
-                capability = capability_of(profile.arch)
 
-                def add(strategy, dtypes, config, floating):
-                    label = f"{name} {strategy} {shape} {floating} {target} config={config or 'default'}"
-                    out.append((label, CompileRequest(spec, shape, dtypes, strategy, config, capability)))
+            def add(strategy, dtypes, config, floating, target_name, target):
+                label = f"{name} {strategy} {shape} {floating} {target_name} config={config or 'default'}"
+                out.append((label, CompileRequest(spec, shape, dtypes, strategy, config, target)))
 
-                for strategy in strategies:
+            for j, strategy in enumerate(strategies):
+                for target_name, target in (targets_in_turn(TARGETS, k + j) if shape not in paper else TARGETS[:1]):
                     floating = FLOATS[len(out) % len(FLOATS)]
-                    add(strategy, dtypes_for(spec, name, floating), None, floating)
-                if shape not in paper:
-                    continue
-                turns = iter(FLOATS * 8)
-                for strategy in strategies[:-1]:
-                    floating = next(turns)
-                    dtypes = dtypes_for(spec, name, floating)
-                    space = SearchSpace(make_problem(spec, shape, dtypes), derivation, profile)
-                    if strategy in space.strategies():
-                        for config in sampled_configs(space, strategy, rng):
-                            add(strategy, dtypes, config, floating)
+                    add(strategy, dtypes_for(spec, name, floating), None, floating, target_name, target)
+            if shape not in paper:
+                continue
+            turns = iter(FLOATS * 8)
+            for strategy in strategies[:-1]:
+                floating = next(turns)
+                dtypes = dtypes_for(spec, name, floating)
+                space = SearchSpace(make_problem(spec, shape, dtypes), derivation, PROFILE_OF[HOME])
+                if strategy in space.strategies():
+                    for config in sampled_configs(space, strategy, rng):
+                        add(strategy, dtypes, config, floating, *TARGETS[0])
     return out
 
 
@@ -140,26 +147,29 @@ def rejected_by_this_triton(request: CompileRequest, build) -> bool:
 
 
 @pytest.mark.parametrize("name", sorted(CATALOG))
-def test_catalog_kernels_compile_for_sm90_and_sm80(name, catalog_builds):
+def test_catalog_kernels_compile_for_the_fleet(name, catalog_builds):
     mine = [(label, r, b) for label, r, b in catalog_builds if r.spec.name == name]
     failures = [f"{label}: {b.first_error()}" for label, r, b in mine if not b.ok and not rejected_by_this_triton(r, b)]
     assert not failures, f"{len(failures)} modules fail to compile:\n" + "\n".join(failures[:10])
-    profiles = {capability_of(get_profile(t).arch): get_profile(t) for t in TARGETS}
     for _, r, b in mine:
         if not b.ok:  # a known rejection: the tuner never measures it, and says why
-            profile = profiles[r.capability]
+            profile = PROFILE_OF[r.target]
             by = f"with Triton {triton.__version__}"
             assert judge(b, profile).reason == f"does not compile for {profile.arch} {by}: {b.first_error()}"
     # every request of the matrix produced kernels (a default config is valid by construction)
     assert all(b.kernels for _, _, b in mine if b.refused is None)
-    compiled = {(r.strategy, r.capability) for _, r, b in mine if b.kernels}
+    compiled = {(r.strategy, r.target) for _, r, b in mine if b.kernels}
     fused = {s for s, _ in compiled} - {BASELINE, "multi_pass"}
     assert fused, f"{name}: no fused strategy compiled"
-    assert {c for _, c in compiled} == {90, 80}
-    for _, _, b in mine:
+    backends = {t.backend for _, t in compiled}
+    assert HOME in {t for _, t in compiled} and backends == {CUDA, HIP}, compiled
+    for _, r, b in mine:
         for k in b.kernels if b.ok else ():
             assert k.registers and k.registers > 0 and k.spill_bytes is not None and k.shared_bytes is not None
-            assert k.spill_bytes == k.stack_bytes + k.local_bytes
+            if r.target.backend == CUDA:
+                assert k.spill_bytes == k.stack_bytes + k.local_bytes and k.sgprs is None
+            else:  # AMD: VGPRs per lane and SGPRs per wavefront from the hsaco's metadata, scratch as spills
+                assert k.sgprs and k.sgprs > 0 and k.stack_bytes is None and k.local_bytes is None
 
 
 def test_the_matrix_covers_sampled_configs_and_every_size(catalog_builds):
@@ -172,16 +182,26 @@ def test_the_matrix_covers_sampled_configs_and_every_size(catalog_builds):
 
 
 def test_the_matrix_compiles_each_strategy_for_each_target_and_each_dtype():
-    """The dtypes' turns leave nothing out: every (spec, valid strategy, target) has a default
-    config compiled, and every spec each float dtype (two at least with one strategy)."""
+    """The turns leave nothing out: every (spec, valid strategy) has a default config compiled for
+    h100, another NVIDIA target and an AMD one; over the catalog every target of the fleet
+    compiles every strategy and the chain; every spec each float dtype (two at least with one
+    strategy)."""
     labelled = matrix()
-    defaults = {(r.spec.name, r.strategy, r.capability) for _, r in labelled if r.config is None}
+    defaults = {(r.spec.name, r.strategy, r.target) for _, r in labelled if r.config is None}
     floats = {(r.spec.name, r.dtypes[next(i.name for i in r.spec.inputs if i.kind == "float")]) for _, r in labelled}
+    everywhere = {s for _, s, _ in defaults}
+    assert everywhere >= {"row_resident", "streaming_fused", "split_fused", "multi_pass", BASELINE}
+    assert {t for _, t in TARGETS} == {get_profile(p).target for p in FLEET} and len(TARGETS) == 6
+    for _, target in TARGETS:
+        assert {s for _, s, t in defaults if t == target} == everywhere, target
     for name in CATALOG:
         spec = load_spec(CATALOG[name])
         valid = valid_strategies(spec, derive_cascade(spec), small_shape(spec))
         strategies = {s for s, why in valid.items() if why is None} | {BASELINE}
-        assert {(s, c) for n, s, c in defaults if n == name} == {(s, c) for s in strategies for c in (90, 80)}, name
+        for s in strategies:
+            targets = {t for n, s2, t in defaults if n == name and s2 == s}
+            assert HOME in targets and {t.backend for t in targets - {HOME}} == {CUDA, HIP}, (name, s, targets)
+        assert {s for n, s, _ in defaults if n == name} == strategies, name
         assert {f for n, f in floats if n == name} >= set(FLOATS[:2 if len(strategies) == 1 else 3]), name
 
 
@@ -204,7 +224,7 @@ def broken_softmax_request(tmp_config: dict) -> tuple[CompileRequest, Path]:
     broken, m = re.subn(r"(tl\.store\(y_ptr.*?)\bmx_acc\b", r"\1mx", broken, count=1)
     assert n == m == 1, "the generator's softmax kernel changed: update this test"
     module.path.write_text(broken)
-    return CompileRequest(spec, shape, dtypes, "streaming_fused", tmp_config, 90), module.path
+    return CompileRequest(spec, shape, dtypes, "streaming_fused", tmp_config, HOME), module.path
 
 
 # what Triton 3.6's compiler printed on stderr for a float32 multi_pass config it rejects (the
@@ -309,7 +329,7 @@ def test_specs_equal_up_to_names_compile_in_one_worker(compile_pool):
                                     {"name": total, "reduce": "sum", "over": "m", "expr": f"(x - {mx}) ** 2"}],
                           "outputs": [total]})
 
-    requests = [CompileRequest(spec_named(a, b), {"m": 13}, {"x": "float32"}, "streaming_fused", None, 90)
+    requests = [CompileRequest(spec_named(a, b), {"m": 13}, {"x": "float32"}, "streaming_fused", None, HOME)
                 for a, b in [("h", "total"), ("u", "total"), ("o", "idx")] * 2]  # both workers see each
     builds = compile_pool.compile(requests)
     assert all(b.ok and b.kernels for b in builds), [b.first_error() for b in builds]
@@ -324,8 +344,8 @@ def test_a_combine_kernel_reading_an_input_after_its_split_loop_compiles(compile
                                 {"name": "mx_old", "reduce": "max", "over": "n", "expr": "(kk + x) - offs"}],
                       "outputs": ["mx_old"]})
     config = {"blocks": {"n": 4}, "num_warps": 4, "num_stages": 2, "split": 2}
-    requests = [CompileRequest(spec, {"n": 13, "j2": 2, "seq": 1}, bind_dtypes(spec, "float32"), "split_fused", config, cap)
-                for cap in (90, 80)]
+    requests = [CompileRequest(spec, {"n": 13, "j2": 2, "seq": 1}, bind_dtypes(spec, "float32"), "split_fused", config, target)
+                for target in REGRESSION_TARGETS]
     builds = compile_pool.compile(requests)
     assert all(b.ok and len(b.kernels) == 2 for b in builds), [b.first_error() for b in builds]
 
@@ -345,7 +365,8 @@ def test_a_sum_over_top_k_slots_in_the_epilogue_compiles(compile_pool, strategy)
     shape = {"t": 4096, "x": 256}
     blocks = {"t": 2} if strategy == "row_resident" else {"t": 2, "x": 64}
     config = {"blocks": blocks, "num_warps": 4, "num_stages": 2, "split": 2 if strategy == "split_fused" else 1}
-    requests = [CompileRequest(spec, shape, bind_dtypes(spec, "float16"), strategy, config, cap) for cap in (90, 80)]
+    requests = [CompileRequest(spec, shape, bind_dtypes(spec, "float16"), strategy, config, target)
+                for target in REGRESSION_TARGETS]
     builds = compile_pool.compile(requests)
     assert all(b.ok for b in builds), [b.first_error() for b in builds]
 
@@ -369,7 +390,8 @@ def test_a_padding_and_a_causal_mask_in_one_condition_compile(compile_pool, stra
     shape = {"b": 2, "h": 4, "m": 256, "n": 256, "d": 64, "e": 64}
     blocks = {"m": 64} if strategy == "row_resident" else {"m": 64, "n": 64}
     config = {"blocks": blocks, "num_warps": 4, "num_stages": 2, "split": 2 if strategy == "split_fused" else 1}
-    requests = [CompileRequest(spec, shape, bind_dtypes(spec, "float16"), strategy, config, cap) for cap in (90, 80)]
+    requests = [CompileRequest(spec, shape, bind_dtypes(spec, "float16"), strategy, config, target)
+                for target in REGRESSION_TARGETS]
     builds = compile_pool.compile(requests)
     assert all(b.ok for b in builds), [b.first_error() for b in builds]
 
@@ -383,7 +405,7 @@ def test_a_kernel_with_a_runtime_scalar_compiles(compile_pool):
                                 {"name": "y", "expr": "x * rsqrt(ms + eps) * w"}],
                       "outputs": ["y"]})
     shape = {"t": 64, "c": 4096}
-    requests = [CompileRequest(spec, shape, bind_dtypes(spec, "bfloat16"), strategy, None, 90)
+    requests = [CompileRequest(spec, shape, bind_dtypes(spec, "bfloat16"), strategy, None, HOME)
                 for strategy in ("row_resident", "streaming_fused", "multi_pass", "unfused_chain")]
     builds = compile_pool.compile(requests)
     assert all(b.ok and b.kernels for b in builds), [b.first_error() for b in builds]

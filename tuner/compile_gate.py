@@ -48,7 +48,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest, KernelBuild, ModuleBuild, capability_of
+from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest, KernelBuild, ModuleBuild
 from fuser_core.spec import Spec
 from tuner.profiles import GpuProfile
 
@@ -148,7 +148,6 @@ class CompileGate:
         self.shape = dict(shape)
         self.dtypes = dict(dtypes)
         self.profile = profile
-        self.capability = capability_of(profile.arch)
         self.pool = pool
         self.compiled = 0  # candidates this gate sent to the compiler (not answered from its own cache)
         self._verdicts: dict[str, CompileVerdict] = {}
@@ -170,7 +169,7 @@ class CompileGate:
             missing = {c.key(): c for c in candidates if c.key() not in self._verdicts}
         if missing:
             requests = [CompileRequest(self.spec, self.shape, self.dtypes, c.strategy, c.config.to_dict(),
-                                       self.capability, sass=True) for c in missing.values()]
+                                       target=self.profile.target, sass=True) for c in missing.values()]
             builds = (self.pool or shared_compile_pool()).compile(requests)
             with self._lock:
                 for key, build in zip(missing, builds):

@@ -314,9 +314,11 @@ def precompile(plan: list[tuple], args: argparse.Namespace) -> dict[str, Any]:
 
     from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest
     from fuser_core.codegen.plan import BASELINE
+    from fuser_core.targets import Target
 
     major, minor = torch.cuda.get_device_capability()
-    requests = [CompileRequest(p.spec, dict(p.shape), dict(p.dtypes), s, c.to_dict(), major * 10 + minor)
+    requests = [CompileRequest(p.spec, dict(p.shape), dict(p.dtypes), s, c.to_dict(),
+                               Target("cuda", major * 10 + minor, 32))
                 for p, _d, s, c, why in plan if not why and s != BASELINE]
     t0 = time.monotonic()
     with CompilePool(workers=args.compile_workers) as pool:

@@ -1,35 +1,34 @@
-"""Compile generated kernels with Triton's GPU compiler, on a machine without a GPU.
+"""Compile generated kernels with Triton's GPU compiler, on a machine without a GPU, for any target.
 
 Triton's interpreter runs a kernel as Python and accepts code that the compiler rejects (a
 name assigned inside a loop and read after it, for one), so a kernel that only passed the
-interpreter may fail on every GPU. This module runs the real compiler: the generated
-launcher is called on ``meta`` tensors with every ``@triton.jit`` launch intercepted, so the
-signature (pointer dtypes, int sizes and strides, their specialisation, constexpr blocks,
-``num_warps``/``num_stages``) is exactly the one a GPU launch would bind, with no second
-copy of the argument list; each intercepted launch then goes through ``triton.compile`` for
-``GPUTarget("cuda", capability, 32)``, which gives TTIR, PTX and a cubin (ptxas ships in
-the triton wheel). Every launch is compiled with Triton's FP-fusion knob set explicitly
-(:data:`fuser_core.codegen.module.FP_FUSION`), as the generated launchers pass it.
-``cuobjdump -res-usage`` on the cubin (also in the wheel) gives registers, stack, local and
-static shared bytes; Triton's metadata the dynamic shared memory a launch needs. A pass that
-fails prints its reason on stderr, not in the exception: it is read from there
-(:func:`compiler_stderr`) into the error.
+interpreter may fail on every GPU. This module runs the real compiler: the generated launcher
+is called on ``meta`` tensors with every ``@triton.jit`` launch intercepted
+(:mod:`fuser_core.codegen.launches`), and each launch goes through ``triton.compile`` for the
+request's :class:`fuser_core.targets.Target`, by its backend
+(:func:`fuser_core.codegen.backends.backend_for`): NVIDIA (``Target("cuda", 90, 32)``: TTIR,
+PTX, a cubin from the wheel's ptxas) or AMD (``Target("hip", "gfx942", 64)``: AMDGCN and an
+hsaco from Triton's own LLVM; no ROCm needed). Every launch is compiled with Triton's FP-fusion
+knob set explicitly (:data:`fuser_core.codegen.module.FP_FUSION`), as the generated launchers
+pass it. The backend reads what each kernel holds (registers, spills, shared memory or LDS)
+from its binary. A pass that fails prints its reason on stderr, not in the exception: it is
+read from there into the error (:mod:`fuser_core.codegen.compiler_errors`).
 
 Kernels must be *loaded* with the interpreter off, and a test process runs with it on, so
 compiles happen in worker processes (:class:`CompilePool`) started with
 ``TRITON_INTERPRET=0``. Results are cached in memory and on disk
 (``$FOLDWISE_CACHE_DIR/compiled``), keyed by the module's text, the bound signature, the
-target, the options and Triton's version: the facts are the installed Triton's (Triton 3.6's
-and 3.9's ptxas give different registers for most kernels, and 3.6 rejects some configs that
-3.9 compiles), so a :class:`ModuleBuild` names the Triton version that built it.
+whole target, the options and Triton's version: the facts are the installed Triton's (Triton
+3.6's and 3.9's ptxas give different registers for most kernels, and 3.6 rejects some configs
+that 3.9 compiles), so a :class:`ModuleBuild` names the Triton version that built it.
 
 Example:
     >>> from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest
     >>> with CompilePool() as pool:  # doctest: +SKIP
     ...     [module] = pool.compile([CompileRequest(spec, {"m": 4, "n": 1000}, {"x": "float16"},
-    ...                                             "streaming_fused", None, 90)])
+    ...                                             "streaming_fused", None, Target.parse("gfx942"))])
     >>> module.ok, module.kernels[0].registers  # doctest: +SKIP
-    (True, 26)
+    (True, 24)
 """
 
 from __future__ import annotations
@@ -39,36 +38,44 @@ import hashlib
 import json
 import multiprocessing
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fuser_core.codegen.backends import Backend, BoundLaunch, backend_for
+from fuser_core.codegen.compiler_errors import MAX_ERROR_CHARS, CompileError, compiler_stderr, error_text, pass_on
+from fuser_core.codegen.launches import KernelLaunch, request_launches
 from fuser_core.spec import Spec
+from fuser_core.targets import Target
 
-MAX_ERROR_CHARS = 2000
-FACTS_VERSION = 4  # part of the cache key: how a KernelBuild's facts are read (3: a failed pass named; 4: SASS facts)
+# part of the cache key: how a KernelBuild's facts are read (3: a failed pass named; 4: SASS
+# facts; 5: any backend, sgprs)
+FACTS_VERSION = 5
+DEFAULT_TARGET = Target("cuda", 90, 32)  # sm_90 (H100, H200)
 
 
 @dataclass(frozen=True)
 class KernelBuild:
-    """What the GPU compiler said about one kernel launch of a generated module."""
+    """What the GPU compiler said about one kernel launch of a generated module (the resource
+    fields are :class:`fuser_core.codegen.backends.Resources`': per thread on NVIDIA, per lane
+    on AMD)."""
 
     kernel: str
     ok: bool
     error: str | None = None  # the compiler's message: kernel, module line, what failed
-    registers: int | None = None  # per thread
-    spill_bytes: int | None = None  # stack + local bytes per thread: what spilled out of registers
-    stack_bytes: int | None = None
-    local_bytes: int | None = None
-    shared_bytes: int | None = None  # per program: the launch's dynamic plus the cubin's static
+    registers: int | None = None  # per thread (AMD: VGPRs per lane)
+    spill_bytes: int | None = None  # per thread, what spilled out of registers (NVIDIA stack + local; AMD scratch)
+    stack_bytes: int | None = None  # NVIDIA only
+    local_bytes: int | None = None  # NVIDIA only
+    shared_bytes: int | None = None  # per program: the launch's dynamic plus the binary's static (AMD: LDS)
     num_warps: int | None = None
     num_stages: int | None = None
     # what the cubin issues (fuser_core.codegen.sass.KernelSass.to_dict): the whole body and each
-    # innermost loop's instructions, MUFU ops, load/store widths and tensor-core kinds
+    # innermost loop's instructions, MUFU ops, load/store widths and tensor-core kinds (NVIDIA only)
     sass: dict[str, Any] | None = None
+    sgprs: int | None = None  # AMD only: scalar registers per wavefront
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,20 +87,25 @@ class KernelBuild:
 
 @dataclass(frozen=True)
 class CompileRequest:
-    """One generated module to compile: the spec, bound shape, input
-    dtypes, strategy (or ``unfused_chain``), config (``KernelConfig.to_dict()`` form; None: the
-    strategy's default) and the target's compute capability (90 for sm_90, 80 for sm_80).
-    ``sass``: also read what the cubin issues (:class:`KernelBuild` ``sass``, the static bound's
-    input); disassembling costs about half a compile, so a check that only needs registers,
-    spills and shared memory leaves it off. Picklable, so it crosses to a worker process."""
+    """One generated module to compile: the spec, bound shape, input dtypes, strategy (or
+    ``unfused_chain``), config (``KernelConfig.to_dict()`` form; None: the strategy's default)
+    and the :class:`fuser_core.targets.Target` (default sm_90). ``sass``: also read what the
+    cubin issues (:class:`KernelBuild` ``sass``, the static bound's input; NVIDIA only);
+    disassembling costs about half a compile, so a check that only needs registers, spills and
+    shared memory leaves it off. Picklable, so it crosses to a worker process."""
 
     spec: Spec
     shape: dict[str, int]
     dtypes: dict[str, str]
     strategy: str
     config: dict[str, Any] | None = None
-    capability: int = 90
+    target: Target = field(default=DEFAULT_TARGET)
     sass: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.target, Target):  # a bare capability (90) was this field once
+            raise TypeError(f"CompileRequest.target takes a fuser_core.Target (e.g. Target.parse('sm_90')), "
+                            f"got {type(self.target).__name__} {self.target!r}")
 
 
 @dataclass(frozen=True)
@@ -127,341 +139,120 @@ class ModuleBuild:
 
 
 def capability_of(arch: str) -> int:
-    """``"sm_90"`` / ``"sm_90a"`` -> 90."""
-    m = re.fullmatch(r"sm_(\d+)a?", arch.strip())
-    if not m:
+    """``"sm_90"`` / ``"sm_90a"`` -> 90 (ValueError for an AMD or unknown arch). Kept for the
+    callers that still hold arch text; new code holds a :class:`fuser_core.targets.Target`."""
+    target = Target.parse(arch)
+    if target.capability is None:
         raise ValueError(f"not an NVIDIA arch name: {arch!r} (expected sm_NN)")
-    return int(m.group(1))
-
-
-# ---------------------------------------------------------------- launches, intercepted
-
-
-@dataclass
-class KernelLaunch:
-    fn: Any  # triton.runtime.jit.JITFunction
-    args: tuple
-    kwargs: dict[str, Any]
-    grid: Any = None  # as the launcher gave it: a tuple, or a function of the launch's meta-parameters
-
-
-@contextlib.contextmanager
-def intercepted_launches():
-    """Within the block, ``kernel[grid](...)`` records the launch instead of running it."""
-    from triton.runtime.jit import JITFunction
-
-    launches: list[KernelLaunch] = []
-    original = JITFunction.run
-
-    def record(self, *args, grid, warmup, **kwargs):
-        launches.append(KernelLaunch(self, args, dict(kwargs), grid))
-
-    JITFunction.run = record
-    try:
-        yield launches
-    finally:
-        JITFunction.run = original
-
-
-def meta_inputs(spec, shape: Mapping[str, int], dtypes: Mapping[str, str]) -> dict[str, Any]:
-    """Empty ``meta`` tensors for every input: dtypes and strides, no storage; in the user's dims (a
-    contiguous per-channel weight, as inference servers pass it: fuser_core.merged)."""
-    import torch
-
-    out = {}
-    for i in spec.inputs:
-        dtype = dtypes.get(i.name, "int64" if i.is_index else "float32")
-        out[i.name] = torch.empty([int(shape[d]) for d in i.storage_dims or i.dims], dtype=getattr(torch, dtype),
-                                  device="meta")
-    return out
-
-
-_DERIVATIONS: dict[Spec, Any] = {}  # by the spec itself: a derivation carries the spec's own names
-
-
-def request_launches(request: CompileRequest) -> tuple[dict[str, Any], list[KernelLaunch]]:
-    """Generate the request's module(s) and run the launcher on meta tensors, intercepted;
-    returns the config used and the launches (NotValid when the strategy cannot run)."""
-    from fuser_core.codegen.chain import run_chain_detailed
-    from fuser_core.codegen.module import generate
-    from fuser_core.codegen.plan import BASELINE, KernelConfig, default_config
-    from fuser_core.derive import DERIVE_TIME_LIMIT_S, derive_cascade
-    from fuser_core.problem import placeholder_scalars
-    from fuser_core.reference import bind_shape
-    from fuser_core.runner import bind_dtypes
-
-    spec = request.spec
-    shape = bind_shape(spec, request.shape)
-    dtypes = bind_dtypes(spec, request.dtypes)
-    inputs = meta_inputs(spec, shape, dtypes)
-    if request.strategy == BASELINE:
-        config = KernelConfig.from_dict(request.config or {})
-        with intercepted_launches() as launches:
-            run_chain_detailed(spec, shape, dtypes, inputs, config_blocks=config.blocks,
-                               scalars=placeholder_scalars(spec))
-        return config.to_dict(), launches
-    if spec not in _DERIVATIONS:
-        # the spec was derived within its time limit before it was sent here; a loaded host must
-        # not turn the same work into a compile failure (still bounded: 10x the limit)
-        _DERIVATIONS[spec] = derive_cascade(spec, time_limit_s=10 * DERIVE_TIME_LIMIT_S)
-    derivation = _DERIVATIONS[spec]
-    if request.config is None:
-        config = default_config(spec, derivation, request.strategy, shape)
-    else:
-        config = KernelConfig.from_dict(request.config)
-    module = generate(spec, derivation, request.strategy, shape, config, dtypes)
-    with intercepted_launches() as launches:
-        module.load().launch(inputs, shape, scalars=placeholder_scalars(spec))
-    return config.to_dict(), launches
+    return target.capability
 
 
 # ---------------------------------------------------------------- compiling one launch
 
 
-_RESOURCE = re.compile(r"\b(REG|STACK|SHARED|LOCAL):(\d+)")
-
-
-def _bound(launch: KernelLaunch, capability: int):
-    """Triton's own binding of the launch's arguments for the target: (options, signature,
-    constexprs, attrs), as ``JITFunction.run`` computes them on a GPU."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    from fuser_core.codegen.module import FP_FUSION
-
-    target = GPUTarget("cuda", capability, 32)
-    backend = make_backend(target)
-    fn = launch.fn
-    # The generated modules pass the FP-fusion knob; the unfused chain's launcher (codegen/chain.py)
-    # does not yet: its launches get the same explicit value, Triton <= 3.9's default, so they are
-    # compiled as they run on those versions, without Triton 3.9's warning about 3.10's default.
-    kwargs = {"enable_fp_fusion": FP_FUSION, **launch.kwargs}
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound_args, specialization, options = binder(*launch.args, **kwargs)
-    return target, fn._pack_args(backend, kwargs, bound_args, specialization, options)
-
-
-def _module_line(fn, error) -> str:
-    """'line N' of the generated module where a CompilationError points (found by its text)."""
-    node, src = getattr(error, "node", None), getattr(error, "src", None)
-    lineno = getattr(node, "lineno", None)
-    if not (lineno and src):
-        return ""
-    wanted = src.split("\n")[lineno - 1]
-    try:
-        lines = Path(fn.fn.__code__.co_filename).read_text().split("\n")
-    except OSError:
-        return ""
-    hits = [k + 1 for k, line in enumerate(lines) if line.strip() == wanted.strip()]
-    return f"line {hits[0]}: {wanted.strip()}" if hits else f"line {lineno} of the function: {wanted.strip()}"
-
-
-def _error_text(fn, error: Exception, diagnostics: str = "") -> str:
-    from triton.compiler.errors import CompilationError
-
-    name = fn.__name__
-    if isinstance(error, CompilationError):
-        cause = error.error_message or type(error).__name__
-        where = _module_line(fn, error)
-        text = f"{name}: {where}: {cause}" if where else f"{name}: {cause}"
-    else:
-        text = f"{name}: {type(error).__name__}: {error}"
-        why = pipeline_failure(diagnostics)
-        if why:
-            text += f" ({why})"
-    return text[:MAX_ERROR_CHARS]
-
-
-_FAILED_PASS = re.compile(r"Pipeline failed while executing \[`(\w+)`")
-_ASSERTION = re.compile(r"Assertion `(.{1,200}?)' failed")
-
-
-def pipeline_failure(diagnostics: str) -> str | None:
-    """What an MLIR pass pipeline that failed wrote to stderr, in one line: the pass, and the
-    assertion it hit (``pass TritonGPUOptimizeThreadLocality: assertion loopResult.hasOneUse()``).
-    Triton's own exception says only "PassManager::run failed"; the reason is printed, with a
-    reproducer of the whole module, on the process's stderr (:func:`compiler_stderr`)."""
-    failed = _FAILED_PASS.search(diagnostics)
-    if failed is None:
-        return None
-    assertion = _ASSERTION.search(diagnostics)
-    return f"pass {failed.group(1)}" + (f": assertion {assertion.group(1)}" if assertion else "")
-
-
-@contextlib.contextmanager
-def compiler_stderr():
-    """Within the block, what Triton's C++ compiler writes to the process's stderr (file
-    descriptor 2) is kept (yields a list that receives it as one string) instead of printed:
-    a failing pass prints its diagnostics and a reproducer of the whole module there, hundreds
-    of lines per kernel. Compiles run in :class:`CompilePool` workers, one at a time."""
-    import sys
-    import tempfile
-
-    out: list[str] = []
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield out
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            out.append(sink.read().decode("utf-8", "replace"))
-
-
-def _pass_on(printed: list[str]) -> None:
-    """What a compile that succeeded printed (warnings): to stderr, as it would have gone."""
-    import sys
-
-    if any(printed):
-        sys.stderr.write("".join(printed))
-
-
-def cubin_resources(cubin: bytes) -> dict[str, int]:
-    """``cuobjdump -res-usage`` of a cubin (the tool ships in the triton wheel): REG, STACK,
-    SHARED, LOCAL of its (single) function."""
-    import subprocess
-    import tempfile
-
-    from triton import knobs
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True, text=True,
-                             timeout=60, check=True).stdout
-    return {key: int(value) for key, value in _RESOURCE.findall(out)}
-
-
-def _triton_files(compiled) -> dict[str, Any]:
-    """The files Triton's cache keeps for a compiled kernel that a launch needs: the cubin,
-    the PTX and Triton's own metadata JSON (name, shared, num_warps, global scratch, target...),
-    read back from the cache group so they are exactly what ``CompiledKernel`` loads."""
-    name = compiled.metadata.name
-    group = compiled.metadata_group
-    meta_path = next(p for c, p in group.items() if c.endswith(".json") and not c.startswith("__grp__"))
-    return {"name": name, "cubin": bytes(compiled.asm["cubin"]), "ptx": str(compiled.asm["ptx"]),
-            "metadata": json.loads(Path(meta_path).read_text()), "triton_hash": compiled.hash}
-
-
-def ptxas_version(capability: int) -> str:
-    """The version line of the ptxas Triton uses for ``sm_<capability>`` (it ships in the wheel)."""
-    from triton.backends.nvidia.compiler import get_ptxas_version
-
-    text = get_ptxas_version(capability)
-    found = re.findall(r"release [^\n]*", text)
-    return (found[-1] if found else text.strip().splitlines()[-1])[:120]
-
-
-def cubin_arch(capability: int) -> str:
-    """The arch Triton's ptxas really targets for a capability (Triton 3.9: ``sm_90a`` for 90,
-    the arch-specific variant with wgmma/TMA; ``sm_80`` for 80)."""
-    from triton.backends.nvidia.compiler import sm_arch_from_capability
-
-    return sm_arch_from_capability(capability)
-
-
-def launch_artifact(launch: KernelLaunch, capability: int) -> dict[str, Any]:
-    """Compile one launch and return its artifacts (:func:`_triton_files` plus the resource
-    facts of :class:`KernelBuild`); raises RuntimeError with the compiler's message on failure."""
-    import triton
-    from triton.compiler import ASTSource
-
-    target, (options, signature, constexprs, attrs) = _bound(launch, capability)
+def _compiled(launch: KernelLaunch, backend: Backend, bound: BoundLaunch) -> Any:
+    """``backend.compile`` of a bound launch, what the compiler prints kept (:func:`compiler_stderr`):
+    CompileError with the compiler's message on failure; a success's warnings passed on."""
     with compiler_stderr() as printed:
         try:
-            compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target,
-                                      options=options.__dict__)
+            compiled = backend.compile(launch, bound)
             error = None
         except Exception as err:  # noqa: BLE001 - the message names the kernel and module line
             error = err
     if error is not None:
-        raise RuntimeError(_error_text(launch.fn, error, "".join(printed))) from None
-    _pass_on(printed)
-    return compiled_kernel_artifact(compiled)
+        raise CompileError(error_text(launch.fn, error, "".join(printed))) from None
+    pass_on(printed)
+    return compiled
 
 
-def compiled_kernel_artifact(compiled) -> dict[str, Any]:
+def launch_artifact(launch: KernelLaunch, target: Target) -> dict[str, Any]:
+    """Compile one launch for ``target`` and return its artifacts (:meth:`Backend.artifact`);
+    raises CompileError (a RuntimeError) with the compiler's message on failure."""
+    backend = backend_for(target)
+    return backend.artifact(_compiled(launch, backend, backend.bind(launch)))
+
+
+def _target_of(compiled: Any) -> Target:
+    """The target a ``CompiledKernel`` was built for (its metadata's Triton ``GPUTarget``)."""
+    t = compiled.metadata.target
+    return Target(t.backend, t.arch, t.warp_size)
+
+
+def compiled_kernel_artifact(compiled: Any) -> dict[str, Any]:
     """The artifacts of one Triton ``CompiledKernel`` (from ``triton.compile`` here, or from a
-    launched kernel's JIT cache, :mod:`tuner.measured_binary`): :func:`_triton_files` plus the
-    resource facts of :class:`KernelBuild`."""
-    used = cubin_resources(compiled.asm["cubin"])
-    return {**_triton_files(compiled), "registers": used.get("REG"),
-            "spill_bytes": used.get("STACK", 0) + used.get("LOCAL", 0),
-            "shared_bytes": int(compiled.metadata.shared) + used.get("SHARED", 0)}
+    launched kernel's JIT cache, :mod:`tuner.measured_binary`), by the backend of the target it
+    was built for: :meth:`fuser_core.codegen.backends.Backend.artifact`."""
+    return backend_for(_target_of(compiled)).artifact(compiled)
+
+
+def cubin_arch(capability: int) -> str:
+    """The arch of a cubin built for a capability (``sm_90a`` for 90, ``sm_80`` for 80)."""
+    return Target("cuda", capability, 32).binary_arch
+
+
+def ptxas_version(capability: int) -> str:
+    """The version line of the ptxas Triton uses for ``sm_<capability>``."""
+    return backend_for(Target("cuda", capability, 32)).compiler_version(())
 
 
 def compile_artifacts(request: CompileRequest) -> dict[str, Any]:
-    """Every kernel of one request compiled, with its artifacts: ``{"arch", "capability",
-    "triton_version", "ptxas_version", "config", "kernels": [launch_artifact, ...]}`` in launch
-    order (a split kernel has two). Needs TRITON_INTERPRET=0 (:meth:`CompilePool.artifacts`)."""
-    import triton
+    """Every kernel of one request compiled, with its artifacts, for either backend::
 
+        {"target": {"backend": "cuda"|"hip", "arch": 90|"gfx942", "warp_size": 32|64},
+         "arch": target.binary_arch,          # "sm_90a", "sm_80", "gfx942"
+         "binary_kind": "cubin"|"hsaco",
+         "capability": 90 | None,             # None for AMD
+         "triton_version": "3.9.0",
+         "compiler_version": str,             # ptxas's "release ..." line; for AMD the LLD that linked
+         "ptxas_version": str,                # NVIDIA only (= compiler_version), as stored bundles have it
+         "config": KernelConfig.to_dict(),
+         "kernels": [{"name", "cubin"|"hsaco": bytes, "ptx"|"amdgcn": str, "metadata": Triton's JSON,
+                      "triton_hash", "registers", "spill_bytes", "shared_bytes"}, ...]}
+
+    kernels in launch order (a split kernel has two); their resource facts are
+    :class:`KernelBuild`'s (AMD: VGPRs per lane, scratch bytes, LDS bytes). Needs
+    TRITON_INTERPRET=0 (:meth:`CompilePool.artifacts`)."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_artifacts needs TRITON_INTERPRET=0 (use CompilePool.artifacts)")
     config, launches = request_launches(request)
     # Triton's cache key hashes the cache-invalidating TRITON_* variables that are *set*; an
     # inference server sets none, so compile with this one unset even where an operator set it
     # (the launches pass the FP-fusion knob explicitly, so it changes no code, only the key the
-    # server would compute at its first launch: it would compile instead of loading the cubin)
+    # server would compute at its first launch: it would compile instead of loading the binary)
     saved = os.environ.pop("TRITON_DEFAULT_FP_FUSION", None)
     try:
-        kernels = [launch_artifact(launch, request.capability) for launch in launches]
+        kernels = [launch_artifact(launch, request.target) for launch in launches]
     finally:
         if saved is not None:
             os.environ["TRITON_DEFAULT_FP_FUSION"] = saved
-    return {"arch": cubin_arch(request.capability), "capability": request.capability,
-            "triton_version": triton.__version__, "ptxas_version": ptxas_version(request.capability),
-            "config": config, "kernels": kernels}
+    backend = backend_for(request.target)
+    return {**backend.describe([k[backend.binary_kind] for k in kernels]), "config": config, "kernels": kernels}
 
 
-def compile_launch(launch: KernelLaunch, capability: int, sass: bool = True) -> KernelBuild:
-    """Compile one intercepted launch for ``sm_<capability>`` (with its SASS facts when ``sass``);
+def compile_launch(launch: KernelLaunch, target: Target = DEFAULT_TARGET, sass: bool = True) -> KernelBuild:
+    """Compile one intercepted launch for ``target`` (with its SASS facts when ``sass``, on NVIDIA);
     errors become ``ok=False``."""
-    import triton
-    from triton.compiler import ASTSource
-
-    name = launch.fn.__name__
+    backend = backend_for(target)
     try:
-        target, (options, signature, constexprs, attrs) = _bound(launch, capability)
+        bound = backend.bind(launch)
     except Exception as error:  # noqa: BLE001 - a binding failure is the kernel's failure
-        return KernelBuild(name, False, _error_text(launch.fn, error))
-    with compiler_stderr() as printed:
-        try:
-            compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target,
-                                      options=options.__dict__)
-            used = cubin_resources(compiled.asm["cubin"])
-            facts = _sass_facts(compiled.asm["cubin"], name) if sass else None
-            error = None
-        except Exception as err:  # noqa: BLE001 - every compiler failure is reported, not raised
-            error = err
-    if error is not None:
-        return KernelBuild(name, False, _error_text(launch.fn, error, "".join(printed)), num_warps=options.num_warps,
+        return KernelBuild(launch.fn.__name__, False, error_text(launch.fn, error))
+    return _compile_bound(launch, backend, bound, sass)
+
+
+def _compile_bound(launch: KernelLaunch, backend: Backend, bound: BoundLaunch, sass: bool) -> KernelBuild:
+    options = bound.options
+    try:
+        compiled = _compiled(launch, backend, bound)
+        used = backend.resources(compiled)
+        facts = backend.sass_facts(compiled) if sass else None
+    except Exception as error:  # noqa: BLE001 - every compiler failure is reported, not raised
+        message = str(error) if isinstance(error, CompileError) else error_text(launch.fn, error)
+        return KernelBuild(launch.fn.__name__, False, message, num_warps=options.num_warps,
                            num_stages=options.num_stages)
-    _pass_on(printed)
-    return KernelBuild(
-        name, True, None,
-        registers=used.get("REG"),
-        # Triton inlines every call and keeps no local arrays: the stack frame holds spills
-        spill_bytes=used.get("STACK", 0) + used.get("LOCAL", 0),
-        stack_bytes=used.get("STACK"), local_bytes=used.get("LOCAL"),
-        # the launch's dynamic shared memory plus the cubin's static allocation
-        shared_bytes=int(compiled.metadata.shared) + used.get("SHARED", 0),
-        num_warps=options.num_warps, num_stages=options.num_stages, sass=facts,
-    )
-
-
-def _sass_facts(cubin: bytes, name: str) -> dict[str, Any] | None:
-    """The SASS facts of the kernel called ``name`` in ``cubin`` (None if cuobjdump names none)."""
-    from fuser_core.codegen.sass import cubin_facts
-
-    found = cubin_facts(bytes(cubin))
-    kernel = found.get(name) or (next(iter(found.values())) if len(found) == 1 else None)
-    return kernel.to_dict() if kernel is not None else None
+    return KernelBuild(launch.fn.__name__, True, None, registers=used.registers, spill_bytes=used.spill_bytes,
+                       stack_bytes=used.stack_bytes, local_bytes=used.local_bytes, shared_bytes=used.shared_bytes,
+                       num_warps=options.num_warps, num_stages=options.num_stages, sass=facts, sgprs=used.sgprs)
 
 
 # ---------------------------------------------------------------- caching
@@ -478,37 +269,38 @@ def _cache_dir() -> Path:
 _BUILDS: dict[str, KernelBuild] = {}
 
 
-def _launch_key(launch: KernelLaunch, capability: int, sass: bool) -> str:
+def _launch_key(launch: KernelLaunch, bound: BoundLaunch, target: Target, sass: bool) -> str:
     import triton
 
-    try:
-        module_text = Path(launch.fn.fn.__code__.co_filename).read_text()
-        _, (options, signature, constexprs, attrs) = _bound(launch, capability)
-        bound = [sorted(signature.items()), sorted((str(k), repr(v)) for k, v in constexprs.items()),
-                 sorted((str(k), repr(v)) for k, v in attrs.items()), options.num_warps, options.num_stages]
-    except Exception as error:  # noqa: BLE001 - unbindable launches are compiled (and fail) uncached
-        return f"unbound-{id(launch)}-{error!r}"
-    payload = json.dumps([module_text, launch.fn.__name__, bound, capability, triton.__version__, FACTS_VERSION, sass],
-                         default=str)
+    module_text = Path(launch.fn.fn.__code__.co_filename).read_text()
+    signature = [sorted(bound.signature.items()), sorted((str(k), repr(v)) for k, v in bound.constexprs.items()),
+                 sorted((str(k), repr(v)) for k, v in bound.attrs.items()), bound.options.num_warps,
+                 bound.options.num_stages]
+    payload = json.dumps([module_text, launch.fn.__name__, signature, [target.backend, target.arch, target.warp_size],
+                          triton.__version__, FACTS_VERSION, sass], default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def cached_compile(launch: KernelLaunch, capability: int, sass: bool = False) -> KernelBuild:
-    """:func:`compile_launch`, answered from memory or the disk cache when seen before."""
-    key = _launch_key(launch, capability, sass)
+def cached_compile(launch: KernelLaunch, target: Target = DEFAULT_TARGET, sass: bool = False) -> KernelBuild:
+    """:func:`compile_launch`, answered from memory or the disk cache when seen before (an
+    unbindable launch is compiled, and fails, uncached)."""
+    backend = backend_for(target)
+    try:
+        bound = backend.bind(launch)
+        key = _launch_key(launch, bound, target, sass)
+    except Exception:  # noqa: BLE001 - compile_launch reports the binding failure as the kernel's
+        return compile_launch(launch, target, sass)
     if key in _BUILDS:
         return _BUILDS[key]
     path = _cache_dir() / f"{key[:32]}.json"
-    if not key.startswith("unbound-") and path.exists():
+    if path.exists():
         with contextlib.suppress(OSError, ValueError, TypeError):
             _BUILDS[key] = KernelBuild.from_dict(json.loads(path.read_text()))
             return _BUILDS[key]
-    build = compile_launch(launch, capability, sass)
-    _BUILDS[key] = build
-    if not key.startswith("unbound-"):
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(build.to_dict()))
-        os.replace(tmp, path)
+    build = _BUILDS[key] = _compile_bound(launch, backend, bound, sass)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(build.to_dict()))
+    os.replace(tmp, path)
     return build
 
 
@@ -530,7 +322,7 @@ def compile_request(request: CompileRequest) -> ModuleBuild:
         text = f"{request.strategy} launcher: {type(error).__name__}: {error}"[:MAX_ERROR_CHARS]
         return ModuleBuild(request.strategy, request.config, (KernelBuild("launch", False, text),),
                            triton_version=version)
-    builds = tuple(cached_compile(launch, request.capability, request.sass) for launch in launches)
+    builds = tuple(cached_compile(launch, request.target, request.sass) for launch in launches)
     return ModuleBuild(request.strategy, config, builds, triton_version=version)
 
 
