@@ -364,11 +364,10 @@ def _cache_hit(request, variant: dict, cache_dir: str) -> list[bytes]:
     compiler itself disabled (what a GPU client's first launch does)."""
     import os
 
-    import triton
     from triton.backends.nvidia.compiler import CUDABackend
-    from triton.compiler import ASTSource
 
-    from fuser_core.codegen.gpu_compile import _bound, request_launches
+    from fuser_core.codegen.backends import backend_for
+    from fuser_core.codegen.launches import request_launches
 
     def refuse(*args, **kwargs):
         raise AssertionError("the compiler ran: the installed cubin was not found")
@@ -381,10 +380,9 @@ def _cache_hit(request, variant: dict, cache_dir: str) -> list[bytes]:
     try:
         install_variant(variant)
         out = []
+        backend = backend_for(request.target)
         for launch in request_launches(request)[1]:
-            target, (options, signature, constexprs, attrs) = _bound(launch, request.capability)
-            compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target,
-                                      options=options.__dict__)
+            compiled = backend.compile(launch, backend.bind(launch))  # triton.compile, as a launch would
             assert all(str(p).startswith(cache_dir) for p in compiled.metadata_group.values())
             out.append(bytes(compiled.asm["cubin"]))
         return out

@@ -15,6 +15,7 @@ import re
 import struct
 
 import pytest
+from conftest import load_catalog
 from fastapi.testclient import TestClient
 
 from fuser_core.catalog import spec_source
@@ -234,11 +235,11 @@ def test_a_model_tuned_mi300x_job_yields_a_bundle_carrying_an_amdgpu_elf_covered
     from service.tuning_request import tuning_request
     from service.worker import run_worker
 
-    raw = spec_source("safe_softmax")
+    raw = load_catalog()["safe_softmax"]
     spec = load_spec(raw)
     with sessions() as s:
-        job, created = job_queue.submit_job(s, tuning_request(spec, raw, {"m": 4, "n": 64}, "float32", "mi300x",
-                                                              "model", 4, 600))
+        job, created = job_queue.submit_job(s, tuning_request(spec, json.dumps(raw), {"m": 4, "n": 64}, "float32",
+                                                              "mi300x", "model", 4, 600))
         assert created
     settings = get_settings(db_url=db_url, lease_seconds=10.0, heartbeat_seconds=0.2)
     assert run_worker(db_url, measurer="model", target="mi300x", once=True, worker_id="w-amd", settings=settings) == 1
