@@ -57,3 +57,95 @@ def test_device_names() -> None:
     assert profile_for_device_name("AMD Instinct MI300X") == "mi300x"
     assert profile_for_device_name("AMD Instinct MI355X") == "mi355x"
     assert profile_for_device_name("AMD Instinct MI350X") is None  # lower clock: not the mi355x profile
+
+
+# ------------------------------------------------------------------ the space and the model, per target
+
+SOFTMAX = ("safe_softmax", {"m": 64, "n": 4096}, "float16")
+ATTENTION = ("attention", {"b": 2, "h": 4, "m": 256, "n": 256, "d": 64, "e": 64}, "float16")
+
+
+def _space(case, target: str):
+    from fuser_core.catalog import load_catalog_spec
+    from fuser_core.derive import derive_cascade
+    from fuser_core.problem import make_problem
+    from tuner.space import SearchSpace
+
+    name, shape, dtype = case
+    spec = load_catalog_spec(name)
+    return SearchSpace(make_problem(spec, shape, dtype), derive_cascade(spec), get_profile(target))
+
+
+@pytest.mark.parametrize("target", FLEET)
+def test_warps_fit_a_block_of_the_targets_threads(target: str) -> None:
+    space = _space(SOFTMAX, target)
+    warps = space.params("streaming_fused")["num_warps"]
+    # 1,024 threads per block: 32 warps of 32, or 16 wavefronts of 64 (Triton's AMD num_warps)
+    assert warps == ([1, 2, 4, 8, 16] if target.startswith("mi") else [1, 2, 4, 8, 16, 32])
+    c = space.candidate("streaming_fused", {"block_n": 1024, "num_warps": 4, "num_stages": 2})
+    assert space.check(c) is None
+    # the register lower bound counts the target's lanes: a wavefront's 64 lanes hold twice a warp's values
+    [r] = space.resources(c)
+    [h] = _space(SOFTMAX, "h100").resources(c)
+    assert (r.min_regs_per_thread, r.smem_bytes) == (
+        (-(-h.min_regs_per_thread // 2) if target.startswith("mi") else h.min_regs_per_thread), h.smem_bytes)
+
+
+@pytest.mark.parametrize("target", FLEET)
+@pytest.mark.parametrize("case", [SOFTMAX, ATTENTION], ids=["safe_softmax", "attention"])
+def test_the_model_tuner_predicts_on_every_target(case, target: str) -> None:
+    """Each target has feasible strategies, the model predicts a finite time for every one of
+    them (no missing-unit KeyError), and a short model-tuned search ends on a valid config."""
+    import math
+
+    from tuner import ModelMeasurer, Tuner, predict
+
+    space = _space(case, target)
+    assert space.strategies(), space.not_valid()
+    for strategy in space.strategies():
+        c = next(space.enumerate([strategy]))
+        p = predict(space.problem, space.derivation, c, space.profile)
+        assert math.isfinite(p.time_s) and p.time_s > space.profile.launch_overhead_s
+        assert p.details["kernels"][0]["blocks_per_sm"] >= 1
+    result = Tuner(space, ModelMeasurer(space.problem, space.derivation, space.profile), seed=0).run(6)
+    assert result.target == target and result.predicted and math.isfinite(result.time_ms) and result.time_ms > 0
+    from tuner import Candidate
+
+    assert space.check(Candidate.from_dict({"strategy": result.strategy, "config": result.config})) is None
+
+
+def test_amd_lds_refuses_what_fits_an_h100() -> None:
+    """An attention tile whose tl.dot operands take ~96 KiB of shared memory fits an H100 block
+    (227 KiB) and an MI355X's 160 KiB LDS, but not an MI300X CU's 64 KiB LDS: refused before compiling."""
+    tile = {"block_m": 128, "block_n": 128, "block_e": 64, "num_warps": 4, "num_stages": 3}
+    h100, mi300x, mi355x = (_space(ATTENTION, t) for t in ("h100", "mi300x", "mi355x"))
+    c = h100.candidate("streaming_fused", tile)
+    [r] = h100.resources(c)
+    assert 64 * 1024 < r.smem_bytes <= 160 * 1024
+    assert h100.check(c) is None and mi355x.check(c) is None
+    reason = mi300x.check(c)
+    assert reason is not None and reason.startswith(
+        f"shared memory: {r.smem_bytes // 1024} KiB > 64 KiB LDS per CU on mi300x"), reason
+    # the space still has tiles that fit the LDS
+    assert any(mi300x.enumerate(["streaming_fused"]))
+
+
+def test_amd_occupancy_counts_wavefronts() -> None:
+    """Blocks per CU: 32 wavefront slots and a 128K-register VGPR file on MI300X; a 4-wavefront
+    program of 64 registers per lane holds 16K registers, so 8 fit, and 8 x 4 = 32 waves fill it."""
+    from tuner.cost_model import KernelLoad, blocks_per_sm
+
+    mi300x, h100 = get_profile("mi300x"), get_profile("h100")
+    k = KernelLoad("k", 1000, 4, 2, True, 64, 16 * 1024, 0, 0, 0, 0, {}, 0)
+    assert mi300x.registers_per_program(64, 4) == 64 * 64 * 4
+    assert blocks_per_sm(k, mi300x) == 4  # LDS: 64 KiB / 16 KiB
+    assert blocks_per_sm(KernelLoad(**{**k.__dict__, "smem": 1024}), mi300x) == 8  # waves: 32 / 4; VGPRs: 8
+    assert blocks_per_sm(KernelLoad(**{**k.__dict__, "smem": 1024}), h100) == 8  # registers: 64K / (64 x 128)
+
+
+def test_a_missing_matrix_unit_is_no_key_error() -> None:
+    mi355x, a100 = get_profile("mi355x"), get_profile("a100")
+    assert mi355x.dot_flops("tf32") == mi355x.peak_flops["fp32"] and a100.dot_flops("fp8") == a100.peak_flops["fp32"]
+    assert mi355x.dot_flops("fp16") == mi355x.peak_flops["fp16"]
+    # elementwise code issues one-value FP32 instructions: AMD's packed FP32 peak is twice that
+    assert get_profile("mi300x").alu_flops == pytest.approx(81.7e12) and get_profile("h100").alu_flops == 67e12

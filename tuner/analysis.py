@@ -481,11 +481,12 @@ SCRATCH_BYTES = 1024  # cross-warp reduction scratch
 
 
 def resources(kernel: KernelSketch, inputs: Mapping[str, tuple[tuple[str, ...], int]], axis: str | None,
-              blocks: Mapping[str, int], num_warps: int, num_stages: int) -> Resources:
+              blocks: Mapping[str, int], num_warps: int, num_stages: int, warp_size: int = 32) -> Resources:
     """Per-program resources; ``inputs`` maps each loadable name to (dims, bytes per element).
 
     Registers: live float32 elements (accumulators + loaded tiles + the largest temporary,
-    counted twice for the value it is computed from) / (32 * num_warps) threads, + overhead: an
+    counted twice for the value it is computed from) / (warp_size * num_warps) threads (a warp
+    is 32 threads, an AMD wavefront 64), + overhead: an
     upper bound the cost model charges; ``min_regs_per_thread`` is the lower bound (state and
     one tile, nothing else) that the search space prunes by, leaving the rest to ptxas's own
     count in the compile gate (a 32768-wide softmax row on 32 warps needs ~47, the upper bound says 129).
@@ -516,8 +517,9 @@ def resources(kernel: KernelSketch, inputs: Mapping[str, tuple[tuple[str, ...], 
                 for n in p.loads if n not in direct and axis in inputs[n][0]
             )
         smem = max(smem, SCRATCH_BYTES + dot_smem + staged)
-    regs = REG_OVERHEAD + math.ceil(live_max / (32 * num_warps))
-    return Resources(int(regs), int(smem), int(tile), int(live_max), math.ceil(live_min / (32 * num_warps)))
+    threads = warp_size * num_warps
+    regs = REG_OVERHEAD + math.ceil(live_max / threads)
+    return Resources(int(regs), int(smem), int(tile), int(live_max), math.ceil(live_min / threads))
 
 
 def _buffers(dot: Any, side: sp.Expr, side_dims: frozenset[str], axis: str | None, num_stages: int) -> int:

@@ -147,7 +147,7 @@ def roofline(spec: Any, shape: Mapping[str, int], dtypes: Mapping[str, str], pro
     flops = contraction_flops(spec, shape)
     nbytes = min_bytes(spec, shape, dtypes)
     unit = "fp16" if "float16" in dtypes.values() else "tf32"
-    ridge = profile.peak_flops[unit] * DOT_EFFICIENCY / (profile.hbm_bytes_per_s * HBM_EFFICIENCY)
+    ridge = profile.dot_flops(unit) * DOT_EFFICIENCY / (profile.hbm_bytes_per_s * HBM_EFFICIENCY)
     intensity = flops / max(1, nbytes)
     return {"flops": flops, "min_bytes": nbytes, "intensity": intensity, "ridge": ridge, "unit": unit,
             "memory_bound": intensity < ridge, "profile": profile.name}

@@ -10,10 +10,11 @@ candidate's module(s) for the target's arch (``GpuProfile.arch``, e.g. ``sm_90``
 - a kernel does not compile: **pruned**, the reason is the compiler's message, with the Triton
   version that gave it (``does not compile for sm_90 with Triton 3.6.0: <kernel>: line N: ...``):
   the installed Triton decides (3.6 rejects some float32 multi_pass configs that 3.9 compiles);
-- a kernel needs more shared memory than a block may have (``profile.smem_per_block_max``), or
-  more registers per thread than the target allows, or its registers for ``num_warps`` warps
-  exceed an SM's register file: **pruned**, naming the kernel and the numbers (a launch would
-  fail with "out of resources");
+- a kernel needs more shared memory than a block may have (``profile.smem_per_block_max``: the
+  LDS of a CU on AMD), or more registers per thread than the target allows, or its registers for
+  ``num_warps`` warps (64-lane wavefronts on AMD) exceed an SM's register file (a CU's VGPR
+  file): **pruned**, naming the kernel and the numbers (a launch would fail with "out of
+  resources");
 - a kernel spills (stack or local bytes > 0): **not pruned**, its facts are kept and the model
   measurer charges the local-memory traffic (:mod:`tuner.cost_model`); the cuda measurer times
   it as it is.
@@ -113,7 +114,7 @@ def judge(build: ModuleBuild, profile: GpuProfile) -> CompileVerdict:
         held = profile.registers_per_program(regs, warps)
         if held > profile.regs_per_sm:
             return CompileVerdict(arch, build.kernels, (
-                f"registers ({k.kernel}): {regs} per thread x {32 * warps} threads need {held} > "
+                f"registers ({k.kernel}): {regs} per thread x {profile.warp_size * warps} threads need {held} > "
                 f"{profile.regs_per_sm} per SM on {profile.name}"))
     return CompileVerdict(arch, build.kernels)
 

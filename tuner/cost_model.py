@@ -91,11 +91,11 @@ if TYPE_CHECKING:  # chain imports the code generator's modules: loaded only whe
 
 HBM_EFFICIENCY = 0.92  # best fraction of the datasheet bandwidth a streaming kernel reaches
 DOT_EFFICIENCY = 0.75  # fraction of tensor-core peak a Triton tl.dot loop reaches
-ALU_EFFICIENCY = 0.8  # fraction of the CUDA-core issue rate reached by elementwise code
+ALU_EFFICIENCY = 0.8  # fraction of the vector-ALU issue rate (CUDA cores, AMD's SIMDs) reached by elementwise code
 L2_USABLE = 0.5  # fraction of L2 that holds data for reuse (H100/A100 split L2 in two partitions)
-SM_BYTES_PER_CLOCK = 64  # what one SM can take from L2 per clock
+SM_BYTES_PER_CLOCK = 64  # what one SM (CU) can take from L2 per clock
 WARPS_TO_FILL_ALU = 8  # resident warps per SM for the CUDA cores to be busy (latency hiding)
-WARPS_TO_FILL_DOT = 4  # one warp per SM sub-partition for the tensor cores
+WARPS_TO_FILL_DOT = 4  # one warp per SM sub-partition (one wavefront per SIMD of a CU) for the matrix units
 SPILL_ACCESSES = 2  # a spilled byte is written to local memory and read back (per loop iteration)
 PRECISION_UNIT = {"tl.float16": "fp16", "tl.bfloat16": "fp16", "tf32": "tf32", "ieee": "fp32"}
 
@@ -181,7 +181,7 @@ def kernel_time(k: KernelLoad, profile: GpuProfile) -> tuple[float, dict[str, An
         "dot": {prec: f / P for prec, f in k.dot_flops.items()},
     }
     sm_bw = SM_BYTES_PER_CLOCK * profile.clock_hz
-    alu_rate = profile.peak_flops["fp32"] / 2 / S * ALU_EFFICIENCY  # instructions/s per SM (FMA = 2 FLOPs)
+    alu_rate = profile.alu_flops / 2 / S * ALU_EFFICIENCY  # instructions/s per SM (FMA = 2 FLOPs)
     sfu_rate = profile.sfu_ops_per_s / S
 
     def wave(n: int) -> dict[str, float]:
@@ -191,7 +191,7 @@ def kernel_time(k: KernelLoad, profile: GpuProfile) -> tuple[float, dict[str, An
         t_l2 = n * per["l2"] / profile.l2_bytes_per_s  # every request passes L2
         in_flight = busiest * k.bytes_in_flight  # Little's law on the busiest SM
         t_sm = busiest * per["l2"] / (sm_bw * max(1e-9, saturation(in_flight / (sm_bw * profile.mem_latency_s))))
-        t_dot = sum(busiest * f / (profile.peak_flops[PRECISION_UNIT[prec]] / S * DOT_EFFICIENCY
+        t_dot = sum(busiest * f / (profile.dot_flops(PRECISION_UNIT[prec]) / S * DOT_EFFICIENCY
                                    * min(1.0, warps / WARPS_TO_FILL_DOT)) for prec, f in per["dot"].items())
         fill = min(1.0, warps / WARPS_TO_FILL_ALU)
         t_cuda = max(busiest * per["alu"] / (alu_rate * fill), busiest * per["sfu"] / (sfu_rate * fill))
@@ -275,7 +275,8 @@ class _KernelEvaluator:
         key = (id(sketch), tuple(sorted(L.blocks.items())), c.num_warps, c.num_stages)
         r = self.cache.get(key)
         if r is None:
-            r = self.cache[key] = resources(sketch, self.inputs, L.axis, L.blocks, c.num_warps, c.num_stages)
+            r = self.cache[key] = resources(sketch, self.inputs, L.axis, L.blocks, c.num_warps, c.num_stages,
+                                            prof.warp_size)
         regs, smem, spill = r.regs_per_thread, r.smem_bytes, 0
         if compiled is not None and compiled.registers is not None:
             regs, smem, spill = compiled.registers, compiled.shared_bytes or 0, compiled.spill_bytes or 0
@@ -296,7 +297,7 @@ class _KernelEvaluator:
             for d in p.dots:
                 dots[d.precision] = dots.get(d.precision, 0.0) + 2.0 * elements(d.dims, L.blocks) * it * programs
             if p.loop != "once":
-                alu += ITERATION_ALU * 32 * c.num_warps * it * programs
+                alu += ITERATION_ALU * prof.warp_size * c.num_warps * it * programs
             passes.append(self.pass_traffic(p, it, programs, split_grid))
 
         # HBM: the first read of each input, and re-reads that miss L2
@@ -335,7 +336,7 @@ class _KernelEvaluator:
             # L1 to L2, and to HBM as far as the resident programs' spill footprint misses L2.
             longest = max((pass_iterations(p, L.axis, L.shape, L.blocks, L.split) if L.axis else 1
                            for p in sketch.passes), default=1)
-            threads = 32 * c.num_warps
+            threads = prof.warp_size * c.num_warps
             spill_l2 = SPILL_ACCESSES * spill * threads * programs * max(1, longest)
             spill_hbm = spill_l2 * miss_fraction(spill * threads * concurrent, prof)
             l2 += spill_l2

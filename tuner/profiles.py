@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from fuser_core import Target
 
@@ -66,9 +67,13 @@ class GpuProfile:
     hbm_bytes: int = 80 * 1000**3
     regs_per_thread_max: int = 255
     threads_per_block_max: int = 1024
+    # -- datasheet, AMD only: FP32 FLOP/s of plain vector instructions (the FP64 vector figure,
+    # the same 64 lanes per CU per clock). AMD's "fp32" peak counts packed FP32 (v_pk_fma_f32),
+    # twice the rate of the one-value instructions elementwise code issues. None: peak_flops["fp32"].
+    unpacked_fp32_flops: float | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
-    @property
+    @cached_property  # parsed once: the search space asks for the warp size per candidate
     def target(self) -> Target:
         """The compile target this GPU's arch names (``Target("hip", "gfx942", 64)`` for mi300x)."""
         return Target.parse(self.arch)
@@ -77,6 +82,17 @@ class GpuProfile:
     def warp_size(self) -> int:
         """Threads per warp: 32 on NVIDIA, 64 per wavefront on AMD."""
         return self.target.warp_size
+
+    @property
+    def alu_flops(self) -> float:
+        """FP32 FLOP/s of the elementwise (non-matrix) instructions: what the cost model's ALU term runs at."""
+        return self.unpacked_fp32_flops or self.peak_flops["fp32"]
+
+    def dot_flops(self, unit: str) -> float:
+        """Peak FLOP/s of the matrix unit for ``unit`` ("fp16", "tf32", ...). A unit this GPU lacks
+        (A100's fp8, MI355X's tf32) is charged at the fp32 rate: Triton does not compile such a
+        dot there, so the compile gate prunes it; the model only must not fail on it."""
+        return self.peak_flops.get(unit, self.peak_flops["fp32"])
 
     def registers_per_program(self, regs_per_thread: int, num_warps: int) -> int:
         """Registers one program (block) holds: the hardware allocates them per warp (wavefront),
@@ -163,8 +179,8 @@ PROFILES: dict[str, GpuProfile] = {
         notes=("HGX B200 180 GB (1,000 W)",),
     ),
     # AMD Instinct MI300X datasheet (304 CUs, 2,100 MHz peak engine clock, 192 GB HBM3 at
-    # 5.3 TB/s; FP32 vector 163.4 (packed FP32), TF32 653.7, FP16/BF16 1,307.4, FP8 2,614.9
-    # TFLOPS dense) and the AMD CDNA 3 white paper; per-CU limits from the ROCm "AMD GPU
+    # 5.3 TB/s; FP32 vector 163.4 (packed FP32), FP64 vector 81.7, TF32 653.7, FP16/BF16 1,307.4,
+    # FP8 2,614.9 TFLOPS dense) and the AMD CDNA 3 white paper; per-CU limits from the ROCm "AMD GPU
     # specifications" table (LDS 64 KiB, VGPR file 512 KiB = 131,072 32-bit registers, L2 4 MiB
     # per XCD = 32 MiB; the 256 MiB Infinity Cache behind it is not modelled) and LLVM's AMDGPU
     # backend (8 waves per SIMD x 4 SIMDs = 32 per CU; 512 VGPRs per lane with the AGPRs).
@@ -179,11 +195,12 @@ PROFILES: dict[str, GpuProfile] = {
         peak_flops={"fp32": 163.4 * T, "tf32": 653.7 * T, "fp16": 1307.4 * T, "bf16": 1307.4 * T, "fp8": 2614.9 * T},
         sfu_ops_per_s=304 * 16 * 2.1e9, launch_overhead_s=3e-6,
         clock_hz=2.1e9, mem_latency_s=700e-9, l2_bytes_per_s=8 * 2048 * 2.1e9, hbm_bytes=192 * 1000**3,
-        regs_per_thread_max=512, threads_per_block_max=1024,
+        regs_per_thread_max=512, threads_per_block_max=1024, unpacked_fp32_flops=81.7 * T,
         notes=("MI300X OAM 192 GB HBM3 (CDNA 3): CUs as SMs, LDS as shared memory, wavefronts as warps",),
     ),
     # AMD Instinct MI355X datasheet (256 CUs, 2,400 MHz peak engine clock, 288 GB HBM3e at
-    # 8 TB/s; FP32 vector 157.3, FP16/BF16 2,516.6, FP8 5,033.2 TFLOPS dense; no TF32 row:
+    # 8 TB/s; FP32 vector 157.3 (packed), FP64 vector 78.6, FP16/BF16 2,516.6, FP8 5,033.2 TFLOPS
+    # dense; no TF32 row:
     # CDNA 4 has no TF32 matrix unit) and the AMD CDNA 4 white paper; per-CU limits from the ROCm
     # "AMD GPU specifications" table (LDS 160 KiB, VGPR file 512 KiB, L2 4 MiB per XCD = 32 MiB)
     # and LLVM's AMDGPU backend (32 waves per CU, 512 VGPRs per lane). Estimates as for mi300x.
@@ -194,7 +211,7 @@ PROFILES: dict[str, GpuProfile] = {
         peak_flops={"fp32": 157.3 * T, "fp16": 2516.6 * T, "bf16": 2516.6 * T, "fp8": 5033.2 * T},  # no tf32 unit
         sfu_ops_per_s=256 * 16 * 2.4e9, launch_overhead_s=3e-6,
         clock_hz=2.4e9, mem_latency_s=700e-9, l2_bytes_per_s=8 * 2048 * 2.4e9, hbm_bytes=288 * 1000**3,
-        regs_per_thread_max=512, threads_per_block_max=1024,
+        regs_per_thread_max=512, threads_per_block_max=1024, unpacked_fp32_flops=78.6 * T,
         notes=("MI355X OAM 288 GB HBM3e (CDNA 4): CUs as SMs, LDS as shared memory, wavefronts as warps",),
     ),
 }

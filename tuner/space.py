@@ -4,8 +4,9 @@ A :class:`Candidate` is a strategy and a :class:`~fuser_core.codegen.plan.Kernel
 :class:`SearchSpace` lists, per strategy, the choices of every parameter (powers of two within
 the shape and the target), builds candidates from chosen values, and rejects candidates that
 cannot fit **before anything compiles** (:meth:`SearchSpace.check`): the plan's own rules, a
-tile larger than its dim, shared memory, registers (by a lower bound: the compile gate has
-ptxas's count), and warps for the tile.
+tile larger than its dim, shared memory (the LDS on AMD: 64 KiB per CU on MI300X, where an
+H100 block has 227 KiB), registers (by a lower bound, over the target's warp width: the
+compile gate has the compiler's count), and warps for the tile.
 
 Parameters (Optuna-style names; ``split`` only for split_fused):
 
@@ -14,8 +15,9 @@ Parameters (Optuna-style names; ``split`` only for split_fused):
   contraction (attention's ``m`` and ``e``, a GEMM's ``m`` and ``n``) start at 16 so that
   ``tl.dot`` applies; batch dims of a contraction (``b``, ``h``) stay 1 (a blocked batch dim
   turns a dot back into a broadcast product); other lanes take 1, 2, 4, ...;
-- ``num_warps`` 1..32 (32: a long resident row, as Liger-Kernel runs softmax over 32768), ``num_stages``
-  1..5 (1 for row_resident), ``split`` 2..64;
+- ``num_warps`` 1..32 (32: a long resident row, as Liger-Kernel runs softmax over 32768), as many
+  as fit the target's 1,024 threads per block: on AMD ``num_warps`` counts 64-lane wavefronts (as
+  Triton's AMD backend does), so 1..16; ``num_stages`` 1..5 (1 for row_resident), ``split`` 2..64;
 - ``per_lane`` 1 or 0 (streaming and split, where the derivation allows per-lane states): a
   streamed loop's running states per lane of the tile, or per tile (:attr:`KernelConfig.per_lane`).
 
@@ -47,7 +49,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fuser_core.codegen.gpu_compile import capability_of
 from fuser_core.codegen.plan import (
     MAX_TILE_ELEMENTS,
     STRATEGIES,
@@ -61,6 +62,7 @@ from fuser_core.codegen.plan import (
 )
 from fuser_core.derive import Derivation
 from fuser_core.problem import Problem
+from fuser_core.targets import HIP
 from tuner.analysis import Anatomy, Resources, cdiv, input_info, resources
 from tuner.profiles import GpuProfile
 
@@ -168,7 +170,7 @@ class SearchSpace:
         out: dict[str, list[int]] = {f"block_{self.axis}": self.axis_choices(strategy)}
         for d in self.lanes:
             out[f"block_{d}"] = self.lane_choices(d)
-        out["num_warps"] = [w for w in WARPS if 32 * w <= self.profile.threads_per_block_max]
+        out["num_warps"] = [w for w in WARPS if self.profile.warp_size * w <= self.profile.threads_per_block_max]
         out["num_stages"] = [1] if strategy == "row_resident" else list(STAGES)
         if strategy == "split_fused":
             most = min(MAX_SPLIT, cdiv(self.shape[self.axis], min(self.axis_choices(strategy))))
@@ -233,7 +235,7 @@ class SearchSpace:
         blocks = self.blocks_of(candidate)
         c = candidate.config
         info = input_info(self.spec, self.dtypes)
-        return [resources(k, info, self.axis, blocks, c.num_warps, c.num_stages)
+        return [resources(k, info, self.axis, blocks, c.num_warps, c.num_stages, self.profile.warp_size)
                 for k in self.anatomy.kernels(candidate.strategy, blocks, per_lane=c.per_lane)]
 
     def check(self, candidate: Candidate) -> str | None:
@@ -278,15 +280,16 @@ class SearchSpace:
     def _check_resources(self, candidate: Candidate) -> str | None:
         strategy, c = candidate.strategy, candidate.config
         p = self.profile
-        threads = 32 * c.num_warps
+        threads = p.warp_size * c.num_warps
+        memory = "LDS per CU" if p.target.backend == HIP else "per block"
         blocks = self.blocks_of(candidate)
         kernels = self.anatomy.kernels(strategy, blocks, per_lane=c.per_lane)
         rows = self.anatomy.dot_rows(strategy, blocks, per_lane=c.per_lane)
         for kernel, r, dot_rows in zip(kernels, self.resources(candidate), rows):
             where = f" ({kernel.name})" if strategy == "split_fused" else ""
             if r.smem_bytes > p.smem_per_block_max:
-                return (f"shared memory{where}: {r.smem_bytes // 1024} KiB > {p.smem_per_block_max // 1024} KiB per "
-                        f"block on {p.name} (tl.dot operands and pipelined loads x num_stages = {c.num_stages})")
+                return (f"shared memory{where}: {r.smem_bytes // 1024} KiB > {p.smem_per_block_max // 1024} KiB "
+                        f"{memory} on {p.name} (tl.dot operands and pipelined loads x num_stages = {c.num_stages})")
             # registers are pruned here by a lower bound only: the compile gate has ptxas's count
             if r.min_regs_per_thread > p.regs_per_thread_max:
                 return (f"registers{where}: at least {r.min_regs_per_thread} per thread > {p.regs_per_thread_max} "
@@ -294,7 +297,7 @@ class SearchSpace:
             if r.min_regs_per_thread * threads > p.regs_per_sm:
                 return (f"registers{where}: at least {r.min_regs_per_thread} per thread x {threads} threads > "
                         f"{p.regs_per_sm} per SM on {p.name}")
-            if c.num_warps > 4 and capability_of(p.arch) >= 90:
+            if c.num_warps > 4 and (p.target.capability or 0) >= 90:  # wgmma: NVIDIA sm_90 on
                 short = [d for d in dot_rows if blocks[d] < WGMMA_ROWS * c.num_warps // 4]
                 if short:
                     return (f"num_warps = {c.num_warps} on a tl.dot of BLOCK_{short[0]} = {blocks[short[0]]} rows: a "

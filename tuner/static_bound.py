@@ -1,5 +1,8 @@
 """The static bound of a compiled kernel: the least time its SASS can take on a GPU profile.
 
+NVIDIA only: SASS is what ptxas gives for a cubin, its instructions issued per 32-lane warp. An
+AMD kernel (an hsaco) has no SASS count, so :func:`module_bounds` answers None for AMD profiles.
+
 From the compile gate's facts (:class:`fuser_core.codegen.gpu_compile.KernelBuild`, whose
 ``sass`` is :mod:`fuser_core.codegen.sass`'s count of the cubin) and the launch (programs,
 warps, iterations of each innermost loop), four times, each at the profile's rate:
@@ -35,9 +38,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fuser_core.targets import CUDA
 from tuner.profiles import GpuProfile
 
 ISSUE_PER_SM_PER_CLOCK = 4  # warp instructions: four sub-partitions, one each per clock
+SASS_LANES = 32  # threads per warp instruction in SASS (NVIDIA's warp)
 TENSOR_UNITS = {"f16": "fp16", "bf16": "bf16", "tf32": "tf32", "e4m3": "fp8", "e5m2": "fp8", "f32": "tf32"}
 
 
@@ -67,7 +72,7 @@ def _ex2(counts: Mapping[str, Any]) -> float:
 
 
 def _bytes(widths: Mapping[str, int]) -> float:
-    return float(sum(int(bits) // 8 * 32 * n for bits, n in widths.items()))  # 32 lanes per warp instruction
+    return float(sum(int(bits) // 8 * SASS_LANES * n for bits, n in widths.items()))
 
 
 def tensor_unit(sass: Mapping[str, Any]) -> str | None:
@@ -95,7 +100,7 @@ def static_bound(sass: Mapping[str, Any], *, programs: int, num_warps: int, trip
     terms = {
         "memory": hbm / profile.hbm_bytes_per_s,
         "issue": chip["instructions"] / (profile.sm_count * ISSUE_PER_SM_PER_CLOCK * profile.clock_hz),
-        "sfu": chip["mufu"] * 32 / profile.sfu_ops_per_s,
+        "sfu": chip["mufu"] * SASS_LANES / profile.sfu_ops_per_s,
         "tensor": (2 * chip["tensor_macs"] / profile.peak_flops[unit]) if unit and unit in profile.peak_flops else 0.0,
     }
     limiter = max(terms, key=terms.get)
@@ -104,9 +109,9 @@ def static_bound(sass: Mapping[str, Any], *, programs: int, num_warps: int, trip
                            "warp_instructions": chip["instructions"], "tensor_unit": unit}
     if elements:
         out["per_element"] = {
-            "instructions": chip["instructions"] * 32 / elements,  # thread instructions
-            "exp": chip["ex2"] * 32 / elements,  # MUFU.EX2: the exps
-            "sfu": chip["mufu"] * 32 / elements,  # every MUFU op (exps, reciprocals, logs)
+            "instructions": chip["instructions"] * SASS_LANES / elements,  # thread instructions
+            "exp": chip["ex2"] * SASS_LANES / elements,  # MUFU.EX2: the exps
+            "sfu": chip["mufu"] * SASS_LANES / elements,  # every MUFU op (exps, reciprocals, logs)
             "tensor_macs": chip["tensor_macs"] / elements,
         }
         if input_bytes:
@@ -166,10 +171,12 @@ def module_bounds(plan: Any, structure: Any, builds: Sequence[Any], profile: Gpu
                   unique_bytes: int | None = None) -> list[dict[str, Any]] | None:
     """Per kernel of a generated module, its static bound (:func:`static_bound`) from its compile
     facts (``builds``: the compile gate's KernelBuild per kernel, in launch order) and the
-    structure's grid and loops; None when a kernel has no SASS facts. ``unique_bytes``: the
-    module's minimum traffic, charged to its first kernel."""
+    structure's grid and loops; None when a kernel has no SASS facts, as on an AMD profile.
+    ``unique_bytes``: the module's minimum traffic, charged to its first kernel."""
     import math
 
+    if profile.target.backend != CUDA:
+        return None
     out = []
     for i, (kernel, build) in enumerate(zip(structure.kernels, builds)):
         sass = getattr(build, "sass", None)
