@@ -142,6 +142,8 @@ def _print_fleet(spec, shape: dict[str, int], reports: list[dict]) -> None:
         for k in r["kernels"]:
             if not k["ok"]:
                 print(f"    {k['strategy']} {k['kernel']}: {k['error']}")
+    print("regs: the most of a kernel, per thread (VGPRs per lane on AMD); spill: bytes per thread (scratch "
+          "per lane); shared: bytes per program (LDS on AMD)")
     for s, why in reports[0]["refused"].items():
         print(f"{s:<16} refused: {why}")
 

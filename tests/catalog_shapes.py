@@ -24,14 +24,16 @@ def small_shape(spec) -> dict[str, int]:
     return bind_shape(spec, shape)
 
 
-def distinct_targets(profiles) -> list[tuple[str, object]]:
-    """(profile name, Target) of each distinct compile target of these GPU profiles, in order, the
-    first name kept (h200 compiles as h100: the same sm_90a cubins)."""
-    from tuner.profiles import get_profile
+def distinct_targets(names) -> list[tuple[str, object]]:
+    """(name, Target) of each distinct compile target of these GPU profiles (h100) or arch names
+    (sm_90, gfx942), in order, the first name kept (h200 compiles as h100: the same sm_90a cubins)."""
+    from fuser_core.targets import Target
+    from tuner.profiles import PROFILES
 
     out: dict[object, str] = {}
-    for name in profiles:
-        out.setdefault(get_profile(name).target, get_profile(name).name)
+    for name in names:
+        key = name.strip().lower()
+        out.setdefault(PROFILES[key].target if key in PROFILES else Target.parse(key), key)
     return [(name, target) for target, name in out.items()]
 
 

@@ -295,6 +295,39 @@ def test_cli_compiles_every_strategy_and_lists_refused_ones():
     assert streamed["static_bound"]["bound"] in ("memory", "issue")
 
 
+def test_cli_compiles_for_every_target_of_the_fleet(tmp_path):
+    """Issue 25's must-show: safe_softmax for all seven targets, NVIDIA cubins and AMD hsaco, one
+    row per target; a target named by its arch, and an AMD kernel's binary written to --out."""
+    args = ["compile", "safe_softmax", "--shape", "m=64,n=4096", "--dtype", "float16", "--target", "all"]
+    done = foldwise(*args, "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert [t["target"] for t in report["targets"]] == list(FLEET) and report["triton_version"] == triton.__version__
+    assert {t["target"]: (t["binary_arch"], t["binary_kind"]) for t in report["targets"]} == {
+        "a100": ("sm_80", "cubin"), "l40s": ("sm_89", "cubin"), "h100": ("sm_90a", "cubin"), "h200": ("sm_90a", "cubin"),
+        "b200": ("sm_100a", "cubin"), "mi300x": ("gfx942", "hsaco"), "mi355x": ("gfx950", "hsaco")}
+    kernels = {(k["strategy"], k["kernel"]) for k in report["targets"][0]["kernels"]}
+    assert {s for s, _ in kernels} == {"row_resident", "streaming_fused", "split_fused", "multi_pass", BASELINE}
+    for t in report["targets"]:
+        assert {(k["strategy"], k["kernel"]) for k in t["kernels"]} == kernels, t["target"]
+        assert all(k["ok"] and k["registers"] > 0 and k["shared_bytes"] is not None for k in t["kernels"]), t["target"]
+        assert all((k["sgprs"] is not None) == (t["binary_kind"] == "hsaco") for k in t["kernels"]), t["target"]
+    text = foldwise(*args)  # the same compiles, answered from the compile cache
+    assert text.returncode == 0, text.stdout + text.stderr
+    assert "7 of 7 targets compile every kernel" in text.stdout
+    rows = [line.split() for line in text.stdout.splitlines()[2:9]]
+    assert [r[:4] for r in rows] == [[t["target"], t["binary_arch"], t["binary_kind"], f"{len(kernels)}/{len(kernels)}"]
+                                     for t in report["targets"]]
+    one = foldwise("compile", "safe_softmax", "--shape", "m=64,n=4096", "--dtype", "float16", "--target", "gfx942",
+                   "--strategy", "streaming_fused", "--json", "--out", str(tmp_path))
+    assert one.returncode == 0, one.stdout + one.stderr
+    single = json.loads(one.stdout)
+    assert (single["target"], single["arch"], single["binary_kind"]) == ("gfx942", "gfx942", "hsaco")
+    hsaco = (tmp_path / "streaming_fused" / "safe_softmax_streaming_fused_kernel.hsaco").read_bytes()
+    assert hsaco[:4] == b"\x7fELF" and int.from_bytes(hsaco[18:20], "little") == 224  # EM_AMDGPU
+    assert ".amdgcn_target" in (tmp_path / "streaming_fused" / "safe_softmax_streaming_fused_kernel.amdgcn").read_text()
+
+
 def test_cli_exits_1_when_a_kernel_fails_and_names_it():
     config = {"blocks": {"n": 256}, "num_warps": 2}
     broken_softmax_request(config)

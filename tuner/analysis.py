@@ -40,6 +40,7 @@ from fuser_core.derive import Derivation
 from fuser_core.realisation import Realisation
 from fuser_core.spec import Spec, Step
 from fuser_core.symbolic import CAST_FUNCTIONS, Round, SymbolicSpec
+from fuser_core.targets import CUDA, WARP_SIZES, Target
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int32": 4, "int64": 8}
 DOT_BYTES = {"tl.float16": 2, "tl.bfloat16": 2, "tf32": 4, "ieee": 4}  # operand bytes in shared memory per tl.dot precision
@@ -481,19 +482,26 @@ SCRATCH_BYTES = 1024  # cross-warp reduction scratch
 
 
 def resources(kernel: KernelSketch, inputs: Mapping[str, tuple[tuple[str, ...], int]], axis: str | None,
-              blocks: Mapping[str, int], num_warps: int, num_stages: int, warp_size: int = 32) -> Resources:
+              blocks: Mapping[str, int], num_warps: int, num_stages: int, target: Target | None = None) -> Resources:
     """Per-program resources; ``inputs`` maps each loadable name to (dims, bytes per element).
 
     Registers: live float32 elements (accumulators + loaded tiles + the largest temporary,
-    counted twice for the value it is computed from) / (warp_size * num_warps) threads (a warp
-    is 32 threads, an AMD wavefront 64), + overhead: an
+    counted twice for the value it is computed from) / (warp size * num_warps) threads (the
+    ``target``'s: a warp is 32 threads, an AMD wavefront 64; None: NVIDIA), + overhead: an
     upper bound the cost model charges; ``min_regs_per_thread`` is the lower bound (state and
     one tile, nothing else) that the search space prunes by, leaving the rest to ptxas's own
     count in the compile gate (a 32768-wide softmax row on 32 warps needs ~47, the upper bound says 129).
     Shared memory: tl.dot operand tiles * operand bytes, those loaded along the loop axis in
     num_stages - 1 buffers (Triton's pipeliner; compiled: attention bf16 128 x 64 x 128 on 3 stages,
     129 KiB, where every operand times num_stages said 241), plus, in loops over the axis
-    with num_stages > 1, the other loads of the axis pipelined num_stages - 1 tiles ahead."""
+    with num_stages > 1, the other loads of the axis pipelined num_stages - 1 tiles ahead, on
+    NVIDIA only: Triton's AMD stream pipeliner stages only tl.dot operands in the LDS and keeps
+    other loads in registers (compiled for gfx942: a 16384-wide float16 softmax tile on 3 stages
+    takes 32 bytes of LDS). Against gfx942's compiler the tl.dot part is an upper bound
+    (attention 64 x 64 x 64 on 3 stages: 40 KiB compiled, 49 estimated); gfx950 pads its LDS
+    tiles and may take up to a quarter more than estimated: the compile gate has the count."""
+    warp_size = target.warp_size if target is not None else WARP_SIZES[CUDA]
+    stages_other_loads = target is None or target.backend == CUDA
     state = sum(elements(d, blocks) for d in kernel.state)
     smem, tile, live_max, live_min = SCRATCH_BYTES, max([1] + [elements(d, blocks) for d in kernel.state]), 0, 0
     for p in kernel.passes:
@@ -511,7 +519,8 @@ def resources(kernel: KernelSketch, inputs: Mapping[str, tuple[tuple[str, ...], 
                         + elements(d.q_dims, blocks) * _buffers(d, d.q, d.q_dims, axis, num_stages))
                        * DOT_BYTES[d.precision] for d in p.dots)
         staged = 0
-        if num_stages > 1 and p.loop in ("axis", "chunk") and axis is not None and blocks.get(axis, 1) > 1:
+        if stages_other_loads and num_stages > 1 and p.loop in ("axis", "chunk") and axis is not None \
+                and blocks.get(axis, 1) > 1:
             staged = (num_stages - 1) * sum(
                 elements(inputs[n][0], blocks) * inputs[n][1]
                 for n in p.loads if n not in direct and axis in inputs[n][0]

@@ -276,7 +276,7 @@ class _KernelEvaluator:
         r = self.cache.get(key)
         if r is None:
             r = self.cache[key] = resources(sketch, self.inputs, L.axis, L.blocks, c.num_warps, c.num_stages,
-                                            prof.warp_size)
+                                            prof.target)
         regs, smem, spill = r.regs_per_thread, r.smem_bytes, 0
         if compiled is not None and compiled.registers is not None:
             regs, smem, spill = compiled.registers, compiled.shared_bytes or 0, compiled.spill_bytes or 0

@@ -235,7 +235,7 @@ class SearchSpace:
         blocks = self.blocks_of(candidate)
         c = candidate.config
         info = input_info(self.spec, self.dtypes)
-        return [resources(k, info, self.axis, blocks, c.num_warps, c.num_stages, self.profile.warp_size)
+        return [resources(k, info, self.axis, blocks, c.num_warps, c.num_stages, self.profile.target)
                 for k in self.anatomy.kernels(candidate.strategy, blocks, per_lane=c.per_lane)]
 
     def check(self, candidate: Candidate) -> str | None:

@@ -138,15 +138,6 @@ class ModuleBuild:
                            raw.get("refused"), raw.get("triton_version"))
 
 
-def capability_of(arch: str) -> int:
-    """``"sm_90"`` / ``"sm_90a"`` -> 90 (ValueError for an AMD or unknown arch). Kept for the
-    callers that still hold arch text; new code holds a :class:`fuser_core.targets.Target`."""
-    target = Target.parse(arch)
-    if target.capability is None:
-        raise ValueError(f"not an NVIDIA arch name: {arch!r} (expected sm_NN)")
-    return target.capability
-
-
 # ---------------------------------------------------------------- compiling one launch
 
 
@@ -165,34 +156,28 @@ def _compiled(launch: KernelLaunch, backend: Backend, bound: BoundLaunch) -> Any
     return compiled
 
 
-def launch_artifact(launch: KernelLaunch, target: Target) -> dict[str, Any]:
-    """Compile one launch for ``target`` and return its artifacts (:meth:`Backend.artifact`);
-    raises CompileError (a RuntimeError) with the compiler's message on failure."""
-    backend = backend_for(target)
-    return backend.artifact(_compiled(launch, backend, backend.bind(launch)))
-
-
 def _target_of(compiled: Any) -> Target:
     """The target a ``CompiledKernel`` was built for (its metadata's Triton ``GPUTarget``)."""
     t = compiled.metadata.target
     return Target(t.backend, t.arch, t.warp_size)
 
 
+def compiled_artifacts(compiled: list[Any]) -> dict[str, Any]:
+    """:func:`compile_artifacts`' answer, less ``config``, for Triton ``CompiledKernel`` s built for
+    one target: from ``triton.compile`` here, or from a launched kernel's JIT cache (the target is
+    the one their metadata names: the measuring GPU's, :mod:`tuner.measured_binary`)."""
+    targets = {_target_of(c) for c in compiled}
+    if len(targets) != 1:
+        raise ValueError(f"kernels compiled for {len(targets)} targets ({', '.join(sorted(map(str, targets)))}); "
+                         "expected one")
+    backend = backend_for(targets.pop())
+    kernels = [backend.artifact(c) for c in compiled]
+    return {**backend.describe([k[backend.binary_kind] for k in kernels]), "kernels": kernels}
+
+
 def compiled_kernel_artifact(compiled: Any) -> dict[str, Any]:
-    """The artifacts of one Triton ``CompiledKernel`` (from ``triton.compile`` here, or from a
-    launched kernel's JIT cache, :mod:`tuner.measured_binary`), by the backend of the target it
-    was built for: :meth:`fuser_core.codegen.backends.Backend.artifact`."""
+    """One ``CompiledKernel``'s entry of :func:`compiled_artifacts`' ``kernels``."""
     return backend_for(_target_of(compiled)).artifact(compiled)
-
-
-def cubin_arch(capability: int) -> str:
-    """The arch of a cubin built for a capability (``sm_90a`` for 90, ``sm_80`` for 80)."""
-    return Target("cuda", capability, 32).binary_arch
-
-
-def ptxas_version(capability: int) -> str:
-    """The version line of the ptxas Triton uses for ``sm_<capability>``."""
-    return backend_for(Target("cuda", capability, 32)).compiler_version(())
 
 
 def compile_artifacts(request: CompileRequest) -> dict[str, Any]:
@@ -210,23 +195,25 @@ def compile_artifacts(request: CompileRequest) -> dict[str, Any]:
                       "triton_hash", "registers", "spill_bytes", "shared_bytes"}, ...]}
 
     kernels in launch order (a split kernel has two); their resource facts are
-    :class:`KernelBuild`'s (AMD: VGPRs per lane, scratch bytes, LDS bytes). Needs
-    TRITON_INTERPRET=0 (:meth:`CompilePool.artifacts`)."""
+    :class:`KernelBuild`'s (AMD: VGPRs per lane, scratch bytes, LDS bytes). Raises CompileError
+    (a RuntimeError) with the compiler's message when a kernel fails. Needs TRITON_INTERPRET=0
+    (:meth:`CompilePool.artifacts`)."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_artifacts needs TRITON_INTERPRET=0 (use CompilePool.artifacts)")
     config, launches = request_launches(request)
+    backend = backend_for(request.target)
     # Triton's cache key hashes the cache-invalidating TRITON_* variables that are *set*; an
     # inference server sets none, so compile with this one unset even where an operator set it
     # (the launches pass the FP-fusion knob explicitly, so it changes no code, only the key the
     # server would compute at its first launch: it would compile instead of loading the binary)
     saved = os.environ.pop("TRITON_DEFAULT_FP_FUSION", None)
     try:
-        kernels = [launch_artifact(launch, request.target) for launch in launches]
+        compiled = [_compiled(launch, backend, backend.bind(launch)) for launch in launches]
     finally:
         if saved is not None:
             os.environ["TRITON_DEFAULT_FP_FUSION"] = saved
-    backend = backend_for(request.target)
-    return {**backend.describe([k[backend.binary_kind] for k in kernels]), "config": config, "kernels": kernels}
+    found = compiled_artifacts(compiled)
+    return {**{k: v for k, v in found.items() if k != "kernels"}, "config": config, "kernels": found["kernels"]}
 
 
 def compile_launch(launch: KernelLaunch, target: Target = DEFAULT_TARGET, sass: bool = True) -> KernelBuild:
