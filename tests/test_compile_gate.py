@@ -103,6 +103,43 @@ def test_gate_compiles_a_candidate_once_with_real_facts(compile_pool):
     assert gate.check(candidate) is verdict and gate.compiled == 1  # cached by the candidate's key
 
 
+def test_judge_holds_amd_kernels_to_the_cus_lds_and_vgpr_file():
+    """On AMD the compiler's registers are VGPRs per lane (AGPRs included, up to 512) over
+    64-lane wavefronts, and shared memory is the CU's LDS."""
+    mi300x = get_profile("mi300x")
+    assert judge(build(shared_bytes=64 * 1024), mi300x).reason is None  # the whole LDS fits
+    lds = judge(build(shared_bytes=64 * 1024 + 1), mi300x)
+    assert lds.reason == ("shared memory (safe_softmax_streaming_fused_kernel): the compiler allocates 65537 bytes "
+                          "> 65536 LDS per CU on mi300x (gfx942)")
+    assert judge(build(registers=300), mi300x).reason is None  # > 255: an NVIDIA thread's most, not a lane's
+    # 256 VGPRs x 64 lanes x 16 wavefronts = 2 x the CU's 131072
+    vgprs = judge(build(registers=256, num_warps=16), mi300x)
+    assert vgprs.reason.endswith("256 per thread x 1024 threads need 262144 > 131072 per CU on mi300x")
+    assert judge(build(registers=128, num_warps=16), mi300x).reason is None  # exactly the VGPR file
+
+
+def test_gate_compiles_for_amd(compile_pool):
+    """The gate compiles for the profile's target: an hsaco for gfx942, whose LDS decides."""
+    mi300x = get_profile("mi300x")
+    space = softmax_space({"m": 8, "n": 3000}, "float16", mi300x)
+    gate = CompileGate.for_space(space, pool=compile_pool)
+    verdict = gate.check(space.candidate("streaming_fused", {"block_n": 256, "block_m": 1, "num_warps": 4,
+                                                             "num_stages": 2}))
+    assert not verdict.pruned and verdict.arch == "gfx942"
+    [facts] = verdict.facts()
+    assert facts["ok"] and 0 < facts["registers"] <= 512 and facts["num_warps"] == 4
+    # attention at d = e = 128 on a 64 x 128 tile: 80 KiB of LDS on gfx942 (the space refuses it first)
+    spec = load_spec(CATALOG["attention"])
+    attention = SearchSpace(make_problem(spec, {"b": 1, "h": 1, "m": 64, "n": 256, "d": 128, "e": 128}, "float16"),
+                            derive_cascade(spec), mi300x)
+    tile = attention.candidate("streaming_fused", {"block_m": 64, "block_n": 128, "block_e": 128, "num_warps": 4,
+                                                   "num_stages": 2})
+    assert attention.check(tile).startswith("shared memory")
+    over = CompileGate.for_space(attention, pool=compile_pool).check(tile)
+    assert over.pruned and over.reason.startswith("shared memory (attention_streaming_fused_kernel): the compiler "
+                                                  "allocates 81920 bytes > 65536 LDS per CU on mi300x"), over.reason
+
+
 # ---------------------------------------------------------------- a failing compile prunes the trial
 
 

@@ -3,9 +3,9 @@ it is measured or predicted.
 
 :meth:`SearchSpace.check` judges a candidate from estimates (registers from live values,
 shared memory from tile sizes); the compiler knows. :class:`CompileGate` compiles a
-candidate's module(s) for the target's arch (``GpuProfile.arch``, e.g. ``sm_90``) with
-:mod:`fuser_core.codegen.gpu_compile`, which needs no GPU, and answers with a
-:class:`CompileVerdict`:
+candidate's module(s) for the profile's target (``GpuProfile.target``: ``sm_90`` gives a cubin,
+``gfx942`` an hsaco) with :mod:`fuser_core.codegen.gpu_compile`, which needs no GPU, and
+answers with a :class:`CompileVerdict`:
 
 - a kernel does not compile: **pruned**, the reason is the compiler's message, with the Triton
   version that gave it (``does not compile for sm_90 with Triton 3.6.0: <kernel>: line N: ...``):
@@ -107,7 +107,7 @@ def judge(build: ModuleBuild, profile: GpuProfile) -> CompileVerdict:
         if shared > profile.smem_per_block_max:
             return CompileVerdict(arch, build.kernels, (
                 f"shared memory ({k.kernel}): the compiler allocates {shared} bytes > {profile.smem_per_block_max} "
-                f"per block on {profile.name} ({arch})"))
+                f"{profile.smem_limit_words} on {profile.name} ({arch})"))
         if regs > profile.regs_per_thread_max:
             return CompileVerdict(arch, build.kernels, (
                 f"registers ({k.kernel}): {regs} per thread > {profile.regs_per_thread_max} on {profile.name}"))
@@ -115,7 +115,7 @@ def judge(build: ModuleBuild, profile: GpuProfile) -> CompileVerdict:
         if held > profile.regs_per_sm:
             return CompileVerdict(arch, build.kernels, (
                 f"registers ({k.kernel}): {regs} per thread x {profile.warp_size * warps} threads need {held} > "
-                f"{profile.regs_per_sm} per SM on {profile.name}"))
+                f"{profile.regs_per_sm} per {profile.sm_word} on {profile.name}"))
     return CompileVerdict(arch, build.kernels)
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from fuser_core import Target
+from fuser_core.targets import HIP
 
 KB = 1024
 MB = 1024 * 1024
@@ -82,6 +83,16 @@ class GpuProfile:
     def warp_size(self) -> int:
         """Threads per warp: 32 on NVIDIA, 64 per wavefront on AMD."""
         return self.target.warp_size
+
+    @property
+    def sm_word(self) -> str:
+        """What the vendor calls an SM, as refusals name it: "SM", or "CU" (compute unit) on AMD."""
+        return "CU" if self.target.backend == HIP else "SM"
+
+    @property
+    def smem_limit_words(self) -> str:
+        """How the shared-memory limit reads in a refusal: "per block", or "LDS per CU" on AMD."""
+        return "LDS per CU" if self.target.backend == HIP else "per block"
 
     @property
     def alu_flops(self) -> float:

@@ -62,7 +62,6 @@ from fuser_core.codegen.plan import (
 )
 from fuser_core.derive import Derivation
 from fuser_core.problem import Problem
-from fuser_core.targets import HIP
 from tuner.analysis import Anatomy, Resources, cdiv, input_info, resources
 from tuner.profiles import GpuProfile
 
@@ -281,7 +280,6 @@ class SearchSpace:
         strategy, c = candidate.strategy, candidate.config
         p = self.profile
         threads = p.warp_size * c.num_warps
-        memory = "LDS per CU" if p.target.backend == HIP else "per block"
         blocks = self.blocks_of(candidate)
         kernels = self.anatomy.kernels(strategy, blocks, per_lane=c.per_lane)
         rows = self.anatomy.dot_rows(strategy, blocks, per_lane=c.per_lane)
@@ -289,14 +287,15 @@ class SearchSpace:
             where = f" ({kernel.name})" if strategy == "split_fused" else ""
             if r.smem_bytes > p.smem_per_block_max:
                 return (f"shared memory{where}: {r.smem_bytes // 1024} KiB > {p.smem_per_block_max // 1024} KiB "
-                        f"{memory} on {p.name} (tl.dot operands and pipelined loads x num_stages = {c.num_stages})")
+                        f"{p.smem_limit_words} on {p.name} "
+                        f"(tl.dot operands and pipelined loads x num_stages = {c.num_stages})")
             # registers are pruned here by a lower bound only: the compile gate has ptxas's count
             if r.min_regs_per_thread > p.regs_per_thread_max:
                 return (f"registers{where}: at least {r.min_regs_per_thread} per thread > {p.regs_per_thread_max} "
                         f"({r.live_elements} live values over {threads} threads)")
             if r.min_regs_per_thread * threads > p.regs_per_sm:
                 return (f"registers{where}: at least {r.min_regs_per_thread} per thread x {threads} threads > "
-                        f"{p.regs_per_sm} per SM on {p.name}")
+                        f"{p.regs_per_sm} per {p.sm_word} on {p.name}")
             if c.num_warps > 4 and (p.target.capability or 0) >= 90:  # wgmma: NVIDIA sm_90 on
                 short = [d for d in dot_rows if blocks[d] < WGMMA_ROWS * c.num_warps // 4]
                 if short:
