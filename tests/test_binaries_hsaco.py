@@ -193,14 +193,17 @@ def _seed_hsaco(bundle: dict, variant: dict) -> dict:
     saved = os.environ.get("TRITON_DEFAULT_FP_FUSION")
     os.environ.pop("TRITON_DEFAULT_FP_FUSION", None)  # as in an inference server
     driver.set_active(cubin_loader.TargetOnlyDriver(Target.parse("gfx942")))
-    # the module is shared by every bundle of this source in the worker (an h100 bundle's too)
+    # the module is shared by every bundle of this source in the worker (an h100 bundle's too), and a
+    # device cache keeps the target it was made for: start and leave with none (a process has one GPU)
     module = load_bundle(bundle)._module
     fns = [v for v in vars(module).values() if isinstance(v, JITFunction)]
+    for fn in fns:
+        fn.device_caches.clear()
     try:
         names = cubin_loader.seed_jit_caches(module, bundle, variant)
         kept = [k for fn in fns for k in fn.device_caches[0][0].values()]
         return {"names": names, "kept": [(type(k).__name__, bytes(k.kernel), k.metadata.target.backend) for k in kept]}
-    finally:  # a device cache keeps the target it was made for: leave none for gfx942 in this shared worker
+    finally:
         for fn in fns:
             fn.device_caches.clear()
         driver.set_active(None)

@@ -45,16 +45,8 @@ def measured_artifacts(compiled: list[Any]) -> dict[str, Any]:
     """``compile_artifacts``' answer (target, arch, binary kind, capability, versions, kernels)
     for kernels Triton compiled at a launch, by the backend of the target they were compiled for
     (their metadata's): the variant's arch is the measuring GPU's, a cubin's or an hsaco's."""
-    from fuser_core import Target
-    from fuser_core.codegen.backends import backend_for
-    from fuser_core.codegen.gpu_compile import compiled_kernel_artifact
+    from fuser_core.codegen.gpu_compile import compiled_artifacts
 
     if not compiled:
         raise ValueError("no compiled kernel in the module's JIT cache: was it launched on a GPU?")
-    targets = {Target(c.metadata.target.backend, c.metadata.target.arch, c.metadata.target.warp_size)
-               for c in compiled}
-    if len(targets) != 1:
-        raise ValueError(f"kernels compiled for different targets {sorted(map(str, targets))}")
-    [target] = targets
-    kernels = [compiled_kernel_artifact(c) for c in compiled]
-    return {**backend_for(target).describe([k[target.binary_kind] for k in kernels]), "kernels": kernels}
+    return compiled_artifacts(compiled)
