@@ -46,7 +46,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("fuser_core.codegen.plan", n) for n in (
         "BASELINE", "STRATEGIES", "KernelConfig", "NotValid", "default_config", "valid_strategies")},
     **{n: ("fuser_core.codegen.module", n) for n in ("GENERATOR_VERSION", "generate")},
-    **{n: ("fuser_core.codegen.gpu_compile", n) for n in ("CompilePool", "CompileRequest", "capability_of")},
+    **{n: ("fuser_core.codegen.gpu_compile", n) for n in ("CompilePool", "CompileRequest")},
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -122,7 +122,9 @@ import httpx
 
 from fuser_core import Spec
 from service import cubin_loader
-from service.bundle import BundleError, BundleKernel, choose_binary, dtype_text, install_variant, load_bundle
+from service.bundle import (
+    BundleError, BundleKernel, choose_binary, device_arch, dtype_text, install_variant, load_bundle, variant_kind,
+)
 from service.client_disk import DiskCache, default_cache_dir
 from service.client_errors import (
     KernelAuthError, KernelCacheError, KernelIntegrityError, KernelNotFound, KernelServiceError, KernelTuningError,
@@ -541,7 +543,7 @@ class KernelCache:
 
     @staticmethod
     def _prepare_binary(bundle: dict, kernel: BundleKernel) -> dict:
-        """Hand the stored cubin for this device to Triton when it can be used
+        """Hand the stored binary for this device to Triton when it can be used
         (:func:`service.bundle.choose_binary`); the kernel's ``info`` either way."""
         variant, reason = choose_binary(bundle, **_device_facts())
         if variant is not None:
@@ -555,28 +557,30 @@ class KernelCache:
             except BundleError as err:  # verified on download and from disk; a change since is refused
                 raise KernelIntegrityError(f"bundle {bundle['sha256']}: {err}") from None
             except cubin_loader.CubinLoadError as err:
-                variant, reason = None, f"the stored cubin does not fit the module's launches: {err}"
+                variant, reason = None, f"the stored binary does not fit the module's launches: {err}"
             except OSError as err:
-                variant, reason = None, f"the cubin could not be put in Triton's cache: {err}"
-        info = {"loaded": "cubin" if variant is not None else "source", "reason": reason}
+                variant, reason = None, f"the binary could not be put in Triton's cache: {err}"
+        info = {"loaded": variant_kind(variant).name if variant is not None else "source", "reason": reason}
         log.info("kernel %s loaded from %s: %s", bundle["sha256"][:12], info["loaded"], reason,
                  extra={"bundle_sha256": bundle["sha256"], **info})
         return info
 
 
 def _device_facts() -> dict[str, Any]:
-    """What :func:`service.bundle.choose_binary` decides on, from this process: the CUDA
-    device's capability (None without one), Triton's version, the interpreter flag, and
-    Triton's cache-invalidating variables."""
+    """What :func:`service.bundle.choose_binary` decides on, from this process: the GPU's arch
+    (None without one), Triton's version, the interpreter flag, and Triton's cache-invalidating
+    variables."""
     import torch
     import triton
 
     interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    capability = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    arch = None
+    if torch.cuda.is_available():  # a ROCm build of torch answers here too: its GPU is named by its gfx arch
+        arch = device_arch(torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName
+                           if torch.version.hip else tuple(torch.cuda.get_device_capability()))
     env_vars = None
-    if capability is not None:
+    if arch is not None:
         from triton._C.libtriton import get_cache_invalidating_env_vars
 
         env_vars = get_cache_invalidating_env_vars()
-    return {"capability": capability, "triton_version": triton.__version__, "interpreted": interpreted,
-            "env_vars": env_vars}
+    return {"arch": arch, "triton_version": triton.__version__, "interpreted": interpreted, "env_vars": env_vars}

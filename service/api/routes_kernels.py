@@ -21,6 +21,7 @@ from service.api.deps import Context, Db, database
 from service.api.fastpath import bundle_answer
 from service.api.routes_jobs import ERRORS
 from service.api.schemas import KernelView
+from service.bundle import ARCH_PATTERN
 
 router = APIRouter(tags=["kernels"])
 KernelId = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="a kernel id (32 lowercase hex)")]
@@ -56,9 +57,9 @@ async def get_bundle(
     if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
     format: Annotated[int, Query(ge=1, le=3, description="1 (default): source only; 2: with compiled binaries, one "
                                  "per arch (the newest Triton's); 3: with every Triton version's per arch")] = 1,
-    arch: Annotated[str | None, Query(pattern=r"^sm_\d{2,3}a?$",
-                                      description="one arch's binaries, e.g. sm_90a; implies format=2 unless "
-                                                  "format=3")] = None,
+    arch: Annotated[str | None, Query(pattern=f"^({ARCH_PATTERN})$",
+                                      description="one arch's binaries, e.g. sm_90a or gfx942; implies format=2 "
+                                                  "unless format=3")] = None,
 ) -> Response:
     """The kernel's bundle, byte for byte as stored; ``ETag`` is its sha256.
 
@@ -77,13 +78,14 @@ async def get_bundle(
 
 # ----------------------------------------------------------------------------- single binaries
 
-Arch = Annotated[str, Path(pattern=r"^sm_\d{2,3}a?$", description="a variant's arch, e.g. sm_90a")]
+Arch = Annotated[str, Path(pattern=f"^({ARCH_PATTERN})$", description="a variant's arch, e.g. sm_90a or gfx942")]
 
 
 @router.get("/v1/kernels/{kernel_id}/binaries", responses=ERRORS)
 async def list_binaries(kernel_id: KernelId, db: Annotated[Db, Depends(database("kernels:read"))]) -> JSONResponse:
-    """The kernel's stored compiled variants (arch, versions; per kernel its name, cubin and PTX
-    sizes and sha256, registers, spills, shared memory) with the path of each download."""
+    """The kernel's stored compiled variants (arch, binary kind, versions; per kernel its name, binary
+    (cubin or hsaco) and assembly (PTX or AMDGCN) sizes and sha256, registers, spills, shared memory)
+    with the path of each download."""
     from service.binaries import kernel_binaries
 
     return JSONResponse(await db.run(kernel_binaries, kernel_id))
@@ -91,12 +93,13 @@ async def list_binaries(kernel_id: KernelId, db: Annotated[Db, Depends(database(
 
 @router.get("/v1/kernels/{kernel_id}/binaries/{arch}/{filename}", response_class=Response,
             responses={200: {"content": {"application/octet-stream": {}, "text/plain": {}},
-                             "description": "the cubin (or PTX), byte for byte; ETag its sha256"},
+                             "description": "the cubin or hsaco (or PTX or AMDGCN text), byte for byte; "
+                                            "ETag its sha256"},
                        304: {"description": "If-None-Match matched the ETag"}, **ERRORS})
 async def get_binary(
     kernel_id: KernelId, arch: Arch,
-    filename: Annotated[str, Path(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,199}\.(cubin|ptx)$",
-                                  description="<kernel name>.cubin or <kernel name>.ptx")],
+    filename: Annotated[str, Path(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,199}\.(cubin|ptx|hsaco|amdgcn)$",
+                                  description="<kernel name>.cubin or .ptx (NVIDIA), .hsaco or .amdgcn (AMD)")],
     db: Annotated[Db, Depends(database("kernels:read"))],
     if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
     triton_version: Annotated[str | None, Query(pattern=r"^[0-9][0-9A-Za-z.+_-]{0,63}$",
@@ -104,7 +107,7 @@ async def get_binary(
                                                             "newest stored for the arch)")] = None,
 ) -> Response:
     """One stored binary: ``ETag`` and ``X-Content-SHA256`` are the sha256 of the bytes served
-    (for a cubin, the ``cubin_sha256`` the bundle records)."""
+    (for a cubin or hsaco, the ``cubin_sha256``/``hsaco_sha256`` the bundle records)."""
     from service.api.fastpath import etag_matches
     from service.binaries import BINARY_KINDS, binary_file
 
