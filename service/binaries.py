@@ -26,7 +26,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import sqlalchemy as sa
@@ -38,6 +38,9 @@ from service.served_bundles import bundle_intact, store_served
 from service.bundle import (KINDS, BundleError, canonical_bytes, make_variant, newest_per_arch, triton_version_key,
                             variant_compiler, variant_kind, verify_variant)
 from service.models import Bundle, Kernel, KernelBinary, utcnow
+
+if TYPE_CHECKING:
+    from tuner import Measurer
 
 log = logging.getLogger("foldwise.binaries")
 MAX_TRITON_VERSION_CHARS = KernelBinary.__table__.c.triton_version.type.length  # part of the row's key
@@ -66,15 +69,14 @@ def compile_variant(bundle: Mapping[str, Any], arch: str | None = None, *, pool:
     return make_variant(artifacts)
 
 
-def measured_binary_of(measurer: Any, strategy: str, config: Mapping[str, Any]) -> dict | None:
-    """With a cuda measurer, the compiled kernels of the winning candidate as it measured them
-    (``measurer.measured_binary``, tuner.measured_binary), read before the measurer closes;
-    None for another measurer, or when they cannot be had (logged: the host compile follows)."""
-    measured = getattr(measurer, "measured_binary", None)
-    if measured is None or getattr(measurer, "name", None) != "cuda":
+def measured_binary_of(measurer: Measurer, strategy: str, config: Mapping[str, Any]) -> dict | None:
+    """With a GPU measurer, the compiled kernels of the winning candidate as it measured them
+    (:meth:`tuner.Measurer.measured_binary`), read before the measurer closes; None for another
+    measurer (a prediction, the interpreter), or when they cannot be had (logged: the host compile follows)."""
+    if measurer.name != "cuda":
         return None
     try:
-        return measured(strategy, config)
+        return measurer.measured_binary(strategy, config)
     except Exception as err:  # noqa: BLE001 - job_variant's host compile is the fallback
         log.warning("measured binary not available, the kernel is compiled on this host instead",
                     extra={"error": str(err)[:500]})
