@@ -140,9 +140,6 @@ class KernelPlan:
                     out[s.name] = form
         return out
 
-    def inner_reductions(self) -> list[Step]:
-        return [s for s in self.spec.steps if s.is_reduction and s.over != self.axis]
-
 
 def gather_form(spec: Spec, derivation: Derivation, step: Step, axis: str) -> tuple[Any, Any] | None:
     """(X, at) when ``step`` is ``sum over axis of where(index(axis) == at, X, 0)`` with ``at`` an

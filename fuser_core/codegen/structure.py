@@ -201,14 +201,6 @@ def realisation(plan: KernelPlan, step: Step) -> Realisation | None:
     return form.realisation
 
 
-def accumulator_count(form: ReductionForm | None, fused: bool) -> int:
-    """Accumulators of one reduction over the loop axis (a selection's (values, indices) as one):
-    the realisation's when it is fused, else one."""
-    if form is None or not fused or form.realisation is None:
-        return 1
-    return len(form.realisation.accumulators)
-
-
 def effective_op(plan: KernelPlan, step: Step) -> str:
     form = plan.derivation.forms.get(step.name)
     if plan.strategy in FUSED_STRATEGIES and form is not None and form.effective_op:
