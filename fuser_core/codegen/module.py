@@ -33,7 +33,7 @@ def _generator_version() -> str:
     """Hash of the code generator's own sources: a changed generator never reuses old kernels."""
     here = Path(__file__).resolve().parent
     digest = hashlib.sha256()
-    for path in sorted(here.glob("*.py")):
+    for path in sorted(here.rglob("*.py")):  # subpackages (codegen.structure) included
         digest.update(path.read_bytes())
     # the derivation, the realisations the printer prints, the sympy forms of the spec's expressions, which
     # elements a fold drops (masks) and how
