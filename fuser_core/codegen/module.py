@@ -38,8 +38,10 @@ def _generator_version() -> str:
     # the derivation, the realisations the printer prints, the sympy forms of the spec's expressions, which
     # elements a fold drops (masks) and how
     # kernels address and launchers lay out inputs of merged dims
-    for core in ("derive.py", "realisation.py", "symbolic.py", "merged.py", "masks.py"):
-        digest.update((here.parent / core).read_bytes())
+    for core in ("derive", "realisation.py", "symbolic.py", "merged.py", "masks.py"):
+        path = here.parent / core
+        for source in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(source.read_bytes())
     return digest.hexdigest()[:12]
 
 
