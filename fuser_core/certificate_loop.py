@@ -25,6 +25,7 @@ from fuser_core.realisation import (
     settled,
     state_symbols,
 )
+from fuser_core.reduce_ops import is_negated, returns_indices
 from fuser_core.reference import Evaluator
 
 
@@ -108,9 +109,9 @@ class AxisLoop:
     def select(self, op: str, values: np.ndarray, idx: np.ndarray, k: int):
         """Top (or bottom) k candidates along the axis, ties to the lower index. NaN follows the
         reference (NumPy): argmax/argmin take the first NaN as the extreme, topk sorts NaN last."""
-        descending = op in ("topk", "argmax")
+        descending = not is_negated(op)
         keys: tuple[np.ndarray, ...] = (idx, -values if descending else values)
-        if op in ("argmax", "argmin"):
+        if returns_indices(op):
             keys += (~np.isnan(values),)  # the last key sorts first: False (NaN) before any number
         order = np.lexsort(keys, axis=self.pos)[(slice(None),) * self.pos + (slice(0, k),)]
         return (np.take_along_axis(values, order, self.pos), np.take_along_axis(idx, order, self.pos))

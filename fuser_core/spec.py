@@ -25,6 +25,7 @@ from typing import Any
 
 from fuser_core import expr as ex
 from fuser_core.errors import SpecError
+from fuser_core.reduce_ops import SPEC_REDUCE_KINDS, is_selection
 # the spec as data lives in spec_model; its names are the spec's public names, read from here too
 from fuser_core.spec_model import INPUT_KINDS, Input, Param, Spec, Step, raw_param  # noqa: F401
 
@@ -40,7 +41,6 @@ MAX_INLINED_NODES = 20_000  # an expression with every elementwise step substitu
 MAX_DOC_CHARS = 4096
 MAX_MERGED = 4  # dims one list 'over' reduces together
 
-REDUCE_OPS = ("sum", "max", "min", "topk", "argmax", "argmin")
 IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}\Z")
 SPEC_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
 TOP_KEYS = {"foldwise", "name", "doc", "inputs", "params", "steps", "outputs"}
@@ -369,13 +369,13 @@ class _Loader:
             step = Step(sname, e, edims)
             self.declare(sname, step, (*loc, "name"), sname)
             return step
-        if reduce not in REDUCE_OPS:
-            raise SpecError(f"unknown reduction {_show(reduce, 40)}; one of {', '.join(REDUCE_OPS)}", loc=(*loc, "reduce"), step=sname)
+        if reduce not in SPEC_REDUCE_KINDS:
+            raise SpecError(f"unknown reduction {_show(reduce, 40)}; one of {', '.join(SPEC_REDUCE_KINDS)}", loc=(*loc, "reduce"), step=sname)
         over = raw.get("over")
         if over is None:
             raise SpecError("a reduction needs 'over' (the dim it reduces)", loc=(*loc, "over"), step=sname)
         if isinstance(over, list):  # checked by merge_dims: one loop over the merged dim
-            if reduce in ("topk", "argmax", "argmin"):
+            if is_selection(reduce):
                 raise SpecError(f"{reduce} over several dims is not supported (a position in one of them)",
                                 loc=(*loc, "over"), step=sname)
             over = self.merged_into[over[0]]

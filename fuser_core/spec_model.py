@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fuser_core import expr as ex
+from fuser_core.reduce_ops import has_slots, returns_indices
 
 INPUT_KINDS = {"float": False, "index": True}  # input kind -> integer valued (positions, lengths)
 
@@ -59,13 +60,13 @@ class Step:
     @property
     def parts(self) -> tuple[str, ...]:
         """Names of the arrays this step produces (a topk step has two)."""
-        if self.reduce == "topk":
+        if has_slots(self.reduce):
             return (f"{self.name}.values", f"{self.name}.indices")
         return (self.name,)
 
     @property
     def is_integer(self) -> bool:
-        return self.reduce in ("argmax", "argmin")
+        return returns_indices(self.reduce)
 
 
 @dataclass(frozen=True)

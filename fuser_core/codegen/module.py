@@ -38,7 +38,8 @@ def _generator_version() -> str:
     # the derivation, the realisations the printer prints, the sympy forms of the spec's expressions, which
     # elements a fold drops (masks) and how
     # kernels address and launchers lay out inputs of merged dims
-    for core in ("derive", "realisation.py", "symbolic.py", "merged.py", "masks.py"):
+    # and the reduce kinds' table (identities, helpers)
+    for core in ("derive", "realisation.py", "symbolic.py", "merged.py", "masks.py", "reduce_ops.py"):
         path = here.parent / core
         for source in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
             digest.update(source.read_bytes())

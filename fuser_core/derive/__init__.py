@@ -85,8 +85,19 @@ the floating-point refusals; :mod:`.realise`: the Taylor, order and shifted form
 
 from fuser_core.derive.cascade import derive_cascade
 from fuser_core.derive.forms import (
-    DERIVE_TIME_LIMIT_S, MAX_EXPAND_POWER, MAX_SEPARATE_EXPONENT, MAX_TAYLOR_DEGREE, MAX_TERMS, SENTINEL_MAGNITUDE,
-    WEIGHTED_MEAN, AxisGroup, Derivation, EpilogueStep, NotSeparable, ReductionForm, Term,
+    DERIVE_TIME_LIMIT_S,
+    MAX_EXPAND_POWER,
+    MAX_SEPARATE_EXPONENT,
+    MAX_TAYLOR_DEGREE,
+    MAX_TERMS,
+    SENTINEL_MAGNITUDE,
+    WEIGHTED_MEAN,
+    AxisGroup,
+    Derivation,
+    EpilogueStep,
+    NotSeparable,
+    ReductionForm,
+    Term,
 )
 
 __all__ = [

@@ -10,6 +10,7 @@ from fuser_core.derive.algebra import masked_exps_combined, symbol_names
 from fuser_core.derive.deriver_base import DeriverBase
 from fuser_core.derive.forms import NotSeparable, ReductionForm, Term
 from fuser_core.realisation import new, old
+from fuser_core.reduce_ops import is_extremum
 from fuser_core.symbolic import has_cast, strip_casts
 
 
@@ -21,7 +22,7 @@ class AnchoringDeriver(DeriverBase):
         out = set()
         for name, sym in self.deps.items():
             f = self.forms[name]
-            if (f.effective_op or f.op) in ("max", "min"):
+            if is_extremum(f.effective_op or f.op):
                 out.add(sym)
         return out
 

@@ -14,11 +14,11 @@ from fuser_core.derive.forms import (
     MAX_EXPAND_POWER,
     MAX_SEPARATE_EXPONENT,
     MAX_TERMS,
-    SUM_OPS,
     NotSeparable,
     ReductionForm,
     Term,
 )
+from fuser_core.reduce_ops import is_selection
 from fuser_core.spec import Step
 from fuser_core.symbolic import SymbolicSpec, cast_decides, has_cast, strip_casts
 
@@ -75,7 +75,7 @@ class DeriverBase:
             )
         for name in dep_names:
             dep_form = self.forms[name]
-            if dep_form.op not in ("sum", "max", "min"):
+            if is_selection(dep_form.op):
                 return self.not_fused(
                     dep_names, f"reads {name}, a {dep_form.op} result; only sum, max and min results have a running value"
                 )
@@ -92,7 +92,7 @@ class DeriverBase:
         exact = not has_cast(F)
         try:
             terms = self.separate(strip_casts(F))
-            if step.reduce in SUM_OPS:
+            if step.reduce == "sum":
                 form = self.realise_sum(terms, dep_names)
             else:
                 form = self.realise_order(terms, dep_names)

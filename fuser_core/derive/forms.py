@@ -23,9 +23,6 @@ DERIVE_TIME_LIMIT_S = 5.0
 
 WEIGHTED_MEAN = "running weighted mean (the running value)"  # an anchor kind: see Deriver.weighted_mean
 
-SUM_OPS = ("sum",)
-ORDER_OPS = ("max", "min", "topk", "argmax", "argmin")
-SWAPPED = {"max": "min", "min": "max", "argmax": "argmin", "argmin": "argmax", "topk": "bottomk"}
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,13 @@ from fuser_core.derive.checks import CheckingDeriver
 from fuser_core.derive.forms import (
     MAX_TAYLOR_DEGREE,
     MAX_TERMS,
-    SWAPPED,
     WEIGHTED_MEAN,
     NotSeparable,
     ReductionForm,
     Term,
 )
 from fuser_core.realisation import COUNT_OLD, ShiftTerm, new, old
+from fuser_core.reduce_ops import reduce_op
 from fuser_core.symbolic import axis_size, has_cast, strip_casts
 
 
@@ -169,7 +169,7 @@ class Deriver(CheckingDeriver):
         if rest.is_positive:
             eff = op
         elif rest.is_negative:
-            eff = SWAPPED[op]
+            eff = reduce_op(op).swapped
         else:
             raise NotSeparable(
                 f"cannot decide the sign of the factor {t.h} (it must be provably > 0 or < 0 to keep the order)"

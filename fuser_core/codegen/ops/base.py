@@ -10,8 +10,8 @@ from typing import Any
 
 import sympy as sp
 
-from fuser_core.codegen.names import NAN_MAX_MIN
 from fuser_core.codegen.tritonize import Ref, helpers_of
+from fuser_core.reduce_ops import REDUCE_OPS
 
 Env = tuple[tuple[sp.Basic, "Ref"], ...]  # each free symbol of an operation's expressions -> what it reads
 
@@ -68,8 +68,9 @@ def expr_helpers(*exprs: sp.Expr | None) -> list[str]:
 
 
 def max_min_helpers(op: str) -> list[str]:
-    """The NaN-propagating helper a max/min fold or reduction prints (names.NAN_MAX_MIN)."""
-    return [NAN_MAX_MIN[op]] if op in NAN_MAX_MIN else []
+    """The NaN-propagating helper a max/min fold or reduction prints (fuser_core.reduce_ops)."""
+    helper = REDUCE_OPS[op].nan_helper if op in REDUCE_OPS else None
+    return [helper] if helper else []
 
 
 def block_params(dims: Iterable[str]) -> set[str]:

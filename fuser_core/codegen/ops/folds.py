@@ -10,6 +10,7 @@ import sympy as sp
 
 from fuser_core.codegen.ops.base import Dot, Env, Op, block_params, env_reads, expr_helpers, max_min_helpers
 from fuser_core.codegen.tritonize import Ref
+from fuser_core.reduce_ops import reduce_op
 
 
 def dot_reads(dot: Dot | None, masked: bool, over: str) -> set[str]:
@@ -105,8 +106,7 @@ class Select(Op):
         return out | (block_params(self.tile_dims) if self.broadcast else set())
 
     def helpers(self) -> list[str]:
-        merge = "topk_merge" if self.op in ("topk", "bottomk") else "argmax_merge"
-        return expr_helpers(self.prev, self.expr) + [merge]
+        return expr_helpers(self.prev, self.expr) + [reduce_op(self.op).merge_helper]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,7 @@ import sympy as sp
 from fuser_core.codegen.names import FP8
 from fuser_core.codegen.ops.base import Env, Op, block_params, env_reads, expr_helpers, tile_reads
 from fuser_core.codegen.tritonize import Ref
+from fuser_core.reduce_ops import has_slots, reduce_op, returns_indices
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,15 +50,15 @@ class PartMerge(Op):
 
     def reads(self) -> set[str]:
         out = env_reads(self.env)
-        if self.op in ("topk", "bottomk"):
+        if has_slots(self.op):
             out |= {f"{self.name}_indices", f"{self.name}_indices_part", f"offs_{self.slots}"}
-        elif self.op in ("argmax", "argmin"):
+        elif returns_indices(self.op):
             out |= {f"{self.name}_indices", f"{self.name}_indices_part"}
         return out
 
     def helpers(self) -> list[str]:
-        extra = ["topk_merge"] if self.op in ("topk", "bottomk") else ["argmax_merge"] if self.op in ("argmax", "argmin") else []
-        return expr_helpers(self.left, self.right) + extra
+        merge = reduce_op(self.op).merge_helper
+        return expr_helpers(self.left, self.right) + ([merge] if merge else [])
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,10 +26,25 @@ put together into a module's kernels and launches).
 
 from fuser_core.codegen.structure.build import build_structure
 from fuser_core.codegen.structure.facts import (
-    accumulators, anchored_deps, effective_op, kernel_names, per_lane, reads_count, realisation, workspace,
+    accumulators,
+    anchored_deps,
+    effective_op,
+    kernel_names,
+    per_lane,
+    reads_count,
+    realisation,
+    workspace,
 )
 from fuser_core.codegen.structure.model import (
-    FUSED_STRATEGIES, Arg, Grid, Kernel, Launch, ModuleStructure, SplitLaunch, State, var_name,
+    FUSED_STRATEGIES,
+    Arg,
+    Grid,
+    Kernel,
+    Launch,
+    ModuleStructure,
+    SplitLaunch,
+    State,
+    var_name,
 )
 
 __all__ = [

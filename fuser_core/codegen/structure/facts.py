@@ -11,12 +11,13 @@ import sympy as sp
 
 from fuser_core.codegen.ops import Dot, Fold, Reduce, Select
 from fuser_core.codegen.plan import KernelPlan
-from fuser_core.codegen.structure.model import FUSED_STRATEGIES, ORDER_SELECTIONS, State, var_name
+from fuser_core.codegen.structure.model import FUSED_STRATEGIES, State, var_name
 from fuser_core.derive import ReductionForm
 from fuser_core.realisation import (
     COUNT_OLD,
     Realisation,
 )
+from fuser_core.reduce_ops import is_selection
 from fuser_core.spec import Input, Step
 
 
@@ -46,7 +47,7 @@ def accumulators(plan: KernelPlan, step: Step, lanes: bool = False) -> tuple[Sta
     """The accumulators of an axis reduction, named as the printer names them; ``lanes``: its per-lane
     states (one per lane of the loop axis's tile, :func:`per_lane`)."""
     real = realisation(plan, step)
-    selections = [a.selection for a in real.accumulators] if real is not None else [step.reduce in ORDER_SELECTIONS]
+    selections = [a.selection for a in real.accumulators] if real is not None else [is_selection(step.reduce)]
     dims = tuple(d for d in plan.dims if d in step.dims or (lanes and d == plan.axis))
     out: list[State] = []
     for j, selection in enumerate(selections):

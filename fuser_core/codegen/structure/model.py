@@ -14,9 +14,7 @@ from fuser_core.codegen.names import safe_name
 from fuser_core.codegen.ops import Dot, Fold, Load, Loop, Op, Reduce, walk
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.grouping import Grouping
-from fuser_core.realisation import SELECTIONS
 
-ORDER_SELECTIONS = SELECTIONS
 FUSED_STRATEGIES = ("streaming_fused", "split_fused")
 
 

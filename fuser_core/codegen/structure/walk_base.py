@@ -21,6 +21,7 @@ from fuser_core.codegen.tritonize import Ref, lookup
 from fuser_core.masks import excluded
 from fuser_core.merged import address
 from fuser_core.realisation import Realisation
+from fuser_core.reduce_ops import in_tile, is_extremum
 from fuser_core.spec import Input, Step
 
 
@@ -245,7 +246,7 @@ class WalkBase:
         Not for an input a tl.dot reads (its masked lanes must be 0 there), nor for index inputs
         and fp8 bits (no infinity); every other use of it masks its lanes itself."""
         for op, e in folds:
-            if op not in ("max", "min") or not isinstance(e, sp.Symbol) or e.name in self.values:
+            if not is_extremum(op) or not isinstance(e, sp.Symbol) or e.name in self.values:
                 continue
             inp = self.spec.lookup(e.name)
             if not isinstance(inp, Input) or not inp.is_float or self.dtypes.get(e.name) == FP8:
@@ -285,7 +286,7 @@ class WalkBase:
         self.add(Comment(text=f"# {step.name}: {step.reduce} over {step.over} of {sp.sstr(integrand)}"))
         op = step.reduce or "sum"
         dot = self.dot(integrand, step.over) if op == "sum" else None
-        if op not in ("sum", "max", "min"):
+        if not in_tile(op):
             raise NotImplementedError(f"{op} inside a tile")  # validated earlier: inner reductions are sum/max/min
         env = self.env(dot.p, dot.q, dot.scale) if dot is not None else self.env(integrand)
         if dot is not None:

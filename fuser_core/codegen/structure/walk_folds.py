@@ -12,11 +12,11 @@ import sympy as sp
 from fuser_core.codegen.names import safe_name
 from fuser_core.codegen.ops import Comment, Dot, Env, Finalise, FirstChunk, Fold, InitState, Op, OutputStore, Select
 from fuser_core.codegen.structure.facts import axis_outputs, state_name
-from fuser_core.codegen.structure.model import ORDER_SELECTIONS
 from fuser_core.codegen.structure.walk_base import WalkBase
 from fuser_core.codegen.tritonize import Ref, is_literal, lookup
 from fuser_core.masks import exclusion
 from fuser_core.realisation import identity
+from fuser_core.reduce_ops import has_slots, is_negated, is_selection, returns_indices
 from fuser_core.spec import Input, Step
 
 
@@ -34,7 +34,7 @@ class FoldsWalk(WalkBase):
         var = safe_name(step.name)
         dims = self.order(self.state_dims(step.dims))
         op = self.effective_op(step)
-        if op in ORDER_SELECTIONS:  # (values, indices), selected on values (negated for bottom-k/argmin)
+        if is_selection(op):  # (values, indices), selected on values (negated for bottom-k/argmin)
             self.add(InitState(name=f"{var}_acc_values", dims=dims, dtype="float32", fill=-sp.oo))
             self.add(InitState(name=f"{var}_acc_indices", dims=dims, dtype="int32", fill=2147483647,
                                note="  # empty: no index yet"))
@@ -115,7 +115,7 @@ class FoldsWalk(WalkBase):
         op = self.effective_op(step)
         env_e = self.env(e)
         env_prev = self.env(prev, extra=prev_names) if prev is not None else ()
-        if op in ORDER_SELECTIONS:
+        if is_selection(op):
             self.select(step, acc, e, env_e + env_prev, prev)
             return
         dot, masked, _, note = self.tile_fold(step, e, env_e)
@@ -159,21 +159,21 @@ class FoldsWalk(WalkBase):
         lanes = tuple(d for d in state if d != step.as_dim)  # a top-k list's slots are not the tile's
         tile_dims = self.layout.union(lanes, (a,))
         got = self.layout.union(self.dims_of(e, env), (a,))
-        slots = step.as_dim if op in ("topk", "bottomk") else None
+        slots = step.as_dim if has_slots(op) else None
         self.add(Select(step=step.name, name=acc, dims=state, op=op, over=a, expr=e, env=env, prev=prev, slots=slots,
                         k=step.k if slots else None, tile_dims=tile_dims, broadcast=got != tile_dims))
 
     def selected(self, step: Step, acc: str) -> Ref:
         """The accumulated values of an order reduction, signs undone."""
         op = self.effective_op(step)
-        return Ref(f"{acc}_values", self.var_dims[f"{acc}_values"], "neg" if op in ("bottomk", "argmin") else "var")
+        return Ref(f"{acc}_values", self.var_dims[f"{acc}_values"], "neg" if is_negated(op) else "var")
 
     def set_result(self, step: Step, value: Ref | None, indices: str | None = None, expr: sp.Expr | None = None,
                    env: Env = ()) -> None:
         """Name a reduction's final value: ``expr`` (fused: its realisation's value) or ``value`` (a
         selection's values, or its accumulator); a variable already is read as it is."""
         var = safe_name(step.name)
-        if step.reduce in ("argmax", "argmin"):
+        if returns_indices(step.reduce):
             self.values[step.name] = self.var(indices)
             self.add(Finalise(step=step.name, name="", dims=(), expr=expr, env=env))
             return

@@ -28,7 +28,6 @@ from fuser_core.codegen.ops import (
     walk,
 )
 from fuser_core.codegen.structure.facts import anchored_deps, placeholder, reads_count, sum_of_anchored_exps, workspace
-from fuser_core.codegen.structure.model import ORDER_SELECTIONS
 from fuser_core.codegen.structure.walk_streaming import StreamingWalk
 from fuser_core.codegen.tritonize import Ref
 from fuser_core.masks import may_exclude_every
@@ -40,6 +39,7 @@ from fuser_core.realisation import (
     part_anchor,
     part_count,
 )
+from fuser_core.reduce_ops import has_slots, is_selection
 from fuser_core.spec import Step
 
 
@@ -63,7 +63,7 @@ class StrategiesWalk(StreamingWalk):
         self.loop("axis", "start", "0", f"size_{a}", f"BLOCK_{a}", (), body, resident=True)
 
     def direct_reduction(self, step: Step, value: sp.Expr) -> None:
-        if self.effective_op(step) not in ORDER_SELECTIONS:  # the whole axis is one tile: its reduction is the value
+        if not is_selection(self.effective_op(step)):  # the whole axis is one tile: its reduction is the value
             env = self.env(value)
             dot, masked, dims, note = self.tile_fold(step, value, env)
             if dot is not None:
@@ -76,7 +76,7 @@ class StrategiesWalk(StreamingWalk):
             return
         acc = self.init_state(step)[0]
         self.fold(step, acc, value)
-        if step.reduce in ("topk", "argmax", "argmin"):
+        if is_selection(step.reduce):
             self.set_result(step, self.selected(step, acc), f"{acc}_indices")
         else:
             self.set_result(step, self.var(acc))
@@ -110,7 +110,7 @@ class StrategiesWalk(StreamingWalk):
         if gate:
             hi, bounds = f"({hi}) * {gate}", (*bounds, gate)
         self.loop("fallback" if gate else "axis", "start", lo, hi, f"BLOCK_{a}", bounds, body)
-        if step.reduce in ("topk", "argmax", "argmin"):
+        if is_selection(step.reduce):
             self.set_result(step, self.selected(step, acc), f"{acc}_indices")
         else:
             self.set_result(step, self.var(acc))
@@ -304,10 +304,10 @@ class StrategiesWalk(StreamingWalk):
             lefts = held
         for acc, rule, left in zip(accs, rules, lefts):
             env = self.env(left, rule.right, extra=extra)
-            state = self.var_dims[f"{acc}_values"] if rule.op in ORDER_SELECTIONS else self.var_dims[acc]
+            state = self.var_dims[f"{acc}_values"] if is_selection(rule.op) else self.var_dims[acc]
             self.add(PartMerge(step=step.name, name=acc, dims=state, op=rule.op, left=left, right=rule.right, env=env,
-                               slots=step.as_dim if rule.op in ("topk", "bottomk") else None,
-                               k=step.k if rule.op in ("topk", "bottomk") else None))
+                               slots=step.as_dim if has_slots(rule.op) else None,
+                               k=step.k if has_slots(rule.op) else None))
         if self.read_in_loop(step):
             self.running_value(step, accs)
         elif not real.selection and real.value not in real.symbols:
