@@ -244,7 +244,7 @@ class AxisLoop:
         return self.settle(states[0])
 
     def settle(self, st: dict[str, Any]) -> dict[str, Any]:
-        """The kernels' last move (fuser_core.codegen.structure, ``_Walk.settle``): a scaled reduction's
+        """The kernels' last move (fuser_core.codegen.structure, ``Walk.settle``): a scaled reduction's
         accumulators, held at a max/min's safe anchor (0 while it is infinite), moved to the final
         max with a plain product. 1 where the max is finite; where it is not, the value the spec's
         own formula gives (exp(inf - inf): NaN), as the multi-pass reference has it."""

@@ -40,7 +40,7 @@ Each fused reduction gets a realisation, the state a loop carries and how it is 
   anchor (``log(den)``) are kept apart: F = sum_b k^b P_b, each ``P_b`` centred on its own
   accumulators and ``k^b`` applied at the end (softmax entropy: ``sum exp(x - mx) (x - mx)``).
   A weighted mean ``sum w g / W`` (``W = sum w`` at the same anchors) anchors at its running
-  value, a convex combination of the ``g`` seen (:meth:`~fuser_core.derive.realise.Deriver.weighted_mean`). A top-order
+  value, a convex combination of the ``g`` seen (:meth:`Deriver.weighted_mean`). A top-order
   coefficient that reads neither the streamed values nor an anchor (layernorm's ``sum 1 / N``)
   is ``count * c`` and gets no state (:func:`~fuser_core.derive.algebra.counted_out`).
 
@@ -50,15 +50,15 @@ they are exact in real arithmetic but not in floating point, found by fuzzing
 
 - an anchored exponent the running max/min does not bound (``exp(x - mx)`` with
   ``mx = max(x**3)``): early running maxima sit far below the final one and the state
-  overflows where the unfused value does not (:meth:`~fuser_core.derive.realise.Deriver.check_range`);
+  overflows where the unfused value does not (:meth:`Deriver.check_range`);
 - a polynomial of degree 2 or more centred on the running estimate of a *raw* sum (one
   without ``1/size(axis)``): the estimate ``partial * N / count`` strays by about
   ``N / sqrt(count)`` values' worth early on, and the square cancels float32 accuracy away.
   Means (also ``s / size(n)`` of a raw ``s``), maxima and minima keep the Taylor form;
 - a polynomial of degree 2 or more centred on a running max (min) that its values may exceed
-  (:meth:`~fuser_core.derive.realise.Deriver.one_sided`): a move of the centre then adds terms of both signs;
+  (:meth:`Deriver.one_sided`): a move of the centre then adds terms of both signs;
 - raw power sums: an end factor of degree 2 or more in a dependency with no running anchor
-  (:meth:`~fuser_core.derive.realise.Deriver.check_raw_moments`).
+  (:meth:`Deriver.check_raw_moments`).
 
 Each fused form is then turned, once, into a :class:`~fuser_core.realisation.Realisation`
 (``Derivation.realisations``): its accumulators as data, with the one tile-step and merge rule
