@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from fuser_core.canonical import canonical_form, spec_hash
 from fuser_core.errors import SpecError
 from fuser_core.expr import COMPARE_OPS, FUNCTIONS, SPECIAL_FUNCTIONS
-from fuser_core.spec import REDUCE_OPS, load_spec
+from fuser_core.reduce_ops import SPEC_REDUCE_KINDS
+from fuser_core.spec import load_spec
 
 CATALOG = load_catalog()
 NAMES = sorted(CATALOG)
@@ -84,7 +85,7 @@ EXPR_SOUP = st.lists(st.one_of(EXPR_PIECES, IDENT), max_size=12).map("".join)
 STEP = st.fixed_dictionaries(
     {"name": st.one_of(IDENT, JSON), "expr": st.one_of(EXPR_SOUP, JSON)},
     optional={
-        "reduce": st.one_of(st.sampled_from(REDUCE_OPS), JSON),
+        "reduce": st.one_of(st.sampled_from(SPEC_REDUCE_KINDS), JSON),
         "over": st.one_of(IDENT, JSON),
         "k": st.one_of(st.integers(-2, 10), JSON),
         "as": st.one_of(IDENT, JSON),
