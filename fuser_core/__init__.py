@@ -19,7 +19,10 @@ __version__ = "0.1.0"  # the project's version (pyproject.toml reads it from her
 _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("fuser_core.errors", n) for n in ("SpecError", "DerivationLimitError")},
     **{n: ("fuser_core.targets", n) for n in ("Target",)},
-    **{n: ("fuser_core.spec", n) for n in ("Spec", "load_spec", "MAX_DIMS", "MAX_SPEC_BYTES")},
+    **{n: ("fuser_core.spec", n) for n in ("load_spec", "MAX_DIMS", "MAX_SPEC_BYTES")},
+    **{n: ("fuser_core.spec_model", n) for n in ("Spec",)},
+    **{n: ("fuser_core.reduce_ops", n) for n in (
+        "REDUCE_OPS", "SPEC_REDUCE_KINDS", "ReduceOp", "reduce_op", "is_selection", "returns_indices", "has_slots")},
     **{n: ("fuser_core.canonical", n) for n in ("spec_hash", "canonical_json", "canonical_names", "canonical_form")},
     **{n: ("fuser_core.problem", n) for n in (
         "Problem", "make_problem", "ShapeError", "bind_shape", "bind_scalars", "placeholder_scalars", "bind_dtypes", "check_sizes", "output_dtypes",
@@ -46,7 +49,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("fuser_core.codegen.plan", n) for n in (
         "BASELINE", "STRATEGIES", "KernelConfig", "NotValid", "default_config", "valid_strategies")},
     **{n: ("fuser_core.codegen.module", n) for n in ("GENERATOR_VERSION", "generate")},
-    **{n: ("fuser_core.codegen.gpu_compile", n) for n in ("CompilePool", "CompileRequest", "capability_of")},
+    **{n: ("fuser_core.codegen.gpu_compile", n) for n in ("CompilePool", "CompileRequest")},
 }
 
 __all__ = ["__version__", *_EXPORTS]

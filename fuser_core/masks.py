@@ -32,8 +32,8 @@ import numpy as np
 import sympy as sp
 
 from fuser_core.realisation import identity
+from fuser_core.reduce_ops import excludes_masked
 
-EXCLUDING_OPS = ("sum", "max", "min")  # selections keep masked entries' indices (a top-k of a short row)
 
 
 def masked_condition(e: sp.Expr, op: str) -> sp.Expr | None:
@@ -67,7 +67,7 @@ def on_indices(cond: sp.Basic) -> bool:
 def exclusion(e: sp.Expr, op: str) -> sp.Expr | None:
     """The condition on indices and sizes outside which a fold of ``e`` with ``op`` drops the element
     (module docstring), or None."""
-    if op not in EXCLUDING_OPS:
+    if not excludes_masked(op):  # selections keep masked entries' indices (a top-k of a short row)
         return None
     cond = masked_condition(e, op)
     return cond if cond is not None and on_indices(cond) else None
@@ -145,12 +145,12 @@ def step_exclusions(spec) -> dict[str, sp.Expr]:  # noqa: ANN001 (a Spec; hashab
     conv = SymbolicSpec(spec)
     out = {}
     for step in spec.steps:
-        if step.is_reduction and step.reduce in EXCLUDING_OPS:
+        if step.is_reduction and excludes_masked(step.reduce):
             cond = exclusion(conv.integrand(step), step.reduce)
             if cond is not None:
                 out[step.name] = cond
     return out
 
 
-__all__ = ["EXCLUDING_OPS", "excluded", "exclusion", "masked_condition", "may_exclude_every", "on_indices",
+__all__ = ["excluded", "exclusion", "masked_condition", "may_exclude_every", "on_indices",
            "step_exclusions", "truth"]

@@ -38,6 +38,7 @@ from typing import Any
 from fuser_core import expr as ex
 from fuser_core.canonical import canonical_names
 from fuser_core.errors import SpecError
+from fuser_core.reduce_ops import returns_indices
 from fuser_core.spec import Spec
 
 # Size limits of a bound shape, per tensor rather than for the product of every dim (attention's
@@ -101,7 +102,7 @@ def bind_shape(spec: Spec, shape: Mapping[str, int], *, allow_empty: bool = Fals
             raise ShapeError(f"must be {what} integer, got {n!r:.40}", loc=("shape", d))
         bound[d] = int(n)
     for step in spec.steps:
-        if step.reduce in ("argmax", "argmin") and bound[step.over] == 0:
+        if returns_indices(step.reduce) and bound[step.over] == 0:
             raise ShapeError(f"is 0, and step {step.name!r} takes the {step.reduce} over it: an empty dim has "
                              "no position to select", loc=("shape", step.over))
     for d, step in as_dims.items():
@@ -266,7 +267,7 @@ def output_dtypes(spec: Spec, dtypes: Mapping[str, str]) -> dict[str, str]:
     out = {}
     for part in spec.output_parts:
         step = spec.step(part.split(".")[0])
-        if part.endswith(".indices") or step.reduce in ("argmax", "argmin"):
+        if part.endswith(".indices") or returns_indices(step.reduce):
             out[part] = "int32"
         elif isinstance(step.expr, ex.Cast) and not step.is_reduction:
             out[part] = step.expr.dtype

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING
 
 import sympy as sp
 
+from fuser_core.reduce_ops import has_slots, is_selection, reduce_op
+
 if TYPE_CHECKING:
     from fuser_core.derive import ReductionForm
 
-SELECTIONS = ("topk", "bottomk", "argmax", "argmin")
-FOLD_OPS = ("sum", "max", "min") + SELECTIONS
 
 # acc * c for a correction c, taking a non-finite c as 0 (it only multiplies an empty
 # accumulator) and keeping the accumulator where that product is NaN (an infinite accumulator
@@ -162,13 +162,8 @@ def unguarded(e: sp.Expr) -> sp.Expr:
 def identity(op: str) -> sp.Expr:
     """The initial (empty) state of a fold with ``op``: its identity. A selection's values
     start at -inf (selections run on values negated for bottomk/argmin), its indices at 0."""
-    if op == "sum":
-        return sp.Integer(0)
-    if op == "min":
-        return sp.oo
-    if op in ("max",) + SELECTIONS:
-        return -sp.oo
-    raise ValueError(f"unknown fold operator {op!r}")
+    value = reduce_op(op).identity
+    return sp.Integer(0) if value == 0 else sp.oo if value > 0 else -sp.oo
 
 
 @dataclass(frozen=True)
@@ -186,7 +181,7 @@ class Accumulator:
     """One piece of a fused reduction's loop state."""
 
     symbol: sp.Symbol  # acc[j]
-    op: str  # the fold operator (FOLD_OPS)
+    op: str  # the fold operator (a reduce kind, fuser_core.reduce_ops)
     contribution: sp.Expr  # what one element adds, dependencies at their (new) anchors
     moved: sp.Expr  # the accumulator after the anchors move: acc[*], dep[old], dep[new], count[old]
     # scaled/first only (the JSON report and the dashboard show them): the anchored factor A_j,
@@ -202,7 +197,7 @@ class Accumulator:
     @property
     def selection(self) -> bool:
         """Is the state (values, indices)? ``moved`` and ``contribution`` are of the values."""
-        return self.op in SELECTIONS
+        return is_selection(self.op)
 
     @property
     def move(self) -> str:
@@ -252,7 +247,7 @@ class Realisation:
 
     @property
     def selection(self) -> bool:
-        return self.op in SELECTIONS
+        return is_selection(self.op)
 
     @property
     def symbols(self) -> tuple[sp.Symbol, ...]:
@@ -364,13 +359,13 @@ def realise(form: ReductionForm, dep_symbols: tuple[sp.Symbol, ...]) -> Realisat
         for j, (c, a, k, d) in enumerate(zip(form.contributions, form.scales, form.corrections, form.deferred)):
             acc = acc_symbol(j)
             accs.append(Accumulator(acc, op, c, acc if k == 1 else Rescale(acc, k), a, k, d))
-        if op in SELECTIONS:  # values: scale * selected + offset, no empty guard (a selection is never empty)
+        if is_selection(op):  # values: scale * selected + offset, no empty guard (a selection is never empty)
             value = form.deferred[0] * acc_symbol(0) + form.offset
         else:
             value = form.final_value([acc_symbol(j) for j in range(len(accs))])
     else:
         raise ValueError(f"{form.name}: no realisation for {form.kind!r}")
-    if op == "topk" or op == "bottomk":
+    if has_slots(op):
         per_lane, why = False, (
             "a per-lane top-k would keep a k-slot list in every lane (k x BLOCK state); the merge is exact, "
             "the state is not elementwise"
@@ -382,5 +377,5 @@ def realise(form: ReductionForm, dep_symbols: tuple[sp.Symbol, ...]) -> Realisat
     return Realisation(
         name=form.name, kind=form.kind, op=op, axis=form.axis, deps=form.deps, dep_symbols=dep_symbols,
         anchors=dict(form.anchors), accumulators=tuple(accs), value=value, per_lane=per_lane,
-        per_lane_reason=why, k=form.step.k if op in ("topk", "bottomk") else None,
+        per_lane_reason=why, k=form.step.k if has_slots(op) else None,
     )

@@ -46,6 +46,7 @@ from fuser_core import expr as ex
 from fuser_core.merged import consistent
 from fuser_core.index_values import first_out_of_range, index_ranges, out_of_range_message
 from fuser_core.problem import MAX_ELEMENTS, MAX_WORK, ShapeError, bind_scalars, bind_shape, check_sizes  # noqa: F401  (re-exported)
+from fuser_core.reduce_ops import is_selection, returns_indices
 from fuser_core.spec import Spec, Step
 
 FLOAT_DTYPES: dict[str, np.dtype] = {
@@ -231,7 +232,7 @@ class Evaluator:
                 return {step.name: np.max(value, axis=ax, keepdims=True, initial=-np.inf)}
             if step.reduce == "min":
                 return {step.name: np.min(value, axis=ax, keepdims=True, initial=np.inf)}
-            if step.reduce in ("argmax", "argmin"):
+            if returns_indices(step.reduce):
                 pick = np.argmax if step.reduce == "argmax" else np.argmin
                 first = pick(value, axis=ax, keepdims=True)
                 if self.tie_choice is not None:
@@ -275,7 +276,7 @@ class Evaluator:
         (an index output over the step's dims, as a kernel returns it; out-of-range positions
         give NaN). Judges a selection by what it selects (fuser_core.runner)."""
         step = self.spec.step(part.split(".")[0])
-        assert step.reduce in ("argmax", "argmin", "topk"), step
+        assert is_selection(step.reduce), step
         env = self.run(inputs)
         ax = self.axis[step.over]
         value = np.asarray(self.eval_expr(step.expr, env), np.float64)

@@ -72,6 +72,7 @@ from fuser_core.codegen.plan import BASELINE, KernelConfig, NotValid, default_co
 from fuser_core.derive import Derivation, derive_cascade
 from fuser_core.merged import consistent
 from fuser_core.problem import FLOAT_DTYPES, INDEX_DTYPES, ShapeError, bind_dtypes  # noqa: F401  (re-exported)
+from fuser_core.reduce_ops import returns_indices
 from fuser_core.tensors import device, to_torch  # noqa: F401  (re-exported)
 from fuser_core.empty import empty_outputs, has_empty_dim
 from fuser_core.reference import Evaluator, bind_scalars, bind_shape, check_inputs, evaluate, random_inputs, random_scalars
@@ -230,7 +231,7 @@ def tie_alternatives(evaluate_outputs: Callable[[int], Mapping[str, np.ndarray]]
     float64 but equal in float32 make the kernel's choice, and all that reads it, rounding's.
 
     ``evaluate_outputs(k)`` is the float64 reference with ``tie_choice=k``."""
-    if not any(s.reduce in ("argmax", "argmin") for s in spec.steps):
+    if not any(returns_indices(s.reduce) for s in spec.steps):
         return []
     out: list[Mapping[str, np.ndarray]] = []
     for k in range(TIE_VARIANTS):

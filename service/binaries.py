@@ -1,12 +1,16 @@
-"""Compiled variants of stored bundles (issue 15), server side: compile, store, read.
+"""Compiled variants of stored bundles (issues 15, 25), server side: compile, store, read.
 
-A bundle's kernels are compiled for its target's arch with Triton's GPU compiler, which needs
-no GPU (:mod:`fuser_core.codegen.gpu_compile`), in compile-pool workers (the interpreter must
-be off there). The result is a *variant* (:func:`service.bundle.make_variant`) stored in
-``kernel_binaries`` beside the bundle, one per (arch, Triton version): a cubin belongs to the
-Triton that compiled it (its launcher, its cache key, its ptxas), and workers on different
-Tritons (a GPU image's, the server's) each store their own. Served in format-2 bundles (one
-per arch, the newest Triton's) and format-3 bundles (all). Not imported by the client.
+A bundle's kernels are compiled for any fleet target (its own by default: sm_90 for h100,
+gfx942 for mi300x) with Triton's GPU compiler, which needs no GPU
+(:mod:`fuser_core.codegen.gpu_compile`), in compile-pool workers (the interpreter must be off
+there). The result is a *variant* (:func:`service.bundle.make_variant`: cubins for an NVIDIA
+arch, hsaco for an AMD one) stored in ``kernel_binaries`` beside the bundle, one per (arch,
+Triton version): a binary belongs to the Triton that compiled it (its launcher, its cache key,
+its ptxas or AMD backend), and workers on different Tritons (a GPU image's, the server's) each
+store their own. Served in format-2 bundles (one per arch, the newest Triton's) and format-3
+bundles (all): a bundle carries a binary per arch built. The ``ptxas_version`` column holds
+the variant's compiler version (:func:`service.bundle.variant_compiler`: ptxas's for a cubin,
+the AMD backend's for an hsaco). Not imported by the client.
 
 Also here: which variant a finished job stores (:func:`job_variant`: the cuda measurer's
 measured binary, else the host compile), one binary served on its own (:func:`kernel_binaries`,
@@ -22,7 +26,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import sqlalchemy as sa
@@ -31,45 +35,48 @@ from sqlalchemy.orm import Session
 from service import kernel_cache
 from service.errors import BundleCorrupted, NotFound
 from service.served_bundles import bundle_intact, store_served
-from service.bundle import (BundleError, canonical_bytes, make_variant, newest_per_arch, triton_version_key,
-                            verify_variant)
+from service.bundle import (KINDS, BundleError, canonical_bytes, make_variant, newest_per_arch, triton_version_key,
+                            variant_compiler, variant_kind, verify_variant)
 from service.models import Bundle, Kernel, KernelBinary, utcnow
+
+if TYPE_CHECKING:
+    from tuner import Measurer
 
 log = logging.getLogger("foldwise.binaries")
 MAX_TRITON_VERSION_CHARS = KernelBinary.__table__.c.triton_version.type.length  # part of the row's key
 
 
-def compile_request_for(bundle: Mapping[str, Any], capability: int) -> Any:
+def compile_request_for(bundle: Mapping[str, Any], target: Any) -> Any:
     """The CompileRequest that generates exactly ``bundle``'s module (its canonical spec, shape,
-    dtypes, strategy and config)."""
+    dtypes, strategy and config) for ``target`` (a :class:`fuser_core.Target`)."""
     from fuser_core import CompileRequest, bind_dtypes, load_spec
 
     canon = load_spec(bundle["spec"], printed=True)
     return CompileRequest(canon, dict(bundle["shape"]), bind_dtypes(canon, bundle["dtype"]), bundle["strategy"],
-                          dict(bundle["config"]), capability)
+                          dict(bundle["config"]), target=target)
 
 
 def compile_variant(bundle: Mapping[str, Any], arch: str | None = None, *, pool: Any = None) -> dict:
-    """Compile ``bundle`` for ``arch`` (default: its target's, e.g. sm_90 for h100) -> a variant.
+    """Compile ``bundle`` for ``arch`` (any arch Target.parse reads: "sm_89", "gfx950"; default
+    its target's: sm_90 for h100, gfx942 for mi300x) -> a variant (cubin or hsaco).
 
     ``pool``: a CompilePool (default the process's shared one, tuner.compile_gate)."""
-    from fuser_core import capability_of
+    from fuser_core import Target
     from tuner import get_profile, shared_compile_pool
 
-    capability = capability_of(arch or get_profile(bundle["target"]).arch)
-    [artifacts] = (pool or shared_compile_pool()).artifacts([compile_request_for(bundle, capability)])
+    target = Target.parse(arch) if arch is not None else get_profile(bundle["target"]).target
+    [artifacts] = (pool or shared_compile_pool()).artifacts([compile_request_for(bundle, target)])
     return make_variant(artifacts)
 
 
-def measured_binary_of(measurer: Any, strategy: str, config: Mapping[str, Any]) -> dict | None:
-    """With a cuda measurer, the compiled kernels of the winning candidate as it measured them
-    (``measurer.measured_binary``, tuner.measured_binary), read before the measurer closes;
-    None for another measurer, or when they cannot be had (logged: the host compile follows)."""
-    measured = getattr(measurer, "measured_binary", None)
-    if measured is None or getattr(measurer, "name", None) != "cuda":
+def measured_binary_of(measurer: Measurer, strategy: str, config: Mapping[str, Any]) -> dict | None:
+    """With a GPU measurer, the compiled kernels of the winning candidate as it measured them
+    (:meth:`tuner.Measurer.measured_binary`), read before the measurer closes; None for another
+    measurer (a prediction, the interpreter), or when they cannot be had (logged: the host compile follows)."""
+    if measurer.name != "cuda":
         return None
     try:
-        return measured(strategy, config)
+        return measurer.measured_binary(strategy, config)
     except Exception as err:  # noqa: BLE001 - job_variant's host compile is the fallback
         log.warning("measured binary not available, the kernel is compiled on this host instead",
                     extra={"error": str(err)[:500]})
@@ -95,7 +102,7 @@ def store_variant(session: Session, bundle_sha256: str, variant: dict) -> Kernel
         raise LookupError(f"bundle_sha256: no stored bundle {bundle_sha256:.64}")
     content = canonical_bytes(variant)
     values = {"content": content, "sha256": hashlib.sha256(content).hexdigest(), "size": len(content),
-              "triton_version": variant["triton_version"], "ptxas_version": variant["ptxas_version"][:128],
+              "triton_version": variant["triton_version"], "ptxas_version": variant_compiler(variant)[:128],
               "created_at": utcnow()}
     if len(variant["triton_version"]) > MAX_TRITON_VERSION_CHARS:  # part of the key: never cut short
         raise BundleError(f"triton_version: longer than {MAX_TRITON_VERSION_CHARS} characters")
@@ -115,7 +122,7 @@ def store_variant(session: Session, bundle_sha256: str, variant: dict) -> Kernel
 
 def stored_variants(session: Session, bundle_sha256: str, arch: str | None = None) -> list[dict]:
     """The variants of a bundle (one arch's, or all), by arch then Triton version (oldest first);
-    a row whose bytes no longer hash to its sha256, or whose cubins do not verify, is left out
+    a row whose bytes no longer hash to its sha256, or whose binaries do not verify, is left out
     (logged): it is never served."""
     query = session.query(KernelBinary).filter(KernelBinary.bundle_sha256 == bundle_sha256)
     if arch is not None:
@@ -137,14 +144,20 @@ def stored_variants(session: Session, bundle_sha256: str, arch: str | None = Non
 
 
 def variant_summaries(session: Session, bundle_sha256: str) -> list[dict[str, Any]]:
-    """What the dashboard shows per stored variant: arch, versions, and per kernel its name,
-    cubin size and sha256, PTX size and sha256, registers, spills and shared memory (no binary bytes)."""
+    """What the dashboard shows per stored variant: arch, binary kind, versions, and per kernel
+    its name, binary size and sha256, assembly size and sha256, registers, spills and shared
+    memory (no binary bytes). Fields are named by the kind: ``cubin_size``/``ptx_chars`` for a
+    cubin variant (as before AMD targets), ``hsaco_size``/``amdgcn_chars`` for an hsaco one;
+    ``binary_kind`` and ``asm_kind`` say which."""
     out = []
     for v in stored_variants(session, bundle_sha256):
-        out.append({"arch": v["arch"], "triton_version": v["triton_version"], "ptxas_version": v["ptxas_version"],
-                    "kernels": [{"index": n, "name": k["name"], "cubin_size": k["cubin_size"],
-                                 "cubin_sha256": k["cubin_sha256"], "ptx_chars": len(k["ptx"]),
-                                 "ptx_sha256": hashlib.sha256(k["ptx"].encode()).hexdigest(),
+        kind = variant_kind(v)
+        b, asm = kind.name, kind.asm
+        out.append({"arch": v["arch"], "binary_kind": b, "asm_kind": asm, "triton_version": v["triton_version"],
+                    kind.compiler: v[kind.compiler],
+                    "kernels": [{"index": n, "name": k["name"], f"{b}_size": k[f"{b}_size"],
+                                 f"{b}_sha256": k[f"{b}_sha256"], f"{asm}_chars": len(k[asm]),
+                                 f"{asm}_sha256": hashlib.sha256(k[asm].encode()).hexdigest(),
                                  "registers": k.get("registers"), "spill_bytes": k.get("spill_bytes"),
                                  "shared_bytes": k.get("shared_bytes"), "num_warps": k["metadata"].get("num_warps")}
                                 for n, k in enumerate(v["kernels"])]})
@@ -153,7 +166,9 @@ def variant_summaries(session: Session, bundle_sha256: str) -> list[dict[str, An
 
 # ----------------------------------------------------------------------------- single binaries (API)
 
-BINARY_KINDS = {"cubin": "application/octet-stream", "ptx": "text/plain; charset=utf-8"}
+# file extension -> media type of what one binary route serves: a binary kind or its assembly text
+BINARY_KINDS = {**{k.name: "application/octet-stream" for k in KINDS.values()},
+                **{k.asm: "text/plain; charset=utf-8" for k in KINDS.values()}}
 
 
 def binaries_path(kernel_id: str, arch: str, name: str, kind: str, triton_version: str | None = None) -> str:
@@ -164,22 +179,24 @@ def binaries_path(kernel_id: str, arch: str, name: str, kind: str, triton_versio
 
 def kernel_binaries(session: Session, kernel_id: str) -> dict[str, Any]:
     """``GET /v1/kernels/{id}/binaries``: the kernel's stored variants (:func:`variant_summaries`),
-    each kernel with the paths of its cubin and PTX downloads. No variant stored: ``variants`` []."""
+    each kernel with the paths of its binary and assembly downloads (``cubin_path`` and
+    ``ptx_path``, or ``hsaco_path`` and ``amdgcn_path``). No variant stored: ``variants`` []."""
     kernel = kernel_cache.get_kernel(session, kernel_id)
     variants = variant_summaries(session, kernel.bundle_sha256)
     for v in variants:
         for k in v["kernels"]:
-            k["cubin_path"] = binaries_path(kernel_id, v["arch"], k["name"], "cubin", v["triton_version"])
-            k["ptx_path"] = binaries_path(kernel_id, v["arch"], k["name"], "ptx", v["triton_version"])
+            for kind in (v["binary_kind"], v["asm_kind"]):
+                k[f"{kind}_path"] = binaries_path(kernel_id, v["arch"], k["name"], kind, v["triton_version"])
     return {"kernel_id": kernel_id, "bundle_sha256": kernel.bundle_sha256, "target": kernel.target,
             "variants": variants}
 
 
 def binary_file(session: Session, kernel_id: str, arch: str, name: str, kind: str,
                 triton_version: str | None = None) -> tuple[str, bytes]:
-    """(sha256, bytes) of one stored binary of a kernel: the cubin (its verified ``cubin_sha256``)
-    or the PTX of kernel ``name`` in the ``arch`` variant built by ``triton_version`` (None: the
-    newest Triton's, as format 2 serves). Raises NotFound naming what is missing."""
+    """(sha256, bytes) of one stored binary of a kernel: the cubin or hsaco (its verified
+    ``cubin_sha256``/``hsaco_sha256``) or the PTX or AMDGCN text of kernel ``name`` in the
+    ``arch`` variant built by ``triton_version`` (None: the newest Triton's, as format 2 serves).
+    Raises NotFound naming what is missing (a kind the arch's variant does not hold included)."""
     if kind not in BINARY_KINDS:
         raise NotFound(f"kind: {kind!r:.20} is not one of {', '.join(BINARY_KINDS)}")
     kernel = kernel_cache.get_kernel(session, kernel_id)
@@ -193,15 +210,18 @@ def binary_file(session: Session, kernel_id: str, arch: str, name: str, kind: st
         if variant is None:
             raise NotFound(f"triton_version: kernel {kernel_id} has no {arch} binary built by Triton "
                            f"{triton_version!r:.64}; stored: {', '.join(v['triton_version'] for v in variants)}")
-    found = [(k, c) for k, c in zip(variant["kernels"], verify_variant(variant)) if k["name"] == name]
+    held = variant_kind(variant)
+    if kind not in (held.name, held.asm):
+        raise NotFound(f"kind: the {arch} variant holds {held.name} and {held.asm}, not {kind}")
+    found = [(k, b) for k, b in zip(variant["kernels"], verify_variant(variant)) if k["name"] == name]
     if not found:
         raise NotFound(f"name: the {arch} variant of kernel {kernel_id} has no kernel {name!r:.160}; "
                             f"it has {', '.join(k['name'] for k in variant['kernels'])}")
-    entry, cubin = found[0]
-    if kind == "cubin":
-        return entry["cubin_sha256"], cubin
-    ptx = entry["ptx"].encode()
-    return hashlib.sha256(ptx).hexdigest(), ptx
+    entry, binary = found[0]
+    if kind == held.name:
+        return entry[f"{held.name}_sha256"], binary
+    text = entry[held.asm].encode()
+    return hashlib.sha256(text).hexdigest(), text
 
 
 # ----------------------------------------------------------------------------- backfill

@@ -19,7 +19,7 @@ from service.bundle import BUNDLE_FORMAT, BundleError, bundle_sha256, canonical_
 
 def make_bundle(
     problem: Problem, *, target: str, strategy: str, config: Mapping[str, Any], measured: Mapping[str, Any],
-    derivation: Mapping[str, Any] | None = None,
+    derivation: Mapping[str, Any] | None = None, derived: Any = None,
 ) -> dict:
     """Generate the kernel for (problem, strategy, config) and wrap it in a bundle.
 
@@ -27,7 +27,9 @@ def make_bundle(
     and ``config.blocks`` may use any naming of the spec (translated to the canonical names). ``measured`` is stored as given (time, baselines, device, measurer...),
     with ``triton_version``, ``torch_version`` and ``date`` filled in when absent.
     ``derivation`` is the derivation report; None computes it for the canonical spec
-    (recommended: then its text uses the bundle's own names).
+    (recommended: then its text uses the bundle's own names). ``derived`` is the canonical spec's
+    :class:`fuser_core.Derivation` when the caller has it (the worker derived it for its search);
+    None derives it here.
     """
     import torch
     import triton
@@ -62,7 +64,8 @@ def make_bundle(
     if derivation is not None and not isinstance(derivation, Mapping):
         raise BundleError(f"derivation: expected an object, got {type(derivation).__name__}")
 
-    derived = derive_cascade(canon)
+    if derived is None:
+        derived = derive_cascade(canon)
     try:
         module = generate(canon, derived, strategy, cshape, kconfig, dtypes)
     except NotValid as err:

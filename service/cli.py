@@ -172,16 +172,6 @@ def _tuning_setup(spec, raw_spec: dict, shape: dict[str, int], dtype, target: st
         raise UsageError(err.cli_message) from None
 
 
-def _cuda_measurer(profile):
-    """The cuda measurer's class, after checking there is a GPU and it matches the target."""
-    from service.tuning import SetupError, cuda_measurer
-
-    try:
-        return cuda_measurer(profile)
-    except SetupError as err:
-        raise UsageError(err.cli_message) from None
-
-
 def _open_storage(url: str, heartbeat: int = 10):
     import sqlalchemy
 

@@ -215,15 +215,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shown(url: str) -> str:
-    import sqlalchemy as sa
-
-    try:
-        return sa.engine.make_url(url).render_as_string(hide_password=True)
-    except sa.exc.ArgumentError:
-        return "?"
-
-
 # ----------------------------------------------------------------------------- binaries
 
 

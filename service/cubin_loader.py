@@ -1,5 +1,5 @@
-"""Hand a bundle's stored cubins straight to Triton's JIT: a kernel ready to launch with no
-compile, no source hashing and no cache-directory lookup (issue 15).
+"""Hand a bundle's stored binaries (cubins; hsaco, not run on AMD) straight to Triton's JIT: a
+kernel ready to launch with no compile, no source hashing and no cache-directory lookup (issue 15).
 
 Why: loading a stored cubin through Triton's own cache (:func:`service.bundle.install_variant`,
 then ``triton.compile`` finding it) still pays Triton's cache front-end at start-up: the cache
@@ -27,6 +27,13 @@ order, by name; each launch's options (num_warps, num_stages, fp fusion, debug..
 are the ones the cubin was compiled with. On a mismatch nothing stays in any cache
 (:class:`CubinLoadError`). The caller (service.client) checks device arch, Triton version and
 Triton's cache-invalidating variables first (:func:`service.bundle.choose_binary`).
+
+**AMD (not run on AMD).** An hsaco variant goes through the same steps: Triton's
+``CompiledKernel`` is the same class for both backends, its binary under the backend's
+``binary_ext`` ("hsaco") and loaded by the HIP driver's ``load_binary`` at the first launch, as
+for a cubin. The warm-up with an hsaco is tested on a CPU host with :class:`TargetOnlyDriver`
+for gfx942 (tests/test_binaries_hsaco.py); loading and launching it has not been run on an AMD GPU,
+so :func:`service.bundle.choose_binary` does not pick one yet (the client compiles the source).
 
 Imports only the standard library at import time (torch and triton when called).
 """
@@ -80,11 +87,12 @@ def _stored_kernel_class():
     from triton.compiler.compiler import AsmDict, CompiledKernel, make_backend
 
     class StoredKernel(CompiledKernel):
-        """Triton's ``CompiledKernel`` (3.6, 3.9) built from a bundle's stored metadata and cubin:
-        the attributes ``CompiledKernel.__init__`` sets, without reading its cache files.
-        Loading the module (``cuModuleLoadData``) stays lazy, at the first launch, as in Triton."""
+        """Triton's ``CompiledKernel`` (3.6, 3.9) built from a bundle's stored metadata and binary
+        (``kind``: "cubin" with its "ptx", or "hsaco" with its "amdgcn"): the attributes
+        ``CompiledKernel.__init__`` sets, without reading its cache files. Loading the module
+        (``cuModuleLoadData``, HIP's ``hipModuleLoadData``) stays lazy, at the first launch, as in Triton."""
 
-        def __init__(self, src: Any, metadata: Mapping[str, Any], cubin: bytes, ptx: str, hash: str):
+        def __init__(self, src: Any, metadata: Mapping[str, Any], kind: Any, binary: bytes, asm: str, hash: str):
             from triton.backends.compiler import GPUTarget
 
             meta = dict(metadata)
@@ -98,9 +106,9 @@ def _stored_kernel_class():
             self.src = src
             self.hash = hash
             self.name = self.metadata.name
-            self.asm = AsmDict({"cubin": cubin, "ptx": ptx})
+            self.asm = AsmDict({kind.name: binary, kind.asm: asm})
             self.metadata_group = {}  # no cache files: Triton reads this group only for its hooks
-            self.kernel = cubin
+            self.kernel = binary
             self.module = None
             self._module_pid = None
             self.function = None
@@ -112,13 +120,14 @@ def _stored_kernel_class():
 _STORED_KERNEL: type | None = None
 
 
-def stored_kernel(src: Any, kernel: Mapping[str, Any], cubin: bytes) -> Any:
-    """A ``CompiledKernel`` for one stored kernel of a variant (``cubin``: its verified bytes)
-    and Triton's ``ASTSource`` of the launch it serves."""
+def stored_kernel(src: Any, kernel: Mapping[str, Any], kind: Any, binary: bytes) -> Any:
+    """A ``CompiledKernel`` for one stored kernel of a variant (``kind``: the variant's
+    :class:`service.bundle.BinaryKind`, ``binary``: its verified bytes) and Triton's ``ASTSource``
+    of the launch it serves."""
     global _STORED_KERNEL
     if _STORED_KERNEL is None:
         _STORED_KERNEL = _stored_kernel_class()
-    return _STORED_KERNEL(src, kernel["metadata"], cubin, kernel["ptx"], kernel["triton_hash"])
+    return _STORED_KERNEL(src, kernel["metadata"], kind, binary, kernel[kind.asm], kernel["triton_hash"])
 
 
 def _mismatch(kernel: Mapping[str, Any], src: Any, target: Any, options: Mapping[str, Any]) -> str | None:
@@ -130,7 +139,7 @@ def _mismatch(kernel: Mapping[str, Any], src: Any, target: Any, options: Mapping
         return f"{kernel['name']}: compiled for {meta['target']}, this device is {_json_value(target)}"
     for key, value in sorted(options.items()):
         if key in meta and key not in _HOST_OPTIONS and _json_value(value) != meta[key]:
-            return f"{kernel['name']}: option {key} is {value!r} here, the cubin was compiled with {meta[key]!r}"
+            return f"{kernel['name']}: option {key} is {value!r} here, the binary was compiled with {meta[key]!r}"
     return None
 
 
@@ -159,16 +168,17 @@ def seed_jit_caches(module: ModuleType, bundle: Mapping[str, Any], variant: Mapp
     imported from ``bundle["triton_source"]``, interpreter off), each under the key Triton
     computes for the bundle's tuned shape. Returns the kernel names, in launch order.
 
-    Raises :class:`service.bundle.BundleError` for a cubin whose hash does not verify and
+    Raises :class:`service.bundle.BundleError` for a binary whose hash does not verify and
     :class:`CubinLoadError` when the stored kernels do not fit the launches or the warm-up
     fails; either way nothing is kept.
     """
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    from service.bundle import verify_variant
+    from service.bundle import variant_kind, verify_variant
 
-    cubins = verify_variant(variant)
+    binaries = verify_variant(variant)
+    kind = variant_kind(variant)
     kernels = variant["kernels"]
     inputs = meta_inputs(bundle)
     seeder = threading.get_ident()
@@ -186,7 +196,7 @@ def seed_jit_caches(module: ModuleType, bundle: Mapping[str, Any], variant: Mapp
             why = _mismatch(kernels[n], src, target, options or {})
             if why:
                 raise CubinLoadError(why)
-            kernel = stored_kernel(src, kernels[n], cubins[n])
+            kernel = stored_kernel(src, kernels[n], kind, binaries[n])
             added.append((fn.device_caches[driver.active.get_current_device()][0], kernel))
             return kernel
         return compile_
@@ -242,12 +252,13 @@ def seed_jit_caches(module: ModuleType, bundle: Mapping[str, Any], variant: Mapp
 class TargetOnlyDriver:
     """For hosts without a GPU (tests, benchmarks/kernel_startup.py): the three calls Triton's
     ``JITFunction.run`` makes before a launch (device 0, stream 0, the target), so a warm-up
-    binds and keys launches exactly as on a device of this capability. It cannot launch."""
+    binds and keys launches exactly as on a device of this target (a :class:`fuser_core.Target`,
+    or an NVIDIA compute capability: 90). It cannot launch."""
 
-    def __init__(self, capability: int):
-        from triton.backends.compiler import GPUTarget
+    def __init__(self, target: Any):
+        from fuser_core import Target
 
-        self.target = GPUTarget("cuda", capability, 32)
+        self.target = (target if isinstance(target, Target) else Target.parse(f"sm_{int(target)}")).triton()
 
     def get_current_device(self) -> int:
         return 0

@@ -36,6 +36,7 @@ from sqlalchemy.orm import Session
 from service import kernel_cache
 from service.db import MAX_LIST, RETRIES, committed, get_row, newest_first, page
 from service.errors import InvalidRequest, JobError, LeaseLost, NotFound
+from service.job_outcome import JobOutcome
 from service.models import Job, Kernel, TrialRecord, UTCDateTime, WorkerRecord, new_id, utcnow
 from service.spec_store import ensure_spec, refuse_uncertified, uncertified
 from service.tuning_request import TuningRequest, check_choice, check_measurer, check_target
@@ -148,7 +149,7 @@ def cancel_job(session: Session, job_id: str) -> Job:
     job = _locked_job(session, job_id)
     now = utcnow()
     if job.status == "queued":
-        _close(job, "cancelled", now)
+        _close(job, JobOutcome.CANCELLED, now)
     elif job.status == "running" and not job.cancel_requested:
         job.cancel_requested = True
         job.updated_at = now
@@ -166,9 +167,11 @@ def _locked_job(session: Session, job_id: str) -> Job:
     return job
 
 
-def _close(job: Job, status: str, now: datetime, error: str | None = None) -> None:
-    """Finish a job as failed or cancelled: a resubmission of the same request starts a new job."""
-    job.status = status
+def _close(job: Job, outcome: JobOutcome, now: datetime, error: str | None = None) -> None:
+    """Finish a job as failed or cancelled (its status, the outcome's string): a resubmission of
+    the same request starts a new job."""
+    assert outcome in (JobOutcome.FAILED, JobOutcome.CANCELLED)
+    job.status = outcome.value
     job.error = _clip(error) if error is not None else job.error
     job.dedupe_key = None
     job.lease_expires_at = None
@@ -287,10 +290,10 @@ def _claimable(target: str, measurer: str, now: datetime) -> sa.Select:
 def _close_expired(job: Job, now: datetime) -> bool:
     """Close a job whose worker was lost, when it must not run again; True if closed."""
     if job.cancel_requested:
-        _close(job, "cancelled", now)
+        _close(job, JobOutcome.CANCELLED, now)
         return True
     if job.attempts >= MAX_ATTEMPTS:
-        _close(job, "failed", now, f"worker lost {job.attempts} times (last: worker {job.worker_id!r}, "
+        _close(job, JobOutcome.FAILED, now, f"worker lost {job.attempts} times (last: worker {job.worker_id!r}, "
                                    f"lease expired at {job.lease_expires_at:%Y-%m-%d %H:%M:%S} UTC)")
         return True
     return False
@@ -348,7 +351,7 @@ def mark_cancelled(session: Session, job_id: str, worker_id: str) -> None:
     """The holder stopped the search of a job asked to cancel; its trials are kept. Commits."""
     job = _held(session, job_id, worker_id)
     now = utcnow()
-    _close(job, "cancelled", now)
+    _close(job, JobOutcome.CANCELLED, now)
     _set_worker_job(session, worker_id, None, now)
     session.commit()
 
@@ -357,7 +360,7 @@ def fail_job(session: Session, job_id: str, worker_id: str, error: str) -> None:
     """The holder gives up on the job: failed, with ``error`` saying why. Commits."""
     job = _held(session, job_id, worker_id)
     now = utcnow()
-    _close(job, "failed", now, error or "failed (no reason given)")
+    _close(job, JobOutcome.FAILED, now, error or "failed (no reason given)")
     _set_worker_job(session, worker_id, None, now)
     session.commit()
 

@@ -300,7 +300,3 @@ class ApiToken(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column()
     last_used_at: Mapped[datetime | None] = mapped_column()
-
-    @property
-    def scope_set(self) -> frozenset[str]:
-        return frozenset(self.scopes.split())

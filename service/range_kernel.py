@@ -22,7 +22,8 @@ import bisect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from service.bundle import BundleError, BundleKernel, user_names
+from service.bundle import BundleError, BundleKernel
+from service.dim_names import DimNames
 
 
 class RangeKernel:
@@ -36,12 +37,12 @@ class RangeKernel:
         self.range_shape = dict(shape)
         kernels = [k for _, k in buckets]
         self._largest = kernels[-1]
-        back = user_names(self._largest.spec)
+        names = DimNames.of(self._largest.spec)
         self._ranged = sorted(d for d, v in shape.items() if isinstance(v, Mapping))
         # per ranged dim: (caller's name, min, max, sorted uppers, where to read its size: (input, axis))
         self._dims = []
         for d in self._ranged:
-            name = back.get(d, d)
+            name = names.user(d)
             where = next(((inp, dims.index(name)) for inp, dims in self._largest.input_dims.items() if name in dims),
                          None)
             if where is None:  # every dim of a spec is some input's (fuser_core); a bundle that says otherwise is bad
@@ -53,7 +54,7 @@ class RangeKernel:
         for cshape, kernel in buckets:
             key = tuple(int(cshape[d]) for d in self._ranged)
             self._kernels[key] = kernel
-            self._shapes[key] = {back.get(d, d): n for d, n in cshape.items()}
+            self._shapes[key] = names.user_shape(cshape)
         missing = [u for u in self._all_keys() if u not in self._kernels]
         if missing:
             raise BundleError(f"buckets: no kernel for bucket {missing[0]} of the range")
@@ -91,8 +92,7 @@ class RangeKernel:
     @property
     def shape(self) -> dict[str, Any]:
         """The tuned range, caller's names: fixed sizes and ``{"min", "max", "buckets"}``."""
-        back = user_names(self._largest.spec)
-        return {back.get(d, d): v for d, v in self.range_shape.items()}
+        return DimNames.of(self._largest.spec).user_shape(self.range_shape)
 
     # -- running
     def __call__(self, inputs: Mapping[str, Any] | None = None, /, *, out: Mapping[str, Any] | None = None,

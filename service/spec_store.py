@@ -6,7 +6,7 @@ inputs keep their names), as bundles are (:mod:`service.bundle`): two specs with
 names could then select another shape's kernel. So ``Job.shape``, ``Kernel.shape`` and their
 ``shape_key`` (``"d0=4,d1=300"``) are canonical, and the spec a worker tunes is
 :func:`job_spec` (the canonical spec). :func:`display_shape` translates a canonical shape back
-to the names of the spec as first stored, for people.
+to the names of the spec as first stored, for people (:class:`service.dim_names.DimNames`).
 
 Every function here ends its transaction (commit, or rollback on error).
 """
@@ -19,8 +19,8 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from fuser_core import Spec, canonical_json, load_spec, spec_hash as compute_spec_hash
-from service import bundle
 from service.db import RETRIES, committed, get_row
+from service.dim_names import DimNames
 from service.errors import InvalidRequest, JobError
 from service.models import SpecRecord
 
@@ -32,7 +32,7 @@ def job_spec(record: SpecRecord) -> Spec:
 
 def display_shape(record: SpecRecord, shape: Mapping[str, int]) -> dict[str, int]:
     """A canonical shape in the dim names of the spec as first stored (``record.source``)."""
-    return bundle.display_shape(load_spec(record.source), shape)
+    return DimNames.of_source(record.source).user_shape(shape)
 
 
 def ensure_spec(session: Session, spec: Spec, source: str) -> SpecRecord:

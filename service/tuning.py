@@ -66,22 +66,34 @@ class TuningSetup(NamedTuple):
 
 def tuning_setup(spec: Any, raw_spec: Any, shape: Mapping[str, int], dtype: Any, target: str, measurer_name: str,
                  *, compile_check: bool = True) -> TuningSetup:
-    """The search space, measurer, compile gate and study attrs of one tuning job;
-    :class:`SetupError` for a bad target or measurer, :class:`fuser_core.errors.SpecError` for
-    a bad shape or dtype.
-
-    With ``compile_check`` (the default) every candidate is compiled for the target's arch
-    before it is measured or predicted (:mod:`tuner.compile_gate`; no GPU needed), and the
-    model measurer predicts from the compiled registers, shared memory and spills."""
-    from fuser_core import derive_cascade, make_problem, spec_hash
-    from tuner import SearchSpace, get_profile
+    """The search space, measurer, compile gate and study attrs of one tuning job, from
+    unchecked fields (``foldwise tune``): :class:`SetupError` for a bad target or measurer,
+    :class:`fuser_core.errors.SpecError` for a bad shape or dtype. The job-queue worker, which
+    checked its target and measurer once when it started and derives each job once, calls
+    :func:`search_setup` itself."""
+    from fuser_core import derive_cascade, make_problem
+    from tuner import get_profile
 
     measurer_name = checked_choice(check_measurer, measurer_name)
     profile = get_profile(checked_choice(check_target, target))
     problem = make_problem(spec, shape, dtype)
-    if measurer_name == "cuda":
-        measurer_factory = cuda_measurer(profile)
-    derivation = derive_cascade(spec)
+    measurer_class = cuda_measurer(profile) if measurer_name == "cuda" else None
+    return search_setup(problem, derive_cascade(spec), profile, measurer_name, raw_spec,
+                        measurer_class=measurer_class, compile_check=compile_check)
+
+
+def search_setup(problem: Any, derivation: Any, profile: Any, measurer_name: str, raw_spec: Any, *,
+                 measurer_class: Any = None, compile_check: bool = True) -> TuningSetup:
+    """The set-up of one search from checked parts: the bound ``problem``
+    (:func:`fuser_core.make_problem`), the spec's ``derivation``, the target's ``profile``, the
+    measurer's name (``cuda`` needs ``measurer_class``, from :func:`cuda_measurer`).
+
+    With ``compile_check`` (the default) every candidate is compiled for the target's arch
+    before it is measured or predicted (:mod:`tuner.compile_gate`; no GPU needed), and the
+    model measurer predicts from the compiled registers, shared memory and spills."""
+    from fuser_core import spec_hash
+    from tuner import SearchSpace
+
     space = SearchSpace(problem, derivation, profile)
     gate = None
     if compile_check:
@@ -93,8 +105,8 @@ def tuning_setup(spec: Any, raw_spec: Any, shape: Mapping[str, int], dtype: Any,
 
         measurer = ModelMeasurer(problem, derivation, profile, gate=gate)
     else:
-        measurer = measurer_factory(problem, derivation, profile)
-    attrs = {"spec": raw_spec, "spec_hash": spec_hash(spec), "shape": problem.shape, "dtype": problem.dtypes,
+        measurer = measurer_class(problem, derivation, profile)
+    attrs = {"spec": raw_spec, "spec_hash": spec_hash(problem.spec), "shape": problem.shape, "dtype": problem.dtypes,
              "target": profile.name, "measurer": measurer_name}
     return TuningSetup(space, measurer, gate, attrs)
 

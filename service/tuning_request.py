@@ -27,11 +27,12 @@ from functools import cached_property
 from typing import Any
 
 from fuser_core import (
-    MAX_ELEMENTS, MAX_WORK, Spec, SpecError, bind_shape, bound_to_canonical, canonical_names, check_sizes,
+    MAX_ELEMENTS, MAX_WORK, Spec, SpecError, bind_shape, bound_to_canonical, check_sizes,
     normalize_dtype,
     spec_hash as compute_spec_hash,
 )
 from service.bundle import dtype_text, shape_text
+from service.dim_names import DimNames
 from service.errors import InvalidRequest
 from service.shape_ranges import bucket_shapes, has_ranges, range_key, split_shape
 
@@ -204,7 +205,7 @@ def tuning_request(spec: Spec, source: str | Mapping[str, Any], shape: Mapping[s
     canon_shapes = tuple(bound_to_canonical(spec, b) for b in bounds)
     canon_shape: dict[str, Any] = canon_shapes[0]
     if ranges:
-        names = canonical_names(spec)
+        names = DimNames.of(spec).to_canonical
         canon_ranges = {names[d]: r.as_json() for d, r in ranges.items()}
         canon_shape = {d: canon_ranges.get(d, n) for d, n in canon_shapes[0].items()}
     return TuningRequest(spec=spec, source=source if isinstance(source, str) else json.dumps(source),

@@ -3,14 +3,17 @@
 ``run_worker(db_url, measurer=..., target=...)`` is ``foldwise worker --db URL`` (and each of
 ``foldwise serve --workers N``'s threads). For each job it claims (:func:`service.job_queue.claim_job`):
 
-1. sets up the search exactly as ``foldwise tune`` does (:func:`service.tuning.tuning_setup`)
-   for the job's canonical spec, shape, dtype, target and measurer;
+1. reads the job's canonical spec and derives it once (every search and bundle of the job use
+   that derivation), then sets up the search as ``foldwise tune`` does
+   (:func:`service.tuning.search_setup`) at the job's shape and dtype, with the target and
+   measurer this worker checked once when it started;
 2. runs :class:`tuner.search.tuner.Tuner` on the job's own Optuna study, stored beside the service
    database (:func:`service.db.study_storage_url`), so a worker that takes over a job whose
    worker died continues the same study: finished trials are kept, the trial budget is shared;
 3. records every finished trial (:func:`service.job_queue.record_trial`) from an Optuna callback;
-4. on success builds the bundle (:func:`service.bundle.make_bundle`) and finishes the job
+4. on success builds the bundle (:func:`service.bundle_maker.make_bundle`) and finishes the job
    (:func:`service.job_queue.finish_job`); when no configuration worked, fails it with the reason.
+   What became of the job is a :class:`service.job_outcome.JobOutcome`.
 
 **Leases.** A trial can take long (a GPU measurement, or the interpreter's first check of a
 strategy), so the lease is renewed by a heartbeat thread (:class:`LeaseKeeper`) every
@@ -41,11 +44,21 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service import job_queue, spec_store
 from service.errors import LeaseLost
+from service.job_outcome import JobOutcome
 from service.models import Job, utcnow
 from service.shape_ranges import TRIAL_STRIDE, has_ranges
 
 log = logging.getLogger("foldwise.worker")
 STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
+
+
+@dataclass(frozen=True)
+class _JobSpec:
+    """A claimed job's spec, read and derived once for all its searches and bundles."""
+
+    spec: Any  # the canonical spec (service.spec_store.job_spec): the job's shape uses its names
+    canonical: Any  # its JSON object, the study's ``spec`` attribute
+    derivation: Any  # fuser_core.derive_cascade(spec)
 
 
 def new_worker_id() -> str:
@@ -105,16 +118,17 @@ class TrialRecorder:
     keeper: LeaseKeeper
     stop: threading.Event
     deadline: float  # time.monotonic() at which budget.seconds is used up
-    stopped_by: str | None = None  # cancel | lost | shutdown | deadline
+    stopped_by: JobOutcome | None = None  # cancelled | released | lost: the search stopped early
     recorded: int = 0
     number_offset: int = 0  # added to Optuna's trial numbers: a range job's bucket (Worker._tune_range)
     errors: list[str] = field(default_factory=list)
 
     def __call__(self, study: Any, trial: Any) -> None:
         self.record(trial)
-        reason = self.reason()
-        if reason is not None:
-            self.stopped_by = reason
+        stop = self.stop_reason()
+        if stop is not None:
+            self.stopped_by = stop
+        if stop is not None or self.out_of_time():  # out of time: the best so far is stored
             study.stop()
 
     def catch_up(self, trials: Any) -> int:
@@ -156,16 +170,19 @@ class TrialRecorder:
                 log.warning("could not record a trial", extra={"job_id": self.job_id, "trial": trial.number,
                                                                 "error": str(err)[:300]})
 
-    def reason(self) -> str | None:
+    def stop_reason(self) -> JobOutcome | None:
+        """Why the job's search must stop now with nothing stored, if it must."""
         if self.keeper.lost:
-            return "lost"
+            return JobOutcome.LOST
         if self.keeper.cancel:
-            return "cancel"
-        if self.stop.is_set():
-            return "shutdown"
-        if time.monotonic() >= self.deadline:
-            return "deadline"
+            return JobOutcome.CANCELLED
+        if self.stop.is_set():  # the worker is stopping: the job goes back to the queue
+            return JobOutcome.RELEASED
         return None
+
+    def out_of_time(self) -> bool:
+        """``budget.seconds`` is used up."""
+        return time.monotonic() >= self.deadline
 
 
 class Worker:
@@ -179,10 +196,11 @@ class Worker:
         from service.tuning_request import check_measurer, check_target
         from tuner import get_profile, make_storage
 
+        # checked once per worker: it claims only jobs of its target and measurer (service.job_queue.claim_job)
         measurer = checked_choice(check_measurer, measurer)
         self.profile = get_profile(checked_choice(check_target, target))
-        if measurer == "cuda":
-            cuda_measurer(self.profile)  # fail at start, not on the first job: no GPU, or the wrong one
+        # fail at start, not on the first job: no GPU, or the wrong one
+        self.measurer_class = cuda_measurer(self.profile) if measurer == "cuda" else None
         self.settings = settings or get_settings(db_url=db_url)
         self.db_url, self.measurer, self.target = db_url, measurer, self.profile.name
         self.worker_id = worker_id or new_worker_id()
@@ -223,9 +241,8 @@ class Worker:
             job_queue.worker_heartbeat(session, self.worker_id, None)
 
     # ------------------------------------------------------------------------- one job
-    def process(self, job: Job) -> str:
-        """Tune one claimed job to its end; returns what became of it (succeeded, failed,
-        cancelled, released, lost)."""
+    def process(self, job: Job) -> JobOutcome:
+        """Tune one claimed job to its end; returns what became of it."""
         log.info("job claimed", extra={"job_id": job.id, "worker_id": self.worker_id, "attempt": job.attempts})
         keeper = LeaseKeeper(self.sessions, job.id, self.worker_id, lease_s=self.settings.lease_seconds,
                              every=self.settings.heartbeat_seconds).start()
@@ -233,11 +250,11 @@ class Worker:
             outcome, detail = self._tune(job, keeper)
         except Exception as err:  # a crash of the search fails the job with the reason, never the worker
             log.exception("job crashed", extra={"job_id": job.id})
-            outcome, detail = "failed", f"{type(err).__name__}: {err}"
+            outcome, detail = JobOutcome.FAILED, f"{type(err).__name__}: {err}"
         finally:
             keeper.stop()
         outcome = self._settle(job, outcome, detail, keeper)
-        if outcome in ("succeeded", "failed", "cancelled"):
+        if outcome.finished:
             self.close_orphans(job.id, job.study_name)
         return outcome
 
@@ -255,24 +272,33 @@ class Worker:
         if n:
             log.info("orphaned trials failed", extra={"job_id": job_id, "worker_id": self.worker_id, "trials": n})
 
-    def _tune(self, job: Job, keeper: LeaseKeeper) -> tuple[str, Any]:
+    def _tune(self, job: Job, keeper: LeaseKeeper) -> tuple[JobOutcome, Any]:
+        """The job's search (a range job's searches); the spec is derived once here, for every
+        search and bundle of the job."""
+        from fuser_core import SpecError, derive_cascade
+
         with self.sessions() as session:
             record = spec_store.get_spec(session, job.spec_hash)
             spec, canonical = spec_store.job_spec(record), json.loads(record.canonical)
         elapsed = (utcnow() - job.started_at).total_seconds() if job.started_at else 0.0
         recorder = TrialRecorder(self.sessions, job.id, self.worker_id, keeper, self.stop,
                                  deadline=time.monotonic() + max(0.0, job.budget_seconds - elapsed))
-        early = recorder.reason()
-        if early in ("lost", "cancel", "shutdown"):
-            return early, None
+        stopped = recorder.stop_reason()
+        if stopped is not None:
+            return stopped, None
         if job.attempts > 1:  # the previous holder's running trial would otherwise wait for its heartbeat grace
             self.close_orphans(job.id, job.study_name)
+        try:
+            tuned = _JobSpec(spec, canonical, derive_cascade(spec))
+        except SpecError as err:
+            return JobOutcome.FAILED, f"cannot tune this job: {err}"
+        out_of_time = recorder.out_of_time()
         if has_ranges(job.shape):
-            return self._tune_range(job, spec, canonical, recorder, early)
-        return self._search(job, spec, canonical, job.shape, job.study_name, recorder, early)
+            return self._tune_range(job, tuned, recorder, out_of_time)
+        return self._search(job, tuned, job.shape, job.study_name, recorder, out_of_time)
 
-    def _tune_range(self, job: Job, spec: Any, canonical: Any, recorder: TrialRecorder,
-                    early: str | None) -> tuple[str, Any]:
+    def _tune_range(self, job: Job, tuned: _JobSpec, recorder: TrialRecorder,
+                    out_of_time: bool) -> tuple[JobOutcome, Any]:
         """A range job (service.shape_ranges): one search per bucket, each on its own study
         (``<job study>/<bucket shape>``, so a worker taking the job over continues each) with the
         job's ``budget.trials``; ``budget.seconds`` is for the whole job. Trials are recorded as
@@ -290,33 +316,35 @@ class Worker:
         found = []
         for i, shape in reversed(list(enumerate(shapes))):
             recorder.number_offset = i * TRIAL_STRIDE
-            early = early or recorder.reason()
-            if early in ("lost", "cancel", "shutdown"):
-                return early, None
-            outcome, detail = self._search(job, spec, canonical, shape, f"{job.study_name}/{shape_text(shape)}",
-                                           recorder, early, catch_up=False)
-            if outcome != "succeeded":
-                if outcome == "failed":
+            stopped = recorder.stop_reason()
+            if stopped is not None:
+                return stopped, None
+            outcome, detail = self._search(job, tuned, shape, f"{job.study_name}/{shape_text(shape)}",
+                                           recorder, out_of_time or recorder.out_of_time(), catch_up=False)
+            if outcome != JobOutcome.SUCCEEDED:
+                if outcome == JobOutcome.FAILED:
                     detail = f"bucket {i + 1} of {len(shapes)} ({shape_text(shape)}): {detail}"
                 return outcome, detail
             found.append((shape, *detail))
-            early = None
-        return "succeeded", found[::-1]
+            out_of_time = False
+        return JobOutcome.SUCCEEDED, found[::-1]
 
-    def _search(self, job: Job, spec: Any, canonical: Any, shape: Any, study_name: str, recorder: TrialRecorder,
-                early: str | None, *, catch_up: bool = True) -> tuple[str, Any]:
-        """One search (the job's, or a range job's bucket) on ``study_name``."""
-        from fuser_core import SpecError
-        from service.tuning import SetupError, tuning_setup
+    def _search(self, job: Job, tuned: _JobSpec, shape: Any, study_name: str, recorder: TrialRecorder,
+                out_of_time: bool, *, catch_up: bool = True) -> tuple[JobOutcome, Any]:
+        """One search (the job's, or a range job's bucket) on ``study_name``, with the job's
+        derivation and this worker's target and measurer (checked when it started)."""
+        from fuser_core import SpecError, make_problem
+        from service.tuning import search_setup
         from tuner import NoResult, Tuner
 
         try:
-            space, measurer, gate, attrs = tuning_setup(spec, canonical, shape, job.dtype_value,
-                                                        job.target, job.measurer)
-        except (SetupError, SpecError) as err:
-            return "failed", f"cannot tune this job: {err}"
+            space, measurer, gate, attrs = search_setup(
+                make_problem(tuned.spec, shape, job.dtype_value), tuned.derivation, self.profile, self.measurer,
+                tuned.canonical, measurer_class=self.measurer_class)
+        except SpecError as err:
+            return JobOutcome.FAILED, f"cannot tune this job: {err}"
         # budget.seconds already used up by earlier attempts: no new trial, the best of the study so far
-        max_trials = 0 if early == "deadline" else None
+        max_trials = 0 if out_of_time else None
         tuner = Tuner(space, measurer, seed=job.attempts - 1, gate=gate)  # another seed when a job is taken over
         try:
             result = tuner.run(job.budget_trials, storage=self.storage, study_name=study_name,
@@ -328,14 +356,15 @@ class Worker:
 
                 binary = measured_binary_of(measurer, result.strategy, result.config)
         except NoResult as err:
-            if recorder.stopped_by in ("lost", "cancel", "shutdown"):
+            if recorder.stopped_by is not None:
                 return recorder.stopped_by, None
-            if early == "deadline":
-                return "failed", f"budget.seconds ({job.budget_seconds:g} s) was used up before any trial finished"
-            return "failed", str(err)
+            if out_of_time:
+                return JobOutcome.FAILED, (f"budget.seconds ({job.budget_seconds:g} s) was used up before any "
+                                           "trial finished")
+            return JobOutcome.FAILED, str(err)
         finally:
             measurer.close()
-        if recorder.stopped_by in ("lost", "cancel", "shutdown"):
+        if recorder.stopped_by is not None:
             return recorder.stopped_by, None
         if job.attempts > 1 and catch_up:
             import optuna
@@ -344,48 +373,42 @@ class Worker:
             n = recorder.catch_up(study.get_trials(deepcopy=False))
             if n:
                 log.info("trials of a lost worker recorded", extra={"job_id": job.id, "trials": n})
-        return "succeeded", (spec, space, measurer, result, binary)
+        return JobOutcome.SUCCEEDED, (space, result, binary)
 
-    def _settle(self, job: Job, outcome: str, detail: Any, keeper: LeaseKeeper) -> str:
+    def _settle(self, job: Job, outcome: JobOutcome, detail: Any, keeper: LeaseKeeper) -> JobOutcome:
+        """Store what became of the job (its kernel, its failure, ...) as its holder; LOST when it is not."""
         extra = {"job_id": job.id, "worker_id": self.worker_id}
-        if keeper.lost and outcome != "lost":
-            outcome = "lost"
+        if keeper.lost:
+            outcome = JobOutcome.LOST
         try:
             with self.sessions() as session:
-                if outcome == "succeeded" and has_ranges(job.shape):
+                if outcome == JobOutcome.SUCCEEDED and has_ranges(job.shape):
                     self._finish_range(session, job, detail)
-                elif outcome == "succeeded":
+                elif outcome == JobOutcome.SUCCEEDED:
                     self._finish(session, job, *detail)
-                elif outcome == "failed":
+                elif outcome == JobOutcome.FAILED:
                     job_queue.fail_job(session, job.id, self.worker_id, str(detail))
-                elif outcome == "cancel":
+                elif outcome == JobOutcome.CANCELLED:
                     job_queue.mark_cancelled(session, job.id, self.worker_id)
-                    outcome = "cancelled"
-                elif outcome == "shutdown":
+                elif outcome == JobOutcome.RELEASED:
                     job_queue.release_job(session, job.id, self.worker_id)
-                    outcome = "released"
-                elif outcome == "deadline":  # budget.seconds used up before any trial: nothing to store
-                    job_queue.fail_job(session, job.id, self.worker_id,
-                                  f"budget.seconds ({job.budget_seconds:g} s) was used up before a trial finished")
-                    outcome = "failed"
         except LeaseLost:
-            outcome = "lost"
+            outcome = JobOutcome.LOST
         except Exception as err:  # storing the result failed (a bad bundle, ...): the job fails with why
             log.exception("could not store the job's result", extra=extra)
             try:
                 with self.sessions() as session:
                     job_queue.fail_job(session, job.id, self.worker_id, f"storing the result failed: "
-                                                                   f"{type(err).__name__}: {err}")
-                outcome = "failed"
+                                                                        f"{type(err).__name__}: {err}")
+                outcome = JobOutcome.FAILED
             except LeaseLost:
-                outcome = "lost"
-        log.info(f"job {outcome}", extra={**extra, "outcome": outcome,
-                                           "error": str(detail)[:500] if outcome == "failed" else None})
+                outcome = JobOutcome.LOST
+        log.info(f"job {outcome}", extra={**extra, "outcome": str(outcome),
+                                           "error": str(detail)[:500] if outcome == JobOutcome.FAILED else None})
         return outcome
 
-    def _finish(self, session: Session, job: Job, spec: Any, space: Any, measurer: Any, result: Any,
-                binary: dict | None = None) -> None:
-        bundle, fields = self._bundle(job, spec, space, result)
+    def _finish(self, session: Session, job: Job, space: Any, result: Any, binary: dict | None = None) -> None:
+        bundle, fields = self._bundle(job, space, result)
         kernel = job_queue.finish_job(session, job.id, self.worker_id, bundle=bundle, kernel_fields=fields)
         # the kernel keeps an earlier, better bundle when this job's was not better: compile only ours
         if self.settings.compile_binaries and kernel.bundle_sha256 == bundle["sha256"]:
@@ -393,8 +416,7 @@ class Worker:
 
     def _finish_range(self, session: Session, job: Job, found: list[tuple]) -> None:
         """Store every bucket's kernel and the range (service.job_queue.finish_range_job)."""
-        made = [(shape, *self._bundle(job, spec, space, result), binary)
-                for shape, spec, space, _measurer, result, binary in found]
+        made = [(shape, *self._bundle(job, space, result), binary) for shape, space, result, binary in found]
         kernels = job_queue.finish_range_job(session, job.id, self.worker_id,
                                              buckets=[(shape, bundle, fields) for shape, bundle, fields, _ in made])
         if self.settings.compile_binaries:
@@ -402,8 +424,9 @@ class Worker:
                 if kernel.bundle_sha256 == bundle["sha256"]:
                     self._store_binary(session, kernel.bundle_sha256, bundle, binary)
 
-    def _bundle(self, job: Job, spec: Any, space: Any, result: Any) -> tuple[dict, dict]:
-        """The bundle of a search's best configuration, and its kernel fields."""
+    def _bundle(self, job: Job, space: Any, result: Any) -> tuple[dict, dict]:
+        """The bundle of a search's best configuration (generated from the job's one derivation),
+        and its kernel fields."""
         from service.bundle_maker import make_bundle
         from service.tuning import gpu_name
 
@@ -413,11 +436,11 @@ class Worker:
             "trials": result.trials, "best_trial": result.best_trial, "study": job.study_name,
             "worker_id": self.worker_id,
         }
-        baselines = _baselines(spec, space, result)
+        baselines = _baselines(space, result)
         if baselines:
             measured["baselines"] = baselines
         bundle = make_bundle(space.problem, target=job.target, strategy=result.strategy, config=result.config,
-                             measured=measured)
+                             measured=measured, derived=space.derivation)
         return bundle, {"time_ms": result.time_ms, "measurer": job.measurer, "predicted": result.predicted,
                         "baselines": baselines or None}
 
@@ -434,7 +457,7 @@ class Worker:
             log.warning("kernel binary not stored", extra={"bundle_sha256": bundle_sha256, "error": str(err)})
 
 
-def _baselines(spec: Any, space: Any, result: Any) -> dict[str, Any]:
+def _baselines(space: Any, result: Any) -> dict[str, Any]:
     """The cost model's predictions for the unfused kernel chain and (for measured kernels) for
     the chosen configuration: labelled predictions, for speedup columns. Never fails a job."""
     from tuner import predict, predict_chain

@@ -164,6 +164,51 @@ def test_slow_derivation_answers_503_and_is_cached_for_a_retry(db_url) -> None:
 # ----------------------------------------------------------------------------- jobs
 
 
+def test_a_new_spec_is_derived_once_by_its_submission(db_url, monkeypatch) -> None:
+    """POST /v1/jobs for a spec never stored derives it once (the route's one call,
+    service.api.ops.submit_job): storing the spec uses that derivation, and a second identical
+    submission derives nothing."""
+    import fuser_core.derive
+    from fuser_core.report import clear_cache
+
+    clear_cache()
+    real, calls = fuser_core.derive.derive_cascade, []
+    monkeypatch.setattr(fuser_core.derive, "derive_cascade",
+                        lambda spec, **kw: calls.append(spec.name) or real(spec, **kw))
+    with make_client(db_url) as c:
+        first = c.post("/v1/jobs", json=job_body())
+        assert first.status_code == 202 and first.headers["foldwise-job-created"] == "true", first.text
+        assert len(calls) == 1, calls
+        again = c.post("/v1/jobs", json=job_body())
+        assert again.json()["id"] == first.json()["id"] and len(calls) == 1
+
+
+def test_a_submission_whose_derivation_is_too_slow_answers_503_and_stores_nothing(db_url, monkeypatch) -> None:
+    import fuser_core.derive
+    from fuser_core.report import clear_cache
+
+    clear_cache()
+    real = fuser_core.derive.derive_cascade
+
+    def slow(spec, **kwargs):
+        time.sleep(0.5)
+        return real(spec, **kwargs)
+
+    monkeypatch.setattr(fuser_core.derive, "derive_cascade", slow)
+    with make_client(db_url, derive_timeout_s=0.1) as c:
+        r = c.post("/v1/jobs", json=job_body())
+        assert_problem(r, 503, text="longer than")
+        assert r.headers["retry-after"] and c.get("/v1/jobs").json()["count"] == 0
+        assert c.get(f"/v1/specs/{compute_spec_hash(load_spec(SOFTMAX))}").status_code == 404
+        # the derivation goes on in the background and is cached: a retry queues the job (waiting for
+        # it also keeps it from landing in the cache after the next test has cleared it)
+        deadline = time.monotonic() + 120
+        while r.status_code == 503 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            r = c.post("/v1/jobs", json=job_body())
+        assert r.status_code == 202 and r.json()["status"] == "queued", r.text
+
+
 def test_submit_is_idempotent_with_location_and_views(client, sessions) -> None:
     r1 = client.post("/v1/jobs", json=job_body())
     assert r1.status_code == 202 and r1.headers["foldwise-job-created"] == "true"

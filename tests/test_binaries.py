@@ -15,7 +15,7 @@ import logging
 import pytest
 
 from fuser_core.catalog import spec_source
-from fuser_core.codegen.gpu_compile import capability_of
+from fuser_core import Target
 from fuser_core.problem import make_problem
 from fuser_core.spec import load_spec
 from service.binaries import compile_request_for, compile_variant, store_variant, stored_variants, variant_summaries
@@ -72,7 +72,7 @@ def test_a100_variant_is_sm_80(compile_pool):
 
 def test_variant_cubins_are_what_the_compile_path_produces(split_bundle, sm90, compile_pool):
     """Same module and arch through the compile pool again: the same bytes (compiles are deterministic)."""
-    [again] = compile_pool.artifacts([compile_request_for(split_bundle, capability_of("sm_90"))])
+    [again] = compile_pool.artifacts([compile_request_for(split_bundle, Target.parse("sm_90"))])
     assert [k["cubin"] for k in again["kernels"]] == [base64.b64decode(k["cubin"]) for k in sm90["kernels"]]
 
 
@@ -86,9 +86,12 @@ def test_corrupted_cubin_byte_is_refused_naming_it(sm90):
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("arch", "gfx90a", "arch: 'gfx90a' is not an NVIDIA arch"),
+    ("arch", "sm90", "arch: 'sm90' is not a GPU arch like sm_90a or gfx942"),
+    ("arch", "gfx942", "binary_kind: 'cubin', but gfx942 binaries are hsaco"),  # cubins under an AMD arch
+    ("binary_kind", "hsaco", "binary_kind: 'hsaco', but sm_90a binaries are cubin"),
     ("kernels", [], "kernels: expected 1 to"),
     ("capability", "90", "capability: missing or not a int"),
+    ("ptxas_version", None, "ptxas_version: missing or not a str"),
 ])
 def test_bad_variant_fields_are_named(sm90, field, value, match):
     bad = {**sm90, field: value}
@@ -324,15 +327,15 @@ def test_a_client_asks_a_server_from_before_format_3_for_format_2(split_bundle, 
 def test_the_loader_decision(split_bundle, sm90):
     b2 = bundle_v2(split_bundle, {"sm_90a": sm90})
     env = {}
-    h100 = {"capability": (9, 0), "triton_version": sm90["triton_version"], "interpreted": False, "env_vars": env}
+    h100 = {"arch": "sm_90a", "triton_version": sm90["triton_version"], "interpreted": False, "env_vars": env}
     variant, why = choose_binary(b2, **h100)
     assert variant is sm90 and "stored sm_90a cubin" in why
     cases = [
         (split_bundle, h100, "no compiled binary"),
-        (b2, {**h100, "capability": None}, "no CUDA device"),
+        (b2, {**h100, "arch": None}, "no GPU device"),
         (b2, {**h100, "interpreted": True}, "TRITON_INTERPRET=1"),
-        (b2, {**h100, "capability": (8, 0)}, "no binary for this device's sm_80; stored: sm_90a"),
-        (b2, {**h100, "capability": (10, 0)}, "sm_100a"),
+        (b2, {**h100, "arch": "sm_80"}, "no binary for this device's sm_80; stored: sm_90a"),
+        (b2, {**h100, "arch": "gfx942"}, "no binary for this device's gfx942; stored: sm_90a"),
         (b2, {**h100, "triton_version": "3.8.0"}, "built with Triton"),
         (b2, {**h100, "env_vars": {"TRITON_DEFAULT_FP_FUSION": "true"}}, "cache key would differ"),
     ]
@@ -340,6 +343,11 @@ def test_the_loader_decision(split_bundle, sm90):
         variant, why = choose_binary(bundle, **facts)
         assert variant is None and reason in why, (facts, why)
     assert device_arch((9, 0)) == "sm_90a" and device_arch((8, 0)) == "sm_80" and device_arch((8, 6)) == "sm_86"
+    assert device_arch((10, 0)) == "sm_100a" and device_arch((8, 9)) == "sm_89"
+    # a ROCm device: torch's gcnArchName, its features after the name
+    assert device_arch("gfx942:sramecc+:xnack-") == "gfx942" and device_arch("gfx950") == "gfx950"
+    with pytest.raises(ValueError, match="not a GPU arch"):
+        device_arch("navi:xnack-")
     # format 3: this Triton's variant among the others; a Triton none was built by says which were
     older, newer = built_by(sm90, "3.5.0"), built_by(sm90, "3.10.0")
     b3 = bundle_v3(split_bundle, [older, sm90, newer])
@@ -356,11 +364,10 @@ def _cache_hit(request, variant: dict, cache_dir: str) -> list[bytes]:
     compiler itself disabled (what a GPU client's first launch does)."""
     import os
 
-    import triton
     from triton.backends.nvidia.compiler import CUDABackend
-    from triton.compiler import ASTSource
 
-    from fuser_core.codegen.gpu_compile import _bound, request_launches
+    from fuser_core.codegen.backends import backend_for
+    from fuser_core.codegen.launches import request_launches
 
     def refuse(*args, **kwargs):
         raise AssertionError("the compiler ran: the installed cubin was not found")
@@ -373,10 +380,9 @@ def _cache_hit(request, variant: dict, cache_dir: str) -> list[bytes]:
     try:
         install_variant(variant)
         out = []
+        backend = backend_for(request.target)
         for launch in request_launches(request)[1]:
-            target, (options, signature, constexprs, attrs) = _bound(launch, request.capability)
-            compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target,
-                                      options=options.__dict__)
+            compiled = backend.compile(launch, backend.bind(launch))  # triton.compile, as a launch would
             assert all(str(p).startswith(cache_dir) for p in compiled.metadata_group.values())
             out.append(bytes(compiled.asm["cubin"]))
         return out
@@ -391,7 +397,7 @@ def _cache_hit(request, variant: dict, cache_dir: str) -> list[bytes]:
 
 def test_installed_cubins_are_what_triton_finds_at_launch_without_compiling(split_bundle, sm90, compile_pool,
                                                                            tmp_path):
-    request = compile_request_for(split_bundle, 90)
+    request = compile_request_for(split_bundle, Target.parse("sm_90"))
     cubins = compile_pool._pool.submit(_cache_hit, request, sm90, str(tmp_path / "triton")).result()
     assert cubins == [base64.b64decode(k["cubin"]) for k in sm90["kernels"]]
 
@@ -425,7 +431,7 @@ def _fast_path(b2: dict, v1_sha: str, cache_dir: str) -> dict:
     os.environ.pop("TRITON_DEFAULT_FP_FUSION", None)  # as in an inference server
     triton.compile = triton.compiler.compile = triton.compiler.compiler.compile = refuse
     CUDABackend.make_cubin = CUDABackend.make_ptx = refuse
-    client._device_facts = lambda: {"capability": (9, 0), "triton_version": triton.__version__,
+    client._device_facts = lambda: {"arch": "sm_90a", "triton_version": triton.__version__,
                                     "interpreted": False, "env_vars": {}}
     driver.set_active(cubin_loader.TargetOnlyDriver(90))
     try:

@@ -11,7 +11,11 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -180,7 +184,7 @@ def test_canonical_spec_gives_the_same_bundle():
     canon = load_spec(canonical_json(spec), printed=True)
     shape = small_shape("attention")
     b1 = bundle_for("attention", shape)
-    from service.bundle import canonical_shape
+    from fuser_core import canonical_shape
 
     b2 = make_bundle(make_problem(canon, canonical_shape(spec, shape), "float32"), target="H100",
                      strategy=b1["strategy"], config=b1["config"], measured=MEASURED)
@@ -417,3 +421,14 @@ def test_an_empty_batch_through_a_loaded_kernel_gives_empty_outputs_without_a_la
     assert out["lse"].shape == (0,) and out["lse"].dtype == torch.float32
     out = kernel(x=torch.zeros(3, 0))
     assert torch.equal(out["lse"], torch.logsumexp(torch.zeros(3, 0), -1))
+
+
+def test_the_bundle_package_stays_light():
+    """service.bundle is on an inference server's start-up path (service.client): importing it
+    imports no derivation (sympy, SciPy, NumPy), no database layer and neither torch nor triton."""
+    code = ("import sys, service.bundle; "
+            "print(sorted(m for m in ('sympy', 'scipy', 'numpy', 'sqlalchemy', 'torch', 'triton') if m in sys.modules))")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -422,7 +422,7 @@ def test_a_warm_get_does_no_http_and_no_disk_access(server, tmp_path, disk_acces
         cold = cache.get(spec, SHAPE)
         assert len(server.requests) == 2 and disk_access  # the cold call asked and stored
         hashed = []
-        monkeypatch.setattr("service.client.spec_hash", lambda s: hashed.append(s) or spec_hash(s))
+        monkeypatch.setattr("service.client_request.spec_hash", lambda s: hashed.append(s) or spec_hash(s))
         requests_before, disk_access[:] = len(server.requests), []
         warm = [cache.get(spec, SHAPE) for _ in range(100)]
         assert len(server.requests) == requests_before
@@ -453,7 +453,7 @@ def test_a_warm_torch_op_call_does_no_http_and_no_disk_access(server, tmp_path, 
 
 def test_the_spec_is_parsed_and_hashed_once_per_distinct_argument(server, tmp_path, monkeypatch):
     hashed = []
-    monkeypatch.setattr("service.client.spec_hash", lambda s: hashed.append(s) or spec_hash(s))
+    monkeypatch.setattr("service.client_request.spec_hash", lambda s: hashed.append(s) or spec_hash(s))
     with client(server, tmp_path) as cache:
         cache.get(RAW, SHAPE)
         cache.get(RAW, {"m": 2, "n": 16})  # another shape of the same spec: a new request, no new hash

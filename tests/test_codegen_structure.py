@@ -1,5 +1,5 @@
-"""The kernel structure (fuser_core/codegen/structure.py: each kernel an ordered list of typed
-operations, fuser_core/codegen/ops.py) and what the printers make of it: loop-invariant loads
+"""The kernel structure (fuser_core/codegen/structure/: each kernel an ordered list of typed
+operations, fuser_core/codegen/ops/) and what the printers make of it: loop-invariant loads
 hoisted out of the loop, each kernel's arguments exactly what its operations read, the split
 part + combine pair launched as one object, tl.dot decided once, every value's name and dims
 decided before printing, the helpers a module pastes named by its operations."""

@@ -193,7 +193,8 @@ def test_variance_stays_accurate_with_a_large_offset():
     """The Taylor realisation avoids raw power sums' cancellation (mean 1e6, unit spread)."""
     import numpy as np
 
-    from fuser_core.certificate import _AxisLoop, _compiled
+    from fuser_core.certificate_loop import AxisLoop
+    from fuser_core.certificate_numpy import compile_forms
     from fuser_core.reference import Evaluator
 
     spec = load_spec(CATALOG["layernorm"])
@@ -208,7 +209,7 @@ def test_variance_stays_accurate_with_a_large_offset():
     ev = Evaluator(spec, shape)
     env = ev.run(inputs)
     group = d.groups[0]
-    loop = _AxisLoop(d, ev, env, group.axis, [d.forms[m] for m in group.members], _compiled(d, True))
+    loop = AxisLoop(d, ev, env, group.axis, [d.forms[m] for m in group.members], compile_forms(d, True))
     with np.errstate(all="ignore"):
         err = loop.compare(d.forms["var"], loop.run_split(rng))
     assert err < 1e-6  # raw sums of x^2 ~ 1e12 per element would lose all ~1.0 of the variance
@@ -250,7 +251,8 @@ def test_taylor_accumulators_are_stable_with_a_large_offset():
     """The shift keeps (x - anchor) small: raw sums of x^2 at 1e6 would lose everything."""
     import numpy as np
 
-    from fuser_core.certificate import _AxisLoop, _compiled
+    from fuser_core.certificate_loop import AxisLoop
+    from fuser_core.certificate_numpy import compile_forms
     from fuser_core.reference import Evaluator
 
     spec = spec_of([MX, {"name": "r", "reduce": "sum", "over": "n", "expr": "(x - mx) ** 2 / size(n)"}], ["r"])
@@ -260,7 +262,7 @@ def test_taylor_accumulators_are_stable_with_a_large_offset():
     ev = Evaluator(spec, shape)
     env = ev.run({"x": 1e6 + rng.standard_normal((2, 500))})
     group = d.groups[0]
-    loop = _AxisLoop(d, ev, env, group.axis, [d.forms[m] for m in group.members], _compiled(d, True))
+    loop = AxisLoop(d, ev, env, group.axis, [d.forms[m] for m in group.members], compile_forms(d, True))
     with np.errstate(all="ignore"):
         assert loop.compare(d.forms["r"], loop.run_split(rng)) < 1e-6
 

@@ -16,12 +16,15 @@ from hypothesis import strategies as st
 from fuser_core.canonical import canonical_form, spec_hash
 from fuser_core.errors import SpecError
 from fuser_core.expr import COMPARE_OPS, FUNCTIONS, SPECIAL_FUNCTIONS
-from fuser_core.spec import REDUCE_OPS, load_spec
+from fuser_core.reduce_ops import SPEC_REDUCE_KINDS
+from fuser_core.spec import load_spec
 
 CATALOG = load_catalog()
 NAMES = sorted(CATALOG)
 
 EXAMPLES = int(os.environ.get("FOLDWISE_FUZZ_EXAMPLES", "0")) or None
+# CPU seconds, not wall-clock: a loaded CI machine (other processes on the cores) must not fail the
+# check, which guards against work that grows with the input (a pathological expression)
 SLOW_LOAD_S = 0.5
 
 
@@ -35,7 +38,7 @@ def fuzz_settings(default: int):
 
 def check_load(source):
     """load_spec either accepts ``source`` or raises SpecError; never anything else, never slowly."""
-    start = time.perf_counter()
+    start = time.thread_time()
     try:
         spec = load_spec(source)
     except SpecError as err:
@@ -43,7 +46,7 @@ def check_load(source):
         assert all(isinstance(p, str | int) for p in err.loc)
         str(err)  # printable
         spec = None
-    elapsed = time.perf_counter() - start
+    elapsed = time.thread_time() - start
     assert elapsed < SLOW_LOAD_S, f"load_spec took {elapsed:.2f} s"
     if spec is not None:
         # an accepted spec has a canonical form that is itself accepted, with the same hash
@@ -82,7 +85,7 @@ EXPR_SOUP = st.lists(st.one_of(EXPR_PIECES, IDENT), max_size=12).map("".join)
 STEP = st.fixed_dictionaries(
     {"name": st.one_of(IDENT, JSON), "expr": st.one_of(EXPR_SOUP, JSON)},
     optional={
-        "reduce": st.one_of(st.sampled_from(REDUCE_OPS), JSON),
+        "reduce": st.one_of(st.sampled_from(SPEC_REDUCE_KINDS), JSON),
         "over": st.one_of(IDENT, JSON),
         "k": st.one_of(st.integers(-2, 10), JSON),
         "as": st.one_of(IDENT, JSON),
@@ -241,9 +244,9 @@ def test_expression_soup_in_catalog_specs(name, data):
     loc = data.draw(st.sampled_from(targets))
     text = data.draw(st.one_of(soup(raw), st.sampled_from(FRAGMENTS)))
     at(raw, loc[:-1])[loc[-1]] = text
-    start = time.perf_counter()
+    start = time.thread_time()
     try:
         load_spec(raw)
     except SpecError as err:
         assert err.loc, err
-    assert time.perf_counter() - start < SLOW_LOAD_S
+    assert time.thread_time() - start < SLOW_LOAD_S

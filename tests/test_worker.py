@@ -20,8 +20,9 @@ from fuser_core.spec import load_spec
 from service import job_queue, kernel_cache
 from service.bundle import verify_bundle
 from service.db import DatabaseBehind, study_storage_url
+from service.job_outcome import JobOutcome
 from service.binaries import stored_variants
-from service.models import Job, KernelBinary, utcnow
+from service.models import Job, Kernel, KernelBinary, utcnow
 from service.settings import get_settings
 from service.tuning import SetupError
 from service.tuning_request import tuning_request
@@ -192,6 +193,34 @@ def test_budget_seconds_used_up_by_earlier_attempts(db_url, sessions) -> None:
     assert job.status == "failed" and "budget.seconds (5 s) was used up" in job.error and job.trials_done == 0
 
 
+def test_a_range_job_is_derived_once_for_all_its_buckets(db_url, sessions, monkeypatch) -> None:
+    """The worker derives a job's spec once (service.worker.Worker._tune): every bucket's search
+    and every bucket's bundle use that derivation."""
+    import fuser_core
+    import fuser_core.derive
+    from fuser_core import spec_hash
+
+    job_id = submit(sessions, trials=1, shape={"m": {"min": 1, "max": 4, "buckets": [2, 4]}, "n": 64})
+    real, calls = fuser_core.derive.derive_cascade, []
+
+    def counted(spec, **kwargs):
+        calls.append(spec_hash(spec))
+        return real(spec, **kwargs)
+
+    fuser_core.derive_cascade  # noqa: B018 (the lazy export, loaded before it is patched)
+    monkeypatch.setattr(fuser_core, "derive_cascade", counted)
+    monkeypatch.setattr(fuser_core.derive, "derive_cascade", counted)
+    assert run_worker(db_url, measurer="model", target="h100", once=True,
+                      settings=settings(db_url, compile_binaries=False)) == 1
+    job = reload(sessions, job_id)
+    with sessions() as s:
+        kernels = s.scalar(sa.select(sa.func.count()).select_from(Kernel))
+    assert job.status == "succeeded" and kernels == 2, job.error
+    # the job's spec (the cost model's unfused-chain baseline derives each step's own spec besides);
+    # the bundle's derivation report was cached in-process when the job was submitted
+    assert calls.count(spec_hash(SPEC)) == 1, calls
+
+
 def test_a_crashing_search_fails_the_job_with_the_reason(db_url, sessions, monkeypatch) -> None:
     import service.tuning
 
@@ -200,7 +229,7 @@ def test_a_crashing_search_fails_the_job_with_the_reason(db_url, sessions, monke
     def boom(*args, **kwargs):
         raise RuntimeError("the search blew up")
 
-    monkeypatch.setattr(service.tuning, "tuning_setup", boom)
+    monkeypatch.setattr(service.tuning, "search_setup", boom)
     assert run_worker(db_url, measurer="model", target="h100", once=True, settings=settings(db_url)) == 1
     job = reload(sessions, job_id)
     assert job.status == "failed" and "RuntimeError: the search blew up" in job.error and job.dedupe_key is None
@@ -215,7 +244,7 @@ def test_takeover_continues_the_dead_workers_study(db_url, sessions) -> None:
     cfg = settings(db_url, lease_seconds=1.0, heartbeat_seconds=0.2)
     stop = threading.Event()
     dead = Worker(db_url, measurer="model", target="h100", worker_id="w-dead", stop=stop, settings=cfg)
-    dead._settle = lambda job, outcome, detail, keeper: "died"  # dies: neither finishes nor releases
+    dead._settle = lambda job, outcome, detail, keeper: JobOutcome.LOST  # dies: neither finishes nor releases
     watcher = threading.Thread(target=lambda: wait_for(lambda: reload(sessions, job_id).trials_done >= 3)
                                and stop.set(), daemon=True)
     try:

@@ -33,6 +33,7 @@ from typing import Any
 
 import sympy as sp
 
+from fuser_core import has_slots, returns_indices
 from fuser_core.codegen import ops
 from fuser_core.codegen import structure as st
 from fuser_core.codegen.plan import STRATEGIES, KernelConfig, KernelPlan, loop_axis, next_pow2
@@ -256,11 +257,11 @@ class WorkCounter:
         self.expr(f.expr)
         tile = self.an.dims_of(f.expr) | {f.over}
         self.p.tensors.append(tile)
-        if f.op in ("topk", "bottomk"):
+        if has_slots(f.op):
             k = step.k or 1
             self.p.add(tile, TOPK_TILE_ALU * k)
             self.p.add(frozenset(step.dims), TOPK_SLOT_ALU * k)
-        elif f.op in ("argmax", "argmin"):
+        elif returns_indices(f.op):
             self.p.add(tile, 4)
         else:
             self.p.add(tile, REDUCE_ALU)
@@ -307,7 +308,7 @@ class WorkCounter:
         real = self.realisation(step)
         acc = frozenset(step.dims)
         self.moves(real, acc, 2)  # the merged state and the part, each moved to the merged anchors
-        if real.op in ("topk", "bottomk"):
+        if has_slots(real.op):
             self.p.add(acc, 2 * TOPK_SLOT_ALU * (step.k or 1))
         else:
             self.p.add(acc, 2 * n_accs)

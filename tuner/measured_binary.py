@@ -1,4 +1,5 @@
-"""The binary a cuda measurement ran, for the kernel store (issue 15).
+"""The binary a GPU measurement ran, for the kernel store (issue 15): a cubin, or an hsaco
+from a ROCm measurement (not run on AMD).
 
 With ``--measurer cuda`` the stored binary is the one that was timed, not a recompile: the
 measurer's child process keeps each generated module loaded (fuser_core.codegen.module caches
@@ -7,8 +8,9 @@ modules by key), and Triton's JIT keeps every kernel it compiled for a launch in
 target, backend, binder)``), a map of specialization key -> ``CompiledKernel``. A
 ``CompiledKernel`` holds ``asm["cubin"]`` (bytes), ``asm["ptx"]``, ``metadata`` (a namedtuple:
 name, shared, num_warps, target ...), ``metadata_group`` (its files in Triton's cache, the
-metadata JSON among them) and ``hash`` (its cache key). :func:`measured_artifacts` turns those
-into the same answer as :func:`fuser_core.codegen.gpu_compile.compile_artifacts`.
+metadata JSON among them) and ``hash`` (its cache key); an AMD kernel ``asm["hsaco"]`` and ``asm["amdgcn"]``.
+:func:`measured_artifacts` turns those into the same answer as
+:func:`fuser_core.codegen.gpu_compile.compile_artifacts`, by the backend of their target.
 
 Not measured on a GPU: the machines this was written on have none. The extraction is tested with
 real ``CompiledKernel`` objects from ``triton.compile`` placed in a stand-in JIT cache
@@ -40,18 +42,11 @@ def compiled_kernels(module: ModuleType) -> list[Any]:
 
 
 def measured_artifacts(compiled: list[Any]) -> dict[str, Any]:
-    """``compile_artifacts``' answer (arch, capability, versions, kernels) for kernels Triton
-    compiled at a launch; the capability is the one they were compiled for (their metadata's
-    target), so the variant's arch is the measuring GPU's."""
-    import triton
-
-    from fuser_core.codegen.gpu_compile import compiled_kernel_artifact, cubin_arch, ptxas_version
+    """``compile_artifacts``' answer (target, arch, binary kind, capability, versions, kernels)
+    for kernels Triton compiled at a launch, by the backend of the target they were compiled for
+    (their metadata's): the variant's arch is the measuring GPU's, a cubin's or an hsaco's."""
+    from fuser_core.codegen.gpu_compile import compiled_artifacts
 
     if not compiled:
         raise ValueError("no compiled kernel in the module's JIT cache: was it launched on a GPU?")
-    capabilities = {int(c.metadata.target.arch) for c in compiled}
-    if len(capabilities) != 1:
-        raise ValueError(f"kernels compiled for different capabilities {sorted(capabilities)}")
-    [capability] = capabilities
-    return {"arch": cubin_arch(capability), "capability": capability, "triton_version": triton.__version__,
-            "ptxas_version": ptxas_version(capability), "kernels": [compiled_kernel_artifact(c) for c in compiled]}
+    return compiled_artifacts(compiled)

@@ -128,7 +128,7 @@ def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
     from fuser_core.codegen.bounds import axis_window
     from fuser_core.codegen.ops import Fold
     from fuser_core.codegen.structure import FUSED_STRATEGIES, reads_count
-    from fuser_core.realisation import SELECTIONS
+    from fuser_core import is_selection
 
     blocks, a = plan.blocks, plan.axis
     full = -(-shape[a] // blocks[a])
@@ -143,7 +143,7 @@ def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
     if window is None and loop.span in ("axis", "chunk"):
         folds = [(op.op, op.expr) for op in loop.body if isinstance(op, Fold)]
         window = axis_window(a, folds, counts=plan.strategy in FUSED_STRATEGIES and reads_count(plan),
-                             selections=any(s.reduce in SELECTIONS for s in plan.axis_reductions()))
+                             selections=any(is_selection(s.reduce) for s in plan.axis_reductions()))
     if window is None:
         return float(full)
     lanes = sorted({s.name[s.name.index("(") + 1:-1] for e in (window.lo, window.hi) if e is not None

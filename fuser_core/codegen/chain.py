@@ -50,17 +50,16 @@ from typing import Any
 
 import sympy as sp
 
-from fuser_core import expr as ex
 from fuser_core.canonical import canonical_json
+from fuser_core.codegen.chain_subspec import part_dims, part_is_index, step_reads, sub_derivation, sub_spec
 from fuser_core.codegen.emit import load_expr, store_expr
 from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.module import TORCH_DTYPES, _load, cached_source, generate, module_header, output_dtypes
 from fuser_core.codegen.names import FP8, kernel_arg, safe_name, scalar_arg
 from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan, NotValid, make_plan, next_pow2
-from fuser_core.merged import as_logical
 from fuser_core.codegen.tritonize import Ref, expr_dims, helpers_of, to_triton
-from fuser_core.derive import Derivation, derive_cascade
-from fuser_core.reference import bind_shape, param_values
+from fuser_core.merged import as_logical
+from fuser_core.reference import bind_shape
 from fuser_core.spec import Input, Spec, Step, load_spec
 from fuser_core.symbolic import SymbolicSpec
 
@@ -122,132 +121,6 @@ class ChainRun:
     kernels: list[ChainKernel]
 
 
-# ---------------------------------------------------------------- caching
-
-
-_DERIVATIONS: dict[str, Derivation] = {}
-
-
-def _derivation(sub: Spec, raw: dict[str, Any]) -> Derivation:
-    """Derivations of sub-specs, memoised in-process (sympy is the slow part of a cache hit)."""
-    text = json.dumps(raw, sort_keys=True)
-    if text not in _DERIVATIONS:
-        _DERIVATIONS[text] = derive_cascade(sub)
-    return _DERIVATIONS[text]
-
-
-# ---------------------------------------------------------------- sub-specs
-
-
-def _refs(e: ex.Expr) -> list[ex.Ref]:
-    return [n for n in ex.walk(e) if isinstance(n, ex.Ref)]
-
-
-def _reads(spec: Spec, step: Step) -> tuple[list[str], list[Step], list[str], list[str]]:
-    """What ``step`` needs, through the elementwise steps it reads: (inputs, elementwise steps
-    in step order, reduction parts, params)."""
-    inputs: set[str] = set()
-    elementwise: set[str] = set()
-    parts: set[str] = set()
-    params: set[str] = set()
-    todo = [step.expr]
-    while todo:
-        for ref in _refs(todo.pop()):
-            obj = spec.lookup(ref.name)
-            if isinstance(obj, Step) and obj.is_reduction:
-                parts.add(ref.name if ref.part is None else f"{ref.name}.{ref.part}")
-            elif isinstance(obj, Step):
-                if ref.name not in elementwise:
-                    elementwise.add(ref.name)
-                    todo.append(obj.expr)
-            elif isinstance(obj, Input):
-                inputs.add(ref.name)
-            else:
-                params.add(ref.name)
-    order = [s.name for s in spec.steps]
-    return (
-        [i.name for i in spec.inputs if i.name in inputs],
-        [s for s in spec.steps if s.name in elementwise],
-        sorted(parts, key=lambda p: (order.index(p.split(".")[0]), p)),
-        [p.name for p in spec.params if p.name in params],
-    )
-
-
-def _part_dims(spec: Spec, part: str) -> tuple[str, ...]:
-    return spec.step(part.split(".")[0]).dims
-
-
-def _part_is_index(spec: Spec, part: str) -> bool:
-    return part.endswith(".indices") or spec.step(part.split(".")[0]).is_integer
-
-
-def _input_names(spec: Spec) -> dict[str, str]:
-    """Input name in a sub-spec for every reduction part: the step's name; ``g_values`` /
-    ``g_indices`` for a topk step's parts (made unique against every name and dim)."""
-    taken = {i.name for i in spec.inputs} | {p.name for p in spec.params} | {s.name for s in spec.steps} | set(spec.dims)
-    out: dict[str, str] = {}
-    for s in spec.steps:
-        if not s.is_reduction:
-            continue
-        if s.reduce != "topk":
-            out[s.name] = s.name
-            continue
-        for part in s.parts:
-            name = part.replace(".", "_")
-            while name in taken:
-                name += "_"
-            taken.add(name)
-            out[part] = name
-    return out
-
-
-def sub_spec(spec: Spec, step: Step, shape: Mapping[str, int]) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
-    """The one-reduction spec of ``step`` (a raw dict for :func:`load_spec`) and its reads."""
-    inputs, elementwise, parts, params = _reads(spec, step)
-    names = _input_names(spec)
-    raw_inputs: dict[str, Any] = {}
-    reads: dict[str, tuple[str, str]] = {}
-    for name in inputs:
-        inp = spec.input(name)
-        raw_inputs[name] = {"dims": list(inp.dims), **({"kind": inp.kind} if not inp.is_float else {})}
-        reads[name] = ("input", name)
-    for part in parts:
-        decl: dict[str, Any] = {"dims": list(_part_dims(spec, part))}
-        if _part_is_index(spec, part):
-            decl["kind"] = "index"
-        raw_inputs[names[part]] = decl
-        reads[names[part]] = ("step", part)
-    dims = {d for decl in raw_inputs.values() for d in decl["dims"]}
-    values = param_values(spec, shape)
-
-    def rewrite(node: ex.Expr) -> ex.Expr | None:
-        if isinstance(node, ex.Ref) and node.part is not None:
-            return ex.Ref(names[f"{node.name}.{node.part}"])
-        if isinstance(node, ex.Size) and node.dim not in dims:
-            return ex.Num(float(shape[node.dim]))  # a dim this kernel does not have: its size is a constant
-        return None
-
-    raw_params: dict[str, Any] = {}
-    for p in spec.params:
-        if p.name in params and p.runtime:  # still a kernel argument of the sub-kernel, passed at launch
-            raw_params[p.name] = {"runtime": "float", **({"positive": True} if p.positive else {})}
-        elif p.name in params:
-            uses = {n.dim for n in ex.walk(p.expr) if isinstance(n, ex.Size)}
-            raw_params[p.name] = ex.to_text(p.expr) if uses <= dims else values[p.name]
-    raw_steps = []
-    for s in [*elementwise, step]:
-        entry: dict[str, Any] = {"name": s.name, "expr": ex.to_text(ex.map_expr(s.expr, rewrite))}
-        if s.is_reduction:
-            entry.update(reduce=s.reduce, over=s.over)
-            if s.reduce == "topk":
-                entry.update(k=s.k, **{"as": s.as_dim})
-        raw_steps.append(entry)
-    name = f"{spec.name}_{step.name.lower()}"[:64]
-    raw = {"foldwise": 1, "name": name, "inputs": raw_inputs, "params": raw_params, "steps": raw_steps,
-           "outputs": [step.name]}
-    return raw, reads
-
-
 # ---------------------------------------------------------------- building the chain
 
 
@@ -301,10 +174,10 @@ def chain_plan(
     read_later: set[str] = set()
     for s in spec.steps:
         if s.is_reduction:
-            read_later.update(_reads(spec, s)[2])
+            read_later.update(step_reads(spec, s)[2])
     elementwise_outputs = [o for o in spec.outputs if not spec.step(o).is_reduction]
     for o in elementwise_outputs:
-        read_later.update(_reads(spec, spec.step(o))[2])
+        read_later.update(step_reads(spec, spec.step(o))[2])
     reductions = tuple(_reduction_plan(spec, step, bound, dtypes, blocks_given, final, read_later)
                        for step in spec.steps if step.is_reduction)
     elementwise = None
@@ -368,14 +241,14 @@ def _reduction_plan(
         if where == "input":
             sub_dtypes[name] = dtypes[name]
         else:
-            sub_dtypes[name] = "int32" if _part_is_index(spec, what) else INTERMEDIATE_DTYPE
+            sub_dtypes[name] = "int32" if part_is_index(spec, what) else INTERMEDIATE_DTYPE
     stores = {}
     for part in step.parts:
         if part in final and part not in read_later:
             stores[part] = final[part]  # an output nobody reads: written in its storage dtype
         else:
-            stores[part] = "int32" if _part_is_index(spec, part) else INTERMEDIATE_DTYPE
-    derivation = _derivation(sub, raw)
+            stores[part] = "int32" if part_is_index(spec, part) else INTERMEDIATE_DTYPE
+    derivation = sub_derivation(sub, raw)
     axis = step.over
     assert axis is not None
     blocks = reduction_blocks(sub, step, sub_shape, blocks_given)
@@ -390,8 +263,8 @@ def _reduction_kernel(spec: Spec, r: ChainReduction) -> ChainKernel:
     key, path, source = module.key, module.path, module.source
     permute = {}
     for part in step.parts:
-        own = _part_dims(sub, part)
-        want = _part_dims(spec, part)
+        own = part_dims(sub, part)
+        want = part_dims(spec, part)
         if own != want:
             permute[part] = tuple(own.index(d) for d in want)
     return ChainKernel(step.name, "reduction", plan.strategy, sub, r.reads, step.parts, r.stores, key, path, source,
@@ -450,13 +323,13 @@ class ElementwiseWriter:
 
     def leaf_dims(self, name: str) -> tuple[str, ...]:
         obj = self.spec.lookup(name)
-        return obj.dims if obj is not None else _part_dims(self.spec, name)  # type: ignore[union-attr]
+        return obj.dims if obj is not None else part_dims(self.spec, name)  # type: ignore[union-attr]
 
     def leaf_is_index(self, name: str) -> bool:
         obj = self.spec.lookup(name)
         if isinstance(obj, Input):
             return obj.is_index
-        return _part_is_index(self.spec, name)
+        return part_is_index(self.spec, name)
 
     def signature(self) -> list[str]:
         args = [f"{self.var[n]}_ptr" for n in self.leaves] + [f"{self.var[o]}_ptr" for o in self.outputs]

@@ -25,10 +25,11 @@ from pathlib import Path
 import sympy as sp
 
 from fuser_core.codegen import ops as o
-from fuser_core.codegen.names import FP8, NAN_MAX_MIN, safe_name
+from fuser_core.codegen.names import FP8, safe_name
 from fuser_core.codegen.structure import Kernel, ModuleStructure
 from fuser_core.codegen.tritonize import expr_dims, number, to_triton
 from fuser_core.realisation import identity
+from fuser_core.reduce_ops import has_slots, is_negated, reduce_op, returns_indices
 
 # ---------------------------------------------------------------------- helpers, copied by name
 
@@ -169,9 +170,10 @@ class KernelPrinter:
         """``tl.{op}`` of a value on ``dims`` along ``over``: the value on the other dims."""
         dims = self.layout.order(dims)
         rest = tuple(d for d in dims if d != over)
-        if op in NAN_MAX_MIN:  # tl.max/tl.min drop NaN: reduce with the NaN-propagating helper
-            return f"tl.reduce({value}, {dims.index(over)}, {NAN_MAX_MIN[op]})", rest
-        return f"tl.{op}({value}, axis={dims.index(over)})", rest
+        helper = reduce_op(op).nan_helper
+        if helper:  # tl.max/tl.min drop NaN: reduce with the NaN-propagating helper
+            return f"tl.reduce({value}, {dims.index(over)}, {helper})", rest
+        return f"{reduce_op(op).triton_reduce}({value}, axis={dims.index(over)})", rest
 
     def tile(self, op: str, e: sp.Expr, env: o.Env, over: str, masked: bool) -> tuple[str, tuple[str, ...]]:
         """A sum/max/min of ``e`` over the tile of ``over`` (masked lanes the identity unless filled)."""
@@ -209,7 +211,7 @@ class KernelPrinter:
     def combine(self, name: str, op: str, dims, left: str, left_dims, right: str, right_dims, note: str = "") -> None:
         """name = op(left, right) for two states of one accumulator (on ``dims``)."""
         left, right = self.on(left, left_dims, dims), self.on(right, right_dims, dims)
-        self.emit(f"{name} = {left} + {right}{note}" if op == "sum" else f"{name} = {NAN_MAX_MIN[op]}({left}, {right}){note}")
+        self.emit(f"{name} = {left} + {right}{note}" if op == "sum" else f"{name} = {reduce_op(op).nan_helper}({left}, {right}){note}")
 
     # ------------------------------------------------------------ the kernel
     def arg_groups(self) -> list[list[str]]:
@@ -390,7 +392,7 @@ class KernelPrinter:
         a = op.over
         prev = self.tex(op.prev, op.env) if op.prev is not None else f"{op.name}_values"
         value, dims = self.tex(op.expr, op.env), self.tex_dims(op.expr, op.env)
-        sign = op.op in ("argmin", "bottomk")
+        sign = is_negated(op.op)
         tile, got = self.masked(a, f"-({value})" if sign else value, dims, 'float("-inf")')
         if op.broadcast:  # a value that varies over fewer dims than the state: a whole tile of it
             tile = f"tl.broadcast_to({self.on(tile, got, op.tile_dims)}, {self.shape(op.tile_dims)})"
@@ -426,11 +428,11 @@ class KernelPrinter:
     def part_merge(self, op: o.PartMerge) -> None:
         left, right = self.tex(op.left, op.env), self.tex(op.right, op.env)
         acc = op.name
-        if op.op in ("topk", "bottomk"):
+        if has_slots(op.op):
             p = self.layout.axis(op.dims, op.slots)
             self.emit(f"{acc}_values, {acc}_indices = topk_merge({left}, {acc}_indices, {right}, {acc}_indices_part, "
                       f"{self.offs(op.slots, op.dims)}, {p}, {p}, {op.k})")
-        elif op.op in ("argmax", "argmin"):  # the part's state as a tile of one along a new axis 0
+        elif returns_indices(op.op):  # the part's state as a tile of one along a new axis 0
             self.emit(f"{acc}_values, {acc}_indices = argmax_merge({left}, {acc}_indices, tl.expand_dims({right}, 0), "
                       f"tl.expand_dims({acc}_indices_part, 0), 0)")
         else:

@@ -138,15 +138,6 @@ class ModuleBuild:
                            raw.get("refused"), raw.get("triton_version"))
 
 
-def capability_of(arch: str) -> int:
-    """``"sm_90"`` / ``"sm_90a"`` -> 90 (ValueError for an AMD or unknown arch). Kept for the
-    callers that still hold arch text; new code holds a :class:`fuser_core.targets.Target`."""
-    target = Target.parse(arch)
-    if target.capability is None:
-        raise ValueError(f"not an NVIDIA arch name: {arch!r} (expected sm_NN)")
-    return target.capability
-
-
 # ---------------------------------------------------------------- compiling one launch
 
 

@@ -33,13 +33,16 @@ def _generator_version() -> str:
     """Hash of the code generator's own sources: a changed generator never reuses old kernels."""
     here = Path(__file__).resolve().parent
     digest = hashlib.sha256()
-    for path in sorted(here.glob("*.py")):
+    for path in sorted(here.rglob("*.py")):  # subpackages (codegen.structure) included
         digest.update(path.read_bytes())
     # the derivation, the realisations the printer prints, the sympy forms of the spec's expressions, which
     # elements a fold drops (masks) and how
     # kernels address and launchers lay out inputs of merged dims
-    for core in ("derive.py", "realisation.py", "symbolic.py", "merged.py", "masks.py"):
-        digest.update((here.parent / core).read_bytes())
+    # and the reduce kinds' table (identities, helpers)
+    for core in ("derive", "realisation.py", "symbolic.py", "merged.py", "masks.py", "reduce_ops.py"):
+        path = here.parent / core
+        for source in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(source.read_bytes())
     return digest.hexdigest()[:12]
 
 

@@ -33,4 +33,3 @@ def kernel_arg(var: str, dtype: str | None) -> str:
 
 # max/min in generated code: helpers that propagate NaN as torch does (fuser_core/codegen/helpers.py);
 # Triton's tl.maximum, tl.max and their min twins drop it by default
-NAN_MAX_MIN = {"max": "max_nan", "min": "min_nan"}

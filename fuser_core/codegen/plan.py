@@ -30,6 +30,7 @@ from typing import Any
 from fuser_core.derive import Derivation
 from fuser_core.problem import fill_parts
 from fuser_core.spec import Input, Spec, Step
+from fuser_core.reduce_ops import in_tile
 
 STRATEGIES = ("row_resident", "streaming_fused", "split_fused", "multi_pass")
 BASELINE = "unfused_chain"
@@ -139,9 +140,6 @@ class KernelPlan:
                 if form is not None:
                     out[s.name] = form
         return out
-
-    def inner_reductions(self) -> list[Step]:
-        return [s for s in self.spec.steps if s.is_reduction and s.over != self.axis]
 
 
 def gather_form(spec: Spec, derivation: Derivation, step: Step, axis: str) -> tuple[Any, Any] | None:
@@ -354,7 +352,7 @@ def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str
             raise NotValid(f"{s.name}: its expression has {n} nodes once earlier steps are inlined; kernels are "
                            f"generated for at most {MAX_KERNEL_NODES}")
     for s in spec.steps:  # an inner reduction is computed whole inside each tile: sum, max and min only
-        if s.is_reduction and s.over in inner and s.reduce not in ("sum", "max", "min"):
+        if s.is_reduction and s.over in inner and not in_tile(s.reduce):
             raise NotValid(f"{s.name}: {s.reduce} over {s.over} inside the loop over {axis} is not supported "
                            "(inner reductions are sum, max or min)")
     for name, b in config.blocks.items():

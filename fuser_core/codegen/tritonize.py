@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import sympy as sp
 
 from fuser_core.codegen.layout import Layout
-from fuser_core.codegen.names import NAN_MAX_MIN
 from fuser_core.grouping import Grouping
 from fuser_core.realisation import NanToZero, Rescale, ShiftTerm
 from fuser_core.symbolic import CAST_FUNCTIONS, InfCompare, NanOf, Round, Unordered
+from fuser_core.reduce_ops import reduce_op
 
 _FUNCS = {
     sp.exp: "tl.exp",
@@ -266,7 +266,7 @@ class _Printer:
         if isinstance(e, sp.Piecewise):
             return self.piecewise(e), _ATOM
         if isinstance(e, sp.Max | sp.Min):  # NaN-propagating, as torch.maximum/minimum and the reference
-            fn = NAN_MAX_MIN["max" if isinstance(e, sp.Max) else "min"]
+            fn = reduce_op("max" if isinstance(e, sp.Max) else "min").nan_helper
             self.helpers.append(fn)
             args = [self.go(a)[0] for a in e.args]
             out = args[0]

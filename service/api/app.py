@@ -25,6 +25,7 @@ from service import errors
 from service.api import routes_jobs, routes_kernels, routes_misc
 from service.api.cache import BundleCache, SpecCache
 from service.api.deps import AppContext
+from service.api.derive import Deriver
 from service.api.fastpath import BundleFastPath, LoopReader
 from service.api.middleware import AccessLog, BodyLimit
 from service.api.schemas import ProblemView
@@ -93,20 +94,19 @@ def create_app(settings: Settings | None = None, *, check_db: bool = True, dashb
         settings=settings, engine=engine, read_engine=reader, sessions=sessions, read_sessions=read_sessions,
         auth=AuthPolicy(loopback=is_loopback(settings.host), writer=sessions),
         metrics=Metrics(read_sessions, alive_within_s=alive_s), bundles=BundleCache(), specs=SpecCache(),
-        derive_pool=ThreadPoolExecutor(DERIVE_THREADS, thread_name_prefix="foldwise-derive"),
-        derive_timeout_s=derive_timeout_s or settings.derive_timeout_seconds,
+        parsed_specs=ParsedSpecs(),
+        deriver=Deriver(ThreadPoolExecutor(DERIVE_THREADS, thread_name_prefix="foldwise-derive"),
+                        derive_timeout_s or settings.derive_timeout_seconds),
+        # an SQLite file: the hot path reads on the event loop (service.api.fastpath)
+        loop_reader=LoopReader(reader) if reader is not engine else None,
     )
-
-    ctx.extra["parsed_specs"] = ParsedSpecs()
-    if reader is not engine:  # an SQLite file: the hot path reads on the event loop (service.api.fastpath)
-        ctx.extra["loop_reader"] = LoopReader(reader)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        if "loop_reader" in ctx.extra:
-            ctx.extra["loop_reader"].close()
-        ctx.derive_pool.shutdown(wait=False, cancel_futures=True)
+        if ctx.loop_reader is not None:
+            ctx.loop_reader.close()
+        ctx.deriver.pool.shutdown(wait=False, cancel_futures=True)
         if reader is not engine:
             reader.dispose()
         engine.dispose()

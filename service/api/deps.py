@@ -17,9 +17,8 @@ PostgreSQL the same engine as writes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -27,10 +26,16 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from service.api.cache import BundleCache, SpecCache
+from service.api.derive import Deriver
 from service.api.problems import Problem
+from service.api.validation import ParsedSpecs
 from service.auth import AuthError, AuthPolicy, Principal
 from service.metrics import Metrics
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.api.fastpath import LoopReader
 
 T = TypeVar("T")
 bearer = HTTPBearer(auto_error=False, description="an API token: `foldwise token create`")
@@ -39,7 +44,8 @@ BearerDep = Depends(bearer)  # documents the scheme in OpenAPI; the check itself
 
 @dataclass
 class AppContext:
-    """Everything the routes share; one per app (``app.state.ctx``)."""
+    """Everything the routes share; one per app (``app.state.ctx``), given to a route by the
+    typed dependency :data:`Context`."""
 
     settings: Settings
     engine: Engine
@@ -48,15 +54,18 @@ class AppContext:
     read_sessions: sessionmaker[Session]
     auth: AuthPolicy
     metrics: Metrics
-    bundles: Any  # service.api.cache.BundleCache
-    specs: Any  # service.api.cache.SpecCache
-    derive_pool: ThreadPoolExecutor
-    derive_timeout_s: float
-    extra: dict[str, Any] = field(default_factory=dict)
+    bundles: BundleCache  # bundle bytes by sha256
+    specs: SpecCache  # stored specs, parsed (service.api.ops.SpecInfo)
+    parsed_specs: ParsedSpecs  # request spec texts, parsed
+    deriver: Deriver  # derivations off the event loop, with a time limit
+    loop_reader: LoopReader | None = None  # an SQLite file's hot-path reads on the event loop (fastpath)
 
 
 def context(request: Request) -> AppContext:
     return request.app.state.ctx
+
+
+Context = Annotated[AppContext, Depends(context)]  # a route's typed handle on the app's shared state
 
 
 def auth_problem(err: AuthError) -> Problem:

@@ -38,12 +38,13 @@ from service.api import ops
 from service.api.deps import AppContext, auth_problem
 from service.api.problems import Problem, not_found
 from service.auth import _ANY_TOKEN, _TOKEN_ROW, AuthError, TokenLookup
+from service.bundle import ARCH_PATTERN
 from service.models import Kernel, ServedBundle
 from service.served_bundles import no_binaries, served_bytes, view_of
 
 log = logging.getLogger("foldwise.api")
 BUNDLE_PATH = re.compile(r"/v1/kernels/([0-9a-f]{32})/bundle")
-ARCH = re.compile(rb"sm_\d{2,3}a?")  # the route's pattern for ?arch=
+ARCH = re.compile(ARCH_PATTERN.encode())  # the route's pattern for ?arch=
 ROUTE = SimpleNamespace(path="/v1/kernels/{kernel_id}/bundle")  # the metrics label
 _SHA_QUERY = sa.select(Kernel.bundle_sha256).where(Kernel.id == sa.bindparam("kernel_id"))
 # formats 2 and 3: the kernel's bundle joined to its precomputed views (service.served_bundles), one indexed read
@@ -192,7 +193,7 @@ async def bundle_answer(ctx: AppContext, kernel_id: str, authorization: str | No
     """(status, headers, body) of a bundle request; raises Problem for errors. ``format`` 2 or 3,
     or an ``arch`` (format 2 unless 3 is asked for): the precomputed view (service.served_bundles)."""
     view = view_of(arch, 3 if format == 3 else 2) if (format in (2, 3) or arch is not None) else None
-    reader: LoopReader | None = ctx.extra.get("loop_reader")
+    reader = ctx.loop_reader
     found = None
     if reader is not None:
         try:

@@ -1,6 +1,7 @@
-"""What the routes do, as plain functions of a Session (run in the thread pool by
-:class:`service.api.deps.Db`); the stores themselves are :mod:`service.spec_store`,
-:mod:`service.job_queue` and :mod:`service.kernel_cache`."""
+"""What the routes do: plain functions of a Session (run in the thread pool by
+:class:`service.api.deps.Db`), and :func:`submit_job`, the one call a submission makes; the
+stores themselves are :mod:`service.spec_store`, :mod:`service.job_queue` and
+:mod:`service.kernel_cache`."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from sqlalchemy.orm import Session
 from fuser_core import Spec, SpecError, bound_to_canonical, canonical_shape, load_spec, normalize_dtype
 from service import job_queue, kernel_cache, spec_store
 from service.api.cache import SpecCache
+from service.api.deps import AppContext, Db
 from service.api.problems import Problem, error_entry, invalid, invalid_field, not_found
 from service.api.schemas import JobRequest, iso, job_view, kernel_view, trial_view, worker_view
 from service.api.validation import ParsedSpecs, job_request, query_value
-from service.bundle import dtype_text, parse_dtype_text, parse_shape_text, shape_text, user_names
+from service.bundle import dtype_text, parse_dtype_text, parse_shape_text, shape_text
+from service.dim_names import DimNames
 from service.models import Job, Kernel, SpecRecord
 from service.settings import Settings
 from service.tuning_request import TuningRequest
@@ -32,11 +35,8 @@ class SpecInfo:
     spec_hash: str
     canonical: Spec  # what jobs, kernels and bundles are keyed by
     source: Spec  # the spec as first submitted
-    to_user: dict[str, str]  # canonical dim -> first-stored dim
+    names: DimNames  # canonical versus first-stored names
     uncertified: list[str]  # the reductions whose certificate failed ([]: it holds)
-
-    def display_shape(self, shape: dict[str, int]) -> dict[str, int]:
-        return {self.to_user.get(d, d): n for d, n in shape.items()}
 
 
 def spec_info(session: Session, cache: SpecCache, spec_hash: str) -> SpecInfo | None:
@@ -46,7 +46,7 @@ def spec_info(session: Session, cache: SpecCache, spec_hash: str) -> SpecInfo | 
         if record is None:
             return None
         source = load_spec(record.source)
-        info = SpecInfo(spec_hash, spec_store.job_spec(record), source, user_names(source),
+        info = SpecInfo(spec_hash, spec_store.job_spec(record), source, DimNames.of(source),
                         spec_store.uncertified(record.derivation))
         cache.put(spec_hash, info)
     return info
@@ -57,7 +57,7 @@ def job_view_named(session: Session, cache: SpecCache, job: Any) -> dict[str, An
     stored (``shape`` itself is canonical, as kernels and bundles are keyed)."""
     view = job_view(job)
     info = spec_info(session, cache, job.spec_hash)
-    view["display_shape"] = info.display_shape(job.shape) if info is not None else job.shape
+    view["display_shape"] = info.names.user_shape(job.shape) if info is not None else job.shape
     return view
 
 
@@ -66,10 +66,27 @@ def job_view_named(session: Session, cache: SpecCache, job: Any) -> dict[str, An
 
 @dataclass
 class Submission:
-    request: TuningRequest  # the submission, checked and bound once (by find_submitted)
+    request: TuningRequest  # the submission, checked and bound once
     view: dict[str, Any] | None = None  # the job; None: not submitted yet
-    created: bool = False
-    needs_derivation: Spec | None = None  # a new spec: derive it (with a time limit) first
+    created: bool = False  # this request queued a new search
+    spec_stored: bool = True  # False: a spec never stored, derived before it is
+
+
+async def submit_job(db: Db, ctx: AppContext, req: JobRequest) -> Submission:
+    """A ``POST /v1/jobs`` body, from its check to its job: the one call the route makes.
+
+    1. :func:`_find_submitted` (a read, after the token check): the request checked and bound
+       once, and the job of an identical earlier request if there is one (the answer);
+    2. a spec never stored is derived off the event loop with the app's time limit
+       (:meth:`service.api.derive.Deriver.report`; cached in-process, so storing it is fast);
+    3. :func:`_submit` (a write): :func:`service.job_queue.submit_job` with the same request.
+    """
+    found = await db.run(_find_submitted, ctx.specs, ctx.parsed_specs, req, ctx.settings, read=True)
+    if found.view is not None:
+        return found
+    if not found.spec_stored:
+        await ctx.deriver.report(found.request.spec)
+    return await db.run(_submit, ctx.specs, found.request)
 
 
 _BY_DEDUPE = (sa.select(Job.__table__, Kernel.triton_version.label("k_triton"),
@@ -77,37 +94,29 @@ _BY_DEDUPE = (sa.select(Job.__table__, Kernel.triton_version.label("k_triton"),
               .outerjoin(Kernel, Kernel.id == Job.kernel_id).where(Job.dedupe_key == sa.bindparam("key")))
 
 
-def find_submitted(session: Session, cache: SpecCache, parsed: ParsedSpecs, req: JobRequest,
-                   settings: Settings) -> Submission:
+def _find_submitted(session: Session, cache: SpecCache, parsed: ParsedSpecs, req: JobRequest,
+                    settings: Settings) -> Submission:
     """Check the request once (:func:`service.api.validation.job_request`, after the token
     check of this thread), then the idempotent fast path: the live job of an identical earlier
     request, found by its unique ``dedupe_key`` with one indexed read and no write lock. The
-    answer's ``view`` is None when the request must go through :func:`submit` (new, or its
-    kernel predates this code)."""
+    answer's ``view`` is None when the request must be submitted (new, or its kernel predates
+    this code); ``spec_stored`` says whether its spec is stored yet."""
     request = job_request(parsed, req, settings)
     # Core: a row, no ORM identity map
     job = session.connection().execute(_BY_DEDUPE, {"key": request.dedupe_key}).first()
-    if job is None:
-        return Submission(request)
-    if job.status == "succeeded" and (job.k_triton, job.k_generator) != kernel_cache.current_versions():
-        return Submission(request)  # its kernel predates this code (or is gone): submit_job searches again
+    stale = job is not None and job.status == "succeeded" and (
+        (job.k_triton, job.k_generator) != kernel_cache.current_versions())  # submit_job searches again
+    if job is None or stale:
+        stored = cache.get(request.spec_hash) is not None or session.get(SpecRecord, request.spec_hash) is not None
+        return Submission(request, spec_stored=stored)
     info = spec_info(session, cache, job.spec_hash)
     if info is not None:  # an earlier request may have allowed what this one does not
         spec_store.refuse_uncertified(request.spec, info.uncertified, request.allow_uncertified)
     return Submission(request, view=job_view_named(session, cache, job), created=False)
 
 
-def submit(session: Session, cache: SpecCache, request: TuningRequest, *, derived: bool = False) -> Submission:
-    """Submit a checked request (idempotent, :func:`service.job_queue.submit_job`).
-
-    A spec not stored yet is not submitted on the first call: ``needs_derivation`` asks the
-    caller to derive it outside the database thread with a time limit, then call again with
-    ``derived=True`` (the derivation is cached in-process, so ``ensure_spec`` finds it).
-    """
-    shash = request.spec_hash
-    if not derived and cache.get(shash) is None and session.get(SpecRecord, shash) is None:
-        session.rollback()
-        return Submission(request, needs_derivation=request.spec)
+def _submit(session: Session, cache: SpecCache, request: TuningRequest) -> Submission:
+    """Submit a checked request (idempotent, :func:`service.job_queue.submit_job`)."""
     job, created = job_queue.submit_job(session, request)
     return Submission(request, view=job_view_named(session, cache, job), created=created)
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import JSONResponse
 
 from service.api import ops
-from service.api.deps import Db, context, database
-from service.api.derive import derive_with_limit
+from service.api.deps import Context, Db, database
 from service.api.schemas import JobList, JobRequest, JobView, ProblemView, TrialList
 
 router = APIRouter(tags=["jobs"])
@@ -36,7 +35,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 @router.post("/v1/jobs", status_code=202, response_model=None,
              responses={202: {"model": JobView, "description": "queued or running"},
                         200: {"model": JobView, "description": "already finished"}, **ERRORS})
-async def submit_job(req: JobRequest, request: Request,
+async def submit_job(req: JobRequest, ctx: Context,
                      db: Annotated[Db, Depends(database("jobs:write", write=True))]) -> JSONResponse:
     """Queue a tuning job for (spec, shape, dtype, target, measurer).
 
@@ -47,13 +46,7 @@ async def submit_job(req: JobRequest, request: Request,
     already cached: ``kernel_id`` is set). A failed or cancelled job is not reused: the same
     request queues a new one. ``Foldwise-Job-Created: true`` when this request queued a new
     search. Needs the ``jobs:write`` scope once tokens exist (service/auth.py)."""
-    ctx = context(request)
-    result = await db.run(ops.find_submitted, ctx.specs, ctx.extra["parsed_specs"], req, ctx.settings, read=True)
-    if result.view is None:  # result.request: the submission, checked and bound once above
-        result = await db.run(ops.submit, ctx.specs, result.request)
-    if result.needs_derivation is not None:
-        await derive_with_limit(ctx, result.needs_derivation)
-        result = await db.run(ops.submit, ctx.specs, result.request, derived=True)
+    result = await ops.submit_job(db, ctx, req)
     view = result.view
     assert view is not None
     finished = view["status"] in ("succeeded", "failed", "cancelled")
@@ -63,7 +56,7 @@ async def submit_job(req: JobRequest, request: Request,
 
 @router.get("/v1/jobs", response_model=JobList, responses=ERRORS)
 async def list_jobs(
-    request: Request, db: Annotated[Db, Depends(database(None))],
+    ctx: Context, db: Annotated[Db, Depends(database(None))],
     status: Annotated[Literal["queued", "running", "succeeded", "failed", "cancelled"] | None, Query()] = None,
     spec_hash: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
     target: Annotated[str | None, Query(max_length=32)] = None,
@@ -76,16 +69,16 @@ async def list_jobs(
     """Jobs, newest first, filtered by status, spec_hash, target, and (with spec_hash) shape and
     dtype as ``GET /v1/kernels`` reads them: the jobs of one request key, e.g. the client's
     "a job for this kernel is queued"."""
-    views = await db.run(ops.list_jobs, context(request).specs, status=status, spec_hash=spec_hash,
+    views = await db.run(ops.list_jobs, ctx.specs, status=status, spec_hash=spec_hash,
                          target=target.strip().lower() if target else None, shape=shape, dtype=dtype,
                          limit=limit, offset=offset)
     return JSONResponse({"jobs": views, "limit": limit, "offset": offset, "count": len(views)})
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobView, responses=ERRORS)
-async def get_job(job_id: JobId, request: Request, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
+async def get_job(job_id: JobId, ctx: Context, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
     """A job: status, progress, best so far, kernel_id, error."""
-    return JSONResponse(await db.run(ops.get_job, context(request).specs, job_id))
+    return JSONResponse(await db.run(ops.get_job, ctx.specs, job_id))
 
 
 @router.get("/v1/jobs/{job_id}/trials", response_model=TrialList, responses=ERRORS)
@@ -96,8 +89,8 @@ async def list_trials(job_id: JobId, db: Annotated[Db, Depends(database(None))])
 
 @router.post("/v1/jobs/{job_id}/cancel", response_model=None,
              responses={200: {"model": JobView}, 202: {"model": JobView, "description": "stopping"}, **ERRORS})
-async def cancel_job(job_id: JobId, request: Request,
+async def cancel_job(job_id: JobId, ctx: Context,
                      db: Annotated[Db, Depends(database("jobs:write", write=True))]) -> JSONResponse:
     """Stop the job's search; finished trials are kept."""
-    view = await db.run(ops.cancel, context(request).specs, job_id)
+    view = await db.run(ops.cancel, ctx.specs, job_id)
     return JSONResponse(view, status_code=202 if view["status"] == "running" else 200)

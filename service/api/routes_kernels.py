@@ -17,10 +17,11 @@ from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from service.api import ops
-from service.api.deps import Db, context, database
+from service.api.deps import Context, Db, database
 from service.api.fastpath import bundle_answer
 from service.api.routes_jobs import ERRORS
 from service.api.schemas import KernelView
+from service.bundle import ARCH_PATTERN
 
 router = APIRouter(tags=["kernels"])
 KernelId = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="a kernel id (32 lowercase hex)")]
@@ -28,7 +29,7 @@ KernelId = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="a kernel 
 
 @router.get("/v1/kernels", response_model=KernelView, responses=ERRORS)
 async def lookup_kernel(
-    request: Request, db: Annotated[Db, Depends(database("kernels:read"))],
+    ctx: Context, db: Annotated[Db, Depends(database("kernels:read"))],
     spec_hash: Annotated[str, Query(pattern=r"^[0-9a-f]{64}$", description="the spec's sha256")],
     target: Annotated[str | None, Query(max_length=32, description="default: the server's target")] = None,
     shape: Annotated[str | None, Query(max_length=2048, description="d0=4,d1=300 (canonical dims) or the spec's own")] = None,
@@ -36,7 +37,6 @@ async def lookup_kernel(
 ) -> JSONResponse:
     """The best kernel for exactly this shape, else the nearest tuned shape of the same spec,
     target and dtype (``exact_match`` false)."""
-    ctx = context(request)
     view = await db.run(ops.lookup_kernel, ctx.specs, spec_hash=spec_hash, target=target or ctx.settings.target,
                         shape=shape, dtype=dtype)
     return JSONResponse(view)
@@ -52,14 +52,14 @@ async def get_kernel(kernel_id: KernelId, db: Annotated[Db, Depends(database("ke
             responses={200: {"content": {"application/json": {}}, "description": "the bundle, as stored"},
                        304: {"description": "If-None-Match matched the ETag"}, **ERRORS})
 async def get_bundle(
-    kernel_id: KernelId, request: Request,
+    kernel_id: KernelId, request: Request, ctx: Context,
     _auth: Annotated[Db, Depends(database("kernels:read"))],
     if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
     format: Annotated[int, Query(ge=1, le=3, description="1 (default): source only; 2: with compiled binaries, one "
                                  "per arch (the newest Triton's); 3: with every Triton version's per arch")] = 1,
-    arch: Annotated[str | None, Query(pattern=r"^sm_\d{2,3}a?$",
-                                      description="one arch's binaries, e.g. sm_90a; implies format=2 unless "
-                                                  "format=3")] = None,
+    arch: Annotated[str | None, Query(pattern=f"^({ARCH_PATTERN})$",
+                                      description="one arch's binaries, e.g. sm_90a or gfx942; implies format=2 "
+                                                  "unless format=3")] = None,
 ) -> Response:
     """The kernel's bundle, byte for byte as stored; ``ETag`` is its sha256.
 
@@ -71,20 +71,21 @@ async def get_bundle(
     ``foldwise-bundle/3``, with every Triton version's; ETag the served sha256, as precomputed
     when the bundle or a binary was stored (service.served_bundles). Format 1 stays the default
     so clients written for it are served what they understand."""
-    status, headers, body = await bundle_answer(context(request), kernel_id, request.headers.get("authorization"),
+    status, headers, body = await bundle_answer(ctx, kernel_id, request.headers.get("authorization"),
                                                 if_none_match, format=format, arch=arch)
     return Response(body, status_code=status, headers=headers)
 
 
 # ----------------------------------------------------------------------------- single binaries
 
-Arch = Annotated[str, Path(pattern=r"^sm_\d{2,3}a?$", description="a variant's arch, e.g. sm_90a")]
+Arch = Annotated[str, Path(pattern=f"^({ARCH_PATTERN})$", description="a variant's arch, e.g. sm_90a or gfx942")]
 
 
 @router.get("/v1/kernels/{kernel_id}/binaries", responses=ERRORS)
 async def list_binaries(kernel_id: KernelId, db: Annotated[Db, Depends(database("kernels:read"))]) -> JSONResponse:
-    """The kernel's stored compiled variants (arch, versions; per kernel its name, cubin and PTX
-    sizes and sha256, registers, spills, shared memory) with the path of each download."""
+    """The kernel's stored compiled variants (arch, binary kind, versions; per kernel its name, binary
+    (cubin or hsaco) and assembly (PTX or AMDGCN) sizes and sha256, registers, spills, shared memory)
+    with the path of each download."""
     from service.binaries import kernel_binaries
 
     return JSONResponse(await db.run(kernel_binaries, kernel_id))
@@ -92,12 +93,13 @@ async def list_binaries(kernel_id: KernelId, db: Annotated[Db, Depends(database(
 
 @router.get("/v1/kernels/{kernel_id}/binaries/{arch}/{filename}", response_class=Response,
             responses={200: {"content": {"application/octet-stream": {}, "text/plain": {}},
-                             "description": "the cubin (or PTX), byte for byte; ETag its sha256"},
+                             "description": "the cubin or hsaco (or PTX or AMDGCN text), byte for byte; "
+                                            "ETag its sha256"},
                        304: {"description": "If-None-Match matched the ETag"}, **ERRORS})
 async def get_binary(
     kernel_id: KernelId, arch: Arch,
-    filename: Annotated[str, Path(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,199}\.(cubin|ptx)$",
-                                  description="<kernel name>.cubin or <kernel name>.ptx")],
+    filename: Annotated[str, Path(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,199}\.(cubin|ptx|hsaco|amdgcn)$",
+                                  description="<kernel name>.cubin or .ptx (NVIDIA), .hsaco or .amdgcn (AMD)")],
     db: Annotated[Db, Depends(database("kernels:read"))],
     if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
     triton_version: Annotated[str | None, Query(pattern=r"^[0-9][0-9A-Za-z.+_-]{0,63}$",
@@ -105,7 +107,7 @@ async def get_binary(
                                                             "newest stored for the arch)")] = None,
 ) -> Response:
     """One stored binary: ``ETag`` and ``X-Content-SHA256`` are the sha256 of the bytes served
-    (for a cubin, the ``cubin_sha256`` the bundle records)."""
+    (for a cubin or hsaco, the ``cubin_sha256``/``hsaco_sha256`` the bundle records)."""
     from service.api.fastpath import etag_matches
     from service.binaries import BINARY_KINDS, binary_file
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Depends, Path
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from service.api import ops
-from service.api.deps import Db, context, database
-from service.api.derive import derive_with_limit
+from service.api.deps import AppContext, Context, Db, database
 from service.api.routes_jobs import ERRORS
 from service.api.schemas import DerivationRequest, SpecView, WorkerList
 from service.api.validation import parse_spec
@@ -20,11 +19,11 @@ SpecHash = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="the spec'
 
 
 @router.post("/v1/derivations", tags=["specs"], responses=ERRORS)
-async def derive(req: DerivationRequest, request: Request, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
+async def derive(req: DerivationRequest, ctx: Context, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
     """Validate and derive a spec: the same object as ``foldwise derive --json``. Nothing is stored."""
     await db.authorize()
     spec, _ = await run_in_threadpool(parse_spec, req.spec)
-    return JSONResponse(await derive_with_limit(context(request), spec))
+    return JSONResponse(await ctx.deriver.report(spec))
 
 
 @router.get("/v1/specs/{spec_hash}", tags=["specs"], response_model=SpecView, responses=ERRORS)
@@ -34,16 +33,15 @@ async def get_spec(spec_hash: SpecHash, db: Annotated[Db, Depends(database(None)
 
 
 @router.get("/v1/workers", tags=["workers"], response_model=WorkerList, responses=ERRORS)
-async def list_workers(request: Request, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
+async def list_workers(ctx: Context, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
     """Registered workers, most recently seen first; ``alive``: a heartbeat within the lease time."""
-    alive = max(context(request).settings.lease_seconds, 3 * context(request).settings.heartbeat_seconds)
+    alive = max(ctx.settings.lease_seconds, 3 * ctx.settings.heartbeat_seconds)
     return JSONResponse({"workers": await db.run(ops.list_workers, alive_within_s=alive)})
 
 
 @router.get("/healthz", tags=["ops"])
-async def healthz(request: Request) -> JSONResponse:
+async def healthz(ctx: Context) -> JSONResponse:
     """Liveness: 200 while the process serves requests; ``database`` says whether it answers."""
-    ctx = context(request)
     try:
         await run_in_threadpool(_ping, ctx)
         database_state = "ok"
@@ -52,14 +50,14 @@ async def healthz(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "database": database_state})
 
 
-def _ping(ctx: Any) -> None:
+def _ping(ctx: AppContext) -> None:
     with ctx.read_sessions() as session:
         ops.ping(session)
 
 
 @router.get("/metrics", tags=["ops"], response_class=Response,
             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
-async def metrics(request: Request) -> Response:
+async def metrics(ctx: Context) -> Response:
     """Prometheus metrics (text format); job, trial, kernel and worker gauges read from the database."""
-    body, content_type = await run_in_threadpool(context(request).metrics.render)
+    body, content_type = await run_in_threadpool(ctx.metrics.render)
     return Response(body, media_type=content_type)

@@ -25,6 +25,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from service.dim_names import DimNames
 from service.models import Job, Kernel, SpecRecord, WorkerRecord
 
 MAX_LIMIT = 500
@@ -71,24 +72,11 @@ def _math(source: str) -> str:
     return json.dumps(derivation_math(derivation))
 
 
-@lru_cache(maxsize=128)
-def _user_names_cached(source: str) -> tuple[tuple[str, str], ...]:
-    from service.bundle import user_names
-
-    spec, _ = _loaded(source)
-    return tuple(user_names(spec).items())
-
-
-def _user_names(source: str) -> dict[str, str]:
-    """canonical name (``d0``) -> the name in the spec as first stored (:func:`service.bundle.user_names`)."""
-    return dict(_user_names_cached(source))
-
-
 def spec_names(session: Session, hashes: list[str]) -> dict[str, dict[str, Any]]:
     """For each known spec hash: its name and its dims' names (canonical -> as first stored).
 
     Job and kernel shapes are stored under canonical dim names (``d0``); pages show them in the
-    spec's own names, as :func:`service.spec_store.display_shape` does, one request per page of rows.
+    spec's own names (:class:`service.dim_names.DimNames`), one request per page of rows.
     """
     wanted = sorted({h for h in hashes if HASH_RE.match(h)})
     if len(wanted) > MAX_NAMES:
@@ -99,8 +87,7 @@ def spec_names(session: Session, hashes: list[str]) -> dict[str, dict[str, Any]]
                            .where(SpecRecord.spec_hash.in_(wanted))).all()
     out = {}
     for row in rows:
-        names = _user_names(row.source)
-        out[row.spec_hash] = {"name": row.name, "dims": {c: u for c, u in names.items() if re.fullmatch(r"d\d+", c)}}
+        out[row.spec_hash] = {"name": row.name, "dims": DimNames.of_source(row.source).user_dims()}
     return out
 
 
@@ -159,9 +146,9 @@ def spec_source(
         ).first()
     origin = kernel or job
     # stored shapes and tuned configs use the canonical dim names (service.spec_store); show the spec's own
-    back = _user_names(rec.source)
+    names = DimNames.of_source(rec.source)
     raw_shape: Mapping[str, int] = (
-        _query_value(parse_shape_text, shape) if shape else {back.get(d, d): n for d, n in origin.shape.items()} if origin is not None
+        _query_value(parse_shape_text, shape) if shape else names.user_shape(origin.shape) if origin is not None
         else {d: DEFAULT_DIM for d in spec.dims if not any(s.as_dim == d for s in spec.steps)}
     )
     raw_dtype: str | dict[str, str] = (
@@ -185,7 +172,7 @@ def spec_source(
     valid = valid_strategies(spec, derivation, bound)
     module = None
     if kernel is not None and not shape and not dtype and strategy in (None, kernel.strategy):
-        module, config = _tuned_module(spec, derivation, kernel, bound, dtypes, back)
+        module, config = _tuned_module(spec, derivation, kernel, bound, dtypes, names)
     if module is not None:
         assert kernel is not None
         chosen, kernel_id = kernel.strategy, kernel.id
@@ -218,13 +205,13 @@ def spec_source(
 
 
 def _tuned_module(spec: Any, derivation: Any, kernel: Kernel, bound: dict[str, int], dtypes: dict[str, str],
-                  back: dict[str, str]) -> tuple[Any, Any]:
+                  names: DimNames) -> tuple[Any, Any]:
     """(module, config) of a stored kernel's strategy and configuration (its blocks renamed from the
     canonical dims), or (None, None) when this code cannot generate it (an older generator's config)."""
     from fuser_core import KernelConfig, NotValid, generate
 
     raw = dict(kernel.config or {})
-    raw["blocks"] = {back.get(d, d): b for d, b in (raw.get("blocks") or {}).items()}
+    raw["blocks"] = names.user_shape(raw.get("blocks") or {})
     try:
         config = KernelConfig.from_dict(raw)
         return generate(spec, derivation, kernel.strategy, bound, config, dtypes), config

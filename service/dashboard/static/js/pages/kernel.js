@@ -1,6 +1,7 @@
 // One kernel: its facts, its bundle downloads (format 1 source, format 3 with binaries), and the
 // compiled variants stored for it (per arch and kernel: sizes, registers, spills, shared memory,
-// Triton and ptxas versions), each cubin and PTX downloadable.
+// Triton and compiler versions), each binary (cubin or hsaco) and its assembly (PTX or AMDGCN)
+// downloadable. A variant's fields are named by its kind (service.binaries.variant_summaries).
 import { api, download } from "../api.js";
 import { displayConfig, displayShape, lookupSpecs, specName } from "../names.js";
 import { errorBox, fmtDtype, fmtJson, fmtMs, fmtShape, fmtTime, h, replace, short } from "../util.js";
@@ -18,7 +19,7 @@ export async function render(ctx) {
     message, facts,
     h("h2", {}, "Compiled variants"), note,
     h("table", { class: "grid", id: "variants-table" },
-      h("thead", {}, h("tr", {}, ["arch", "kernel", "cubin", "PTX", "registers", "spills", "shared memory", "warps", "Triton / ptxas", ""].map((c) => h("th", {}, c)))),
+      h("thead", {}, h("tr", {}, ["arch", "kernel", "binary", "assembly", "registers", "spills", "shared memory", "warps", "Triton / compiler", ""].map((c) => h("th", {}, c)))),
       tbody));
 
   const [k, bins] = await Promise.all([
@@ -45,21 +46,26 @@ export async function render(ctx) {
 
   const variants = bins.variants || [];
   note.textContent = variants.length
-    ? "Triton's compile of every kernel of the module, per arch and Triton version, served in format-3 bundles (format 2: the newest Triton's per arch); an inference server on a matching GPU and Triton launches the cubin without compiling."
+    ? "Triton's compile of every kernel of the module, per arch and Triton version, served in format-3 bundles (format 2: the newest Triton's per arch); an inference server on a matching GPU and Triton launches the cubin without compiling (an AMD one compiles the source: loading a stored hsaco has not been run on AMD)."
     : "No compiled binary stored for this kernel: bundles carry the source only (`foldwise binaries backfill` compiles them).";
   const file = (path, name, label) => h("button", { type: "button", class: "download-binary", "data-path": path,
     onclick: () => download(path.replace(/^\//, ""), name).catch(fail) }, label);
-  replace(tbody, variants.flatMap((v) => v.kernels.map((kk, i) => h("tr", { "data-arch": v.arch, "data-kernel-name": kk.name },
+  const ASM_LABELS = { ptx: "PTX", amdgcn: "AMDGCN" };
+  replace(tbody, variants.flatMap((v) => v.kernels.map((kk, i) => {
+    const bin = v.binary_kind || "cubin", asm = v.asm_kind || "ptx";
+    const compiler = v.binary_kind === "hsaco" ? `AMD ${v.compiler_version}` : `ptxas ${v.ptxas_version}`;
+    return h("tr", { "data-arch": v.arch, "data-kernel-name": kk.name, "data-binary-kind": bin },
     h("td", {}, i === 0 ? v.arch : ""),
     h("td", { class: "mono" }, kk.name),
-    h("td", { class: "num", title: `sha256 ${kk.cubin_sha256}` }, fmtBytes(kk.cubin_size)),
-    h("td", { class: "num", title: `sha256 ${kk.ptx_sha256}` }, fmtBytes(kk.ptx_chars)),
+    h("td", { class: "num", title: `${bin} sha256 ${kk[`${bin}_sha256`]}` }, `${fmtBytes(kk[`${bin}_size`])} ${bin}`),
+    h("td", { class: "num", title: `sha256 ${kk[`${asm}_sha256`]}` }, fmtBytes(kk[`${asm}_chars`])),
     h("td", { class: "num" }, kk.registers ?? "—"),
     h("td", { class: kk.spill_bytes ? "num error-text" : "num" }, fmtBytes(kk.spill_bytes)),
     h("td", { class: "num" }, fmtBytes(kk.shared_bytes)),
     h("td", { class: "num" }, kk.num_warps ?? "—"),
-    h("td", { class: "muted small" }, `Triton ${v.triton_version}`, h("div", {}, `ptxas ${v.ptxas_version}`)),
-    h("td", {}, ctx.can("kernels:read") ? [file(kk.cubin_path, `${v.arch}-${kk.name}.cubin`, "cubin"), " ",
-      file(kk.ptx_path, `${v.arch}-${kk.name}.ptx`, "PTX")] : null)))));
+    h("td", { class: "muted small" }, `Triton ${v.triton_version}`, h("div", {}, compiler)),
+    h("td", {}, ctx.can("kernels:read") ? [file(kk[`${bin}_path`], `${v.arch}-${kk.name}.${bin}`, bin), " ",
+      file(kk[`${asm}_path`], `${v.arch}-${kk.name}.${asm}`, ASM_LABELS[asm] || asm)] : null));
+  })));
   return null;
 }
