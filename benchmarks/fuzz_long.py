@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's fuser_core, whatever is installed
+sys.path[:0] = [str(ROOT)]  # this checkout's fuser_core (and tests/support), whatever is installed
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fuzz(args: argparse.Namespace, pool) -> int:
-    from fuzz_strategies import MERGED_SHARE, cascade_specs, check_cascade, mutated_specs
+    from tests.support.fuzz_strategies import MERGED_SHARE, cascade_specs, check_cascade, mutated_specs
     from hypothesis import HealthCheck, Phase, given, seed, settings
 
     if args.replay:
