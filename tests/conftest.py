@@ -13,8 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from fuser_core.catalog import CATALOG_ENV
-from tests.support.catalog import CATALOG_DIR, load_catalog
+# tests/support's helpers assert too (tests.support.cascades.every_strategy_passes): their failures get
+# pytest's detailed messages, as a test's own asserts do.
+pytest.register_assert_rewrite("tests.support")
+
+from fuser_core.catalog import CATALOG_ENV  # noqa: E402
+from tests.support.catalog import CATALOG_DIR, load_catalog  # noqa: E402
 
 # Tests read the packaged catalog only: a user's $FOLDWISE_CATALOG_DIR must not change what they see
 # (tests of that variable set it themselves).

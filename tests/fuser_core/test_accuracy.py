@@ -20,6 +20,7 @@ from fuser_core.accuracy import (
 from fuser_core.catalog import load_catalog_spec
 from fuser_core.reference import evaluate
 from fuser_core.spec import load_spec
+from tests.support.cascades import red, spec_of
 
 REPO = Path(__file__).resolve().parents[2]
 # A variance weighted by exp(x - mx) (2 + sin(x)): positive weights, but sympy cannot prove 2 + sin(x) >= 0,
@@ -279,3 +280,22 @@ def test_a_loops_order_of_additions_is_the_formulas():
     assert bar_verdict(spec, {"u": np.array([sequential], np.float64)}, reference, formula, stores)["passed"]
     far = {"u": reference["u"] * (1 + 40 * 2.0**-24)}
     assert not bar_verdict(spec, far, reference, formula, stores)["passed"]
+
+
+# --- regressions the cascade fuzzer (tests/support/fuzz_strategies.py) found, each with the smallest
+# spec that showed it (small specs built with tests/support/cascades.py)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_an_output_float32_cannot_hold_is_held_to_infinity():
+    """Fuzz seed 73: ``sum(v * nblk)`` at 1.3e59 is +inf in float32, in the formula and every kernel; the special-
+    value check compared with the float64 value and called the infinity wrong. It now compares with the
+    reference as the output's dtype holds it."""
+    from fuser_core.accuracy import bar_verdict
+
+    spec = spec_of([red("s", "sum", "x")], ["s"], inputs={"x": {"dims": ["n"]}})
+    ref = {"s": np.array([1.26e59, -1.3e59, 2.0])}
+    got = {"s": np.array([np.inf, -np.inf, 2.0])}
+    assert bar_verdict(spec, got, ref, [got], {"s": "float32"}, special=True)["specials"] == []
+    wrong = {"s": np.array([np.inf, np.inf, 2.0])}
+    assert bar_verdict(spec, wrong, ref, [got], {"s": "float32"}, special=True)["specials"]

@@ -4,16 +4,20 @@ mask aligned bottom-right, a sliding window), and gives the float64 reference's 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import sympy as sp
 
+from fuser_core.certificate import certify
 from fuser_core.codegen.bounds import axis_window, first, last, window_of
 from fuser_core.codegen.module import generate
-from fuser_core.codegen.plan import KernelConfig, make_plan
+from fuser_core.codegen.plan import KernelConfig, make_plan, valid_strategies
 from fuser_core.codegen.structure import build_structure
 from fuser_core.derive import derive_cascade
-from fuser_core.runner import bind_dtypes, self_check
+from fuser_core.reference import evaluate
+from fuser_core.runner import bind_dtypes, run, self_check
 from fuser_core.spec import load_spec
+from tests.support.cascades import every_strategy_passes, red, spec_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -111,3 +115,95 @@ def test_a_counting_reduction_visits_every_tile() -> None:
     assert loops and all(loop.lo == "0" and loop.hi in ("size_n", "(size_n) * fallback") for loop in loops)
     assert self_check(spec, {"m": 9, "n": 40}, "float32", strategy="streaming_fused", config=KernelConfig({"n": 8}),
                       derivation=derivation)["passed"]
+
+
+# --- regressions the cascade fuzzer (tests/support/fuzz_strategies.py) found, each with the smallest
+# spec that showed it (small specs built with tests/support/cascades.py)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_mask_window_over_an_inner_dim_starts_at_zero():
+    """fuzz seed 48: ``where(index(t) > index(e), ...)`` summed over t, where e is an inner axis
+    (another step sums over it), so every program holds e whole. The loop's window read
+    ``pid_e * BLOCK_e`` (NameError: no program id of e); a whole dim's first index is 0."""
+    spec = spec_of(
+        [red("sel", "min", "sqrt(x ** 4 + 1)", over="t"), red("p", "sum", "a / (2 + sin(q))", over="e"),
+         red("den", "sum", "where(index(t) > index(e), exp(sel - sqrt(x ** 4 + 1)) * x, 0)", over="t")],
+        ["sel", "p", "den"], inputs={"a": {"dims": ["e", "t"]}, "x": {"dims": ["t"]}, "q": {"dims": ["e"]}})
+    every_strategy_passes(spec, {"e": 5, "t": 37})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_an_element_masked_on_indices_is_not_read_in_any_strategy():
+    """Fuzz seed 70: ``sum exp(mn - where(index(t) <= index(j2), -a q, inf)) (q - mn)`` is 0 * (q - mn) past the
+    mask. multi_pass skipped those tiles (as FlashAttention skips masked keys) and gave a number; the formula read
+    literally, row_resident and the unfused chain gave 0 * NaN = NaN for a NaN q there. An element a where() on
+    indices masks to the identity is now not part of the reduction (fuser_core.masks): the reference drops it and
+    every kernel's fold takes the identity there, whether or not its loop skips the tile."""
+    from fuser_core.masks import step_exclusions
+
+    steps = [red("mx", "max", "where(index(n) <= index(m), s, -inf)"),
+             red("den", "sum", "exp(where(index(n) <= index(m), s, -inf) - mx)"),
+             red("o", "sum", "exp(where(index(n) <= index(m), s, -inf) - mx) * v / den")]
+    spec = spec_of(steps, ["o", "den"], inputs={"s": {"dims": ["m", "n"]}, "v": {"dims": ["n"]}})
+    assert set(step_exclusions(spec)) == {"mx", "den", "o"}
+    rng = np.random.default_rng(3)
+    shape = {"m": 13, "n": 13}
+    s, v = rng.standard_normal((13, 13)), rng.standard_normal(13)
+    v[9] = np.nan  # key 9: seen by queries 9..12 only
+    s[2, 11] = np.inf  # masked for query 2: exp(inf - mx) * v would be inf or NaN
+    ref = evaluate(spec, shape, {"s": s, "v": v})
+    assert np.isfinite(ref["o"][:9]).all() and np.isnan(ref["o"][9:]).all()
+    d = derive_cascade(spec)
+    valid = [st for st, why in valid_strategies(spec, d, shape).items() if why is None]
+    assert {"row_resident", "multi_pass", "streaming_fused", "split_fused"} <= set(valid)
+    for strategy in [*valid, "unfused_chain"]:
+        config = None if strategy in ("row_resident", "unfused_chain") else KernelConfig(
+            {"n": 4, "m": 1}, split=2 if strategy == "split_fused" else 1)
+        got = run(spec, shape, "float32", {"s": s, "v": v}, strategy=strategy, config=config, derivation=d).outputs
+        o = got["o"].double().numpy()
+        assert np.array_equal(np.isnan(o), np.isnan(ref["o"])), (strategy, o)
+        assert np.allclose(o[:9], ref["o"][:9], rtol=1e-5), (strategy, o, ref["o"])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_row_an_index_mask_empties_sums_to_zero_in_every_strategy():
+    """Fuzz seed 49, once masked elements were dropped: ``sum exp(where(index(d) > index(t), kk x, -inf) - lse)``
+    drops every d of the rows t >= size(d) - 1, so their sum is 0 and their max -inf; the fused strategies' settle
+    gave 0 * exp(0 - -inf) = NaN. Such rows now take the fallback pass (fuser_core.masks.may_exclude_every), and
+    the certificate compares them with the reference there. A row whose kept elements hold -inf is still NaN."""
+    from fuser_core.masks import may_exclude_every
+
+    spec = spec_of([red("lse", "max", "where(index(d) > index(t), kk * x, -inf)", over="d"),
+                    red("nblk", "sum", "exp(where(index(d) > index(t), kk * x, -inf) - lse)", over="d")],
+                   ["nblk"], inputs={"x": {"dims": ["d"]}, "kk": {"dims": ["t"]}})
+    d = derive_cascade(spec)
+    assert may_exclude_every(d.forms["nblk"].realisation.accumulators[0].contribution, "sum", "d")
+    assert certify(d, trials=12).holds
+    shape = {"d": 5, "t": 7}
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal(5), "kk": rng.standard_normal(7)}
+    inputs["x"][4] = -np.inf  # rows t < 4 keep d = 4: kk * x = +-inf there
+    ref = evaluate(spec, shape, inputs)["nblk"]
+    assert np.isnan(ref[3]) and (ref[4:] == 0).all()
+    for strategy in ("row_resident", "multi_pass", "streaming_fused", "split_fused", "unfused_chain"):
+        config = None if strategy in ("row_resident", "unfused_chain") else KernelConfig(
+            {"d": 2}, split=2 if strategy == "split_fused" else 1)
+        got = run(spec, shape, "float32", inputs, strategy=strategy, config=config, derivation=d).outputs["nblk"]
+        got = got.double().numpy()
+        assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.allclose(got[4:], 0.0), (strategy, got)
+        assert np.allclose(got[:3], ref[:3], rtol=1e-5), (strategy, got)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_causal_attention_keeps_a_key_for_every_query():
+    """Causal attention's mask keeps key 0 for every query: no row is empty, so its fused kernels take no
+    fallback pass for it (their SASS is unchanged by the exclusion rule)."""
+    from fuser_core.masks import may_exclude_every
+
+    from fuser_core.catalog import load_catalog_spec
+
+    d = derive_cascade(load_catalog_spec("attention_causal"))
+    for name in ("den", "o"):
+        for acc in d.forms[name].realisation.accumulators:
+            assert not may_exclude_every(acc.contribution, acc.op, "n")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from tests.support.catalog import load_catalog
 
+from fuser_core.certificate import certify
 from fuser_core.codegen import module as codegen_module
 from fuser_core.codegen.module import cache_dir, generate, output_dtypes
 from fuser_core.codegen.plan import STRATEGIES, KernelConfig, NotValid, valid_strategies
@@ -17,6 +18,7 @@ from fuser_core.derive import derive_cascade
 from fuser_core.reference import bind_shape, evaluate, random_inputs
 from fuser_core.runner import TOLERANCE, bind_dtypes, compare, run, self_check
 from fuser_core.spec import load_spec
+from tests.support.cascades import every_strategy_passes, red, spec_of
 
 # masked-off lanes of a tile compute on fill values (0 / 0, inf - inf); they are never stored
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -426,3 +428,306 @@ def test_generated_source_is_readable(name: str, strategy: str) -> None:
         if step.is_reduction:
             assert any(re.search(rf"\b{step.name}\b", c) for c in comments), (step.name, comments)
     assert "def launch(inputs, shape, out=None, scalars=None):" in source
+
+
+# --- regressions the cascade fuzzer (tests/support/fuzz_strategies.py) found, each with the smallest
+# spec that showed it (small specs built with tests/support/cascades.py)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_split_fused_with_scalar_results():
+    """A split kernel stored a size-1 block through a scalar workspace pointer (InterpreterError)."""
+    spec = spec_of(
+        [red("mx", "max", "x", over="m"), red("den", "sum", "exp(x - mx)", over="m"),
+         red("v", "sum", "(x - mx) ** 2", over="m"), red("am", "argmax", "x - mx", over="m"),
+         red("g", "topk", "exp(x - mx) / den", over="m", k=3, **{"as": "j"})],
+        ["mx", "den", "v", "am", "g"], inputs={"x": {"dims": ["m"]}},
+    )
+    report = self_check(spec, {"m": 11}, strategy="split_fused", config=KernelConfig({"m": 4}, split=2))
+    assert report["passed"], report
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_powers_above_eight_of_negative_values():
+    """x ** 9 and x ** 10 printed as exp2(e * log2(x)): NaN for every negative x."""
+    spec = spec_of([red("a", "sum", "x ** 9"), red("b", "max", "x ** 10"), {"name": "y", "expr": "(x - a) ** 11"}],
+                   ["a", "b", "y"])
+    every_strategy_passes(spec, {"m": 2, "n": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_lone_product_in_a_denominator():
+    """(x / size(n)) ** 2 printed as `x * x / s * s` (= x * x)."""
+    spec = spec_of([red("r", "min", "(x / size(n)) ** 2")], ["r"])
+    every_strategy_passes(spec, {"m": 2, "n": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_integer_values_in_float_functions():
+    """exp(cos(argmin)) and sqrt(index(n)) gave tl.cos(int32): Triton takes floats only."""
+    spec = spec_of([red("am", "argmin", "x"), {"name": "y", "expr": "exp(cos(am)) * x + sqrt(index(n)) * log(index(m) + 1)"}],
+                   ["y"])
+    every_strategy_passes(spec, {"m": 3, "n": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_cast_of_a_constant_and_a_constant_output():
+    """cast(alpha, ...) printed as (2.0).to(...), and a constant step as tl.broadcast_to(1e-10, ...)."""
+    spec = spec_of([red("mx", "max", "x"), {"name": "y", "expr": 'cast(alpha, "float32") * x + cast(1.7, "bfloat16")'},
+                    {"name": "c", "expr": "alpha * alpha"}], ["mx", "y", "c"], params={"alpha": 1e-5})
+    every_strategy_passes(spec, {"m": 2, "n": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_nested_casts_of_constants():
+    """cast(cast(alpha, "float16"), "float16") printed as fp16 rounding of a Python float
+    (AttributeError: 'float' object has no attribute 'to'): constants are evaluated and rounded
+    when generated, as the reference does."""
+    spec = spec_of([red("mx", "max", 'x + cast(cast(alpha, "float16"), "float16")'),
+                    {"name": "y", "expr": 'x * cast(cast(1 / 3, "bfloat16") + 1, "bfloat16")'},
+                    # round() of a constant inside a cast was printed without the cast (29.791, not 29.75)
+                    {"name": "z", "expr": 'sin(cast((round(3 * 4) * 0.25 + 0.1) ** 3, "bfloat16") * x)'}], ["mx", "y", "z"],
+                   params={"alpha": 0.1})
+    every_strategy_passes(spec, {"m": 2, "n": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_folded_conditions_on_a_size_and_a_block():
+    """sympy folds where() conditions into And/Or/Not of a comparison on size(e) (a scalar in the
+    kernel) and one on the values (a block); Triton's interpreter cannot `|`, `&` or `~` those
+    (TypeError: ufunc 'bitwise_or' not supported)."""
+    spec = spec_of([red("r", "max", "where(where(bias >= 0, 1, 0) != where(size(e) > 20, 0, 1), bias, -bias)", over="e"),
+                    red("s", "sum", "where(where(bias >= 0, 1, 0) == where(size(e) > 3, 1, 0), bias, 0)", over="e")],
+                   ["r", "s"], inputs={"bias": {"dims": ["e"]}})
+    every_strategy_passes(spec, {"e": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_constant_functions_are_evaluated_in_float64():
+    """log1p(abs(1e-5)) printed as tl.log(1.00001): in float32 that is 1.0014e-5, so a constant
+    comparison with 1e-5 went the other way (error 72) and tanh(log1p(eps)) * x was off by 1.4e-3."""
+    spec = spec_of([red("mean", "max", "where(minimum(eps, scale) < log1p(abs(scale)), x, -1)"),
+                    {"name": "y", "expr": "x * tanh(log1p(abs(scale))) + mean"},
+                    # a whole step of constants folded to one number still stores as a block
+                    {"name": "c", "expr": "log2(sigmoid(clamp(2, -1, 0.5)) + 1) + round(0.3 * 4)"}], ["y", "c"],
+                   params={"eps": "1 / sqrt(size(m))", "scale": 1e-05})
+    every_strategy_passes(spec, {"m": 1, "n": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_bfloat16_casts_round_to_nearest_even_under_the_interpreter():
+    """The interpreter's float32 -> bfloat16 conversion truncates (1.01171875 -> 1.0078125)."""
+    spec = spec_of([red("mx", "max", "x"), {"name": "y", "expr": 'cast(x, "bfloat16") * 1'}], ["mx", "y"],
+                   inputs={"x": {"dims": ["n"]}})
+    values = np.array([1.00390625, 1.01171875, 1 + 2**-8 + 2**-20, -1.00390625, 3.3, 0.1, 1e38, -0.0], np.float32)
+    shape = {"n": values.size}
+    out = run(spec, shape, "float32", {"x": values.astype(np.float64)})
+    ref = evaluate(spec, shape, {"x": values.astype(np.float64)})
+    np.testing.assert_array_equal(out.outputs["y"].float().numpy(), ref["y"])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_where_inside_a_where_condition():
+    """sympy folds it into ITE(...), which the printer refused (UnsupportedExpression)."""
+    spec = spec_of(
+        [red("h", "argmax", "x", over="m"), red("r", "min", "maximum(x, where(alpha >= where(index(m) == h, size(m), -1), w, -1))", over="m")],
+        ["r"], inputs={"x": {"dims": ["n", "m"]}, "w": {"dims": ["n"]}}, params={"alpha": "log(size(m) + 1)"},
+    )
+    every_strategy_passes(spec, {"n": 2, "m": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_step_named_count_as_an_anchor():
+    """A dependency named `count` printed its own count[old] as the tile counter."""
+    spec = spec_of([red("count", "max", "v", over="t"), red("idx", "sum", "(v - count) ** 2", over="t")],
+                   ["count", "idx"], inputs={"v": {"dims": ["t", "d"]}})
+    every_strategy_passes(spec, {"t": 13, "d": 2})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_log1p_of_small_values_keeps_float32_accuracy():
+    """log1p(a) was printed tl.log(a + 1.0): for |a| ~ 1e-5 that loses ~1e-3 of the result."""
+    spec = spec_of([red("out", "sum", "x * 1e-5"), {"name": "y", "expr": "log1p(abs(out)) + 0 * x"}], ["y"])
+    every_strategy_passes(spec, {"m": 2, "n": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_inner_argmax_or_topk_is_not_valid_rather_than_a_crash():
+    """An argmax over an inner axis raised NotImplementedError while writing the kernel."""
+    spec = spec_of(
+        [red("s", "sum", "v * q", over="j"), red("am", "argmax", "z", over="s2")],
+        ["s", "am"], inputs={"v": {"dims": ["d", "j", "s2"]}, "q": {"dims": ["d", "j", "s2"]}, "z": {"dims": ["s2", "j"]}},
+    )
+    d = derive_cascade(spec)
+    shape = {"d": 2, "j": 5, "s2": 3}
+    reasons = valid_strategies(spec, d, shape)
+    assert all(r is not None for r in reasons.values()), reasons
+    with pytest.raises(NotValid):
+        self_check(spec, shape, derivation=d)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_inf_literals_and_overflowing_constants_stay_ieee():
+    """`inf` in a where() branch (causal masks) and constants that overflow float64 are fine."""
+    spec = spec_of([red("mx", "max", "where(index(n) <= index(m), x, -inf)"),
+                    red("den", "sum", "exp(where(index(n) <= index(m), x, -inf) - mx) + sin(inf) * 0 + x * 1e300 * 1e300 * 0")],
+                   ["den"])
+    d = derive_cascade(spec)
+    assert certify(d, trials=4).holds
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_split_topk_of_negative_values():
+    """The combine kernel loaded the padding slots of each part's top-k list (BLOCK_as > k) as 0,
+    which beat every negative value: the top 3 of -|x| - 1 came out as [0, 0, -1.04]."""
+    spec = spec_of([red("g", "topk", "-abs(x) - 1", k=3, **{"as": "j"})], ["g"])
+    report = self_check(spec, {"m": 2, "n": 13}, strategy="split_fused", config=KernelConfig({"n": 4}, split=2))
+    assert report["passed"], report
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_split_bottomk_of_positive_values():
+    """The same padding for the smallest-k list: +inf, never 0 (nor -inf, which would win every merge)."""
+    spec = spec_of([red("mx", "max", "x"), red("g", "topk", "-(abs(x) + 1) * exp(mx)", k=3, **{"as": "j"})], ["g"])
+    assert derive_cascade(spec).forms["g"].effective_op == "bottomk"  # the negative factor -exp(mx) swaps the order
+    report = self_check(spec, {"m": 2, "n": 13}, strategy="split_fused", config=KernelConfig({"n": 4}, split=2))
+    assert report["passed"], report
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_tanh_of_tiny_values_keeps_float32_accuracy():
+    """tanh printed as 2 sigmoid(2x) - 1 cancelled to 0 for tiny x (max of tanh(erf(a v)^10):
+    relative error 1.0); the kernel helper uses a series near 0."""
+    spec = spec_of([red("s", "min", "erf(x) ** 10", over="n"), red("t", "max", "tanh(s)", over="m")], ["t"],
+                   inputs={"x": {"dims": ["m", "n"]}})
+    rng = np.random.default_rng(0)
+    x = (rng.random((13, 13)) * 0.2 + 0.01).astype(np.float32)  # erf(x)^10 ~ 1e-20 .. 1e-8
+    result = run(spec, {"m": 13, "n": 13}, "float32", {"x": x})
+    got = result.outputs["t"].double().numpy()
+    ref = evaluate(spec, {"m": 13, "n": 13}, {"x": x.astype(np.float64)})["t"]
+    assert 0 < ref.max() < 1e-6
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_tanh_is_within_a_few_float32_ulps_everywhere():
+    """tanh printed as 2 sigmoid(2x) - 1 above |x| = 1/16 erred by up to 20 ulps (x ~ 0.064: the
+    subtraction cancels); the accuracy bar's fuzz failed every strategy on it (9 ulps at a peaked
+    row). The helper is Cephes' tanhf now: a polynomial below 0.625, 1 - 2 / (exp(2|x|) + 1) above."""
+    spec = spec_of([red("y", "max", "tanh(x)", over="n")], ["y"], inputs={"x": {"dims": ["m", "n"]}})
+    x = np.concatenate([np.linspace(-3, 3, 2001), [0.0, -0.0, 0.0625, 0.064, 0.62, 0.63, 40.0, -40.0, np.nan]])
+    x = x.astype(np.float32)[:, None]  # one value per row: y = tanh(x)
+    got = run(spec, {"m": x.shape[0], "n": 1}, "float32", {"x": x}).outputs["y"].double().numpy()
+    ref = np.tanh(x[:, 0].astype(np.float64))
+    assert np.isnan(got[-1]) and np.isnan(ref[-1])
+    ulps = np.abs(got[:-1] - ref[:-1]) / np.spacing(np.abs(ref[:-1]).astype(np.float32)).astype(np.float64)
+    assert ulps.max() <= 3, (ulps.max(), x[np.argmax(ulps), 0])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_argmax_and_argmin_take_the_first_nan_as_numpy_does():
+    """log(x) is NaN for x < 0. NumPy's argmax/argmin (the reference) return the first NaN; the
+    certificate's tiled run sorted NaN last (algebra error 1.0), and the kernels' tl.max skipped it."""
+    spec = spec_of([red("mx", "max", "x"), red("am", "argmin", "exp(x - mx) * log(x)"), red("ax", "argmax", "log(x)")],
+                   ["am", "ax"])
+    d = derive_cascade(spec)
+    assert d.forms["am"].fused
+    cert = certify(d, trials=12)
+    assert cert.holds and cert.per_reduction["am"] == 0.0 and cert.per_reduction["ax"] == 0.0, cert
+    every_strategy_passes(spec, {"m": 3, "n": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_combine_kernel_recomputes_a_dependency_a_per_lane_part_kernel_merged(compile_pool):
+    """Fuzz seed 45: split_fused's part kernel merged its lanes (per-lane states) and recorded r's
+    final value as printed; the combine kernel inherited that record and skipped recomputing r
+    after its split loop, then read the loop-scoped r (NameError on sm_90). Each kernel now starts
+    with nothing in scope (KernelWriter.begin_kernel)."""
+    from fuser_core.codegen.gpu_compile import CompileRequest
+    from fuser_core.targets import Target
+
+    spec = load_spec({
+        "foldwise": 1, "name": "riyc", "inputs": {"kk": {"dims": ["seq"]}, "x": {"dims": ["seq"]}},
+        "steps": [{"name": "h", "expr": "(eps) ** 2 * x"},
+                  {"name": "sel", "reduce": "sum", "over": "seq", "expr": "maximum(clamp(0.5, -1, 0.5), (x) ** 2)"},
+                  {"name": "r", "reduce": "sum", "over": "seq", "expr": "kk * sel"},
+                  {"name": "tmp", "reduce": "sum", "over": "seq", "expr": "kk + r"},
+                  {"name": "acc0", "reduce": "sum", "over": "seq", "expr": "where(x > 0, x * rsqrt(r * r + 1), 0)"}],
+        "outputs": ["h", "tmp", "acc0"], "params": {"eps": "log(size(seq) + 1)"}})
+    config = KernelConfig({"seq": 4}, split=2)
+    report = self_check(spec, {"seq": 13}, "float32", strategy="split_fused", config=config)
+    assert report["passed"], report
+    builds = compile_pool.compile([CompileRequest(spec, {"seq": 13}, {"kk": "float32", "x": "float32"}, "split_fused",
+                                                  config.to_dict(), Target.parse(arch)) for arch in ("sm_90", "sm_80")])
+    assert all(b.ok and len(b.kernels) == 2 for b in builds), [b.first_error() for b in builds]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+@pytest.mark.parametrize("strategy", ["row_resident", "streaming_fused", "split_fused", "multi_pass"])
+def test_a_top_k_of_a_row_masked_to_minus_inf_gives_k_distinct_indices(strategy):
+    """Fuzz seed 46: where(index(seq) < target, ..., -inf) with target = 0 masks the whole row; the
+    top-4 of thirteen -inf values is indices 0..3 (lower index first on ties, as the reference),
+    but the kernels' lists marked taken and empty slots with -inf and returned [0, 0, 0, 0]. Empty
+    and taken slots now carry index 2147483647; argmax of a -inf row is index 0 the same way."""
+    spec = load_spec({
+        "foldwise": 1, "name": "f", "inputs": {"a": {"dims": ["seq", "m"]}, "target": {"dims": [], "kind": "index"}},
+        "steps": [{"name": "tl", "reduce": "topk", "over": "seq", "k": 4, "as": "kdim",
+                   "expr": "where(index(seq) < target, a, -inf)"},
+                  {"name": "am", "reduce": "argmax", "over": "seq", "expr": "where(index(seq) < target, a, -inf)"}],
+        "outputs": ["tl", "am"]})
+    shape = {"seq": 13, "m": 2, "kdim": 4}
+    config = KernelConfig({"seq": 16} if strategy == "row_resident" else {"seq": 4},
+                          split=2 if strategy == "split_fused" else 1)
+    rng = np.random.default_rng(0)
+    for target in (0, 2, 13):
+        inputs = {"a": rng.standard_normal((13, 2)).astype(np.float32), "target": np.array(target, np.int32)}
+        out = run(spec, shape, "float32", inputs, strategy=strategy, config=config).outputs
+        ref = evaluate(spec, shape, inputs)
+        got = out["tl.indices"].numpy()
+        np.testing.assert_array_equal(got, ref["tl.indices"])
+        np.testing.assert_array_equal(out["am"].numpy(), ref["am"])
+        assert all(len(set(row)) == 4 for row in got.tolist())
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_step_named_like_an_anchor_is_no_anchor():
+    """Fuzz seed 70: ``sum(bias * den_anchor)`` with ``den_anchor = max(bias)``: the tail lanes' fold was left
+    unmasked because the value's name ended in ``_anchor`` (a safe anchor is finite); on a row masked to -inf the
+    tail's 0 * -inf was NaN where the formula has +inf, in the row-resident kernel."""
+    from fuser_core.accuracy import accuracy_check
+
+    spec = spec_of([red("den_anchor", "max", "bias", over="seq"), red("mx_old", "sum", "bias * den_anchor", over="seq")],
+                   ["mx_old"], inputs={"bias": {"dims": ["seq"]}})
+    for strategy in ("row_resident", "multi_pass", "streaming_fused"):
+        verdict = accuracy_check(spec, {"seq": 13}, families=("masked", "nan", "normal"), strategy=strategy)
+        assert verdict["passed"], (strategy, verdict["families"])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_sigmoid_of_a_large_negative_value_is_not_zero():
+    """Fuzz seed 54: ``sigmoid(-v)`` at v near 100 printed as ``1 / (1 + exp(v))`` is 1 / inf = 0 in float32, where
+    the formula has exp(-100) (a denormal); an argmax over such values then picked another index. The printer
+    calls ``sigmoid_accurate`` (exp(x) / (1 + exp(x)) for x < 0)."""
+    spec = spec_of([red("out", "argmax", "sigmoid(-v)"), {"name": "s", "expr": "sigmoid(-v)"}], ["out", "s"],
+                   inputs={"v": {"dims": ["n"]}})
+    v = np.array([100.0, 99.5, 101.0, 100.2, 99.0, 100.7, 98.9, 100.1, 102.0, 99.9, 100.3, 99.8, 100.4])
+    ref = evaluate(spec, {"n": 13}, {"v": v})
+    for strategy in ("row_resident", "multi_pass"):
+        got = run(spec, {"n": 13}, "float32", {"v": v}, strategy=strategy).outputs
+        assert int(got["out"]) == int(ref["out"]) == 6, strategy
+        s = got["s"].double().numpy()
+        assert (s > 0).all() and np.allclose(s, ref["s"], rtol=1e-2, atol=2e-45), (strategy, s)  # denormals: steps of 1.4e-45
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_integer_powers_are_squarings():
+    """Fuzz seed 73: ``sin(c) ** 12`` printed as exp2(12 log2 |b|) erred 2.3x the formula's error; integer powers up
+    to 32 are printed as squarings (at most 2 log2(n) roundings)."""
+    from fuser_core.codegen.tritonize import _squarings
+
+    assert _squarings("b", 12).count("*") == 11 and _squarings("b", 4) == "(b * b) * (b * b)"
+    x = np.array([6.5, 0.3, -2.0, 1.1, -0.9, 3.0, 0.05])
+    spec = spec_of([{"name": "p", "expr": "sin(x) ** 12"}, red("s", "sum", "sin(x) ** 12")], ["p", "s"],
+                   inputs={"x": {"dims": ["n"]}})
+    got = run(spec, {"n": 7}, "float32", {"x": x}, strategy="row_resident").outputs
+    assert np.allclose(got["p"].double().numpy(), np.sin(x) ** 12, rtol=2e-6, atol=0)

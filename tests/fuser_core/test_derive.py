@@ -7,8 +7,10 @@ import sympy as sp
 
 from tests.support.catalog import load_catalog
 from fuser_core.certificate import certify
+from fuser_core.codegen.plan import valid_strategies
 from fuser_core.derive import derive_cascade
 from fuser_core.spec import load_spec
+from tests.support.cascades import every_strategy_passes, red, spec_of
 
 CATALOG = load_catalog()
 
@@ -25,12 +27,6 @@ EXPECTED_KIND = {
     ("moe_routing", "gate"): "scaled",
     ("safe_softmax", "den"): "scaled",
 }
-
-
-def spec_of(steps, outputs, inputs=None):
-    return load_spec(
-        {"foldwise": 1, "name": "t", "inputs": inputs or {"x": {"dims": ["m", "n"]}}, "steps": steps, "outputs": outputs}
-    )
 
 
 MX = {"name": "mx", "reduce": "max", "over": "n", "expr": "x"}
@@ -342,3 +338,294 @@ def test_a_maximum_with_a_same_axis_sum_is_refused():
     t = {"name": "t", "reduce": "sum", "over": "n", "expr": "x"}
     _, form = sink_form([MX, t, {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - maximum(mx, t)) * c"}])
     assert not form.fused and "so the loop would sum the unanchored exp(x)" in form.reason, form.reason
+
+
+# --- regressions the cascade fuzzer (tests/support/fuzz_strategies.py) found, each with the smallest
+# spec that showed it (small specs built with tests/support/cascades.py)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_shifted_form_never_reads_streamed_values_the_integrand_lacks():
+    """h = sum (w - y)**2 with y = sum logits * w: the shifted realisation expressed sum(w) as
+    (1/logits) * partial(y) -- a streamed value in the anchor move (kernels off by 100x)."""
+    spec = spec_of(
+        [red("y", "sum", "logits * w", over="e"), red("h", "sum", "(w - y) ** 2", over="e")], ["h"],
+        inputs={"logits": {"dims": ["e"]}, "w": {"dims": ["e"]}},
+    )
+    d = derive_cascade(spec)
+    h = d.forms["h"]
+    streamed = {"logits", "w"}
+    if h.kind == "shifted":
+        assert not {s.name for s in h.delta.free_symbols} & streamed
+    assert certify(d, trials=8).holds
+    every_strategy_passes(spec, {"e": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_cubic_around_a_raw_sum_is_not_fused():
+    """sum ((|w| + 1) ** 0.5 - u) ** 3 around u = sum clamp(w): the Taylor accumulators sat on the
+    running estimate partial * N / count, which strays far from the final u early on; split
+    kernels lost float32 accuracy (1.6e-4 here, up to 5e-3 at other seeds). Refused instead;
+    the same cubic around a mean keeps the Taylor form and passes every strategy."""
+    raw = [red("u", "sum", "clamp(w, -1, 2)", over="c"), red("vals", "sum", "((abs(w) + 1) ** 0.5 - u) ** 3 / size(c)", over="c")]
+    spec = spec_of(raw, ["vals"], inputs={"w": {"dims": ["seq", "c"]}})
+    vals = derive_cascade(spec).forms["vals"]
+    assert not vals.fused and "raw sum" in vals.reason
+    assert valid_strategies(spec, derive_cascade(spec), {"seq": 2, "c": 13})["streaming_fused"] is not None
+    every_strategy_passes(spec, {"seq": 2, "c": 13})
+
+    raw[0] = red("u", "sum", "clamp(w, -1, 2) / size(c)", over="c")
+    spec = spec_of(raw, ["vals"], inputs={"w": {"dims": ["seq", "c"]}})
+    d = derive_cascade(spec)
+    assert d.forms["vals"].kind == "taylor"
+    assert certify(d, trials=8).holds
+    every_strategy_passes(spec, {"seq": 2, "c": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_exponent_the_running_max_does_not_bound_is_not_fused():
+    """exp(x - idx) with idx = max(4 x (x + size(m)/2)^2): early running maxima sit far below the
+    final one, so the anchored state reached inf and the certificate reported NaN. Refused,
+    naming the exponent; bounded forms (softmax, a minimum of the max's own values) still fuse."""
+    spec = spec_of([red("idx", "max", "4 * x * (x + size(m) / 2) ** 2"), red("total", "max", "exp(x - idx)"),
+                    red("s", "sum", "exp(x - idx) + 1")], ["total", "s"])
+    d = derive_cascade(spec)
+    for name in ("total", "s"):
+        assert not d.forms[name].fused and "not bounded by the running value of idx" in d.forms[name].reason
+    every_strategy_passes(spec, {"m": 3, "n": 13})
+
+    spec = spec_of([red("mx", "max", "2 * x"), red("s", "sum", "exp(2 * x - mx) * x"),
+                    red("t", "sum", "exp(minimum(2 * x, 1) - mx)"), red("r", "sum", "x * exp(mx - 3)")],
+                   ["s", "t", "r"])
+    d = derive_cascade(spec)
+    assert d.forms["s"].kind == d.forms["t"].kind == "scaled"
+    assert d.forms["r"].fused  # the running exp(mx) stays below its final value
+    assert certify(d, trials=8).holds
+    every_strategy_passes(spec, {"m": 2, "n": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_shifted_form_does_not_take_a_cast_sum_for_the_plain_one():
+    """o = sum (a - tl)^2 with tl = sum cast(a, float16): the shifted form took partial(tl) for the
+    sum of a seen so far, off by the float16 rounding (certificate error 5.8e-4). It is not shifted now; and
+    as a square centred on a raw sum's running estimate (fuzz seeds 60, 61) it is computed after tl is final."""
+    spec = spec_of([red("tl", "sum", 'cast(a, "float16")', over="c"), red("o", "sum", "(a - tl) ** 2", over="c")],
+                   ["o"], inputs={"a": {"dims": ["e", "c"]}})
+    d = derive_cascade(spec)
+    assert d.forms["o"].kind == "not_fused" and "raw sum" in d.forms["o"].reason
+    assert certify(d, trials=8).holds
+    every_strategy_passes(spec, {"e": 2, "c": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_taylor_form_sympy_recursed_on_is_refused_before_it_is_certified():
+    """The certificate's lambdify rebuilt this Taylor form without end (RecursionError). The form centres
+    where(.., kk, 0) on the running max s, which 0 may exceed: it is refused now (fuzz seed 61), with its reason."""
+    from fuser_core.report import derivation_report
+
+    steps = [red("s", "max", "kk", over="m"),
+             red("sel", "sum", "(where(minimum(index(m) * 0.25, kk) == (kk - size(m) * 0.5), kk, 0) - s) ** 2", over="m")]
+    spec = spec_of(steps, ["sel"], inputs={"kk": {"dims": ["m"]}})
+    assert "both sides" in derive_cascade(spec).forms["sel"].reason
+    assert derivation_report(spec)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_cast_deciding_a_where_is_not_stripped_by_a_fused_form():
+    """where(beta0 >= cast(beta0, bfloat16), q, 0): the fused forms strip casts, which made the
+    condition always true (normwise error 2.07 in a streaming kernel). Such a step is not fused."""
+    spec = spec_of([red("idx", "max", "q", over="c"),
+                    red("sz", "sum", '(where(beta0 >= cast(beta0, "bfloat16"), q, 0) - idx) ** 2', over="c"),
+                    red("y", "sum", "(clamp(q, -1, 0.5) - sz) ** 2 / size(c)", over="c")], ["y"],
+                   inputs={"q": {"dims": ["c"]}}, params={"beta0": "log(size(c) + 1)"})
+    d = derive_cascade(spec)
+    assert not d.forms["sz"].fused and "cast inside a comparison" in d.forms["sz"].reason
+    every_strategy_passes(spec, {"c": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+@pytest.mark.parametrize("expr", ["x / (x - x)", "-x / 0 + 1", "log(x - x) + x", "rsqrt(x - x) * x", "exp(x - mx) / (mx - mx)"])
+def test_division_by_zero_is_a_spec_error_naming_the_step(expr):
+    """sympy makes x / 0 and log(0) complex infinity (zoo): lambdify cannot print it (KeyError
+    'ComplexInfinity' in the certificate, so `foldwise derive` crashed), and fused forms of an
+    expression that is infinite everywhere mean nothing. It is an invalid spec, found once
+    earlier steps are substituted, and reported in the caller's names."""
+    from fuser_core.errors import SpecError
+    from fuser_core.report import derivation_report
+
+    raw = {"foldwise": 1, "name": "reg", "inputs": {"x": {"dims": ["m", "n"]}},
+           "steps": [red("mx", "max", "x"), red("myred", "sum", expr), {"name": "y", "expr": "myred + mx"}],
+           "outputs": ["y"]}
+    spec = load_spec(raw)
+    for derive in (derive_cascade, derivation_report):
+        with pytest.raises(SpecError, match="identically 0") as err:
+            derive(spec)
+        assert err.value.loc == ("steps", 1, "expr") and err.value.step == "myred", (err.value.loc, err.value.step)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_an_undefined_output_step_is_found_by_derive():
+    """An elementwise output no reduction reads was converted only when a kernel was planned."""
+    from fuser_core.errors import SpecError
+
+    spec = spec_of([red("mx", "max", "x"), {"name": "sel", "expr": "x / (x - x)"}], ["mx", "sel"])
+    with pytest.raises(SpecError, match="identically 0") as err:
+        derive_cascade(spec)
+    assert err.value.loc == ("steps", 1, "expr")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_large_sentinel_constant_in_a_where():
+    """-1e30 is an exact sympy Integer beyond int64: lambdify printed it as a Python int, NumPy's
+    select made an object array, and the certificate crashed (reported as a derivation limit)."""
+    spec = spec_of(
+        [{"name": "xm", "expr": "where(index(n) < len, x, -1e30)"}, red("mx", "max", "xm"),
+         red("den", "sum", "exp(xm - mx)"), {"name": "y", "expr": "exp(xm - mx) / den"}],
+        ["y"], inputs={"x": {"dims": ["m", "n"]}, "len": {"dims": ["m"], "kind": "index"}},
+    )
+    d = derive_cascade(spec)
+    assert d.fusible
+    cert = certify(d, trials=12)
+    assert cert.holds and cert.max_rel_err < 1e-12, cert
+    every_strategy_passes(spec, {"m": 3, "n": 13})
+
+
+LENGTHS = {"x": {"dims": ["m", "n"]}, "len": {"dims": ["m"], "kind": "index"}}  # a per-row length (0 included)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_masked_softmax_with_a_per_row_length():
+    """where(index(n) < len, exp(x - mx), 0) around the dependent term was 'not fused': the where()
+    mixed x and mx. Its condition reads no dependency, so it masks G: G = where(c, exp(x), 0)."""
+    spec = spec_of(
+        [red("mx", "max", "where(index(n) < len, x, -inf)"), red("den", "sum", "where(index(n) < len, exp(x - mx), 0)"),
+         {"name": "y", "expr": "where(index(n) < len, exp(x - mx) / den, 0)"}],
+        ["y"], inputs=LENGTHS,
+    )
+    d = derive_cascade(spec)
+    assert d.forms["den"].kind == "scaled"
+    assert certify(d, trials=12).holds
+    every_strategy_passes(spec, {"m": 5, "n": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_masked_attention_keeps_the_anchor_inside_the_mask():
+    """o = sum where(c, exp(s - mx) * v / den, 0): the anchor exp(-mx) is moved into the where()
+    (exp(s - mx), bounded), and 1/den of a fully masked row (den = 0) times an empty accumulator
+    is 0, as the reference's where() gives, not 0 * inf."""
+    spec = spec_of(
+        [red("mx", "max", "where(index(n) < len, s, -inf)"), red("den", "sum", "where(index(n) < len, exp(s - mx), 0)"),
+         red("o", "sum", "where(index(n) < len, exp(s - mx) * v / den, 0)"),
+         red("ent", "sum", "where(index(n) < len, exp(s - mx) * (s - mx), 0.5)")],
+        ["o", "ent"], inputs={"s": {"dims": ["m", "n"]}, "v": {"dims": ["n", "e"]}, "len": {"dims": ["m"], "kind": "index"}},
+    )
+    d = derive_cascade(spec)
+    assert d.fusible and d.forms["o"].empty_adds_zero == (True,)
+    assert certify(d, trials=12).holds
+    every_strategy_passes(spec, {"m": 4, "n": 13, "e": 3})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_masked_variance_stays_centred():
+    """A masked variance around a masked mean separates into masked power sums; the Taylor form
+    (per branch of the mask) keeps the accumulators centred instead of raw power sums."""
+    spec = spec_of(
+        [red("mean", "sum", "where(index(n) < len, x, 0) / size(n)"),
+         red("var", "sum", "where(index(n) < len, (x - mean) ** 2, 0) / size(n)")],
+        ["var"], inputs=LENGTHS,
+    )
+    d = derive_cascade(spec)
+    assert d.forms["var"].kind == "taylor"
+    assert certify(d, trials=12).holds
+    every_strategy_passes(spec, {"m": 3, "n": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_masked_order_reductions_with_infinite_sentinels():
+    """where(c, a(D) G(x) + b(D), -inf) is -inf on masked elements under any a(D) > 0: the order
+    form is the live branch's. argmin with +inf, and a negative factor (max and min swap)."""
+    spec = spec_of(
+        [red("mx", "max", "x"), red("den", "sum", "exp(x - mx)"),
+         red("g", "topk", "where(index(n) < len, exp(x - mx) / den, -inf)", k=3, **{"as": "j"}),
+         red("am", "argmin", "where(index(n) < len, x - mx, inf)"),
+         red("an", "argmax", "where(index(n) >= len, -exp(x - mx), inf)")],
+        ["g", "am", "an"], inputs=LENGTHS,
+    )
+    d = derive_cascade(spec)
+    assert d.fusible, {f.name: f.reason for f in d.forms.values()}
+    assert certify(d, trials=12).holds
+    every_strategy_passes(spec, {"m": 3, "n": 13, "j": 3})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_where_whose_condition_reads_a_dependency_still_does_not_fuse():
+    """Only a condition free of D is a mask: where(x > mx / 2, ...) decides with the running value."""
+    spec = spec_of([red("mx", "max", "x"), red("den", "sum", "where(x > mx / 2, exp(x - mx), 0)")], ["den"])
+    assert not derive_cascade(spec).forms["den"].fused
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_polynomial_centred_on_a_max_that_a_mask_can_make_infinite_is_not_fused():
+    """Fuzz seed 44: ``g = max over e of where(index(e) > index(n), logits, -inf)`` is -inf on the
+    row where every element is masked; ``sum ((bias^2 - g)^3)`` centred on g (Taylor form) gave
+    NaN there (inf - inf) where the unfused value is inf, and the certificate failed. Polynomial
+    (Taylor and shifted) forms are refused around such anchors; the certificate then holds."""
+    spec = load_spec({
+        "foldwise": 1, "name": "f", "inputs": {"logits": {"dims": ["n", "e"]}, "bias": {"dims": ["e"]}},
+        "steps": [{"name": "g", "reduce": "max", "over": "e", "expr": "where(index(e) > index(n), logits, -inf)"},
+                  {"name": "c", "reduce": "sum", "over": "e", "expr": "((bias) ** 2 - g) ** 3 / size(e)"},
+                  {"name": "v", "reduce": "sum", "over": "e", "expr": "(bias - where(index(e) > index(n), logits, -1e30)) ** 2"},
+                  {"name": "s", "reduce": "sum", "over": "e", "expr": "where(index(e) > index(n), exp(logits - g), 0)"},
+                  {"name": "t", "reduce": "sum", "over": "e", "expr": "where(index(e) > index(n), (logits - g) ** 2, 0)"}],
+        "outputs": ["c", "v", "s", "t"]})
+    d = derive_cascade(spec)
+    assert not d.forms["c"].fused and "cancel inf against inf" in d.forms["c"].reason
+    assert d.forms["s"].fused  # a scaled form keeps its guards: the masked softmax still fuses
+    assert d.forms["t"].fused  # masked like g: no element reaches the polynomial where g is -inf
+    assert certify(d).holds
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_where_fill_that_is_a_symbolic_constant_is_compared_as_a_number():
+    """fuzz seed 50: ``sigmoid(where(c, lse, -1))`` summed over d has the fill sigmoid(-1) =
+    1/(1 + E); the mask check built sp.Float from it (TypeError: cannot create mpf) and every
+    strategy crashed while generating. The fill is not the sum's identity, so no mask window."""
+    spec = spec_of(
+        [{"name": "lse", "expr": 'cast(where(index(e) <= index(d), logits, v), "float8_e4m3fn")'},
+         red("h", "sum", "sigmoid(where(not index(e) <= index(d), lse, -1))", over="d")],
+        ["h"], inputs={"logits": {"dims": ["n", "d", "e"]}, "v": {"dims": ["d"]}})
+    every_strategy_passes(spec, {"n": 2, "d": 9, "e": 3})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_square_centred_on_a_value_that_exceeds_the_running_max_is_not_fused():
+    """Fuzz seed 61, peaked rows: ``sum((maximum(w, x) - mx)^2)``, Taylor-centred on the running max of x.
+    With w near the final max but far above the early running max, each move cancels the squares away (392x the
+    formula's error). ``sum((x - mx)^2)`` keeps its Taylor form: x never exceeds the running max, so every term of
+    a move has one sign."""
+    inputs = {"x": {"dims": ["n"]}, "w": {"dims": ["m"]}}
+    spec = spec_of([red("mx", "max", "x"), red("total", "sum", "(maximum(w, x) - mx) ** 2"),
+                    red("s", "sum", "(x - mx) ** 2")], ["total", "s"], inputs=inputs)
+    d = derive_cascade(spec)
+    assert d.forms["total"].kind == "not_fused" and "both sides" in d.forms["total"].reason
+    assert d.forms["s"].kind == "taylor"
+    from fuser_core.accuracy import accuracy_check
+
+    verdict = accuracy_check(spec, {"m": 2, "n": 13}, families=("peaked", "offset100"), derivation=d)
+    assert verdict["passed"], verdict["families"]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_raw_power_sums_of_a_dependent_sum_are_not_fused():
+    """Fuzz seeds 60 and 61: ``sum((q - acc)^2)`` with acc a dependent sum (no running anchor) was kept as
+    sum(q^2) - 2 acc sum(q) + n acc^2, 17.6x and 25x the formula's error; a square centred on a raw sum's
+    running estimate is refused too. A mean written as ``s / size(n)`` still fuses."""
+    inputs = {"x": {"dims": ["m", "n"]}}
+    dependent = spec_of([red("mx", "max", "x"), red("acc", "sum", "exp(x - mx) * x"), red("y", "sum", "(x - acc) ** 2")],
+                        ["y"], inputs=inputs)
+    raw = spec_of([red("s", "sum", "x ** 2"), red("y", "sum", "(x - s) ** 2")], ["y"], inputs=inputs)
+    mean = spec_of([red("s", "sum", "x"), {"name": "mean", "expr": "s / size(n)"}, red("y", "sum", "(x - mean) ** 2")],
+                   ["y"], inputs=inputs)
+    assert "raw power sums" in derive_cascade(dependent).forms["y"].reason
+    assert "raw sum" in derive_cascade(raw).forms["y"].reason
+    assert derive_cascade(mean).forms["y"].kind in ("shifted", "taylor")

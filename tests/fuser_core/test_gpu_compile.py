@@ -45,6 +45,7 @@ from fuser_core.problem import make_problem
 from fuser_core.reference import bind_shape
 from fuser_core.runner import bind_dtypes
 from fuser_core.spec import load_spec
+from tests.support.cascades import every_strategy_passes, red, spec_of
 from tuner.compile_gate import judge
 from fuser_core.targets import CUDA, HIP, Target
 from tuner.profiles import FLEET, get_profile
@@ -442,3 +443,24 @@ def test_a_kernel_with_a_runtime_scalar_compiles(compile_pool):
                 for strategy in ("row_resident", "streaming_fused", "multi_pass", "unfused_chain")]
     builds = compile_pool.compile(requests)
     assert all(b.ok and b.kernels for b in builds), [b.first_error() for b in builds]
+
+
+# --- regressions the cascade fuzzer (tests/support/fuzz_strategies.py) found, each with the smallest
+# spec that showed it (small specs built with tests/support/cascades.py)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_cast_of_a_size_compiles_where_the_size_is_1(compile_pool):
+    """cast(size(n) / 2, "float8_e4m3fn"): Triton passes a size of 1 as a constant, so the cast's
+    operand was a Python float, and the GPU compiler refused `x.to(...)` in fp8e4m3_round (the
+    interpreter accepted it; fuzz seed 43). It is rounded as a 0-d tensor now."""
+    from fuser_core.codegen.gpu_compile import CompileRequest
+
+    spec = spec_of([red("nblk", "argmin", "x", over="m"), red("u", "sum", "x * x", over="j"),
+                    {"name": "total", "expr": "-where(-u >= where(index(m) != nblk, scale, -1), cast(scale, \"float8_e4m3fn\"), -1)"},
+                    red("t", "argmax", "total", over="m"), red("acc", "sum", "-u", over="m")],
+                   ["t", "acc"], inputs={"x": {"dims": ["m", "j", "n"]}}, params={"scale": "size(n) * 0.5"})
+    shape = {"m": 13, "j": 1, "n": 1}
+    for r in every_strategy_passes(spec, shape):
+        [build] = compile_pool.compile([CompileRequest(spec, shape, {"x": "float32"}, r["strategy"], r["config"])])
+        assert build.ok and build.kernels, build.first_error()

@@ -6,6 +6,7 @@ with the limit as the reason -- each quickly."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -21,6 +22,7 @@ from fuser_core.expr import MAX_EXPR_DEPTH
 from fuser_core.report import derivation_report
 from fuser_core.runner import self_check
 from fuser_core.spec import MAX_STEPS, load_spec
+from tests.support import cascades
 
 QUICK_S = 2.0  # every crafted spec is answered within this (load + derive)
 MX = {"name": "mx", "reduce": "max", "over": "n", "expr": "x"}
@@ -204,3 +206,85 @@ def test_kernels_are_not_generated_for_huge_expressions():
     with pytest.raises(NotValid, match="no strategy can run"):
         self_check(spec, {"m": 2, "n": 37}, derivation=d)
     assert time.perf_counter() - start < QUICK_S
+
+
+# --- regressions the cascade fuzzer (tests/support/fuzz_strategies.py) found, each with the smallest
+# spec that showed it (small specs built with tests/support/cascades.py)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+@pytest.mark.parametrize("steps, inputs", [
+    # Piecewise.eval rebuilt itself without end while converting the where()
+    ([cascades.red("mean", "sum", "kk", over="m"),
+      cascades.red("r", "sum", "(kk / (1 + kk * w)) * rsqrt(mean * mean + 1)", over="m"),
+      {"name": "p", "expr": "kk ** 2"},
+      cascades.red("mask", "max", "where((kk - p) != (p - r), (kk - kk), -1)", over="m"),
+      cascades.red("scale2", "sum", "exp(where((kk - p) != (p - r), (kk - kk), -1) - mask)", over="m")], ["kk", "w"]),
+])
+def test_sympy_recursing_without_end_is_a_limit_naming_the_cause(steps, inputs):
+    """RecursionError escaped derive_cascade and certify, unexpected by `foldwise derive` and the API."""
+    from fuser_core.errors import DerivationLimitError
+    from fuser_core.report import derivation_report
+
+    spec = cascades.spec_of(steps, [steps[-1]["name"]], inputs={n: {"dims": ["m"]} for n in inputs})
+    with pytest.raises(DerivationLimitError, match="recursed without end"):
+        derivation_report(spec)
+
+
+CERTIFICATE_CANNOT_EVALUATE = [
+    # numpy.select got a scalar condition from lambdify's Piecewise (TypeError)
+    {"foldwise": 1, "name": "dhho51vppwc", "inputs": {"x": {"dims": ["d"]}, "kk": {"dims": ["d"]}, "v": {"dims": ["d"]}}, "steps": [{"name": "vals", "expr": "(-where((kk * v) >= where(where(x < log(2 + v * v), x, -1) >= where(x != (kk * v), v, -1), alpha, -1), clamp(x, -1, 1), -1))"}, {"name": "s", "expr": "(clamp((alpha + alpha), -1, 2) + where(vals == cast(alpha, \"float8_e4m3fn\"), (v) ** 4, 0))"}, {"name": "acc", "reduce": "max", "over": "d", "expr": "x"}, {"name": "var", "reduce": "sum", "over": "d", "expr": "((exp2(sin(alpha)) / size(d)) * exp(sigmoid(where(where((vals + eps) == (v) ** 2, kk, kk) > (vals + vals), kk, 0))))"}], "outputs": ["s", "acc", "var"], "params": {"eps": "size(d) * 0.5", "alpha": "log(size(d) + 1)"}},
+    # sympy rebuilt max(zoo, ...) while substituting (ValueError: not comparable)
+    {"foldwise": 1, "name": "oc7y9z_", "inputs": {"kk": {"dims": ["c"]}, "x": {"dims": ["c"]}, "bias": {"dims": []}}, "steps": [{"name": "tmp", "reduce": "min", "over": "c", "expr": "sin((-x))"}, {"name": "r", "reduce": "min", "over": "c", "expr": "where((round(kk * 4) * 0.25 + 0.1) > (bias) ** 3, x, beta0) - tmp"}, {"name": "BLOCK", "reduce": "argmax", "over": "c", "expr": "where((bias) ** 3 > where((kk * 0.5) != maximum(beta0, bias), kk, -1), kk, -1)"}, {"name": "z", "reduce": "max", "over": "c", "expr": "(log(2 + (kk / (1 + x * bias)) * (kk / (1 + x * bias))) + where(bias < where(index(c) == BLOCK, bias, 0), (beta0 * 4), 0))"}], "outputs": ["r", "z"], "params": {"beta0": "1 / sqrt(size(c))"}},
+]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+@pytest.mark.parametrize("raw", CERTIFICATE_CANNOT_EVALUATE, ids=["condlist", "zoo"])
+def test_a_certificate_that_cannot_evaluate_is_a_limit(raw):
+    """sympy/numpy errors escaped certify (a crash of `foldwise derive`); now a DerivationLimitError (since
+    comparisons of where() values are folded branch by branch, the first one stops at the size limit of such a
+    condition, before the certificate)."""
+    from fuser_core.errors import DerivationLimitError
+    from fuser_core.report import derivation_report
+
+    try:
+        report = derivation_report(load_spec(raw))
+    except DerivationLimitError as err:
+        assert re.search(r"the certificate cannot evaluate|where\(\) condition that reads", str(err)), err
+    else:  # the zoo spec: its where()s folded branch by branch, sympy no longer meets max(zoo, ...)
+        assert report["certificate"]["holds"], report["certificate"]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_where_condition_sympy_cannot_fold_is_reported():
+    """sympy's Piecewise raised ValueError ('-I' is not comparable) out of derive_cascade, then a limit error. A
+    comparison with a where() on a side is now folded branch by branch as it is converted: it derives, and
+    every strategy matches the reference."""
+    spec = cascades.spec_of(
+        [cascades.red("r", "sum", "where(x + x < where(sqrt(abs(eps) + 1) < clamp(eps, -1, 1), x, 0), x, x)")],
+        ["r"], params={"eps": "1 / sqrt(size(n))"})
+    cascades.every_strategy_passes(spec, {"m": 3, "n": 13})
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_a_where_condition_sympy_cannot_fold_is_a_reported_limit_not_a_crash():
+    """Fuzz seed 44: a where() whose condition compares two where() values of constants made
+    sympy's Piecewise rewrite pop from an empty set (KeyError); derive_cascade reported it as a
+    DerivationLimitError naming the step. Folded branch by branch as it is converted, it derives now (or stops
+    at a reported limit), and never crashes."""
+    from fuser_core.errors import DerivationLimitError
+
+    spec = load_spec({
+        "foldwise": 1, "name": "a", "inputs": {"q": {"dims": ["m"]}, "bias": {"dims": ["m"]}, "w": {"dims": ["m"]}},
+        "steps": [{"name": "acc0", "reduce": "max", "over": "m", "expr":
+                   "where(where(where((q + bias) < (bias / size(m)), beta0, q) > where((eps) ** 3 <= "
+                   "cast(beta0, \"bfloat16\"), beta0, -1), q, q) != (bias + 0.25), (q + w), (q + bias))"},
+                  {"name": "g", "reduce": "sum", "over": "m", "expr": "(q - acc0) ** 2"}],
+        "outputs": ["g"], "params": {"eps": 0.5, "beta0": 0.5}})
+    try:
+        d = derive_cascade(spec)
+    except DerivationLimitError as err:
+        assert "acc0" in str(err)
+    else:
+        assert certify(d, trials=4).holds

@@ -24,6 +24,7 @@ from fuser_core.derive import derive_cascade
 from fuser_core.problem import make_problem
 from fuser_core.runner import bind_dtypes
 from fuser_core.spec import load_spec
+from tests.support.cascades import red, spec_of
 from tuner import measure as measure_mod
 from tuner.analysis import Anatomy, tree_cost
 from tuner.cost_model import KernelLoad, kernel_time, predict, predict_chain
@@ -467,3 +468,18 @@ def test_taylor_shifted_sums_are_modelled() -> None:
     moves = sum(tree_cost(a.moved)[0] for a in d.forms["v"].realisation.accumulators if a.move == "joint")
     assert moves > 0 and loop.ops[frozenset({"m"})][0] >= moves
     assert len(space.anatomy.kernels("streaming_fused", space.blocks_of(streaming))[0].state) == 3  # mx, two coefficients
+
+
+# --- regressions the cascade fuzzer (tests/support/fuzz_strategies.py) found, each with the smallest
+# spec that showed it (small specs built with tests/support/cascades.py)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
+def test_the_fallback_passes_are_not_counted_by_the_tuner():
+    """The tuner's analysis skips the fallback loops: on finite rows they run 0 times."""
+    from tuner.analysis import Anatomy
+
+    spec = spec_of([red("mask", "sum", "x"), red("acc", "sum", "x * mask")], ["acc"])
+    an = Anatomy(spec, derive_cascade(spec), {"x": "float32"})
+    (kernel,) = an.kernels("streaming_fused", {"m": 1, "n": 1024})
+    assert [p.loop for p in kernel.passes if p.loop != "once"] == ["axis"]
