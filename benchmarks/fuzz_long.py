@@ -9,7 +9,7 @@ Prints the counts by outcome (fusible, not fusible, limit-stopped, invalid, kern
 checked, failures) and, for every failure, the finding and the spec JSON, so that it can
 be replayed (``--replay FILE`` runs the checks on one spec file and prints the outcome; given a run's
 ``--json`` file, it checks every failure recorded there again, one line each).
-The CI runs a bounded, derandomised version of the same checks (tests/test_fuzz_cascades.py).
+The CI runs a bounded, derandomised version of the same checks (tests/fuser_core/test_fuzz_cascades.py).
 Exit code 1 when there was a failure.
 """
 

@@ -1,4 +1,4 @@
-"""Bounded, reproducible fuzz of the core on random VALID cascades (tests/fuzz_strategies.py):
+"""Bounded, reproducible fuzz of the core on random VALID cascades (tests/support/fuzz_strategies.py):
 
 - every generated spec loads, and its canonical form and a consistent renaming keep its hash;
 - derive_cascade raises nothing but our documented errors (DerivationLimitError counts as
@@ -71,7 +71,7 @@ def test_random_cascades_derive_and_certify():
     derived = total - counts["limit_stopped"]
     assert counts["fusible"] >= 0.3 * derived and counts["not_fusible"] >= 0.05 * derived, counts
     # 3%: the draws differ when other test modules ran first in the process (7 of 200 after
-    # test_fuzz_regressions.py, 15 alone; cause not found), and the share of masked terms that fuse with them
+    # the old test_fuzz_regressions.py, 15 alone; cause not found), and the share of masked terms that fuse with them
     assert masks["fused reductions of a where()"] >= 0.03 * derived, (masks, counts)
 
 

@@ -387,7 +387,7 @@ def test_a_combine_kernel_reading_an_input_after_its_split_loop_compiles(compile
 @pytest.mark.parametrize("strategy", ["row_resident", "streaming_fused", "split_fused", "multi_pass"])
 def test_a_sum_over_top_k_slots_in_the_epilogue_compiles(compile_pool, strategy):
     """A router renormalising its top-k gate weights over j: the sum over j runs after the loop
-    over the experts, in the selecting kernel (tests/test_codegen_general.py runs it)."""
+    over the experts, in the selecting kernel (tests/fuser_core/test_codegen_general.py runs it)."""
     spec = load_spec({"foldwise": 1, "name": "router_renorm", "inputs": {"logits": {"dims": ["t", "x"]}},
                       "steps": [{"name": "mx", "reduce": "max", "over": "x", "expr": "logits"},
                                 {"name": "den", "reduce": "sum", "over": "x", "expr": "exp(logits - mx)"},

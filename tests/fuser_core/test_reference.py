@@ -69,7 +69,7 @@ SMALL = {
     "fp8_quant_per_token": {"t": 5, "c": 16},
     "fp8_quant_gemm": {"m": 4, "k": 16, "n": 3},
     "group_norm": {"n": 2, "g": 3, "c": 4, "p": 5},
-    # the serving catalog: its references against torch are tests/test_serving_catalog.py
+    # the serving catalog: its references against torch are tests/fuser_core/test_serving_catalog.py
     **{name: {"b": 2, "g": 2, "r": 2, "m": 3, "n": 7, "d": 4, "e": 5} for name in (
         "attention_gqa", "attention_padded", "attention_varlen", "attention_sliding_window", "attention_softcap")},
     "cross_entropy_ignore": {"t": 6, "v": 11},

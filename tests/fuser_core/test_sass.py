@@ -1,5 +1,5 @@
 """The SASS parser (fuser_core.codegen.sass) on stored listings of kernels compiled for sm_90
-(tests/data/sass, made with the triton wheel's cuobjdump, encodings stripped) and on small
+(tests/fuser_core/data/sass, made with the triton wheel's cuobjdump, encodings stripped) and on small
 hand-written listings."""
 
 from __future__ import annotations

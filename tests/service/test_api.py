@@ -4,7 +4,7 @@ idempotent submissions (also many at once, from two apps), the auth matrix, path
 before any query, ETag/304, metrics and JSON logs.
 
 Kernels are stored with service.job_queue directly (claim, a real generated bundle, finish): the
-tuner itself is tested in test_worker.py and end to end in test_e2e_service.py.
+tuner itself is tested in test_worker.py and end to end in tests/e2e/test_serve_and_worker.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The dashboard's server side: static assets (vendored, cached, all resolvable, nothing external),
 its JSON endpoints (derivation as LaTeX, generated source, kernel cache, catalog, auth/me) and
 the scopes they need, on the real app (``service.api.create_app``, which mounts the dashboard).
-The browser flow is tests/test_dashboard_browser.py.
+The browser flow is tests/e2e/test_dashboard_browser.py.
 """
 
 from __future__ import annotations

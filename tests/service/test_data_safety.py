@@ -1,4 +1,4 @@
-"""Data safety through the real paths (HTTP server, worker loop), beyond test_api/test_jobs:
+"""Data safety through the real paths (HTTP server, worker loop), beyond test_api/test_job_queue:
 
 - many parallel identical submissions over HTTP to a live server on PostgreSQL (a spec the
   server has never derived, so the derivation and the spec insert race too) make one job;

@@ -1,6 +1,6 @@
 """The torch op (service/torch_ops.py; issue 24, item 4): ``torch.ops.foldwise.run`` / ``run_out``.
 
-Kernels are made in-process from catalog specs (tests/test_bundle.py's helpers: make_bundle,
+Kernels are made in-process from catalog specs (tests/service/test_bundle.py's helpers: make_bundle,
 then load_bundle, no server) and run through Triton's interpreter. The op must give what the
 kernel gives, match the float64 reference, write into out= tensors (checked, errors naming the
 output), give shapes and dtypes on meta tensors, return outputs contiguous in the caller's dim

@@ -2,7 +2,7 @@
 a verified bundle, cancel, a lost lease, a clean stop, budget.seconds, a crashing search, a
 takeover that continues the dead worker's study, and ``foldwise worker`` in job-queue mode.
 
-Real processes (SIGKILL, server restarts) are in test_e2e_service.py.
+Real processes (SIGKILL, server restarts) are in tests/e2e/test_serve_and_worker.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Small shapes for catalog specs, and the targets each (spec, strategy) compiles for in turn:
-shared by the compile tests (tests/test_gpu_compile.py) and benchmarks/compile_catalog.py (CI's
+shared by the compile tests (tests/fuser_core/test_gpu_compile.py) and benchmarks/compile_catalog.py (CI's
 Triton 3.6 job)."""
 
 from __future__ import annotations

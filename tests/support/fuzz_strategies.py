@@ -580,7 +580,7 @@ def cascade_specs(draw, *, min_steps: int = 2, max_steps: int = 5, casts: bool =
     are known to lose range or accuracy (for the long run, to measure; not for CI). ``merged``: the
     share of draws whose cascade axis is written as two dims reduced together (:func:`split_axis`;
     the long run's default, MERGED_SHARE; the CI's bounded run keeps its draws and checks the merged
-    path with tests/test_group_norm.py)."""
+    path with tests/fuser_core/test_group_norm.py)."""
     return _Cascade(draw, min_steps=min_steps, max_steps=max_steps, casts=casts, wild=wild, merged=merged).build()
 
 
