@@ -23,7 +23,6 @@ import base64
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 from tests.support.catalog import CATALOG_DIR, load_catalog
+from tests.support.servers import free_port
 
 CHROMIUM = os.environ.get("FOLDWISE_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("FOLDWISE_CHROMEDRIVER", "/usr/bin/chromedriver")
@@ -71,12 +71,6 @@ def _tail(path: Path, n: int = 3000) -> str:
     return path.read_text(errors="replace")[-n:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """``foldwise serve`` with one model-measurer worker on a fresh SQLite database, and two tokens."""
@@ -91,7 +85,7 @@ def server(tmp_path_factory):
         _, writer = create_token(session, "engineer", "jobs:write,kernels:read")
         _, reader = create_token(session, "viewer", "kernels:read")
     engine.dispose()
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "TRITON_INTERPRET": "1", "FOLDWISE_MEASURER": "model", "FOLDWISE_TARGET": "h100",
            "FOLDWISE_CACHE_DIR": str(work / "cache"), "PYTHONUNBUFFERED": "1"}
     log = (work / "server.log").open("w")

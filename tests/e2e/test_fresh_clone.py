@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.support.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXIT_CODES = {"foldwise derive bad.json": 2}  # the README's invalid-spec example
@@ -149,17 +150,11 @@ def test_the_readme_tour_runs_from_the_copy(clone: Path, env: dict[str, str]) ->
     _print_timings(timings)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_readme_service_tour_runs_from_the_copy(clone: Path, env: dict[str, str]) -> None:
     """`foldwise serve`, the README's curl submission (the spec by catalog name through
     `foldwise catalog`), then its CPU client snippet, whose kernel must compute a softmax."""
     readme = (clone / "README.md").read_text()
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     timings: list[tuple[str, int, float]] = []
     server = subprocess.Popen(["foldwise", "serve", "--port", str(port)], cwd=clone, env=env,

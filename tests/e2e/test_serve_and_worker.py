@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,15 +30,10 @@ import httpx
 import numpy as np
 
 from tests.support.catalog import load_catalog
+from tests.support.servers import free_port
 
 RAW = load_catalog()["safe_softmax"]
 LEASE_S = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Procs:

@@ -47,7 +47,7 @@ SOFTMAX = load_catalog()["safe_softmax"]
 
 @pytest.mark.postgres
 def test_parallel_identical_submissions_over_http_make_one_job(fresh_postgres_url, tmp_path) -> None:
-    from tests.service.test_api_fuzz import LiveServer
+    from tests.support.servers import LiveServer
 
     server = LiveServer(fresh_postgres_url, tmp_path)
     try:

@@ -235,7 +235,7 @@ def test_path_identifiers_never_reach_the_database_or_500(db_url, sessions) -> N
 
 
 def test_a_huge_body_is_refused_at_once_by_a_live_server(tmp_path) -> None:
-    from tests.service.test_api_fuzz import LiveServer
+    from tests.support.servers import LiveServer
 
     server = LiveServer(f"sqlite:///{tmp_path / 'live.db'}", tmp_path)
     try:
