@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 
 def make_bundle(
-    problem: Problem, *, target: str | GpuProfile, strategy: str, config: Mapping[str, Any], measured: Mapping[str, Any],
-    derivation: Mapping[str, Any] | None = None, derived: Any = None,
+    problem: Problem, *, target: str | GpuProfile, strategy: str, config: Mapping[str, Any],
+    measured: Mapping[str, Any], derivation: Mapping[str, Any] | None = None, derived: Any = None,
 ) -> dict:
     """Generate the kernel for (problem, strategy, config) and wrap it in a bundle.
 
