@@ -384,3 +384,28 @@ def test_canonical_form_of_an_expression_at_the_length_limit_reloads():
     spec = load_spec(raw)
     assert spec_hash(load_spec(canonical_form(spec), printed=True)) == spec_hash(spec)
     assert derivation_report(spec)["spec_hash"] == spec_hash(spec)  # derive reloads the canonical form
+
+
+def test_a_report_made_from_a_given_derivation_of_the_canonical_spec():
+    """derivation_report(spec, derivation) reports the caller's derivation of the canonical spec
+    (the worker's one derivation) without deriving, in the caller's names; another spec's, or one
+    in non-canonical names, is refused."""
+    import fuser_core.derive
+    from fuser_core.derive import derive_cascade
+    from fuser_core.report import clear_cache
+
+    spec = load_spec(load_catalog()["safe_softmax"])
+    canon = load_spec(canonical_form(spec))
+    derivation = derive_cascade(canon)
+    clear_cache()
+    expected = derivation_report(spec)  # derived here
+    clear_cache()
+    real, fuser_core.derive.derive_cascade = fuser_core.derive.derive_cascade, None  # any derive here fails
+    try:
+        assert derivation_report(spec, derivation) == expected
+    finally:
+        fuser_core.derive.derive_cascade = real
+    with pytest.raises(ValueError, match="canonical spec"):
+        derivation_report(spec, derive_cascade(spec))
+    with pytest.raises(ValueError, match="another spec"):
+        derivation_report(spec, derive_cascade(load_spec(canonical_form(load_spec(load_catalog()["rmsnorm"])))))

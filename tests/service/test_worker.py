@@ -195,12 +195,15 @@ def test_budget_seconds_used_up_by_earlier_attempts(db_url, sessions) -> None:
 
 def test_a_range_job_is_derived_once_for_all_its_buckets(db_url, sessions, monkeypatch) -> None:
     """The worker derives a job's spec once (service.worker.Worker._tune): every bucket's search
-    and every bucket's bundle use that derivation."""
+    and every bucket's bundle (its kernel and its derivation report) use that derivation, in a
+    fresh worker process too, whose report cache holds nothing."""
     import fuser_core
     import fuser_core.derive
     from fuser_core import spec_hash
+    from fuser_core.report import clear_cache
 
     job_id = submit(sessions, trials=1, shape={"m": {"min": 1, "max": 4, "buckets": [2, 4]}, "n": 64})
+    clear_cache()  # the submission derived the report in this process: a worker process has not
     real, calls = fuser_core.derive.derive_cascade, []
 
     def counted(spec, **kwargs):
@@ -214,11 +217,14 @@ def test_a_range_job_is_derived_once_for_all_its_buckets(db_url, sessions, monke
                       settings=settings(db_url, compile_binaries=False)) == 1
     job = reload(sessions, job_id)
     with sessions() as s:
-        kernels = s.scalar(sa.select(sa.func.count()).select_from(Kernel))
-    assert job.status == "succeeded" and kernels == 2, job.error
-    # the job's spec (the cost model's unfused-chain baseline derives each step's own spec besides);
-    # the bundle's derivation report was cached in-process when the job was submitted
+        bundles = [json.loads(kernel_cache.get_bundle_bytes(s, k)) for k in s.scalars(sa.select(Kernel))]
+    assert job.status == "succeeded" and len(bundles) == 2, job.error
+    # the job's spec (the cost model's unfused-chain baseline derives each step's own spec besides)
     assert calls.count(spec_hash(SPEC)) == 1, calls
+    # each bundle's report, made from that derivation, in the bundle's (canonical) names
+    assert all(b["derivation"]["certificate"]["holds"] is True and b["derivation"]["spec_hash"] == spec_hash(SPEC)
+               for b in bundles)
+    assert all(step["name"] in ("s0", "s1") for b in bundles for step in b["derivation"]["reductions"])
 
 
 def test_a_crashing_search_fails_the_job_with_the_reason(db_url, sessions, monkeypatch) -> None:
