@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's packages, whatever is installed
+sys.path[:0] = [str(ROOT)]  # this checkout's packages (and tests/support), whatever is installed
 
 
 def main(argv: list[str] | None = None) -> int:
     import triton
-    from catalog_shapes import distinct_targets, small_shape, targets_in_turn
+    from tests.support.catalog_shapes import distinct_targets, small_shape, targets_in_turn
 
     from fuser_core.catalog import catalog_names, load_catalog_spec, load_suites
     from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest

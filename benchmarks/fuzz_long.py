@@ -9,7 +9,7 @@ Prints the counts by outcome (fusible, not fusible, limit-stopped, invalid, kern
 checked, failures) and, for every failure, the finding and the spec JSON, so that it can
 be replayed (``--replay FILE`` runs the checks on one spec file and prints the outcome; given a run's
 ``--json`` file, it checks every failure recorded there again, one line each).
-The CI runs a bounded, derandomised version of the same checks (tests/test_fuzz_cascades.py).
+The CI runs a bounded, derandomised version of the same checks (tests/fuser_core/test_fuzz_cascades.py).
 Exit code 1 when there was a failure.
 """
 
@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's fuser_core, whatever is installed
+sys.path[:0] = [str(ROOT)]  # this checkout's fuser_core (and tests/support), whatever is installed
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fuzz(args: argparse.Namespace, pool) -> int:
-    from fuzz_strategies import MERGED_SHARE, cascade_specs, check_cascade, mutated_specs
+    from tests.support.fuzz_strategies import MERGED_SHARE, cascade_specs, check_cascade, mutated_specs
     from hypothesis import HealthCheck, Phase, given, seed, settings
 
     if args.replay:

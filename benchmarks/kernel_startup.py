@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's packages, and tests/catalog_shapes.py
+sys.path[:0] = [str(ROOT)]  # this checkout's packages, and tests/support/catalog_shapes.py
 PATHS = ("source", "cubin", "triton_cache")
 
 
@@ -178,7 +178,7 @@ def fresh_times(path: str, content: bytes, reps: int) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     import triton
 
-    from catalog_shapes import small_shape
+    from tests.support.catalog_shapes import small_shape
     from fuser_core.catalog import catalog_names, load_catalog_spec
     from fuser_core.codegen.gpu_compile import CompilePool
     from fuser_core.codegen.plan import STRATEGIES, default_config, valid_strategies

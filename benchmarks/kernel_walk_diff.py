@@ -3,7 +3,7 @@
 Generates the module source of every catalog spec x valid strategy x (default and sampled
 configs from the tuner's search space) x float16/bfloat16/float32 (the fp8 inputs the spec
 needs) x a small ragged shape and the paper shapes, plus the unfused chain's modules, plus
-every valid strategy of the first fuzz specs (tests/fuzz_strategies.py); records the tuner's
+every valid strategy of the first fuzz specs (tests/support/fuzz_strategies.py); records the tuner's
 analysis (kernel sketches) and cost-model predictions for each; then diffs two such folders.
 
     # the code under test is whatever PYTHONPATH puts first (an old checkout: git archive)
@@ -38,8 +38,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT / "tests"))  # catalog_shapes, fuzz_strategies; fuser_core from PYTHONPATH
-sys.path.append(str(ROOT))
+sys.path.append(str(ROOT))  # tests/support (catalog_shapes, fuzz_strategies); fuser_core from PYTHONPATH
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FLOATS = ("float16", "bfloat16", "float32")
@@ -55,7 +54,7 @@ VERSION = re.compile(r"\(generator [0-9a-f]{12}\)")
 
 
 def _catalog_cases(rng: random.Random) -> list[dict]:
-    from catalog_shapes import small_shape
+    from tests.support.catalog_shapes import small_shape
 
     from fuser_core.catalog import PACKAGED_DIR, catalog_entries, load_suites
     from fuser_core.codegen.plan import valid_strategies
@@ -104,7 +103,7 @@ def _catalog_cases(rng: random.Random) -> list[dict]:
 
 
 def _fuzz_raws(n: int) -> list[dict]:
-    from fuzz_strategies import cascade_specs
+    from tests.support.fuzz_strategies import cascade_specs
     from hypothesis import HealthCheck, Phase, given, settings
 
     raws: list[dict] = []
@@ -120,7 +119,7 @@ def _fuzz_raws(n: int) -> list[dict]:
 
 
 def _fuzz_cases(raws: list[dict]) -> list[dict]:
-    from fuzz_strategies import kernel_configs, ragged_shape
+    from tests.support.fuzz_strategies import kernel_configs, ragged_shape
 
     from fuser_core.derive import derive_cascade
     from fuser_core.reference import bind_shape

@@ -3,7 +3,7 @@
 Every strategy must give the float64 reference's special values (docs/SPEC.md, "Special values"):
 :func:`edge_inputs` puts a row of -inf, one +inf, one NaN, a row of +inf and one -inf into the
 first float input along the loop axis; :func:`special_mismatches` names where an output's NaN,
-+inf or -inf differ from the reference's. Used by tests/test_special_values.py (the interpreter)
++inf or -inf differ from the reference's. Used by tests/fuser_core/test_special_values.py (the interpreter)
 and the GPU check's ``specials`` stage (benchmarks/gpu/check.py), so both judge the same rows.
 
 Example:

@@ -22,25 +22,36 @@ from __future__ import annotations
 
 import copy
 import re
-from functools import lru_cache
-from typing import Any
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
 
 from fuser_core.canonical import canonical_json, canonical_names, hash_canonical_json
 from fuser_core.errors import DerivationLimitError, SpecError
 from fuser_core.spec import Spec, load_spec
+
+if TYPE_CHECKING:
+    from fuser_core.derive import Derivation
 
 REPORT_CACHE_SIZE = 512
 CERTIFICATE_TRIALS = 12
 _CANONICAL_TOKEN = re.compile(r"\b[sdp]\d+(?:_d\d+)*\b")  # d2_d3: the merged dim of a list "over"
 
 
-def derivation_report(spec: Spec) -> dict[str, Any]:
-    """The derivation of ``spec`` as a JSON-able dict, in the caller's own names."""
+def derivation_report(spec: Spec, derivation: Derivation | None = None) -> dict[str, Any]:
+    """The derivation of ``spec`` as a JSON-able dict, in the caller's own names.
+
+    ``derivation`` is the derivation of ``spec``'s canonical spec when the caller already has it
+    (the worker derives a job's canonical spec once, for its searches and its bundles): then the
+    report is made from it and nothing is derived here. ValueError if it is another spec's, or a
+    derivation of a spec not in canonical names (its report would not rename back)."""
     names = canonical_names(spec)
     back = {canon: user for user, canon in names.items()}
     canonical = canonical_json(spec)
+    if derivation is not None:
+        _check_canonical(derivation, canonical)
     try:
-        report = _rename(_canonical_report(canonical), back)
+        report = _rename(_canonical_report(canonical, derivation), back)
     except DerivationLimitError as err:  # raised on the canonical spec: name the caller's step
         raise DerivationLimitError(_rename(str(err), back)) from None
     except SpecError as err:  # found while deriving (x / (x - x)): the caller's step, field and names
@@ -58,19 +69,44 @@ def _user_spec_error(err: SpecError, spec: Spec, back: dict[str, str]) -> SpecEr
     return SpecError(_rename(err.message, back), loc=tuple(loc), step=step)
 
 
+def _check_canonical(derivation: Derivation, canonical: str) -> None:
+    derived = derivation.spec
+    if canonical_json(derived) != canonical:
+        raise ValueError("derivation: it is the derivation of another spec")
+    if any(user != canon for user, canon in canonical_names(derived).items()):
+        raise ValueError("derivation: it must be the derivation of the canonical spec (fuser_core.canonical_form)")
+
+
+# The reports by canonical JSON, least recently used first. Not functools.lru_cache: a report
+# made from a caller's derivation is stored under the same key as one derived here.
+_REPORTS: OrderedDict[str, dict[str, Any]] = OrderedDict()
+_REPORTS_LOCK = threading.Lock()  # the API derives in a thread pool
+
+
 def clear_cache() -> None:
-    _canonical_report.cache_clear()
+    with _REPORTS_LOCK:
+        _REPORTS.clear()
 
 
-@lru_cache(maxsize=REPORT_CACHE_SIZE)
-def _canonical_report(canonical: str) -> dict[str, Any]:
+def _canonical_report(canonical: str, derivation: Derivation | None) -> dict[str, Any]:
+    with _REPORTS_LOCK:
+        report = _REPORTS.get(canonical)
+        if report is not None:
+            _REPORTS.move_to_end(canonical)
+            return report
     # Imported here: validating a spec must not pay for sympy's import.
     from fuser_core.certificate import certify
     from fuser_core.derive import derive_cascade
     from fuser_core.present import present
 
-    derivation = derive_cascade(load_spec(canonical, printed=True))
-    return present(derivation, certify(derivation, trials=CERTIFICATE_TRIALS))
+    if derivation is None:
+        derivation = derive_cascade(load_spec(canonical, printed=True))
+    report = present(derivation, certify(derivation, trials=CERTIFICATE_TRIALS))
+    with _REPORTS_LOCK:
+        _REPORTS[canonical] = report
+        if len(_REPORTS) > REPORT_CACHE_SIZE:
+            _REPORTS.popitem(last=False)
+    return report
 
 
 def _rename(obj: Any, back: dict[str, str]) -> Any:

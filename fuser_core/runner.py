@@ -80,7 +80,7 @@ from fuser_core.spec import Spec
 
 # bfloat16: 4 of its ulps (2^-8 each). A bf16 attention rounds twice (P to the tensor cores' operand type, the
 # output to its storage): 2 ulps, 0.0121 measured on causal multi_pass, which the former 1e-2 refused while it
-# meets FlashAttention's own criterion (tests/test_attention_accuracy.py)
+# meets FlashAttention's own criterion (tests/fuser_core/test_attention_accuracy.py)
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 2.0**-6, "float8_e4m3fn": 0.13, "int32": 0.0}
 FLOOR = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.1, "float8_e4m3fn": 1e-2, "int32": 0.0}
 # Each float32 operation of a kernel rounds by up to 2^-24; the noise perturbs the inputs by up

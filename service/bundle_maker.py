@@ -11,15 +11,18 @@ import copy
 import datetime as _dt
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fuser_core import Problem, canonical_form, spec_hash
 from service.bundle import BUNDLE_FORMAT, BundleError, bundle_sha256, canonical_spec
 
+if TYPE_CHECKING:
+    from tuner import GpuProfile
+
 
 def make_bundle(
-    problem: Problem, *, target: str, strategy: str, config: Mapping[str, Any], measured: Mapping[str, Any],
-    derivation: Mapping[str, Any] | None = None, derived: Any = None,
+    problem: Problem, *, target: str | GpuProfile, strategy: str, config: Mapping[str, Any],
+    measured: Mapping[str, Any], derivation: Mapping[str, Any] | None = None, derived: Any = None,
 ) -> dict:
     """Generate the kernel for (problem, strategy, config) and wrap it in a bundle.
 
@@ -28,14 +31,16 @@ def make_bundle(
     with ``triton_version``, ``torch_version`` and ``date`` filled in when absent.
     ``derivation`` is the derivation report; None computes it for the canonical spec
     (recommended: then its text uses the bundle's own names). ``derived`` is the canonical spec's
-    :class:`fuser_core.Derivation` when the caller has it (the worker derived it for its search);
-    None derives it here.
+    :class:`fuser_core.Derivation` when the caller has it (the worker derived it for its search):
+    the kernel and the derivation report are both made from it; None derives it here, once.
+    ``target`` is a target name, or the :class:`tuner.GpuProfile` the caller already looked up
+    (the worker's, checked once when it started).
     """
     import torch
     import triton
 
     from fuser_core import GENERATOR_VERSION, STRATEGIES, KernelConfig, NotValid, derive_cascade, generate
-    from tuner import get_profile
+    from tuner import GpuProfile, get_profile
 
     if not isinstance(problem, Problem):
         raise BundleError(f"problem: expected a bound Problem (fuser_core.make_problem), got {type(problem).__name__}")
@@ -43,7 +48,7 @@ def make_bundle(
     canon = canonical_spec(spec)
     cshape, norm_dtype = problem.canonical_shape, problem.dtype
     try:
-        target_name = get_profile(target).name
+        target_name = target.name if isinstance(target, GpuProfile) else get_profile(target).name
     except ValueError as err:
         raise BundleError(f"target: {err}") from None
     if strategy not in STRATEGIES:
@@ -76,7 +81,7 @@ def make_bundle(
     if derivation is None:
         from fuser_core import derivation_report
 
-        derivation = derivation_report(canon)
+        derivation = derivation_report(canon, derived)
     elif derivation.get("spec_hash", spec_hash(spec)) != spec_hash(spec):
         raise BundleError("derivation: its spec_hash is not the spec's")
 

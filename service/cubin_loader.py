@@ -32,7 +32,7 @@ Triton's cache-invalidating variables first (:func:`service.bundle.choose_binary
 ``CompiledKernel`` is the same class for both backends, its binary under the backend's
 ``binary_ext`` ("hsaco") and loaded by the HIP driver's ``load_binary`` at the first launch, as
 for a cubin. The warm-up with an hsaco is tested on a CPU host with :class:`TargetOnlyDriver`
-for gfx942 (tests/test_binaries_hsaco.py); loading and launching it has not been run on an AMD GPU,
+for gfx942 (tests/service/test_binaries_hsaco.py); loading and launching it has not been run on an AMD GPU,
 so :func:`service.bundle.choose_binary` does not pick one yet (the client compiles the source).
 
 Imports only the standard library at import time (torch and triton when called).

@@ -239,15 +239,16 @@ def claim_job(session: Session, worker_id: str, *, target: str, measurer: str, l
     """The oldest queued job for (target, measurer), or a running one whose lease expired;
     None when there is none. The claim holds for ``lease_seconds``. Commits.
 
-    A registered worker may only claim jobs for the target it registered. Expired jobs that
+    ``target`` and ``measurer`` are taken as checked (:func:`service.tuning_request.check_target`,
+    ``check_measurer``): the worker checks them once, when it starts, and claims with them for
+    every job (a name that is not a target's matches no job). A registered worker may only claim
+    jobs for the target it registered. Expired jobs that
     were asked to cancel are cancelled, and those already claimed ``MAX_ATTEMPTS`` times fail
     ("worker lost ..."), instead of being claimed; their ``(id, study_name)`` are appended to
     ``closed`` (their lost worker's trials are the caller's to end).
     """
     if not lease_seconds > 0:
         raise InvalidRequest("must be positive", loc=("lease_seconds",))
-    target = check_target(target)
-    measurer = check_measurer(measurer)
     _check_worker_target(session, worker_id, target)
     for _ in range(100):  # each round settles one candidate: claimed, closed, or lost to another worker
         now = utcnow()

@@ -1,7 +1,7 @@
 """The service's tables (SQLAlchemy 2, typed): specs, jobs, trials, kernels, bundles, workers, tokens.
 
 Migrations in ``migrations/versions`` are written by hand to match these classes; a test
-(``tests/test_db.py``) checks that Alembic's autogenerate finds no difference, on SQLite and
+(``tests/service/test_db.py``) checks that Alembic's autogenerate finds no difference, on SQLite and
 PostgreSQL.
 
 Conventions, decided here:

@@ -43,7 +43,7 @@ written for it: dict and list look-ups and one operator call, no generator expre
 nothing read from tensors but their metadata. Outside tracing, a call on plain tensors that want
 no gradient runs the kernel itself (:meth:`FoldwiseOp._eager`): the same results, without the
 dispatcher's 20-60 µs (benchmarks/client_warm_call.py). So ``torch.compile(fullgraph=True)`` works over
-functions calling Foldwise ops (tests/test_torch_op.py, backends eager, aot_eager, inductor).
+functions calling Foldwise ops (tests/service/test_torch_ops.py, backends eager, aot_eager, inductor).
 
 **Not provided.** No autograd formula (the kernels are forward only; a backward through the op
 raises torch's error for an operator without one). The APIs used are those of torch 2.4 and

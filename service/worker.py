@@ -11,7 +11,8 @@
    database (:func:`service.db.study_storage_url`), so a worker that takes over a job whose
    worker died continues the same study: finished trials are kept, the trial budget is shared;
 3. records every finished trial (:func:`service.job_queue.record_trial`) from an Optuna callback;
-4. on success builds the bundle (:func:`service.bundle_maker.make_bundle`) and finishes the job
+4. on success builds the bundle (:func:`service.bundle_maker.make_bundle`, from that derivation:
+   its kernel and its derivation report) and finishes the job
    (:func:`service.job_queue.finish_job`); when no configuration worked, fails it with the reason.
    What became of the job is a :class:`service.job_outcome.JobOutcome`.
 
@@ -58,7 +59,7 @@ class _JobSpec:
 
     spec: Any  # the canonical spec (service.spec_store.job_spec): the job's shape uses its names
     canonical: Any  # its JSON object, the study's ``spec`` attribute
-    derivation: Any  # fuser_core.derive_cascade(spec)
+    derivation: Any  # fuser_core.derive_cascade(spec): the job's one derivation
 
 
 def new_worker_id() -> str:
@@ -274,7 +275,12 @@ class Worker:
 
     def _tune(self, job: Job, keeper: LeaseKeeper) -> tuple[JobOutcome, Any]:
         """The job's search (a range job's searches); the spec is derived once here, for every
-        search and bundle of the job."""
+        search and bundle of the job (each bundle's kernel and its derivation report).
+
+        The spec store's derivation (``SpecRecord.derivation``, made at submission) is not read
+        instead: it is the JSON report (text and the certificate, in the first submitter's names),
+        while the search, the cost model and the kernel generator need the sympy
+        :class:`fuser_core.Derivation`, which a report cannot be turned back into."""
         from fuser_core import SpecError, derive_cascade
 
         with self.sessions() as session:
@@ -439,7 +445,7 @@ class Worker:
         baselines = _baselines(space, result)
         if baselines:
             measured["baselines"] = baselines
-        bundle = make_bundle(space.problem, target=job.target, strategy=result.strategy, config=result.config,
+        bundle = make_bundle(space.problem, target=self.profile, strategy=result.strategy, config=result.config,
                              measured=measured, derived=space.derivation)
         return bundle, {"time_ms": result.time_ms, "measurer": job.measurer, "predicted": result.predicted,
                         "baselines": baselines or None}

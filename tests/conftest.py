@@ -1,6 +1,6 @@
-"""Shared fixtures: the packaged catalog of specs (fuser_core/catalog, the one the package
-ships), and a per-session kernel cache directory (generated kernels never land in
-~/.cache/foldwise)."""
+"""Fixtures shared by every test folder: the packaged catalog of specs (fuser_core/catalog, the
+one the package ships; helpers in tests/support/catalog.py), a per-session kernel cache directory
+(generated kernels never land in ~/.cache/foldwise), databases and the GPU compiler's pool."""
 
 from __future__ import annotations
 
@@ -9,27 +9,20 @@ import os
 # Kernels run on the CPU through Triton's interpreter: set before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import json
 from pathlib import Path
 
 import pytest
 
-from fuser_core.catalog import CATALOG_ENV, PACKAGED_DIR, catalog_entries, load_suites
+# tests/support's helpers assert too (tests.support.cascades.every_strategy_passes): their failures get
+# pytest's detailed messages, as a test's own asserts do.
+pytest.register_assert_rewrite("tests.support")
+
+from fuser_core.catalog import CATALOG_ENV  # noqa: E402
+from tests.support.catalog import CATALOG_DIR, load_catalog  # noqa: E402
 
 # Tests read the packaged catalog only: a user's $FOLDWISE_CATALOG_DIR must not change what they see
 # (tests of that variable set it themselves).
 os.environ.pop(CATALOG_ENV, None)
-CATALOG_DIR = PACKAGED_DIR
-
-
-def load_catalog() -> dict[str, dict]:
-    """{spec name: raw dict} for every spec of the packaged catalog."""
-    return {e.name: json.loads(e.path.read_bytes()) for e in catalog_entries([CATALOG_DIR])}
-
-
-def load_catalog_suites() -> dict[str, list[dict]]:
-    """The packaged catalog's benchmark suites (suite name -> cases)."""
-    return load_suites([CATALOG_DIR])
 
 
 @pytest.fixture(scope="session")

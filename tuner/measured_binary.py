@@ -14,7 +14,7 @@ metadata JSON among them) and ``hash`` (its cache key); an AMD kernel ``asm["hsa
 
 Not measured on a GPU: the machines this was written on have none. The extraction is tested with
 real ``CompiledKernel`` objects from ``triton.compile`` placed in a stand-in JIT cache
-(tests/test_binaries.py); the launch that fills the cache in the child is Triton's own.
+(tests/service/test_binaries.py); the launch that fills the cache in the child is Triton's own.
 """
 
 from __future__ import annotations

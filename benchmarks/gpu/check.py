@@ -262,7 +262,7 @@ def accuracy(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
 def specials(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
     """Every catalog spec x valid strategy and the unfused chain, float32, on the edge rows of
     fuser_core.edge_rows (-inf, +inf and NaN rows) on this device: their NaN/inf pattern against
-    the float64 reference's, as tests/test_special_values.py checks it in the interpreter. Here
+    the float64 reference's, as tests/fuser_core/test_special_values.py checks it in the interpreter. Here
     the GPU's own max.NaN, ex2 and comparisons compute it. Top-k indices are left out (a fused
     top-k may order an all-NaN row differently: docs/SPEC.md)."""
     import numpy as np

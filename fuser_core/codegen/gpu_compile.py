@@ -175,11 +175,6 @@ def compiled_artifacts(compiled: list[Any]) -> dict[str, Any]:
     return {**backend.describe([k[backend.binary_kind] for k in kernels]), "kernels": kernels}
 
 
-def compiled_kernel_artifact(compiled: Any) -> dict[str, Any]:
-    """One ``CompiledKernel``'s entry of :func:`compiled_artifacts`' ``kernels``."""
-    return backend_for(_target_of(compiled)).artifact(compiled)
-
-
 def compile_artifacts(request: CompileRequest) -> dict[str, Any]:
     """Every kernel of one request compiled, with its artifacts, for either backend::
 

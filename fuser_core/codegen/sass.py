@@ -16,7 +16,7 @@ An instruction line of ``cuobjdump -sass`` reads::
 (address, optional predicate, opcode with its dot-separated modifiers, operands).
 
 Example:
-    >>> text = open("tests/data/sass/softmax_streaming_sm90.sass").read()  # doctest: +SKIP
+    >>> text = open("tests/fuser_core/data/sass/softmax_streaming_sm90.sass").read()  # doctest: +SKIP
     >>> f = facts(text)["safe_softmax_streaming_fused_kernel"]  # doctest: +SKIP
     >>> f.loops[0].counts["mufu.ex2"], f.loops[0].load_bits  # doctest: +SKIP
     (4, {16: 4})

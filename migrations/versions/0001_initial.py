@@ -1,6 +1,6 @@
 """Initial schema: specs, bundles, kernels, jobs, trials, workers, api_tokens.
 
-Written by hand to match service/models.py (tests/test_db.py checks that Alembic's
+Written by hand to match service/models.py (tests/service/test_db.py checks that Alembic's
 autogenerate finds no difference). Datetimes are ``DateTime(timezone=True)``: ``timestamptz``
 on PostgreSQL; on SQLite, service.models.UTCDateTime stores UTC wall time.
 

@@ -150,7 +150,7 @@ def _document_problems(app: FastAPI) -> None:
     ``application/json`` with its own validation schema, which we never send), and every
     operation has a ``default`` problem response for the errors any route can give (400 for a
     body that is not UTF-8 JSON, 401 for a presented bad token, 413, 500, 503). Checked by
-    tests/test_api_fuzz.py (schemathesis: status codes, content types and bodies)."""
+    tests/service/test_api_fuzz.py (schemathesis: status codes, content types and bodies)."""
     from fastapi.openapi.utils import get_openapi
 
     from service.api.problems import PROBLEM_JSON

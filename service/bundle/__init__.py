@@ -47,7 +47,7 @@ trust, over HTTPS.
 **Light.** This package is the bundle format, its verification and the runtime loader: what
 :mod:`service.client` needs on an inference server's start-up path. It imports neither sympy,
 scipy nor numpy, nor torch, triton or sqlalchemy (torch and triton only when a kernel is run or
-a binary installed); tests/test_bundle.py and tests/test_client.py check it. Making a bundle
+a binary installed); tests/service/test_bundle.py and tests/service/test_client.py check it. Making a bundle
 (derivation and code generation) is the server's, :mod:`service.bundle_maker`; storing
 binaries too, :mod:`service.binaries`.
 

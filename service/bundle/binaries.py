@@ -44,7 +44,7 @@ MAX_BINARY_BYTES = 8 * 1024 * 1024  # Foldwise's cubins and hsaco are tens of Ki
 MAX_ASM_CHARS = 8 * 1024 * 1024
 MAX_KERNELS_PER_VARIANT = 16  # a module launches one kernel, two when split, one per chain step
 # The arch names Target.parse reads (sm_90, sm_90a, gfx942), as a pattern: the API's path and
-# query checks (service/api); tests/test_binaries.py checks that it agrees with Target.parse.
+# query checks (service/api); tests/service/test_binaries.py checks that it agrees with Target.parse.
 ARCH_PATTERN = r"sm_\d{2,3}a?|gfx[0-9a-f]{3,4}"
 
 
