@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fuser_core.catalog import load_catalog_spec
-from fuser_core.codegen.plan import NotValid, default_config, make_plan, valid_strategies
+from fuser_core.codegen.plan import KernelConfig, NotValid, default_config, make_plan, valid_strategies
 from fuser_core.codegen.strategies import (
     BASELINE,
     FALLBACK,
@@ -64,11 +64,11 @@ def test_each_strategy_holds_its_rules():
     split = default_config(spec, d, SPLIT_FUSED.name, shape)
     assert split.split >= 2 and SPLIT_FUSED.least_split == 2 and ROW_RESIDENT.least_split == 1
     with pytest.raises(NotValid, match=f"{ROW_RESIDENT.name} needs BLOCK_n >= size\\(n\\) = 1000"):
-        make_plan(spec, d, ROW_RESIDENT.name, shape, resident.__class__({"n": 512}))
+        make_plan(spec, d, ROW_RESIDENT.name, shape, KernelConfig({"n": 512}))
     with pytest.raises(NotValid, match=f"split = 2 is only for {SPLIT_FUSED.name}"):
-        make_plan(spec, d, STREAMING_FUSED.name, shape, resident.__class__({"n": 256}, split=2))
+        make_plan(spec, d, STREAMING_FUSED.name, shape, KernelConfig({"n": 256}, split=2))
     with pytest.raises(NotValid, match=f"{SPLIT_FUSED.name} needs split >= 2"):
-        make_plan(spec, d, SPLIT_FUSED.name, shape, resident.__class__({"n": 256}))
+        make_plan(spec, d, SPLIT_FUSED.name, shape, KernelConfig({"n": 256}))
     assert ROW_RESIDENT.holds_axis_whole and not any(s.holds_axis_whole for s in STRATEGIES.values()
                                                      if s is not ROW_RESIDENT)
 
