@@ -25,6 +25,7 @@ from typing import Any
 
 from fuser_core.codegen.config import KernelConfig, NotValid, next_pow2
 from fuser_core.codegen.strategies import STRATEGIES, DefaultTiling, Strategy, strategy_named
+from fuser_core.codegen.strategies import BASELINE  # noqa: F401  (tests and benchmarks import it from here)
 from fuser_core.codegen.strategies.base import DOT_BLOCK_N, MAX_DOT_INNER
 from fuser_core.derive import Derivation
 from fuser_core.problem import fill_parts
