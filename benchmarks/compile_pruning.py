@@ -61,7 +61,7 @@ def fmt_case(case) -> tuple[str, str]:
 def label(candidate, time_s: float) -> str:
     c = candidate.config
     blocks = ",".join(f"{d}={b}" for d, b in c.blocks.items())
-    split = f", split {c.split}" if candidate.strategy == "split_fused" else ""
+    split = f", split {c.split}" if candidate.config.split > 1 else ""
     return f"{time_s * 1e6:.1f} us {candidate.strategy} [{blocks}] w{c.num_warps} s{c.num_stages}{split}"
 
 

@@ -26,6 +26,7 @@ def main() -> None:
     from fuser_core.catalog import load_catalog_spec
     from fuser_core.codegen import plan as plan_module
     from fuser_core.codegen.plan import default_config
+    from fuser_core.codegen.strategies import SPLIT_FUSED
     from fuser_core.derive import derive_cascade
     from fuser_core.problem import make_problem
     from tuner.cost_model import predict
@@ -40,14 +41,14 @@ def main() -> None:
     try:
         for m, n in SHAPES:
             shape = {"m": m, "n": n}
-            config = default_config(spec, derivation, "split_fused", shape)
+            config = default_config(spec, derivation, SPLIT_FUSED.name, shape)
             problem = make_problem(spec, shape, "float16")
             times = {}
             for label, below in (("serial", 0), ("parallel", 1 << 62)):
                 plan_module.PARALLEL_COMBINE_BELOW = below  # force one form
-                times[label] = predict(problem, derivation, Candidate("split_fused", config), profile).time_s * 1e6
+                times[label] = predict(problem, derivation, Candidate(SPLIT_FUSED.name, config), profile).time_s * 1e6
             plan_module.PARALLEL_COMBINE_BELOW = rule
-            picked = "parallel" if plan_module.parallel_combine("split_fused", ("m",), shape, {"m": 1}) else "serial"
+            picked = "parallel" if plan_module.parallel_combine(SPLIT_FUSED.name, ("m",), shape, {"m": 1}) else "serial"
             best = min(times, key=times.get)
             mark = "" if picked == best else " (model prefers " + best + ")"
             rows.append(f"| {m} | {n} | {config.split} | {times['serial']:.1f} | {times['parallel']:.1f} | {picked}{mark} |")

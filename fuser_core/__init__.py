@@ -39,15 +39,18 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("fuser_core.present", n) for n in ("REALISATIONS", "accumulator_names", "correction_text", "merge_text")},
     **{n: ("fuser_core.realisation", n) for n in ("Realisation", "Rescale", "ShiftTerm", "part_acc", "unguarded")},
     "new_anchor": ("fuser_core.realisation", "new"),  # "new" alone says too little at package level
-    **{n: ("fuser_core.runner", n) for n in ("PREFERENCE", "run", "self_check")},
+    **{n: ("fuser_core.runner", n) for n in ("run", "self_check")},
     **{n: ("fuser_core.accuracy", n) for n in ("FAMILIES", "GATE_FAMILIES", "RUN_FAMILIES", "accuracy_check",
                                                "parse_families")},
     "accuracy_table": ("fuser_core.accuracy", "table"),
     **{n: ("fuser_core.sampled_reference", n) for n in (
         "REFERENCE_BUDGET", "SampledEvaluator", "SampledFormula", "SampledTermScales", "reference_cost", "sample_rows",
         "sliceable_dims")},
-    **{n: ("fuser_core.codegen.plan", n) for n in (
-        "BASELINE", "STRATEGIES", "KernelConfig", "NotValid", "default_config", "valid_strategies")},
+    **{n: ("fuser_core.codegen.config", n) for n in ("KernelConfig", "NotValid")},
+    **{n: ("fuser_core.codegen.plan", n) for n in ("default_config", "valid_strategies")},
+    **{n: ("fuser_core.codegen.strategies.registry", n) for n in (
+        "BASELINE", "FALLBACK", "MULTI_PASS", "PREFERENCE", "ROW_RESIDENT", "SPLIT_FUSED", "STRATEGIES",
+        "STREAMING_FUSED", "is_fused", "strategy_named")},
     **{n: ("fuser_core.codegen.module", n) for n in ("GENERATOR_VERSION", "generate")},
     **{n: ("fuser_core.codegen.gpu_compile", n) for n in ("CompilePool", "CompileRequest")},
 }

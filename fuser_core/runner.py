@@ -68,7 +68,8 @@ from typing import Any
 
 import numpy as np
 
-from fuser_core.codegen.plan import BASELINE, KernelConfig, NotValid, default_config, valid_strategies
+from fuser_core.codegen.plan import KernelConfig, NotValid, default_config, valid_strategies
+from fuser_core.codegen.strategies import BASELINE, PREFERENCE, is_fused
 from fuser_core.derive import Derivation, derive_cascade
 from fuser_core.merged import consistent
 from fuser_core.problem import FLOAT_DTYPES, INDEX_DTYPES, ShapeError, bind_dtypes  # noqa: F401  (re-exported)
@@ -97,7 +98,6 @@ TIE_VARIANTS = 4  # argmax/argmin positions within float32 resolution of the ext
 KNIFE_ULPS = (2.0**-24, 2.0**-23, 2.0**-22, 2.0**-21)
 KNIFE_SAMPLES = 32
 INEXACT_TOLERANCE = 0.125  # normwise: one float8 e4m3 step
-PREFERENCE = ("streaming_fused", "row_resident", "split_fused", "multi_pass")
 
 
 def interpreter_quiet() -> contextlib.AbstractContextManager:
@@ -335,7 +335,7 @@ def self_check(
     ties = tie_alternatives(lambda k: evaluate(spec, bound, inputs, tie_choice=k), spec, reference)
     stores = output_dtypes(spec, dtypes)
     derivation = derivation or derive_cascade(spec)
-    exact = result.strategy not in ("streaming_fused", "split_fused") or derivation.exact
+    exact = not is_fused(result.strategy) or derivation.exact
     verdict = judge(
         spec, result.outputs, reference, stores, exact=exact, noise=noise, alternatives=ties,
         knife=lambda: knife_edges(lambda arrays, r: evaluate(spec, bound, arrays, rounding=r), inputs, seed),

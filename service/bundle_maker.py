@@ -86,7 +86,7 @@ def make_bundle(
         raise BundleError("derivation: its spec_hash is not the spec's")
 
     held_whole = set(plan.inner) | {s.as_dim for s in canon.steps if s.as_dim}
-    if strategy == "row_resident":
+    if plan.rules.holds_axis_whole:
         held_whole.add(plan.axis)
     record = dict(measured)
     record.setdefault("triton_version", triton.__version__)

@@ -466,12 +466,13 @@ class Worker:
 def _baselines(space: Any, result: Any) -> dict[str, Any]:
     """The cost model's predictions for the unfused kernel chain and (for measured kernels) for
     the chosen configuration: labelled predictions, for speedup columns. Never fails a job."""
+    from fuser_core import BASELINE
     from tuner import predict, predict_chain
 
     out: dict[str, Any] = {}
     try:
         chain = predict_chain(space.problem, space.derivation, space.profile)
-        out["unfused_chain"] = {"time_ms": chain.time_s * 1e3, "predicted": True}
+        out[BASELINE] = {"time_ms": chain.time_s * 1e3, "predicted": True}
         if not result.predicted:
             from tuner import Candidate
 

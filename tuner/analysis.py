@@ -18,9 +18,10 @@ at least 16, so sketches are cached per (strategy, that pattern).
 Example:
     >>> from fuser_core.catalog import load_catalog_spec
     >>> from fuser_core.derive import derive_cascade
+    >>> from fuser_core.codegen.strategies import STREAMING_FUSED
     >>> spec = load_catalog_spec("safe_softmax")
     >>> an = Anatomy(spec, derive_cascade(spec), {"x": "float16"})
-    >>> [(p.loop, p.loads) for p in an.kernels("streaming_fused", {"m": 1, "n": 1024})[0].passes]
+    >>> [(p.loop, p.loads) for p in an.kernels(STREAMING_FUSED.name, {"m": 1, "n": 1024})[0].passes]
     [('axis', ('x',)), ('once', ()), ('axis', ('x',))]
 """
 
@@ -36,7 +37,8 @@ import sympy as sp
 from fuser_core import has_slots, returns_indices
 from fuser_core.codegen import ops
 from fuser_core.codegen import structure as st
-from fuser_core.codegen.plan import STRATEGIES, KernelConfig, KernelPlan, loop_axis, next_pow2
+from fuser_core.codegen.plan import KernelConfig, KernelPlan, loop_axis, next_pow2
+from fuser_core.codegen.strategies import STRATEGIES
 from fuser_core.derive import Derivation
 from fuser_core.realisation import Realisation
 from fuser_core.spec import Spec, Step
@@ -193,7 +195,7 @@ class Anatomy:
         the search space checks validity itself. ``parallel_combine``: the plan's decision
         (:func:`fuser_core.codegen.plan.parallel_combine`, which needs the shape); ``per_lane``: the
         configuration's (:attr:`KernelConfig.per_lane`)."""
-        config = KernelConfig(dict(blocks), split=2 if strategy == "split_fused" else 1, per_lane=per_lane)
+        config = KernelConfig(dict(blocks), split=STRATEGIES[strategy].least_split, per_lane=per_lane)
         plan = KernelPlan(self.spec, self.derivation, strategy, self.axis, self.inner, dict(blocks), self.lanes, config,
                           parallel_combine)
         return st.build_structure(plan, self.dtypes)

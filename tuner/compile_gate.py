@@ -35,7 +35,7 @@ Example (on a machine without a GPU; the main module must be import-safe, as pyt
 
     space = SearchSpace(make_problem(spec, {"m": 64, "n": 4096}, "float16"), derivation, get_profile("h100"))
     gate = CompileGate.for_space(space)
-    verdict = gate.check(space.candidate("streaming_fused", {"block_n": 1024, "num_warps": 4}))
+    verdict = gate.check(space.candidate(STREAMING_FUSED.name, {"block_n": 1024, "num_warps": 4}))
     verdict.pruned, verdict.reason, verdict.facts()[0]["registers"]
     # (False, None, 26)
 """

@@ -43,11 +43,12 @@ Example:
     >>> from tuner.profiles import get_profile
     >>> from fuser_core.problem import make_problem
     >>> from tuner.space import SearchSpace
+    >>> from fuser_core.codegen.strategies import STREAMING_FUSED
     >>> spec = load_catalog_spec("safe_softmax")
     >>> d, h100 = derive_cascade(spec), get_profile("h100")
     >>> problem = make_problem(spec, {"m": 4096, "n": 32768}, "float16")
     >>> space = SearchSpace(problem, d, h100)
-    >>> c = space.candidate("streaming_fused", {"block_n": 2048, "block_m": 1, "num_warps": 8, "num_stages": 3})
+    >>> c = space.candidate(STREAMING_FUSED.name, {"block_n": 2048, "block_m": 1, "num_warps": 8, "num_stages": 3})
     >>> p = predict(problem, d, c, h100)
     >>> p.programs, p.details["kernels"][0]["bound"]
     (4096, 'memory (HBM)')
@@ -66,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 from fuser_core.codegen.gpu_compile import KernelBuild
 from fuser_core.codegen.plan import KernelConfig, parallel_combine
+from fuser_core.codegen.strategies import BASELINE
 from fuser_core.derive import Derivation
 from fuser_core.problem import Problem
 from fuser_core.spec import Spec
@@ -512,7 +514,7 @@ def predict_chain(problem: Problem, derivation: Derivation, profile: GpuProfile)
     if plan.elementwise is not None:
         earlier = {n: done - at for n, at in touched.items()}
         loads.append(_chain_elementwise(m, plan.elementwise, earlier, done, profile))
-    return _combine(loads, profile, {"strategy": "unfused_chain"})
+    return _combine(loads, profile, {"strategy": BASELINE})
 
 
 def _chain_elementwise(m: _Model, plan: ChainElementwise, earlier: Mapping[str, float], done: float,

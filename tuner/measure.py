@@ -23,12 +23,13 @@ Example (TRITON_INTERPRET=1 on a machine without a GPU):
     >>> from tuner.profiles import get_profile
     >>> from fuser_core.problem import make_problem
     >>> from tuner.space import SearchSpace
+    >>> from fuser_core.codegen.strategies import STREAMING_FUSED
     >>> spec = load_catalog_spec("safe_softmax")
     >>> d, problem = derive_cascade(spec), make_problem(spec, {"m": 4096, "n": 32768}, "float16")
     >>> space = SearchSpace(problem, d, get_profile("h100"))
     >>> m = ModelMeasurer(problem, d, get_profile("h100"))
     >>> values = {"block_n": 2048, "block_m": 1, "num_warps": 8, "num_stages": 3}
-    >>> r = m.measure(space.candidate("streaming_fused", values))
+    >>> r = m.measure(space.candidate(STREAMING_FUSED.name, values))
     >>> r.predicted, r.error, r.time_ms > 0, r.details["verified"]["passed"]
     (True, None, True, True)
 """
@@ -43,6 +44,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from fuser_core.canonical import spec_hash
 from fuser_core.codegen.plan import KernelConfig, capped_shape, contraction_dims, loop_axis, next_pow2
+from fuser_core.codegen.strategies import strategy_named
 from fuser_core.derive import Derivation
 from fuser_core.problem import Problem
 from fuser_core.spec import Spec
@@ -103,6 +105,7 @@ def reduced_problem(spec: Spec, derivation: Derivation, shape: Mapping[str, int]
                     strategy: str) -> tuple[dict[str, int], KernelConfig]:
     """A small shape with the same structure (tails, several tiles, tl.dot-sized contraction
     tiles) and a config for ``strategy`` on it."""
+    rules = strategy_named(strategy)
     axis, inner = loop_axis(spec)
     free, batch = contraction_dims(spec, derivation)
     as_dims = {s.as_dim for s in spec.steps if s.as_dim}
@@ -111,7 +114,7 @@ def reduced_problem(spec: Spec, derivation: Derivation, shape: Mapping[str, int]
     blocks: dict[str, int] = {}
     for d in spec.dims:
         if d == axis:
-            blocks[d] = next_pow2(small[d]) if strategy == "row_resident" else min(16, next_pow2(small[d]))
+            blocks[d] = rules.reduced_axis_block(small[d])
         elif d in inner or d in as_dims:
             continue
         elif d in free:
@@ -120,8 +123,7 @@ def reduced_problem(spec: Spec, derivation: Derivation, shape: Mapping[str, int]
             blocks[d] = 1
         else:
             blocks[d] = min(2, next_pow2(small[d]))
-    split = 2 if strategy == "split_fused" else 1
-    return small, KernelConfig(blocks, num_warps=4, num_stages=2, split=split)
+    return small, KernelConfig(blocks, num_warps=4, num_stages=2, split=rules.least_split)
 
 
 class ModelMeasurer:

@@ -31,12 +31,12 @@ Example:
     >>> spec = load_catalog_spec("safe_softmax")
     >>> problem = make_problem(spec, {"m": 4096, "n": 32768}, "float16")
     >>> space = SearchSpace(problem, derive_cascade(spec), get_profile("h100"))
-    >>> space.strategies()  # a 32768-long row fits the registers of 32 warps, as in Liger-Kernel
-    ['row_resident', 'streaming_fused', 'split_fused', 'multi_pass']
-    >>> c = space.candidate("streaming_fused", {"block_n": 2048, "block_m": 1, "num_warps": 8, "num_stages": 2})
-    >>> json.loads(c.key()) == {"strategy": "streaming_fused", "config": c.config.to_dict()}
+    >>> space.strategies() == list(STRATEGIES)  # all: a 32768-long row fits the registers of 32 warps, as in Liger-Kernel
     True
-    >>> space.check(c) is None, space.check(space.candidate("streaming_fused", {**c.values(space), "block_n": 65536}))
+    >>> c = space.candidate(STREAMING_FUSED.name, {"block_n": 2048, "block_m": 1, "num_warps": 8, "num_stages": 2})
+    >>> json.loads(c.key()) == {"strategy": STREAMING_FUSED.name, "config": c.config.to_dict()}
+    True
+    >>> space.check(c) is None, space.check(space.candidate(STREAMING_FUSED.name, {**c.values(space), "block_n": 65536}))
     (True, 'BLOCK_n = 65536 is larger than n (32768)')
 """
 
@@ -51,7 +51,6 @@ from typing import Any
 
 from fuser_core.codegen.plan import (
     MAX_TILE_ELEMENTS,
-    STRATEGIES,
     KernelConfig,
     NotValid,
     contraction_dims,
@@ -60,6 +59,8 @@ from fuser_core.codegen.plan import (
     next_pow2,
     valid_strategies,
 )
+from fuser_core.codegen.strategies import STRATEGIES, STREAMING_FUSED
+from fuser_core.codegen.strategies.base import AXIS_BLOCK, NUM_STAGES, PER_LANE, SPLIT
 from fuser_core.derive import Derivation
 from fuser_core.problem import Problem
 from tuner.analysis import Anatomy, Resources, cdiv, input_info, resources
@@ -158,7 +159,7 @@ class SearchSpace:
 
     def axis_choices(self, strategy: str) -> list[int]:
         top = next_pow2(self.shape[self.axis])
-        if strategy == "row_resident":
+        if AXIS_BLOCK not in STRATEGIES[strategy].tunables:  # the whole axis in one tile
             return [top]
         return pow2_range(min(MIN_AXIS_BLOCK, top), min(top, MAX_TILE_ELEMENTS))
 
@@ -166,15 +167,16 @@ class SearchSpace:
         """Parameter name -> its choices (powers of two) for ``strategy``."""
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+        tunables = STRATEGIES[strategy].tunables
         out: dict[str, list[int]] = {f"block_{self.axis}": self.axis_choices(strategy)}
         for d in self.lanes:
             out[f"block_{d}"] = self.lane_choices(d)
         out["num_warps"] = [w for w in WARPS if self.profile.warp_size * w <= self.profile.threads_per_block_max]
-        out["num_stages"] = [1] if strategy == "row_resident" else list(STAGES)
-        if strategy == "split_fused":
+        out["num_stages"] = list(STAGES) if NUM_STAGES in tunables else [1]
+        if SPLIT in tunables:
             most = min(MAX_SPLIT, cdiv(self.shape[self.axis], min(self.axis_choices(strategy))))
             out["split"] = pow2_range(2, most) or [2]
-        if strategy in ("streaming_fused", "split_fused") and self._lanes_possible:
+        if PER_LANE in tunables and self._lanes_possible:
             out["per_lane"] = [1, 0]  # running states per lane of the tile, or per tile (KernelConfig.per_lane)
         return out
 
@@ -185,7 +187,7 @@ class SearchSpace:
             from fuser_core.codegen.structure import per_lane
 
             try:
-                plan = make_plan(self.spec, self.derivation, "streaming_fused", self.shape,
+                plan = make_plan(self.spec, self.derivation, STREAMING_FUSED.name, self.shape,
                                  KernelConfig({d: 1 for d in self.lanes} | {self.axis: MIN_AXIS_BLOCK}))
                 self._lanes_cache = per_lane(plan, ())[0]
             except NotValid:
@@ -209,7 +211,7 @@ class SearchSpace:
             blocks,
             num_warps=value("num_warps", 4),
             num_stages=value("num_stages", 2),
-            split=value("split", 2) if strategy == "split_fused" else 1,
+            split=value("split", STRATEGIES[strategy].least_split) if SPLIT in STRATEGIES[strategy].tunables else 1,
             per_lane=bool(value("per_lane", 1)),
         )
         return Candidate(strategy, config)
@@ -218,7 +220,7 @@ class SearchSpace:
         c = candidate.config
         out = {f"block_{d}": b for d, b in c.blocks.items()}
         out.update(num_warps=c.num_warps, num_stages=c.num_stages)
-        if candidate.strategy == "split_fused":
+        if SPLIT in STRATEGIES[candidate.strategy].tunables:
             out["split"] = c.split
         if "per_lane" in self.params(candidate.strategy):
             out["per_lane"] = int(c.per_lane)
@@ -267,7 +269,7 @@ class SearchSpace:
             if v not in params[name]:
                 return f"{name} = {v} is not among the choices {params[name]}"
         n, block = self.shape[self.axis], c.blocks[self.axis]
-        if strategy == "split_fused" and c.split > cdiv(n, block):
+        if STRATEGIES[strategy].splits_axis and c.split > cdiv(n, block):
             return (f"split = {c.split} > {cdiv(n, block)} tiles of {self.axis} ({n} / BLOCK {block}): "
                     "some parts would be empty")
         try:
@@ -284,7 +286,7 @@ class SearchSpace:
         kernels = self.anatomy.kernels(strategy, blocks, per_lane=c.per_lane)
         rows = self.anatomy.dot_rows(strategy, blocks, per_lane=c.per_lane)
         for kernel, r, dot_rows in zip(kernels, self.resources(candidate), rows):
-            where = f" ({kernel.name})" if strategy == "split_fused" else ""
+            where = f" ({kernel.name})" if len(kernels) > 1 else ""  # split_fused's part or combine kernel
             if r.smem_bytes > p.smem_per_block_max:
                 return (f"shared memory{where}: {r.smem_bytes // 1024} KiB > {p.smem_per_block_max // 1024} KiB "
                         f"{p.smem_limit_words} on {p.name} "

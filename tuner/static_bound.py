@@ -127,7 +127,7 @@ def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
 
     from fuser_core.codegen.bounds import axis_window
     from fuser_core.codegen.ops import Fold
-    from fuser_core.codegen.structure import FUSED_STRATEGIES, reads_count
+    from fuser_core.codegen.structure import reads_count
     from fuser_core import is_selection
 
     blocks, a = plan.blocks, plan.axis
@@ -142,7 +142,7 @@ def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
     window = loop.window  # a loop split at its mask knows its part
     if window is None and loop.span in ("axis", "chunk"):
         folds = [(op.op, op.expr) for op in loop.body if isinstance(op, Fold)]
-        window = axis_window(a, folds, counts=plan.strategy in FUSED_STRATEGIES and reads_count(plan),
+        window = axis_window(a, folds, counts=plan.rules.fused and reads_count(plan),
                              selections=any(is_selection(s.reduce) for s in plan.axis_reductions()))
     if window is None:
         return float(full)

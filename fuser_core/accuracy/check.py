@@ -12,6 +12,7 @@ from fuser_core.accuracy.families import FAMILIES, RUN_FAMILIES, accuracy_shape,
 from fuser_core.accuracy.formula import FLOOR_ULPS, formula_dtype, formula_outputs
 from fuser_core.accuracy.torch_ops import torch_op_name, torch_outputs
 from fuser_core.accuracy.verdict import BAR, bar_verdict, cancellation
+from fuser_core.codegen.strategies import is_fused
 from fuser_core.spec import Spec
 
 
@@ -95,7 +96,7 @@ def accuracy_check(spec: Spec, shape: Mapping[str, int], dtype: str | Mapping[st
         from fuser_core.runner import choose_strategy
 
         strategy = choose_strategy(spec, derivation, small)
-    if strategy in ("streaming_fused", "split_fused") and not derivation.exact:
+    if is_fused(strategy) and not derivation.exact:
         # a cast inside a fused reduction rounds with running values (docs/THEORY.md 5): the kernel does not compute
         # the formula as written, so it has no formula to be held to; the float64 check judges it normwise
         rows = [_refused(f, small, formula_dtype(dtypes), "not applicable: the fused form rounds its casts with "

@@ -1,6 +1,6 @@
 """The unfused kernel chain: one kernel per reduction, intermediates through memory.
 
-This is the comparison baseline of issue 3 (``plan.BASELINE``): a cascade run the way a
+This is the comparison baseline of issue 3 (``strategies.BASELINE``): a cascade run the way a
 compiler without cross-reduction fusion runs it. Every reduction step gets its own kernel,
 which reads the original inputs it needs and the earlier reduction results (from memory)
 and writes its own result to memory, in float32 (int32 for indices); the elementwise steps
@@ -57,6 +57,7 @@ from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.module import TORCH_DTYPES, _load, cached_source, generate, module_header, output_dtypes
 from fuser_core.codegen.names import FP8, kernel_arg, safe_name, scalar_arg
 from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan, NotValid, make_plan, next_pow2
+from fuser_core.codegen.strategies import MULTI_PASS, ROW_RESIDENT
 from fuser_core.codegen.tritonize import Ref, expr_dims, helpers_of, to_triton
 from fuser_core.merged import as_logical
 from fuser_core.reference import bind_shape
@@ -252,7 +253,7 @@ def _reduction_plan(
     axis = step.over
     assert axis is not None
     blocks = reduction_blocks(sub, step, sub_shape, blocks_given)
-    strategy = "row_resident" if blocks[axis] >= shape[axis] else "multi_pass"
+    strategy = ROW_RESIDENT.name if blocks[axis] >= shape[axis] else MULTI_PASS.name
     plan = make_plan(sub, derivation, strategy, sub_shape, KernelConfig(blocks))
     return ChainReduction(step, sub, reads, sub_dtypes, stores, sub_shape, plan)
 

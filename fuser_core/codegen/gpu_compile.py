@@ -26,7 +26,7 @@ Example:
     >>> from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest
     >>> with CompilePool() as pool:  # doctest: +SKIP
     ...     [module] = pool.compile([CompileRequest(spec, {"m": 4, "n": 1000}, {"x": "float16"},
-    ...                                             "streaming_fused", None, Target.parse("gfx942"))])
+    ...                                             STREAMING_FUSED.name, None, Target.parse("gfx942"))])
     >>> module.ok, module.kernels[0].registers  # doctest: +SKIP
     (True, 24)
 """

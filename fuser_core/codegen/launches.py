@@ -68,7 +68,8 @@ def request_launches(request: Any) -> tuple[dict[str, Any], list[KernelLaunch]]:
     intercepted; returns the config used and the launches (NotValid when the strategy cannot run)."""
     from fuser_core.codegen.chain import run_chain_detailed
     from fuser_core.codegen.module import generate
-    from fuser_core.codegen.plan import BASELINE, KernelConfig, default_config
+    from fuser_core.codegen.plan import KernelConfig, default_config
+    from fuser_core.codegen.strategies import BASELINE
     from fuser_core.derive import DERIVE_TIME_LIMIT_S, derive_cascade
     from fuser_core.problem import placeholder_scalars
     from fuser_core.reference import bind_shape

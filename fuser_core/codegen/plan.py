@@ -10,13 +10,9 @@ A kernel's tiles span the spec's dims in the spec's order, each value only those
 - **lane dims** (everything else, e.g. rows) are split over programs, ``BLOCK_<dim>`` at a
   time (1 by default: one row per program); a topk ``as`` dim is held whole.
 
-Strategies (docs/THEORY.md section 6) and when each is valid, decided before anything runs:
-
-- ``row_resident``: any cascade, while the loop axis fits one block (and the tile fits);
-- ``streaming_fused``: when every reduction over the loop axis fused;
-- ``split_fused``: as streaming, with the axis split over ``split`` programs and a derived
-  combine kernel;
-- ``multi_pass``: always (one loop per reduction, re-reading the input).
+Strategies (docs/THEORY.md section 6), one module each under :mod:`fuser_core.codegen.strategies`,
+say when each is valid (decided before anything runs), its default configuration and how it builds;
+this module holds the rules every strategy shares.
 """
 
 from __future__ import annotations
@@ -24,72 +20,21 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from fuser_core.codegen.config import KernelConfig, NotValid, next_pow2
+from fuser_core.codegen.strategies import STRATEGIES, DefaultTiling, Strategy, strategy_named
+from fuser_core.codegen.strategies import BASELINE  # noqa: F401  (tests and benchmarks import it from here)
+from fuser_core.codegen.strategies.base import DOT_BLOCK_N, MAX_DOT_INNER
 from fuser_core.derive import Derivation
 from fuser_core.problem import fill_parts
-from fuser_core.spec import Input, Spec, Step
 from fuser_core.reduce_ops import in_tile
+from fuser_core.spec import Input, Spec, Step
 
-STRATEGIES = ("row_resident", "streaming_fused", "split_fused", "multi_pass")
-BASELINE = "unfused_chain"
 MAX_INNER_BLOCK = 1024  # an inner axis is held whole; beyond this a tile no longer fits
 MAX_TILE_ELEMENTS = 1 << 16  # elements of the largest tensor a program holds
-MAX_RESIDENT_BLOCK = 1 << 16
 MAX_KERNEL_NODES = 2000  # a step's expression once inlined (nodes with repetition): kernels print it whole
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Tunable parameters: tile sizes per dim, warps, stages, split count."""
-
-    blocks: dict[str, int] = field(default_factory=dict)
-    num_warps: int = 4
-    num_stages: int = 2
-    split: int = 1
-    # a streamed loop keeps its running states per lane of the tile where the derivation allows it
-    # (structure.per_lane: no cross-warp reduction per tile, a correction exp per element); False:
-    # per tile, as Liger-Kernel's and the tutorials' online softmax (one exp per element, two
-    # tile reductions per iteration). A tuning choice; absent from to_dict() when True, so the
-    # configs stored before it keep their keys.
-    per_lane: bool = True
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"blocks": dict(sorted(self.blocks.items())), "num_warps": self.num_warps,
-                               "num_stages": self.num_stages, "split": self.split}
-        if not self.per_lane:
-            out["per_lane"] = False
-        return out
-
-    @staticmethod
-    def from_dict(raw: dict[str, Any]) -> KernelConfig:
-        if not isinstance(raw, dict):
-            raise ValueError("config must be a JSON object")
-        unknown = set(raw) - {"blocks", "num_warps", "num_stages", "split", "per_lane"}
-        if unknown:
-            raise ValueError(f"unknown config field {sorted(unknown)[0]!r}")
-        blocks = raw.get("blocks", {})
-        if not isinstance(blocks, dict) or not all(isinstance(v, int) and v >= 1 for v in blocks.values()):
-            raise ValueError("config.blocks must map dims to positive integers")
-        for v in blocks.values():
-            if v & (v - 1):
-                raise ValueError(f"config.blocks: {v} is not a power of two")
-        if not isinstance(raw.get("per_lane", True), bool):
-            raise ValueError("config.per_lane must be true or false")
-        out = KernelConfig(dict(blocks), int(raw.get("num_warps", 4)), int(raw.get("num_stages", 2)),
-                           int(raw.get("split", 1)), bool(raw.get("per_lane", True)))
-        if out.num_warps not in (1, 2, 4, 8, 16, 32) or out.split < 1 or out.num_stages < 1:
-            raise ValueError("config: num_warps in 1..32 (power of two), split >= 1, num_stages >= 1")
-        return out
-
-
-class NotValid(Exception):
-    """This strategy cannot run this (spec, shape, config); the message says why."""
 
 
 # split_fused's combine kernel writes the outputs along the axis with SPLIT programs per lane block
@@ -102,7 +47,7 @@ PARALLEL_COMBINE_BELOW = 1024
 
 def parallel_combine(strategy: str, lanes: tuple[str, ...], shape: Mapping[str, int], blocks: Mapping[str, int]) -> bool:
     """Does split_fused's combine kernel run SPLIT programs per lane block (see PARALLEL_COMBINE_BELOW)?"""
-    if strategy != "split_fused":
+    if not strategy_named(strategy).splits_axis:
         return False
     return math.prod(-(-shape[d] // blocks[d]) for d in lanes) < PARALLEL_COMBINE_BELOW
 
@@ -118,6 +63,11 @@ class KernelPlan:
     lanes: tuple[str, ...]  # dims split over programs
     config: KernelConfig
     parallel_combine: bool = False  # split_fused: see parallel_combine()
+
+    @property
+    def rules(self) -> Strategy:
+        """The strategy named :attr:`strategy`: what it holds whole, whether it is fused, how it builds."""
+        return strategy_named(self.strategy)
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -267,83 +217,26 @@ def contraction_dims(spec: Spec, derivation: Derivation) -> tuple[set[str], set[
 
 
 
-# What a Triton engineer starts from (issue 22), read off Triton's tutorials and Liger-Kernel:
-LOADS_PER_THREAD = 8  # 16-bit elements per thread and tile: one 128-bit load each
-DOT_BLOCK_M = 128  # a contraction's row tile (FlashAttention's and tutorial 06's BLOCK_M on sm_90)
-DOT_BLOCK_N = 128  # its column tile when it is a GEMM's output dim
-MAX_DOT_INNER = 256  # the other free dim (attention's e: the head dim) is held whole up to this
-RESIDENT_TILE = 8192  # values a row_resident program holds when its rows are short
-
-
-def resident_warps(block: int) -> int:
-    """Warps for a row held whole: enough that each thread keeps at most ~32 of its elements
-    (Liger-Kernel's rule; a 32768-wide row spilled at 4 warps, and needs 32 to stay at ~47 registers)."""
-    return 32 if block >= 32768 else 16 if block >= 4096 else 8 if block >= 2048 else 4
-
-
 def default_config(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str, int]) -> KernelConfig:
-    """The configuration a Triton engineer would start from (the tuner searches from here).
-
-    - row_resident: the whole axis in one tile, :func:`resident_warps`;
-    - a contraction (attention's q.k and p.v, a GEMM): tensor-core tiles, the row dim
-      ``DOT_BLOCK_M`` rows per program, the head dim held whole, the loop tile 64 (128 for
-      heads of at most 64), 8 warps only when ``BLOCK_M x BLOCK_N >= 128 x 128`` (tutorial 06's
-      rule: two warpgroups on a smaller tile compute the same product twice);
-    - otherwise loops take tiles of at least ``LOADS_PER_THREAD x 32 x num_warps`` elements, so
-      that every thread issues 128-bit loads of 16-bit values: a long row two such loads a thread
-      on 8 warps with its running states per tile (``per_lane`` false, Liger-Kernel's online
-      softmax: one exp per element), a decode's keys four.
-    """
+    """The configuration a Triton engineer would start from (the tuner searches from here): each
+    strategy's :meth:`~fuser_core.codegen.strategies.base.Strategy.default_config`, after the tiles
+    every strategy shares: a contraction's free dims other than its row dim whole (a head dim, up to
+    ``MAX_DOT_INNER``), else a GEMM's column tile ``DOT_BLOCK_N``."""
     axis, inner = loop_axis(spec)
     blocks: dict[str, int] = {}
-    n = shape[axis]
-    num_warps, num_stages, per_lane = 4, 2, True
-    free, batch = contraction_dims(spec, derivation)
-    dot_lanes = [d for d in spec.dims if d in free and d != axis and d not in inner]
+    free, _batch = contraction_dims(spec, derivation)
+    dot_lanes = tuple(d for d in spec.dims if d in free and d != axis and d not in inner)
     held = math.prod(next_pow2(shape[d]) for d in inner)  # inner axes ride along in every tile
-    row, *others = dot_lanes or [None]
-    for d in others:  # the contraction's other free dims: whole (a head dim), else a GEMM's column tile
+    for d in dot_lanes[1:]:  # the contraction's other free dims: whole (a head dim), else a GEMM's column tile
         whole = next_pow2(shape[d])
         blocks[d] = whole if whole <= MAX_DOT_INNER and axis not in free else min(DOT_BLOCK_N, whole)
-    if strategy == "row_resident":
-        blocks[axis] = next_pow2(n)
-        # short rows: several per program, ~RESIDENT_TILE values a program (measured on an H200:
-        # softmax 16384 x 1024 fp16 ran 8 rows on 16 warps in 0.023 ms, 16 rows on 4 in 0.033)
-        rows = [d for d in spec.dims if d not in inner and d != axis and d not in free
-                and not any(s.as_dim == d for s in spec.steps)]
-        if rows and not dot_lanes:
-            per = max(1, min(next_pow2(shape[rows[-1]]), RESIDENT_TILE // (blocks[axis] * held)))
-            if per > 1:
-                blocks[rows[-1]] = per
-        num_warps = resident_warps(math.prod(blocks.get(d, 1) for d in rows) * blocks[axis] * held)
-        num_stages = 1  # no loop: nothing to pipeline
-    elif row is not None and shape[row] >= 16:
-        blocks[row] = min(DOT_BLOCK_M, next_pow2(shape[row]))
-        blocks[axis] = max(16, min(next_pow2(n), 128 if held <= 64 and axis not in free else 64))
-        num_warps = 8 if blocks[row] * blocks[axis] >= 128 * 128 or (axis in free and blocks[row] >= 128) else 4
-        num_stages = 3
-    else:  # a streamed row (a decode's single query: its keys stream past the whole head dims)
-        carried = max([held, *(blocks[d] for d in others)])  # elements per axis index of the widest tile
-        if carried >= 64:  # K/V rows of a head: four 128-bit loads a thread in flight, as flash-decoding's 64-key tiles
-            want = 4 * LOADS_PER_THREAD * 32 * num_warps
-        else:  # a long row: Liger-Kernel's online softmax, states per tile over 16 values a thread on 8 warps
-            num_warps, per_lane = 8, False
-            want = 2 * LOADS_PER_THREAD * 32 * num_warps
-        blocks[axis] = max(min(16, next_pow2(n)), min(next_pow2(n), next_pow2(-(-want // carried))))
-        num_stages = 3
-    split = 1
-    if strategy == "split_fused":
-        while -(-n // blocks[axis]) < 2 and blocks[axis] > 16:  # at least two chunks to split the axis into
-            blocks[axis] //= 2
-        split = max(2, min(8, -(-n // blocks[axis])))
-    return KernelConfig(blocks, num_warps=num_warps, num_stages=num_stages, split=split,
-                        per_lane=per_lane or strategy not in ("streaming_fused", "split_fused"))
+    tiling = DefaultTiling(spec, derivation, shape, axis, inner, free, dot_lanes, held, blocks)
+    return strategy_named(strategy).default_config(tiling)
 
 
 def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str, int], config: KernelConfig) -> KernelPlan:
     """Check validity and lay the kernel out; raises :class:`NotValid` with the reason."""
-    if strategy not in STRATEGIES:
-        raise NotValid(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+    rules = strategy_named(strategy)
     axis, inner = loop_axis(spec)
     conv = derivation.symbols
     for s in spec.steps:  # the generated source holds every inlined expression, uncommoned
@@ -371,20 +264,10 @@ def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str
         else:
             blocks[d] = config.blocks.get(d, 1)
     lanes = tuple(d for d in spec.dims if d != axis and d not in inner and not any(s.as_dim == d for s in spec.steps))
-    if strategy == "row_resident":
-        if blocks[axis] < shape[axis]:
-            raise NotValid(f"row_resident needs BLOCK_{axis} >= size({axis}) = {shape[axis]}")
-        if blocks[axis] > MAX_RESIDENT_BLOCK:
-            raise NotValid(f"the row ({shape[axis]}) is too long to keep resident (max {MAX_RESIDENT_BLOCK})")
-    if strategy in ("streaming_fused", "split_fused"):
-        bad = [f for f in derivation.forms.values() if f.axis == axis and not f.fused]
-        if bad:
-            raise NotValid(f"{strategy} needs every reduction over {axis} fused; {bad[0].name} is not: {bad[0].reason}")
-    if strategy == "split_fused":
-        if config.split < 2:
-            raise NotValid("split_fused needs split >= 2")
-    elif config.split != 1:
-        raise NotValid(f"split = {config.split} is only for split_fused")
+    rules.check(derivation, axis, blocks, shape, config)
+    if config.split != 1 and not rules.splits_axis:
+        splitting = ", ".join(n for n, other in STRATEGIES.items() if other.splits_axis)
+        raise NotValid(f"split = {config.split} is only for {splitting}")
     dots = {f.name for f in derivation.forms.values() if f.contraction}
     tile = max(_tile_elements(spec, s, blocks, s.name in dots) for s in spec.steps)
     if tile > MAX_TILE_ELEMENTS:

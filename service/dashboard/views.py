@@ -25,6 +25,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from fuser_core import BASELINE
 from service.dim_names import DimNames
 from service.models import Job, Kernel, SpecRecord, WorkerRecord
 
@@ -129,7 +130,7 @@ def spec_source(
     its default configuration, else ``DEFAULT_DIM`` per dim in float32.
     """
     from fuser_core import (
-        GENERATOR_VERSION, PREFERENCE, NotValid, SpecError, bind_dtypes, bind_shape, default_config, generate,
+        FALLBACK, GENERATOR_VERSION, PREFERENCE, NotValid, SpecError, bind_dtypes, bind_shape, default_config, generate,
         valid_strategies,
     )
     from service.bundle import parse_dtype_text, parse_shape_text
@@ -179,7 +180,7 @@ def spec_source(
         note = f"The tuned kernel {kernel.id[:12]} ({kernel.time_ms:.4g} ms, {kernel.measurer})."
     else:
         kernel_id = None
-        chosen = strategy or next((s for s in PREFERENCE if valid.get(s) is None), "multi_pass")
+        chosen = strategy or next((s for s in PREFERENCE if valid.get(s) is None), FALLBACK)
         if chosen not in valid:
             raise DashboardError(422, f"unknown strategy {chosen!r}; one of {', '.join(valid)}", ("query", "strategy"))
         if valid[chosen] is not None:
@@ -221,7 +222,7 @@ def _tuned_module(spec: Any, derivation: Any, kernel: Kernel, bound: dict[str, i
 
 # ----------------------------------------------------------------------------- kernels
 
-_CHAIN_KEYS = ("unfused_chain", "unfused_chain_ms", "chain", "unfused")
+_CHAIN_KEYS = (BASELINE, f"{BASELINE}_ms", "chain", "unfused")
 _COMPILE_KEYS = ("torch_compile", "torch.compile", "torch_compile_ms", "compile", "inductor")
 _PREDICTION_KEYS = ("predicted_ms", "model_ms", "model", "prediction", "predicted")
 
@@ -247,7 +248,7 @@ def speedups(kernel: Kernel) -> dict[str, Any]:
     """Speedup over the unfused chain and over torch.compile, where a baseline was stored."""
     base = kernel.baselines or {}
     out: dict[str, Any] = {}
-    for name, keys in (("unfused_chain", _CHAIN_KEYS), ("torch_compile", _COMPILE_KEYS)):
+    for name, keys in ((BASELINE, _CHAIN_KEYS), ("torch_compile", _COMPILE_KEYS)):
         found = _baseline(base, keys)
         if found is not None and kernel.time_ms and kernel.time_ms > 0:
             ms, predicted = found

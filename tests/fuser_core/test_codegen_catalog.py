@@ -17,7 +17,6 @@ import pytest
 from tests.support.catalog import load_catalog
 
 from fuser_core.codegen.plan import (
-    MAX_RESIDENT_BLOCK,
     STRATEGIES,
     KernelConfig,
     NotValid,
@@ -27,6 +26,7 @@ from fuser_core.codegen.plan import (
     valid_strategies,
 )
 from fuser_core.codegen.module import output_dtypes
+from fuser_core.codegen.strategies.row_resident import MAX_RESIDENT_BLOCK
 from fuser_core.derive import derive_cascade
 from fuser_core.reference import bind_shape
 from fuser_core.runner import TOLERANCE, bind_dtypes, self_check

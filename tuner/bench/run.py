@@ -99,6 +99,7 @@ def run_bench(
     caller can save partial results."""
     import torch
 
+    from fuser_core import MULTI_PASS
     from fuser_core.derive import derive_cascade
     from fuser_core.problem import make_problem
     from fuser_core.catalog import load_catalog_spec
@@ -178,7 +179,7 @@ def run_bench(
             at_suite_shape = make_problem(spec, case["shape"], case.get("dtype", "float32"))
             suite_shape, dtypes = at_suite_shape.shape, at_suite_shape.dtypes
             problem = at_suite_shape if device == "cuda" else make_problem(
-                spec, reduced_problem(spec, derivation, suite_shape, "multi_pass")[0], dtypes)
+                spec, reduced_problem(spec, derivation, suite_shape, MULTI_PASS.name)[0], dtypes)
             shape = problem.shape
             say(f"[{i + 1}/{len(cases)}] {case_id(case)} {json.dumps(case.get('dtype', 'float32'))}: "
                 f"tuning ({trials} trials)")

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from fuser_core.codegen.strategies import is_fused
 from fuser_core.problem import Problem, tuning_scalars
 from tuner.device.inputs import DeviceProblem, select_rows
 
@@ -150,7 +151,7 @@ def check_outputs(problem: DeviceProblem, outputs: Mapping[str, Any], variant: M
             return {"passed": False, "error": f"output {part!r} has shape {tuple(t.shape)}, expected {want}"}
         sliced[part] = select_rows(t, spec.step(part.split(".")[0]).dims, problem.rows)
     strategy = variant.get("strategy")
-    exact = variant["kind"] != "fused" or strategy not in ("streaming_fused", "split_fused") or problem.derivation.exact
+    exact = variant["kind"] != "fused" or not is_fused(strategy) or problem.derivation.exact
     noise, ties = problem.allowances()
     report: dict[str, Any] = judge(spec, sliced, reference, problem.stores, exact=exact, noise=noise, alternatives=ties,
                                    knife=problem.knife_edges)

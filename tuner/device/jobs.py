@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fuser_core.codegen.strategies import is_fused
 from fuser_core.problem import tuning_scalars
 from fuser_core.sampled_reference import REFERENCE_BUDGET
 from tuner.device.checks import accuracy_bar, check_outputs, fused_module, make_variant
@@ -138,8 +139,7 @@ class DeviceJobs:
         if not check["passed"]:
             result["error"] = check["error"]
             return result
-        if variant["kind"] == "fused" and (variant.get("strategy") not in ("streaming_fused", "split_fused")
-                                           or problem.derivation.exact):
+        if variant["kind"] == "fused" and (not is_fused(variant.get("strategy")) or problem.derivation.exact):
             bar = accuracy_bar(problem, fn)
             result["accuracy"] = bar
             if not bar["passed"]:

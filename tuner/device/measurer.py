@@ -25,8 +25,8 @@ answers to.
 Example (on a GPU)::
 
     m = DeviceMeasurer(make_problem(spec, {"m": 4096, "n": 32768}, "float16"), derivation, get_profile("h100"))
-    r = m.measure(space.candidate("streaming_fused", {"block_n": 2048, "block_m": 1,
-                                                       "num_warps": 8, "num_stages": 3}))
+    r = m.measure(space.candidate(STREAMING_FUSED.name, {"block_n": 2048, "block_m": 1,
+                                                         "num_warps": 8, "num_stages": 3}))
     r.time_ms, r.details["timing"]["p20_ms"], r.details["check"]["max_rel_err"]
     m.close()
 """

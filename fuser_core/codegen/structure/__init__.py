@@ -36,7 +36,6 @@ from fuser_core.codegen.structure.facts import (
     workspace,
 )
 from fuser_core.codegen.structure.model import (
-    FUSED_STRATEGIES,
     Arg,
     Grid,
     Kernel,
@@ -48,7 +47,7 @@ from fuser_core.codegen.structure.model import (
 )
 
 __all__ = [
-    "FUSED_STRATEGIES", "Arg", "Grid", "Kernel", "Launch", "ModuleStructure", "SplitLaunch", "State", "accumulators",
+    "Arg", "Grid", "Kernel", "Launch", "ModuleStructure", "SplitLaunch", "State", "accumulators",
     "anchored_deps", "build_structure", "effective_op", "kernel_names", "per_lane", "reads_count", "realisation",
     "var_name", "workspace",
 ]

@@ -49,21 +49,7 @@ def _args(plan: KernelPlan, inputs: Iterable[str], outputs: Iterable[str], ws: t
     return tuple(a for a in out if a.name in read)
 
 
-_DOCS = {
-    "row_resident": "{name}, row-resident: the whole {a} axis of a row in one tile; one read, one write.",
-    "multi_pass": "{name}, multi-pass: one loop over {a} per reduction, re-reading the inputs.",
-    "streaming_fused": "{name}, streaming-fused: one pass over {a}; later reductions are kept with running values of "
-                       "earlier ones and corrected when those move (derived by foldwise).",
-    "split_part": "{name}, split-fused part 1: program (lanes, s) folds chunk s of {a} with the derived incremental form "
-                  "and writes its partial state.",
-    "combine": "{name}, split-fused part 2: merge the SPLIT partial states (each re-anchored to the merged dependencies "
-               "with the derived corrections), then write the outputs.",
-    "parallel_combine": "{name}, split-fused part 2: program (lanes, s) merges the SPLIT partial states (each re-anchored "
-                        "to the merged dependencies with the derived corrections), then writes chunk s of the outputs.",
-}
-
-
-def _kernel(plan: KernelPlan, name: str, role: str, grid: Grid, walker, input_dtypes: Mapping[str, str],
+def _kernel(plan: KernelPlan, name: str, role: str, grid: Grid, walker, doc: str, input_dtypes: Mapping[str, str],
             stores: Mapping[str, str], dots: dict, ws: tuple[State, ...], outputs: tuple[str, ...]) -> tuple[Kernel, Walk]:
     """One kernel: walked by ``walker`` (a Walk method), walked again if an input it fills with a fold's
     identity turned out to be read by one of its tl.dots (whose masked lanes must be 0)."""
@@ -79,39 +65,54 @@ def _kernel(plan: KernelPlan, name: str, role: str, grid: Grid, walker, input_dt
         if not filled - no_fill:
             break
         no_fill = no_fill | filled
-    key = "parallel_combine" if role == "combine" and grid.split else plan.strategy if role == "main" else role
-    doc = _DOCS[key].format(name=plan.spec.name, a=plan.axis)
+    doc = doc.format(name=plan.spec.name, a=plan.axis)
     states = tuple(s for step in plan.axis_reductions() for s in accumulators(plan, step, lanes=w.lanes_states))
     args = _args(plan, w.inputs, outputs, ws, role, input_dtypes, stores, ops)
     return Kernel(name, role, grid, doc, w.layout, ops, states, args, tuple(w.inputs), outputs,
                   plan.derivation.symbols.grouping), w
 
 
+class KernelBuilder:
+    """What a strategy's :meth:`~fuser_core.codegen.strategies.base.Strategy.build` builds its module with:
+    one kernel, or split_fused's part and combine kernels."""
+
+    def __init__(self, plan: KernelPlan, input_dtypes: Mapping[str, str], stores: Mapping[str, str]) -> None:
+        self.plan, self.input_dtypes, self.stores = plan, input_dtypes, stores
+        self.dots: dict = {}
+        self.lanes = Grid(tuple((d, plan.blocks[d]) for d in plan.lanes))
+        self.name, self.combine_name = kernel_names(plan)
+
+    def one_kernel(self, walker, doc: str) -> ModuleStructure:
+        """One kernel over the lane blocks, walked by ``walker(walk)``, writing every output."""
+        kernel, _ = _kernel(self.plan, self.name, "main", self.lanes, walker, doc, self.input_dtypes, self.stores,
+                            self.dots, (), tuple(self.plan.spec.output_parts))
+        return ModuleStructure(self.plan, (kernel,), (Launch(self.name, self.lanes),), ())
+
+    def split_kernels(self, part_walker, combine_walker, part_doc: str, combine_doc: str,
+                      parallel_combine_doc: str) -> ModuleStructure:
+        """A part kernel per (lane block, chunk of the axis) writing partial states to the workspace,
+        then a combine kernel merging them and writing the outputs."""
+        plan, lanes = self.plan, self.lanes
+        ws = workspace(plan)
+        part, _ = _kernel(plan, self.name, "split_part", Grid(lanes.lanes, split=True), part_walker, part_doc,
+                          self.input_dtypes, self.stores, self.dots, ws, ())
+        # outputs along the axis, few lane blocks: SPLIT programs per lane block, each merges the
+        # (few) partial states and writes its own chunk (plan.parallel_combine says when)
+        parallel = plan.parallel_combine and bool(axis_outputs(plan))
+        combine_grid = Grid(lanes.lanes, split=parallel)
+        combine, _ = _kernel(plan, self.combine_name, "combine", combine_grid, combine_walker,
+                             parallel_combine_doc if parallel else combine_doc, self.input_dtypes, self.stores,
+                             self.dots, ws, tuple(plan.spec.output_parts))
+        launch = SplitLaunch(Launch(self.name, part.grid), Launch(self.combine_name, combine_grid), plan.config.split,
+                             plan.axis, plan.blocks[plan.axis], ws)
+        return ModuleStructure(plan, (part, combine), (launch,), ws)
+
+
 def build_structure(plan: KernelPlan, input_dtypes: Mapping[str, str],
                     store_dtypes: Mapping[str, str] | None = None) -> ModuleStructure:
-    """The module's kernels (each an ordered list of operations), states, workspace, arguments and launches.
+    """The module's kernels (each an ordered list of operations), states, workspace, arguments and launches,
+    as the plan's strategy builds them.
 
     ``store_dtypes``: each output part's storage dtype (default float32)."""
     stores = dict(store_dtypes or {p: "float32" for p in plan.spec.output_parts})
-    dots: dict = {}
-    a = plan.axis
-    lanes = Grid(tuple((d, plan.blocks[d]) for d in plan.lanes))
-    name, combine_name = kernel_names(plan)
-    parts = tuple(plan.spec.output_parts)
-    if plan.strategy != "split_fused":
-        walker = {"row_resident": Walk.row_resident, "multi_pass": Walk.multi_pass,
-                  "streaming_fused": Walk.streaming_fused}[plan.strategy]
-        kernel, _ = _kernel(plan, name, "main", lanes, walker, input_dtypes, stores, dots, (), parts)
-        return ModuleStructure(plan, (kernel,), (Launch(name, lanes),), ())
-    ws = workspace(plan)
-    part, _ = _kernel(plan, name, "split_part", Grid(lanes.lanes, split=True), Walk.split_part, input_dtypes, stores,
-                      dots, ws, ())
-    # outputs along the axis, few lane blocks: SPLIT programs per lane block, each merges the
-    # (few) partial states and writes its own chunk (plan.parallel_combine says when)
-    parallel = plan.parallel_combine and bool(axis_outputs(plan))
-    combine_grid = Grid(lanes.lanes, split=parallel)
-    combine, _ = _kernel(plan, combine_name, "combine", combine_grid, Walk.combine_kernel, input_dtypes, stores, dots,
-                         ws, parts)
-    launch = SplitLaunch(Launch(name, part.grid), Launch(combine_name, combine_grid), plan.config.split, a,
-                         plan.blocks[a], ws)
-    return ModuleStructure(plan, (part, combine), (launch,), ws)
+    return plan.rules.build(KernelBuilder(plan, input_dtypes, stores))

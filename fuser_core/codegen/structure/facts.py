@@ -11,7 +11,7 @@ import sympy as sp
 
 from fuser_core.codegen.ops import Dot, Fold, Reduce, Select
 from fuser_core.codegen.plan import KernelPlan
-from fuser_core.codegen.structure.model import FUSED_STRATEGIES, State, var_name
+from fuser_core.codegen.structure.model import State, var_name
 from fuser_core.derive import ReductionForm
 from fuser_core.realisation import (
     COUNT_OLD,
@@ -24,14 +24,14 @@ from fuser_core.spec import Input, Step
 def realisation(plan: KernelPlan, step: Step) -> Realisation | None:
     """The realisation a fused strategy runs for an axis reduction (None: computed unfused)."""
     form = plan.derivation.forms.get(step.name)
-    if plan.strategy not in FUSED_STRATEGIES or form is None:
+    if not plan.rules.fused or form is None:
         return None
     return form.realisation
 
 
 def effective_op(plan: KernelPlan, step: Step) -> str:
     form = plan.derivation.forms.get(step.name)
-    if plan.strategy in FUSED_STRATEGIES and form is not None and form.effective_op:
+    if plan.rules.fused and form is not None and form.effective_op:
         return form.effective_op
     return step.reduce or ""
 

@@ -15,8 +15,6 @@ from fuser_core.codegen.ops import Dot, Fold, Load, Loop, Op, Reduce, walk
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.grouping import Grouping
 
-FUSED_STRATEGIES = ("streaming_fused", "split_fused")
-
 
 def var_name(name: str) -> str:
     """The generated-code identifier of a spec name."""

@@ -232,7 +232,7 @@ class FoldsWalk(WalkBase):
             self.add(self.store(part, gate))
         if not along:
             return
-        if self.plan.strategy == "row_resident":
+        if self.plan.rules.holds_axis_whole:
             for part in along:
                 self.add(Comment(text=f"# output {part}"))
                 self.add(self.store(part))

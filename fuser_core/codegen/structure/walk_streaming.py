@@ -31,7 +31,6 @@ from fuser_core.codegen.structure.facts import (
     reads_count,
     state_name,
 )
-from fuser_core.codegen.structure.model import FUSED_STRATEGIES
 from fuser_core.codegen.structure.walk_folds import FoldsWalk
 from fuser_core.codegen.tritonize import Ref
 from fuser_core.realisation import (
@@ -146,7 +145,7 @@ class StreamingWalk(FoldsWalk):
 
     def axis_mask(self, folds: list[tuple[str, sp.Expr]]) -> sp.Expr | None:
         """The mask outside which every fold of the loop adds its identity (:func:`bounds.axis_mask`)."""
-        return axis_mask(folds, counts=self.plan.strategy in FUSED_STRATEGIES and reads_count(self.plan),
+        return axis_mask(folds, counts=self.plan.rules.fused and reads_count(self.plan),
                          selections=any(is_selection(effective_op(self.plan, s)) or is_selection(s.reduce)
                                         for s in self.axis_steps()))
 

@@ -1,0 +1,17 @@
+"""streaming_fused: one pass over the axis, valid when every reduction over it fused; later
+reductions keep running values of earlier ones, corrected when those move (the derivation's forms).
+"""
+
+from __future__ import annotations
+
+from fuser_core.codegen.strategies.base import AXIS_BLOCK, LANE_BLOCKS, NUM_STAGES, NUM_WARPS, PER_LANE, Strategy
+
+
+class StreamingFused(Strategy):
+    fused = True
+    tunables = (AXIS_BLOCK, LANE_BLOCKS, NUM_WARPS, NUM_STAGES, PER_LANE)
+    doc = ("{name}, streaming-fused: one pass over {a}; later reductions are kept with running values of "
+           "earlier ones and corrected when those move (derived by foldwise).")
+
+    def walk(self, w) -> None:
+        w.streaming_fused()
