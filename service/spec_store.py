@@ -13,9 +13,11 @@ Every function here ends its transaction (commit, or rollback on error).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from fuser_core import Spec, canonical_json, load_spec, spec_hash as compute_spec_hash
@@ -91,3 +93,42 @@ def refuse_uncertified(spec: Spec, failed: list[str], allow: bool) -> None:
 
 def get_spec(session: Session, spec_hash: str) -> SpecRecord:
     return get_row(session, SpecRecord, spec_hash, "spec with hash")
+
+
+# ----------------------------------------------------------------------------- hash prefixes
+
+MIN_PREFIX = 12  # hex characters: 48 bits, so a prefix stays unique far beyond any store's size
+HASH_PATTERN = rf"^[0-9a-f]{{{MIN_PREFIX},64}}$"  # a spec hash or a prefix of one, as routes take it
+_HASH_RE = re.compile(HASH_PATTERN)
+
+
+class AmbiguousHash(InvalidRequest):
+    """A hash prefix that more than one stored spec starts with; ``matches`` lists some of them."""
+
+    def __init__(self, prefix: str, matches: list[str], *, field: str):
+        super().__init__(f"spec hash prefix {prefix} is ambiguous: it starts {', '.join(m[:16] + '...' for m in matches)}; "
+                         "give more characters", loc=(field,))
+        self.prefix, self.matches = prefix, matches
+
+
+def resolve_hash(session: Session, text: str, *, field: str = "spec_hash") -> str | None:
+    """The full spec hash that ``text`` names: 64 hex characters as they are (stored or not, so
+    no read), or a prefix of at least :data:`MIN_PREFIX` hex characters (the CLI prints 16) that
+    exactly one stored spec starts with; None when no stored spec does. ``InvalidRequest``
+    naming ``field`` for anything else, :class:`AmbiguousHash` when several specs match.
+    The one resolver: the API, the dashboard and the CLI all call it. Ends its transaction."""
+    text = text.strip().lower()
+    if not _HASH_RE.match(text):
+        raise InvalidRequest(f"a spec hash is {MIN_PREFIX} to 64 hex characters (a prefix of its sha256); "
+                             f"got {text[:80]!r}", loc=(field,))
+    if len(text) == 64:
+        return text
+    # a range on the primary key (an index scan on every backend; LIKE may not use the index)
+    found = session.execute(sa.select(SpecRecord.spec_hash)
+                            .where(SpecRecord.spec_hash >= text, SpecRecord.spec_hash <= text + "f" * (64 - len(text)))
+                            .order_by(SpecRecord.spec_hash).limit(3)).scalars().all()
+    session.rollback()
+    found = [h for h in found if h.startswith(text)]
+    if len(found) > 1:
+        raise AmbiguousHash(text, found, field=field)
+    return found[0] if found else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -21,7 +22,7 @@ from service.api.schemas import JobRequest, iso, job_view, kernel_view, trial_vi
 from service.api.validation import ParsedSpecs, job_request, query_value
 from service.bundle import dtype_text, parse_dtype_text, parse_shape_text, shape_text
 from service.dim_names import DimNames
-from service.models import Job, Kernel, SpecRecord
+from service.models import Job, Kernel, SpecRecord, WorkerRecord, utcnow
 from service.settings import Settings
 from service.tuning_request import TuningRequest
 
@@ -39,6 +40,19 @@ class SpecInfo:
     uncertified: list[str]  # the reductions whose certificate failed ([]: it holds)
 
 
+def resolve_hash(session: Session, text: str, *, field: str = "spec_hash", where: str = "query") -> str | None:
+    """A spec hash or a prefix of one (:func:`service.spec_store.resolve_hash`) as the full hash;
+    None when no stored spec matches. 422 naming ``field`` for a malformed one, 409 naming it for
+    an ambiguous prefix."""
+    try:
+        return spec_store.resolve_hash(session, text, field=field)
+    except spec_store.AmbiguousHash as err:
+        raise Problem(409, "Ambiguous spec hash", f"{field}: {err.message}", kind="ambiguous-hash",
+                      errors=[error_entry((field,), err.message, where=where)], matches=err.matches) from None
+    except SpecError as err:
+        raise invalid_field((field,), err.message, where=where) from None
+
+
 def spec_info(session: Session, cache: SpecCache, spec_hash: str) -> SpecInfo | None:
     info = cache.get(spec_hash)
     if info is None:
@@ -52,13 +66,77 @@ def spec_info(session: Session, cache: SpecCache, spec_hash: str) -> SpecInfo | 
     return info
 
 
-def job_view_named(session: Session, cache: SpecCache, job: Any) -> dict[str, Any]:
-    """The job view, with ``display_shape``: the shape in the dim names of the spec as first
-    stored (``shape`` itself is canonical, as kernels and bundles are keyed)."""
+def job_view_named(session: Session, cache: SpecCache, job: Any, live: LiveWorkers, *,
+                   names: DimNames | None = None) -> dict[str, Any]:
+    """The job view for people: ``display_shape`` and ``best.config.blocks`` in the caller's dim
+    names (``names``: those of the spec the caller submitted; by default those of the spec as
+    first stored; ``shape`` itself stays canonical, as kernels and bundles are keyed), and
+    ``warnings``: why a queued job may wait forever (:func:`job_warnings`), computed now."""
     view = job_view(job)
-    info = spec_info(session, cache, job.spec_hash)
-    view["display_shape"] = info.names.user_shape(job.shape) if info is not None else job.shape
+    if names is None:
+        info = spec_info(session, cache, job.spec_hash)
+        names = info.names if info is not None else None
+    if names is not None:
+        view["display_shape"] = names.user_shape(job.shape)
+        view["best"] = user_best(names, view["best"])
+    else:
+        view["display_shape"] = job.shape
+    view["warnings"] = job_warnings(job, live(session) if job.status == "queued" else None)
     return view
+
+
+def user_best(names: DimNames, best: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A job's (or trial's) ``{config: {blocks: {d0: ...}}}`` with the blocks in the caller's dim names."""
+    config = (best or {}).get("config")
+    if not isinstance(config, dict) or not isinstance(config.get("blocks"), dict):
+        return best
+    return {**best, "config": user_config(names, config)}  # type: ignore[dict-item]
+
+
+def user_config(names: DimNames, config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A tile config whose ``blocks`` are keyed by canonical dims, keyed by the caller's names."""
+    if not isinstance(config, dict) or not isinstance(config.get("blocks"), dict):
+        return config
+    return {**config, "blocks": names.user_shape(config["blocks"])}
+
+
+# ----------------------------------------------------------------------------- live workers
+
+
+def alive_within_s(settings: Settings) -> float:
+    """How recent a worker's heartbeat must be for it to count as live: the lease time (a worker
+    heartbeats every ``heartbeat_seconds``, also while idle and polling), at least three beats."""
+    return max(settings.lease_seconds, 3 * settings.heartbeat_seconds)
+
+
+class LiveWorkers:
+    """The (target, measurer) pairs of live workers (:func:`alive_within_s`), read at most once per
+    request, and only when a queued job needs them."""
+
+    def __init__(self, within_s: float):
+        self.within_s = within_s
+        self._pairs: set[tuple[str, str]] | None = None
+
+    def __call__(self, session: Session) -> set[tuple[str, str]]:
+        if self._pairs is None:
+            cutoff = utcnow() - timedelta(seconds=self.within_s)
+            rows = session.execute(sa.select(WorkerRecord.target, WorkerRecord.measurer).distinct()
+                                   .where(WorkerRecord.last_heartbeat >= cutoff)).all()
+            self._pairs = {(r.target, r.measurer) for r in rows}
+        return self._pairs
+
+
+def job_warnings(job: Any, live: set[tuple[str, str]] | None) -> list[str]:
+    """Why a queued job may never run: no live worker claims its (target, measurer)
+    (:func:`service.job_queue.claim_job` matches both). Empty once one registers."""
+    if job.status != "queued" or live is None or (job.target, job.measurer) in live:
+        return []
+    start = (f"start one: foldwise serve --targets {job.target}, or foldwise worker --target {job.target} "
+             f"--measurer {job.measurer}")
+    if any(target == job.target for target, _ in live):
+        return [f"no live worker takes target {job.target} with measurer {job.measurer}; the job waits until one "
+                f"does ({start})"]
+    return [f"no live worker takes target {job.target}; the job waits until one does ({start})"]
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -81,12 +159,13 @@ async def submit_job(db: Db, ctx: AppContext, req: JobRequest) -> Submission:
        (:meth:`service.api.derive.Deriver.report`; cached in-process, so storing it is fast);
     3. :func:`_submit` (a write): :func:`service.job_queue.submit_job` with the same request.
     """
-    found = await db.run(_find_submitted, ctx.specs, ctx.parsed_specs, req, ctx.settings, read=True)
+    live = LiveWorkers(alive_within_s(ctx.settings))
+    found = await db.run(_find_submitted, ctx.specs, ctx.parsed_specs, req, ctx.settings, live, read=True)
     if found.view is not None:
         return found
     if not found.spec_stored:
         await ctx.deriver.report(found.request.spec)
-    return await db.run(_submit, ctx.specs, found.request)
+    return await db.run(_submit, ctx.specs, found.request, live)
 
 
 _BY_DEDUPE = (sa.select(Job.__table__, Kernel.triton_version.label("k_triton"),
@@ -95,7 +174,7 @@ _BY_DEDUPE = (sa.select(Job.__table__, Kernel.triton_version.label("k_triton"),
 
 
 def _find_submitted(session: Session, cache: SpecCache, parsed: ParsedSpecs, req: JobRequest,
-                    settings: Settings) -> Submission:
+                    settings: Settings, live: LiveWorkers) -> Submission:
     """Check the request once (:func:`service.api.validation.job_request`, after the token
     check of this thread), then the idempotent fast path: the live job of an identical earlier
     request, found by its unique ``dedupe_key`` with one indexed read and no write lock. The
@@ -112,21 +191,28 @@ def _find_submitted(session: Session, cache: SpecCache, parsed: ParsedSpecs, req
     info = spec_info(session, cache, job.spec_hash)
     if info is not None:  # an earlier request may have allowed what this one does not
         spec_store.refuse_uncertified(request.spec, info.uncertified, request.allow_uncertified)
-    return Submission(request, view=job_view_named(session, cache, job), created=False)
+    return Submission(request, view=_caller_view(session, cache, job, live, request), created=False)
 
 
-def _submit(session: Session, cache: SpecCache, request: TuningRequest) -> Submission:
+def _submit(session: Session, cache: SpecCache, request: TuningRequest, live: LiveWorkers) -> Submission:
     """Submit a checked request (idempotent, :func:`service.job_queue.submit_job`)."""
     job, created = job_queue.submit_job(session, request)
-    return Submission(request, view=job_view_named(session, cache, job), created=created)
+    return Submission(request, view=_caller_view(session, cache, job, live, request), created=created)
 
 
-def get_job(session: Session, cache: SpecCache, job_id: str) -> dict[str, Any]:
-    return job_view_named(session, cache, job_queue.get_job(session, job_id))
+def _caller_view(session: Session, cache: SpecCache, job: Any, live: LiveWorkers,
+                 request: TuningRequest) -> dict[str, Any]:
+    """The job view in the submitter's own dim names (docs/API.md: each caller sees theirs,
+    not the first submitter's)."""
+    return job_view_named(session, cache, job, live, names=DimNames.of_source(request.source))
 
 
-def list_jobs(session: Session, cache: SpecCache, *, shape: str | None = None, dtype: str | None = None,
-              **filters: Any) -> list[dict[str, Any]]:
+def get_job(session: Session, cache: SpecCache, live: LiveWorkers, job_id: str) -> dict[str, Any]:
+    return job_view_named(session, cache, job_queue.get_job(session, job_id), live)
+
+
+def list_jobs(session: Session, cache: SpecCache, live: LiveWorkers, *, shape: str | None = None,
+              dtype: str | None = None, **filters: Any) -> list[dict[str, Any]]:
     """Job views, newest first. ``shape`` and ``dtype`` (query text, as :func:`lookup_kernel`
     reads them) narrow the list to one request key; they are read against the spec, so they
     need ``spec_hash``. A spec never stored has no jobs."""
@@ -134,6 +220,10 @@ def list_jobs(session: Session, cache: SpecCache, *, shape: str | None = None, d
         field = "shape" if shape is not None else "dtype"
         raise invalid_field((field,), f"filtering by {field} needs spec_hash (dim names and dtypes are read "
                                       "against the spec)", where="query")
+    if filters.get("spec_hash") is not None:
+        filters["spec_hash"] = resolve_hash(session, filters["spec_hash"])
+        if filters["spec_hash"] is None:  # no stored spec has that prefix: no jobs
+            return []
     if shape is not None or dtype is not None:
         info = spec_info(session, cache, filters["spec_hash"])
         if info is None:
@@ -142,15 +232,23 @@ def list_jobs(session: Session, cache: SpecCache, *, shape: str | None = None, d
             filters["shape_key"] = shape_text(_query_shape(info, shape))
         if dtype is not None:
             filters["dtype"] = dtype_text(_query_dtype(info, dtype))
-    return [job_view_named(session, cache, job) for job in job_queue.list_jobs(session, **filters)]
+    return [job_view_named(session, cache, job, live) for job in job_queue.list_jobs(session, **filters)]
 
 
-def list_trials(session: Session, job_id: str) -> list[dict[str, Any]]:
-    return [trial_view(t) for t in job_queue.list_trials(session, job_id)]
+def list_trials(session: Session, cache: SpecCache, job_id: str) -> list[dict[str, Any]]:
+    """The job's trials, their tile configs in the dim names of the spec as first stored."""
+    trials = job_queue.list_trials(session, job_id)
+    job = job_queue.get_job(session, job_id) if trials else None
+    info = spec_info(session, cache, job.spec_hash) if job is not None else None
+    views = [trial_view(t) for t in trials]
+    if info is not None:
+        for view in views:
+            view["config"] = user_config(info.names, view["config"])
+    return views
 
 
-def cancel(session: Session, cache: SpecCache, job_id: str) -> dict[str, Any]:
-    return job_view_named(session, cache, job_queue.cancel_job(session, job_id))
+def cancel(session: Session, cache: SpecCache, live: LiveWorkers, job_id: str) -> dict[str, Any]:
+    return job_view_named(session, cache, job_queue.cancel_job(session, job_id), live)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -192,9 +290,11 @@ def lookup_kernel(session: Session, cache: SpecCache, *, spec_hash: str, target:
     ``shape`` may use the canonical dim names (``d0=4,d1=300``, as :mod:`service.client`
     sends them and bundles speak) or the names of the spec as first submitted.
     """
+    asked = spec_hash
+    spec_hash = resolve_hash(session, spec_hash) or asked
     info = spec_info(session, cache, spec_hash)
     if info is None:
-        raise not_found("kernel for spec_hash", spec_hash)
+        raise not_found("kernel for spec_hash", asked)
     cshape = _query_shape(info, shape) if shape is not None else None
     ndtype = _query_dtype(info, dtype)
     if cshape is not None:  # a tuned range holding the shape first: its buckets serve it (service.shape_ranges)
@@ -236,7 +336,10 @@ def bundle_bytes(session: Session, kernel_id: str) -> tuple[str, bytes]:
 
 
 def get_spec(session: Session, spec_hash: str) -> dict[str, Any]:
-    record = spec_store.get_spec(session, spec_hash)
+    full = resolve_hash(session, spec_hash, where="path")
+    if full is None:
+        raise not_found("spec with hash", spec_hash)
+    record = spec_store.get_spec(session, full)
     return {"spec_hash": record.spec_hash, "name": record.name, "spec": json.loads(record.source),
             "canonical": json.loads(record.canonical), "derivation": record.derivation,
             "created_at": iso(record.created_at)}

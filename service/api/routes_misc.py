@@ -13,9 +13,10 @@ from service.api.deps import AppContext, Context, Db, database
 from service.api.routes_jobs import ERRORS
 from service.api.schemas import DerivationRequest, SpecView, WorkerList
 from service.api.validation import parse_spec
+from service.spec_store import HASH_PATTERN
 
 router = APIRouter()
-SpecHash = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="the spec's sha256 (64 lowercase hex)")]
+SpecHash = Annotated[str, Path(pattern=HASH_PATTERN, description="the spec's sha256 (64 lowercase hex), or a prefix of 12+")]
 
 
 @router.post("/v1/derivations", tags=["specs"], responses=ERRORS)
@@ -35,8 +36,7 @@ async def get_spec(spec_hash: SpecHash, db: Annotated[Db, Depends(database(None)
 @router.get("/v1/workers", tags=["workers"], response_model=WorkerList, responses=ERRORS)
 async def list_workers(ctx: Context, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
     """Registered workers, most recently seen first; ``alive``: a heartbeat within the lease time."""
-    alive = max(ctx.settings.lease_seconds, 3 * ctx.settings.heartbeat_seconds)
-    return JSONResponse({"workers": await db.run(ops.list_workers, alive_within_s=alive)})
+    return JSONResponse({"workers": await db.run(ops.list_workers, alive_within_s=ops.alive_within_s(ctx.settings))})
 
 
 @router.get("/healthz", tags=["ops"])

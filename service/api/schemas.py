@@ -37,12 +37,14 @@ class Budget(BaseModel):
 
 class DerivationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    spec: dict[str, Any] | str = Field(description="the spec: a JSON object (docs/SPEC.md), or its JSON text")
+    spec: dict[str, Any] | str = Field(description="the spec: a JSON object (docs/SPEC.md), its JSON text, or a catalog "
+                                                   "name (\"safe_softmax\", GET /v1/catalog lists them)")
 
 
 class JobRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    spec: dict[str, Any] | str = Field(description="the spec: a JSON object (docs/SPEC.md), or its JSON text")
+    spec: dict[str, Any] | str = Field(description="the spec: a JSON object (docs/SPEC.md), its JSON text, or a catalog "
+                                                   "name (\"safe_softmax\", GET /v1/catalog lists them)")
     # a range is checked field by field by service.shape_ranges (errors name shape.t.min), not here
     shape: dict[str, StrictInt | dict[str, Any]] = Field(
         max_length=MAX_DIMS, description='dim sizes, e.g. {"m": 4, "n": 300}; a dim may be a range '
@@ -150,7 +152,8 @@ class JobView(BaseModel):
     measurer: str
     budget: BudgetView
     progress: ProgressView
-    best: dict[str, Any] | None = Field(description="{strategy, config, time_ms, trial} of the best trial so far")
+    best: dict[str, Any] | None = Field(description="{strategy, config, time_ms, trial} of the best trial so far; "
+                                                    "config.blocks in your dim names")
     kernel_id: str | None
     error: str | None
     cancel_requested: bool
@@ -161,6 +164,10 @@ class JobView(BaseModel):
     finished_at: str | None
     url: str
     kernel_url: str | None
+    display_shape: dict[str, Any] = Field(description="shape in your dim names (those of the spec you submitted; "
+                                                      "on reads, of the spec as first stored)")
+    warnings: list[str] = Field(description="why a queued job may wait forever, e.g. no live worker takes its "
+                                            "target; computed when read, so empty once a worker registers")
     range: dict[str, Any] | None = Field(
         None, description="a range job's buckets: {buckets: [every bucket's full shape, smallest first], "
                           "trial_number_stride} (trial n ran bucket n // trial_number_stride); null for a plain job")

@@ -17,9 +17,36 @@ from service.settings import Settings
 from service.tuning_request import Limits, TuningRequest, tuning_request
 
 
+def spec_text(raw: dict[str, Any] | str, field: str = "spec") -> str:
+    """The spec's JSON text: an object as compact JSON, JSON text as is, and a catalog name
+    (``"safe_softmax"``, as the CLI and the client take it) as its catalog file's text. Only
+    the catalog's folders are read (a name is never a path on the server); 422 naming
+    ``field`` for text that is neither JSON nor a catalog name."""
+    if not isinstance(raw, str):
+        return json.dumps(raw, ensure_ascii=False, separators=(",", ":"))
+    if raw.lstrip()[:1] in ("{", "["):
+        return raw
+    from fuser_core import CatalogError, catalog_entries
+
+    name = raw.strip()
+    try:
+        entries = catalog_entries()
+    except CatalogError as err:
+        raise invalid_field((field,), f"{name[:80]!r} is not JSON, and the catalog cannot be read: {err}") from None
+    found = next((e for e in entries if e.name == name), None)
+    if found is None:
+        raise invalid_field((field,), f"{name[:80]!r} is neither a JSON spec nor a catalog spec name; catalog names: "
+                                      f"{', '.join(e.name for e in entries) or '(none)'}")
+    try:
+        return found.path.read_text(encoding="utf-8")[: MAX_SPEC_BYTES + 1]
+    except (OSError, UnicodeDecodeError) as err:
+        raise invalid_field((field,), f"catalog spec {name!r} cannot be read: {err}") from None
+
+
 def parse_spec(raw: dict[str, Any] | str, field: str = "spec") -> tuple[Spec, str]:
-    """(spec, source text as submitted). The spec is parsed by load_spec, never evaluated."""
-    source = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False, separators=(",", ":"))
+    """(spec, source text as submitted, or the catalog file's text for a catalog name). The
+    spec is parsed by load_spec, never evaluated."""
+    source = spec_text(raw, field)
     size = len(source.encode("utf-8", "surrogatepass"))
     if size > MAX_SPEC_BYTES:
         raise invalid_field((field,), f"spec is {size} bytes; the limit is {MAX_SPEC_BYTES}")
@@ -38,7 +65,7 @@ class ParsedSpecs:
 
     def get(self, raw: dict[str, Any] | str) -> tuple[Spec, str, str]:
         """(spec, source text, spec_hash); Problem 422 for an invalid spec."""
-        source = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False, separators=(",", ":"))
+        source = spec_text(raw)  # a catalog name is read each time: its file may change
         hit = self._cache.get(source)
         if hit is None:
             spec, source = parse_spec(source)

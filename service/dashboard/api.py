@@ -24,9 +24,10 @@ from service.api.deps import Db, context, database
 from service.api.problems import Problem, error_entry, invalid
 from service.auth import SCOPES
 from service.dashboard import views
+from service.spec_store import HASH_PATTERN
 
 router = APIRouter(tags=["dashboard"])
-SpecHash = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="the spec's sha256 (64 hex)")]
+SpecHash = Annotated[str, Path(pattern=HASH_PATTERN, description="the spec's sha256 (64 hex), or a prefix of 12+")]
 StatusRead = Annotated[Db, Depends(database(None))]
 KernelRead = Annotated[Db, Depends(database("kernels:read"))]
 
@@ -42,6 +43,9 @@ async def _run(db: Db, fn: Any, *args: Any, **kwargs: Any) -> Any:
 def _problem(err: views.DashboardError) -> Problem:
     if err.status == 404:
         return Problem(404, "Not found", err.message, kind="not-found")
+    if err.status == 409:  # an ambiguous spec hash prefix
+        return Problem(409, "Ambiguous spec hash", f"spec_hash: {err.message}", kind="ambiguous-hash",
+                       errors=[error_entry(["spec_hash"], err.message, where=str(err.loc[0]))])
     where = str(err.loc[0]) if err.loc and err.loc[0] in ("query", "path", "body") else "query"
     loc = list(err.loc[1:]) if err.loc and err.loc[0] in ("query", "path", "body") else list(err.loc)
     return invalid([error_entry(loc, err.message, where=where)])
@@ -78,7 +82,7 @@ async def dashboard_specs(
 @router.get("/v1/dashboard/kernels")
 async def dashboard_kernels(
     db: KernelRead,
-    spec_hash: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
+    spec_hash: Annotated[str | None, Query(pattern=HASH_PATTERN)] = None,
     target: Annotated[str | None, Query(max_length=32)] = None,
     dtype: Annotated[str | None, Query(max_length=2048)] = None,
     limit: Annotated[int, Query(ge=1, le=views.MAX_LIMIT)] = 50,

@@ -25,7 +25,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from fuser_core import BASELINE
+from fuser_core import BASELINE, SpecError
+from service import spec_store
 from service.dim_names import DimNames
 from service.models import Job, Kernel, SpecRecord, WorkerRecord
 
@@ -46,10 +47,20 @@ class DashboardError(Exception):
 # ----------------------------------------------------------------------------- specs
 
 
+def _full_hash(session: Session, spec_hash: str, where: str) -> str | None:
+    """A spec hash or a 12+ hex prefix as the full hash (:func:`service.spec_store.resolve_hash`);
+    DashboardError 422 (malformed) or 409 (ambiguous prefix) naming ``spec_hash``."""
+    try:
+        return spec_store.resolve_hash(session, spec_hash)
+    except spec_store.AmbiguousHash as err:
+        raise DashboardError(409, err.message, (where, "spec_hash")) from None
+    except SpecError as err:
+        raise DashboardError(422, err.message, (where, "spec_hash")) from None
+
+
 def _spec_record(session: Session, spec_hash: str) -> SpecRecord:
-    if not HASH_RE.match(spec_hash):
-        raise DashboardError(422, "must be 64 lowercase hex characters", ("path", "spec_hash"))
-    rec = session.get(SpecRecord, spec_hash)
+    full = _full_hash(session, spec_hash, "path")
+    rec = session.get(SpecRecord, full) if full is not None else None
     if rec is None:
         raise DashboardError(404, f"no spec with hash {spec_hash}", ("path", "spec_hash"))
     return rec
@@ -136,6 +147,7 @@ def spec_source(
     from service.bundle import parse_dtype_text, parse_shape_text
 
     rec = _spec_record(session, spec_hash)
+    spec_hash = rec.spec_hash  # the full hash, when a prefix was given
     spec, derivation = _loaded(rec.source)
     kernel = session.scalars(
         sa.select(Kernel).where(Kernel.spec_hash == spec_hash).order_by(Kernel.created_at.desc()).limit(1)
@@ -269,8 +281,10 @@ def kernel_rows(
     limit: int = 50, offset: int = 0,
 ) -> list[dict[str, Any]]:
     """The kernel cache, newest first, with the spec's name, speedups and prediction vs measurement."""
-    if spec_hash and not HASH_RE.match(spec_hash):
-        raise DashboardError(422, "must be 64 lowercase hex characters", ("query", "spec_hash"))
+    if spec_hash:
+        spec_hash = _full_hash(session, spec_hash, "query")
+        if spec_hash is None:  # no stored spec has that prefix
+            return []
     limit = max(1, min(int(limit), MAX_LIMIT))
     query = sa.select(Kernel, SpecRecord.name).join(SpecRecord, SpecRecord.spec_hash == Kernel.spec_hash)
     if spec_hash:

@@ -458,7 +458,7 @@ def test_a_corrupted_bundle_is_never_served(client, sessions) -> None:
 
 BAD_PATHS = [
     "/v1/jobs/XYZ", "/v1/jobs/" + "A" * 32, "/v1/jobs/" + "a" * 33, "/v1/jobs/" + "a" * 31 + "/trials",
-    "/v1/kernels/" + "g" * 32, "/v1/kernels/" + "a" * 31 + "/bundle", "/v1/specs/" + "a" * 63,
+    "/v1/kernels/" + "g" * 32, "/v1/kernels/" + "a" * 31 + "/bundle", "/v1/specs/" + "a" * 11, "/v1/specs/" + "a" * 65,
     "/v1/kernels/" + "a" * 32 + "0/bundle", "/v1/specs/" + "a" * 64 + "'; DROP TABLE jobs; --",
 ]
 
