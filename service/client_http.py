@@ -94,8 +94,8 @@ class KernelServer:
     def _check_status(self, status: int, body: bytes, path: str, req: KernelRequest) -> None:
         self.check_auth(status, body, "kernels:read")
         if status == 404:  # the server's detail repeats the key in the canonical names sent (d0=...): say it in the caller's
-            raise KernelNotFound(f"no kernel for {req.what} on {self.base_url}: tune one with KernelCache.tune(...) "
-                                 "or get(..., tune_if_missing=True)")
+            raise KernelNotFound(f"no kernel for {req.what} on {self.base_url}: submit a tuning job with "
+                                 "KernelCache.tune(...) or get(..., tune_if_missing=True)")
         if status not in (200, 304):
             raise KernelServiceError(f"GET {path}: unexpected status {status}: {_detail(body) or body[:200]!r}")
 

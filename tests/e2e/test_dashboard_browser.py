@@ -294,6 +294,9 @@ def test_submit_watch_chart_derivation_download(server, page):
     assert page.text("#job-best").endswith(("ms", "µs"))
     legend = page.text("#job-chart .u-legend")
     assert "best so far" in legend and "trial time" in legend
+    # a log time axis in one unit (issue 26): the best-so-far curve is not flattened by slow outliers
+    assert page.js_attr("#job-chart", "data-scale") == "log"
+    assert page.js_attr("#job-chart", "data-unit") in ("ms", "µs")
     api_trials = _api(server, "GET", f"/v1/jobs/{job_id}/trials", server["writer"]).json()["trials"]
     cells = page.driver.execute_script(
         "return [...document.querySelectorAll('#trials-body tr')].map(tr => [...tr.cells].map(c => c.innerText))")
@@ -452,6 +455,38 @@ def test_a_range_jobs_page_shows_each_bucket(server, page):
     assert [c[0] for c in cells] == ["c=64,t=8", "c=64,t=64"], cells
     assert all(c[1] == "2" and c[2] not in ("", "—") and c[3] for c in cells), cells
     page.shot("12-range-job-buckets", full=True)
+
+
+def test_a_job_nobody_can_run_says_so_and_hash_prefixes_work(server, page):
+    """Issue 26: a job for a target no live worker serves shows its warning on the job page and
+    in the jobs list; a 16-character hash prefix (the CLI's) filters the list and opens the spec;
+    a bad hash is an error inside the jobs page, which keeps its form."""
+    spec = load_catalog()["safe_softmax"]
+    r = _api(server, "POST", "/v1/jobs", server["writer"],
+             json={"spec": spec, "shape": {"m": 3, "n": 40}, "target": "a100", "measurer": "model",
+                   "budget": {"trials": 2, "seconds": 60}})
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert "no live worker takes target a100" in job["warnings"][0]
+    page.open(f"#/jobs/{job['id']}")
+    page.sign_in(server["writer"])
+    box = page.visible("#job-warnings [data-warning]")
+    assert "no live worker takes target a100" in box.text
+    page.shot("14-job-no-worker")
+    page.go(f"#/jobs?target=a100&spec_hash={job['spec_hash'][:16]}")
+    page.wait(lambda d: d.find_elements(By.CSS_SELECTOR, f"#jobs-body tr[data-job='{job['id']}'] [data-warning]"), 10,
+              "the jobs list does not mark the job nobody can run")
+    page.shot("15-jobs-no-worker")
+    page.expected_errors = ["status of 422"]  # provoked on purpose, next
+    page.go("#/jobs?spec_hash=zz-not-a-hash")
+    err = page.visible("#jobs-message .error-box")
+    assert "spec_hash" in err.text
+    assert page.find("#filter-spec").is_displayed() and page.find("#jobs-table").is_displayed()  # the page stays
+    page.shot("16-jobs-bad-hash")
+    page.go(f"#/specs/{job['spec_hash'][:16]}")
+    page.visible("#derivation")
+    assert job["spec_hash"] in page.text("#main")
+    _api(server, "POST", f"/v1/jobs/{job['id']}/cancel", server["writer"])
 
 
 def test_read_only_views_for_a_kernels_read_token(server, page):

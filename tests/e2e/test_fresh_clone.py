@@ -235,7 +235,8 @@ ROW_NAME = re.compile(r"`([\w./]+\.py|\w+/)`")  # `plan.py`, `api/`
 
 def test_readme_and_docs_point_only_at_files_the_repository_has(clone: Path) -> None:
     documents = [clone / "README.md", *sorted((clone / "docs").glob("*.md"))]
-    assert {p.name for p in documents} >= {"README.md", "SPEC.md", "THEORY.md", "API.md", "OPERATIONS.md"}
+    assert {p.name for p in documents} >= {"README.md", "SPEC.md", "THEORY.md", "API.md", "OPERATIONS.md",
+                                           "DECISIONS.md"}
     missing = []
     for doc in documents:
         text = doc.read_text()
@@ -246,7 +247,7 @@ def test_readme_and_docs_point_only_at_files_the_repository_has(clone: Path) -> 
             path = (doc.parent / target.split("#")[0]).resolve()
             if not path.exists():
                 missing.append(f"{doc.name}: link {target}")
-        if doc.name == "README.md":  # the README names repository paths in backticks too
+        if doc.name in ("README.md", "DECISIONS.md"):  # these name repository paths in backticks too
             top = {p.name for p in clone.iterdir()}
             for target in CODE_PATH.findall(text):
                 if target.split("/")[0] in top and not (clone / target).exists():
@@ -257,3 +258,18 @@ def test_readme_and_docs_point_only_at_files_the_repository_has(clone: Path) -> 
                     if not any((clone / f / name).exists() for f in (folder, "")):
                         missing.append(f"{doc.name}: layout `{folder}` names `{name}`")
     assert not missing, missing
+
+
+def test_the_readme_is_for_users(clone: Path) -> None:
+    """Issue 26: the README is what it is, the two set-up commands and the tour, in at most 150
+    lines; the design decisions live in docs/DECISIONS.md."""
+    readme = (clone / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150, len(readme.splitlines())
+    headings = [line for line in readme.splitlines() if line.startswith("## ")]
+    assert headings[:2] == ["## Set-up: two commands", "## A five-minute tour"], headings
+    assert "docs/DECISIONS.md" in readme
+    decisions = (clone / "docs" / "DECISIONS.md").read_text()
+    for heading in ("## Decisions (where the docs are silent)", "## Service decisions",
+                    "## Supported Triton versions: 3.6 to 3.9", "**The seed.**"):
+        assert heading in decisions, heading
+

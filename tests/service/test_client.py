@@ -634,8 +634,9 @@ def test_tune_and_tune_if_missing_against_a_real_server_with_a_worker(sqlite_db,
         with pytest.raises(KernelNotFound, match=f"job {queued.id} for it is queued, 0/2 trials") as err:
             cache.get(RAW, shape)
         assert err.value.job == queued and "submit a tuning job" not in str(err.value)
-        with pytest.raises(KernelNotFound, match="submit a tuning job"):  # no job for this one
+        with pytest.raises(KernelNotFound, match="submit a tuning job") as err:  # no job for this one
             cache.get(RAW, other)
+        assert "shape m=2,n=32" in str(err.value) and "d0=" not in str(err.value)  # the caller's dim names
 
         worker = threading.Thread(target=run_worker, args=(db_url,), daemon=True,
                                   kwargs={"measurer": "model", "target": "h100", "stop": stop, "poll_s": 0.05,

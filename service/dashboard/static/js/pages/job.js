@@ -1,6 +1,7 @@
 // One job: its facts, best-so-far vs trial chart, a range job's buckets, every trial, and the cancel button.
 import { api, download } from "../api.js";
-import { displayConfig, displayShape, lookupSpecs, specName } from "../names.js";
+// configs (best, trials) come from the API in the spec's own dim names already; shapes are renamed here
+import { displayShape, lookupSpecs, specName } from "../names.js";
 import {
   FINISHED, errorBox, fmtDtype, fmtDuration, fmtJson, fmtMs, fmtShape, fmtTime, h, items, poller, progressBar, replace, short,
   statusBadge,
@@ -9,10 +10,16 @@ import {
 // The compile gate's facts of one trial, one line per kernel: registers, shared memory, spills
 // (the full facts, and the compiler's error, in the tooltip); "—" for a trial tuned without it.
 const fmtBytes = (n) => (n >= 1024 ? `${+(n / 1024).toPrecision(3)} KiB` : `${n} B`);
+// Kernels are compiled from the canonical spec (named "canonical"): "canonical_split_fused_combine_kernel"
+// reads as "split_fused combine".
+export function kernelLabel(kernel) {
+  const name = String(kernel || "").replace(/^canonical_/, "").replace(/_kernel$/, "");
+  return name.replace(/_combine$/, " combine");
+}
 function compileCell(kernels) {
   if (!Array.isArray(kernels) || !kernels.length) return h("td", { class: "muted compile" }, "—");
   const lines = kernels.map((k) => {
-    const name = String(k.kernel || "").replace(/_kernel$/, "");
+    const name = kernelLabel(k.kernel);
     if (!k.ok) return h("div", { class: "error-text" }, `${name}: does not compile`);
     const spill = k.spill_bytes ? h("span", { class: "error-text" }, `, spills ${fmtBytes(k.spill_bytes)}`) : null;
     return h("div", {}, `${kernels.length > 1 ? `${name}: ` : ""}${k.registers} regs, ${fmtBytes(k.shared_bytes || 0)} smem`, spill);
@@ -25,6 +32,7 @@ export async function render(ctx) {
   const facts = h("dl", { class: "facts", id: "job-facts" });
   const head = h("div", { class: "page-head" });
   const message = h("div", { id: "job-message" });
+  const warningsBox = h("div", { id: "job-warnings" });
   const chartBox = h("div", { class: "chart", id: "job-chart" });
   const chartNote = h("p", { class: "muted", id: "chart-note" });
   const tbody = h("tbody", { id: "trials-body" });
@@ -33,7 +41,7 @@ export async function render(ctx) {
   const trialsTable = h("table", { class: "grid", id: "trials-table" },
     h("thead", {}, h("tr", {}, ["#", "state", "strategy", "config", "time / failure", "compiled", "source", "worker"].map((c) => h("th", {}, c)))),
     tbody);
-  replace(ctx.root, head, message, facts,
+  replace(ctx.root, head, message, warningsBox, facts,
     bucketsBox, h("h2", {}, "Best so far vs trial"), chartBox, chartNote,
     h("h2", {}, "Trials ", h("span", { class: "muted", id: "trials-count" })), trialsTable);
 
@@ -57,7 +65,7 @@ export async function render(ctx) {
         h("td", { class: "num" }, mine.length),
         h("td", { class: "num" }, best ? fmtMs(best.time_ms) : "—"),
         h("td", {}, best ? best.strategy || "" : ""),
-        h("td", {}, best ? h("code", { class: "config" }, fmtJson(displayConfig(hash, best.config))) : ""));
+        h("td", {}, best ? h("code", { class: "config" }, fmtJson(best.config)) : ""));
     });
     replace(bucketsBox, h("h2", {}, "Buckets ", h("span", { class: "muted" }, `(${range.buckets.length}: a search each, largest first)`)),
       h("table", { class: "grid", id: "buckets-table" },
@@ -65,6 +73,14 @@ export async function render(ctx) {
         h("tbody", {}, rows)));
   };
 
+  // Times on a log axis (an outlier 100x slower does not flatten the best-so-far curve), all in one
+  // unit: µs when the best so far is under 1 ms, else ms; the legend and the axis say which.
+  const chartUnit = (values) => {
+    const finite = values.filter((v) => v !== null && v > 0);
+    const low = finite.length ? Math.min(...finite) : 1;
+    return low < 1 ? { name: "µs", scale: 1000 } : { name: "ms", scale: 1 };
+  };
+  let unit = null;
   const drawChart = (trials) => {
     const xs = [];
     const times = [];
@@ -72,24 +88,32 @@ export async function render(ctx) {
     let b = null;
     const sorted = [...trials].sort((a, c) => a.number - c.number);
     for (const t of sorted) {
-      const ok = t.time_ms !== null && t.time_ms !== undefined && (t.state === undefined || t.state === "complete");
+      const ok = t.time_ms !== null && t.time_ms !== undefined && t.time_ms > 0 && (t.state === undefined || t.state === "complete");
       xs.push(t.number);
       times.push(ok ? t.time_ms : null);
       if (ok && (b === null || t.time_ms < b)) b = t.time_ms;
       best.push(b);
     }
-    const data = [xs, times, best];
+    const want = chartUnit(best);
+    if (chart && unit && want.name !== unit.name) { chart.destroy(); chart = null; replace(chartBox); }
+    unit = want;
+    const inUnit = (v) => (v === null ? null : v * unit.scale);
+    const data = [xs, times.map(inUnit), best.map(inUnit)];
     const width = Math.max(320, chartBox.clientWidth || 800);
     if (chart) { chart.setData(data); chart.setSize({ width, height: 280 }); return; }
     if (!window.uPlot) { chartBox.textContent = "chart library missing"; return; }
+    const fmt = (v) => (v === null || v === undefined ? "—" : `${+v.toPrecision(3)} ${unit.name}`);
+    chartBox.dataset.unit = unit.name;
+    chartBox.dataset.scale = "log";
     chart = new window.uPlot({
       width, height: 280,
-      scales: { x: { time: false } },
-      axes: [{ label: "trial", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000], values: (u, vals) => vals.map((v) => String(Math.round(v))) }, { label: "time (ms)", size: 70, values: (u, vals) => vals.map((v) => (v === null ? "" : +v.toPrecision(3))) }],
+      scales: { x: { time: false }, y: { distr: 3, log: 10 } },
+      axes: [{ label: "trial", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000], values: (u, vals) => vals.map((v) => String(Math.round(v))) },
+        { label: `time (${unit.name}, log scale)`, size: 70, values: (u, vals) => vals.map((v) => (v === null ? "" : String(+v.toPrecision(3)))) }],
       series: [
         { label: "trial" },
-        { label: "trial time", stroke: "#8aa4c8", width: 0, paths: () => null, points: { show: true, size: 6, fill: "#8aa4c8" }, value: (u, v) => (v === null ? "—" : fmtMs(v)) },
-        { label: "best so far", stroke: "#c0392b", width: 2, points: { show: false }, value: (u, v) => (v === null ? "—" : fmtMs(v)) },
+        { label: "trial time", stroke: "#8aa4c8", width: 0, paths: () => null, points: { show: true, size: 6, fill: "#8aa4c8" }, value: (u, v) => fmt(v) },
+        { label: "best so far", stroke: "#c0392b", width: 2, points: { show: false }, value: (u, v) => fmt(v) },
       ],
       legend: { live: true },
     }, data, chartBox);
@@ -120,7 +144,7 @@ export async function render(ctx) {
       ["started", j.started_at ? `${fmtTime(j.started_at)} (ran ${fmtDuration(j.started_at, j.finished_at)})` : "not yet"],
       ["finished", fmtTime(j.finished_at) || "—"],
       ["worker", j.worker_id || "—"],
-      ["best", best ? h("span", {}, h("strong", { id: "job-best" }, fmtMs(best.time_ms)), ` ${best.strategy || ""} `, h("code", {}, fmtJson(displayConfig(j.spec_hash, best.config))), best.trial !== undefined ? ` (trial ${best.trial})` : "") : "—"],
+      ["best", best ? h("span", {}, h("strong", { id: "job-best" }, fmtMs(best.time_ms)), ` ${best.strategy || ""} `, h("code", {}, fmtJson(best.config)), best.trial !== undefined ? ` (trial ${best.trial})` : "") : "—"],
     ];
     if (j.kernel_id) {
       rows.push(["kernel", h("span", {},
@@ -128,6 +152,8 @@ export async function render(ctx) {
         ctx.can("kernels:read") ? h("button", { type: "button", id: "download-bundle", onclick: () => download(`v1/kernels/${encodeURIComponent(j.kernel_id)}/bundle`, `foldwise-${short(j.spec_hash, 12)}-${j.target}.json`).catch((err) => replace(message, errorBox(err))) }, "Download bundle") : null)]);
     }
     if (j.error) rows.push(["error", h("span", { class: "error-text", id: "job-error" }, j.error)]);
+    // why a queued job may wait forever (no live worker takes its target); computed by the server when read
+    replace(warningsBox, ...(j.warnings || []).map((w) => h("div", { class: "warning-box", role: "status", "data-warning": "true" }, h("strong", {}, "Warning: "), w)));
     replace(facts, rows.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]));
   };
 
@@ -140,7 +166,7 @@ export async function render(ctx) {
         h("td", { class: "num" }, t.number),
         h("td", {}, h("span", { class: `badge trial-${t.state}` }, t.state || "")),
         h("td", {}, t.strategy || ""),
-        h("td", {}, h("code", { class: "config" }, fmtJson(displayConfig(hash, t.config)))),
+        h("td", {}, h("code", { class: "config" }, fmtJson(t.config))),
         h("td", { class: failed ? "error-text" : "num" }, failed ? (t.error || t.state) : [fmtMs(t.time_ms), t.predicted ? h("span", { class: "muted" }, " predicted") : null]),
         compileCell(t.compile),
         h("td", { class: "muted" }, t.source || ""),

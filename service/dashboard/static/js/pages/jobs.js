@@ -2,7 +2,7 @@
 import { api } from "../api.js";
 import { displayShape, lookupSpecs, specName } from "../names.js";
 import {
-  STATUSES, fmtDtype, fmtMs, fmtShape, fmtTime, h, hashFor, items, poller, progressBar, replace, short, statusBadge,
+  STATUSES, errorBox, fmtDtype, fmtMs, fmtShape, fmtTime, h, hashFor, items, poller, progressBar, replace, short, statusBadge,
 } from "../util.js";
 
 const PAGE = 50;
@@ -34,18 +34,33 @@ export async function render(ctx) {
   const prev = h("button", { type: "button", disabled: offset === 0, onclick: () => apply({ offset: String(Math.max(0, offset - PAGE)) }) }, "← newer");
   const next = h("button", { type: "button", disabled: true, onclick: () => apply({ offset: String(offset + PAGE) }) }, "older →");
   const updated = h("span", { class: "muted live", id: "jobs-updated" });
+  // a refusal of the filters (a malformed or ambiguous spec hash) shows here, keeping the page and its form
+  const message = h("div", { id: "jobs-message" });
 
   replace(ctx.root,
     h("div", { class: "page-head" }, h("h1", {}, "Jobs"), ctx.can("jobs:write") ? h("a", { href: "#/submit", class: "button-link primary" }, "Submit a spec") : null),
-    form, table, h("div", { class: "pager" }, prev, next, info, updated));
+    form, message, table, h("div", { class: "pager" }, prev, next, info, updated));
 
   const params = new URLSearchParams({ limit: String(PAGE + 1), offset: String(offset) });
   for (const [k, v] of Object.entries(filters)) if (v) params.set(k, v);
   const rows = new Map(); // job id -> {sig, tr}
 
+  let failed = false;
   const refresh = async () => {
-    const data = await api(`v1/jobs?${params}`);
+    let data;
+    try {
+      data = await api(`v1/jobs?${params}`);
+    } catch (err) {
+      if (!ctx.alive()) return;
+      replace(message, errorBox(err));
+      for (const entry of rows.values()) entry.tr.remove();
+      rows.clear();
+      info.textContent = "";
+      failed = true;
+      return;
+    }
     if (!ctx.alive()) return;
+    if (failed) { replace(message); failed = false; }
     const list = items(data, "jobs");
     next.disabled = list.length <= PAGE;
     const shown = list.slice(0, PAGE);
@@ -55,7 +70,7 @@ export async function render(ctx) {
     const keep = new Set();
     const ordered = [];
     for (const j of shown) {
-      const sig = JSON.stringify([j.status, j.progress, j.best, j.kernel_id, j.error, specName(j.spec_hash)]);
+      const sig = JSON.stringify([j.status, j.progress, j.best, j.kernel_id, j.error, j.warnings, specName(j.spec_hash)]);
       let entry = rows.get(j.id);
       if (!entry || entry.sig !== sig) {
         const tr = jobRow(j);
@@ -74,6 +89,13 @@ export async function render(ctx) {
   return poller(refresh, 1500, false);
 }
 
+// A queued job nobody can run (no live worker takes its target) is marked in the list; the
+// warning's text is the tooltip, and the job page shows it in full.
+function warningsMark(warnings) {
+  if (!Array.isArray(warnings) || !warnings.length) return null;
+  return h("span", { class: "badge warning", title: warnings.join("\n"), "data-warning": "true" }, " ⚠ no worker");
+}
+
 function jobRow(j) {
   const progress = j.progress || {};
   const best = j.best && j.best.time_ms !== undefined ? fmtMs(j.best.time_ms) : "";
@@ -84,7 +106,7 @@ function jobRow(j) {
     h("td", {}, fmtDtype(j.dtype)),
     h("td", {}, j.target),
     h("td", {}, j.measurer),
-    h("td", {}, statusBadge(j.status)),
+    h("td", {}, statusBadge(j.status), warningsMark(j.warnings)),
     h("td", {}, progressBar(progress.trials_done ?? 0, progress.trials_budget ?? (j.budget ? j.budget.trials : 0))),
     h("td", { class: "num" }, best, j.best && j.best.predicted ? h("span", { class: "muted" }, " (model)") : null),
     h("td", { class: "muted" }, fmtTime(j.created_at)));

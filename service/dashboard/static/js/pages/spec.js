@@ -4,10 +4,12 @@ import { api } from "../api.js";
 import { errorBox, fmtShape, h, renderMath, replace, highlighted } from "../util.js";
 
 export async function render(ctx) {
-  const hash = ctx.parts[1];
-  if (!/^[0-9a-f]{64}$/.test(hash)) throw new Error(`not a spec hash: ${hash}`);
-  const m = await api(`v1/specs/${hash}/math`);
+  const asked = ctx.parts[1];
+  // a full hash or a prefix of 12+ hex characters (the CLI prints 16): the server resolves it
+  if (!/^[0-9a-f]{12,64}$/.test(asked)) throw new Error(`not a spec hash (12 to 64 hex characters): ${asked}`);
+  const m = await api(`v1/specs/${asked}/math`);
   if (!ctx.alive()) return null;
+  const hash = m.spec_hash || asked;
 
   const sourceBox = h("div", { id: "spec-source" }, h("p", { class: "muted" }, "Generating…"));
   replace(ctx.root,
