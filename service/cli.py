@@ -330,8 +330,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(f"--baselines: unknown baseline {unknown[0]!r}; choose from {', '.join(BASELINES)}")
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     device = args.device or "cuda"
-    out = Path(args.out) if args.out else Path("benchmarks") / "results" / (
-        args.suite if device == "cuda" else f"{args.suite}-cpu-interpreter")
+    out = bench_out_dir(args.out, args.suite, device)
+    print(f"bench: results go to {out.resolve()}" + ("" if args.out else " (choose with --out)"), file=sys.stderr)
     timing = TimingSettings(seed=args.seed)
     try:
         results = run_bench(args.suite, out, trials=args.trials, device=device, baselines=baselines, target=args.target,
@@ -348,12 +348,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_out_dir(out: str | None, suite: str, device: str) -> Path:
+    """``--out``, else ``foldwise-bench/<suite>`` (``<suite>-cpu-interpreter`` for ``--device cpu``)
+    in the working directory, one folder the command names on stderr: not a ``benchmarks/results``
+    tree in whatever directory it runs in (that is the repository's own folder of results)."""
+    if out:
+        return Path(out)
+    return Path("foldwise-bench") / (suite if device == "cuda" else f"{suite}-cpu-interpreter")
+
+
 def _add_bench_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="GPU benchmark: tuned fused kernels vs the unfused chain, torch eager, "
                                          "torch.compile and hand-written kernels")
     bench.add_argument("--suite", default="paper", help="a suite of the catalog's suites.json (paper, smoke; "
                                                         "`foldwise catalog` lists the catalog)")
-    bench.add_argument("--out", help="directory for bench_<suite>.json/.md/.png (default benchmarks/results/<suite>)")
+    bench.add_argument("--out", help="directory for bench_<suite>.json/.md/.png (default: foldwise-bench/<suite> in "
+                                            "the working directory, named on stderr)")
     bench.add_argument("--trials", type=int, default=40, help="tuning trials per case (default 40)")
     bench.add_argument("--device", choices=("cuda", "cpu"), default=None,
                        help="cuda (default; refuses without a GPU) or cpu: a smoke test through the Triton "
@@ -531,7 +541,37 @@ def _describe_commands(parser: argparse.ArgumentParser) -> None:
                 _describe_commands(command)
 
 
+# a reader that left (``foldwise ... | head``): exit as a process killed by SIGPIPE reports itself
+# to a shell (128 + 13), as coreutils do, so a pipeline with ``pipefail`` can tell a truncated
+# output from a finished one; quietly, with no traceback
+EXIT_CLOSED_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _dispatch(argv)
+        sys.stdout.flush()  # here, not at interpreter exit, so a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        _silence_closed_streams()
+        return EXIT_CLOSED_PIPE
+
+
+def _silence_closed_streams() -> None:
+    """Point stdout and stderr at /dev/null: Python flushes them again at exit, and a flush into
+    the closed pipe would print "Exception ignored ... BrokenPipeError"."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):  # a replaced stream (pytest's capture) has no file descriptor
+            pass
+    os.close(devnull)
+
+
+def _dispatch(argv: list[str] | None) -> int:
     from fuser_core import DerivationLimitError, SpecError
 
     args = build_parser().parse_args(argv)
