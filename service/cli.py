@@ -81,28 +81,27 @@ def shape_and_dtype(args: argparse.Namespace) -> tuple[dict[str, int], str | dic
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from service.cli_checks import checked_config, checked_families, checked_problem, checked_strategy, strategy_fits
+
+    # every argument checked before numpy's arrays, torch or Triton load (service/cli_checks.py)
+    spec, bound, dtype = checked_problem(args, allow_empty=True)
+    shape, _ = shape_and_dtype(args)  # as written: the run binds it itself
+    strategy = checked_strategy(args.strategy)
+    config = checked_config(args.config)
+    families = checked_families(args.families)
+    if args.inputs and not Path(args.inputs).is_file():
+        raise UsageError(f"--inputs: cannot read {args.inputs}: no such file")
+    # a strategy that cannot hold this shape, with its default config (a --config given is checked
+    # by the run itself, after torch loads: the plan's check is not public API)
+    derivation = strategy_fits(spec, bound, strategy) if config is None else None
+
     import numpy as np
 
-    from fuser_core import (
-        KernelConfig, NotValid, accuracy_check, accuracy_table, bind_shape, parse_families, run, self_check,
-        to_logical, to_storage,
-    )
+    from fuser_core import NotValid, accuracy_check, accuracy_table, run, self_check, to_logical, to_storage
 
-    spec = _read_spec(args.spec)
-    shape, dtype = shape_and_dtype(args)
-    config = None
-    if args.config:
-        try:
-            config = KernelConfig.from_dict(json.loads(args.config))
-        except (json.JSONDecodeError, ValueError, TypeError) as err:
-            raise UsageError(f"--config: {err}") from None
-    try:
-        families = parse_families(args.families)
-    except ValueError as err:
-        raise UsageError(f"--families: {err}") from None
     try:
         if not args.inputs:
-            report = self_check(spec, shape, dtype, strategy=args.strategy, config=config)
+            report = self_check(spec, shape, dtype, strategy=strategy, config=config, derivation=derivation)
             if families:  # the accuracy bar per input family (docs/API.md): its table on stderr, stdout one JSON
                 report["accuracy"] = accuracy_check(spec, shape, dtype, families=families, strategy=report["strategy"],
                                                     config=config)
@@ -117,9 +116,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         missing = [i.name for i in spec.inputs if i.name not in arrays]
         if missing:
             raise UsageError(f"--inputs: {args.inputs} has no array named {missing[0]!r}")
-        bound = bind_shape(spec, shape, allow_empty=True)  # arrays in the spec's dims as declared (c, p)
+        # arrays in the spec's dims as declared (c, p)
         result = run(spec, shape, dtype, {i.name: to_logical(spec, i.name, arrays[i.name], bound) for i in spec.inputs},
-                     strategy=args.strategy, config=config)
+                     strategy=strategy, config=config, derivation=derivation)
     except NotValid as err:
         raise UsageError(f"--strategy: {err}") from None
     outputs = {}
@@ -143,12 +142,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
     """``foldwise compile``: the GPU compiler on each generated kernel, for a target or the fleet,
     with no GPU needed (service/cli_compile.py). Exit 0 when every kernel compiles, 1 when one
     fails, 2 on bad input."""
-    from fuser_core import bind_dtypes, bind_shape
+    from fuser_core import bind_dtypes
+    from service.cli_checks import checked_problem
     from service.cli_compile import compile_command
 
-    spec = _read_spec(args.spec)
-    raw_shape, raw_dtype = shape_and_dtype(args)
-    shape = bind_shape(spec, raw_shape)
+    spec, shape, raw_dtype = checked_problem(args)
     return compile_command(spec, shape, bind_dtypes(spec, raw_dtype), args)
 
 
@@ -187,38 +185,17 @@ def _open_storage(url: str, heartbeat: int = 10):
         raise UsageError(f"--db: cannot connect to {url!r}: {str(err.orig).strip() or err}") from None
 
 
-class ProgressBar:
-    """A one-line progress bar on stderr (an Optuna callback): trials used of the budget, best time."""
-
-    def __init__(self, budget: int, stream=None, width: int = 30):
-        self.budget, self.stream, self.width = budget, stream or sys.stderr, width
-
-    def __call__(self, study, trial) -> None:
-        from tuner import budget_used
-
-        done = min(budget_used(study), self.budget)
-        filled = self.width * done // max(1, self.budget)
-        try:
-            best = f"best {study.best_value:.4g} ms"
-        except ValueError:
-            best = "no time yet"
-        self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.budget} trials, {best}")
-        self.stream.flush()
-
-    def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
-
-
 def _run_tuner(tuner, budget: int, *, as_json: bool, **kwargs):
-    """tuner.run with a progress bar on stderr when stderr is a terminal and the output is not
-    --json (a pipe or a log file gets no carriage-return noise)."""
-    bar = ProgressBar(budget) if sys.stderr.isatty() and not as_json else None
+    """tuner.run with its progress on stderr (service/cli_progress.py): a bar on a terminal, a
+    line every tenth of the budget in a log."""
+    from service.cli_progress import tune_progress
+
+    progress = tune_progress(budget, as_json=as_json)
     try:
-        return tuner.run(budget, callbacks=[bar] if bar else [], **kwargs)
+        return tuner.run(budget, callbacks=[progress] if progress else [], **kwargs)
     finally:
-        if bar:
-            bar.close()
+        if progress:
+            progress.close()
 
 
 def _tune_and_print(tuner, budget: int, args: argparse.Namespace, **kwargs) -> int:
@@ -258,15 +235,16 @@ def _compile_pruned_note(counts: dict[str, int]) -> str:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from fuser_core import load_spec
+    from service.cli_checks import checked_problem, checked_tune_choices
+
+    # the spec, shape, dtype, budget, measurer and target checked before Optuna, sympy or torch load
+    spec, _, _ = checked_problem(args)
+    checked_tune_choices(args)
+    raw_spec = json.loads(_read_spec_source(args.spec))
+    shape, dtype = shape_and_dtype(args)
+
     from tuner import Tuner, study_name_for
 
-    source = _read_spec_source(args.spec)
-    spec = load_spec(source)
-    raw_spec = json.loads(source)
-    shape, dtype = shape_and_dtype(args)
-    if args.trials < 1:
-        raise UsageError(f"--trials: must be at least 1, got {args.trials}")
     space, measurer, gate, attrs = _tuning_setup(spec, raw_spec, shape, dtype, args.target, args.measurer,
                                                  compile_check=args.compile_check)
     _quiet_optuna()
