@@ -88,7 +88,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     shape, _ = shape_and_dtype(args)  # as written: the run binds it itself
     strategy = checked_strategy(args.strategy)
     config = checked_config(args.config)
-    families = checked_families(args.families)
+    if args.families is not None:  # the default list needs no check (and loads NumPy and SciPy)
+        checked_families(args.families)
     if args.inputs and not Path(args.inputs).is_file():
         raise UsageError(f"--inputs: cannot read {args.inputs}: no such file")
     # a strategy that cannot hold this shape, with its default config (a --config given is checked
@@ -98,6 +99,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from fuser_core import NotValid, accuracy_check, accuracy_table, run, self_check, to_logical, to_storage
+
+    families = checked_families(args.families)
 
     try:
         if not args.inputs:
