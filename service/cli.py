@@ -15,23 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from service.cli_checks import read_spec as _read_spec
+from service.cli_checks import read_spec_source as _read_spec_source
+from service.cli_checks import shape_and_dtype
 from service.cli_errors import EXIT_INVALID, UsageError
-
-
-def _read_spec_source(name_or_path: str) -> bytes:
-    """The bytes of the spec a command-line argument means: a file, else a catalog name."""
-    from fuser_core import CatalogError, spec_source
-
-    try:
-        return spec_source(name_or_path)
-    except CatalogError as err:
-        raise UsageError(str(err)) from None
-
-
-def _read_spec(name_or_path: str):
-    from fuser_core import load_spec
-
-    return load_spec(_read_spec_source(name_or_path))
 
 
 def cmd_derive(args: argparse.Namespace) -> int:
@@ -66,18 +53,6 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     print(f"\n{len(entries)} specs; packaged catalog {PACKAGED_DIR}"
           + (f"; searched first: {', '.join(users)}" if users else "; add folders with $FOLDWISE_CATALOG_DIR"))
     return 0
-
-
-def shape_and_dtype(args: argparse.Namespace) -> tuple[dict[str, int], str | dict[str, str]]:
-    """``--shape m=4,n=300`` and ``--dtype float16`` (or a JSON object of input -> dtype), read
-    by :func:`service.bundle.parse_shape_text` and ``parse_dtype_text``; UsageError naming the flag."""
-    from fuser_core import SpecError
-    from service.bundle import parse_dtype_text, parse_shape_text
-
-    try:
-        return parse_shape_text(args.shape), parse_dtype_text(args.dtype)
-    except SpecError as err:
-        raise UsageError(f"--{err.loc[0]}: {err.message}") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:

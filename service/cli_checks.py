@@ -20,15 +20,41 @@ from typing import Any
 from service.cli_errors import UsageError
 
 
+def read_spec_source(name_or_path: str) -> bytes:
+    """The bytes of the spec a command-line argument means: a file, else a catalog name."""
+    from fuser_core import CatalogError, spec_source
+
+    try:
+        return spec_source(name_or_path)
+    except CatalogError as err:
+        raise UsageError(str(err)) from None
+
+
+def read_spec(name_or_path: str):
+    from fuser_core import load_spec
+
+    return load_spec(read_spec_source(name_or_path))
+
+
+def shape_and_dtype(args: argparse.Namespace) -> tuple[dict[str, int], str | dict[str, str]]:
+    """``--shape m=4,n=300`` and ``--dtype float16`` (or a JSON object of input -> dtype), read
+    by :func:`service.bundle.parse_shape_text` and ``parse_dtype_text``; UsageError naming the flag."""
+    from fuser_core import SpecError
+    from service.bundle import parse_dtype_text, parse_shape_text
+
+    try:
+        return parse_shape_text(args.shape), parse_dtype_text(args.dtype)
+    except SpecError as err:
+        raise UsageError(f"--{err.loc[0]}: {err.message}") from None
+
+
 def checked_problem(args: argparse.Namespace, *, allow_empty: bool = False) -> tuple[Any, dict[str, int], Any]:
     """(spec, the shape bound to it, the ``--dtype`` text read) of a command's spec, ``--shape``
     and ``--dtype``: a misspelt catalog name, an unknown or missing dim and an unknown dtype
     are refused here (SpecError naming the field, or UsageError naming the flag)."""
     from fuser_core import bind_dtypes, bind_shape
 
-    from service.cli import _read_spec, shape_and_dtype
-
-    spec = _read_spec(args.spec)
+    spec = read_spec(args.spec)
     raw_shape, dtype = shape_and_dtype(args)
     shape = bind_shape(spec, raw_shape, allow_empty=allow_empty)
     bind_dtypes(spec, dtype)
