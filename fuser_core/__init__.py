@@ -40,6 +40,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("fuser_core.realisation", n) for n in ("Realisation", "Rescale", "ShiftTerm", "part_acc", "unguarded")},
     "new_anchor": ("fuser_core.realisation", "new"),  # "new" alone says too little at package level
     **{n: ("fuser_core.runner", n) for n in ("run", "self_check")},
+    **{n: ("fuser_core.interpreter", n) for n in ("interpreter_quiet",)},
     **{n: ("fuser_core.accuracy", n) for n in ("FAMILIES", "GATE_FAMILIES", "RUN_FAMILIES", "accuracy_check",
                                                "parse_families")},
     "accuracy_table": ("fuser_core.accuracy", "table"),

@@ -59,9 +59,6 @@ whose derivation is inexact (a cast inside a fused reduction) is judged normwise
 
 from __future__ import annotations
 
-import contextlib
-import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +73,7 @@ from fuser_core.problem import FLOAT_DTYPES, INDEX_DTYPES, ShapeError, bind_dtyp
 from fuser_core.reduce_ops import returns_indices
 from fuser_core.tensors import device, to_torch  # noqa: F401  (re-exported)
 from fuser_core.empty import empty_outputs, has_empty_dim
+from fuser_core.interpreter import interpreter_quiet  # (re-exported: fuser_core.accuracy.check)
 from fuser_core.reference import Evaluator, bind_scalars, bind_shape, check_inputs, evaluate, random_inputs, random_scalars
 from fuser_core.spec import Spec
 
@@ -98,24 +96,6 @@ TIE_VARIANTS = 4  # argmax/argmin positions within float32 resolution of the ext
 KNIFE_ULPS = (2.0**-24, 2.0**-23, 2.0**-22, 2.0**-21)
 KNIFE_SAMPLES = 32
 INEXACT_TOLERANCE = 0.125  # normwise: one float8 e4m3 step
-
-
-def interpreter_quiet() -> contextlib.AbstractContextManager:
-    """Silences NumPy's floating-point warnings while kernels run through Triton's interpreter
-    (a no-op on a GPU). The interpreter computes every lane in NumPy, masked-off lanes and both
-    sides of a ``tl.where`` included, so ``log(0)`` or ``0 * inf`` in values that are then
-    discarded print "divide by zero" or "invalid value" although the outputs are right. Use it
-    only where the outputs are then checked against the float64 reference, which catches a NaN
-    that does reach an output. ``np.errstate`` holds per thread, so it never silences a
-    service worker's neighbour. The interpreter's ``tl.max``/``tl.min`` are ``np.nanmax``/``np.nanmin``,
-    which warn through :mod:`warnings` (process-wide, not per thread) on a masked-off row that is
-    all NaN; that warning is filtered for the interpreter's own module only, so nobody else's
-    NumPy warnings are hidden."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return contextlib.nullcontext()
-    warnings.filterwarnings("ignore", message="All-NaN (slice|axis) encountered", category=RuntimeWarning,
-                            module="triton.runtime.interpreter")  # idempotent: an equal filter is replaced
-    return np.errstate(all="ignore")
 
 
 def choose_strategy(spec: Spec, derivation: Derivation, shape: dict[str, int]) -> str:
@@ -161,7 +141,8 @@ def run(
         from fuser_core.codegen.chain import run_chain_detailed
 
         config = config or KernelConfig()
-        chain = run_chain_detailed(spec, bound, dtypes, tensors, config_blocks=config.blocks, scalars=scalars)
+        with interpreter_quiet():  # NumPy's warnings about discarded lanes (fuser_core/interpreter.py)
+            chain = run_chain_detailed(spec, bound, dtypes, tensors, config_blocks=config.blocks, scalars=scalars)
         return RunResult(strategy, config, chain.outputs, "\n\n".join(k.source for k in chain.kernels))
     derivation = derivation or derive_cascade(spec)
     strategy = strategy or choose_strategy(spec, derivation, bound)
@@ -172,7 +153,8 @@ def run(
     stores = output_dtypes(spec, dtypes)
     out = {p: torch.empty([bound[d] for d in spec.step(p.split(".")[0]).dims], dtype=getattr(torch, stores[p]),
                           device=dev) for p in spec.output_parts}
-    outputs = module.load().launch(tensors, bound, out=out, scalars=scalars)
+    with interpreter_quiet():  # NumPy's warnings about discarded lanes (fuser_core/interpreter.py)
+        outputs = module.load().launch(tensors, bound, out=out, scalars=scalars)
     return RunResult(strategy, config, outputs, module.source)
 
 
@@ -328,8 +310,7 @@ def self_check(
     # runtime params at random values, as the certificate draws them (a canonical spec, as a worker has it,
     # carries no default); their own generator leaves the inputs' draws as they were
     inputs.update(random_scalars(spec, np.random.default_rng(seed + 1)))
-    with interpreter_quiet():  # the outputs are judged below
-        result = run(spec, bound, dtypes, inputs, strategy=strategy, config=config, derivation=derivation)
+    result = run(spec, bound, dtypes, inputs, strategy=strategy, config=config, derivation=derivation)
     reference = evaluate(spec, bound, inputs)
     noise = rounding_noise(lambda arrays: evaluate(spec, bound, arrays), inputs, reference, seed)
     ties = tie_alternatives(lambda k: evaluate(spec, bound, inputs, tie_choice=k), spec, reference)

@@ -15,23 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from service.cli_checks import read_spec as _read_spec
+from service.cli_checks import read_spec_source as _read_spec_source
+from service.cli_checks import shape_and_dtype
 from service.cli_errors import EXIT_INVALID, UsageError
-
-
-def _read_spec_source(name_or_path: str) -> bytes:
-    """The bytes of the spec a command-line argument means: a file, else a catalog name."""
-    from fuser_core import CatalogError, spec_source
-
-    try:
-        return spec_source(name_or_path)
-    except CatalogError as err:
-        raise UsageError(str(err)) from None
-
-
-def _read_spec(name_or_path: str):
-    from fuser_core import load_spec
-
-    return load_spec(_read_spec_source(name_or_path))
 
 
 def cmd_derive(args: argparse.Namespace) -> int:
@@ -68,41 +55,31 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     return 0
 
 
-def shape_and_dtype(args: argparse.Namespace) -> tuple[dict[str, int], str | dict[str, str]]:
-    """``--shape m=4,n=300`` and ``--dtype float16`` (or a JSON object of input -> dtype), read
-    by :func:`service.bundle.parse_shape_text` and ``parse_dtype_text``; UsageError naming the flag."""
-    from fuser_core import SpecError
-    from service.bundle import parse_dtype_text, parse_shape_text
-
-    try:
-        return parse_shape_text(args.shape), parse_dtype_text(args.dtype)
-    except SpecError as err:
-        raise UsageError(f"--{err.loc[0]}: {err.message}") from None
-
-
 def cmd_run(args: argparse.Namespace) -> int:
+    from service.cli_checks import checked_config, checked_families, checked_problem, checked_strategy, strategy_fits
+
+    # every argument checked before numpy's arrays, torch or Triton load (service/cli_checks.py)
+    spec, bound, dtype = checked_problem(args, allow_empty=True)
+    shape, _ = shape_and_dtype(args)  # as written: the run binds it itself
+    strategy = checked_strategy(args.strategy)
+    config = checked_config(args.config)
+    if args.families is not None:  # the default list needs no check (and loads NumPy and SciPy)
+        checked_families(args.families)
+    if args.inputs and not Path(args.inputs).is_file():
+        raise UsageError(f"--inputs: cannot read {args.inputs}: no such file")
+    # a strategy that cannot hold this shape, with its default config (a --config given is checked
+    # by the run itself, after torch loads: the plan's check is not public API)
+    derivation = strategy_fits(spec, bound, strategy) if config is None else None
+
     import numpy as np
 
-    from fuser_core import (
-        KernelConfig, NotValid, accuracy_check, accuracy_table, bind_shape, parse_families, run, self_check,
-        to_logical, to_storage,
-    )
+    from fuser_core import NotValid, accuracy_check, accuracy_table, run, self_check, to_logical, to_storage
 
-    spec = _read_spec(args.spec)
-    shape, dtype = shape_and_dtype(args)
-    config = None
-    if args.config:
-        try:
-            config = KernelConfig.from_dict(json.loads(args.config))
-        except (json.JSONDecodeError, ValueError, TypeError) as err:
-            raise UsageError(f"--config: {err}") from None
-    try:
-        families = parse_families(args.families)
-    except ValueError as err:
-        raise UsageError(f"--families: {err}") from None
+    families = checked_families(args.families)
+
     try:
         if not args.inputs:
-            report = self_check(spec, shape, dtype, strategy=args.strategy, config=config)
+            report = self_check(spec, shape, dtype, strategy=strategy, config=config, derivation=derivation)
             if families:  # the accuracy bar per input family (docs/API.md): its table on stderr, stdout one JSON
                 report["accuracy"] = accuracy_check(spec, shape, dtype, families=families, strategy=report["strategy"],
                                                     config=config)
@@ -117,9 +94,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         missing = [i.name for i in spec.inputs if i.name not in arrays]
         if missing:
             raise UsageError(f"--inputs: {args.inputs} has no array named {missing[0]!r}")
-        bound = bind_shape(spec, shape, allow_empty=True)  # arrays in the spec's dims as declared (c, p)
+        # arrays in the spec's dims as declared (c, p)
         result = run(spec, shape, dtype, {i.name: to_logical(spec, i.name, arrays[i.name], bound) for i in spec.inputs},
-                     strategy=args.strategy, config=config)
+                     strategy=strategy, config=config, derivation=derivation)
     except NotValid as err:
         raise UsageError(f"--strategy: {err}") from None
     outputs = {}
@@ -143,12 +120,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
     """``foldwise compile``: the GPU compiler on each generated kernel, for a target or the fleet,
     with no GPU needed (service/cli_compile.py). Exit 0 when every kernel compiles, 1 when one
     fails, 2 on bad input."""
-    from fuser_core import bind_dtypes, bind_shape
+    from fuser_core import bind_dtypes
+    from service.cli_checks import checked_problem
     from service.cli_compile import compile_command
 
-    spec = _read_spec(args.spec)
-    raw_shape, raw_dtype = shape_and_dtype(args)
-    shape = bind_shape(spec, raw_shape)
+    spec, shape, raw_dtype = checked_problem(args)
     return compile_command(spec, shape, bind_dtypes(spec, raw_dtype), args)
 
 
@@ -187,38 +163,17 @@ def _open_storage(url: str, heartbeat: int = 10):
         raise UsageError(f"--db: cannot connect to {url!r}: {str(err.orig).strip() or err}") from None
 
 
-class ProgressBar:
-    """A one-line progress bar on stderr (an Optuna callback): trials used of the budget, best time."""
-
-    def __init__(self, budget: int, stream=None, width: int = 30):
-        self.budget, self.stream, self.width = budget, stream or sys.stderr, width
-
-    def __call__(self, study, trial) -> None:
-        from tuner import budget_used
-
-        done = min(budget_used(study), self.budget)
-        filled = self.width * done // max(1, self.budget)
-        try:
-            best = f"best {study.best_value:.4g} ms"
-        except ValueError:
-            best = "no time yet"
-        self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.budget} trials, {best}")
-        self.stream.flush()
-
-    def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
-
-
 def _run_tuner(tuner, budget: int, *, as_json: bool, **kwargs):
-    """tuner.run with a progress bar on stderr when stderr is a terminal and the output is not
-    --json (a pipe or a log file gets no carriage-return noise)."""
-    bar = ProgressBar(budget) if sys.stderr.isatty() and not as_json else None
+    """tuner.run with its progress on stderr (service/cli_progress.py): a bar on a terminal, a
+    line every tenth of the budget in a log."""
+    from service.cli_progress import tune_progress
+
+    progress = tune_progress(budget, as_json=as_json)
     try:
-        return tuner.run(budget, callbacks=[bar] if bar else [], **kwargs)
+        return tuner.run(budget, callbacks=[progress] if progress else [], **kwargs)
     finally:
-        if bar:
-            bar.close()
+        if progress:
+            progress.close()
 
 
 def _tune_and_print(tuner, budget: int, args: argparse.Namespace, **kwargs) -> int:
@@ -258,15 +213,16 @@ def _compile_pruned_note(counts: dict[str, int]) -> str:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from fuser_core import load_spec
+    from service.cli_checks import checked_problem, checked_tune_choices
+
+    # the spec, shape, dtype, budget, measurer and target checked before Optuna, sympy or torch load
+    spec, _, _ = checked_problem(args)
+    checked_tune_choices(args)
+    raw_spec = json.loads(_read_spec_source(args.spec))
+    shape, dtype = shape_and_dtype(args)
+
     from tuner import Tuner, study_name_for
 
-    source = _read_spec_source(args.spec)
-    spec = load_spec(source)
-    raw_spec = json.loads(source)
-    shape, dtype = shape_and_dtype(args)
-    if args.trials < 1:
-        raise UsageError(f"--trials: must be at least 1, got {args.trials}")
     space, measurer, gate, attrs = _tuning_setup(spec, raw_spec, shape, dtype, args.target, args.measurer,
                                                  compile_check=args.compile_check)
     _quiet_optuna()
@@ -330,8 +286,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(f"--baselines: unknown baseline {unknown[0]!r}; choose from {', '.join(BASELINES)}")
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     device = args.device or "cuda"
-    out = Path(args.out) if args.out else Path("benchmarks") / "results" / (
-        args.suite if device == "cuda" else f"{args.suite}-cpu-interpreter")
+    out = bench_out_dir(args.out, args.suite, device)
+    print(f"bench: results go to {out.resolve()}" + ("" if args.out else " (choose with --out)"), file=sys.stderr)
     timing = TimingSettings(seed=args.seed)
     try:
         results = run_bench(args.suite, out, trials=args.trials, device=device, baselines=baselines, target=args.target,
@@ -348,12 +304,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_out_dir(out: str | None, suite: str, device: str) -> Path:
+    """``--out``, else ``foldwise-bench/<suite>`` (``<suite>-cpu-interpreter`` for ``--device cpu``)
+    in the working directory, one folder the command names on stderr: not a ``benchmarks/results``
+    tree in whatever directory it runs in (that is the repository's own folder of results)."""
+    if out:
+        return Path(out)
+    return Path("foldwise-bench") / (suite if device == "cuda" else f"{suite}-cpu-interpreter")
+
+
 def _add_bench_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="GPU benchmark: tuned fused kernels vs the unfused chain, torch eager, "
                                          "torch.compile and hand-written kernels")
     bench.add_argument("--suite", default="paper", help="a suite of the catalog's suites.json (paper, smoke; "
                                                         "`foldwise catalog` lists the catalog)")
-    bench.add_argument("--out", help="directory for bench_<suite>.json/.md/.png (default benchmarks/results/<suite>)")
+    bench.add_argument("--out", help="directory for bench_<suite>.json/.md/.png (default: foldwise-bench/<suite> in "
+                                            "the working directory, named on stderr)")
     bench.add_argument("--trials", type=int, default=40, help="tuning trials per case (default 40)")
     bench.add_argument("--device", choices=("cuda", "cpu"), default=None,
                        help="cuda (default; refuses without a GPU) or cpu: a smoke test through the Triton "
@@ -531,7 +497,37 @@ def _describe_commands(parser: argparse.ArgumentParser) -> None:
                 _describe_commands(command)
 
 
+# a reader that left (``foldwise ... | head``): exit as a process killed by SIGPIPE reports itself
+# to a shell (128 + 13), as coreutils do, so a pipeline with ``pipefail`` can tell a truncated
+# output from a finished one; quietly, with no traceback
+EXIT_CLOSED_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _dispatch(argv)
+        sys.stdout.flush()  # here, not at interpreter exit, so a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        _silence_closed_streams()
+        return EXIT_CLOSED_PIPE
+
+
+def _silence_closed_streams() -> None:
+    """Point stdout and stderr at /dev/null: Python flushes them again at exit, and a flush into
+    the closed pipe would print "Exception ignored ... BrokenPipeError"."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):  # a replaced stream (pytest's capture) has no file descriptor
+            pass
+    os.close(devnull)
+
+
+def _dispatch(argv: list[str] | None) -> int:
     from fuser_core import DerivationLimitError, SpecError
 
     args = build_parser().parse_args(argv)

@@ -43,34 +43,45 @@ def compile_targets(text: str) -> list[tuple[str, Any, Any]]:
 
 def compile_command(spec, shape: dict[str, int], dtypes: dict[str, str], args: argparse.Namespace) -> int:
     """Compile the strategies asked for, for every target ``--target`` names, and print the report."""
-    from fuser_core import BASELINE, STRATEGIES, CompilePool, CompileRequest, KernelConfig, derive_cascade, valid_strategies
+    from service.cli_checks import checked_config, checked_strategy, strategy_fits
 
+    # flags first, with the light modules only (service/cli_checks.py); then the derivation
     targets = compile_targets(args.target)
-    config = None
-    if args.config:
-        try:
-            config = KernelConfig.from_dict(json.loads(args.config)).to_dict()
-        except (json.JSONDecodeError, ValueError, TypeError) as err:
-            raise UsageError(f"--config: {err}") from None
+    strategy = checked_strategy(args.strategy, extra=("all",))
+    config = checked_config(args.config)
+    config = config.to_dict() if config is not None else None
+    if strategy == "all" or config is not None:  # refusals are listed in the report (a config's by the compile)
+        from fuser_core import derive_cascade
+
+        derivation = derive_cascade(spec)
+    else:  # one strategy named: one that cannot hold this shape is bad input, as for `foldwise run`
+        derivation = strategy_fits(spec, shape, strategy)
+
+    from fuser_core import BASELINE, STRATEGIES, CompilePool, CompileRequest, valid_strategies
+    from service.cli_progress import CompileProgress
+
     refused: dict[str, str] = {}
-    if args.strategy == "all":
-        valid = valid_strategies(spec, derive_cascade(spec), shape)
+    if strategy == "all":
+        valid = valid_strategies(spec, derivation, shape)
         refused = {s: why for s, why in valid.items() if why}
         strategies = [s for s in STRATEGIES if s in valid and not valid[s]] + [BASELINE]
-    elif args.strategy in (*STRATEGIES, BASELINE):
-        strategies = [args.strategy]
     else:
-        raise UsageError(f"--strategy: unknown strategy {args.strategy!r}; one of {', '.join((*STRATEGIES, BASELINE))}, all")
+        strategies = [strategy]
     fleet = len(targets) > 1
     requests = {name: [CompileRequest(spec, shape, dtypes, s, config, target, sass=not fleet and profile is not None)
                        for s in strategies] for name, target, profile in targets}
     flat = [r for rs in requests.values() for r in rs]
+    progress = CompileProgress({id(r): name for name, rs in requests.items() for r in rs})
+    # the pool starts its processes only for requests its on-disk cache cannot answer
     with CompilePool(min(len(flat), 4)) as pool:
-        built = iter(pool.compile(flat))
+        try:
+            built = iter(pool.compile(flat, progress=progress))
+        finally:
+            progress.close()
         reports = []
         for name, target, profile in targets:
             modules = [next(built) for _ in requests[name]]
-            reports.append(_target_report(spec, shape, dtypes, name, target, profile, modules, refused))
+            reports.append(_target_report(spec, shape, dtypes, name, target, profile, modules, refused, derivation))
             if args.out and not any(not k["ok"] for k in reports[-1]["kernels"]):
                 folder = Path(args.out) / name if fleet else Path(args.out)
                 _write_binaries(pool, [r for r, m in zip(requests[name], modules) if not m.refused], folder)
@@ -86,11 +97,12 @@ def compile_command(spec, shape: dict[str, int], dtypes: dict[str, str], args: a
     return 1 if failed else 0
 
 
-def _target_report(spec, shape, dtypes, name: str, target, profile, modules, refused: dict[str, str]) -> dict:
+def _target_report(spec, shape, dtypes, name: str, target, profile, modules, refused: dict[str, str],
+                   derivation) -> dict:
     """One target's report: its arch and binary, each kernel's facts (and static bound), refusals."""
     kernels = [{"strategy": m.strategy, **k.to_dict()} for m in modules for k in m.kernels]
     if profile is not None:
-        bounds = _static_bounds(spec, shape, dtypes, modules, profile)
+        bounds = _static_bounds(spec, shape, dtypes, modules, profile, derivation)
         for k in kernels:
             b = bounds.get((k["strategy"], k["kernel"]))
             if b is not None:
@@ -148,14 +160,13 @@ def _print_fleet(spec, shape: dict[str, int], reports: list[dict]) -> None:
         print(f"{s:<16} refused: {why}")
 
 
-def _static_bounds(spec, shape, dtypes, modules, profile) -> dict[tuple[str, str], dict]:
+def _static_bounds(spec, shape, dtypes, modules, profile, derivation) -> dict[tuple[str, str], dict]:
     """(strategy, kernel) -> its static bound at the target's rates (tuner.static_bound: HBM bytes,
     issue, SFU and tensor work read from the compiled SASS) for every fused module that compiled."""
-    from fuser_core import STRATEGIES, KernelConfig, derive_cascade, make_problem
+    from fuser_core import STRATEGIES, KernelConfig, make_problem
     from tuner import problem_bounds
 
     problem = make_problem(spec, shape, dtypes)
-    derivation = derive_cascade(spec)
     out: dict[tuple[str, str], dict] = {}
     for m in modules:
         if m.refused or not m.ok or m.strategy not in STRATEGIES:

@@ -20,7 +20,10 @@ compiles happen in worker processes (:class:`CompilePool`) started with
 (``$FOLDWISE_CACHE_DIR/compiled``), keyed by the module's text, the bound signature, the
 whole target, the options and Triton's version: the facts are the installed Triton's (Triton
 3.6's and 3.9's ptxas give different registers for most kernels, and 3.6 rejects some configs
-that 3.9 compiles), so a :class:`ModuleBuild` names the Triton version that built it.
+that 3.9 compiles), so a :class:`ModuleBuild` names the Triton version that built it. A whole
+request's outcome is cached too (``compiled/requests``, :func:`request_key`), looked up by
+:meth:`CompilePool.compile` before any worker starts: a request seen before costs a file read,
+not a process with torch, the derivation and the launcher.
 
 Example:
     >>> from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest
@@ -34,12 +37,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import multiprocessing
 import os
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -286,6 +290,71 @@ def cached_compile(launch: KernelLaunch, target: Target = DEFAULT_TARGET, sass: 
     return build
 
 
+@functools.cache
+def _source_digest() -> str:
+    """sha256 of every fuser_core source file: a module build answered from the request cache was
+    made by this very code (the generator, the launcher, the facts read), or it is not reused."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def _triton_version() -> str:
+    """The installed Triton's version, read without importing it (the request cache is looked up
+    in the caller's process, which need not load Triton when every answer is cached)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        import triton
+
+        return triton.__version__
+
+
+def request_key(request: CompileRequest) -> str:
+    """The request cache's key: what the request says (the whole spec, its names included, as they
+    name the kernels; shape, dtypes, strategy, config, target, ``sass``), the Triton that compiles
+    it, the facts' version and the digest of fuser_core's sources. Each launch's compile is cached
+    by its module text (:func:`cached_compile`), but reaching the launches costs a worker process,
+    torch, the derivation and the launcher on meta tensors, seconds per request; this key answers
+    a request seen before without any of them (``foldwise compile`` run twice)."""
+    t = request.target
+    payload = json.dumps([repr(request.spec), sorted(request.shape.items()), sorted(request.dtypes.items()),
+                          request.strategy, request.config, [t.backend, t.arch, t.warp_size], request.sass,
+                          _triton_version(), FACTS_VERSION, _source_digest()], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _request_path(key: str) -> Path:
+    folder = _cache_dir() / "requests"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{key[:32]}.json"
+
+
+def cached_module(key: str) -> ModuleBuild | None:
+    """The ModuleBuild stored under a :func:`request_key`, or None (absent or unreadable)."""
+    path = _request_path(key)
+    try:
+        return ModuleBuild.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def store_module(key: str, build: ModuleBuild) -> None:
+    """Keep a request's outcome, atomically; not a launcher failure (a derivation past its limit on
+    a loaded host, say: another try may succeed), which names the kernel ``launch``."""
+    if any(k.kernel == "launch" and not k.ok for k in build.kernels):
+        return
+    path = _request_path(key)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(build.to_dict()))
+    os.replace(tmp, path)
+
+
 def compile_request(request: CompileRequest) -> ModuleBuild:
     """Every kernel launch of one request, compiled (in this process: the interpreter must be
     off here; :class:`CompilePool` runs this in workers where it is)."""
@@ -350,15 +419,33 @@ class CompilePool:
                                          initargs=(os.environ.get("FOLDWISE_CACHE_DIR"),))
 
     def compile(self, requests: Iterable[CompileRequest],
-                progress: Callable[[int, int], None] | None = None) -> list[ModuleBuild]:
+                progress: Callable[[int, int, CompileRequest, ModuleBuild, bool], None] | None = None
+                ) -> list[ModuleBuild]:
+        """Each request's ModuleBuild, in order: from the request cache (:func:`request_key`) when
+        seen before, else compiled in the workers (which start only then). ``progress(done, total,
+        request, build, cached)`` is called as each one is answered (cached ones first)."""
         requests = list(requests)
-        futures = [self._pool.submit(_run, r) for r in requests]
-        out = []
-        for k, f in enumerate(futures):
-            out.append(ModuleBuild.from_dict(f.result()))
+        keys = [request_key(r) for r in requests]
+        out: list[ModuleBuild | None] = [None] * len(requests)
+        done = 0
+        pending = {}
+        for i, (request, key) in enumerate(zip(requests, keys)):
+            hit = cached_module(key)
+            if hit is None:
+                pending[self._pool.submit(_run, request)] = i
+                continue
+            out[i] = hit
+            done += 1
             if progress:
-                progress(k + 1, len(requests))
-        return out
+                progress(done, len(requests), request, hit, True)
+        for future in as_completed(pending):
+            i = pending[future]
+            build = out[i] = ModuleBuild.from_dict(future.result())
+            store_module(keys[i], build)
+            done += 1
+            if progress:
+                progress(done, len(requests), requests[i], build, False)
+        return out  # type: ignore[return-value]  (every slot is filled)
 
     def artifacts(self, requests: Iterable[CompileRequest]) -> list[dict[str, Any]]:
         """:func:`compile_artifacts` of each request, in order (errors are raised)."""

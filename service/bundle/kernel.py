@@ -20,7 +20,7 @@ from typing import Any
 
 from fuser_core import (
     Spec, SpecError, as_logical, bind_scalars, bind_shape, canonical_names, empty_outputs, first_out_of_range,
-    has_empty_dim, index_ranges, load_spec, out_of_range_message, spec_hash, to_storage,
+    has_empty_dim, index_ranges, interpreter_quiet, load_spec, out_of_range_message, spec_hash, to_storage,
 )
 from service.bundle.formats import shape_text, user_names
 from service.bundle.hashing import BundleError
@@ -332,7 +332,9 @@ class BundleKernel:
             logical = {name: as_logical(self._user, name, t, bound) for name, t in canonical_inputs.items()}
             return self._copy_into(dst, self._to_user(empty_outputs(self._canon, shape, logical, stores), bound))
         if not self._takes_out:
-            return self._copy_into(dst, self._to_user(self._module.launch(canonical_inputs, shape, **scalars), bound))
+            with interpreter_quiet():
+                launched = self._module.launch(canonical_inputs, shape, **scalars)
+            return self._copy_into(dst, self._to_user(launched, bound))
         views, copied = {}, []
         for p in self._parts:
             view = self._kernel_view(p, dst[p.name], bound)
@@ -341,7 +343,8 @@ class BundleKernel:
                 view = tmp if p.same_order else tmp.permute(p.inverse)
                 copied.append(p.name)
             views[p.canonical] = view
-        outputs = self._module.launch(canonical_inputs, shape, out=views, **scalars)
+        with interpreter_quiet():  # under the interpreter, NumPy's warnings about discarded lanes off
+            outputs = self._module.launch(canonical_inputs, shape, out=views, **scalars)
         if copied:
             back = self._to_user(outputs, bound)
             for name in copied:

@@ -146,7 +146,7 @@ def test_the_readme_tour_runs_from_the_copy(clone: Path, env: dict[str, str]) ->
     # what the shown lines leave out
     report = json.loads(next(out for c, out in stdout.items() if c.startswith("foldwise run moe_routing")))
     assert report["passed"] is True and report["strategy"] == "streaming_fused"
-    assert json.loads((clone / "benchmarks/results/smoke-cpu-interpreter/bench_smoke.json").read_text())["gpu"] is False
+    assert json.loads((clone / "foldwise-bench/smoke-cpu-interpreter/bench_smoke.json").read_text())["gpu"] is False
     _print_timings(timings)
 
 
