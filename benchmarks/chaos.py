@@ -249,7 +249,7 @@ class Chaos:
         # after the outage: every job that was running goes on (trials recorded again), none failed
         progressed = self.wait("tuning to go on after the outage", lambda: any(
             j["trials_done"] > before[i]["trials_done"] for i, j in self.jobs().items() if i in before), timeout=120)
-        time.sleep(max(2.0, a.lease / 2))  # a lease's worth: a wrongful takeover would show now
+        time.sleep(a.lease + 2)  # a lease after the database is back: a wrongful takeover would show by now
         after = self.jobs()
         failed = [i[:8] for i, j in after.items() if j["status"] == "failed"]
         taken = [i[:8] for i, j in after.items() if i in before and before[i]["status"] == "running"
@@ -365,19 +365,28 @@ class Chaos:
                          {"ids": ids})
 
     # ------------------------------------------------------------------ report
+    def budget_used(self, job: dict) -> int:
+        """The trials of the job's study that used its budget, as the tuner counts them
+        (tuner.budget_used: complete, pruned, and measurement failures; not a trial cut off by
+        a dead worker or an outage, which is retried)."""
+        import optuna
+
+        from tuner import budget_used, make_storage
+
+        with self.engine.connect() as conn:
+            name = conn.execute(sa.text("SELECT study_name FROM jobs WHERE id = :i"), {"i": job["id"]}).scalar_one()
+        storage = make_storage(self.url, heartbeat_interval=None)
+        try:
+            return budget_used(optuna.load_study(study_name=name, storage=storage))
+        finally:
+            storage.engine.dispose()
+
     def report(self) -> int:
         jobs = self.jobs()
         ours = [jobs[i] for i in self.job_ids if i in jobs]
         lost = [i[:8] for i in self.job_ids if i not in jobs or jobs[i]["status"] not in TERMINAL]
         duplicated = len(jobs) - len(self.job_ids) - 2  # rows beyond one per request (the 2: serve_stop's jobs)
-        over = [j["id"][:8] for j in ours if j["trials_done"] > j["budget_trials"]]
-        with self.engine.connect() as conn:  # Optuna's own count: finished trials per study beyond the budget
-            over_optuna = conn.execute(sa.text(
-                "SELECT s.study_name, count(*) FROM optuna.trials t JOIN optuna.studies s USING (study_id) "
-                "WHERE t.state = 'COMPLETE' GROUP BY s.study_name")).all()
-        budget = self.args.trials
-        mine = {i[:8] for i in self.job_ids}
-        over += [name[-8:] for name, n in over_optuna if name[-8:] in mine and n > budget]
+        over = [j["id"][:8] for j in ours if self.budget_used(j) > j["budget_trials"]]
         failed = [(j["id"][:8], (j["error"] or "")[:80]) for j in ours if j["status"] == "failed"]
         lost_workers = sum(max(0, j["attempts"] - 1) for j in ours)
         rows = [
@@ -391,7 +400,8 @@ class Chaos:
             ("lost", f"{len(lost)} {lost or ''}"),
             ("duplicated", f"{duplicated} (resubmitted after the API kill: {getattr(self, 'resubmitted', 0)} of "
                            f"{len(self.job_ids)} answered their first job)"),
-            ("over-budget", f"{len(over)} {over or ''}"),
+            ("over-budget", f"{len(over)} {over or ''} (trials that used the budget, as the tuner counts them, "
+                            "beyond budget.trials)"),
             ("worker exits", f"{len(self.worker_exits())} {self.worker_exits() or ''}"),
             ("failed jobs", f"{len(failed)} {failed or ''}"),
             ("serve stop", f"{getattr(self, 'serve_stop_s', float('nan')):.1f} s (SIGTERM with a job tuning "

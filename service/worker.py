@@ -25,6 +25,11 @@ so far is stored), or when the worker is asked to stop (the job goes back to the
 :func:`service.job_queue.release_job`). A worker killed outright (SIGKILL) just stops renewing; the
 job is claimed again once its lease expires, and Optuna's own heartbeats fail the trial that
 was running so it is retried.
+
+**Outages.** Every database call is retried through an outage (:func:`service.db.retry_transient`);
+a search stopped by one resumes its study when the database answers (:meth:`Worker._search`), and
+``run_worker`` never exits for one. After an outage the worker leaves expired leases alone for a
+lease (their live holders renew them first), so an outage never counts as a lost worker.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ log = logging.getLogger("foldwise.worker")
 # a search that crashed just before the worker was asked to stop (SIGTERM to the process group
 # reaches the compile pool's processes too; the pool then breaks): how long to wait for that ask
 SHUTDOWN_GRACE_S = 2.0
+MAX_RESUMES = 20  # searches resumed after a database error, per search: past that it is no blink
 POLL_BACKOFF_S = (1.0, 10.0)  # the claim loop's wait after a database error: first, largest (doubling, jittered)
 
 
@@ -252,11 +258,11 @@ class Worker:
         again, the trial that was running is closed and the same study goes on, its finished
         trials and shared budget kept, under the same lease (renewed meanwhile by the keeper).
         The job never fails for it."""
-        while True:
+        for resume in range(MAX_RESUMES + 1):
             try:
                 return self._search_once(job, tuned, shape, study_name, recorder, out_of_time, catch_up=catch_up)
             except Exception as err:
-                if not is_transient(err):
+                if not is_transient(err) or resume == MAX_RESUMES:  # a database error that always comes back
                     raise
                 note_outage()
                 log.warning("database unreachable during the search; it resumes when the database answers",
@@ -267,6 +273,7 @@ class Worker:
                 return stopped, None
             self.close_orphans(job.id, study_name)  # ours: the trial the outage cut off
             catch_up = True  # a trial told to Optuna but not recorded before the outage
+        raise AssertionError("unreachable")  # the last resume returns or raises
 
     def _ping(self) -> None:
         with self.sessions() as session:
