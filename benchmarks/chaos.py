@@ -19,7 +19,8 @@ Then, in order, with a deadline of ``--max-minutes`` for the whole run:
    -m fast``) for ``--outage`` seconds, starts it again, and counts worker exits and failed jobs;
 3. **SIGTERM to a worker's pid**, then **SIGTERM to another worker's process group** (each
    holding a job): its job must go back to the queue (status queued, or claimed again, with the
-   same ``attempts``, no error); a new worker is started for each;
+   same ``attempts``, no error); a new worker is started for each (before each kill, when fewer
+   jobs are live than workers, one more job is submitted per idle worker, so there is one to hold);
 4. **SIGKILL** a worker holding a job (its job is taken over when the lease expires: one lost
    worker) and starts a new one;
 5. **SIGKILL the API**, starts it again, and resubmits every request (a client's retry): each
@@ -222,14 +223,20 @@ class Chaos:
         return {"spec": raw, "shape": {"m": 4 * (1 + i % 4), "n": 64 * (1 + i // 4)}, "dtype": "float32",
                 "target": "h100", "measurer": "model", "budget": {"trials": self.args.trials, "seconds": 3600}}
 
-    def submit(self) -> None:
+    def submit(self, n: int | None = None) -> None:
         print("submitting", flush=True)
-        for i in range(self.args.jobs):
-            body = self.body(i)
+        for _ in range(self.args.jobs if n is None else n):
+            body = self.body(len(self.requests))
             r = httpx.post(self.base + "/v1/jobs", json=body, timeout=60)
             r.raise_for_status()
             self.requests.append(body)
             self.job_ids.append(r.json()["id"])
+
+    def top_up(self) -> None:
+        """A kill needs a worker holding a job: when the queue ran dry, one more job per worker."""
+        live = sum(j["status"] in ("queued", "running") for j in self.jobs().values())
+        if live < self.args.workers:
+            self.submit(self.args.workers - live)
 
     def busy(self, n: int) -> bool:
         jobs = self.jobs().values()
@@ -269,6 +276,7 @@ class Chaos:
             pick[:] = [(w, j) for w in self.workers if w.poll() is None and (j := self.holder_job(w))]
             return bool(pick)
 
+        self.top_up()
         if not self.wait("a worker holding a job", holding, timeout=120):
             self.check(f"SIGTERM ({how}) gives the job back", False, "no worker held a job")
             return
@@ -301,6 +309,7 @@ class Chaos:
             pick[:] = [w for w in self.workers if w.poll() is None and self.holder_job(w)]
             return bool(pick)
 
+        self.top_up()
         self.wait("a worker holding a job", holding, timeout=120)
         victim = pick[0] if pick else next(w for w in self.workers if w.poll() is None)
         self.killed.add(victim.pid)
@@ -341,7 +350,7 @@ class Chaos:
         self.start_api_wait()
         ids = []
         for target in ("h100", "a100"):
-            body = {**self.body(99), "target": target, "budget": {"trials": 1000, "seconds": 3600}}
+            body = {**self.body(1000), "target": target, "budget": {"trials": 1000, "seconds": 3600}}
             ids.append(httpx.post(self.base + "/v1/jobs", json=body, timeout=60).json()["id"])
         ok = self.wait("both targets' jobs to tune", lambda: all(
             (j := self.jobs()[i])["status"] == "running" and j["trials_done"] >= 1 for i in ids), timeout=180)
