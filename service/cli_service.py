@@ -193,6 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          target=args.target, measurer=args.measurer)
     if args.processes < 1:
         raise UsageError(f"--processes: at least 1, got {args.processes}")
+    targets = _targets(args.targets, settings.target)
     configure_logging(args.log_level)
     url = settings.db_url
     engine = _engine(url)
@@ -211,8 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # picking the default looks for a GPU (imports torch): only when there are workers to run
     measurer = settings.measurer or (default_measurer() if settings.workers else "model")
-    serve(settings, processes=args.processes, measurer=measurer, log_level=args.log_level,
-          targets=_targets(args.targets, settings.target))
+    serve(settings, processes=args.processes, measurer=measurer, log_level=args.log_level, targets=targets)
     return 0
 
 

@@ -194,7 +194,8 @@ def tuning_process(settings_json: str, measurer: str, log_level: str, parent_pid
     workers = [(target, f"{new_worker_id()}-{target}-t{i}") for target in (targets or [settings.target])
                for i in range(settings.workers)]
     threads = [threading.Thread(target=_worker_thread, args=(settings, measurer, stop, target, worker_id),
-                                daemon=True, name=f"foldwise-worker-{worker_id[-12:]}") for target, worker_id in workers]
+                                daemon=True, name=f"foldwise-worker-{worker_id[-12:]}")
+               for target, worker_id in workers]
     for t in threads:
         t.start()
     while not stop.wait(0.25):

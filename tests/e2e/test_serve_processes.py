@@ -228,3 +228,12 @@ def test_sigterm_to_a_workers_process_group_gives_its_job_back(tmp_path: Path) -
         row = job_queue.get_job(s, job.id)
     engine.dispose()
     assert (row.status, row.worker_id, row.attempts, row.error) == ("queued", None, 0, None), row.error
+
+
+def test_serve_refuses_an_unknown_name_in_targets(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--db", f"sqlite:///{tmp_path / 'f.db'}",
+                           "--targets", "h100,z999"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=120)
+    assert done.returncode == 2 and "--targets" in done.stderr and "'z999'" in done.stderr, done.stderr
+    assert not (tmp_path / "f.db").exists()  # refused before touching the database
