@@ -193,6 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          target=args.target, measurer=args.measurer)
     if args.processes < 1:
         raise UsageError(f"--processes: at least 1, got {args.processes}")
+    targets = _targets(args.targets, settings.target)
     configure_logging(args.log_level)
     url = settings.db_url
     engine = _engine(url)
@@ -211,8 +212,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # picking the default looks for a GPU (imports torch): only when there are workers to run
     measurer = settings.measurer or (default_measurer() if settings.workers else "model")
-    serve(settings, processes=args.processes, measurer=measurer, log_level=args.log_level)
+    serve(settings, processes=args.processes, measurer=measurer, log_level=args.log_level, targets=targets)
     return 0
+
+
+def _targets(text: str | None, default: str) -> list[str]:
+    """``--targets h100,a100``: each checked (an unknown one exits 2 naming it), no repeats."""
+    from service.errors import InvalidRequest
+    from service.tuning_request import check_target
+
+    names = [t.strip() for t in (text or default).split(",") if t.strip()]
+    try:
+        checked = [check_target(t) for t in names]
+    except InvalidRequest as err:
+        raise UsageError(f"--targets: {err.message}") from None
+    return list(dict.fromkeys(checked)) or [default]
 
 
 # ----------------------------------------------------------------------------- binaries
@@ -261,6 +275,8 @@ def add_service_commands(sub: Any) -> None:
     serve.add_argument("--measurer", choices=MEASURERS, help="the workers' measurer (default: cuda when a "
                                                              "GPU is visible, else model)")
     serve.add_argument("--target", help="the workers' target, and the default target of jobs (default h100)")
+    serve.add_argument("--targets", help="comma-separated targets the tuning workers take jobs for, --workers "
+                                         "of them for each (e.g. h100,a100; default: --target)")
     serve.add_argument("--log-level", default="info", choices=LEVELS)
     serve.set_defaults(func=cmd_serve)
 

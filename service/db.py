@@ -26,10 +26,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import random
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -42,6 +44,7 @@ SQLITE_BUSY_TIMEOUT_S = 30
 # process would share them (and each other's connection). Processes are kept apart by locks in
 # the database (migrations/env.py).
 _ALEMBIC_LOCK = threading.RLock()
+T = TypeVar("T")
 
 
 # ----------------------------------------------------------------------------- engines
@@ -262,3 +265,68 @@ def committed(session: Session) -> bool:
     except sa.exc.IntegrityError:
         session.rollback()
         return False
+
+
+# ----------------------------------------------------------------------------- transient errors
+
+_last_outage = {"at": float("-inf")}  # time.monotonic() of this process's last transient database error
+
+
+def is_transient(err: BaseException) -> bool:
+    """A database error that says the server could not be reached, not that the request was
+    wrong: connection refused or reset, the server shutting down or restarting, a dropped
+    connection, a pool timeout, a lock or serialisation conflict (all OperationalError on
+    psycopg and sqlite3). Optuna's storage wraps such errors (``StorageInternalError``): the
+    chain of causes is searched."""
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, sa.exc.DBAPIError) and err.connection_invalidated:
+            return True
+        if isinstance(err, (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DisconnectionError,
+                            sa.exc.TimeoutError)):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
+def note_outage() -> None:
+    """Remember that the database was unreachable just now (see :func:`seconds_since_outage`)."""
+    _last_outage["at"] = time.monotonic()
+
+
+def seconds_since_outage() -> float:
+    """Seconds since this process last met a transient database error (infinite: never)."""
+    return time.monotonic() - _last_outage["at"]
+
+
+def retry_transient(fn: Callable[[], T], *, what: str, stop: threading.Event | None = None,
+                    give_up_after_stop_s: float = 3.0, first_delay_s: float = 0.25, max_delay_s: float = 8.0,
+                    logger: Any = None) -> T:
+    """``fn()``, retried while it raises a transient database error (:func:`is_transient`), with
+    jittered exponential backoff (``first_delay_s`` doubling up to ``max_delay_s``). Other
+    errors are raised at once. Without ``stop`` it retries until the database answers; once
+    ``stop`` is set it gives up (raising the last error) ``give_up_after_stop_s`` later, so a
+    process asked to stop during an outage still stops."""
+    delay, stopping_since = first_delay_s, None
+    while True:
+        try:
+            return fn()
+        except Exception as err:
+            if not is_transient(err):
+                raise
+            note_outage()
+            if stop is not None and stop.is_set():
+                stopping_since = stopping_since or time.monotonic()
+                if time.monotonic() - stopping_since >= give_up_after_stop_s:
+                    raise
+            if logger is not None:
+                logger.warning(f"database unreachable ({what}); retrying", extra={"error": str(err)[:300],
+                                                                                "retry_in_s": round(delay, 2)})
+            wait = delay * random.uniform(0.5, 1.5)
+            if stop is None:
+                time.sleep(wait)
+            elif stop.is_set():
+                time.sleep(min(wait, give_up_after_stop_s / 3))
+            else:
+                stop.wait(wait)  # a stop cuts the wait short: the next try is the last few
+            delay = min(2 * delay, max_delay_s)

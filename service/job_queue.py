@@ -235,7 +235,7 @@ def _set_worker_job(session: Session, worker_id: str, job_id: str | None, now: d
 
 
 def claim_job(session: Session, worker_id: str, *, target: str, measurer: str, lease_seconds: float,
-              closed: list[tuple[str, str]] | None = None) -> Job | None:
+              closed: list[tuple[str, str]] | None = None, take_expired: bool = True) -> Job | None:
     """The oldest queued job for (target, measurer), or a running one whose lease expired;
     None when there is none. The claim holds for ``lease_seconds``. Commits.
 
@@ -246,13 +246,18 @@ def claim_job(session: Session, worker_id: str, *, target: str, measurer: str, l
     were asked to cancel are cancelled, and those already claimed ``MAX_ATTEMPTS`` times fail
     ("worker lost ..."), instead of being claimed; their ``(id, study_name)`` are appended to
     ``closed`` (their lost worker's trials are the caller's to end).
+
+    ``take_expired=False``: only queued jobs. A worker that just met a database outage passes it
+    for one lease after the database answers again: every lease looks expired then, although
+    their holders are alive and renew within a heartbeat; taking them over would count a lost
+    worker (``attempts``) for each, and MAX_ATTEMPTS outages would fail the job.
     """
     if not lease_seconds > 0:
         raise InvalidRequest("must be positive", loc=("lease_seconds",))
     _check_worker_target(session, worker_id, target)
     for _ in range(100):  # each round settles one candidate: claimed, closed, or lost to another worker
         now = utcnow()
-        candidate = session.execute(_claimable(target, measurer, now)).scalar_one_or_none()
+        candidate = session.execute(_claimable(target, measurer, now, take_expired)).scalar_one_or_none()
         if candidate is None:
             session.commit()
             return None
@@ -261,7 +266,7 @@ def claim_job(session: Session, worker_id: str, *, target: str, measurer: str, l
                 closed.append((candidate.id, candidate.study_name))
             session.commit()
             continue
-        if _take(session, candidate.id, worker_id, now, lease_seconds):
+        if _take(session, candidate.id, worker_id, now, lease_seconds, take_expired):
             _set_worker_job(session, worker_id, candidate.id, now)
             session.commit()
             return get_job(session, candidate.id)
@@ -277,13 +282,16 @@ def _check_worker_target(session: Session, worker_id: str, target: str) -> None:
         raise JobError(f"worker {worker_id!r} registered for target {worker.target!r} cannot take {target!r} jobs")
 
 
-def _claimable_where(now: datetime) -> sa.ColumnElement[bool]:
+def _claimable_where(now: datetime, take_expired: bool = True) -> sa.ColumnElement[bool]:
+    if not take_expired:
+        return Job.status == "queued"
     expired = sa.and_(Job.status == "running", Job.lease_expires_at < now)
     return sa.or_(Job.status == "queued", expired)
 
 
-def _claimable(target: str, measurer: str, now: datetime) -> sa.Select:
-    return (sa.select(Job).where(Job.target == target, Job.measurer == measurer, _claimable_where(now))
+def _claimable(target: str, measurer: str, now: datetime, take_expired: bool = True) -> sa.Select:
+    return (sa.select(Job).where(Job.target == target, Job.measurer == measurer,
+                                 _claimable_where(now, take_expired))
             .order_by(Job.created_at, Job.id).limit(1)
             .with_for_update(skip_locked=True).execution_options(populate_existing=True))
 
@@ -300,10 +308,11 @@ def _close_expired(job: Job, now: datetime) -> bool:
     return False
 
 
-def _take(session: Session, job_id: str, worker_id: str, now: datetime, lease_seconds: float) -> bool:
+def _take(session: Session, job_id: str, worker_id: str, now: datetime, lease_seconds: float,
+          take_expired: bool = True) -> bool:
     """The claim itself: a conditional UPDATE that only one worker can win (rowcount 1)."""
     result = session.execute(
-        sa.update(Job).where(Job.id == job_id, _claimable_where(now))
+        sa.update(Job).where(Job.id == job_id, _claimable_where(now, take_expired))
         .values(status="running", worker_id=worker_id, lease_expires_at=now + timedelta(seconds=lease_seconds),
                 attempts=Job.attempts + 1, updated_at=now,
                 started_at=sa.func.coalesce(Job.started_at, sa.literal(now, UTCDateTime())))
@@ -496,3 +505,23 @@ def finish_range_job(session: Session, job_id: str, worker_id: str, *,
         if committed(session):
             return [k for _, k in kernels]
     raise JobError(f"could not store the kernels of range job {job_id}: concurrent writers kept conflicting")
+
+
+def release_worker_jobs(session: Session, worker_ids: Sequence[str]) -> list[str]:
+    """Give back every job the given workers hold (a stopping process whose workers did not end
+    their trials in time: their late writes then get :class:`LeaseLost`). Not counted as lost
+    workers, as :func:`release_job`. Returns the released jobs' ids. Commits."""
+    if not worker_ids:
+        return []
+    now = utcnow()
+    held = sa.and_(Job.status == "running", Job.worker_id.in_(list(worker_ids)))
+    ids = list(session.execute(sa.select(Job.id).where(held).with_for_update()).scalars())
+    if ids:
+        session.execute(sa.update(Job).where(Job.id.in_(ids), held)
+                        .values(status="queued", worker_id=None, lease_expires_at=None, updated_at=now,
+                                attempts=sa.case((Job.attempts > 0, Job.attempts - 1), else_=0))
+                        .execution_options(synchronize_session=False))
+        session.execute(sa.update(WorkerRecord).where(WorkerRecord.id.in_(list(worker_ids)))
+                        .values(current_job_id=None))
+    session.commit()
+    return ids

@@ -8,14 +8,18 @@
   the same :class:`~service.settings.Settings`, passed as JSON in ``FOLDWISE_SERVE_SETTINGS``
   (spawned processes inherit the environment). uvicorn takes ``httptools`` and ``uvloop`` when
   they are installed (``http="auto"``, ``loop="auto"``), else h11 and asyncio;
-- **the tuning workers** (``W`` threads) in *one* process of their own (:func:`tuning_process`),
-  started here, never inside an HTTP process: a search holds the GIL for long stretches
-  (sympy, Triton's interpreter, Optuna), and in an HTTP process it would stall the event loop.
+- **the tuning workers** (``W`` threads per target of ``--targets``, default the one
+  ``--target``) in *one* process of their own (:func:`tuning_process`), started here, never
+  inside an HTTP process: a search holds the GIL for long stretches (sympy, Triton's
+  interpreter, Optuna), and in an HTTP process it would stall the event loop.
 
 Stopping: SIGTERM or SIGINT to ``serve`` stops accepting, lets the requests in flight finish,
-then stops the tuning process (SIGTERM: each worker finishes its trial and gives its job back;
-killed after :data:`TUNING_STOP_S`). The tuning process also stops by itself when its parent
-is gone, so a killed ``serve`` leaves no tuner behind.
+and stops the tuning process at once (SIGTERM). Its workers have :data:`WORKER_STOP_S` to end
+their trial and give their job back; the jobs of those that did not are given back by the
+process itself (:func:`service.job_queue.release_worker_jobs`: a late write of theirs is then
+refused), and it exits without waiting for them. So ``serve`` stops within a few seconds, and
+no job waits for a lease to expire (nor counts a lost worker). The tuning process also stops by
+itself when its parent is gone, so a killed ``serve`` leaves no tuner behind.
 
 Why uvicorn's supervisor and not gunicorn: it is already a dependency, it runs where gunicorn
 does not (Windows, for a laptop), it restarts dead processes and stops them all on a signal,
@@ -41,7 +45,8 @@ from service.settings import Settings
 log = logging.getLogger("foldwise.serve")
 SETTINGS_ENV = "FOLDWISE_SERVE_SETTINGS"
 LOG_LEVEL_ENV = "FOLDWISE_SERVE_LOG_LEVEL"
-TUNING_STOP_S = 20.0  # a worker finishes its trial (bounded by its own timeouts), then it is killed
+WORKER_STOP_S = 2.5  # a stopping tuning process waits this long for its workers, then gives their jobs back
+TUNING_STOP_S = 4.5  # serve waits this long for the tuning process, then kills it
 
 
 def fast_extras() -> dict[str, str]:
@@ -61,15 +66,18 @@ def http_app() -> Any:
     return create_app(Settings.model_validate_json(os.environ[SETTINGS_ENV]))
 
 
-def serve(settings: Settings, *, processes: int, measurer: str, log_level: str) -> None:
-    """Run the API in ``processes`` processes and the tuning workers in one more, until a signal."""
-    tuning = start_tuning_process(settings, measurer, log_level) if settings.workers else None
+def serve(settings: Settings, *, processes: int, measurer: str, log_level: str,
+          targets: list[str] | None = None) -> None:
+    """Run the API in ``processes`` processes and the tuning workers (``settings.workers`` per
+    target of ``targets``, default ``[settings.target]``) in one more, until a signal."""
+    targets = list(targets or [settings.target])
+    tuning = start_tuning_process(settings, measurer, log_level, targets) if settings.workers else None
     log.info("serving", extra={"url": f"http://{settings.host}:{settings.port}", "processes": processes,
                                "workers": settings.workers, "measurer": measurer, "target": settings.target,
-                               "tuning_pid": tuning.pid if tuning else None, **fast_extras()})
+                               "targets": targets, "tuning_pid": tuning.pid if tuning else None, **fast_extras()})
     try:
         if processes == 1:
-            _serve_here(settings, log_level)
+            _serve_here(settings, log_level, tuning)
         else:
             _serve_processes(settings, processes, log_level)
     finally:
@@ -77,7 +85,7 @@ def serve(settings: Settings, *, processes: int, measurer: str, log_level: str) 
             stop_process(tuning)
 
 
-def _serve_here(settings: Settings, log_level: str) -> None:
+def _serve_here(settings: Settings, log_level: str, tuning: Any = None) -> None:
     import uvicorn
 
     from service.api import create_app
@@ -85,7 +93,7 @@ def _serve_here(settings: Settings, log_level: str) -> None:
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_config=None,
                             access_log=False, log_level=log_level, timeout_graceful_shutdown=10)
     server = _Server(config)
-    previous = _shutdown_on_signals(server)
+    previous = _shutdown_on_signals(server, tuning)
     try:
         server.run()
     finally:
@@ -125,12 +133,15 @@ def _Server(config: Any) -> Any:
     return Server(config)
 
 
-def _shutdown_on_signals(server: Any) -> dict[int, Any]:
-    """SIGTERM/SIGINT: stop accepting, finish the requests in flight; a second signal: at once."""
+def _shutdown_on_signals(server: Any, tuning: Any = None) -> dict[int, Any]:
+    """SIGTERM/SIGINT: stop accepting, finish the requests in flight, and tell the tuning
+    process to stop meanwhile (not after); a second signal: at once."""
     def handler(signum: int, frame: Any) -> None:
         if server.should_exit:
             server.force_exit = True
         server.should_exit = True
+        if tuning is not None and tuning.is_alive():
+            tuning.terminate()
 
     if threading.current_thread() is not threading.main_thread():
         return {}
@@ -140,11 +151,13 @@ def _shutdown_on_signals(server: Any) -> dict[int, Any]:
 # ----------------------------------------------------------------------------- tuning workers
 
 
-def start_tuning_process(settings: Settings, measurer: str, log_level: str) -> multiprocessing.process.BaseProcess:
+def start_tuning_process(settings: Settings, measurer: str, log_level: str,
+                         targets: list[str] | None = None) -> multiprocessing.process.BaseProcess:
     """The tuning workers' process (spawned: a fresh interpreter, no state inherited)."""
     context = multiprocessing.get_context("spawn")
     process = context.Process(target=tuning_process, name="foldwise-tuning", daemon=False,
-                              args=(settings.model_dump_json(), measurer, log_level, os.getpid()))
+                              args=(settings.model_dump_json(), measurer, log_level, os.getpid(),
+                                    list(targets or [settings.target])))
     process.start()
     return process
 
@@ -160,9 +173,14 @@ def stop_process(process: multiprocessing.process.BaseProcess, timeout_s: float 
     process.join()
 
 
-def tuning_process(settings_json: str, measurer: str, log_level: str, parent_pid: int) -> None:
-    """Run ``settings.workers`` job-queue workers (threads) until SIGTERM/SIGINT or the parent is gone."""
+def tuning_process(settings_json: str, measurer: str, log_level: str, parent_pid: int,
+                   targets: list[str] | None = None) -> None:
+    """Run ``settings.workers`` job-queue workers (threads) per target until SIGTERM/SIGINT or
+    the parent is gone; then stop within :data:`WORKER_STOP_S` (module docstring)."""
+    import time
+
     from service.logs import configure_logging
+    from service.worker import new_worker_id
 
     configure_logging(log_level)
     settings = Settings.model_validate_json(settings_json)
@@ -173,23 +191,47 @@ def tuning_process(settings_json: str, measurer: str, log_level: str, parent_pid
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    threads = [threading.Thread(target=_worker_thread, args=(settings, measurer, stop, i), daemon=True,
-                                name=f"foldwise-worker-{i}") for i in range(settings.workers)]
+    workers = [(target, f"{new_worker_id()}-{target}-t{i}") for target in (targets or [settings.target])
+               for i in range(settings.workers)]
+    threads = [threading.Thread(target=_worker_thread, args=(settings, measurer, stop, target, worker_id),
+                                daemon=True, name=f"foldwise-worker-{worker_id[-12:]}")
+               for target, worker_id in workers]
     for t in threads:
         t.start()
-    while not stop.wait(1.0):
+    while not stop.wait(0.25):
         if os.getppid() != parent_pid:  # serve was killed: do not tune on as an orphan
             log.warning("serve is gone; the tuning workers stop")
             stop.set()
+    deadline = time.monotonic() + WORKER_STOP_S
     for t in threads:
-        t.join(timeout=TUNING_STOP_S - 2)
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):  # mid-trial (or mid-start): their jobs go back now
+        _release_jobs(settings.db_url, [worker_id for _, worker_id in workers])
+    logging.shutdown()
+    os._exit(0)  # not waiting for the threads still in a trial, nor the compile pool (it exits with us)
 
 
-def _worker_thread(settings: Settings, measurer: str, stop: threading.Event, index: int) -> None:
-    from service.worker import new_worker_id, run_worker
+def _release_jobs(db_url: str, worker_ids: list[str]) -> None:
+    from service import job_queue
+    from service.db import make_engine, session_factory
+
+    engine = make_engine(db_url)
+    try:
+        with session_factory(engine)() as session:
+            released = job_queue.release_worker_jobs(session, worker_ids)
+        if released:
+            log.info("jobs given back by the stopping tuning process", extra={"jobs": released})
+    except Exception:  # noqa: BLE001 - the leases expire; another worker takes the jobs over
+        log.exception("could not give the jobs back; their leases will expire")
+    finally:
+        engine.dispose()
+
+
+def _worker_thread(settings: Settings, measurer: str, stop: threading.Event, target: str, worker_id: str) -> None:
+    from service.worker import run_worker
 
     try:
-        run_worker(settings.db_url, measurer=measurer, target=settings.target, stop=stop, settings=settings,
-                   worker_id=f"{new_worker_id()}-t{index}")
+        run_worker(settings.db_url, measurer=measurer, target=target, stop=stop, settings=settings,
+                   worker_id=worker_id)
     except Exception:  # the API keeps serving; the log says why this worker is gone
-        log.exception("tuning worker stopped", extra={"worker": index})
+        log.exception("tuning worker stopped", extra={"worker_id": worker_id, "target": target})

@@ -25,6 +25,11 @@ so far is stored), or when the worker is asked to stop (the job goes back to the
 :func:`service.job_queue.release_job`). A worker killed outright (SIGKILL) just stops renewing; the
 job is claimed again once its lease expires, and Optuna's own heartbeats fail the trial that
 was running so it is retried.
+
+**Outages.** Every database call is retried through an outage (:func:`service.db.retry_transient`);
+a search stopped by one resumes its study when the database answers (:meth:`Worker._search`), and
+``run_worker`` never exits for one. After an outage the worker leaves expired leases alone for a
+lease (their live holders renew them first), so an outage never counts as a lost worker.
 """
 
 from __future__ import annotations
@@ -33,24 +38,31 @@ import json
 import logging
 import math
 import os
+import random
 import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from service import job_queue, spec_store
+from service.db import is_transient, note_outage, retry_transient, seconds_since_outage
 from service.errors import LeaseLost
 from service.job_outcome import JobOutcome
 from service.models import Job, utcnow
 from service.shape_ranges import TRIAL_STRIDE, has_ranges
+from service.worker_recording import STATES, LeaseKeeper, TrialRecorder  # noqa: F401 - STATES: re-exported
 
 log = logging.getLogger("foldwise.worker")
-STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
+# a search that crashed just before the worker was asked to stop (SIGTERM to the process group
+# reaches the compile pool's processes too; the pool then breaks): how long to wait for that ask
+SHUTDOWN_GRACE_S = 2.0
+MAX_RESUMES = 20  # searches resumed after a database error, per search: past that it is no blink
+POLL_BACKOFF_S = (1.0, 10.0)  # the claim loop's wait after a database error: first, largest (doubling, jittered)
 
 
 @dataclass(frozen=True)
@@ -65,125 +77,6 @@ class _JobSpec:
 def new_worker_id() -> str:
     """``<host>-<pid>-<8 hex>``: readable in job views, unique across restarts."""
     return f"{socket.gethostname()[:80]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-class LeaseKeeper:
-    """Renews the lease of one job every ``every`` seconds in a background thread.
-
-    After a refused renewal it says why: ``cancel`` (the job was asked to cancel) or ``lost``
-    (another worker holds it, or it finished). A database error skips one beat (logged); the
-    lease is long enough for a few.
-    """
-
-    def __init__(self, sessions: sessionmaker[Session], job_id: str, worker_id: str, *, lease_s: float,
-                 every: float):
-        self.sessions, self.job_id, self.worker_id = sessions, job_id, worker_id
-        self.lease_s, self.every = lease_s, every
-        self.cancel = False
-        self.lost = False
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lease-{job_id[:8]}", daemon=True)
-
-    def start(self) -> LeaseKeeper:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._done.set()
-        self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        while not self._done.wait(self.every):
-            try:
-                with self.sessions() as session:
-                    if job_queue.renew_lease(session, self.job_id, self.worker_id, self.lease_s):
-                        continue
-                    job = job_queue.get_job(session, self.job_id)
-            except sa.exc.SQLAlchemyError as err:
-                log.warning("lease renewal failed; retrying", extra={"job_id": self.job_id, "error": str(err)[:300]})
-                continue
-            if job.status == "running" and job.worker_id == self.worker_id and job.cancel_requested:
-                self.cancel = True
-            else:
-                self.lost = True
-            return
-
-
-@dataclass
-class TrialRecorder:
-    """The Optuna callback: records each finished trial and decides when to stop the study."""
-
-    sessions: sessionmaker[Session]
-    job_id: str
-    worker_id: str
-    keeper: LeaseKeeper
-    stop: threading.Event
-    deadline: float  # time.monotonic() at which budget.seconds is used up
-    stopped_by: JobOutcome | None = None  # cancelled | released | lost: the search stopped early
-    recorded: int = 0
-    number_offset: int = 0  # added to Optuna's trial numbers: a range job's bucket (Worker._tune_range)
-    errors: list[str] = field(default_factory=list)
-
-    def __call__(self, study: Any, trial: Any) -> None:
-        self.record(trial)
-        stop = self.stop_reason()
-        if stop is not None:
-            self.stopped_by = stop
-        if stop is not None or self.out_of_time():  # out of time: the best so far is stored
-            study.stop()
-
-    def catch_up(self, trials: Any) -> int:
-        """Record the finished trials the job lacks (not those failed as orphans): a worker killed
-        between Optuna's tell and this callback left a trial that used the budget but was never
-        recorded. Returns how many were recorded."""
-        from tuner import trial_result
-
-        with self.sessions() as session:
-            have = {t.number for t in job_queue.list_trials(session, self.job_id)}
-        missing = [t for t in trials if t.number not in have and STATES.get(t.state.name)
-                   and trial_result(t).get("outcome") != "orphaned"]
-        for t in missing:
-            self.record(t)
-        return len(missing)
-
-    def record(self, trial: Any) -> None:
-        from tuner import trial_result
-
-        state = STATES.get(trial.state.name)
-        if state is not None and not self.keeper.lost:
-            r = trial_result(trial)
-            time_ms = float(trial.value) if state == "complete" and trial.value is not None else None
-            try:
-                with self.sessions() as session:
-                    job_queue.record_trial(
-                        session, self.job_id, self.worker_id, number=trial.number + self.number_offset,
-                        strategy=r.get("strategy") or trial.params.get("strategy"), config=r.get("config"),
-                        time_ms=time_ms if time_ms is None or (math.isfinite(time_ms) and time_ms > 0) else None,
-                        error=r.get("error") or r.get("reason"),
-                        state=state if time_ms is not None or state != "complete" else "failed",
-                        predicted=bool(r.get("predicted", False)),
-                        source=str(trial.user_attrs.get("source") or "tpe"), compile=r.get("compile"))
-                self.recorded += 1
-            except LeaseLost:
-                self.keeper.lost = True
-            except sa.exc.SQLAlchemyError as err:  # the trial stays in Optuna's storage; go on
-                self.errors.append(str(err)[:300])
-                log.warning("could not record a trial", extra={"job_id": self.job_id, "trial": trial.number,
-                                                                "error": str(err)[:300]})
-
-    def stop_reason(self) -> JobOutcome | None:
-        """Why the job's search must stop now with nothing stored, if it must."""
-        if self.keeper.lost:
-            return JobOutcome.LOST
-        if self.keeper.cancel:
-            return JobOutcome.CANCELLED
-        if self.stop.is_set():  # the worker is stopping: the job goes back to the queue
-            return JobOutcome.RELEASED
-        return None
-
-    def out_of_time(self) -> bool:
-        """``budget.seconds`` is used up."""
-        return time.monotonic() >= self.deadline
 
 
 class Worker:
@@ -208,12 +101,18 @@ class Worker:
         self.stop = stop or threading.Event()
         quiet_optuna()
         self.engine = make_engine(db_url)
-        check_current(self.engine)
+        self.retry(lambda: check_current(self.engine), "checking the database's migration")
         self.sessions = session_factory(self.engine)
         beat = max(1, round(self.settings.heartbeat_seconds))
         # Optuna's own heartbeat: a trial whose worker died is failed (and retried) once silent this long
-        self.storage = make_storage(study_storage_url(db_url), heartbeat_interval=beat,
-                                    grace_period=max(2 * beat, math.ceil(self.settings.lease_seconds)))
+        self.storage = self.retry(lambda: make_storage(
+            study_storage_url(db_url), heartbeat_interval=beat,
+            grace_period=max(2 * beat, math.ceil(self.settings.lease_seconds))), "opening the study storage")
+
+    def retry(self, fn: Any, what: str) -> Any:
+        """``fn()`` retried through a database outage (:func:`service.db.retry_transient`); gives
+        up a few seconds after this worker is asked to stop."""
+        return retry_transient(fn, what=what, stop=self.stop, logger=log)
 
     def close(self) -> None:
         self.storage.engine.dispose()
@@ -222,17 +121,25 @@ class Worker:
     def register(self) -> None:
         from service.tuning import gpu_name, versions
 
-        with self.sessions() as session:
-            job_queue.register_worker(session, self.worker_id, hostname=socket.gethostname(), gpu_name=gpu_name(),
-                                 target=self.target, measurer=self.measurer, versions=versions())
+        gpu, versions_now = gpu_name(), versions()
+
+        def register() -> None:
+            with self.sessions() as session:
+                job_queue.register_worker(session, self.worker_id, hostname=socket.gethostname(), gpu_name=gpu,
+                                          target=self.target, measurer=self.measurer, versions=versions_now)
+
+        self.retry(register, "registering the worker")
         log.info("worker registered", extra={"worker_id": self.worker_id, "target": self.target,
                                              "measurer": self.measurer})
 
     def claim(self) -> Job | None:
         closed: list[tuple[str, str]] = []  # jobs of lost workers closed on the way (cancelled, or failed)
+        # after an outage every lease looks expired while its live holder has yet to renew it
+        take_expired = seconds_since_outage() >= self.settings.lease_seconds
         with self.sessions() as session:
             job = job_queue.claim_job(session, self.worker_id, target=self.target, measurer=self.measurer,
-                                 lease_seconds=self.settings.lease_seconds, closed=closed)
+                                      lease_seconds=self.settings.lease_seconds, closed=closed,
+                                      take_expired=take_expired)
         for job_id, study_name in closed:
             self.close_orphans(job_id, study_name)
         return job
@@ -250,8 +157,12 @@ class Worker:
         try:
             outcome, detail = self._tune(job, keeper)
         except Exception as err:  # a crash of the search fails the job with the reason, never the worker
-            log.exception("job crashed", extra={"job_id": job.id})
-            outcome, detail = JobOutcome.FAILED, f"{type(err).__name__}: {err}"
+            if self.stop.wait(SHUTDOWN_GRACE_S):  # killed with us (a signal to the process group): give it back
+                log.info("search stopped by the worker's shutdown", extra={"job_id": job.id, "error": repr(err)[:300]})
+                outcome, detail = JobOutcome.RELEASED, None
+            else:
+                log.exception("job crashed", extra={"job_id": job.id})
+                outcome, detail = JobOutcome.FAILED, f"{type(err).__name__}: {err}"
         finally:
             keeper.stop()
         outcome = self._settle(job, outcome, detail, keeper)
@@ -283,9 +194,12 @@ class Worker:
         :class:`fuser_core.Derivation`, which a report cannot be turned back into."""
         from fuser_core import SpecError, derive_cascade
 
-        with self.sessions() as session:
-            record = spec_store.get_spec(session, job.spec_hash)
-            spec, canonical = spec_store.job_spec(record), json.loads(record.canonical)
+        def read() -> Any:
+            with self.sessions() as session:
+                return spec_store.get_spec(session, job.spec_hash)
+
+        record = self.retry(read, "reading the job's spec")
+        spec, canonical = spec_store.job_spec(record), json.loads(record.canonical)
         elapsed = (utcnow() - job.started_at).total_seconds() if job.started_at else 0.0
         recorder = TrialRecorder(self.sessions, job.id, self.worker_id, keeper, self.stop,
                                  deadline=time.monotonic() + max(0.0, job.budget_seconds - elapsed))
@@ -338,7 +252,37 @@ class Worker:
     def _search(self, job: Job, tuned: _JobSpec, shape: Any, study_name: str, recorder: TrialRecorder,
                 out_of_time: bool, *, catch_up: bool = True) -> tuple[JobOutcome, Any]:
         """One search (the job's, or a range job's bucket) on ``study_name``, with the job's
-        derivation and this worker's target and measurer (checked when it started)."""
+        derivation and this worker's target and measurer (checked when it started).
+
+        A database outage stops Optuna (its storage is that database): once the database answers
+        again, the trial that was running is closed and the same study goes on, its finished
+        trials and shared budget kept, under the same lease (renewed meanwhile by the keeper).
+        The job never fails for it."""
+        for resume in range(MAX_RESUMES + 1):
+            try:
+                return self._search_once(job, tuned, shape, study_name, recorder, out_of_time, catch_up=catch_up)
+            except Exception as err:
+                if not is_transient(err) or resume == MAX_RESUMES:  # a database error that always comes back
+                    raise
+                note_outage()
+                log.warning("database unreachable during the search; it resumes when the database answers",
+                            extra={"job_id": job.id, "error": str(err)[:300]})
+            self.retry(self._ping, "waiting for the database")
+            stopped = recorder.stop_reason()
+            if stopped is not None:
+                return stopped, None
+            self.close_orphans(job.id, study_name)  # ours: the trial the outage cut off
+            catch_up = True  # a trial told to Optuna but not recorded before the outage
+        raise AssertionError("unreachable")  # the last resume returns or raises
+
+    def _ping(self) -> None:
+        with self.sessions() as session:
+            session.execute(sa.text("SELECT 1"))
+        with self.storage.engine.connect() as conn:  # Optuna's (on SQLite another file)
+            conn.execute(sa.text("SELECT 1"))
+
+    def _search_once(self, job: Job, tuned: _JobSpec, shape: Any, study_name: str, recorder: TrialRecorder,
+                     out_of_time: bool, *, catch_up: bool = True) -> tuple[JobOutcome, Any]:
         from fuser_core import SpecError, make_problem
         from service.tuning import search_setup
         from tuner import NoResult, Tuner
@@ -372,7 +316,7 @@ class Worker:
             measurer.close()
         if recorder.stopped_by is not None:
             return recorder.stopped_by, None
-        if job.attempts > 1 and catch_up:
+        if (job.attempts > 1 or recorder.errors) and catch_up:
             import optuna
 
             study = optuna.load_study(study_name=study_name, storage=self.storage)
@@ -386,7 +330,8 @@ class Worker:
         extra = {"job_id": job.id, "worker_id": self.worker_id}
         if keeper.lost:
             outcome = JobOutcome.LOST
-        try:
+
+        def store() -> None:
             with self.sessions() as session:
                 if outcome == JobOutcome.SUCCEEDED and has_ranges(job.shape):
                     self._finish_range(session, job, detail)
@@ -398,20 +343,39 @@ class Worker:
                     job_queue.mark_cancelled(session, job.id, self.worker_id)
                 elif outcome == JobOutcome.RELEASED:
                     job_queue.release_job(session, job.id, self.worker_id)
+
+        try:  # an outage waits here (a stopping worker gives up soon: its lease expires, another takes over)
+            self.retry(store, f"storing the job's outcome ({outcome})")
         except LeaseLost:
             outcome = JobOutcome.LOST
         except Exception as err:  # storing the result failed (a bad bundle, ...): the job fails with why
-            log.exception("could not store the job's result", extra=extra)
-            try:
-                with self.sessions() as session:
-                    job_queue.fail_job(session, job.id, self.worker_id, f"storing the result failed: "
-                                                                        f"{type(err).__name__}: {err}")
-                outcome = JobOutcome.FAILED
-            except LeaseLost:
-                outcome = JobOutcome.LOST
+            outcome = self._fail_storing(job, err) if not is_transient(err) else self._unreachable(job)
         log.info(f"job {outcome}", extra={**extra, "outcome": str(outcome),
                                            "error": str(detail)[:500] if outcome == JobOutcome.FAILED else None})
         return outcome
+
+    def _unreachable(self, job: Job) -> JobOutcome:
+        log.warning("database unreachable while stopping; the job is taken over when its lease expires",
+                    extra={"job_id": job.id, "worker_id": self.worker_id})
+        return JobOutcome.LOST
+
+    def _fail_storing(self, job: Job, err: Exception) -> JobOutcome:
+        log.exception("could not store the job's result", extra={"job_id": job.id, "worker_id": self.worker_id})
+        why = f"storing the result failed: {type(err).__name__}: {err}"
+
+        def fail() -> None:
+            with self.sessions() as session:
+                job_queue.fail_job(session, job.id, self.worker_id, why)
+
+        try:
+            self.retry(fail, "failing the job")
+            return JobOutcome.FAILED
+        except LeaseLost:
+            return JobOutcome.LOST
+        except Exception as again:  # noqa: BLE001 - the worker goes on; the lease expires
+            if not is_transient(again):
+                log.exception("could not fail the job", extra={"job_id": job.id})
+            return self._unreachable(job)
 
     def _finish(self, session: Session, job: Job, space: Any, result: Any, binary: dict | None = None) -> None:
         bundle, fields = self._bundle(job, space, result)
@@ -492,15 +456,17 @@ def run_worker(db_url: str, *, measurer: str, target: str, worker_id: str | None
 
     Raises :class:`service.tuning.SetupError` for a bad measurer/target (or ``cuda`` without a
     matching GPU) and :class:`service.db.DatabaseBehind` for an unmigrated database, before
-    taking any job. Database errors while polling are logged and retried.
+    taking any job. Database errors are logged and retried, with backoff, however long the
+    database is unreachable (at start, while polling, during a job): the worker never exits for one.
     """
     worker = Worker(db_url, measurer=measurer, target=target, worker_id=worker_id, stop=stop, settings=settings)
-    done = 0
+    done, backoff = 0, POLL_BACKOFF_S[0]
     try:
         worker.register()
         while not worker.stop.is_set():
             try:
                 job = worker.claim()
+                backoff = POLL_BACKOFF_S[0]
                 if job is None:
                     if once:
                         break
@@ -508,9 +474,12 @@ def run_worker(db_url: str, *, measurer: str, target: str, worker_id: str | None
                     worker.stop.wait(poll_s)
                     continue
             except sa.exc.SQLAlchemyError as err:
-                log.warning("database error while polling; retrying", extra={"worker_id": worker.worker_id,
-                                                                             "error": str(err)[:300]})
-                worker.stop.wait(max(poll_s, 1.0))
+                if is_transient(err):
+                    note_outage()
+                log.warning("database error while polling; retrying", extra={
+                    "worker_id": worker.worker_id, "error": str(err)[:300], "retry_in_s": round(backoff, 2)})
+                worker.stop.wait(backoff * random.uniform(0.5, 1.5))
+                backoff = min(2 * backoff, POLL_BACKOFF_S[1])
                 continue
             worker.process(job)
             done += 1

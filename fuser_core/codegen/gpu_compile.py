@@ -395,6 +395,12 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _worker_init(cache_dir: str | None) -> None:
+    # a process group of its own: a signal to the parent's group (Ctrl-C, `kill -TERM -PGID`) is the
+    # parent's to handle (a job-queue worker gives its job back); dying with it would break the
+    # pool under a compile the parent still needs. The parent stops it (shutdown, or its death).
+    if hasattr(os, "setsid"):
+        with contextlib.suppress(OSError):
+            os.setsid()
     _exit_with_parent(os.getppid())
     os.environ["TRITON_INTERPRET"] = "0"
     if cache_dir:

@@ -607,3 +607,37 @@ def test_times_are_utc_on_both_backends(Session):
             assert value.tzinfo is not None and value.utcoffset() == timedelta(0)
         assert abs((row.created_at - utcnow()).total_seconds()) < 60
         assert row.lease_expires_at.tzinfo == UTC
+
+
+def test_take_expired_false_claims_only_queued_jobs(Session) -> None:
+    """A worker that just met a database outage passes take_expired=False: a lease that ran out
+    during the outage stays with its (live) holder; a queued job is still claimed."""
+    held, _ = submit(Session, n=64)
+    queued, _ = submit(Session, n=128)
+    assert claim(Session, "w-holder").id == held.id
+    expire(Session, held.id)
+    with Session() as s:
+        got = job_queue.claim_job(s, "w2", target="h100", measurer="model", lease_seconds=60, take_expired=False)
+    assert got.id == queued.id
+    with Session() as s:
+        assert job_queue.claim_job(s, "w3", target="h100", measurer="model", lease_seconds=60,
+                                   take_expired=False) is None
+        job = job_queue.get_job(s, held.id)
+    assert job.worker_id == "w-holder" and job.attempts == 1
+    assert claim(Session, "w3").id == held.id  # without the flag: taken over (a lost worker)
+
+
+def test_release_worker_jobs_gives_back_only_their_jobs(Session) -> None:
+    a, _ = submit(Session, n=64)
+    b, _ = submit(Session, n=128)
+    claim(Session, "w-stopping")
+    claim(Session, "w-other")
+    with Session() as s:
+        assert job_queue.release_worker_jobs(s, ["w-stopping", "w-gone"]) == [a.id]
+        mine, other = job_queue.get_job(s, a.id), job_queue.get_job(s, b.id)
+    assert (mine.status, mine.worker_id, mine.attempts, mine.lease_expires_at) == ("queued", None, 0, None)
+    assert other.status == "running" and other.worker_id == "w-other"
+    with Session() as s:  # the stopping worker's late write is refused
+        with pytest.raises(errors.LeaseLost):
+            job_queue.record_trial(s, a.id, "w-stopping", number=0, strategy=None, config=None, time_ms=None,
+                                   error="late", state="failed", predicted=True, source="tpe")

@@ -383,3 +383,108 @@ def test_a_trial_told_but_not_recorded_by_a_dead_worker_is_recorded_by_the_next(
     assert recorded[told.number].strategy == "multi_pass"
     assert orphan.number not in recorded
     assert job.trials_done == len(recorded) >= 4
+
+
+class Blinking:
+    """A session factory whose every ``every``-th session raises OperationalError (connection
+    refused, as psycopg says when PostgreSQL is down), ``failures`` times in all: the database
+    blinks under the claim, the lease renewals, the trial records and the finish."""
+
+    def __init__(self, real, *, every: int = 3, failures: int = 8):
+        self.real, self.every, self.failures = real, every, failures
+        self.calls = self.failed = 0
+
+    def __call__(self):
+        self.calls += 1
+        if self.failed < self.failures and self.calls % self.every == 0:
+            self.failed += 1
+            raise sa.exc.OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused (injected)"))
+        return self.real()
+
+
+def test_database_errors_are_retried_and_the_worker_and_job_go_on(db_url, sessions, monkeypatch) -> None:
+    """Issue 26: a job never fails because the database blinked, run_worker keeps running, and
+    the job's lost-worker count (attempts) does not move. Errors are injected in the service
+    sessions (claim, lease, trials, finish) and in Optuna's storage inside the search."""
+    import service.db
+    import tuner
+
+    made: list[Blinking] = []
+    real_factory, real_storage = service.db.session_factory, tuner.make_storage
+
+    def blinking_factory(engine):
+        made.append(Blinking(real_factory(engine)))
+        return made[-1]
+
+    told = {"n": 0}
+
+    def flaky_storage(*args, **kwargs):
+        storage = real_storage(*args, **kwargs)
+        real_set = storage.set_trial_state_values
+
+        def set_trial_state_values(trial_id, state, values=None):
+            told["n"] += 1
+            if told["n"] in (3, 4):  # mid-search, twice: Optuna's tell fails and the study stops
+                raise sa.exc.OperationalError("UPDATE trials", {}, ConnectionRefusedError("server closed (injected)"))
+            return real_set(trial_id, state, values)
+
+        storage.set_trial_state_values = set_trial_state_values
+        return storage
+
+    monkeypatch.setattr(service.db, "session_factory", blinking_factory)
+    monkeypatch.setattr(tuner, "make_storage", flaky_storage)
+    first = submit(sessions, trials=8)
+    thread, stop = start(db_url, worker_id="w-blink")
+    try:
+        wait_for(lambda: reload(sessions, first).status in ("succeeded", "failed"), timeout=120, what="the job")
+        job = reload(sessions, first)
+        assert job.status == "succeeded" and job.error is None, job.error
+        assert job.attempts == 1 and job.trials_done == 8  # no lost worker counted; every trial recorded once
+        assert made and made[0].failed == made[0].failures  # the errors did happen
+        assert told["n"] >= 4
+        # the worker is still taking jobs
+        second = submit(sessions, trials=3, shape={"m": 8, "n": 64})
+        wait_for(lambda: reload(sessions, second).status == "succeeded", timeout=120, what="a second job")
+        assert thread.is_alive()
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_run_worker_waits_for_a_database_that_is_down_at_start(db_url, sessions, monkeypatch) -> None:
+    """A worker started while the database is unreachable waits (no exit) and then works."""
+    import service.db
+
+    real_check = service.db.check_current
+    calls = {"n": 0}
+
+    def down_then_up(engine):
+        calls["n"] += 1
+        if calls["n"] <= 3:
+            raise sa.exc.OperationalError("SELECT version_num", {}, ConnectionRefusedError("connection refused"))
+        return real_check(engine)
+
+    monkeypatch.setattr(service.db, "check_current", down_then_up)
+    job_id = submit(sessions, trials=2)
+    assert run_worker(db_url, measurer="model", target="h100", once=True, settings=settings(db_url)) == 1
+    assert calls["n"] == 4 and reload(sessions, job_id).status == "succeeded"
+
+
+def test_a_worker_that_met_an_outage_does_not_take_over_live_leases(db_url, sessions, monkeypatch) -> None:
+    """After an outage every lease looks expired; a worker that just met one claims only queued
+    jobs for a lease, so the live holder keeps its job and no lost worker is counted."""
+    import service.db
+
+    job_id = submit(sessions, trials=4)
+    with sessions() as s:  # another (live) worker holds it, its lease run out during the outage
+        assert job_queue.claim_job(s, "w-holder", target="h100", measurer="model", lease_seconds=5).id == job_id
+        s.execute(sa.update(Job).where(Job.id == job_id).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
+        s.commit()
+    monkeypatch.setattr(service.db, "_last_outage", {"at": time.monotonic()})
+    assert run_worker(db_url, measurer="model", target="h100", once=True, settings=settings(db_url)) == 0
+    job = reload(sessions, job_id)
+    assert job.status == "running" and job.worker_id == "w-holder" and job.attempts == 1
+    monkeypatch.setattr(service.db, "_last_outage", {"at": float("-inf")})  # a lease later: a dead holder's job
+    assert run_worker(db_url, measurer="model", target="h100", once=True, settings=settings(db_url)) == 1
+    assert reload(sessions, job_id).attempts == 2
