@@ -45,6 +45,7 @@ CHILD_NICE = 10  # the children's CPU priority below the API's
 # imported once, in the forkserver, before it forks the children
 PRELOAD = ["fuser_core.report", "fuser_core.derive", "fuser_core.certificate", "fuser_core.present"]
 _CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(PRELOAD)  # only a list until the forkserver starts (Deriver.warm_up)
 
 
 def _child(conn: Any, source: str) -> None:
@@ -92,7 +93,6 @@ class Deriver:
         does not wait for it."""
         from multiprocessing import forkserver
 
-        _CONTEXT.set_forkserver_preload(PRELOAD)
         self._starter.submit(forkserver.ensure_running)
 
     def close(self) -> None:
@@ -180,16 +180,19 @@ class Deriver:
             if not finished:
                 self._stop(proc)
             else:
-                loop.run_in_executor(self._starter, proc.join, 5)  # reap it
+                self._reap(proc)
 
     def _stop(self, proc: Any) -> None:
         if proc.pid is None:
             return
         self.killed += 1
         proc.kill()
+        self._reap(proc)
+
+    def _reap(self, proc: Any) -> None:
         try:
-            self._starter.submit(proc.join, 5)  # reap it off the event loop
-        except RuntimeError:  # shutting down
+            self._starter.submit(proc.join, 5)  # off the event loop
+        except RuntimeError:  # the app is stopping: multiprocessing reaps its children at exit
             pass
 
     def _answer(self, spec: Spec, result: tuple) -> dict[str, Any]:
