@@ -8,7 +8,8 @@ when their client leaves.
 
 Phases, each measuring ``GET /v1/jobs`` (a database read; and ``/healthz``) one after another:
 
-1. ``idle``: nothing else (half before the floods, half after: the machine's load drifts);
+1. ``idle``: nothing else, before the floods (and ``idle after``: once more at the end, where
+   derivation work that outlived its requests would show);
 2. ``flood``: 10 slow specs (tests/support/slow_specs.py, distinct) posted at once, their
    clients waiting for the answers (503 at the deadline, or 429 past the queue); ``--waves``
    times, one after another;
@@ -87,9 +88,14 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=5.0, help="FOLDWISE_DERIVE_TIMEOUT_SECONDS (issue 26: 5)")
     ap.add_argument("--steps", type=int, default=45, help="the slow spec's steps (45: 6 KB, ~10 s to derive)")
     ap.add_argument("--idle", type=float, default=12.0, help="seconds of idle measurement (half before, half after)")
+    ap.add_argument("--repo", default=None, help="run the server from this checkout (e.g. the code before issue 26)")
     ap.add_argument("--waves", type=int, default=3, help="floods of 10, one after another")
     args = ap.parse_args()
     os.environ["FOLDWISE_DERIVE_TIMEOUT_SECONDS"] = str(args.deadline)
+    if args.repo:
+        import tests.support.servers as servers
+
+        servers.REPO = Path(args.repo).resolve()  # the server's code (first on its PYTHONPATH)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         server = LiveServer(f"sqlite:///{tmp}/flood.db", Path(tmp))
@@ -111,14 +117,13 @@ def main() -> int:
             for t in threads:
                 t.join()
             rows["abandoned"] = measure(server.base, max(flood_s, 3.0))
-            for path, times in measure(server.base, args.idle / 2).items():  # the machine's load drifts
-                idle[path] += times
-            rows = {"idle": idle, **rows}
+            rows = {"idle": idle, **rows, "idle after": measure(server.base, args.idle / 2)}
             log = server.log_path.read_text(errors="replace")
         finally:
             server.stop()
     load_after = os.getloadavg()
     idle = {path: pct(times, 0.99) for path, times in rows["idle"].items()}
+    print(f"server code: {args.repo or 'this checkout'}")
     print(f"derivation flood: {args.waves} waves of 10 specs of {args.steps} steps at once, deadline "
           f"{args.deadline:g} s, {flood_s:.1f} s a wave; answers: {dict(statuses)}")
     print(f"load average (1, 5, 15 min): before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
