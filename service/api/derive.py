@@ -42,8 +42,10 @@ from service.api.problems import Problem, invalid_field, spec_problem
 log = logging.getLogger("foldwise.api")
 POLL_S = 0.1  # how often a waiting request looks at its client's connection
 CHILD_NICE = 10  # the children's CPU priority below the API's
-# imported once, in the forkserver, before it forks the children
-PRELOAD = ["fuser_core.report", "fuser_core.derive", "fuser_core.certificate", "fuser_core.present"]
+# imported once, in the forkserver, before it forks the children: sympy and the derivation, and
+# this module (the children's target: unpickling it in each child would import the API, ~1 s)
+PRELOAD = ["service.api.derive", "fuser_core.report", "fuser_core.derive", "fuser_core.certificate",
+           "fuser_core.present"]
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)  # only a list until the forkserver starts (Deriver.warm_up)
 
@@ -88,12 +90,16 @@ class Deriver:
         self.running: set[int] = set()  # the pids of the children now deriving (tests and metrics read it)
         self.killed = 0  # children stopped before they finished (deadline, client gone, shutdown)
 
-    def warm_up(self) -> None:
-        """Start the forkserver (it imports PRELOAD) in the background, so the first derivation
-        does not wait for it."""
+    def warm_up(self, *, wait: bool = False) -> None:
+        """Start the forkserver (it imports PRELOAD: seconds) in the background, so the first
+        derivation does not wait for it; ``wait``: until it forks (tests with short deadlines)."""
         from multiprocessing import forkserver
 
         self._starter.submit(forkserver.ensure_running)
+        if wait:
+            proc = _CONTEXT.Process(target=os.getpid, daemon=True)
+            proc.start()
+            proc.join()
 
     def close(self) -> None:
         self._starter.shutdown(wait=False, cancel_futures=True)
@@ -144,8 +150,13 @@ class Deriver:
         receive, send = _CONTEXT.Pipe(duplex=False)
         proc = _CONTEXT.Process(target=_child, args=(send, source), daemon=True, name="foldwise-derive")
         started = loop.run_in_executor(self._starter, proc.start)
-        try:
-            await asyncio.shield(started)
+        try:  # a cold forkserver may take seconds to start: within the deadline too
+            await asyncio.wait_for(asyncio.shield(started), timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            started.add_done_callback(lambda _: self._stop(proc))
+            receive.close()
+            send.close()
+            raise self._too_slow() from None
         except BaseException:
             started.add_done_callback(lambda _: self._stop(proc))  # started after all: stop it once it is
             receive.close()

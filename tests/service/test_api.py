@@ -170,6 +170,7 @@ def test_a_derivation_past_its_deadline_answers_503_and_is_stopped(db_url) -> No
 
     clear_cache()
     with make_client(db_url, derive_timeout_s=3.0) as c:
+        c.app.state.ctx.deriver.warm_up(wait=True)  # the forkserver's imports: not within the deadline
         seen: set[int] = set()
         stop = threading.Event()
         watcher = threading.Thread(target=_child_pids, args=(c, seen, stop))
@@ -196,6 +197,7 @@ def test_derivations_past_the_pool_and_queue_answer_429(db_url) -> None:
     clear_cache()
     settings = get_settings(db_url=db_url, derive_workers=1, derive_queue=0)
     with TestClient(create_app(settings, derive_timeout_s=2.0)) as c:
+        c.app.state.ctx.deriver.warm_up(wait=True)  # the forkserver's imports: not within the deadline
         first: list = []
         t = threading.Thread(target=lambda: first.append(c.post("/v1/derivations", json={"spec": slow_spec(30)})))
         t.start()
@@ -243,6 +245,7 @@ def test_a_submission_whose_derivation_is_too_slow_answers_503_and_stores_nothin
 
     clear_cache()
     with make_client(db_url, derive_timeout_s=1.0) as c:
+        c.app.state.ctx.deriver.warm_up(wait=True)  # the forkserver's imports: not within the deadline
         body = job_body(spec=slow_spec(30), shape={"m": 4, "n": 64})
         r = c.post("/v1/jobs", json=body)
         assert_problem(r, 503, text="longer than")
