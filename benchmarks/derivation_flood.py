@@ -24,6 +24,7 @@ load average (the machine may be shared).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import socket
 import sys
@@ -32,6 +33,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -60,16 +62,16 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] * 1e3
 
 
-def flood(base: str, steps: int, offset: int, statuses: Counter, leave_after: float | None) -> list[threading.Thread]:
-    import json
+def _flood_clients(base: str, bodies: list[bytes], leave_after: float | None, out: Any) -> None:
+    """In a process of its own (its GIL is not the measuring client's): one thread per body."""
+    statuses: Counter = Counter()
 
-    def post(tag: int) -> None:
-        spec = slow_spec(steps, tag=offset + tag)
+    def post(body: bytes) -> None:
         if leave_after is None:
-            r = httpx.post(base + "/v1/derivations", json={"spec": spec}, timeout=120)
+            r = httpx.post(base + "/v1/derivations", content=body, headers={"Content-Type": "application/json"},
+                           timeout=120)
             statuses[f"{r.status_code} {r.json().get('type', '').rsplit(':', 1)[-1] or 'ok'}"] += 1
             return
-        body = json.dumps({"spec": spec}).encode()
         host, port = base.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:  # a client that leaves
             sock.sendall(b"POST /v1/derivations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -77,10 +79,32 @@ def flood(base: str, steps: int, offset: int, statuses: Counter, leave_after: fl
             time.sleep(leave_after)
         statuses["left"] += 1
 
-    threads = [threading.Thread(target=post, args=(i,)) for i in range(10)]
+    threads = [threading.Thread(target=post, args=(body,)) for body in bodies]
     for t in threads:
         t.start()
-    return threads
+    for t in threads:
+        t.join()
+    out.put(dict(statuses))
+
+
+def flood(base: str, steps: int, offset: int, statuses: Counter, leave_after: float | None) -> list[Any]:
+    """10 distinct slow specs posted at once from a child process; ``statuses`` counts the answers
+    once it is joined (:func:`join`)."""
+    import json
+
+    bodies = [json.dumps({"spec": slow_spec(steps, tag=offset + i)}).encode() for i in range(10)]
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    proc = context.Process(target=_flood_clients, args=(base, bodies, leave_after, out))
+    proc.start()
+    proc.out, proc.statuses = out, statuses  # type: ignore[attr-defined]
+    return [proc]
+
+
+def join(procs: list[Any]) -> None:
+    for proc in procs:
+        proc.statuses.update(proc.out.get(timeout=300))
+        proc.join()
 
 
 def main() -> int:
@@ -111,11 +135,10 @@ def main() -> int:
                 while any(t.is_alive() for t in threads):
                     for path, times in measure(server.base, 0.5).items():
                         samples[path] += times
+                join(threads)
             flood_s = (time.monotonic() - t0) / args.waves
             rows["flood"] = samples
-            threads = flood(server.base, args.steps, 1000, statuses, 0.5)
-            for t in threads:
-                t.join()
+            join(flood(server.base, args.steps, 1000, statuses, 0.5))
             rows["abandoned"] = measure(server.base, max(flood_s, 3.0))
             rows = {"idle": idle, **rows, "idle after": measure(server.base, args.idle / 2)}
             log = server.log_path.read_text(errors="replace")

@@ -34,8 +34,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
-
 from fuser_core import DerivationLimitError, Spec, SpecError
 from service.api.problems import Problem, invalid_field, spec_problem
 
@@ -87,6 +85,10 @@ class Deriver:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._admitted = 0  # requests waiting for a slot or deriving
         self._starter = ThreadPoolExecutor(workers, thread_name_prefix="foldwise-derive")  # process starts block
+        # the API process's own CPU work for derivations (parsing a spec, its cache key, renaming a
+        # report: milliseconds each) in one thread: ten requests at once then hold the GIL against
+        # the event loop as one thread does, not as ten
+        self._cpu = ThreadPoolExecutor(1, thread_name_prefix="foldwise-derive-cpu")
         self.running: set[int] = set()  # the pids of the children now deriving (tests and metrics read it)
         self.killed = 0  # children stopped before they finished (deadline, client gone, shutdown)
 
@@ -103,12 +105,17 @@ class Deriver:
 
     def close(self) -> None:
         self._starter.shutdown(wait=False, cancel_futures=True)
+        self._cpu.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in the derivations' one CPU thread (see ``__init__``)."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     async def report(self, spec: Spec, source: str, request: Any = None) -> dict[str, Any]:
         """``fuser_core.derivation_report(spec)``, or a Problem: 422 (invalid), 429 (pool and
         queue full), 503 (past the deadline). ``source``: ``spec``'s JSON text (what the child
         parses); ``request``: the Starlette request whose client is watched (None: not watched)."""
-        cached = await run_in_threadpool(_cached, spec)  # canonicalising a large spec: milliseconds
+        cached = await self.run(_cached, spec)  # canonicalising a large spec: milliseconds
         if cached is not None:
             return cached
         if self._admitted >= self.workers + self.queue:
@@ -129,7 +136,7 @@ class Deriver:
                 slots.release()
         finally:
             self._admitted -= 1
-        return await run_in_threadpool(self._answer, spec, result)  # the rename: off the event loop
+        return await self.run(self._answer, spec, result)  # the rename: off the event loop
 
     def _slots_here(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()

@@ -24,7 +24,7 @@ async def derive(req: DerivationRequest, request: Request, ctx: Context,
     """Validate and derive a spec: the same object as ``foldwise derive --json``. Nothing is stored.
     Bounded (service/api/derive.py): 429 when too many derivations wait, 503 past the deadline."""
     await db.authorize()
-    spec, source = await run_in_threadpool(parse_spec, req.spec)
+    spec, source = await ctx.deriver.run(parse_spec, req.spec)
     return JSONResponse(await ctx.deriver.report(spec, source, request))
 
 
