@@ -67,9 +67,7 @@ def report_entry(spec: Spec) -> tuple[str, dict[str, Any]]:
     and gives the entry back to its own cache with :func:`remember_report`."""
     derivation_report(spec)  # derives, caches, and names the caller's step in its errors
     canonical = canonical_json(spec)
-    with _REPORTS_LOCK:
-        entry = _REPORTS.get(canonical)
-    return canonical, entry if entry is not None else _canonical_report(canonical, None)
+    return canonical, _canonical_report(canonical, None)  # from the cache
 
 
 def remember_report(canonical: str, report: dict[str, Any]) -> None:

@@ -191,6 +191,16 @@ def test_a_derivation_past_its_deadline_answers_503_and_is_stopped(db_url) -> No
         assert again.json() == ok.json() and deriver.killed == 1
 
 
+def test_a_derivation_error_in_the_child_names_the_field_and_step(client) -> None:
+    """Errors found while deriving (in the Deriver's child process) come back as they would
+    in-process: 422 naming ``spec`` and the caller's step."""
+    from tests.fuser_core.test_limits import CRAFTED
+
+    r = client.post("/v1/derivations", json={"spec": CRAFTED["maximum_chain"][0]})
+    assert_problem(r, 422, "spec", "exceeds its limits")
+    assert "step 'e8'" in r.text, r.text
+
+
 def test_derivations_past_the_pool_and_queue_answer_429(db_url) -> None:
     from fuser_core.report import clear_cache
 
