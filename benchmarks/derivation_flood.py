@@ -158,9 +158,10 @@ def main() -> int:
             p99 = pct(times, 0.99)
             print(f"| {phase} | {path} | {len(times)} | {pct(times, 0.5):.2f} | {p99:.2f} | "
                   f"{p99 / idle[path]:.2f} |")
-    stopped = log.count("derivation stopped: its client has gone")
+    gone, stopped = log.count("a derivation's client has gone"), log.count("derivation stopped")
     s503, s429 = log.count('"status": 503'), log.count('"status": 429')
-    print(f"\nserver log: {stopped} derivations stopped because their client had gone; {s503} answers 503, {s429} 429")
+    print(f"\nserver log: {gone} clients gone while deriving, {stopped} derivations stopped (killed: deadline "
+          f"or nobody waiting); {s503} answers 503, {s429} 429")
     return 0
 
 

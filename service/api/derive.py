@@ -15,9 +15,12 @@ The bounds, per request (:meth:`Deriver.report`):
 - **a bounded pool** (``derive_workers`` children at a time) **with a bounded queue**
   (``derive_queue`` requests waiting for one): a request past both is refused at once with 429
   ``derivation-busy`` and ``Retry-After``;
-- **nobody waits, no work**: while the request waits, the client's connection is watched
-  (``Request.is_disconnected``); a client that has gone, or a request cancelled (a server
-  stopping), kills the child at once (SIGKILL: sympy has no cancellation points).
+- **nobody waits, no work**: while a request waits, its client's connection is watched
+  (``Request.is_disconnected``, every ``POLL_S``); when the last request waiting for a
+  derivation has gone (or was cancelled: a server stopping), its child is killed at once
+  (SIGKILL: sympy has no cancellation points);
+- **identical specs share**: requests for one canonical spec in flight at once wait for one
+  derivation (60 identical submissions are one derivation, not a full queue).
 
 A finished derivation's report (in canonical names) comes back to this process's cache
 (``fuser_core.remember_report``), so storing the spec of a job after it is a lookup and a
@@ -70,10 +73,11 @@ def _child(conn: Any, source: str) -> None:
     conn.close()
 
 
-def _cached(spec: Spec) -> dict[str, Any] | None:
-    from fuser_core import derivation_report, is_cached_report
+def _cached(spec: Spec) -> tuple[str, dict[str, Any] | None]:
+    """(the spec's cache key, its report if cached: a rename of the cached one)."""
+    from fuser_core import canonical_json, derivation_report, is_cached_report
 
-    return derivation_report(spec) if is_cached_report(spec) else None  # a rename of the cached report
+    return canonical_json(spec), derivation_report(spec) if is_cached_report(spec) else None
 
 
 class Deriver:
@@ -89,6 +93,8 @@ class Deriver:
         # report: milliseconds each) in one thread: ten requests at once then hold the GIL against
         # the event loop as one thread does, not as ten
         self._cpu = ThreadPoolExecutor(1, thread_name_prefix="foldwise-derive-cpu")
+        self._inflight: dict[str, asyncio.Future] = {}  # canonical JSON -> its derivation's task
+        self._waiters: dict[asyncio.Future, int] = {}  # requests waiting for each
         self.running: set[int] = set()  # the pids of the children now deriving (tests and metrics read it)
         self.killed = 0  # children stopped before they finished (deadline, client gone, shutdown)
 
@@ -114,29 +120,62 @@ class Deriver:
     async def report(self, spec: Spec, source: str, request: Any = None) -> dict[str, Any]:
         """``fuser_core.derivation_report(spec)``, or a Problem: 422 (invalid), 429 (pool and
         queue full), 503 (past the deadline). ``source``: ``spec``'s JSON text (what the child
-        parses); ``request``: the Starlette request whose client is watched (None: not watched)."""
-        cached = await self.run(_cached, spec)  # canonicalising a large spec: milliseconds
+        parses); ``request``: the Starlette request whose client is watched (None: not watched).
+
+        Identical specs (by canonical form) in flight at once share one derivation (concurrent
+        identical submissions are one request's work, not a full queue); it is stopped when the
+        last request waiting for it has gone."""
+        key, cached = await self.run(_cached, spec)  # canonicalising a large spec: milliseconds
         if cached is not None:
             return cached
-        if self._admitted >= self.workers + self.queue:
-            raise Problem(429, "Too many derivations", f"{self.workers} derivations are running and {self.queue} "
-                          "waiting, the most this server takes; retry later", kind="derivation-busy",
-                          headers={"Retry-After": str(max(1, round(self.timeout_s / 2)))})
-        deadline = time.monotonic() + self.timeout_s
+        task = self._inflight.get(key)
+        if task is None:
+            if self._admitted >= self.workers + self.queue:
+                raise Problem(429, "Too many derivations", f"{self.workers} derivations are running and "
+                              f"{self.queue} waiting, the most this server takes; retry later",
+                              kind="derivation-busy", headers={"Retry-After": str(max(1, round(self.timeout_s / 2)))})
+            task = asyncio.ensure_future(self._work(spec.name, source, time.monotonic() + self.timeout_s))
+            self._inflight[key] = task
+            task.add_done_callback(lambda _: self._inflight.pop(key, None))
+            self._waiters[task] = 0
+        self._waiters[task] += 1
+        try:
+            result = await self._wait(task, spec.name, request)
+        finally:
+            self._waiters[task] -= 1
+            if not self._waiters[task]:
+                del self._waiters[task]
+                if not task.done():
+                    task.cancel()  # nobody waits for it: the child is killed
+        return await self.run(self._answer, spec, result)  # the rename: off the event loop
+
+    async def _wait(self, task: asyncio.Future, name: str, request: Any) -> tuple:
+        """The shared derivation's result (or its Problem), watching this request's client."""
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=POLL_S)
+            if done:
+                return task.result()
+            if request is not None and await request.is_disconnected():
+                log.info("a derivation's client has gone", extra={"spec": name})
+                # nobody reads this answer; 499 (nginx's "client closed request") in the access log
+                raise Problem(499, "Client closed request", "the client left before the derivation "
+                              "ended", kind="client-gone")
+
+    async def _work(self, name: str, source: str, deadline: float) -> tuple:
+        """One derivation: a slot in the pool (waiting counts against the deadline), then the child."""
         slots = self._slots_here()
         self._admitted += 1
         try:
             try:
-                await asyncio.wait_for(slots.acquire(), timeout=self.timeout_s)
+                await asyncio.wait_for(slots.acquire(), timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise self._too_slow() from None
             try:
-                result = await self._derive(spec.name, source, deadline, request)
+                return await self._derive(name, source, deadline)
             finally:
                 slots.release()
         finally:
             self._admitted -= 1
-        return await self.run(self._answer, spec, result)  # the rename: off the event loop
 
     def _slots_here(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -150,9 +189,9 @@ class Deriver:
                        "stopped; retry when the server is less busy", kind="derivation-timeout",
                        headers={"Retry-After": str(max(1, round(self.timeout_s)))})
 
-    async def _derive(self, name: str, source: str, deadline: float, request: Any) -> tuple:
-        """Run ``_child`` in a new process until it answers; kill it at the deadline, when the
-        client has gone, or when this task is cancelled."""
+    async def _derive(self, name: str, source: str, deadline: float) -> tuple:
+        """Run ``_child`` in a new process until it answers; kill it at the deadline, or when this
+        task is cancelled (the last request waiting for it has gone, or the app stops)."""
         loop = asyncio.get_running_loop()
         receive, send = _CONTEXT.Pipe(duplex=False)
         proc = _CONTEXT.Process(target=_child, args=(send, source), daemon=True, name="foldwise-derive")
@@ -179,12 +218,7 @@ class Deriver:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._too_slow()
-                await asyncio.wait({readable}, timeout=min(POLL_S, left))
-                if not readable.done() and request is not None and await request.is_disconnected():
-                    log.info("derivation stopped: its client has gone", extra={"spec": name})
-                    # nobody reads this answer; 499 (nginx's "client closed request") in the access log
-                    raise Problem(499, "Client closed request", "the client left before the derivation "
-                                  "ended; it was stopped", kind="client-gone")
+                await asyncio.wait({readable}, timeout=left)
             try:
                 result = receive.recv()
             except EOFError:
@@ -196,6 +230,7 @@ class Deriver:
             receive.close()
             self.running.discard(proc.pid)
             if not finished:
+                log.info("derivation stopped", extra={"spec": name})
                 self._stop(proc)
             else:
                 self._reap(proc)

@@ -221,6 +221,30 @@ def test_derivations_past_the_pool_and_queue_answer_429(db_url) -> None:
         assert first[0].status_code == 503, first[0].text
 
 
+def test_identical_derivations_in_flight_share_one_child(db_url, monkeypatch) -> None:
+    """Six identical requests at once with room for one derivation and no queue: one child
+    derives, every request gets its answer (none 429)."""
+    from fuser_core.report import clear_cache
+    from service.api.derive import Deriver
+
+    clear_cache()
+    real_derive, children = Deriver._derive, []
+
+    async def counted(self, *args, **kwargs):
+        children.append(args[0])
+        return await real_derive(self, *args, **kwargs)
+
+    monkeypatch.setattr(Deriver, "_derive", counted)
+    settings = get_settings(db_url=db_url, derive_workers=1, derive_queue=0)
+    with TestClient(create_app(settings)) as c:
+        c.app.state.ctx.deriver.warm_up(wait=True)
+        spec = load_catalog()["layernorm"]
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: c.post("/v1/derivations", json={"spec": spec}), range(6)))
+        assert [r.status_code for r in answers] == [200] * 6, [r.text[:200] for r in answers]
+        assert children == ["layernorm"], children
+
+
 def test_a_new_spec_is_derived_once_by_its_submission(db_url, monkeypatch) -> None:
     """POST /v1/jobs for a spec never stored derives it once (the route's one call,
     service.api.ops.submit_job), in the Deriver's child process: storing the spec uses that
