@@ -59,6 +59,29 @@ def derivation_report(spec: Spec, derivation: Derivation | None = None) -> dict[
     return {"spec_hash": hash_canonical_json(canonical), "name": spec.name, **report}
 
 
+def report_entry(spec: Spec) -> tuple[str, dict[str, Any]]:
+    """``spec``'s cache entry: its canonical JSON and its report in canonical names, derived
+    (and certified) here unless cached; errors as :func:`derivation_report` raises them.
+
+    For a caller that derives in another process (the API, so that a derivation can be stopped)
+    and gives the entry back to its own cache with :func:`remember_report`."""
+    derivation_report(spec)  # derives, caches, and names the caller's step in its errors
+    canonical = canonical_json(spec)
+    return canonical, _canonical_report(canonical, None)  # from the cache
+
+
+def remember_report(canonical: str, report: dict[str, Any]) -> None:
+    """Cache an entry of :func:`report_entry` (made in another process): ``derivation_report``
+    of that spec is then a lookup."""
+    _store(canonical, report)
+
+
+def is_cached_report(spec: Spec) -> bool:
+    """Whether ``derivation_report(spec)`` is a cache lookup."""
+    with _REPORTS_LOCK:
+        return canonical_json(spec) in _REPORTS
+
+
 def _user_spec_error(err: SpecError, spec: Spec, back: dict[str, str]) -> SpecError:
     loc = list(err.loc)
     step = back.get(err.step, err.step) if err.step else None
@@ -102,11 +125,15 @@ def _canonical_report(canonical: str, derivation: Derivation | None) -> dict[str
     if derivation is None:
         derivation = derive_cascade(load_spec(canonical, printed=True))
     report = present(derivation, certify(derivation, trials=CERTIFICATE_TRIALS))
+    _store(canonical, report)
+    return report
+
+
+def _store(canonical: str, report: dict[str, Any]) -> None:
     with _REPORTS_LOCK:
         _REPORTS[canonical] = report
         if len(_REPORTS) > REPORT_CACHE_SIZE:
             _REPORTS.popitem(last=False)
-    return report
 
 
 def _rename(obj: Any, back: dict[str, str]) -> Any:

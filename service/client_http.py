@@ -10,6 +10,7 @@ client then answers from its disk cache); anything else unexpected is a
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 from urllib.parse import quote
 
@@ -61,7 +62,11 @@ class KernelServer:
 
     def send(self, path: str, *, params: dict | None = None, headers: dict | None = None, method: str = "GET",
              json_body: Any = None) -> tuple[int, dict, bytes]:
-        """(status, headers, body) of a request; ServerUnavailable for network trouble and 5xx."""
+        """(status, headers, body) of a request; ServerUnavailable for network trouble, 5xx, and
+        an answer not complete within the client's timeout *in all*: httpx's timeouts are per
+        read, so a server trickling a byte a second would never trip them; the total is checked
+        after every read here (so it holds to within one read of a server that still sends)."""
+        deadline = time.monotonic() + self._timeout
         try:
             with self._http.stream(method, self.base_url + path, params=params, json=json_body,
                                    headers={**self._headers, **(headers or {})}, timeout=self._timeout) as resp:
@@ -73,6 +78,9 @@ class KernelServer:
                 body = bytearray()
                 for chunk in resp.iter_bytes():
                     body += chunk
+                    if time.monotonic() > deadline:
+                        raise ServerUnavailable(f"{path}: the answer took longer than {self._timeout:g} s in all "
+                                                f"({len(body)} bytes so far)")
                     if len(body) > MAX_BUNDLE_BYTES:
                         raise KernelServiceError(f"{path}: answer larger than {MAX_BUNDLE_BYTES} bytes")
                 return resp.status_code, dict(resp.headers), bytes(body)

@@ -40,7 +40,11 @@ class Settings(BaseSettings):
     max_tensor_elements: int = Field(MAX_ELEMENTS, ge=1, le=MAX_ELEMENTS)  # per input and step
     max_work: int = Field(MAX_WORK, ge=1, le=MAX_WORK)  # per step's iteration space
     max_dim: int = Field(2**31 - 1, ge=1)
-    derive_timeout_seconds: float = Field(60.0, gt=0)  # POST /v1/derivations answers 503 after this
+    # a spec's derivation and certificate (POST /v1/derivations, a new spec's POST /v1/jobs) share one
+    # deadline: 503 after it; derive_workers at a time, derive_queue waiting, more: 429 (service/api/derive.py)
+    derive_timeout_seconds: float = Field(60.0, gt=0)
+    derive_workers: int = Field(2, ge=1, le=64)
+    derive_queue: int = Field(8, ge=0, le=1024)
     # workers compile each finished job's bundle for its target's arch and store the cubin (issue 15)
     compile_binaries: bool = True
 

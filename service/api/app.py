@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import sqlalchemy as sa
@@ -27,7 +26,7 @@ from service.api.cache import BundleCache, SpecCache
 from service.api.deps import AppContext
 from service.api.derive import Deriver
 from service.api.fastpath import BundleFastPath, LoopReader
-from service.api.middleware import AccessLog, BodyLimit
+from service.api.middleware import AccessLog, BodyLimit, OneAuthorization
 from service.api.schemas import ProblemView
 from service.api.validation import ParsedSpecs
 from service.api.problems import (
@@ -46,7 +45,6 @@ from service.settings import Settings, get_settings
 log = logging.getLogger("foldwise.api")
 # a request body holds one spec (at most MAX_SPEC_BYTES, maybe as an escaped JSON string) and small fields
 MAX_BODY_BYTES = 2 * MAX_SPEC_BYTES + 16 * 1024
-DERIVE_THREADS = 2
 
 
 def read_engine_for(url: str, engine: sa.Engine) -> sa.Engine:
@@ -95,18 +93,19 @@ def create_app(settings: Settings | None = None, *, check_db: bool = True, dashb
         auth=AuthPolicy(loopback=is_loopback(settings.host), writer=sessions),
         metrics=Metrics(read_sessions, alive_within_s=alive_s), bundles=BundleCache(), specs=SpecCache(),
         parsed_specs=ParsedSpecs(),
-        deriver=Deriver(ThreadPoolExecutor(DERIVE_THREADS, thread_name_prefix="foldwise-derive"),
-                        derive_timeout_s or settings.derive_timeout_seconds),
+        deriver=Deriver(derive_timeout_s or settings.derive_timeout_seconds, workers=settings.derive_workers,
+                        queue=settings.derive_queue),
         # an SQLite file: the hot path reads on the event loop (service.api.fastpath)
         loop_reader=LoopReader(reader) if reader is not engine else None,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ctx.deriver.warm_up()
         yield
         if ctx.loop_reader is not None:
             ctx.loop_reader.close()
-        ctx.deriver.pool.shutdown(wait=False, cancel_futures=True)
+        ctx.deriver.close()
         if reader is not engine:
             reader.dispose()
         engine.dispose()
@@ -138,6 +137,7 @@ def create_app(settings: Settings | None = None, *, check_db: bool = True, dashb
         mount_dashboard(app)
     if fast_path:
         app.add_middleware(BundleFastPath, ctx=ctx)
+    app.add_middleware(OneAuthorization)  # before the fast path and every route read the header
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(AccessLog, metrics=ctx.metrics)
     _document_problems(app)

@@ -1,44 +1,264 @@
-"""Derivations run off the event loop, in a small pool of their own, with a time limit.
+"""Derivations, bounded: one deadline, a bounded pool and queue, stopped when nobody waits.
 
-A derivation is CPU work (sympy, the float64 certificate): seconds for a large spec. It runs
-in the :class:`Deriver`'s pool (few threads, so many concurrent derivations queue there instead
-of filling the thread pool the database calls need) and the request waits at most its
-``timeout_s``. A thread cannot be killed: a derivation that runs over finishes in the
-background and is cached (fuser_core.report), so a retry is fast; the request gets 503 with
-``Retry-After``.
+A derivation is CPU work (sympy, then the float64 certificate): seconds for a large spec, and
+the certificate can take longer than the derivation. A thread cannot be stopped, and in the
+API's process it would also hold the GIL against every other request, so each derivation runs
+in a **child process** of its own (forked from a ``forkserver`` with fuser_core and sympy
+already imported: a start costs milliseconds, not an import), at a lower CPU priority
+(``nice``), so the event loop keeps its share of the CPU.
+
+The bounds, per request (:meth:`Deriver.report`):
+
+- **one deadline** (``derive_timeout_seconds``) from the request's arrival here: the wait for a
+  slot, the derivation *and* the certificate. Past it the child is killed and the answer is
+  503 ``derivation-timeout`` with ``Retry-After``;
+- **a bounded pool** (``derive_workers`` children at a time) **with a bounded queue**
+  (``derive_queue`` requests waiting for one): a request past both is refused at once with 429
+  ``derivation-busy`` and ``Retry-After``;
+- **nobody waits, no work**: while a request waits, its client's connection is watched
+  (``Request.is_disconnected``, every ``POLL_S``); when the last request waiting for a
+  derivation has gone (or was cancelled: a server stopping), its child is killed at once
+  (SIGKILL: sympy has no cancellation points);
+- **identical specs share**: requests for one canonical spec in flight at once wait for one
+  derivation (60 identical submissions are one derivation, not a full queue).
+
+A finished derivation's report (in canonical names) comes back to this process's cache
+(``fuser_core.remember_report``), so storing the spec of a job after it is a lookup and a
+retry of the same spec is answered at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import multiprocessing
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from fuser_core import DerivationLimitError, Spec, SpecError
 from service.api.problems import Problem, invalid_field, spec_problem
 
+log = logging.getLogger("foldwise.api")
+POLL_S = 0.1  # how often a waiting request looks at its client's connection
+CHILD_NICE = 10  # the children's CPU priority below the API's
+# imported once, in the forkserver, before it forks the children: sympy and the derivation, and
+# this module (the children's target: unpickling it in each child would import the API, ~1 s)
+PRELOAD = ["service.api.derive", "fuser_core.report", "fuser_core.derive", "fuser_core.certificate",
+           "fuser_core.present"]
+_CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(PRELOAD)  # only a list until the forkserver starts (Deriver.warm_up)
 
-@dataclass(frozen=True)
+
+def _child(conn: Any, source: str) -> None:
+    """In the child: the report's cache entry of the spec whose JSON text is ``source`` (text
+    crosses to the child cheaply; a parsed Spec costs the API's process a pickling), or the
+    error as plain data (a SpecError's ``loc`` and ``step`` do not survive pickling)."""
+    try:
+        os.nice(CHILD_NICE)
+    except OSError:
+        pass
+    from fuser_core import load_spec, report_entry
+
+    try:
+        result: tuple = ("ok", *report_entry(load_spec(source)))
+    except SpecError as err:
+        result = ("spec", err.message, err.loc, err.step)
+    except DerivationLimitError as err:
+        result = ("limit", str(err))
+    except Exception as err:  # noqa: BLE001 - a bug in the derivation: the parent logs it and answers 500
+        result = ("error", f"{type(err).__name__}: {err}")
+    conn.send(result)
+    conn.close()
+
+
+def _cached(spec: Spec) -> tuple[str, dict[str, Any] | None]:
+    """(the spec's cache key, its report if cached: a rename of the cached one)."""
+    from fuser_core import canonical_json, derivation_report, is_cached_report
+
+    return canonical_json(spec), derivation_report(spec) if is_cached_report(spec) else None
+
+
 class Deriver:
-    """The app's derivations: its thread pool and the time a request waits for one."""
+    """The app's derivations; see the module docstring."""
 
-    pool: ThreadPoolExecutor
-    timeout_s: float
+    def __init__(self, timeout_s: float, *, workers: int = 2, queue: int = 8):
+        self.timeout_s, self.workers, self.queue = timeout_s, workers, queue
+        self._slots: asyncio.Semaphore | None = None  # made on the event loop that uses it
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._admitted = 0  # requests waiting for a slot or deriving
+        self._starter = ThreadPoolExecutor(workers, thread_name_prefix="foldwise-derive")  # process starts block
+        # the API process's own CPU work for derivations (parsing a spec, its cache key, renaming a
+        # report: milliseconds each) in one thread: ten requests at once then hold the GIL against
+        # the event loop as one thread does, not as ten
+        self._cpu = ThreadPoolExecutor(1, thread_name_prefix="foldwise-derive-cpu")
+        self._inflight: dict[str, asyncio.Future] = {}  # canonical JSON -> its derivation's task
+        self._waiters: dict[asyncio.Future, int] = {}  # requests waiting for each
+        self.running: set[int] = set()  # the pids of the children now deriving (tests and metrics read it)
+        self.killed = 0  # children stopped before they finished (deadline, client gone, shutdown)
 
-    async def report(self, spec: Spec) -> dict[str, Any]:
-        """``fuser_core.report.derivation_report(spec)``, or a Problem (422 invalid, 503 too slow)."""
-        from fuser_core import derivation_report
+    def warm_up(self, *, wait: bool = False) -> None:
+        """Start the forkserver (it imports PRELOAD: seconds) in the background, so the first
+        derivation does not wait for it; ``wait``: until it forks (tests with short deadlines)."""
+        from multiprocessing import forkserver
 
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self.pool, derivation_report, spec)
+        self._starter.submit(forkserver.ensure_running)
+        if wait:
+            proc = _CONTEXT.Process(target=os.getpid, daemon=True)
+            proc.start()
+            proc.join()
+
+    def close(self) -> None:
+        self._starter.shutdown(wait=False, cancel_futures=True)
+        self._cpu.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in the derivations' one CPU thread (see ``__init__``)."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    async def report(self, spec: Spec, source: str, request: Any = None) -> dict[str, Any]:
+        """``fuser_core.derivation_report(spec)``, or a Problem: 422 (invalid), 429 (pool and
+        queue full), 503 (past the deadline). ``source``: ``spec``'s JSON text (what the child
+        parses); ``request``: the Starlette request whose client is watched (None: not watched).
+
+        Identical specs (by canonical form) in flight at once share one derivation (concurrent
+        identical submissions are one request's work, not a full queue); it is stopped when the
+        last request waiting for it has gone."""
+        key, cached = await self.run(_cached, spec)  # canonicalising a large spec: milliseconds
+        if cached is not None:
+            return cached
+        task = self._inflight.get(key)
+        if task is None:
+            if self._admitted >= self.workers + self.queue:
+                raise Problem(429, "Too many derivations", f"{self.workers} derivations are running and "
+                              f"{self.queue} waiting, the most this server takes; retry later",
+                              kind="derivation-busy", headers={"Retry-After": str(max(1, round(self.timeout_s / 2)))})
+            task = asyncio.ensure_future(self._work(spec.name, source, time.monotonic() + self.timeout_s))
+            self._inflight[key] = task
+            task.add_done_callback(lambda _: self._inflight.pop(key, None))
+            self._waiters[task] = 0
+        self._waiters[task] += 1
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout=self.timeout_s)
+            result = await self._wait(task, spec.name, request)
+        finally:
+            self._waiters[task] -= 1
+            if not self._waiters[task]:
+                del self._waiters[task]
+                if not task.done():
+                    task.cancel()  # nobody waits for it: the child is killed
+        return await self.run(self._answer, spec, result)  # the rename: off the event loop
+
+    async def _wait(self, task: asyncio.Future, name: str, request: Any) -> tuple:
+        """The shared derivation's result (or its Problem), watching this request's client."""
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=POLL_S)
+            if done:
+                return task.result()
+            if request is not None and await request.is_disconnected():
+                log.info("a derivation's client has gone", extra={"spec": name})
+                # nobody reads this answer; 499 (nginx's "client closed request") in the access log
+                raise Problem(499, "Client closed request", "the client left before the derivation "
+                              "ended", kind="client-gone")
+
+    async def _work(self, name: str, source: str, deadline: float) -> tuple:
+        """One derivation: a slot in the pool (waiting counts against the deadline), then the child."""
+        slots = self._slots_here()
+        self._admitted += 1
+        try:
+            try:
+                await asyncio.wait_for(slots.acquire(), timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise self._too_slow() from None
+            try:
+                return await self._derive(name, source, deadline)
+            finally:
+                slots.release()
+        finally:
+            self._admitted -= 1
+
+    def _slots_here(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._loop is not loop:  # a test client may run the app on a new loop
+            self._slots, self._loop = asyncio.Semaphore(self.workers), loop
+        return self._slots
+
+    def _too_slow(self) -> Problem:
+        return Problem(503, "Derivation too slow", f"the derivation and its certificate took longer than "
+                       f"{self.timeout_s:g} s (this server's limit: FOLDWISE_DERIVE_TIMEOUT_SECONDS) and were "
+                       "stopped; retry when the server is less busy", kind="derivation-timeout",
+                       headers={"Retry-After": str(max(1, round(self.timeout_s)))})
+
+    async def _derive(self, name: str, source: str, deadline: float) -> tuple:
+        """Run ``_child`` in a new process until it answers; kill it at the deadline, or when this
+        task is cancelled (the last request waiting for it has gone, or the app stops)."""
+        loop = asyncio.get_running_loop()
+        receive, send = _CONTEXT.Pipe(duplex=False)
+        proc = _CONTEXT.Process(target=_child, args=(send, source), daemon=True, name="foldwise-derive")
+        started = loop.run_in_executor(self._starter, proc.start)
+        try:  # a cold forkserver may take seconds to start: within the deadline too
+            await asyncio.wait_for(asyncio.shield(started), timeout=max(0.0, deadline - time.monotonic()))
         except TimeoutError:
-            raise Problem(503, "Derivation too slow", f"the derivation took longer than {self.timeout_s:g} s; it "
-                          "goes on in the background and is cached: retry later", kind="derivation-timeout",
-                          headers={"Retry-After": "10"}) from None
-        except SpecError as err:
-            raise spec_problem(err) from None
-        except DerivationLimitError as err:
-            raise invalid_field(("spec",), f"the derivation exceeds its limits: {err}") from None
+            started.add_done_callback(lambda _: self._stop(proc))
+            receive.close()
+            send.close()
+            raise self._too_slow() from None
+        except BaseException:
+            started.add_done_callback(lambda _: self._stop(proc))  # started after all: stop it once it is
+            receive.close()
+            send.close()
+            raise
+        send.close()  # the child holds its end: EOF here if it dies without answering
+        self.running.add(proc.pid)
+        readable = loop.create_future()
+        loop.add_reader(receive.fileno(), lambda: readable.done() or readable.set_result(None))
+        finished = False
+        try:
+            while not readable.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._too_slow()
+                await asyncio.wait({readable}, timeout=left)
+            try:
+                result = receive.recv()
+            except EOFError:
+                result = ("error", f"the derivation's process died (exit code {proc.exitcode})")
+            finished = True
+            return result
+        finally:
+            loop.remove_reader(receive.fileno())
+            receive.close()
+            self.running.discard(proc.pid)
+            if not finished:
+                log.info("derivation stopped", extra={"spec": name})
+                self._stop(proc)
+            else:
+                self._reap(proc)
+
+    def _stop(self, proc: Any) -> None:
+        if proc.pid is None:
+            return
+        self.killed += 1
+        proc.kill()
+        self._reap(proc)
+
+    def _reap(self, proc: Any) -> None:
+        try:
+            self._starter.submit(proc.join, 5)  # off the event loop
+        except RuntimeError:  # the app is stopping: multiprocessing reaps its children at exit
+            pass
+
+    def _answer(self, spec: Spec, result: tuple) -> dict[str, Any]:
+        from fuser_core import derivation_report, remember_report
+
+        kind = result[0]
+        if kind == "ok":
+            remember_report(result[1], result[2])
+            return derivation_report(spec)  # a lookup now, in the caller's names
+        if kind == "spec":
+            raise spec_problem(SpecError(result[1], loc=tuple(result[2]), step=result[3]))
+        if kind == "limit":
+            raise invalid_field(("spec",), f"the derivation exceeds its limits: {result[1]}")
+        log.error("derivation failed", extra={"spec": spec.name, "error": result[1][:500]})
+        raise Problem(500, "Derivation failed", "the derivation failed; this is a bug, see the server's log",
+                      kind="derivation-failed")

@@ -3,7 +3,10 @@
 - :class:`BodyLimit`: refuses request bodies larger than a limit with 413, by the declared
   ``Content-Length`` and, for chunked bodies, by reading them here up to the limit before the
   app sees them, so an oversized request is never read into memory past the limit.
-- :class:`AccessLog`: times every request, records it in the latency histogram (by route
+- :class:`OneAuthorization`: refuses a request with more than one ``Authorization`` header
+  (400 naming the header) before any route or the bundle fast path reads one: two readers
+  could otherwise pick different ones (the first, the last).
+- :class:`AccessLog`: adds ``X-Content-Type-Options: nosniff`` to every answer, times every request, records it in the latency histogram (by route
   template, so ids in paths do not multiply the series) and logs one JSON line.
 """
 
@@ -14,7 +17,7 @@ import time
 import uuid
 from typing import Any
 
-from service.api.problems import Problem
+from service.api.problems import Problem, error_entry
 
 log = logging.getLogger("foldwise.api.access")
 
@@ -90,6 +93,20 @@ class BodyLimit:
                 await self._problem().response()(scope, receive, send)
 
 
+class OneAuthorization:
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and sum(name == b"authorization" for name, _ in scope.get("headers", ())) > 1:
+            message = "more than one Authorization header; send one"
+            problem = Problem(400, "Bad request", f"Authorization: {message}", kind="header",
+                              errors=[error_entry(["Authorization"], message, where="header")])
+            await problem.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 class AccessLog:
     def __init__(self, app: Any, metrics: Any):
         self.app, self.metrics = app, metrics
@@ -107,7 +124,9 @@ class AccessLog:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+                # nosniff: a browser never reads a JSON (or any) answer as another type
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode()),
+                                      (b"x-content-type-options", b"nosniff")]
             await send(message)
 
         try:

@@ -150,13 +150,13 @@ class Submission:
     spec_stored: bool = True  # False: a spec never stored, derived before it is
 
 
-async def submit_job(db: Db, ctx: AppContext, req: JobRequest) -> Submission:
+async def submit_job(db: Db, ctx: AppContext, req: JobRequest, request: Any = None) -> Submission:
     """A ``POST /v1/jobs`` body, from its check to its job: the one call the route makes.
 
     1. :func:`_find_submitted` (a read, after the token check): the request checked and bound
        once, and the job of an identical earlier request if there is one (the answer);
-    2. a spec never stored is derived off the event loop with the app's time limit
-       (:meth:`service.api.derive.Deriver.report`; cached in-process, so storing it is fast);
+    2. a spec never stored is derived off the event loop, bounded (:meth:`service.api.derive.Deriver.report`:
+       one deadline, 429/503, stopped if ``request``'s client leaves; cached in-process, so storing it is fast);
     3. :func:`_submit` (a write): :func:`service.job_queue.submit_job` with the same request.
     """
     live = LiveWorkers(alive_within_s(ctx.settings))
@@ -164,7 +164,7 @@ async def submit_job(db: Db, ctx: AppContext, req: JobRequest) -> Submission:
     if found.view is not None:
         return found
     if not found.spec_stored:
-        await ctx.deriver.report(found.request.spec)
+        await ctx.deriver.report(found.request.spec, found.request.source, request)
     return await db.run(_submit, ctx.specs, found.request, live)
 
 

@@ -163,6 +163,10 @@ def whole_body_error(request: Request, message: str) -> tuple[list[str], str, st
 
 
 async def http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:
+    if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
+        # FastAPI's "error parsing the body": json.loads gave up on a deeply nested document
+        return invalid_field(["body"], "the request body is not valid JSON: nested too deeply (a spec needs "
+                                       "a few levels; the parser's limit is about 1,000)").response()
     titles = {404: "Not found", 405: "Method not allowed", 413: "Request too large", 401: "Unauthorized"}
     detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
     if exc.status_code == 404 and detail == "Not Found":

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Path, Query
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import JSONResponse
 
 from service.api import ops
@@ -45,7 +45,7 @@ def _live(ctx: AppContext) -> ops.LiveWorkers:
 @router.post("/v1/jobs", status_code=202, response_model=None,
              responses={202: {"model": JobView, "description": "queued or running"},
                         200: {"model": JobView, "description": "already finished"}, **ERRORS})
-async def submit_job(req: JobRequest, ctx: Context,
+async def submit_job(req: JobRequest, request: Request, ctx: Context,
                      db: Annotated[Db, Depends(database("jobs:write", write=True))]) -> JSONResponse:
     """Queue a tuning job for (spec, shape, dtype, target, measurer).
 
@@ -56,7 +56,7 @@ async def submit_job(req: JobRequest, ctx: Context,
     already cached: ``kernel_id`` is set). A failed or cancelled job is not reused: the same
     request queues a new one. ``Foldwise-Job-Created: true`` when this request queued a new
     search. Needs the ``jobs:write`` scope once tokens exist (service/auth.py)."""
-    result = await ops.submit_job(db, ctx, req)
+    result = await ops.submit_job(db, ctx, req, request)
     view = result.view
     assert view is not None
     finished = view["status"] in ("succeeded", "failed", "cancelled")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
@@ -20,11 +20,13 @@ SpecHash = Annotated[str, Path(pattern=HASH_PATTERN, description="the spec's sha
 
 
 @router.post("/v1/derivations", tags=["specs"], responses=ERRORS)
-async def derive(req: DerivationRequest, ctx: Context, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
-    """Validate and derive a spec: the same object as ``foldwise derive --json``. Nothing is stored."""
+async def derive(req: DerivationRequest, request: Request, ctx: Context,
+                 db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
+    """Validate and derive a spec: the same object as ``foldwise derive --json``. Nothing is stored.
+    Bounded (service/api/derive.py): 429 when too many derivations wait, 503 past the deadline."""
     await db.authorize()
-    spec, _ = await run_in_threadpool(parse_spec, req.spec)
-    return JSONResponse(await ctx.deriver.report(spec))
+    spec, source = await ctx.deriver.run(parse_spec, req.spec)
+    return JSONResponse(await ctx.deriver.report(spec, source, request))
 
 
 @router.get("/v1/specs/{spec_hash}", tags=["specs"], response_model=SpecView, responses=ERRORS)

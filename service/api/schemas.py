@@ -118,9 +118,11 @@ def trial_view(t: TrialRecord) -> dict[str, Any]:
 
 def worker_view(w: WorkerRecord, *, alive_within_s: float) -> dict[str, Any]:
     age = (datetime.now(UTC) - w.last_heartbeat).total_seconds() if w.last_heartbeat else None
+    alive = age is not None and age <= alive_within_s
+    # a dead worker works on nothing: its job's lease runs out and another worker takes it
     return {"id": w.id, "hostname": w.hostname, "gpu_name": w.gpu_name, "target": w.target, "measurer": w.measurer,
-            "versions": w.versions, "current_job_id": w.current_job_id, "started_at": iso(w.started_at),
-            "last_heartbeat": iso(w.last_heartbeat), "alive": age is not None and age <= alive_within_s}
+            "versions": w.versions, "current_job_id": w.current_job_id if alive else None,
+            "started_at": iso(w.started_at), "last_heartbeat": iso(w.last_heartbeat), "alive": alive}
 
 
 def _dtype(text: str) -> Any:

@@ -60,7 +60,7 @@ async def spec_math(spec_hash: SpecHash, db: StatusRead) -> dict[str, Any]:
 
 @router.get("/v1/specs/{spec_hash}/source")
 async def spec_source(
-    spec_hash: SpecHash, db: StatusRead,
+    spec_hash: SpecHash, db: KernelRead,  # tuned kernels' source: kernels:read, as the kernel routes
     strategy: Annotated[str | None, Query(max_length=32, pattern=r"^[a-z_]+$")] = None,
     shape: Annotated[str | None, Query(max_length=1024, description="m=4,n=300 (the spec's dim names)")] = None,
     dtype: Annotated[str | None, Query(max_length=1024)] = None,

@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ from service.models import ApiToken, Job
 from service.settings import get_settings
 from service.tuning_request import tuning_request
 from tests.support.catalog import CATALOG_DIR, load_catalog
+from tests.support.slow_specs import slow_spec
 
 SOFTMAX = load_catalog()["safe_softmax"]
 SHAPE = {"m": 4, "n": 64}
@@ -144,69 +146,146 @@ def test_derivation_is_the_cli_json_and_errors_name_the_field(client, capsys) ->
                    413)
 
 
-def test_slow_derivation_answers_503_and_is_cached_for_a_retry(db_url) -> None:
+def _child_pids(client: TestClient, seen: set[int], stop: threading.Event) -> None:
+    while not stop.is_set():
+        seen.update(client.app.state.ctx.deriver.running)
+        time.sleep(0.01)
+
+
+def _gone(pid: int, within_s: float = 10) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_derivation_past_its_deadline_answers_503_and_is_stopped(db_url) -> None:
+    """The derivation and its certificate share one deadline; past it the child deriving is
+    killed (no work goes on after the 503), and the pool serves the next request."""
     from fuser_core.report import clear_cache
 
     clear_cache()
-    with make_client(db_url, derive_timeout_s=0.001) as c:
-        r = c.post("/v1/derivations", json={"spec": load_catalog()["layernorm"]})
+    with make_client(db_url, derive_timeout_s=3.0) as c:
+        c.app.state.ctx.deriver.warm_up(wait=True)  # the forkserver's imports: not within the deadline
+        seen: set[int] = set()
+        stop = threading.Event()
+        watcher = threading.Thread(target=_child_pids, args=(c, seen, stop))
+        watcher.start()
+        try:
+            r = c.post("/v1/derivations", json={"spec": slow_spec(45)})  # ~10 s of derivation and certificate
+        finally:
+            stop.set()
+            watcher.join()
         assert_problem(r, 503, text="longer than")
-        assert r.headers["retry-after"]
-        # the derivation goes on in the background and a retry gets it from the cache; waiting for it
-        # also keeps it from landing in the cache after the next test has cleared it
-        deadline = time.monotonic() + 120
-        while r.status_code == 503 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            r = c.post("/v1/derivations", json={"spec": load_catalog()["layernorm"]})
-        assert r.status_code == 200 and r.json()["name"] == "layernorm", r.text
+        assert r.json()["type"].endswith("derivation-timeout") and int(r.headers["retry-after"]) >= 1
+        assert len(seen) == 1 and all(_gone(pid) for pid in seen), seen
+        deriver = c.app.state.ctx.deriver
+        assert deriver.killed == 1 and not deriver.running
+        ok = c.post("/v1/derivations", json={"spec": SOFTMAX})  # the pool takes the next one
+        assert ok.status_code == 200 and ok.json()["name"] == "safe_softmax", ok.text
+        again = c.post("/v1/derivations", json={"spec": SOFTMAX})  # cached: no child
+        assert again.json() == ok.json() and deriver.killed == 1
 
 
-# ----------------------------------------------------------------------------- jobs
+def test_a_derivation_error_in_the_child_names_the_field_and_step(client) -> None:
+    """Errors found while deriving (in the Deriver's child process) come back as they would
+    in-process: 422 naming ``spec`` and the caller's step."""
+    from tests.fuser_core.test_limits import CRAFTED
+
+    r = client.post("/v1/derivations", json={"spec": CRAFTED["maximum_chain"][0]})
+    assert_problem(r, 422, "spec", "exceeds its limits")
+    assert "step 'e8'" in r.text, r.text
+
+
+def test_derivations_past_the_pool_and_queue_answer_429(db_url) -> None:
+    from fuser_core.report import clear_cache
+
+    clear_cache()
+    settings = get_settings(db_url=db_url, derive_workers=1, derive_queue=0)
+    with TestClient(create_app(settings, derive_timeout_s=2.0)) as c:
+        c.app.state.ctx.deriver.warm_up(wait=True)  # the forkserver's imports: not within the deadline
+        first: list = []
+        t = threading.Thread(target=lambda: first.append(c.post("/v1/derivations", json={"spec": slow_spec(30)})))
+        t.start()
+        deadline = time.monotonic() + 10
+        while not c.app.state.ctx.deriver.running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = c.post("/v1/derivations", json={"spec": slow_spec(30, tag=1)})
+        assert_problem(r, 429, text="retry later")
+        assert r.json()["type"].endswith("derivation-busy") and int(r.headers["retry-after"]) >= 1
+        t.join(30)
+        assert first[0].status_code == 503, first[0].text
+
+
+def test_identical_derivations_in_flight_share_one_child(db_url, monkeypatch) -> None:
+    """Six identical requests at once with room for one derivation and no queue: one child
+    derives, every request gets its answer (none 429)."""
+    from fuser_core.report import clear_cache
+    from service.api.derive import Deriver
+
+    clear_cache()
+    real_derive, children = Deriver._derive, []
+
+    async def counted(self, *args, **kwargs):
+        children.append(args[0])
+        return await real_derive(self, *args, **kwargs)
+
+    monkeypatch.setattr(Deriver, "_derive", counted)
+    settings = get_settings(db_url=db_url, derive_workers=1, derive_queue=0)
+    with TestClient(create_app(settings)) as c:
+        c.app.state.ctx.deriver.warm_up(wait=True)
+        spec = load_catalog()["layernorm"]
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: c.post("/v1/derivations", json={"spec": spec}), range(6)))
+        assert [r.status_code for r in answers] == [200] * 6, [r.text[:200] for r in answers]
+        assert children == ["layernorm"], children
 
 
 def test_a_new_spec_is_derived_once_by_its_submission(db_url, monkeypatch) -> None:
     """POST /v1/jobs for a spec never stored derives it once (the route's one call,
-    service.api.ops.submit_job): storing the spec uses that derivation, and a second identical
-    submission derives nothing."""
+    service.api.ops.submit_job), in the Deriver's child process: storing the spec uses that
+    derivation (nothing is derived in the API's process), and a second identical submission
+    derives nothing."""
     import fuser_core.derive
     from fuser_core.report import clear_cache
+    from service.api.derive import Deriver
 
     clear_cache()
-    real, calls = fuser_core.derive.derive_cascade, []
+    real_derive, children = Deriver._derive, []
+
+    async def counted(self, *args, **kwargs):
+        children.append(args[0])
+        return await real_derive(self, *args, **kwargs)
+
+    monkeypatch.setattr(Deriver, "_derive", counted)
+    in_process = []
+    real = fuser_core.derive.derive_cascade
     monkeypatch.setattr(fuser_core.derive, "derive_cascade",
-                        lambda spec, **kw: calls.append(spec.name) or real(spec, **kw))
+                        lambda spec, **kw: in_process.append(spec.name) or real(spec, **kw))
     with make_client(db_url) as c:
         first = c.post("/v1/jobs", json=job_body())
         assert first.status_code == 202 and first.headers["foldwise-job-created"] == "true", first.text
-        assert len(calls) == 1, calls
+        assert children == ["safe_softmax"] and in_process == [], (children, in_process)
         again = c.post("/v1/jobs", json=job_body())
-        assert again.json()["id"] == first.json()["id"] and len(calls) == 1
+        assert again.json()["id"] == first.json()["id"] and len(children) == 1
 
 
-def test_a_submission_whose_derivation_is_too_slow_answers_503_and_stores_nothing(db_url, monkeypatch) -> None:
-    import fuser_core.derive
+def test_a_submission_whose_derivation_is_too_slow_answers_503_and_stores_nothing(db_url) -> None:
     from fuser_core.report import clear_cache
 
     clear_cache()
-    real = fuser_core.derive.derive_cascade
-
-    def slow(spec, **kwargs):
-        time.sleep(0.5)
-        return real(spec, **kwargs)
-
-    monkeypatch.setattr(fuser_core.derive, "derive_cascade", slow)
-    with make_client(db_url, derive_timeout_s=0.1) as c:
-        r = c.post("/v1/jobs", json=job_body())
+    with make_client(db_url, derive_timeout_s=1.0) as c:
+        c.app.state.ctx.deriver.warm_up(wait=True)  # the forkserver's imports: not within the deadline
+        body = job_body(spec=slow_spec(30), shape={"m": 4, "n": 64})
+        r = c.post("/v1/jobs", json=body)
         assert_problem(r, 503, text="longer than")
         assert r.headers["retry-after"] and c.get("/v1/jobs").json()["count"] == 0
-        assert c.get(f"/v1/specs/{compute_spec_hash(load_spec(SOFTMAX))}").status_code == 404
-        # the derivation goes on in the background and is cached: a retry queues the job (waiting for
-        # it also keeps it from landing in the cache after the next test has cleared it)
-        deadline = time.monotonic() + 120
-        while r.status_code == 503 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            r = c.post("/v1/jobs", json=job_body())
-        assert r.status_code == 202 and r.json()["status"] == "queued", r.text
+        assert c.get(f"/v1/specs/{compute_spec_hash(load_spec(slow_spec(30)))}").status_code == 404
+        assert c.app.state.ctx.deriver.killed == 1 and not c.app.state.ctx.deriver.running
 
 
 def test_submit_is_idempotent_with_location_and_views(client, sessions) -> None:
@@ -398,6 +477,17 @@ def test_trials_cancel_of_a_running_job_and_workers(client, sessions) -> None:
 
     workers = client.get("/v1/workers").json()["workers"]
     assert [(w["id"], w["alive"], w["current_job_id"]) for w in workers] == [("w-1", True, job["id"])]
+    # a worker whose heartbeats stopped is dead: it works on nothing (its lease runs out, another takes the job)
+    from datetime import timedelta
+
+    from service.models import WorkerRecord, utcnow
+
+    with sessions() as s:
+        s.execute(sa.update(WorkerRecord).where(WorkerRecord.id == "w-1")
+                  .values(last_heartbeat=utcnow() - timedelta(hours=1)))
+        s.commit()
+    workers = client.get("/v1/workers").json()["workers"]
+    assert [(w["id"], w["alive"], w["current_job_id"]) for w in workers] == [("w-1", False, None)]
 
 
 # ----------------------------------------------------------------------------- kernels and bundles

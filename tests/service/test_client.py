@@ -713,3 +713,45 @@ def test_a_tune_timeout_leaves_the_job_running(tmp_path):
                                                       r"after 0.2 s; it goes on on the server"):
             cache.tune(RAW, SHAPE, timeout=0.2, poll=0.05, progress=False)
     assert polls[0] == "POST" and polls.count("POST") == 1 and "GET" in polls  # polled, never cancelled
+
+
+def test_a_server_trickling_bytes_cannot_hold_a_get_past_its_timeout(tmp_path):
+    """httpx's timeouts are per read: a server sending one byte a second never trips them. The
+    client's timeout is a total per request (service.client_http.KernelServer.send): past it
+    the server counts as unreachable (the disk cache answers, here: nothing)."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 600\r\n\r\n")
+                for _ in range(600):  # ten minutes, a byte a second
+                    if stop.wait(1.0):
+                        return
+                    try:
+                        conn.sendall(b" ")
+                    except OSError:
+                        break
+
+    server = threading.Thread(target=trickle, daemon=True)
+    server.start()
+    try:
+        t0 = time.monotonic()
+        with KernelCache(f"http://127.0.0.1:{port}", cache_dir=tmp_path, timeout=2) as cache:
+            with pytest.raises(KernelNotFound, match="longer than 2 s in all"):
+                cache.get(RAW, SHAPE)
+        assert time.monotonic() - t0 < 10  # 2 s and a read, not 600 s
+    finally:
+        stop.set()
+        listener.close()

@@ -1,0 +1,169 @@
+"""A derivation flood against a local ``foldwise serve`` (SQLite): does a cheap GET stay fast?
+
+Issue 26: ten slow ``POST /v1/derivations`` at once used to raise a cheap GET's p99 from 26 ms
+to about 400 ms, for 105 s after the clients had left (derivations ran in the API's threads,
+holding the GIL, past their 503 and past their clients). Derivations now run in child
+processes, bounded (service/api/derive.py): one deadline, a bounded pool and queue, stopped
+when their client leaves.
+
+Phases, each measuring ``GET /v1/jobs`` (a database read; and ``/healthz``) one after another:
+
+1. ``idle``: nothing else, before the floods (and ``idle after``: once more at the end, where
+   derivation work that outlived its requests would show);
+2. ``flood``: 10 slow specs (tests/support/slow_specs.py, distinct) posted at once, their
+   clients waiting for the answers (503 at the deadline, or 429 past the queue); ``--waves``
+   times, one after another;
+3. ``abandoned``: 10 more posted at once, their clients leaving after 0.5 s; measured from
+   then for as long as a flood wave lasted (the work must stop with the clients).
+
+Run: ``PYTHONPATH=. python3 benchmarks/derivation_flood.py [--deadline 5] [--steps 45]``.
+Prints a Markdown table (p50/p99 per phase, the ratio to idle, the answers' statuses) and the
+load average (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.support.servers import LiveServer  # noqa: E402
+from tests.support.slow_specs import slow_spec  # noqa: E402
+
+
+def measure(base: str, seconds: float, gap: float = 0.02) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"/v1/jobs": [], "/healthz": []}
+    with httpx.Client(base_url=base, timeout=30) as http:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for path, times in out.items():
+                t0 = time.perf_counter()
+                r = http.get(path)
+                times.append(time.perf_counter() - t0)
+                assert r.status_code == 200, r.text
+            time.sleep(gap)
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] * 1e3
+
+
+def _flood_clients(base: str, bodies: list[bytes], leave_after: float | None, out: Any) -> None:
+    """In a process of its own (its GIL is not the measuring client's): one thread per body."""
+    statuses: Counter = Counter()
+
+    def post(body: bytes) -> None:
+        if leave_after is None:
+            r = httpx.post(base + "/v1/derivations", content=body, headers={"Content-Type": "application/json"},
+                           timeout=120)
+            statuses[f"{r.status_code} {r.json().get('type', '').rsplit(':', 1)[-1] or 'ok'}"] += 1
+            return
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:  # a client that leaves
+            sock.sendall(b"POST /v1/derivations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            time.sleep(leave_after)
+        statuses["left"] += 1
+
+    threads = [threading.Thread(target=post, args=(body,)) for body in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(dict(statuses))
+
+
+def flood(base: str, steps: int, offset: int, statuses: Counter, leave_after: float | None) -> list[Any]:
+    """10 distinct slow specs posted at once from a child process; ``statuses`` counts the answers
+    once it is joined (:func:`join`)."""
+    import json
+
+    bodies = [json.dumps({"spec": slow_spec(steps, tag=offset + i)}).encode() for i in range(10)]
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    proc = context.Process(target=_flood_clients, args=(base, bodies, leave_after, out))
+    proc.start()
+    proc.out, proc.statuses = out, statuses  # type: ignore[attr-defined]
+    return [proc]
+
+
+def join(procs: list[Any]) -> None:
+    for proc in procs:
+        proc.statuses.update(proc.out.get(timeout=300))
+        proc.join()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--deadline", type=float, default=5.0, help="FOLDWISE_DERIVE_TIMEOUT_SECONDS (issue 26: 5)")
+    ap.add_argument("--steps", type=int, default=45, help="the slow spec's steps (45: 6 KB, ~10 s to derive)")
+    ap.add_argument("--idle", type=float, default=12.0, help="seconds of idle measurement (half before, half after)")
+    ap.add_argument("--repo", default=None, help="run the server from this checkout (e.g. the code before issue 26)")
+    ap.add_argument("--waves", type=int, default=3, help="floods of 10, one after another")
+    args = ap.parse_args()
+    os.environ["FOLDWISE_DERIVE_TIMEOUT_SECONDS"] = str(args.deadline)
+    if args.repo:
+        import tests.support.servers as servers
+
+        servers.REPO = Path(args.repo).resolve()  # the server's code (first on its PYTHONPATH)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = LiveServer(f"sqlite:///{tmp}/flood.db", Path(tmp))
+        try:
+            measure(server.base, 1.0)  # warm up
+            rows, statuses = {}, Counter()
+            idle = measure(server.base, args.idle / 2)
+            samples: dict[str, list[float]] = {"/v1/jobs": [], "/healthz": []}
+            t0 = time.monotonic()
+            for wave in range(args.waves):
+                threads = flood(server.base, args.steps, 10 * wave, statuses, None)
+                time.sleep(0.2)
+                while any(t.is_alive() for t in threads):
+                    for path, times in measure(server.base, 0.5).items():
+                        samples[path] += times
+                join(threads)
+            flood_s = (time.monotonic() - t0) / args.waves
+            rows["flood"] = samples
+            join(flood(server.base, args.steps, 1000, statuses, 0.5))
+            rows["abandoned"] = measure(server.base, max(flood_s, 3.0))
+            rows = {"idle": idle, **rows, "idle after": measure(server.base, args.idle / 2)}
+            log = server.log_path.read_text(errors="replace")
+        finally:
+            server.stop()
+    load_after = os.getloadavg()
+    idle = {path: pct(times, 0.99) for path, times in rows["idle"].items()}
+    print(f"server code: {args.repo or 'this checkout'}")
+    print(f"derivation flood: {args.waves} waves of 10 specs of {args.steps} steps at once, deadline "
+          f"{args.deadline:g} s, {flood_s:.1f} s a wave; answers: {dict(statuses)}")
+    print(f"load average (1, 5, 15 min): before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
+          f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}; {os.cpu_count()} CPUs\n")
+    print("| phase | GET | n | p50 ms | p99 ms | p99 / idle p99 |")
+    print("|---|---|---|---|---|---|")
+    for phase, by_path in rows.items():
+        for path, times in by_path.items():
+            p99 = pct(times, 0.99)
+            print(f"| {phase} | {path} | {len(times)} | {pct(times, 0.5):.2f} | {p99:.2f} | "
+                  f"{p99 / idle[path]:.2f} |")
+    gone, stopped = log.count("a derivation's client has gone"), log.count("derivation stopped")
+    s503, s429 = log.count('"status": 503'), log.count('"status": 429')
+    print(f"\nserver log: {gone} clients gone while deriving, {stopped} derivations stopped (killed: deadline "
+          f"or nobody waiting); {s503} answers 503, {s429} 429")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
