@@ -124,9 +124,12 @@ class AccessLog:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message.setdefault("headers", [])
-                # nosniff: a browser never reads a JSON (or any) answer as another type
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode()),
-                                      (b"x-content-type-options", b"nosniff")]
+                headers = [*message["headers"], (b"x-request-id", request_id.encode())]
+                # nosniff: a browser never reads a JSON (or any) answer as another type; once (the
+                # dashboard's pages carry it with their other security headers)
+                if not any(name.lower() == b"x-content-type-options" for name, _ in headers):
+                    headers.append((b"x-content-type-options", b"nosniff"))
+                message["headers"] = headers
             await send(message)
 
         try:
