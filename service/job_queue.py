@@ -264,15 +264,25 @@ def claim_job(session: Session, worker_id: str, *, target: str, measurer: str, l
         if candidate.status == "running" and _close_expired(candidate, now):
             if closed is not None:
                 closed.append((candidate.id, candidate.study_name))
+            _forget_lost_holder(session, candidate.id, worker_id)
             session.commit()
             continue
         if _take(session, candidate.id, worker_id, now, lease_seconds, take_expired):
+            _forget_lost_holder(session, candidate.id, worker_id)
             _set_worker_job(session, worker_id, candidate.id, now)
             session.commit()
             return get_job(session, candidate.id)
         session.rollback()  # another worker took it between our read and our update
     session.rollback()
     return None
+
+
+def _forget_lost_holder(session: Session, job_id: str, claimant: str) -> None:
+    """A job taken over (or closed) after its lease expired is no longer its lost worker's: that
+    worker's row stops naming it (a dead worker kept a ``current_job_id`` for ever)."""
+    session.execute(sa.update(WorkerRecord)
+                    .where(WorkerRecord.current_job_id == job_id, WorkerRecord.id != claimant)
+                    .values(current_job_id=None))
 
 
 def _check_worker_target(session: Session, worker_id: str, target: str) -> None:

@@ -23,7 +23,7 @@ from service import errors, job_queue, kernel_cache, spec_store
 from service.bundle import bundle_sha256, canonical_bytes, canonical_spec
 from service.bundle_maker import make_bundle
 from service.db import make_engine, session_factory, upgrade
-from service.models import Bundle, Job, Kernel, utcnow
+from service.models import Bundle, Job, Kernel, WorkerRecord, utcnow
 from service.tuning_request import tuning_request
 
 LSE = {"foldwise": 1, "name": "lse", "inputs": {"x": {"dims": ["m", "n"]}},
@@ -409,6 +409,22 @@ def test_expired_lease_is_taken_over_and_stale_worker_rejected(Session):
     assert after.status == "running" and after.trials_done == 2 and after.best["time_ms"] == 3.0
     with Session() as s:
         assert s.scalar(sa.select(sa.func.count()).select_from(Kernel)) == 0
+
+
+def test_a_lost_worker_stops_naming_the_job_taken_over_from_it(Session):
+    with Session() as s:
+        for wid in ("w1", "w2"):
+            job_queue.register_worker(s, wid, hostname="box", gpu_name=None, target="h100", measurer="model",
+                                      versions=VERSIONS)
+    job, _ = submit(Session)
+    claim(Session, "w1")
+    with Session() as s:
+        assert s.get(WorkerRecord, "w1").current_job_id == job.id
+    expire(Session, job.id)  # w1 died holding it
+    assert claim(Session, "w2").id == job.id
+    with Session() as s:
+        assert s.get(WorkerRecord, "w1").current_job_id is None  # was job.id for ever
+        assert s.get(WorkerRecord, "w2").current_job_id == job.id
 
 
 def test_tiny_lease_expires_by_itself(Session):
