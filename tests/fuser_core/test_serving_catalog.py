@@ -205,6 +205,48 @@ def test_out_of_range_labels_are_refused(derived, name, label, allowed):
         run(spec, {"t": 5, "v": 9}, "float32", {"logits": np.zeros((5, 9)), "target": target}, derivation=d)
 
 
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+def test_cross_entropy_bf16_logits_with_int32_or_int64_labels(derived, index_dtype):
+    """One job binds a dtype per input (issue 24): bf16 logits with int32 or int64 labels, as the
+    float64 formula over the bf16-rounded logits gives it, within bf16's rounding of the outputs."""
+    rng = np.random.default_rng(11)
+    t, vocab = 9, 37
+    logits = rng.standard_normal((t, vocab)) * 3
+    logits[3] += 100
+    target = rng.integers(0, vocab, t)
+    target[[2, 6]] = -100
+    rounded = torch.tensor(logits).bfloat16().double()
+    want = F.cross_entropy(rounded, torch.tensor(target), ignore_index=-100, reduction="none").numpy()
+    dtype = {"logits": "bfloat16", "target": index_dtype}
+    for strategy, got in run_all(derived, "cross_entropy_ignore", {"t": t, "v": vocab},
+                                 {"logits": logits, "target": target}, {"v": 8, "t": 4}, dtype=dtype).items():
+        np.testing.assert_allclose(got["loss"], want, rtol=2.0**-7, atol=2.0**-7, err_msg=strategy)
+        assert np.all(got["loss"][[2, 6]] == 0), strategy
+    spec, d = derived("cross_entropy_ignore")
+    target[4] = vocab  # still refused as an int32 or int64 label
+    with pytest.raises(ShapeError, match=rf"inputs.target: holds {vocab} at position \[4\]"):
+        run(spec, {"t": t, "v": vocab}, dtype, {"logits": logits, "target": target}, derivation=d)
+
+
+def test_a_float_input_of_another_dtype_than_the_rest_is_bound_as_given(derived):
+    """bf16 activations with an fp32 weight (one job, issue 24): the output is stored in bf16 and lies
+    within one bf16 ulp of the float64 result over the bf16 x and the float32 weight (HF's RMSNorm
+    computes in float32 and rounds once: half an ulp)."""
+    spec, d = derived("rmsnorm")
+    rng = np.random.default_rng(12)
+    t, c = 5, 37
+    x, w = rng.standard_normal((t, c)), rng.standard_normal(c)
+    want = F.rms_norm(torch.tensor(x).bfloat16().double(), (c,), torch.tensor(w).float().double(), eps=1e-6)
+    ulp = 2.0 ** (torch.floor(torch.log2(want.abs())) - 7)  # bf16 keeps 8 significant bits
+    for strategy in ALL:
+        with interpreter_quiet():
+            result = run(spec, {"t": t, "c": c}, {"x": "bfloat16", "w": "float32"}, {"x": x, "w": w},
+                         strategy=strategy, config=config(strategy, {"c": 8}), derivation=d)
+        y = result.outputs["y"]
+        assert y.dtype == torch.bfloat16, strategy
+        assert torch.all((y.double() - want).abs() <= ulp), strategy
+
+
 # ----------------------------------------------------------------------------- norms and activations
 
 def test_rmsnorm_residual_matches_torch(derived):

@@ -123,6 +123,24 @@ def test_a_catalog_name_in_spec_is_the_catalog_spec(client) -> None:
     assert_problem(client.post("/v1/derivations", json={"spec": "../fuser_core/catalog/safe_softmax"}), 422, "spec")
 
 
+def test_one_job_binds_a_dtype_per_input_and_index_inputs_take_int32_or_int64(client) -> None:
+    """bf16 logits with int32 labels is one job (issue 24); int64 labels are another kernel, so
+    another job; a float dtype for the labels is refused naming the input."""
+    shape = {"t": 64, "v": 128}
+    jobs = {}
+    for labels in ("int32", "int64"):
+        r = client.post("/v1/jobs", json=job_body(spec="cross_entropy_ignore", shape=shape,
+                                                  dtype={"logits": "bfloat16", "target": labels}))
+        assert r.status_code == 202, r.text
+        jobs[labels] = r.json()
+    assert jobs["int32"]["id"] != jobs["int64"]["id"]
+    assert "int32" in json.dumps(jobs["int32"]["dtype"]) and "bfloat16" in json.dumps(jobs["int32"]["dtype"])
+    body = assert_problem(client.post("/v1/jobs", json=job_body(spec="cross_entropy_ignore", shape=shape,
+                                                               dtype={"logits": "bfloat16", "target": "float32"})),
+                          422, "dtype.target")
+    assert "index input 'target'" in body["detail"] and "int32, int64" in body["detail"]
+
+
 # ----------------------------------------------------------------------------- the caller's names
 
 
