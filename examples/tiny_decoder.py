@@ -209,10 +209,11 @@ def normwise(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def compare(cache, cfg: Config = Config(), lengths: tuple[int, ...] = (8, 5), steps: int = 4,  # noqa: ANN001
-            trials: int | None = None, compile_backend: str | None = "aot_eager", target: str = "h100") -> list[dict]:
+            trials: int | None = None, compile_backend: str | None = "aot_eager", target: str = "h100",
+            device: str = "cpu") -> list[dict]:
     """Rows of the example's table: each phase's logits error against plain torch, and whether tokens agree."""
-    w = init_weights(cfg)
-    tokens, kv_start = left_padded_batch(cfg, list(lengths))
+    w = init_weights(cfg, device=device)
+    tokens, kv_start = (t.to(device) for t in left_padded_batch(cfg, list(lengths)))
     fw = FoldwiseOps(cache, target)
     fw.prepare(cfg, len(lengths), trials)
     want = generate(TorchOps(), w, cfg, tokens, kv_start, steps)
@@ -222,7 +223,7 @@ def compare(cache, cfg: Config = Config(), lengths: tuple[int, ...] = (8, 5), st
         runs[f"foldwise, torch.compile(fullgraph=True, backend={compile_backend!r})"] = generate(
             fw, w, cfg, tokens, kv_start, steps,
             step_fn=torch.compile(forward, fullgraph=True, backend=compile_backend, dynamic=False))
-    real = torch.arange(tokens.shape[1])[None, :] >= kv_start[:, None]  # pad rows' logits are no token's
+    real = torch.arange(tokens.shape[1], device=device)[None, :] >= kv_start[:, None]  # pad rows' logits are no token's
     rows = []
     for name, got in runs.items():
         rows.append({"run": name, "phase": "prefill (left-padded batch)",
@@ -243,26 +244,81 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def bench(cache, cfg: Config, batch: int, steps: int, target: str) -> str:  # noqa: ANN001
-    """Decode tokens per second (GPU): plain torch, torch.compile of it, Foldwise ops."""
+def bench(cache, cfg: Config, batch: int, steps: int, target: str, trials: int | None = None,  # noqa: ANN001
+          compile_backend: str = "inductor") -> list[dict]:
+    """Decode tokens per second on the GPU, each run timed after a warm-up run of the same steps:
+    plain torch, plain torch under ``torch.compile``, the Foldwise ops, and the Foldwise ops under
+    ``torch.compile(fullgraph=True)``. Tokens are the batch's prompt and generated positions."""
     w = init_weights(cfg, device="cuda")
-    tokens, kv_start = left_padded_batch(cfg, [cfg.max_len // 2] * batch)
-    tokens, kv_start = tokens.cuda(), kv_start.cuda()
+    tokens, kv_start = (t.cuda() for t in left_padded_batch(cfg, [cfg.max_len // 2] * batch))
     fw = FoldwiseOps(cache, target)
-    fw.prepare(cfg, batch)
-    lines = ["| ops | tokens/s |", "|---|---|"]
-    for name, ops, fn in [("torch", TorchOps(), forward), ("torch.compile", TorchOps(), torch.compile(forward)),
-                          ("foldwise", fw, forward)]:
+    fw.prepare(cfg, batch, trials)
+    runs = [("torch", TorchOps(), forward),
+            (f"torch.compile({compile_backend})", TorchOps(), torch.compile(forward, backend=compile_backend)),
+            ("foldwise", fw, forward),
+            (f"foldwise, torch.compile(fullgraph=True, {compile_backend})", fw,
+             torch.compile(forward, fullgraph=True, backend=compile_backend))]
+    rows = []
+    for name, ops, fn in runs:
         generate(ops, w, cfg, tokens, kv_start, steps, fn)  # warm-up (compiles)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         generate(ops, w, cfg, tokens, kv_start, steps, fn)
         torch.cuda.synchronize()
-        lines.append(f"| {name} | {batch * (steps + tokens.shape[1]) / (time.perf_counter() - t0):.0f} |")
+        seconds = time.perf_counter() - t0
+        rows.append({"ops": name, "batch": batch, "prompt": tokens.shape[1], "steps": steps, "seconds": seconds,
+                     "tokens_per_s": batch * (steps + tokens.shape[1]) / seconds})
+    return rows
+
+
+def bench_table(rows: list[dict]) -> str:
+    lines = ["| ops | batch | prompt | decode steps | seconds | tokens/s |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['ops']} | {r['batch']} | {r['prompt']} | {r['steps']} | {r['seconds']:.3f} | "
+              f"{r['tokens_per_s']:.0f} |" for r in rows]
     return "\n".join(lines)
 
 
+def graph_capture(cache, cfg: Config, batch: int, target: str, trials: int | None = None) -> dict:  # noqa: ANN001
+    """The Foldwise ops of one decode step (residual add + RMSNorm, then attention over the KV cache)
+    captured in a CUDA graph and replayed on new data: a host synchronisation, an HTTP request or
+    a disk read on the call path would fail the capture or miss the replayed data. Their outputs
+    after the replay against plain torch on the same data (max absolute difference)."""
+    fw = FoldwiseOps(cache, target)
+    fw.prepare(cfg, batch, trials)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x, residual = (torch.randn(batch, 1, cfg.hidden, device="cuda", generator=g) for _ in range(2))
+    norm_w = torch.randn(cfg.hidden, device="cuda", generator=g)
+    n, r = cfg.max_len, cfg.heads // cfg.kv_heads
+    q = torch.randn(batch, cfg.heads, 1, cfg.head_dim, device="cuda", generator=g)
+    k, v = (torch.randn(batch, cfg.kv_heads, n, cfg.head_dim, device="cuda", generator=g) for _ in range(2))
+    kv_start = torch.arange(batch, device="cuda") % (n // 2)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        y, h = fw.add_rmsnorm(x, residual, norm_w)
+        return y, h, fw.attention(q, k, v, kv_start)
+
+    side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graphs asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step()
+    for t in (x, residual, q, k, v):  # new data in the captured buffers
+        t.copy_(torch.randn(t.shape, device="cuda", generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch_ops = TorchOps()
+    want = (*torch_ops.add_rmsnorm(x, residual, norm_w), torch_ops.attention(q, k, v, kv_start))
+    return {"captured": True, "replayed": True, "batch": batch, "kv_len": n,
+            "max_abs_err": max(float((a - b).abs().max()) for a, b in zip(got, want))}
+
+
 def main(argv: list[str] | None = None) -> int:
+    import json
+    import os
+
     from service.client import KernelCache
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -271,14 +327,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="h100")
     ap.add_argument("--trials", type=int, default=None, help="tuning trials per missing kernel (server default)")
     ap.add_argument("--backend", default="aot_eager", help="torch.compile backend for the compiled run ('' skips it)")
-    ap.add_argument("--bench", action="store_true", help="decode tokens/s on the GPU")
+    ap.add_argument("--bench", action="store_true",
+                    help="on a GPU: decode tokens/s against torch and torch.compile, and a CUDA-graph capture")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
+    gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    if args.bench and not gpu:
+        ap.error("--bench needs a CUDA GPU (and TRITON_INTERPRET unset)")
+    results: dict = {"device": torch.cuda.get_device_name(0) if gpu else "cpu (Triton's interpreter)"}
     with KernelCache(args.server, token=args.token) as cache:
-        rows = compare(cache, trials=args.trials, compile_backend=args.backend or None, target=args.target)
+        rows = compare(cache, trials=args.trials, compile_backend=args.backend or None, target=args.target,
+                       device="cuda" if gpu else "cpu")
+        results["compare"] = rows
         print(table(rows))
         if args.bench:
-            print(bench(cache, Config(max_len=512), batch=8, steps=64, target=args.target))
-    return 0 if all(r["tokens_equal"] is not False and r["logits_err"] <= 1e-5 for r in rows) else 1
+            cfg = Config(max_len=512)
+            results["bench"] = bench(cache, cfg, batch=8, steps=64, target=args.target, trials=args.trials)
+            results["bench_table"] = bench_table(results["bench"])
+            print(results["bench_table"])
+            results["graph_capture"] = graph_capture(cache, cfg, batch=8, target=args.target, trials=args.trials)
+            print(f"CUDA graph capture of a decode step's Foldwise ops: {results['graph_capture']}")
+    ok = all(r["tokens_equal"] is not False and r["logits_err"] <= 1e-5 for r in rows)
+    results["passed"] = ok
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

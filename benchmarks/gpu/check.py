@@ -12,7 +12,11 @@ saved as soon as it ends, so a run cut short still leaves what it measured:
 3. **client**: a bundle built from the cubin the worker launched (as a cuda-measured job stores
    it) is loaded in a fresh process with an empty Triton cache: it must run without compiling
    and match float64;
-4. **speed**: the paper suite in priority order with the cuda measurer, a few trials per case,
+4. **decoder**: ``examples/tiny_decoder.py --bench`` against a local ``foldwise serve`` (SQLite, one
+   worker tuning on this GPU): the model against plain torch in float32, decode tokens per second
+   against plain torch and ``torch.compile``, and a CUDA-graph capture of the Foldwise ops (GPU only:
+   its CPU run is the CI test ``tests/e2e/test_example_decoder.py``);
+5. **speed**: the paper suite in priority order with the cuda measurer, a few trials per case,
    against torch eager, ``torch.compile``, torch's own kernel and the experts of
    :mod:`tuner.experts` (Liger-Kernel, SDPA per backend, a split-KV decoder,
    ``torch._scaled_mm``), all timed side by side in one worker; the copy bandwidth is the ceiling.
@@ -49,8 +53,9 @@ if str(REPO) not in sys.path:
 PRIORITY = ("cross_entropy", "safe_softmax", "attention_causal", "attention", "rmsnorm", "layernorm", "moe_routing",
             "fp8_quant_per_token", "logsumexp", "fp8_quant_gemm")
 # The stages in the order they run; each one's share of the budget (speed takes what the others leave).
-STAGES = ("probes", "correctness", "specials", "accuracy", "client", "speed")
-SHARES = {"probes": 0.05, "correctness": 0.4, "specials": 0.08, "accuracy": 0.08, "client": 0.1}
+STAGES = ("probes", "correctness", "specials", "accuracy", "client", "decoder", "speed")
+SHARES = {"probes": 0.05, "correctness": 0.3, "specials": 0.08, "accuracy": 0.08, "client": 0.08, "decoder": 0.25}
+DECODER_TRIALS = 2  # tuning trials per kernel of the example (6 kernels: two model sizes x three specs)
 CLIENT_SPEC = "safe_softmax"
 
 
@@ -423,6 +428,52 @@ def client_load(path: str, seed: int) -> dict[str, Any]:
             "compiled_stages": stages, "no_compile": info.get("loaded") == "cubin" and not stages}
 
 
+def decoder(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
+    """The end-to-end example on the GPU (issue 24): a real ``foldwise serve`` tunes its kernels with
+    the cuda measurer, then the example's own command line runs and writes its JSON."""
+    if args.device != "cuda":
+        return {"skipped": "no GPU: the example's CPU run is tests/e2e/test_example_decoder.py"}
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + budget_s
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = Path(tmp) / "serve.log"
+        with open(log_path, "wb") as log:
+            server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--db", f"sqlite:///{tmp}/fw.db",
+                                       "--port", str(port), "--workers", "1", "--measurer", "cuda",
+                                       "--target", args.target], stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+        up_by = min(deadline, time.monotonic() + 90)
+        try:
+            while True:  # up when /healthz answers
+                try:
+                    with urllib.request.urlopen(base + "/healthz", timeout=2):
+                        break
+                except OSError:
+                    if server.poll() is not None or time.monotonic() > up_by:
+                        return {"error": f"foldwise serve did not start: {log_path.read_text()[-2000:]}"}
+                    time.sleep(0.3)
+            out_json = Path(tmp) / "decoder.json"
+            left = max(10.0, deadline - time.monotonic())
+            proc = subprocess.run([sys.executable, str(REPO / "examples" / "tiny_decoder.py"), "--server", base,
+                                   "--target", args.target, "--trials", str(DECODER_TRIALS), "--bench",
+                                   "--json", str(out_json)], capture_output=True, text=True, timeout=left)
+            if not out_json.exists():
+                return {"error": f"the example wrote no results (rc {proc.returncode}): {proc.stderr[-3000:]}",
+                        "serve_log": log_path.read_text()[-2000:]}
+            return {**json.loads(out_json.read_text()), "rc": proc.returncode}
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
 def speed(args: argparse.Namespace, budget_s: float, save_partial: Callable[[dict], None]) -> dict[str, Any]:
     """The paper suite (tiny: the smoke suite) in priority order through ``foldwise bench``'s
     pipeline, with the experts, inside the budget."""
@@ -490,6 +541,25 @@ def correctness_markdown(results: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def decoder_markdown(stage: Mapping[str, Any]) -> list[str]:
+    """The example's section: its error against plain torch, tokens/s, the CUDA-graph capture."""
+    if not stage or "skipped" in stage:
+        return []
+    lines = ["## End-to-end example (examples/tiny_decoder.py through a local foldwise serve)", ""]
+    if "error" in stage:
+        lines.append(f"- stage error: {str(stage['error'])[-800:]}")
+    rows = stage.get("compare", [])
+    if rows:
+        worst = max(r["logits_err"] for r in rows)
+        lines.append(f"- float32 against plain torch: worst logits error {worst:.1e} (normwise), tokens "
+                     + ("identical" if all(r["tokens_equal"] is not False for r in rows) else "DIFFER"))
+    if stage.get("bench_table"):
+        lines += ["", stage["bench_table"], ""]
+    if stage.get("graph_capture"):
+        lines.append(f"- CUDA graph capture of a decode step's Foldwise ops: {stage['graph_capture']}")
+    return [*lines, ""]
+
+
 def summary_markdown(results: Mapping[str, Any]) -> str:
     st = results["stages"]
     dev = results.get("device_facts", {})
@@ -529,6 +599,7 @@ def summary_markdown(results: Mapping[str, Any]) -> str:
         if "error" in ac:
             lines.append(f"- stage error: {ac['error'][-600:]}")
         lines.append("")
+    lines += decoder_markdown(st.get("decoder", {}))
     cl = st.get("client", {})
     if cl:
         lines += ["## Client path", "", "```", json.dumps({k: val for k, val in cl.items() if k != "seconds"}, indent=1,
@@ -602,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock seconds for all stages")
     ap.add_argument("--trials", type=int, default=3, help="tuning trials per speed case")
     ap.add_argument("--only", default=None, help="speed: comma-separated spec names")
-    ap.add_argument("--stages", default="probes,correctness,specials,accuracy,client,speed")
+    ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--target", default=None, help="the GPU profile when the device name has none")
     ap.add_argument("--timeout-s", type=float, default=90.0, help="one measurement job")
     ap.add_argument("--compile-workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
@@ -672,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
                 (out / "speed.md").write_text(markdown(stage))
             else:
                 stage = {"probes": probes, "correctness": correctness, "specials": specials, "accuracy": accuracy,
-                         "client": client}[name](args, budget)
+                         "client": client, "decoder": decoder}[name](args, budget)
         except Exception:  # noqa: BLE001 (one stage's failure is recorded; the others still run)
             stage = {**results["stages"].get(name, {}), "error": traceback.format_exc()[-4000:]}
         stage["seconds"] = time.monotonic() - t0

@@ -176,6 +176,9 @@ def test_dry_run_writes_the_results_of_a_gpu_run(full_dry_run: dict) -> None:
     assert "Triton interpreter" in (out / "summary.md").read_text()
     assert "not GPU" in (out / "speed.md").read_text()
     assert results["stages"]["probes"] == {"skipped": "no GPU: probes need CUDA", "seconds": pytest.approx(0, abs=1)}
+    # the example's tokens/s need a GPU; its CPU run is the CI test it names
+    assert results["stages"]["decoder"]["skipped"] == "no GPU: the example's CPU run is tests/e2e/test_example_decoder.py"
+    assert "decoder: not run (no GPU" in (out / "summary.md").read_text()
 
 
 def test_dry_run_checks_every_catalog_kernel(full_dry_run: dict) -> None:

@@ -6,10 +6,12 @@ plain torch (float32, Triton's interpreter) and again under ``torch.compile(full
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
-from service.client import KernelCache
 from tests.e2e.test_serve_processes import start_serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,18 +26,30 @@ def load_example():
 
 
 def test_tiny_decoder_matches_torch_through_served_kernels(tmp_path: Path) -> None:
+    """The example's own command line (as the GPU check runs it, there with --bench), its JSON read back."""
     example = load_example()
     server, base, _ = start_serve(tmp_path, 1)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "FOLDWISE_CACHE_DIR": str(tmp_path / "client"), "TRITON_INTERPRET": "1"}
     try:
-        with KernelCache(base, cache_dir=tmp_path / "client") as cache:
-            rows = example.compare(cache, trials=2)
+        proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_decoder.py"), "--server", base,
+                               "--trials", "2", "--json", str(tmp_path / "decoder.json")],
+                              capture_output=True, text=True, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        results = json.loads((tmp_path / "decoder.json").read_text())
+        rows = results["compare"]
         print("\n" + example.table(rows))
+        assert results["passed"] is True and "| foldwise | decode step 4 |" in proc.stdout
         runs = {r["run"] for r in rows}
         assert len(runs) == 2 and any("fullgraph=True" in r for r in runs)  # eager and compiled
         assert all(r["logits_err"] <= 1e-5 for r in rows), example.table(rows)
         assert all(r["tokens_equal"] for r in rows if r["tokens_equal"] is not None), example.table(rows)
         assert all(r["loss_err"] <= 1e-5 for r in rows if r["loss_err"] is not None), example.table(rows)
         assert sum(r["phase"].startswith("decode") for r in rows) == 8
+        # --bench times the GPU: refused at once, naming the need, where there is none
+        proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_decoder.py"), "--server", base,
+                               "--bench"], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 2 and "--bench needs a CUDA GPU" in proc.stderr
     finally:
         server.terminate()
         server.wait(timeout=60)
