@@ -33,7 +33,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 ALL = (*STRATEGIES, BASELINE)
 B, G, R, N, D, E = 2, 2, 2, 37, 7, 6  # n = 37: four tiles of 8 and a partial one
 SERVING = ("attention_gqa", "attention_padded", "attention_varlen", "attention_sliding_window",
-           "attention_softcap", "cross_entropy_ignore", "rmsnorm_residual", "swiglu_fp8_per_token")
+           "attention_softcap", "attention_sink", "cross_entropy_ignore", "rmsnorm_residual", "swiglu_fp8_per_token")
 
 
 def config(strategy: str, blocks: dict[str, int], resident_tiles: bool = False) -> KernelConfig | None:
@@ -137,6 +137,27 @@ def test_attention_matches_torch(derived, name, m, extra):
     shape = {"b": B, "g": G, "r": R, "m": m, "n": N, "d": D, "e": E}
     for strategy, got in run_all(derived, name, shape, inputs, {"n": 8, "e": 4}).items():
         np.testing.assert_allclose(got["o"], want, rtol=2e-5, atol=2e-6, err_msg=f"{name} {strategy}")
+
+
+def gpt_oss_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's reference ``sdpa`` with sinks: each head's sink logit is a column appended to the scores,
+    softmax over it, the column dropped, times v."""
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    column = sink.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    return weights @ v
+
+
+def test_attention_sink_matches_gpt_oss_reference(derived):
+    rng = np.random.default_rng(13)
+    b, h, m, n, d, e = 2, 3, 5, N, D, E
+    q, k, v = rng.standard_normal((b, h, m, d)), rng.standard_normal((b, h, n, d)), rng.standard_normal((b, h, n, e))
+    k[1, 2] += 40  # one head's scores near 100 (q . k / sqrt(d) with a large shared offset)
+    sink = np.array([-np.inf, 0.5, 60.0])  # no sink, a small one, one above most scores
+    want = gpt_oss_sink_attention(*(torch.tensor(a) for a in (q, k, v, sink))).numpy()
+    for strategy, got in run_all(derived, "attention_sink", {"b": b, "h": h, "m": m, "n": n, "d": d, "e": e},
+                                 {"q": q, "k": k, "v": v, "sink": sink}, {"n": 8, "d": 8, "e": 8}).items():
+        np.testing.assert_allclose(got["o"], want, rtol=2e-4, atol=2e-5, err_msg=strategy)
 
 
 def test_sliding_window_matches_torchs_band():
