@@ -25,7 +25,9 @@ from fuser_core import (
 from service.bundle.formats import shape_text, user_names
 from service.bundle.hashing import BundleError
 from service.bundle.verify import verify_bundle
+
 _LOCK = threading.Lock()
+CHECKED_SIZES_KEPT = 1024  # distinct input sizes a kernel remembers as checked (BundleKernel._checked)
 _MODULES: dict[str, tuple[ModuleType, bool]] = {}  # source sha256 -> (module, interpreted)
 
 
@@ -149,6 +151,9 @@ class BundleKernel:
         self._parts = tuple(self._output_part(part) for part in self._user.output_parts)
         # index inputs that select a position (a label): read from the spec once, checked per call
         self._index_rules = index_ranges(self._user)
+        # sizes already checked -> (bound, shape): a forward pass calls with few distinct sizes, and the
+        # checks (bind_shape: the spec's rules, size_limits) were half a warm call's host time
+        self._checked_sizes: dict[tuple, tuple[dict[str, int], dict[str, int]]] = {}
 
     def _output_part(self, part: str) -> _OutputPart:
         step, _, suffix = part.partition(".")
@@ -315,7 +320,7 @@ class BundleKernel:
         for s in self._user.steps:
             if s.as_dim is not None:
                 sizes[s.as_dim] = int(s.k)  # type: ignore[arg-type]
-        bound, shape = self._check_sizes(sizes)
+        bound, shape = self._checked(sizes)
         scalars = self._bind_scalars(given_scalars, bound)
         if out is None:  # contiguous in the caller's dim order (module docstring, "Output layout")
             dst = {p.name: torch.empty([bound[d] for d in p.storage], dtype=getattr(torch, p.dtype), device=device)
@@ -396,6 +401,18 @@ class BundleKernel:
         for name, tensor in dst.items():
             tensor.copy_(results[name])
         return dst
+
+    def _checked(self, sizes: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+        """:meth:`_check_sizes`, remembered per distinct sizes (read-only results; a refusal is not
+        remembered). Cleared when full: a decode loop's growing KV length brings a new size per step."""
+        key = tuple(sizes.items())  # the inputs' order fixes the items' order
+        checked = self._checked_sizes.get(key)
+        if checked is None:
+            checked = self._check_sizes(sizes)
+            if len(self._checked_sizes) >= CHECKED_SIZES_KEPT:
+                self._checked_sizes.clear()
+            self._checked_sizes[key] = checked
+        return checked
 
     def _check_sizes(self, sizes: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
         """The sizes bound to the caller's spec, and in canonical names."""

@@ -354,8 +354,9 @@ def test_sizes_beyond_a_whole_block_are_refused():
     dtypes = bind_dtypes(spec, "float32")
     big = {**shape, axis: 65}
     arrays = to_torch(random_inputs(spec, big, np.random.default_rng(0), dtypes), dtypes, "cpu")
-    with pytest.raises(BundleError, match=f"dim {axis} = 65 is larger than 64"):
-        kernel(arrays)
+    for _ in range(2):  # checked sizes are remembered (BundleKernel._checked); a refusal is not
+        with pytest.raises(BundleError, match=f"dim {axis} = 65 is larger than 64"):
+            kernel(arrays)
     # attention holds its inner axis d whole
     spec, _ = loaded("attention")
     kernel = load_bundle(bundle_for("attention"), spec=spec)
@@ -365,6 +366,26 @@ def test_sizes_beyond_a_whole_block_are_refused():
     arrays = to_torch(random_inputs(spec, shape, np.random.default_rng(0), dtypes), dtypes, "cpu")
     with pytest.raises(BundleError, match="dim d = 9 is larger than 8"):
         kernel(arrays)
+
+
+def test_checked_sizes_are_remembered_within_a_bound(monkeypatch):
+    """A warm call skips the size rules for sizes it has checked; the memo stays bounded."""
+    from service.bundle import kernel as kernel_module
+
+    monkeypatch.setattr(kernel_module, "CHECKED_SIZES_KEPT", 2)
+    spec, derivation = loaded("safe_softmax")
+    shape = small_shape("safe_softmax")
+    axis, _ = loop_axis(spec)
+    kernel = load_bundle(bundle_for("safe_softmax", shape), spec=spec)
+    checks = []
+    real = kernel._check_sizes
+    monkeypatch.setattr(kernel, "_check_sizes", lambda sizes: checks.append(dict(sizes)) or real(sizes))
+    dtypes = bind_dtypes(spec, "float32")
+    for n in (5, 5, 6, 5, 7, 8):
+        arrays = to_torch(random_inputs(spec, {**shape, axis: n}, np.random.default_rng(n), dtypes), dtypes, "cpu")
+        kernel(arrays)
+    assert [c[axis] for c in checks] == [5, 6, 7, 8]  # 5 again was remembered
+    assert sorted(dict(k)[axis] for k in kernel._checked_sizes) == [7, 8]  # 7 found it full: cleared, then kept
 
 
 def bundle_dim(spec, dim: str) -> str:

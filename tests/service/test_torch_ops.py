@@ -390,3 +390,40 @@ def test_a_plain_call_runs_the_kernel_and_autograd_goes_through_the_operator(rms
     x.requires_grad_()
     with pytest.raises(RuntimeError, match="no autograd formula"):
         op(x=x, w=w)["y"].sum().backward()
+
+
+def test_only_plain_calls_skip_the_operator(rms, monkeypatch):
+    """The direct path is taken for plain tensors and parameters under no_grad; a torch dispatch
+    mode (a recording one here, as make_fx's proxy mode or a FakeTensorMode would be) or a tensor
+    subclass sends the call through the operator, where the mode sees it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from service.torch_ops import FoldwiseOp
+
+    class Seen(TorchDispatchMode):  # records the operators dispatched under it
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    direct = []
+    real = FoldwiseOp._eager
+    monkeypatch.setattr(FoldwiseOp, "_eager", staticmethod(lambda args: direct.append(real(args)) or direct[-1]))
+    op = foldwise_op(rms)
+    x, w = rms_inputs().values()
+    with torch.no_grad():
+        want = op(x=x, w=torch.nn.Parameter(w))["y"]
+    assert direct == [True]  # the kernel itself
+    with Seen() as mode:
+        got = op(x=x, w=w)["y"]
+    assert direct == [True, False] and "foldwise.run.default" in mode.ops
+    assert torch.equal(got, want)
+
+    class Tagged(torch.Tensor):
+        pass
+
+    op(x=x.as_subclass(Tagged), w=w)
+    assert direct == [True, False, False]
