@@ -6,7 +6,8 @@ is unique, so of concurrent identical submissions exactly one INSERT wins and th
 its job on retry. It stays set while the job is queued, running or succeeded, and is cleared
 when a job fails or is cancelled, so a resubmission then starts afresh. A kernel already
 cached for the exact key (:mod:`service.kernel_cache`, with this code's Triton and generator
-versions) is answered with a succeeded job instead of a new search. The spec is stored once
+versions) is answered with a succeeded job instead of a new search; a failed job's partial
+kernel (:func:`keep_partial`) never is. The spec is stored once
 (:mod:`service.spec_store`); jobs keep the canonical shape.
 
 **Leases.** A worker claims a job with a lease (``lease_expires_at``) and renews it while it
@@ -383,6 +384,35 @@ def fail_job(session: Session, job_id: str, worker_id: str, error: str) -> None:
     _close(job, JobOutcome.FAILED, now, error or "failed (no reason given)")
     _set_worker_job(session, worker_id, None, now)
     session.commit()
+
+
+def keep_partial(session: Session, job_id: str, *, bundle: dict, kernel_fields: dict) -> Kernel | None:
+    """A failed job keeps its best kernel so far: ``bundle`` (of its best complete trial, which
+    passed the correctness and compile gates) stored as :func:`finish_job` stores one, but as the
+    key's ``partial`` kernel (:func:`service.kernel_cache.store_kernel`: ranked only against the
+    key's partial kernel, never served by a lookup or a submission), and the job points at it.
+
+    Only a failed job that keeps none yet: None (nothing stored) otherwise. Anyone may call it
+    (the worker that failed the job, or the one that failed it for its lost workers). Commits."""
+    content, digest = kernel_cache.bundle_content(bundle)
+    for _ in range(RETRIES):
+        job = _locked_job(session, job_id)
+        if job.status != JobOutcome.FAILED.value or job.kernel_id is not None:
+            session.rollback()
+            return None
+        try:
+            fields = kernel_cache.kernel_values(job, bundle, kernel_fields)
+            kernel = kernel_cache.store_kernel(session, job, fields, digest, content, partial=True)
+        except JobError:
+            session.rollback()
+            raise
+        except IntegrityError:  # another failed job stored the key's partial kernel concurrently
+            session.rollback()
+            continue
+        job.kernel_id, job.updated_at = kernel.id, utcnow()
+        if committed(session):
+            return kernel
+    raise JobError(f"could not store the partial kernel of job {job_id}: concurrent writers kept conflicting")
 
 
 # ----------------------------------------------------------------------------- trials

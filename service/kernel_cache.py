@@ -9,6 +9,12 @@ cached and the new one (a measurement beats a prediction, then lower time). Read
 :func:`find_kernel` (exact, else the nearest tuned shape), :func:`get_kernel`,
 :func:`get_bundle_bytes`, :func:`list_kernels`.
 
+A failed job's best kernel is stored here too, marked ``partial`` (:func:`store_kernel` with
+``partial=True``, in a row of its own: ``partial`` is part of the key). No reader that answers
+"which kernel runs this request" sees one (:func:`exact_kernel`, :func:`find_kernel`,
+:func:`list_kernels`): a partial kernel is reached only through its failed job or by its id
+(:func:`get_kernel`), its view saying ``partial`` (docs/DECISIONS.md, "Partial kernels").
+
 Functions that read end their transaction; the writers (:func:`store_kernel`) leave it to
 the caller, which commits the job and its kernel together.
 """
@@ -57,7 +63,8 @@ def exact_kernel(session: Session, request: TuningRequest) -> Kernel | None:
     return session.execute(sa.select(Kernel).where(
         Kernel.spec_hash == request.spec_hash, Kernel.shape_key == request.shape_key, Kernel.dtype == request.dtype_key,
         Kernel.target == request.target, Kernel.triton_version == triton_version,
-        Kernel.generator_version == generator_version).execution_options(populate_existing=True)).scalar_one_or_none()
+        Kernel.generator_version == generator_version, Kernel.partial == sa.false())
+        .execution_options(populate_existing=True)).scalar_one_or_none()
 
 
 def kernel_is_current(session: Session, kernel_id: str | None) -> bool:
@@ -124,15 +131,16 @@ def _rank(predicted: bool, time_ms: float) -> tuple[int, float]:
 
 
 def store_kernel(session: Session, job: Job, fields: dict[str, Any], digest: str, content: bytes, *,
-                 shape: Mapping[str, int] | None = None) -> Kernel:
+                 shape: Mapping[str, int] | None = None, partial: bool = False) -> Kernel:
     """Store (or keep the better) kernel for the job's key; ``shape``: a range job's bucket,
-    keyed by that shape instead of the job's."""
+    keyed by that shape instead of the job's. ``partial``: a failed job's best, ranked only
+    against the key's partial kernel (a finished kernel is never replaced by one)."""
     kshape = dict(shape) if shape is not None else job.shape
     kkey = shape_key(kshape) if shape is not None else job.shape_key
     existing = session.execute(sa.select(Kernel).where(
         Kernel.spec_hash == job.spec_hash, Kernel.shape_key == kkey, Kernel.dtype == job.dtype,
         Kernel.target == job.target, Kernel.triton_version == fields["triton_version"],
-        Kernel.generator_version == fields["generator_version"]).with_for_update()
+        Kernel.generator_version == fields["generator_version"], Kernel.partial == partial).with_for_update()
         .execution_options(populate_existing=True)).scalar_one_or_none()
     new_rank = _rank(fields["predicted"], fields["time_ms"])
     if (existing is not None and _rank(existing.predicted, existing.time_ms) <= new_rank
@@ -141,7 +149,7 @@ def store_kernel(session: Session, job: Job, fields: dict[str, Any], digest: str
     _store_bundle(session, digest, content)
     now = utcnow()
     kernel = existing or Kernel(id=new_id(), spec_hash=job.spec_hash, shape=kshape, shape_key=kkey,
-                                dtype=job.dtype, target=job.target, created_at=now)
+                                dtype=job.dtype, target=job.target, partial=partial, created_at=now)
     for name, value in fields.items():
         setattr(kernel, name, value)
     kernel.bundle_sha256, kernel.job_id, kernel.updated_at = digest, job.id, now
@@ -189,8 +197,10 @@ def _storedbundle_intact(session: Session, digest: str) -> bool:
 
 def list_kernels(session: Session, *, spec_hash: str | None = None, target: str | None = None,
                  dtype: str | None = None, limit: int = 100, offset: int = 0) -> list[Kernel]:
-    """Kernels, newest first, filtered by any of spec_hash, target, dtype (a dtype_key)."""
-    return newest_first(session, Kernel, limit, offset, spec_hash=spec_hash, target=target, dtype=dtype)
+    """Finished kernels (not partial ones), newest first, filtered by any of spec_hash, target,
+    dtype (a dtype_key)."""
+    return newest_first(session, Kernel, limit, offset, spec_hash=spec_hash, target=target, dtype=dtype,
+                        partial=False)
 
 
 def find_kernel(session: Session, *, spec_hash: str, target: str, dtype: str | Mapping[str, str],
@@ -207,7 +217,8 @@ def find_kernel(session: Session, *, spec_hash: str, target: str, dtype: str | M
     """
     skey = shape_key(shape) if shape is not None else None
     query = (sa.select(Kernel).where(Kernel.spec_hash == spec_hash, Kernel.target == str(target).strip().lower(),
-                                     Kernel.dtype == dtype_key(dtype)).limit(10 * MAX_LIST))
+                                     Kernel.dtype == dtype_key(dtype), Kernel.partial == sa.false())
+             .limit(10 * MAX_LIST))
     candidates = list(session.execute(query.execution_options(populate_existing=True)).scalars())
     if not candidates:
         session.commit()

@@ -56,7 +56,8 @@ class DatabaseCollector(Collector):
                 by_status = dict(session.execute(sa.select(Job.status, sa.func.count()).group_by(Job.status)).all())
                 by_state = dict(session.execute(
                     sa.select(TrialRecord.state, sa.func.count()).group_by(TrialRecord.state)).all())
-                n_kernels = session.scalar(sa.select(sa.func.count()).select_from(Kernel)) or 0
+                n_kernels = session.scalar(sa.select(sa.func.count()).select_from(Kernel)  # finished, not partial
+                                           .where(Kernel.partial == sa.false())) or 0
                 since = datetime.now(UTC) - timedelta(seconds=self.alive_within_s)
                 alive = session.scalar(sa.select(sa.func.count()).select_from(WorkerRecord)
                                        .where(WorkerRecord.last_heartbeat >= since)) or 0

@@ -143,12 +143,17 @@ class ServedBundle(Base):
 
 
 class Kernel(Base):
-    """The best kernel found for one cache key (spec, shape, dtype, target, Triton and generator versions)."""
+    """The best kernel found for one cache key (spec, shape, dtype, target, Triton and generator versions).
+
+    ``partial`` (migration 0007): the best kernel of a job that failed before it finished
+    (:func:`service.job_queue.keep_partial`), kept for that job's view and never served by a
+    lookup or a submission (:mod:`service.kernel_cache`). It is part of the key: one finished and
+    one partial kernel per key at most."""
 
     __tablename__ = "kernels"
     __table_args__ = (
         sa.UniqueConstraint("spec_hash", "shape_key", "dtype", "target", "triton_version", "generator_version",
-                            name="uq_kernels_key"),
+                            "partial", name="uq_kernels_key"),
         sa.Index("ix_kernels_lookup", "spec_hash", "target", "dtype"),
     )
 
@@ -168,6 +173,7 @@ class Kernel(Base):
     bundle_sha256: Mapped[str] = mapped_column(sa.String(64), sa.ForeignKey("bundles.sha256"))
     job_id: Mapped[str | None] = mapped_column(sa.String(32))  # the job that found it (no FK: jobs point here)
     baselines: Mapped[dict[str, Any] | None] = mapped_column(_json())
+    partial: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -230,6 +236,7 @@ class Job(Base):
     attempts: Mapped[int] = mapped_column(sa.Integer, default=0)
     trials_done: Mapped[int] = mapped_column(sa.Integer, default=0)
     best: Mapped[dict[str, Any] | None] = mapped_column(_json())
+    # a succeeded job's kernel; a failed job's partial kernel (Kernel.partial), if it kept one
     kernel_id: Mapped[str | None] = mapped_column(sa.String(32), sa.ForeignKey("kernels.id"))
     study_name: Mapped[str] = mapped_column(sa.String(4096))
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)

@@ -14,7 +14,9 @@
 4. on success builds the bundle (:func:`service.bundle_maker.make_bundle`, from that derivation:
    its kernel and its derivation report) and finishes the job
    (:func:`service.job_queue.finish_job`); when no configuration worked, fails it with the reason.
-   What became of the job is a :class:`service.job_outcome.JobOutcome`.
+   What became of the job is a :class:`service.job_outcome.JobOutcome`;
+5. a job that failed (a crash, its lost workers) keeps the bundle of its best complete trial,
+   marked partial (:meth:`Worker.keep_partial`, :func:`service.job_queue.keep_partial`).
 
 **Leases.** A trial can take long (a GPU measurement, or the interpreter's first check of a
 strategy), so the lease is renewed by a heartbeat thread (:class:`LeaseKeeper`) every
@@ -142,6 +144,7 @@ class Worker:
                                       take_expired=take_expired)
         for job_id, study_name in closed:
             self.close_orphans(job_id, study_name)
+            self.keep_partial(job_id)  # failed for its lost workers: it keeps its best so far (cancelled: nothing)
         return job
 
     def idle(self) -> None:
@@ -168,7 +171,49 @@ class Worker:
         outcome = self._settle(job, outcome, detail, keeper)
         if outcome.finished:
             self.close_orphans(job.id, job.study_name)
+        if outcome == JobOutcome.FAILED:
+            self.keep_partial(job.id)
         return outcome
+
+    def keep_partial(self, job_id: str) -> None:
+        """A failed job keeps its best kernel so far: the bundle of its best complete trial (the
+        job's ``best``, recorded from trials that passed the correctness and compile gates),
+        stored marked partial (:func:`service.job_queue.keep_partial`). Nothing for a job with no
+        complete trial, one not failed, or a range job (a range is served whole or not at all).
+        Best effort: the job has failed already, and stays failed with its reason whatever happens here."""
+        from types import SimpleNamespace
+
+        from fuser_core import derive_cascade, make_problem
+
+        try:
+            def read() -> Any:
+                with self.sessions() as session:
+                    job = job_queue.get_job(session, job_id)
+                    return job, spec_store.get_spec(session, job.spec_hash)
+
+            job, record = self.retry(read, "reading a failed job")
+            best = job.best
+            if job.status != JobOutcome.FAILED.value or job.kernel_id or not best or has_ranges(job.shape):
+                return
+            spec = spec_store.job_spec(record)
+            space = SimpleNamespace(problem=make_problem(spec, job.shape, job.dtype_value),
+                                    derivation=derive_cascade(spec), profile=self.profile)
+            result = SimpleNamespace(strategy=best["strategy"], config=best["config"] or {}, time_ms=best["time_ms"],
+                                     predicted=bool(best.get("predicted")), trials=job.trials_done,
+                                     best_trial=best.get("trial"))
+            bundle, fields = self._bundle(job, space, result, partial=True)
+
+            def store() -> Any:
+                with self.sessions() as session:
+                    return job_queue.keep_partial(session, job_id, bundle=bundle, kernel_fields=fields)
+
+            kernel = self.retry(store, "storing a failed job's partial kernel")
+        except Exception:  # noqa: BLE001 - the failure is stored; its partial kernel is an extra
+            log.exception("partial kernel not stored", extra={"job_id": job_id})
+            return
+        if kernel is not None:
+            log.info("partial kernel kept", extra={"job_id": job_id, "kernel_id": kernel.id,
+                                                   "time_ms": kernel.time_ms})
 
     def close_orphans(self, job_id: str, study_name: str) -> None:
         """Fail the RUNNING trials of the job's study that are not ours: we hold (or just ended or
@@ -394,9 +439,10 @@ class Worker:
                 if kernel.bundle_sha256 == bundle["sha256"]:
                     self._store_binary(session, kernel.bundle_sha256, bundle, binary)
 
-    def _bundle(self, job: Job, space: Any, result: Any) -> tuple[dict, dict]:
+    def _bundle(self, job: Job, space: Any, result: Any, *, partial: bool = False) -> tuple[dict, dict]:
         """The bundle of a search's best configuration (generated from the job's one derivation),
-        and its kernel fields."""
+        and its kernel fields. ``partial``: a failed job's best (:meth:`keep_partial`), which its
+        bundle says too (``measured.partial``), so a downloaded copy cannot pass for a finished one."""
         from service.bundle_maker import make_bundle
         from service.tuning import gpu_name
 
@@ -406,6 +452,8 @@ class Worker:
             "trials": result.trials, "best_trial": result.best_trial, "study": job.study_name,
             "worker_id": self.worker_id,
         }
+        if partial:
+            measured["partial"] = True
         baselines = _baselines(space, result)
         if baselines:
             measured["baselines"] = baselines

@@ -69,18 +69,25 @@ def iso(value: datetime | None) -> str | None:
 
 
 def job_view(job: Job | Any) -> dict[str, Any]:
-    """The JSON view of a job (an ORM ``Job`` or a Core row of the jobs table)."""
+    """The JSON view of a job (an ORM ``Job`` or a Core row of the jobs table).
+
+    A failed job's ``kernel_id`` (stored) is the partial kernel it kept (service.job_queue.keep_partial):
+    shown as ``partial_kernel_id``, never as ``kernel_id``, which only a finished kernel fills."""
+    partial = job.status == "failed" and job.kernel_id is not None
+    kernel_id = None if partial else job.kernel_id
     return {
         "id": job.id, "status": job.status, "spec_hash": job.spec_hash, "shape": job.shape,
         "dtype": _dtype(job.dtype), "target": job.target, "measurer": job.measurer,
         "budget": {"trials": job.budget_trials, "seconds": job.budget_seconds},
         # a range job runs budget.trials per bucket (service.shape_ranges)
         "progress": {"trials_done": job.trials_done, "trials_budget": job.budget_trials * bucket_count(job.shape)},
-        "best": job.best, "kernel_id": job.kernel_id, "error": job.error,
+        "best": job.best, "kernel_id": kernel_id, "error": job.error,
         "cancel_requested": bool(job.cancel_requested), "attempts": job.attempts, "worker_id": job.worker_id,
         "created_at": iso(job.created_at), "started_at": iso(job.started_at), "finished_at": iso(job.finished_at),
         "url": f"/v1/jobs/{job.id}",
-        "kernel_url": f"/v1/kernels/{job.kernel_id}" if job.kernel_id else None,
+        "kernel_url": f"/v1/kernels/{kernel_id}" if kernel_id else None,
+        "partial_kernel_id": job.kernel_id if partial else None,
+        "partial_kernel_url": f"/v1/kernels/{job.kernel_id}" if partial else None,
         "range": range_view(job.shape),  # a range job's buckets (docs/API.md, "Shape ranges"); else null
     }
 
@@ -95,7 +102,7 @@ def kernel_view(kernel: Kernel, exact: bool | None = None, *,
         "measurer": kernel.measurer, "predicted": kernel.predicted, "bundle_sha256": kernel.bundle_sha256,
         "triton_version": kernel.triton_version, "generator_version": kernel.generator_version,
         "job_id": kernel.job_id, "baselines": kernel.baselines, "created_at": iso(kernel.created_at),
-        "bundle_url": f"/v1/kernels/{kernel.id}/bundle",
+        "bundle_url": f"/v1/kernels/{kernel.id}/bundle", "partial": bool(kernel.partial),
     }
     if exact is not None:
         view["exact_match"] = exact
@@ -166,6 +173,10 @@ class JobView(BaseModel):
     finished_at: str | None
     url: str
     kernel_url: str | None
+    partial_kernel_id: str | None = Field(
+        None, description="a failed job only: the partial kernel it kept (the bundle of its best complete trial, "
+                          "GET /v1/kernels/{id} says partial: true); lookups and submissions never answer with it")
+    partial_kernel_url: str | None = None
     display_shape: dict[str, Any] = Field(description="shape in your dim names (those of the spec you submitted; "
                                                       "on reads, of the spec as first stored)")
     warnings: list[str] = Field(description="why a queued job may wait forever, e.g. no live worker takes its "
@@ -225,6 +236,8 @@ class KernelView(BaseModel):
     baselines: dict[str, Any] | None
     created_at: str | None
     bundle_url: str
+    partial: bool = Field(False, description="the best kernel of a job that failed before it finished (its job_id); "
+                                             "never the answer of a lookup (docs/API.md, \"Partial kernels\")")
 
 
 class WorkerView(BaseModel):

@@ -150,7 +150,8 @@ def spec_source(
     spec_hash = rec.spec_hash  # the full hash, when a prefix was given
     spec, derivation = _loaded(rec.source)
     kernel = session.scalars(
-        sa.select(Kernel).where(Kernel.spec_hash == spec_hash).order_by(Kernel.created_at.desc()).limit(1)
+        sa.select(Kernel).where(Kernel.spec_hash == spec_hash, Kernel.partial == sa.false())
+        .order_by(Kernel.created_at.desc()).limit(1)
     ).first()
     job = None
     if kernel is None:
@@ -280,13 +281,15 @@ def kernel_rows(
     session: Session, *, spec_hash: str | None = None, target: str | None = None, dtype: str | None = None,
     limit: int = 50, offset: int = 0,
 ) -> list[dict[str, Any]]:
-    """The kernel cache, newest first, with the spec's name, speedups and prediction vs measurement."""
+    """The kernel cache, newest first, with the spec's name, speedups and prediction vs measurement
+    (finished kernels: a failed job's partial one is shown on its job's page)."""
     if spec_hash:
         spec_hash = _full_hash(session, spec_hash, "query")
         if spec_hash is None:  # no stored spec has that prefix
             return []
     limit = max(1, min(int(limit), MAX_LIMIT))
-    query = sa.select(Kernel, SpecRecord.name).join(SpecRecord, SpecRecord.spec_hash == Kernel.spec_hash)
+    query = (sa.select(Kernel, SpecRecord.name).join(SpecRecord, SpecRecord.spec_hash == Kernel.spec_hash)
+             .where(Kernel.partial == sa.false()))
     if spec_hash:
         query = query.where(Kernel.spec_hash == spec_hash)
     if target:

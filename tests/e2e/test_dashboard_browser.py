@@ -108,7 +108,7 @@ def server(tmp_path_factory):
             raise RuntimeError(f"foldwise serve did not answer in 60 s:\n{_tail(work / 'server.log')}")
         time.sleep(0.3)
     yield {"base": base, "writer": writer, "reader": reader, "log": work / "server.log",
-           "downloads": work / "downloads"}
+           "downloads": work / "downloads", "url": url}
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=20)
@@ -487,6 +487,49 @@ def test_a_job_nobody_can_run_says_so_and_hash_prefixes_work(server, page):
     page.visible("#derivation")
     assert job["spec_hash"] in page.text("#main")
     _api(server, "POST", f"/v1/jobs/{job['id']}/cancel", server["writer"])
+
+
+def test_a_failed_jobs_page_shows_the_partial_kernel_it_kept(server, page):
+    """Issue 26: a job that failed after a good trial kept its best kernel, marked partial: its
+    page links that kernel labelled partial (never as the job's kernel), and the kernel's page
+    says partial too. Made in the server's database directly, for a target (l40s) no worker serves."""
+    from fuser_core.problem import make_problem
+    from fuser_core.spec import load_spec
+    from service import job_queue
+    from service.bundle import canonical_spec
+    from service.bundle_maker import make_bundle
+    from service.db import make_engine, session_factory
+    from service.tuning_request import tuning_request
+
+    raw = load_catalog()["safe_softmax"]
+    spec = load_spec(raw)
+    engine = make_engine(server["url"])
+    try:
+        with session_factory(engine)() as s:
+            job, _ = job_queue.submit_job(s, tuning_request(spec, json.dumps(raw), {"m": 5, "n": 48}, "float32",
+                                                            "l40s", "model", 4, 60.0))
+            assert job_queue.claim_job(s, "w-gone", target="l40s", measurer="model", lease_seconds=600).id == job.id
+            job_queue.record_trial(s, job.id, "w-gone", number=0, strategy="streaming_fused", config={},
+                                   time_ms=0.02, error=None, state="complete", predicted=True, source="tpe")
+            job_queue.fail_job(s, job.id, "w-gone", "CUDA error: illegal memory access")
+            bundle = make_bundle(make_problem(canonical_spec(spec), job.shape, "float32"), target="l40s",
+                                 strategy="streaming_fused", config={},
+                                 measured={"time_ms": 0.02, "measurer": "model", "predicted": True, "partial": True})
+            kernel = job_queue.keep_partial(s, job.id, bundle=bundle, kernel_fields={"time_ms": 0.02})
+    finally:
+        engine.dispose()
+    page.open(f"#/jobs/{job.id}")
+    page.sign_in(server["writer"])
+    box = page.visible("#job-partial-kernel")
+    assert "partial" in box.text and kernel.id[:12] in box.text, box.text
+    page.visible("#download-partial-bundle")
+    assert not page.all("#job-kernel-link") and not page.all("#download-bundle")  # not the job's (finished) kernel
+    assert "illegal memory access" in page.text("#job-error")
+    page.shot("17-failed-job-partial-kernel")
+    page.find("#job-partial-kernel-link").click()
+    assert page.visible("#kernel-partial").text == "partial"
+    assert "Partial" in page.visible("#kernel-message").text
+    page.shot("18-partial-kernel")
 
 
 def test_read_only_views_for_a_kernels_read_token(server, page):

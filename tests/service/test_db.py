@@ -64,11 +64,11 @@ def test_settings_reject_bad_values(overrides, field):
 
 
 def test_migrate_from_empty(service_db_url, engine):
-    with pytest.raises(db.DatabaseBehind, match=r"revision none .*code expects 0006: run `foldwise db upgrade --db "):
+    with pytest.raises(db.DatabaseBehind, match=r"revision none .*code expects 0007: run `foldwise db upgrade --db "):
         db.check_current(engine)
     db.upgrade(service_db_url)
     db.check_current(engine)
-    assert db.current_revision(engine) == db.head_revision() == "0006"
+    assert db.current_revision(engine) == db.head_revision() == "0007"
     assert TABLES <= set(sa.inspect(engine).get_table_names())
     db.upgrade(service_db_url)  # already at head: nothing to do
     db.check_current(engine)
@@ -103,7 +103,7 @@ def test_database_behind_a_newer_migration(service_db_url, engine, tmp_path, mon
     newer = tmp_path / "migrations"
     shutil.copytree(db.MIGRATIONS_DIR, newer, ignore=shutil.ignore_patterns("__pycache__"))
     (newer / "versions" / "0099_extra.py").write_text(
-        'import sqlalchemy as sa\nfrom alembic import op\n\nrevision = "0099"\ndown_revision = "0006"\n'
+        'import sqlalchemy as sa\nfrom alembic import op\n\nrevision = "0099"\ndown_revision = "0007"\n'
         'branch_labels = None\ndepends_on = None\n\n\n'
         'def upgrade():\n    op.create_table("extra", sa.Column("id", sa.Integer, primary_key=True))\n\n\n'
         'def downgrade():\n    op.drop_table("extra")\n')
@@ -112,7 +112,7 @@ def test_database_behind_a_newer_migration(service_db_url, engine, tmp_path, mon
     with pytest.raises(db.DatabaseBehind) as info:
         db.check_current(engine)
     assert not isinstance(info.value, db.DatabaseAhead)
-    assert "database at revision 0006, code expects 0099: run `foldwise db upgrade --db" in str(info.value)
+    assert "database at revision 0007, code expects 0099: run `foldwise db upgrade --db" in str(info.value)
     db.upgrade(service_db_url)
     db.check_current(engine)
     assert "extra" in sa.inspect(engine).get_table_names()
@@ -348,3 +348,47 @@ def test_upgrade_0004_to_0005_keys_binaries_by_triton_version_and_adds_format_3(
         assert conn.execute(sa.text("SELECT triton_version FROM kernel_binaries")).scalars().all() == ["3.9.0"]
         v2 = conn.execute(sa.text("SELECT content FROM served_bundles WHERE view = '2'")).scalar()
     assert json.loads(v2)["binaries"] == {"sm_90a": newer}
+
+
+def test_upgrade_0006_to_0007_marks_kernels_finished_and_keys_them_by_partial(service_db_url, engine):
+    """Issue 26's migration: existing kernels are finished (partial false) and keep their rows;
+    ``partial`` joins the key, so a key may hold one finished and one partial kernel, not two of
+    either. A downgrade deletes the partial kernels (the old schema would serve them) and unlinks
+    the failed jobs that kept them."""
+    db.upgrade(service_db_url, "0006")
+    now = "2026-11-30 12:00:00"
+    key = {"sh": "a" * 64, "sk": "d0=4", "dt": "float32", "tg": "h100", "tv": "3.6.0", "gv": "g1", "t": now}
+    kernel = ("INSERT INTO kernels (id, spec_hash, shape, shape_key, dtype, target, triton_version, generator_version, "
+              "strategy, config, time_ms, measurer, predicted, bundle_sha256, created_at, updated_at{extra}) VALUES "
+              "(:id, :sh, '{{}}', :sk, :dt, :tg, :tv, :gv, 's', '{{}}', 1.0, 'model', :p, :b, :t, :t{values})")
+    job = ("INSERT INTO jobs (id, spec_hash, shape, shape_key, dtype, target, measurer, budget_trials, budget_seconds, "
+           "status, cancel_requested, attempts, trials_done, kernel_id, study_name, created_at, updated_at) VALUES "
+           "(:id, :sh, '{}', :sk, :dt, :tg, 'model', 1, 1.0, :status, :f, 1, 1, :k, 's', :t, :t)")
+    with engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO specs (spec_hash, name, canonical, source, derivation, created_at) "
+                             "VALUES (:sh, 'x', '{}', '{}', '{}', :t)"), key)
+        conn.execute(sa.text("INSERT INTO bundles (sha256, content, size, created_at) VALUES (:b, :c, 3, :t)"),
+                     {"b": "b" * 64, "c": b"abc", "t": now})
+        conn.execute(sa.text(kernel.format(extra="", values="")), {**key, "id": "1" * 32, "p": True, "b": "b" * 64})
+        conn.execute(sa.text(job), {**key, "id": "j1" + "0" * 30, "status": "succeeded", "f": False, "k": "1" * 32})
+    db.upgrade(service_db_url, "0007")
+    assert db.current_revision(engine) == "0007"
+    with_partial = kernel.format(extra=", partial", values=", :partial")
+    with engine.begin() as conn:
+        assert conn.execute(sa.text("SELECT id, partial FROM kernels")).all() == [("1" * 32, False)]
+        conn.execute(sa.text(with_partial), {**key, "id": "2" * 32, "p": True, "b": "b" * 64, "partial": True})
+        conn.execute(sa.text(job), {**key, "id": "j2" + "0" * 30, "status": "failed", "f": False, "k": "2" * 32})
+    for partial in (False, True):  # a second finished, or a second partial, kernel for the key is refused
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+            conn.execute(sa.text(with_partial), {**key, "id": "3" * 32, "p": True, "b": "b" * 64, "partial": partial})
+    db.downgrade(service_db_url, "0006")
+    assert db.current_revision(engine) == "0006"
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT id FROM kernels")).scalars().all() == ["1" * 32]
+        assert dict(conn.execute(sa.text("SELECT id, kernel_id FROM jobs")).all()) == {
+            "j1" + "0" * 30: "1" * 32, "j2" + "0" * 30: None}
+        assert "partial" not in {c["name"] for c in sa.inspect(conn).get_columns("kernels")}
+    with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:  # the old key holds again
+        conn.execute(sa.text(kernel.format(extra="", values="")), {**key, "id": "4" * 32, "p": True, "b": "b" * 64})
+    db.upgrade(service_db_url)
+    assert diff(engine) == []

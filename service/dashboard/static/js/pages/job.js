@@ -151,6 +151,15 @@ export async function render(ctx) {
         h("a", { href: `#/kernels/${encodeURIComponent(j.kernel_id)}`, id: "job-kernel-link" }, h("span", { class: "mono" }, short(j.kernel_id, 12))), " ",
         ctx.can("kernels:read") ? h("button", { type: "button", id: "download-bundle", onclick: () => download(`v1/kernels/${encodeURIComponent(j.kernel_id)}/bundle`, `foldwise-${short(j.spec_hash, 12)}-${j.target}.json`).catch((err) => replace(message, errorBox(err))) }, "Download bundle") : null)]);
     }
+    if (j.partial_kernel_id) {
+      // a failed job's best kernel so far: never served by a lookup, so labelled as what it is
+      const pid = j.partial_kernel_id;
+      rows.push(["partial kernel", h("span", { id: "job-partial-kernel" },
+        h("span", { class: "badge warning", title: "the best kernel of this failed job; lookups never answer with it" }, "partial"), " ",
+        h("a", { href: `#/kernels/${encodeURIComponent(pid)}`, id: "job-partial-kernel-link" }, h("span", { class: "mono" }, short(pid, 12))), " ",
+        h("span", { class: "muted" }, "best kernel found before the job failed; not in the kernel cache "),
+        ctx.can("kernels:read") ? h("button", { type: "button", id: "download-partial-bundle", onclick: () => download(`v1/kernels/${encodeURIComponent(pid)}/bundle`, `foldwise-${short(j.spec_hash, 12)}-${j.target}-partial.json`).catch((err) => replace(message, errorBox(err))) }, "Download partial bundle") : null)]);
+    }
     if (j.error) rows.push(["error", h("span", { class: "error-text", id: "job-error" }, j.error)]);
     // why a queued job may wait forever (no live worker takes its target); computed by the server when read
     replace(warningsBox, ...(j.warnings || []).map((w) => h("div", { class: "warning-box", role: "status", "data-warning": "true" }, h("strong", {}, "Warning: "), w)));

@@ -15,7 +15,7 @@ export async function render(ctx) {
   const tbody = h("tbody", { id: "variants-body" });
   const note = h("p", { class: "muted", id: "variants-note" });
   replace(ctx.root,
-    h("div", { class: "page-head" }, h("h1", {}, "Kernel ", h("span", { class: "mono" }, short(id, 12)))),
+    h("div", { class: "page-head" }, h("h1", { id: "kernel-title" }, "Kernel ", h("span", { class: "mono" }, short(id, 12)))),
     message, facts,
     h("h2", {}, "Compiled variants"), note,
     h("table", { class: "grid", id: "variants-table" },
@@ -32,6 +32,11 @@ export async function render(ctx) {
   const stem = `foldwise-${specName(k.spec_hash) || short(k.spec_hash, 12)}-${k.target}`.replace(/[^A-Za-z0-9_.=,-]/g, "_");
   const bundleButton = (format, label) => h("button", { type: "button", id: `download-bundle-${format}`,
     onclick: () => download(`v1/kernels/${encodeURIComponent(id)}/bundle?format=${format}`, `${stem}-format${format}.json`).catch(fail) }, label);
+  if (k.partial) {  // a failed job's best so far: shown as such, never taken for a finished kernel
+    document.getElementById("kernel-title").append(" ", h("span", { class: "badge warning", id: "kernel-partial" }, "partial"));
+    replace(message, h("div", { class: "warning-box", role: "status" }, h("strong", {}, "Partial: "),
+      "the best kernel of a job that failed before it finished; kernel lookups never answer with it."));
+  }
   const rows = [
     ["spec", h("a", { href: `#/specs/${encodeURIComponent(k.spec_hash)}` }, specName(k.spec_hash) || short(k.spec_hash, 16))],
     ["shape / dtype", h("span", {}, h("span", { class: "mono" }, fmtShape(displayShape(k.spec_hash, k.shape))), ` ${fmtDtype(k.dtype)}`)],
