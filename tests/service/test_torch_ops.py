@@ -427,3 +427,24 @@ def test_only_plain_calls_skip_the_operator(rms, monkeypatch):
 
     op(x=x.as_subclass(Tagged), w=w)
     assert direct == [True, False, False]
+
+
+@pytest.mark.parametrize("given_out", [False, True])
+def test_a_warm_call_allocates_its_outputs_and_nothing_else(attn, monkeypatch, given_out):
+    """What CUDA-graph capture asks of the call path besides no sync and no I/O: no allocation but
+    the outputs (none with out=). The launch is stubbed, so only the host side is counted: every
+    torch factory call the op and the kernel make."""
+    op = foldwise_op(attn)
+    inputs = attn_inputs()
+    want = op(**inputs)  # warm: loaded, sizes checked
+    kernel = registered_kernel(op.key)
+    monkeypatch.setattr(kernel, "_module", types.SimpleNamespace(launch=lambda inputs, shape, out=None, **kw: out))
+    made = []
+    for name in ("empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "full", "tensor"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _real=real, _name=name, **k: made.append(_name) or _real(*a, **k))
+    out = {part: torch.empty_like(t) for part, t in want.items()} if given_out else None
+    made.clear()
+    got = op(**inputs, out=out) if given_out else op(**inputs)
+    assert made == ([] if given_out else ["empty"] * len(want))
+    assert set(got) == set(want)
