@@ -27,6 +27,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -163,10 +164,12 @@ def main() -> int:
             p99 = pct(times, 0.99)
             print(f"| {phase} | {path} | {len(times)} | {pct(times, 0.5):.2f} | {p99:.2f} | "
                   f"{p99 / idle[path]:.2f} |")
+    workers = re.search(r'"derive_workers": (\d+)', log)
     gone, stopped = log.count("a derivation's client has gone"), log.count("derivation stopped")
     s503, s429 = log.count('"status": 503'), log.count('"status": 429')
-    print(f"\nserver log: {gone} clients gone while deriving, {stopped} derivations stopped (killed: deadline "
-          f"or nobody waiting); {s503} answers 503, {s429} 429")
+    print(f"\nserver log: {workers.group(1) if workers else 'default (not logged)'} derivation workers; {gone} "
+          f"clients gone while deriving, {stopped} derivations stopped (killed: deadline or nobody waiting); "
+          f"{s503} answers 503, {s429} 429")
     return 0
 
 

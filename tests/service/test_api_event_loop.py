@@ -6,7 +6,9 @@ derivations are refused; benchmarks/derivation_flood.py measures it):
   on every request);
 - ``POST /v1/derivations`` parses its spec in a child process (service/api/spec_child.py), not
   in the API's (ten large specs at once held the GIL against the event loop): still 422 naming
-  the field and step for an invalid spec, without a derivation's slot; within the one deadline.
+  the field and step for an invalid spec, without a derivation's slot; within the one deadline;
+- the derivations' CPU-bound children leave a core free by default (two on a 2-core machine
+  kept both busy, and the API's threads waited behind them on every wake-up).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from fastapi.testclient import TestClient
 from fuser_core.report import clear_cache, derivation_report
 from fuser_core.spec import load_spec
 from service.api import create_app
-from service.settings import get_settings
+from service.settings import default_derive_workers, get_settings
 from tests.support.catalog import load_catalog
 from tests.support.slow_specs import slow_spec
 
@@ -146,3 +148,13 @@ def test_a_parse_past_its_deadline_answers_503_and_its_child_is_replaced(db_url)
         r = c.post("/v1/derivations", json={"spec": bad})  # answered by the new child, not the old one's late answer
         assert r.status_code == 422 and "stpes" in r.text, r.text
         assert deriver.parser.started == 2 and deriver.parser._proc.pid != old
+
+
+def test_derivations_leave_a_core_free_by_default(monkeypatch) -> None:
+    monkeypatch.delenv("FOLDWISE_DERIVE_WORKERS", raising=False)
+    for cores, workers in ((1, 1), (2, 1), (3, 2), (64, 2)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert default_derive_workers() == workers, cores
+        assert get_settings().derive_workers == workers
+    monkeypatch.setenv("FOLDWISE_DERIVE_WORKERS", "4")  # the operator's choice stands
+    assert get_settings().derive_workers == 4
