@@ -36,7 +36,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "CatalogError", "PACKAGED_DIR", "catalog_dirs", "catalog_entries", "load_suites", "spec_source")},
     **{n: ("fuser_core.derive", n) for n in ("Derivation", "ReductionForm", "derive_cascade")},
     **{n: ("fuser_core.report", n) for n in (
-        "derivation_report", "report_entry", "remember_report", "is_cached_report")},
+        "derivation_report", "report_entry", "remember_report", "SpecKey", "spec_key",
+        "cached_report")},
     **{n: ("fuser_core.present", n) for n in ("REALISATIONS", "accumulator_names", "correction_text", "merge_text")},
     **{n: ("fuser_core.realisation", n) for n in ("Realisation", "Rescale", "ShiftTerm", "part_acc", "unguarded")},
     "new_anchor": ("fuser_core.realisation", "new"),  # "new" alone says too little at package level

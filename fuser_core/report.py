@@ -24,6 +24,7 @@ import copy
 import re
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fuser_core.canonical import canonical_json, canonical_names, hash_canonical_json
@@ -45,18 +46,46 @@ def derivation_report(spec: Spec, derivation: Derivation | None = None) -> dict[
     (the worker derives a job's canonical spec once, for its searches and its bundles): then the
     report is made from it and nothing is derived here. ValueError if it is another spec's, or a
     derivation of a spec not in canonical names (its report would not rename back)."""
-    names = canonical_names(spec)
-    back = {canon: user for user, canon in names.items()}
-    canonical = canonical_json(spec)
+    key = spec_key(spec)
     if derivation is not None:
-        _check_canonical(derivation, canonical)
+        _check_canonical(derivation, key.canonical)
     try:
-        report = _rename(_canonical_report(canonical, derivation), back)
+        report = _canonical_report(key.canonical, derivation)
     except DerivationLimitError as err:  # raised on the canonical spec: name the caller's step
-        raise DerivationLimitError(_rename(str(err), back)) from None
+        raise DerivationLimitError(_rename(str(err), key.back)) from None
     except SpecError as err:  # found while deriving (x / (x - x)): the caller's step, field and names
-        raise _user_spec_error(err, spec, back) from None
-    return {"spec_hash": hash_canonical_json(canonical), "name": spec.name, **report}
+        raise _user_spec_error(err, spec, key.back) from None
+    return _named(report, key)
+
+
+@dataclass(frozen=True)
+class SpecKey:
+    """What a spec's cached report needs of the spec, as plain data: made where the spec is
+    parsed (the API parses in a child process, off its GIL) and looked up elsewhere."""
+
+    name: str
+    canonical: str  # the canonical JSON: the reports' cache key
+    back: dict[str, str]  # canonical name -> the spec's own
+
+
+def spec_key(spec: Spec) -> SpecKey:
+    names = canonical_names(spec)
+    return SpecKey(spec.name, canonical_json(spec), {canon: user for user, canon in names.items()})
+
+
+def cached_report(key: SpecKey) -> dict[str, Any] | None:
+    """``derivation_report`` of the spec whose key is ``key`` when it is cached (a rename of the
+    cached report), else None."""
+    with _REPORTS_LOCK:
+        report = _REPORTS.get(key.canonical)
+        if report is None:
+            return None
+        _REPORTS.move_to_end(key.canonical)
+    return _named(report, key)
+
+
+def _named(report: dict[str, Any], key: SpecKey) -> dict[str, Any]:
+    return {"spec_hash": hash_canonical_json(key.canonical), "name": key.name, **_rename(report, key.back)}
 
 
 def report_entry(spec: Spec) -> tuple[str, dict[str, Any]]:
@@ -74,12 +103,6 @@ def remember_report(canonical: str, report: dict[str, Any]) -> None:
     """Cache an entry of :func:`report_entry` (made in another process): ``derivation_report``
     of that spec is then a lookup."""
     _store(canonical, report)
-
-
-def is_cached_report(spec: Spec) -> bool:
-    """Whether ``derivation_report(spec)`` is a cache lookup."""
-    with _REPORTS_LOCK:
-        return canonical_json(spec) in _REPORTS
 
 
 def _user_spec_error(err: SpecError, spec: Spec, back: dict[str, str]) -> SpecError:

@@ -74,7 +74,8 @@ def serve(settings: Settings, *, processes: int, measurer: str, log_level: str,
     tuning = start_tuning_process(settings, measurer, log_level, targets) if settings.workers else None
     log.info("serving", extra={"url": f"http://{settings.host}:{settings.port}", "processes": processes,
                                "workers": settings.workers, "measurer": measurer, "target": settings.target,
-                               "targets": targets, "tuning_pid": tuning.pid if tuning else None, **fast_extras()})
+                               "targets": targets, "tuning_pid": tuning.pid if tuning else None,
+                               "derive_workers": settings.derive_workers, **fast_extras()})
     try:
         if processes == 1:
             _serve_here(settings, log_level, tuning)

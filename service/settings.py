@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
@@ -19,6 +20,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fuser_core import MAX_ELEMENTS, MAX_WORK
 from service.tuning_request import MEASURERS
+
+
+def default_derive_workers() -> int:
+    """Derivations at once by default: 2, but never every core this process may use. Each is a
+    CPU-bound child; on a 2-core machine two of them kept both cores busy and every wake-up of
+    the API's threads waited behind one (issue 26: a cheap GET's p99 ~2.5x its idle value
+    during a derivation flood, ~1.3x with one core left free; benchmarks/derivation_flood.py)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(2, cores - 1))
 
 
 class Settings(BaseSettings):
@@ -43,7 +53,7 @@ class Settings(BaseSettings):
     # a spec's derivation and certificate (POST /v1/derivations, a new spec's POST /v1/jobs) share one
     # deadline: 503 after it; derive_workers at a time, derive_queue waiting, more: 429 (service/api/derive.py)
     derive_timeout_seconds: float = Field(60.0, gt=0)
-    derive_workers: int = Field(2, ge=1, le=64)
+    derive_workers: int = Field(default_factory=default_derive_workers, ge=1, le=64)
     derive_queue: int = Field(8, ge=0, le=1024)
     # workers compile each finished job's bundle for its target's arch and store the cubin (issue 15)
     compile_binaries: bool = True

@@ -65,7 +65,13 @@ def context(request: Request) -> AppContext:
     return request.app.state.ctx
 
 
-Context = Annotated[AppContext, Depends(context)]  # a route's typed handle on the app's shared state
+async def _context(request: Request) -> AppContext:
+    # async: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop (and a
+    # wait for the GIL back while another thread computes) on every request for an attribute read
+    return request.app.state.ctx
+
+
+Context = Annotated[AppContext, Depends(_context)]  # a route's typed handle on the app's shared state
 
 
 def auth_problem(err: AuthError) -> Problem:

@@ -22,6 +22,10 @@ The bounds, per request (:meth:`Deriver.report`):
 - **identical specs share**: requests for one canonical spec in flight at once wait for one
   derivation (60 identical submissions are one derivation, not a full queue).
 
+``POST /v1/derivations`` parses its spec in a child process too (:mod:`service.api.spec_child`:
+milliseconds of pure Python per large spec, which held the GIL against the event loop), within
+the same deadline; an invalid spec is answered 422 from that parse, without a derivation's slot.
+
 A finished derivation's report (in canonical names) comes back to this process's cache
 (``fuser_core.remember_report``), so storing the spec of a job after it is a lookup and a
 retry of the same spec is answered at once.
@@ -37,15 +41,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fuser_core import DerivationLimitError, Spec, SpecError
+from fuser_core import DerivationLimitError, Spec, SpecError, SpecKey
 from service.api.problems import Problem, invalid_field, spec_problem
+from service.api.spec_child import SpecParser
 
 log = logging.getLogger("foldwise.api")
 POLL_S = 0.1  # how often a waiting request looks at its client's connection
 CHILD_NICE = 10  # the children's CPU priority below the API's
 # imported once, in the forkserver, before it forks the children: sympy and the derivation, and
 # this module (the children's target: unpickling it in each child would import the API, ~1 s)
-PRELOAD = ["service.api.derive", "fuser_core.report", "fuser_core.derive", "fuser_core.certificate",
+PRELOAD = ["service.api.derive", "service.api.spec_child", "fuser_core.report", "fuser_core.derive", "fuser_core.certificate",
            "fuser_core.present"]
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)  # only a list until the forkserver starts (Deriver.warm_up)
@@ -73,13 +78,6 @@ def _child(conn: Any, source: str) -> None:
     conn.close()
 
 
-def _cached(spec: Spec) -> tuple[str, dict[str, Any] | None]:
-    """(the spec's cache key, its report if cached: a rename of the cached one)."""
-    from fuser_core import canonical_json, derivation_report, is_cached_report
-
-    return canonical_json(spec), derivation_report(spec) if is_cached_report(spec) else None
-
-
 class Deriver:
     """The app's derivations; see the module docstring."""
 
@@ -89,10 +87,11 @@ class Deriver:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._admitted = 0  # requests waiting for a slot or deriving
         self._starter = ThreadPoolExecutor(workers, thread_name_prefix="foldwise-derive")  # process starts block
-        # the API process's own CPU work for derivations (parsing a spec, its cache key, renaming a
-        # report: milliseconds each) in one thread: ten requests at once then hold the GIL against
-        # the event loop as one thread does, not as ten
+        # the API process's own CPU work for derivations (renaming a cached report: a millisecond
+        # or two) in one thread: ten requests at once then hold the GIL against the event loop as
+        # one thread does, not as ten. Parsing a spec, the larger part, is not here: see .parser
         self._cpu = ThreadPoolExecutor(1, thread_name_prefix="foldwise-derive-cpu")
+        self.parser = SpecParser(_CONTEXT, self._starter, nice=CHILD_NICE)  # POST /v1/derivations' specs
         self._inflight: dict[str, asyncio.Future] = {}  # canonical JSON -> its derivation's task
         self._waiters: dict[asyncio.Future, int] = {}  # requests waiting for each
         self.running: set[int] = set()  # the pids of the children now deriving (tests and metrics read it)
@@ -110,6 +109,7 @@ class Deriver:
             proc.join()
 
     def close(self) -> None:
+        self.parser.close()
         self._starter.shutdown(wait=False, cancel_futures=True)
         self._cpu.shutdown(wait=False, cancel_futures=True)
 
@@ -117,37 +117,57 @@ class Deriver:
         """``fn(*args)`` in the derivations' one CPU thread (see ``__init__``)."""
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
-    async def report(self, spec: Spec, source: str, request: Any = None) -> dict[str, Any]:
-        """``fuser_core.derivation_report(spec)``, or a Problem: 422 (invalid), 429 (pool and
-        queue full), 503 (past the deadline). ``source``: ``spec``'s JSON text (what the child
-        parses); ``request``: the Starlette request whose client is watched (None: not watched).
+    async def derive(self, source: str, request: Any = None) -> dict[str, Any]:
+        """``fuser_core.derivation_report`` of the spec whose JSON text is ``source``, parsed in
+        a child process (:mod:`service.api.spec_child`) within the deadline; see :meth:`report`."""
+        deadline = time.monotonic() + self.timeout_s
+        key = await self.parser.key(source, deadline, self._too_slow)
+        return await self.report(key, source, request, deadline=deadline)
+
+    async def report_spec(self, spec: Spec, source: str, request: Any = None) -> dict[str, Any]:
+        """:meth:`report` of a spec the caller has parsed (``POST /v1/jobs``: it binds the shape too)."""
+        from fuser_core import spec_key
+
+        return await self.report(await self.run(spec_key, spec), source, request)  # canonicalising: a millisecond
+
+    async def report(self, key: SpecKey, source: str, request: Any = None, *,
+                     deadline: float | None = None) -> dict[str, Any]:
+        """``fuser_core.derivation_report`` of the spec with ``key``, or a Problem: 422 (invalid),
+        429 (pool and queue full), 503 (past the deadline: ``deadline``, ``time.monotonic()``,
+        default the timeout from now). ``source``: the spec's JSON text (what the child parses);
+        ``request``: the Starlette request whose client is watched (None: not watched).
 
         Identical specs (by canonical form) in flight at once share one derivation (concurrent
         identical submissions are one request's work, not a full queue); it is stopped when the
         last request waiting for it has gone."""
-        key, cached = await self.run(_cached, spec)  # canonicalising a large spec: milliseconds
+        from fuser_core import cached_report
+
+        cached = await self.run(cached_report, key)  # renaming a large report: a millisecond or two
         if cached is not None:
             return cached
-        task = self._inflight.get(key)
+        key_text = key.canonical
+        task = self._inflight.get(key_text)
         if task is None:
             if self._admitted >= self.workers + self.queue:
                 raise Problem(429, "Too many derivations", f"{self.workers} derivations are running and "
                               f"{self.queue} waiting, the most this server takes; retry later",
                               kind="derivation-busy", headers={"Retry-After": str(max(1, round(self.timeout_s / 2)))})
-            task = asyncio.ensure_future(self._work(spec.name, source, time.monotonic() + self.timeout_s))
-            self._inflight[key] = task
-            task.add_done_callback(lambda _: self._inflight.pop(key, None))
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout_s
+            task = asyncio.ensure_future(self._work(key.name, source, deadline))
+            self._inflight[key_text] = task
+            task.add_done_callback(lambda _: self._inflight.pop(key_text, None))
             self._waiters[task] = 0
         self._waiters[task] += 1
         try:
-            result = await self._wait(task, spec.name, request)
+            result = await self._wait(task, key.name, request)
         finally:
             self._waiters[task] -= 1
             if not self._waiters[task]:
                 del self._waiters[task]
                 if not task.done():
                     task.cancel()  # nobody waits for it: the child is killed
-        return await self.run(self._answer, spec, result)  # the rename: off the event loop
+        return await self.run(self._answer, key, result)  # the rename: off the event loop
 
     async def _wait(self, task: asyncio.Future, name: str, request: Any) -> tuple:
         """The shared derivation's result (or its Problem), watching this request's client."""
@@ -248,17 +268,17 @@ class Deriver:
         except RuntimeError:  # the app is stopping: multiprocessing reaps its children at exit
             pass
 
-    def _answer(self, spec: Spec, result: tuple) -> dict[str, Any]:
-        from fuser_core import derivation_report, remember_report
+    def _answer(self, key: SpecKey, result: tuple) -> dict[str, Any]:
+        from fuser_core import cached_report, remember_report
 
         kind = result[0]
         if kind == "ok":
             remember_report(result[1], result[2])
-            return derivation_report(spec)  # a lookup now, in the caller's names
+            return cached_report(key)  # a lookup now, in the caller's names
         if kind == "spec":
             raise spec_problem(SpecError(result[1], loc=tuple(result[2]), step=result[3]))
         if kind == "limit":
             raise invalid_field(("spec",), f"the derivation exceeds its limits: {result[1]}")
-        log.error("derivation failed", extra={"spec": spec.name, "error": result[1][:500]})
+        log.error("derivation failed", extra={"spec": key.name, "error": result[1][:500]})
         raise Problem(500, "Derivation failed", "the derivation failed; this is a bug, see the server's log",
                       kind="derivation-failed")

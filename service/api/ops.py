@@ -155,7 +155,7 @@ async def submit_job(db: Db, ctx: AppContext, req: JobRequest, request: Any = No
 
     1. :func:`_find_submitted` (a read, after the token check): the request checked and bound
        once, and the job of an identical earlier request if there is one (the answer);
-    2. a spec never stored is derived off the event loop, bounded (:meth:`service.api.derive.Deriver.report`:
+    2. a spec never stored is derived off the event loop, bounded (:meth:`service.api.derive.Deriver.report_spec`:
        one deadline, 429/503, stopped if ``request``'s client leaves; cached in-process, so storing it is fast);
     3. :func:`_submit` (a write): :func:`service.job_queue.submit_job` with the same request.
     """
@@ -164,7 +164,7 @@ async def submit_job(db: Db, ctx: AppContext, req: JobRequest, request: Any = No
     if found.view is not None:
         return found
     if not found.spec_stored:
-        await ctx.deriver.report(found.request.spec, found.request.source, request)
+        await ctx.deriver.report_spec(found.request.spec, found.request.source, request)
     return await db.run(_submit, ctx.specs, found.request, live)
 
 

@@ -12,7 +12,7 @@ from service.api import ops
 from service.api.deps import AppContext, Context, Db, database
 from service.api.routes_jobs import ERRORS
 from service.api.schemas import DerivationRequest, SpecView, WorkerList
-from service.api.validation import parse_spec
+from service.api.validation import checked_spec_text
 from service.spec_store import HASH_PATTERN
 
 router = APIRouter()
@@ -25,8 +25,8 @@ async def derive(req: DerivationRequest, request: Request, ctx: Context,
     """Validate and derive a spec: the same object as ``foldwise derive --json``. Nothing is stored.
     Bounded (service/api/derive.py): 429 when too many derivations wait, 503 past the deadline."""
     await db.authorize()
-    spec, source = await ctx.deriver.run(parse_spec, req.spec)
-    return JSONResponse(await ctx.deriver.report(spec, source, request))
+    source = await ctx.deriver.run(checked_spec_text, req.spec)  # a catalog name: its file is read
+    return JSONResponse(await ctx.deriver.derive(source, request))  # parsed in a child process
 
 
 @router.get("/v1/specs/{spec_hash}", tags=["specs"], response_model=SpecView, responses=ERRORS)

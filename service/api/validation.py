@@ -43,13 +43,19 @@ def spec_text(raw: dict[str, Any] | str, field: str = "spec") -> str:
         raise invalid_field((field,), f"catalog spec {name!r} cannot be read: {err}") from None
 
 
-def parse_spec(raw: dict[str, Any] | str, field: str = "spec") -> tuple[Spec, str]:
-    """(spec, source text as submitted, or the catalog file's text for a catalog name). The
-    spec is parsed by load_spec, never evaluated."""
+def checked_spec_text(raw: dict[str, Any] | str, field: str = "spec") -> str:
+    """:func:`spec_text`, within the spec's size limit (422 naming ``field`` past it)."""
     source = spec_text(raw, field)
     size = len(source.encode("utf-8", "surrogatepass"))
     if size > MAX_SPEC_BYTES:
         raise invalid_field((field,), f"spec is {size} bytes; the limit is {MAX_SPEC_BYTES}")
+    return source
+
+
+def parse_spec(raw: dict[str, Any] | str, field: str = "spec") -> tuple[Spec, str]:
+    """(spec, source text as submitted, or the catalog file's text for a catalog name). The
+    spec is parsed by load_spec, never evaluated."""
+    source = checked_spec_text(raw, field)
     try:
         return load_spec(source), source
     except SpecError as err:

@@ -279,7 +279,8 @@ def test_a_slow_derivation_leaves_the_server_responsive(db_url) -> None:
     """Slow derivations (tests/support/slow_specs.py: seconds of sympy and certificate) run in
     child processes, not in the API's threads: /healthz and a job list answer meanwhile, and
     each request gets 503 at its deadline, not when its derivation would have ended."""
-    with TestClient(make_app(db_url, derive_timeout_s=2.5)) as client:
+    settings = get_settings(db_url=db_url, derive_workers=2)  # not the default: one on a 2-core machine
+    with TestClient(create_app(settings, derive_timeout_s=2.5)) as client:
         client.app.state.ctx.deriver.warm_up(wait=True)  # the forkserver's imports: not within the deadline
         results: list = []
         threads = [threading.Thread(target=lambda i=i: results.append(

@@ -1,0 +1,160 @@
+"""What the API's event loop is spared per request (issue 26: a cheap GET stays fast while
+derivations are refused; benchmarks/derivation_flood.py measures it):
+
+- no dependency of these routes runs in the thread pool (FastAPI runs a plain ``def``
+  dependency there: a thread hop, and a wait for the GIL back while another thread computes,
+  on every request);
+- ``POST /v1/derivations`` parses its spec in a child process (service/api/spec_child.py), not
+  in the API's (ten large specs at once held the GIL against the event loop): still 422 naming
+  the field and step for an invalid spec, without a derivation's slot; within the one deadline;
+- the derivations' CPU-bound children leave a core free by default (two on a 2-core machine
+  kept both busy, and the API's threads waited behind them on every wake-up).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import threading
+import time
+
+import fastapi.dependencies.utils
+import fuser_core.spec
+from fastapi.testclient import TestClient
+
+from fuser_core.report import clear_cache, derivation_report
+from fuser_core.spec import load_spec
+from service.api import create_app
+from service.settings import default_derive_workers, get_settings
+from tests.support.catalog import load_catalog
+from tests.support.slow_specs import slow_spec
+
+SOFTMAX = load_catalog()["safe_softmax"]
+
+
+def _renamed(raw: dict, names: dict[str, str]) -> dict:
+    """``raw`` with its names replaced (the same canonical spec: one cache entry)."""
+    text = json.dumps(raw)
+    for old, new in names.items():
+        text = re.sub(rf"\b{old}\b", new, text)
+    return json.loads(text)
+
+
+def _gone(pid: int, within_s: float = 10) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_no_dependency_runs_in_the_thread_pool(db_url, monkeypatch) -> None:
+    hops: list[str] = []
+    real = fastapi.dependencies.utils.run_in_threadpool
+
+    async def counted(call, *args, **kwargs):
+        hops.append(getattr(call, "__qualname__", repr(call)))
+        return await real(call, *args, **kwargs)
+
+    monkeypatch.setattr(fastapi.dependencies.utils, "run_in_threadpool", counted)
+    with TestClient(create_app(get_settings(db_url=db_url))) as c:
+        assert c.get("/healthz").status_code == 200
+        assert c.get("/v1/jobs").status_code == 200
+        assert c.get("/v1/workers").status_code == 200
+        assert c.post("/v1/derivations", json={"spec": load_catalog()["safe_softmax"]}).status_code == 200
+    assert hops == [], hops
+
+
+def test_a_derivation_request_parses_its_spec_in_a_child_process(db_url, monkeypatch) -> None:
+    """Nothing parses a spec in the API's process for POST /v1/derivations (counted at the
+    parser's entry, in every thread): the answers are those of an in-process parse, a renamed
+    spec hits the cached report in its own names, and errors name the field and the step."""
+    clear_cache()
+    renamed = _renamed(SOFTMAX, {"mx": "peak", "den": "total"})
+    expected = derivation_report(load_spec(SOFTMAX)), derivation_report(load_spec(renamed))
+    assert expected[1]["spec_hash"] == expected[0]["spec_hash"] and "peak" in json.dumps(expected[1])
+    assert "peak" not in json.dumps(expected[0])
+    bad = copy.deepcopy(SOFTMAX)
+    bad["steps"][1]["expr"] = "exp(x - q)"
+    clear_cache()
+    with TestClient(create_app(get_settings(db_url=db_url))) as c:
+        deriver = c.app.state.ctx.deriver
+        deriver.warm_up(wait=True)
+        parses: list[int] = []
+        real = fuser_core.spec._Loader.load
+        monkeypatch.setattr(fuser_core.spec._Loader, "load", lambda self: parses.append(1) or real(self))
+        first = c.post("/v1/derivations", json={"spec": SOFTMAX})
+        assert first.status_code == 200 and first.json() == expected[0], first.text[:300]
+        other = c.post("/v1/derivations", json={"spec": renamed})  # cached: a rename here, no derivation
+        assert other.status_code == 200 and other.json() == expected[1], other.text[:300]
+        r = c.post("/v1/derivations", json={"spec": bad})
+        assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json")
+        error = r.json()["errors"][0]
+        assert error["field"] == "spec.steps[1].expr" and error["step"] == "den" and "'q'" in error["message"]
+        assert c.post("/v1/derivations", json={"spec": json.dumps(SOFTMAX)}).json() == expected[0]  # JSON text
+        assert c.post("/v1/derivations", json={"spec": "safe_softmax"}).json() == expected[0]  # a catalog name
+        assert parses == [], "a spec was parsed in the API's process"
+        assert deriver.parser.started == 1 and deriver.killed == 0
+
+
+def test_an_invalid_spec_is_answered_422_while_every_derivation_slot_is_taken(db_url) -> None:
+    """The parse needs no derivation slot: with the pool (1) busy and no queue, a bad spec is
+    still 422 naming the field, at once (a valid new spec would be 429)."""
+    clear_cache()
+    settings = get_settings(db_url=db_url, derive_workers=1, derive_queue=0)
+    with TestClient(create_app(settings, derive_timeout_s=3.0)) as c:
+        deriver = c.app.state.ctx.deriver
+        deriver.warm_up(wait=True)
+        first: list = []
+        t = threading.Thread(target=lambda: first.append(c.post("/v1/derivations", json={"spec": slow_spec(45)})))
+        t.start()
+        deadline = time.monotonic() + 10
+        while not deriver.running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert deriver.running
+        bad = copy.deepcopy(SOFTMAX)
+        bad["steps"][0]["expr"] = "x.__class__"
+        t0 = time.monotonic()
+        r = c.post("/v1/derivations", json={"spec": bad})
+        assert r.status_code == 422 and r.json()["errors"][0]["field"] == "spec.steps[0].expr", r.text
+        assert time.monotonic() - t0 < 1.5 and deriver.running  # not after the slow one's deadline
+        busy = c.post("/v1/derivations", json={"spec": slow_spec(45, tag=1)})
+        assert busy.status_code == 429, busy.text[:300]
+        t.join(30)
+        assert first[0].status_code == 503, first[0].text[:300]  # ~10 s of derivation: stopped at 3 s
+
+
+def test_a_parse_past_its_deadline_answers_503_and_its_child_is_replaced(db_url) -> None:
+    """The parse counts against the request's one deadline: past it the parsing child is killed
+    (its late answer must not be the next request's) and the next request starts another."""
+    clear_cache()
+    with TestClient(create_app(get_settings(db_url=db_url))) as c:
+        deriver = c.app.state.ctx.deriver
+        deriver.warm_up(wait=True)
+        assert c.post("/v1/derivations", json={"spec": SOFTMAX}).status_code == 200
+        old = deriver.parser._proc.pid
+        deriver.timeout_s = 0.0  # this request's deadline has passed when its parse is asked for
+        r = c.post("/v1/derivations", json={"spec": slow_spec(45)})
+        assert r.status_code == 503 and r.json()["type"].endswith("derivation-timeout"), r.text
+        assert int(r.headers["retry-after"]) >= 1 and _gone(old)
+        deriver.timeout_s = 30.0
+        bad = copy.deepcopy(SOFTMAX)
+        bad["stpes"] = []
+        r = c.post("/v1/derivations", json={"spec": bad})  # answered by the new child, not the old one's late answer
+        assert r.status_code == 422 and "stpes" in r.text, r.text
+        assert deriver.parser.started == 2 and deriver.parser._proc.pid != old
+
+
+def test_derivations_leave_a_core_free_by_default(monkeypatch) -> None:
+    monkeypatch.delenv("FOLDWISE_DERIVE_WORKERS", raising=False)
+    for cores, workers in ((1, 1), (2, 1), (3, 2), (64, 2)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert default_derive_workers() == workers, cores
+        assert get_settings().derive_workers == workers
+    monkeypatch.setenv("FOLDWISE_DERIVE_WORKERS", "4")  # the operator's choice stands
+    assert get_settings().derive_workers == 4
