@@ -61,7 +61,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,12 +87,14 @@ from tuner.analysis import (
 )
 from tuner.compile_gate import CompileVerdict, kernel_facts_for
 from tuner.profiles import GpuProfile
+from tuner.static_bound import ISSUE_PER_SM_PER_CLOCK, SASS_LANES
 
 if TYPE_CHECKING:  # chain imports the code generator's modules: loaded only when the chain is modelled
     from fuser_core.codegen.chain import ChainElementwise
 
 HBM_EFFICIENCY = 0.92  # best fraction of the datasheet bandwidth a streaming kernel reaches
 DOT_EFFICIENCY = 0.75  # fraction of tensor-core peak a Triton tl.dot loop reaches
+ISSUE_EFFICIENCY = 0.6  # fraction of the SMs' issue rate compiled code reaches (fitted: benchmarks/model_calibration.py)
 ALU_EFFICIENCY = 0.8  # fraction of the vector-ALU issue rate (CUDA cores, AMD's SIMDs) reached by elementwise code
 L2_USABLE = 0.5  # fraction of L2 that holds data for reuse (H100/A100 split L2 in two partitions)
 SM_BYTES_PER_CLOCK = 64  # what one SM (CU) can take from L2 per clock
@@ -144,6 +146,9 @@ class KernelLoad:
     dot_flops: dict[str, float]  # precision -> FLOPs
     bytes_in_flight: float  # per program (loads issued ahead of use)
     notes: dict[str, Any] = field(default_factory=dict)
+    # what the compiled kernel issues, all programs (tuner.static_bound.static_bound's
+    # "warp_instructions", "mufu", "tensor_macs"); None: the model's own estimates (alu, sfu) count
+    issued: Mapping[str, float] | None = None
 
 
 def miss_fraction(distance_bytes: float, profile: GpuProfile) -> float:
@@ -181,7 +186,9 @@ def kernel_time(k: KernelLoad, profile: GpuProfile) -> tuple[float, dict[str, An
     per = {  # per program
         "hbm": k.hbm_bytes / P, "l2": k.l2_bytes / P, "alu": k.alu / P, "sfu": k.sfu / P,
         "dot": {prec: f / P for prec, f in k.dot_flops.items()},
+        "instructions": (k.issued or {}).get("warp_instructions", 0.0) / P, "mufu": (k.issued or {}).get("mufu", 0.0) / P,
     }
+    issue_rate = ISSUE_PER_SM_PER_CLOCK * profile.clock_hz * ISSUE_EFFICIENCY  # warp instructions/s per SM
     sm_bw = SM_BYTES_PER_CLOCK * profile.clock_hz
     alu_rate = profile.alu_flops / 2 / S * ALU_EFFICIENCY  # instructions/s per SM (FMA = 2 FLOPs)
     sfu_rate = profile.sfu_ops_per_s / S
@@ -193,10 +200,14 @@ def kernel_time(k: KernelLoad, profile: GpuProfile) -> tuple[float, dict[str, An
         t_l2 = n * per["l2"] / profile.l2_bytes_per_s  # every request passes L2
         in_flight = busiest * k.bytes_in_flight  # Little's law on the busiest SM
         t_sm = busiest * per["l2"] / (sm_bw * max(1e-9, saturation(in_flight / (sm_bw * profile.mem_latency_s))))
-        t_dot = sum(busiest * f / (profile.dot_flops(PRECISION_UNIT[prec]) / S * DOT_EFFICIENCY
+        t_dot = sum(busiest * f / (profile.dot_flops(PRECISION_UNIT.get(prec, prec)) / S * DOT_EFFICIENCY
                                    * min(1.0, warps / WARPS_TO_FILL_DOT)) for prec, f in per["dot"].items())
         fill = min(1.0, warps / WARPS_TO_FILL_ALU)
-        t_cuda = max(busiest * per["alu"] / (alu_rate * fill), busiest * per["sfu"] / (sfu_rate * fill))
+        if k.issued is None:
+            t_cuda = max(busiest * per["alu"] / (alu_rate * fill), busiest * per["sfu"] / (sfu_rate * fill))
+        else:  # the compiled kernel's own counts: every instruction it issues, every MUFU op
+            t_cuda = max(busiest * per["instructions"] / (issue_rate * fill),
+                         busiest * per["mufu"] * SASS_LANES / (sfu_rate * fill))
         t_mem, t_comp = max(t_hbm, t_l2, t_sm), t_dot + t_cuda  # tensor and CUDA cores take turns
         hidden = (k.looped and k.num_stages > 1) or busiest >= 2
         t = max(t_mem, t_comp) if hidden else t_mem + t_comp
@@ -218,6 +229,7 @@ def kernel_time(k: KernelLoad, profile: GpuProfile) -> tuple[float, dict[str, An
         "occupancy": bps * k.num_warps / profile.max_warps_per_sm, "regs_per_thread": k.regs, "smem_bytes": k.smem,
         "hbm_bytes": k.hbm_bytes, "l2_bytes": k.l2_bytes, "alu_ops": k.alu, "sfu_ops": k.sfu,
         "dot_flops": dict(k.dot_flops), "bytes_in_flight_per_program": k.bytes_in_flight,
+        "issued": dict(k.issued) if k.issued is not None else None,
         "bound": bound, "first_wave_terms_s": {x: main[x] for x in ("hbm", "l2", "sm", "dot", "cuda")},
         **k.notes,
     }
@@ -266,11 +278,13 @@ class _KernelEvaluator:
         return math.prod(self.L.shape[d] for d in dims)
 
     def evaluate(self, sketch: KernelSketch, earlier: Mapping[str, float] | None = None,
-                 earlier_bytes: float = 0.0, compiled: KernelBuild | None = None) -> KernelLoad:
+                 earlier_bytes: float = 0.0, compiled: KernelBuild | None = None,
+                 issued: Mapping[str, float] | None = None) -> KernelLoad:
         """``earlier``: names read or written by earlier kernels -> bytes requested since (their
         reuse distance); ``earlier_bytes``: bytes requested by the earlier kernels (the workspace's);
         ``compiled``: the compiler's facts for this kernel, which replace the estimated registers
-        and shared memory and add the spills' local-memory traffic."""
+        and shared memory and add the spills' local-memory traffic; ``issued``: what its SASS issues
+        (tuner.static_bound), which replaces the estimated ALU and SFU work."""
         L, c, prof = self.L, self.config, self.profile
         split_grid = sketch.grid == "lanes x split"
         programs = L.lane_programs * (L.split if split_grid else 1)
@@ -353,7 +367,7 @@ class _KernelEvaluator:
                                  "compiled": compiled is not None and compiled.registers is not None,
                                  "spill_bytes": spill, "spill_l2_bytes": spill_l2, "spill_hbm_bytes": spill_hbm}
         return KernelLoad(sketch.name, programs, c.num_warps, c.num_stages, looped, regs, smem,
-                          hbm, l2, alu, sfu, dots, in_flight, notes)
+                          hbm, l2, alu, sfu, dots, in_flight, notes, issued)
 
     def pass_traffic(self, p: Pass, it: int, programs: int, split_grid: bool) -> dict[str, Any]:
         L = self.L
@@ -394,6 +408,7 @@ class _Model:
 
     def __init__(self, problem: Problem, derivation: Derivation):
         spec = problem.spec
+        self.problem = problem
         self.spec = spec
         self.derivation = derivation
         self.shape = dict(problem.shape)  # bound once, by make_problem
@@ -415,14 +430,31 @@ class _Model:
         touched: dict[str, float] = {}  # name -> requested bytes before the kernel that last read it
         done = 0.0
         sketches = an.kernels(strategy, blocks, parallel_combine(strategy, an.lanes, self.shape, blocks), config.per_lane)
+        issued = self.issued(strategy, config, compiled, profile)
         for kernel, built in zip(sketches, kernel_facts_for([k.name for k in sketches], compiled)):
-            load = ev.evaluate(kernel, {n: done - at for n, at in touched.items()}, done, built)
+            load = ev.evaluate(kernel, {n: done - at for n, at in touched.items()}, done, built, issued.get(kernel.name))
             loads.append(load)
             for p in kernel.passes:
                 for name in p.loads:
                     touched[name] = done
             done += load.l2_bytes
         return _combine(loads, profile, {"strategy": strategy, "config": config.to_dict(), "blocks": blocks})
+
+
+    def issued(self, strategy: str, config: KernelConfig, compiled: CompileVerdict | None,
+               profile: GpuProfile) -> dict[str, dict[str, float]]:
+        """Per kernel name, what its SASS issues at this shape (every loop's body times its
+        trips); empty without SASS facts (no compile, or an AMD target)."""
+        if compiled is None or not compiled.kernels or not all(k.ok and k.sass for k in compiled.kernels):
+            return {}
+        from tuner.static_bound import problem_bounds
+
+        bounds = problem_bounds(self.problem, self.derivation, strategy, config, compiled.kernels, profile)
+        return {b["kernel"]: {x: b[x] for x in ISSUED_FIELDS} for b in bounds or []}
+
+
+#: what a kernel's SASS issues, all programs together (tuner.static_bound.static_bound's fields)
+ISSUED_FIELDS = ("warp_instructions", "mufu", "tensor_macs")
 
 
 def _combine(loads: list[KernelLoad], profile: GpuProfile, extra: dict[str, Any]) -> Prediction:
@@ -476,6 +508,47 @@ def exhaustive_best(space: Any, strategies: Any = None) -> tuple[Any, Prediction
     if best is None:
         raise ValueError("no feasible candidate")
     return best[0], best[1], count
+
+
+# ---------------------------------------------------------------------- any compiled kernel
+
+
+def predict_compiled(kernels: Sequence[Mapping[str, Any]], profile: GpuProfile,
+                     unique_bytes: int | None = None, name: str = "compiled") -> Prediction:
+    """Predicted time of kernels known only by their compiled code (an expert's: Liger's, a
+    tutorial's, the split-KV decoder), the same :func:`kernel_time` as Foldwise's candidates
+    with every number read off the SASS. ``kernels``: per launch, in order, ``build`` (a
+    :class:`KernelBuild` with SASS facts), ``programs``, ``num_warps`` and ``trips`` (per
+    innermost loop, as :func:`tuner.static_bound.static_bound` takes them). What the SASS cannot
+    tell, the model assumes: the bytes the loads request all come from HBM, at most
+    ``unique_bytes`` for the first kernel (every input read once: the rest hits L2), and a
+    program keeps one iteration of its hottest loop in flight (num_stages of them when the
+    compiler pipelines it)."""
+    from tuner.static_bound import static_bound
+
+    loads = []
+    for i, k in enumerate(kernels):
+        build = k["build"]
+        if not build.ok or not build.sass:
+            raise ValueError(f"{build.kernel}: no SASS facts ({build.error or 'not compiled for NVIDIA'})")
+        trips = [float(t) for t in k["trips"]] or [1.0]
+        bound = static_bound(build.sass, programs=k["programs"], num_warps=k["num_warps"], trips=trips, profile=profile,
+                             unique_bytes=unique_bytes if i == 0 else None)
+        requested = bound["load_bytes"] + bound["store_bytes"]
+        hbm = requested if unique_bytes is None or i else min(requested, unique_bytes)
+        loops = build.sass.get("loops") or []
+        looped = bool(loops) and max(trips) > 1
+        stages = build.num_stages or 1
+        hot = max(loops, key=lambda lp: lp["instructions"]) if looped else build.sass["total"]
+        in_flight = sum(int(b) // 8 * SASS_LANES * n for b, n in hot["load_bits"].items()) * k["num_warps"]
+        in_flight *= stages if looped else 1
+        unit = bound["tensor_unit"]
+        dots = {unit: 2.0 * bound["tensor_macs"]} if unit else {}
+        issued = {x: bound[x] for x in ISSUED_FIELDS}
+        loads.append(KernelLoad(build.kernel, k["programs"], k["num_warps"], stages, looped, build.registers or 0,
+                                build.shared_bytes or 0, hbm, requested, 0.0, 0.0, dots, max(1.0, in_flight),
+                                {"from": "SASS"}, issued))
+    return _combine(loads, profile, {"strategy": name})
 
 
 # ---------------------------------------------------------------------- the unfused chain

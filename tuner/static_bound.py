@@ -106,7 +106,8 @@ def static_bound(sass: Mapping[str, Any], *, programs: int, num_warps: int, trip
     limiter = max(terms, key=terms.get)
     out: dict[str, Any] = {"terms_s": terms, "bound": limiter, "time_s": terms[limiter],
                            "load_bytes": chip["load_bytes"], "store_bytes": chip["store_bytes"],
-                           "warp_instructions": chip["instructions"], "tensor_unit": unit}
+                           "warp_instructions": chip["instructions"], "mufu": chip["mufu"],
+                           "tensor_macs": chip["tensor_macs"], "tensor_unit": unit}
     if elements:
         out["per_element"] = {
             "instructions": chip["instructions"] * SASS_LANES / elements,  # thread instructions

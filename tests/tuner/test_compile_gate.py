@@ -254,3 +254,55 @@ def test_model_measurer_records_the_facts_it_predicted_from(compile_pool):
     best = measurer.measure(Candidate.from_dict({"strategy": result.strategy, "config": result.config}))
     assert best.details["compile"] == result.compile
     assert all(k["compiled"] for k in best.details["model"]["kernels"])
+
+
+def test_the_model_charges_what_the_compiled_kernel_issues(compile_pool):
+    """Issue 35: with SASS facts the model's compute is the kernel's issued instructions and MUFU
+    ops (every loop body times its trips), not its own estimate. Softmax 4096 x 32768 fp16 on an
+    H200: the streaming kernel's loop issues ~3 exps per element and reads x twice; the
+    row-resident one reads once with one exp per element. The GPU timed row_resident faster
+    (benchmarks/results/gpu-2026-11-26-h200*: 0.184 ms against 0.280 ms); the estimate alone
+    had predicted the opposite order."""
+    space = softmax_space({"m": 4096, "n": 32768}, "float16", get_profile("h200"))
+    gate = CompileGate.for_space(space, pool=compile_pool)
+    measurer = ModelMeasurer(space.problem, SOFTMAX_D, space.profile, gate=gate, verify=False)
+    resident = space.candidate("row_resident", {"block_n": 32768, "block_m": 1, "num_warps": 16, "num_stages": 1})
+    streaming = space.candidate("streaming_fused", {"block_n": 4096, "block_m": 1, "num_warps": 4, "num_stages": 3})
+    times = {}
+    for c in (resident, streaming):
+        r = measurer.measure(c)
+        issued = r.details["model"]["kernels"][0]
+        times[c.strategy] = r.time_ms
+        # the model's kernel record names the instructions it charged
+        assert r.error is None and issued["kernel"].endswith("_kernel")
+    assert times["row_resident"] < times["streaming_fused"]
+    p = predict(space.problem, SOFTMAX_D, streaming, space.profile, gate.check(streaming))
+    counts = p.details["kernels"][0]["issued"]
+    assert counts["mufu"] * 32 >= 2.5 * 4096 * 32768  # the streaming loop's exps, read off the SASS
+    bare = predict(space.problem, SOFTMAX_D, streaming, space.profile,
+                   dataclasses.replace(gate.check(streaming), kernels=tuple(
+                       dataclasses.replace(k, sass=None) for k in gate.check(streaming).kernels)))
+    assert bare.details["kernels"][0]["issued"] is None and bare.time_s < p.time_s
+
+
+def test_a_kernel_known_by_its_cubin_alone_is_predicted_from_its_sass(compile_pool):
+    """tuner.cost_model.predict_compiled (what benchmarks/model_calibration.py predicts Liger's and
+    the split-KV decoder's kernels with): the same kernel_time from the SASS alone. On Foldwise's
+    own row-resident softmax it lands near the model's prediction, and more rows take longer."""
+    from tuner.cost_model import predict_compiled
+
+    h200 = get_profile("h200")
+    times = []
+    for rows in (1024, 4096):
+        space = softmax_space({"m": rows, "n": 32768}, "float16", h200)
+        gate = CompileGate.for_space(space, pool=compile_pool)
+        c = space.candidate("row_resident", {"block_n": 32768, "block_m": 1, "num_warps": 16, "num_stages": 1})
+        verdict = gate.check(c)
+        unique = 2 * rows * 32768 * 2  # x read once, y written once
+        p = predict_compiled([{"build": verdict.kernels[0], "programs": rows, "num_warps": 16, "trips": [1]}], h200,
+                             unique)
+        model = predict(space.problem, SOFTMAX_D, c, h200, verdict)
+        assert p.details["kernels"][0]["issued"]["warp_instructions"] > 0 and p.bytes == unique
+        assert 0.5 < p.time_s / model.time_s < 2.0
+        times.append(p.time_s)
+    assert times[1] > 2 * times[0]
