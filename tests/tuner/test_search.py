@@ -255,6 +255,58 @@ def test_frontier_candidates_fill_what_fits(catalog_specs: dict) -> None:
                 assert space.check(space.candidate(strategy, bigger)) is not None
 
 
+@pytest.mark.parametrize("name, shape, dtype, want", [
+    # Liger's calculate_settings: the whole row in one block, 32 warps from 32768 columns
+    ("safe_softmax", {"m": 4096, "n": 32768}, "float16", ("row_resident", {"block_n": 32768, "num_warps": 32})),
+    ("rmsnorm", {"t": 4096, "c": 8192}, "float16", ("row_resident", {"block_c": 8192, "num_warps": 16})),
+    # Liger's cross-entropy: a loop of 32768-wide blocks, 32 warps; Foldwise's loop holds half at 32 warps
+    ("cross_entropy", {"t": 4096, "v": 128256}, "bfloat16", ("streaming_fused", {"block_v": 16384, "num_warps": 32})),
+    # tutorial 06: BLOCK_M 128, BLOCK_N 128 at head dim 128, 8 warps, 3 stages
+    ("attention", {"b": 4, "h": 32, "m": 4096, "n": 4096, "d": 128, "e": 128}, "float16",
+     ("streaming_fused", {"block_m": 128, "block_n": 128, "block_e": 128, "num_warps": 8, "num_stages": 3})),
+    # the split-KV decoder: 64 keys a step, 4 warps; 1024 rows fill 132 SMs twice with one part each
+    ("attention", {"b": 32, "h": 32, "m": 1, "n": 8192, "d": 128, "e": 128}, "float16",
+     ("streaming_fused", {"block_n": 64, "block_e": 128, "num_warps": 4})),
+    # one row: 264 parts would fill the SMs twice, 8192 / 256 = 32 is the decoder's cap
+    ("attention", {"b": 1, "h": 1, "m": 1, "n": 8192, "d": 128, "e": 128}, "float16",
+     ("split_fused", {"block_n": 64, "split": 32, "num_warps": 4})),
+])
+def test_expert_candidates_are_the_hand_written_kernels_configurations(catalog_specs: dict, name, shape, dtype,
+                                                                       want) -> None:
+    """Issue 35: the search's first trials include the experts' configurations (tuner.search.proposals.expert_candidates)."""
+    from fuser_core.derive import derive_cascade
+    from fuser_core.problem import make_problem
+    from fuser_core.spec import load_spec
+    from tuner.profiles import get_profile
+    from tuner.search.proposals import expert_candidates
+    from tuner.space import SearchSpace
+
+    spec = load_spec(catalog_specs[name])
+    space = SearchSpace(make_problem(spec, shape, dtype), derive_cascade(spec), get_profile("h100"))
+    found = expert_candidates(space)
+    assert len(found) == 1
+    strategy, values = found[0]
+    assert strategy == want[0] and {k: values[k] for k in want[1]} == want[1]
+    assert space.check(space.candidate(strategy, values)) is None
+
+
+def test_the_first_trials_measure_the_defaults_and_the_experts(catalog_specs: dict) -> None:
+    from fuser_core.derive import derive_cascade
+    from fuser_core.problem import make_problem
+    from fuser_core.spec import load_spec
+    from tuner.profiles import get_profile
+    from tuner.search.proposals import default_candidates, expert_candidates
+    from tuner.space import Candidate, SearchSpace
+
+    spec = load_spec(catalog_specs["safe_softmax"])
+    space = SearchSpace(make_problem(spec, {"m": 64, "n": 4096}, "float16"), derive_cascade(spec), get_profile("h100"))
+    measurer = FakeMeasurer()  # records each measured candidate's key, in order
+    Tuner(space, measurer, seed=0).run(12)
+    first = [(c.strategy, space.values_of(c)) for c in map(Candidate.from_dict, map(json.loads, measurer.calls))]
+    wanted = default_candidates(space) + expert_candidates(space)
+    assert wanted and all(w in first[:len(wanted) + 2] for w in wanted)
+
+
 def test_local_search_proposes_only_untried_feasible_candidates() -> None:
     space, measurer = FakeSpace(limit=1024), FakeMeasurer()
     tuner = Tuner(space, measurer, seed=0)

@@ -7,7 +7,9 @@ samples with TPE. Trials are proposed three ways, all through the study:
 1. **start-up**, enqueued in a new study (``study.enqueue_trial``): the best configurations
    of other shapes of the same spec, target and dtype (:func:`~tuner.search.warm_start.warm_start`),
    then each strategy's default, the configuration an expert starts from
-   (:func:`~tuner.search.proposals.default_candidates`), then the frontier configurations of
+   (:func:`~tuner.search.proposals.default_candidates`), the hand-written kernels'
+   configurations (:func:`~tuner.search.proposals.expert_candidates`: tutorial 06's tile,
+   Liger's warps, the split-KV decoder's parts), then the frontier configurations of
    each strategy (:func:`~tuner.search.proposals.frontier_candidates`: the largest tiles that
    fit), then random feasible candidates (:func:`~tuner.search.proposals.random_candidates`);
 2. **local search** (:class:`~tuner.search.proposals.LocalSearch`, a callback): the next

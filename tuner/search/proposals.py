@@ -99,6 +99,73 @@ def default_candidates(space: SearchSpace) -> list[tuple[str, dict[str, int]]]:
     return out
 
 
+def expert_candidates(space: SearchSpace) -> list[tuple[str, dict[str, int]]]:
+    """The configurations the hand-written kernels use at this shape, where the space has them:
+    first trials beside the defaults, so that the search always measures the expert's shape.
+
+    - a contraction with a query tile (attention): Triton tutorial 06's forward tile, BLOCK_M
+      128, BLOCK_N 128 (64 for a head dim under 128), 8 warps, 3 stages, the whole head dim;
+    - a contraction with one query row (decode): the split-KV decoder's
+      (:func:`tuner.experts.split_kv_decode`): 64 keys a step, 4 warps, as many parts as fill
+      the SMs twice (split_fused), or one part per row (streaming_fused);
+    - a row reduction: Liger-Kernel's ``calculate_settings`` (ops/utils.py): the whole row in one
+      block (row_resident) when it fits, else its loop's block of at most 32768 (its
+      cross-entropy's), with its warps: 32 from a block of 32768, 16 from 8192, 8 from 2048, else 4.
+
+    Values snap to the nearest choice of the space; where the space's check refuses the expert's
+    loop block, the largest smaller one it accepts at the same warps stands in (Foldwise's
+    streaming cross-entropy at 32 warps holds 16384, not Liger's 32768); a candidate still
+    refused is left out."""
+    from fuser_core.codegen.plan import contraction_dims, next_pow2
+    from fuser_core.codegen.strategies import ROW_RESIDENT, SPLIT_FUSED, STREAMING_FUSED
+
+    axis, shape = getattr(space, "axis", None), getattr(space, "shape", None)
+    if axis is None or shape is None:  # a space without a loop axis has no expert shape here
+        return []
+    free, batch = contraction_dims(space.spec, space.derivation)
+    # a value dim shares an input with the loop axis (attention's e, of v[n, e]): its block is
+    # whole; the other free dims are the query tile's (m, of q[m, d])
+    with_axis = {d for i in space.spec.inputs if axis in i.dims for d in i.dims}
+    inner = {d: shape[d] for d in sorted(free) if d != axis and d in with_axis}
+    lanes = sorted(d for d in free if d != axis and d not in inner)
+    wanted: list[tuple[str, dict[str, int]]] = []
+    if free:
+        query = [d for d in lanes if shape[d] > 1]
+        if query:
+            head = max(inner.values(), default=128)
+            blocks = {f"block_{query[0]}": 128, f"block_{axis}": 128 if head >= 128 else 64}
+            wanted.append((STREAMING_FUSED.name, {**blocks, "num_warps": 8, "num_stages": 3}))
+        else:
+            rows = math.prod(shape[d] for d in (*batch, *lanes))  # one query row each
+            parts = max(1, min(-(-shape[axis] // 256), -(-2 * space.profile.sm_count // max(1, rows))))
+            base = {f"block_{axis}": 64, "num_warps": 4, "num_stages": 3}
+            wanted.append((SPLIT_FUSED.name, {**base, "split": parts}) if parts > 1 else (STREAMING_FUSED.name, base))
+        for _, values in wanted:
+            values.update({f"block_{d}": next_pow2(n) for d, n in inner.items()})
+    else:
+        block = next_pow2(shape[axis])
+        resident = ROW_RESIDENT.name in space.strategies() and block in space.params(ROW_RESIDENT.name).get(
+            f"block_{axis}", [])
+        block = block if resident else min(block, 32768)
+        warps = 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+        wanted.append((ROW_RESIDENT.name if resident else STREAMING_FUSED.name,
+                       {f"block_{axis}": block, "num_warps": warps, "num_stages": 1 if resident else 3}))
+    out = []
+    for strategy, want in wanted:
+        if strategy not in space.strategies():
+            continue
+        params = space.params(strategy)
+        values = {name: _nearest(want[name], choices) if name in want else choices[0] for name, choices in params.items()}
+        loop = params.get(f"block_{axis}", [])
+        # the expert's block may hold more than Foldwise's kernel can at those warps (Liger's
+        # cross-entropy keeps fewer values live): the largest smaller one that fits, same warps
+        while space.check(space.candidate(strategy, values)) is not None and loop.index(values[f"block_{axis}"]) > 0:
+            values[f"block_{axis}"] = loop[loop.index(values[f"block_{axis}"]) - 1]
+        if space.check(space.candidate(strategy, values)) is None and (strategy, values) not in out:
+            out.append((strategy, values))
+    return out
+
+
 #: start-up layouts: (num_warps, which blocks grow first); see :func:`frontier_candidates`
 FRONTIER_LAYOUTS = ((4, "axis"), (16, "axis"), (4, "lanes"))
 

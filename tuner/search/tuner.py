@@ -24,6 +24,7 @@ from tuner.search.proposals import (
     candidate_params,
     default_candidates,
     default_sampler,
+    expert_candidates,
     frontier_candidates,
     random_candidates,
     values_from_params,
@@ -175,7 +176,8 @@ class Tuner:
         return result
 
     def _start(self, study: optuna.Study, storage: optuna.storages.BaseStorage | None, warm: bool) -> None:
-        """Enqueue a new study's first trials: the best of other shapes (warm start), the
+        """Enqueue a new study's first trials: the best of other shapes (warm start), each
+        strategy's default, the experts' configurations (:func:`expert_candidates`), the
         frontier configurations of each strategy, then random feasible candidates up to
         ``startup`` in all (TPE's own start-up, by default, is as long)."""
         enqueued = warm_start(study, self.space, storage) if warm else []
@@ -186,6 +188,11 @@ class Tuner:
             if key not in keys:
                 keys.add(key)
                 picks.append((strategy, values, "default"))
+        for strategy, values in expert_candidates(self.space) if self.frontier else []:
+            key = self.space.candidate(strategy, values).key()
+            if key not in keys:
+                keys.add(key)
+                picks.append((strategy, values, "expert"))
         for strategy, values in frontier_candidates(self.space) if self.frontier else []:
             key = self.space.candidate(strategy, values).key()
             if key not in keys:
