@@ -188,7 +188,7 @@ def kernel_time(k: KernelLoad, profile: GpuProfile) -> tuple[float, dict[str, An
         "dot": {prec: f / P for prec, f in k.dot_flops.items()},
         "instructions": (k.issued or {}).get("warp_instructions", 0.0) / P, "mufu": (k.issued or {}).get("mufu", 0.0) / P,
     }
-    issue_rate = ISSUE_PER_SM_PER_CLOCK * profile.clock_hz * ISSUE_EFFICIENCY  # warp instructions/s per SM
+    issue_peak = ISSUE_PER_SM_PER_CLOCK * profile.clock_hz  # warp instructions/s per SM
     sm_bw = SM_BYTES_PER_CLOCK * profile.clock_hz
     alu_rate = profile.alu_flops / 2 / S * ALU_EFFICIENCY  # instructions/s per SM (FMA = 2 FLOPs)
     sfu_rate = profile.sfu_ops_per_s / S
@@ -203,13 +203,17 @@ def kernel_time(k: KernelLoad, profile: GpuProfile) -> tuple[float, dict[str, An
         t_dot = sum(busiest * f / (profile.dot_flops(PRECISION_UNIT.get(prec, prec)) / S * DOT_EFFICIENCY
                                    * min(1.0, warps / WARPS_TO_FILL_DOT)) for prec, f in per["dot"].items())
         fill = min(1.0, warps / WARPS_TO_FILL_ALU)
+        hidden = (k.looped and k.num_stages > 1) or busiest >= 2
         if k.issued is None:
             t_cuda = max(busiest * per["alu"] / (alu_rate * fill), busiest * per["sfu"] / (sfu_rate * fill))
         else:  # the compiled kernel's own counts: every instruction it issues, every MUFU op
-            t_cuda = max(busiest * per["instructions"] / (issue_rate * fill),
+            # overlapped with memory, warps waiting on loads leave issue slots empty (ISSUE_EFFICIENCY);
+            # a compute phase that follows its loads (nothing hides one behind the other) issues
+            # independent element work at the full rate: its waits are the memory term already
+            rate = issue_peak * (ISSUE_EFFICIENCY if hidden else 1.0)
+            t_cuda = max(busiest * per["instructions"] / (rate * fill),
                          busiest * per["mufu"] * SASS_LANES / (sfu_rate * fill))
         t_mem, t_comp = max(t_hbm, t_l2, t_sm), t_dot + t_cuda  # tensor and CUDA cores take turns
-        hidden = (k.looped and k.num_stages > 1) or busiest >= 2
         t = max(t_mem, t_comp) if hidden else t_mem + t_comp
         return {"t": t, "hbm": t_hbm, "l2": t_l2, "sm": t_sm, "dot": t_dot, "cuda": t_cuda, "overlap": hidden}
 
