@@ -156,7 +156,7 @@ class KernelPrinter:
         return " + ".join([base, *(f"{self.offs(d, dims)} * {stride}" for d, stride in offsets)])
 
     def tex(self, e: sp.Expr, env: o.Env) -> str:
-        return to_triton(e, dict(env), self.layout, self.kernel.grouping)
+        return to_triton(e, dict(env), self.layout, self.kernel.grouping, exp_base2=self.kernel.exp_base2)
 
     def tex_dims(self, e: sp.Expr, env: o.Env) -> tuple[str, ...]:
         return expr_dims(e, dict(env), self.layout)

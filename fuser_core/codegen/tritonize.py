@@ -112,12 +112,17 @@ def lookup(names: Names, e: sp.Symbol) -> Ref:
         raise UnsupportedExpression(f"no value for symbol {e.name!r} in this kernel") from None
 
 
-def to_triton(e: sp.Expr, names: Names, layout: Layout | None = None, grouping: Grouping | None = None) -> str:
+def to_triton(e: sp.Expr, names: Names, layout: Layout | None = None, grouping: Grouping | None = None,
+              exp_base2: bool = False) -> str:
     """Triton source for ``e``; every free symbol, or its name, must be a key of ``names``
     (:func:`lookup`). With ``layout``, operands on different dims are placed on their union; the
     result is on :func:`expr_dims`. With ``grouping`` (the spec's, :mod:`fuser_core.grouping`), sums
-    keep the user's grouping and order of additions."""
-    return _Printer(names, layout, grouping).go(decide_finite(e, names))[0]
+    keep the user's grouping and order of additions. With ``exp_base2``, ``exp(a + b)`` is
+    ``tl.exp2(a * LOG2E + b * LOG2E)`` (the compiler fuses one multiply and the add into an FMA)."""
+    return _Printer(names, layout, grouping, exp_base2).go(decide_finite(e, names))[0]
+
+
+LOG2E = 1.4426950408889634  # log2(e), as float64: the printed constant rounds once, to float32
 
 
 def decide_finite(e: sp.Expr, names: Names) -> sp.Expr:
@@ -197,8 +202,10 @@ def _sigmoid_arg(e: sp.Expr) -> sp.Expr | None:
 
 
 class _Printer:
-    def __init__(self, names: Names, layout: Layout | None = None, grouping: Grouping | None = None):
+    def __init__(self, names: Names, layout: Layout | None = None, grouping: Grouping | None = None,
+                 exp_base2: bool = False):
         self.names = names
+        self.exp_base2 = exp_base2
         self.layout = layout
         self.grouping = grouping or Grouping()
         self.want: tuple[str, ...] | None = None  # the dims of the operation being printed
@@ -278,6 +285,8 @@ class _Printer:
         if isinstance(e, sp.log) and e.args[0].is_Add and e.args[0].as_coeff_Add()[0] == 1:
             # log(1 + a) (the spec's log1p): tl.log(1.0 + a) would lose a small a in float32
             return self.call("log1p_accurate", self.arg(e.args[0] - 1))
+        if self.exp_base2 and isinstance(e, sp.exp):
+            return self.exp2(e.args[0]), _ATOM
         if e.func in _FUNCS:
             return f"{_FUNCS[e.func]}({self.arg(e.args[0])})", _ATOM
         if e.func in _CAST_DTYPE:
@@ -392,6 +401,33 @@ class _Printer:
         else:  # a lone factor that prints as a product (size(n)**2: `s * s`) needs parentheses too
             bottom = self.wrap(den[0], _MUL + 1)
         return f"{top} / {bottom}", _MUL
+
+    def exp2(self, arg: sp.Expr) -> str:
+        """exp(arg) as tl.exp2 of each term of ``arg`` times log2(e): ``exp(s - m)`` is
+        ``tl.exp2(s * LOG2E - m * LOG2E)``, an FMA per element when m is a row's (the multiply of a
+        broadcast row value is one per row). A user's sum inside stays one term, in parentheses
+        (:mod:`fuser_core.grouping`); numeric coefficients fold into the constant in float64."""
+        if arg.is_integer and not arg.is_Number and any(not s.name.startswith("size(") for s in arg.free_symbols):
+            return f"tl.exp2(({self.arg(arg)}) * {LOG2E!r})"  # an integer argument: as a float first
+        split = self.grouping.split(arg) if arg.is_Add else None
+        if split is not None:
+            terms = [(sp.Integer(1), split.left), (sp.Integer(split.sign), split.right)]
+        elif arg.is_Add:
+            terms = [(p.coeff, p.expr) if p.grouped else p.expr.as_coeff_Mul() for p in self.grouping.arrange(arg)]
+        else:
+            terms = [arg.as_coeff_Mul()]
+        terms.sort(key=lambda t: (bool(t[0].is_negative), t[1] == 1))  # `x - mx`, not `-mx + x`; numbers last
+        out = ""
+        for coeff, rest in terms:
+            c = float(coeff) * LOG2E
+            if rest == 1:
+                text = number(sp.Float(abs(c)))
+            else:
+                operand = f"({self.go(rest)[0]})" if rest.is_Add else self.wrap(rest, _MUL)
+                text = f"{operand} * {number(sp.Float(abs(c)))}"
+            sign = " - " if c < 0 else " + "
+            out = out + sign + text if out else ("-" if c < 0 else "") + text
+        return f"tl.exp2({out})"
 
     def pow(self, e: sp.Expr) -> tuple[str, int]:
         base, exp = e.base, e.exp

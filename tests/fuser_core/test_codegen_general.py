@@ -731,3 +731,30 @@ def test_integer_powers_are_squarings():
                    inputs={"x": {"dims": ["n"]}})
     got = run(spec, {"n": 7}, "float32", {"x": x}, strategy="row_resident").outputs
     assert np.allclose(got["p"].double().numpy(), np.sin(x) ** 12, rtol=2e-6, atol=0)
+
+
+def test_exp_prints_in_base2_only_where_every_output_is_16_bit() -> None:
+    """Issue 35: exp(s - m) as tl.exp2(s * LOG2E - m * LOG2E) (one FMA before the MUFU, tutorial 06's
+    form) where the outputs' rounding hides the folded argument's; float32 outputs keep tl.exp (at
+    logits near 1000 the base-2 form's error is ~90x the formula's: benchmarks/exp_base2_accuracy.py)."""
+    import sympy as sp
+
+    from fuser_core.codegen.tritonize import Ref, to_triton
+
+    x, m = sp.Symbol("x"), sp.Symbol("mx")
+    names = {"x": Ref("x", ("m", "n")), "mx": Ref("mx", ("m",))}
+    from fuser_core.codegen.layout import Layout
+
+    text = to_triton(sp.exp(x - m), names, Layout(("m", "n")), exp_base2=True)
+    assert text == "tl.exp2(x * 1.4426950408889634 - mx[:, None] * 1.4426950408889634)"
+    assert to_triton(sp.exp(2 * x + 1), {"x": Ref("x")}, exp_base2=True) == (
+        "tl.exp2(x * 2.8853900817779268 + 1.4426950408889634)")
+    assert to_triton(sp.exp(x - m), names, Layout(("m", "n"))) == "tl.exp(x - mx[:, None])"
+
+    spec = load_spec(load_catalog()["safe_softmax"])
+    d = derive_cascade(spec)
+    shape = {"m": 4, "n": 1000}
+    config = KernelConfig({"m": 1, "n": 256})
+    for dtype, base2 in (("float16", True), ("bfloat16", True), ("float32", False)):
+        source = generate(spec, d, "streaming_fused", shape, config, {"x": dtype}).source
+        assert ("tl.exp2(" in source) is base2 and ("tl.exp(" in source) is not base2, dtype

@@ -69,7 +69,19 @@ def _kernel(plan: KernelPlan, name: str, role: str, grid: Grid, walker, doc: str
     states = tuple(s for step in plan.axis_reductions() for s in accumulators(plan, step, lanes=w.lanes_states))
     args = _args(plan, w.inputs, outputs, ws, role, input_dtypes, stores, ops)
     return Kernel(name, role, grid, doc, w.layout, ops, states, args, tuple(w.inputs), outputs,
-                  plan.derivation.symbols.grouping), w
+                  plan.derivation.symbols.grouping, exp_in_base2(stores)), w
+
+
+#: output dtypes whose rounding hides exp2's folded argument: the rounding of a log2(e) (about
+#: 2^-24 |a| log2(e) in the exponent: 1e-5 relative at logits near 100) is far below their ulp
+#: (2^-11 for float16, 2^-8 bfloat16); float32 outputs keep exp's exact form (issue 35: measured
+#: in benchmarks/results/exp_base2_accuracy.md)
+BASE2_OUTPUT_DTYPES = frozenset({"float16", "bfloat16", "float8_e4m3fn"})
+
+
+def exp_in_base2(stores: Mapping[str, str]) -> bool:
+    """Whether a module whose outputs have the dtypes ``stores`` (part -> dtype) prints exp in base 2."""
+    return bool(stores) and all(dtype in BASE2_OUTPUT_DTYPES for dtype in stores.values())
 
 
 class KernelBuilder:

@@ -75,6 +75,9 @@ class Kernel:
     inputs: tuple[str, ...]  # inputs it loads (spec names)
     outputs: tuple[str, ...]  # output parts it writes
     grouping: Grouping = field(default_factory=Grouping, compare=False)  # the user's sums, printed as written
+    # exp(a + b) printed as exp2(a log2(e) + b log2(e)): one FMA before the MUFU instead of an add and
+    # a multiply (tutorial 06's form); only where every output is 16-bit (exp_in_base2)
+    exp_base2: bool = False
 
     def walk(self) -> Iterable[Op]:
         """Every operation, nested ones (a loop's body) after the one that holds them."""
