@@ -176,11 +176,31 @@ class KernelPrinter:
         return f"{reduce_op(op).triton_reduce}({value}, axis={dims.index(over)})", rest
 
     def tile(self, op: str, e: sp.Expr, env: o.Env, over: str, masked: bool) -> tuple[str, tuple[str, ...]]:
-        """A sum/max/min of ``e`` over the tile of ``over`` (masked lanes the identity unless filled)."""
+        """A sum/max/min of ``e`` over the tile of ``over`` (masked lanes the identity unless filled).
+        A sum's factor constant over the tile that is provably finite and nonzero (``1 / size(c)``,
+        attention's ``1 / sqrt(size(d))``) multiplies the tile's sum once, not every element, as the
+        dot path applies its scale after tl.dot: for any other factor (a runtime scalar that may be 0
+        or inf) the product per element is what keeps the formula's special values."""
+        scale = None
+        if op == "sum":
+            scale, e = self.constant_factor(e, env)
         value, dims = self.tex(e, env), self.tex_dims(e, env)
         if masked:
             value, dims = self.masked(over, value, dims, number(identity(op)))
-        return self.reduce(op, value, dims, over)
+        text, got = self.reduce(op, value, dims, over)
+        if scale is not None:
+            text = f"{text} * ({self.tex(scale, env)})"
+        return text, got
+
+    def constant_factor(self, e: sp.Expr, env: o.Env) -> tuple[sp.Expr | None, sp.Expr]:
+        """(the factors of ``e`` on no dim that are provably finite and nonzero, the rest); (None, e)
+        when there is none, or nothing else."""
+        factors = sp.Mul.make_args(e)
+        constant = [f for f in factors if not f.is_Number and not self.tex_dims(f, env)
+                    and f.is_finite is True and f.is_nonzero is True]
+        if not constant or len(constant) == len(factors):
+            return None, e
+        return sp.Mul(*constant), sp.Mul(*[f for f in factors if f not in constant])
 
     def dot(self, dot: o.Dot, env: o.Env, masked: bool) -> tuple[str, tuple[str, ...]]:
         """A tl.dot decided by the structure: P[i, over] @ Q[over, j], then the scale; with its dims."""
