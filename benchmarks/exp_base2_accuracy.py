@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     from fuser_core.codegen.plan import valid_strategies
     from fuser_core.codegen.strategies import is_fused
     from fuser_core.derive import derive_cascade
+    from fuser_core.problem import output_dtypes
     from fuser_core.reference import bind_shape
+    from fuser_core.runner import bind_dtypes
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=None)
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                         out[form] = worst(spec, dtype, strategy, derivation)
                     finally:
                         build.exp_in_base2 = chosen
-                printed = "base 2" if chosen({"o": dtype}) else "exact"
+                printed = "base 2" if chosen(output_dtypes(spec, bind_dtypes(spec, dtype))) else "exact"
                 cell = {f: (f"{r:.2f} ({fam})" + ("" if ok else " **fails**")) for f, (r, fam, ok) in out.items()}
                 lines.append(f"| {name} | {dtype} | {strategy} | {cell['base2']} | {cell['exact']} | {printed} |")
                 print(lines[-1], flush=True)
