@@ -160,14 +160,14 @@ def decoder_kernels(case: Case, profile: Any) -> list[dict[str, Any]]:
 
     from fuser_core.codegen.gpu_compile import compile_launch
     from fuser_core.codegen.launches import intercepted_launches
-    from tuner.experts import split_kv_decode, triton_cdiv
+    from tuner.experts import decoder_parts, split_kv_decode, triton_cdiv
 
     s, dt, block_n = case.shape, getattr(torch, case.dtype), 64
     q = torch.empty(s["b"], s["h"], 1, s["d"], dtype=dt)
     k = torch.empty(s["b"], s["h"], s["n"], s["d"], dtype=dt)
     v = torch.empty(s["b"], s["h"], s["n"], s["e"], dtype=dt)
     rows = s["b"] * s["h"]
-    chunks = max(1, min(triton_cdiv(s["n"], 4 * block_n), triton_cdiv(2 * profile.sm_count, rows)))  # as on the GPU
+    chunks = decoder_parts(s["n"], rows, profile.sm_count, block_n)  # as on the GPU
     with intercepted_launches() as launches:
         split_kv_decode(q, k, v, block_n=block_n, chunks=chunks)
     chunk = triton_cdiv(triton_cdiv(s["n"], chunks), block_n) * block_n

@@ -128,7 +128,10 @@ def _decoder(problem: Problem) -> Fn:
     return lambda t, shape: {"o": split_kv_decode(t["q"], t["k"], t["v"])}
 
 
-def split_kv_decode(q: Any, k: Any, v: Any, *, block_n: int = 64, chunks: int | None = None) -> Any:
+DECODER_BLOCK = 64  # the split-KV decoder's keys per step
+
+
+def split_kv_decode(q: Any, k: Any, v: Any, *, block_n: int = DECODER_BLOCK, chunks: int | None = None) -> Any:
     """softmax(q k^T / sqrt(d)) v for q of shape [b, h, 1, d], k [b, h, n, d], v [b, h, n, e]:
     ``chunks`` programs per (b, h) each reduce a contiguous part of the key axis to its running
     max, sum and unnormalised output row; a second kernel merges the parts (flash-decoding)."""
@@ -141,9 +144,8 @@ def split_kv_decode(q: Any, k: Any, v: Any, *, block_n: int = 64, chunks: int | 
     if m != 1:
         raise ValueError(f"split_kv_decode: q has {m} query rows, expected 1")
     rows = b * h
-    if chunks is None:  # enough programs to fill the GPU twice, each at least 4 key blocks
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        chunks = max(1, min(triton_cdiv(n, 4 * block_n), triton_cdiv(2 * sms, rows)))
+    if chunks is None:
+        chunks = decoder_parts(n, rows, torch.cuda.get_device_properties(q.device).multi_processor_count, block_n)
     chunk = triton_cdiv(triton_cdiv(n, chunks), block_n) * block_n
     chunks = triton_cdiv(n, chunk)
     part_max = torch.empty((rows, chunks), dtype=torch.float32, device=q.device)
@@ -158,6 +160,12 @@ def split_kv_decode(q: Any, k: Any, v: Any, *, block_n: int = 64, chunks: int | 
     decode_combine[(rows,)](part_max, part_sum, part_out, out, chunks, h, *out.stride(),
                             BLOCK_S=_pow2(chunks), BLOCK_E=_pow2(e), E=e, num_warps=4)
     return out
+
+
+def decoder_parts(n: int, rows: int, sm_count: int, block_n: int = DECODER_BLOCK) -> int:
+    """The split-KV decoder's parts per query row: enough programs to fill the GPU's SMs twice,
+    each at least 4 key blocks."""
+    return max(1, min(triton_cdiv(n, 4 * block_n), triton_cdiv(2 * sm_count, rows)))
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -118,6 +118,7 @@ def expert_candidates(space: SearchSpace) -> list[tuple[str, dict[str, int]]]:
     refused is left out."""
     from fuser_core.codegen.plan import contraction_dims, next_pow2
     from fuser_core.codegen.strategies import ROW_RESIDENT, SPLIT_FUSED, STREAMING_FUSED
+    from tuner.experts import DECODER_BLOCK, decoder_parts
 
     axis, shape = getattr(space, "axis", None), getattr(space, "shape", None)
     if axis is None or shape is None:  # a space without a loop axis has no expert shape here
@@ -137,8 +138,8 @@ def expert_candidates(space: SearchSpace) -> list[tuple[str, dict[str, int]]]:
             wanted.append((STREAMING_FUSED.name, {**blocks, "num_warps": 8, "num_stages": 3}))
         else:
             rows = math.prod(shape[d] for d in (*batch, *lanes))  # one query row each
-            parts = max(1, min(-(-shape[axis] // 256), -(-2 * space.profile.sm_count // max(1, rows))))
-            base = {f"block_{axis}": 64, "num_warps": 4, "num_stages": 3}
+            parts = decoder_parts(shape[axis], max(1, rows), space.profile.sm_count, DECODER_BLOCK)
+            base = {f"block_{axis}": DECODER_BLOCK, "num_warps": 4, "num_stages": 3}
             wanted.append((SPLIT_FUSED.name, {**base, "split": parts}) if parts > 1 else (STREAMING_FUSED.name, base))
         for _, values in wanted:
             values.update({f"block_{d}": next_pow2(n) for d, n in inner.items()})

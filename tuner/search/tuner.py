@@ -183,21 +183,13 @@ class Tuner:
         enqueued = warm_start(study, self.space, storage) if warm else []
         keys = {self.space.candidate(p["strategy"], values_from_params(self.space, p)).key() for p in enqueued}
         picks = []
-        for strategy, values in default_candidates(self.space) if self.frontier else []:
-            key = self.space.candidate(strategy, values).key()
-            if key not in keys:
-                keys.add(key)
-                picks.append((strategy, values, "default"))
-        for strategy, values in expert_candidates(self.space) if self.frontier else []:
-            key = self.space.candidate(strategy, values).key()
-            if key not in keys:
-                keys.add(key)
-                picks.append((strategy, values, "expert"))
-        for strategy, values in frontier_candidates(self.space) if self.frontier else []:
-            key = self.space.candidate(strategy, values).key()
-            if key not in keys:
-                keys.add(key)
-                picks.append((strategy, values, "frontier"))
+        designs = (("default", default_candidates), ("expert", expert_candidates), ("frontier", frontier_candidates))
+        for source, design in designs if self.frontier else ():
+            for strategy, values in design(self.space):
+                key = self.space.candidate(strategy, values).key()
+                if key not in keys:
+                    keys.add(key)
+                    picks.append((strategy, values, source))
         more = max(0, self.startup - len(enqueued) - len(picks))
         picks += [(s, v, "random start-up") for s, v in random_candidates(self.space, more, self.seed, exclude=keys)]
         for strategy, values, source in picks:
