@@ -50,10 +50,11 @@ class Case:
     name: str
     spec: str
     shape: dict[str, int]
-    dtype: str
-    expert: str | None  # a Liger function name, or None (attention: judged against its minimum work)
+    dtype: str | dict[str, str]  # one dtype for every float input, or one per input
+    expert: str | None  # a Liger function name, or None (attention, the fp8 GEMM: judged against their minimum work)
     elements: Callable[[Mapping[str, int]], int]  # what "per element" counts
-    causal: bool = False
+    # the multiply-adds the product needs (no expert: tensor work is judged against it)
+    minimum_macs: Callable[[Mapping[str, int]], float] | None = None
 
 
 def rows_cols(a: str, b: str) -> Callable[[Mapping[str, int]], int]:
@@ -64,6 +65,10 @@ def scores(s: Mapping[str, int]) -> int:
     return s["b"] * s["h"] * s["m"] * s["n"]
 
 
+def attention_macs(s: Mapping[str, int]) -> float:
+    return 2.0 * s["b"] * s["h"] * s["m"] * s["n"] * s["d"]  # q.k and p.v (d = e)
+
+
 ATT = {"b": 4, "h": 32, "m": 4096, "n": 4096, "d": 128, "e": 128}
 CASES = [
     Case("softmax_4k", "safe_softmax", {"m": 4096, "n": 4096}, "float16", "liger_softmax", rows_cols("m", "n")),
@@ -72,8 +77,14 @@ CASES = [
     Case("rmsnorm", "rmsnorm", {"t": 4096, "c": 8192}, "float16", "liger_rms_norm", rows_cols("t", "c")),
     Case("cross_entropy", "cross_entropy", {"t": 4096, "v": 128256}, "bfloat16", "liger_cross_entropy",
          rows_cols("t", "v")),
-    Case("attention", "attention", ATT, "float16", None, scores),
-    Case("attention_causal", "attention_causal", ATT, "bfloat16", None, scores, causal=True),
+    Case("attention", "attention", ATT, "float16", None, scores, minimum_macs=attention_macs),
+    Case("attention_causal", "attention_causal", ATT, "bfloat16", None, scores,
+         minimum_macs=lambda s: attention_macs(s) / 2),  # causal: half the scores,
+    # per-token fp8 quantisation of a (fp16) fused into the GEMM with fp8 weights: the tensor-core
+    # kind is the point (QGMMA ... E4M3 on sm_90, issue 35 item 3); per element of the output
+    Case("fp8_gemm", "fp8_quant_gemm", {"m": 4096, "n": 4096, "k": 4096},
+         {"a": "float16", "w": "float8_e4m3fn", "w_scale": "float32"}, None, rows_cols("m", "n"),
+         minimum_macs=lambda s: float(s["m"] * s["n"] * s["k"])),
     # per element of K and V (each score reads d of K and e of V)
     Case("decode", "attention", {"b": 32, "h": 32, "m": 1, "n": 8192, "d": 128, "e": 128}, "float16", None,
          lambda s: s["b"] * s["h"] * s["n"] * (s["d"] + s["e"])),
@@ -291,12 +302,6 @@ def tuned_foldwise(case: Case, profile: Any, trials: int, seed: int = 0) -> tupl
     return result.strategy, config, summarize(foldwise_kernels(case, result.strategy, config), case, profile)
 
 
-def minimum_tensor_macs(case: Case) -> float:
-    s = case.shape
-    macs = 2.0 * s["b"] * s["h"] * s["m"] * s["n"] * s["d"]  # q.k and p.v (d = e)
-    return macs / 2 if case.causal else macs
-
-
 def main(argv: list[str] | None = None) -> int:
     from tuner.profiles import get_profile
 
@@ -343,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             if r is fw and expert and "error" not in expert:
                 ratio = (f"issued {fw['warp_instructions'] / expert['warp_instructions']:.2f}x, "
                          f"bound {fw['time_s'] / expert['time_s']:.2f}x")
-            elif r is fw and not case.expert and case.name != "decode":
-                ratio = f"tensor work {fw['tensor_macs'] / minimum_tensor_macs(case):.2f}x the minimum"
+            elif r is fw and case.minimum_macs is not None:
+                ratio = f"tensor work {fw['tensor_macs'] / case.minimum_macs(case.shape):.2f}x the minimum"
             print(f"| {case.name} | {label} | {'/'.join(str(x) for x in r['registers'])} | {r['spill_bytes']} | "
                   f"{r['warp_instructions'] / 1e6:.1f} | "
                   f"{r['instructions']:.1f} | {r['exp']:.2f} | {r['sfu']:.2f} | {r['load_bits']} | {r['reads']:.2f} | {r['tensor']} | "

@@ -34,7 +34,7 @@ does. The "fresh process" table measures that first kernel, each run in a new in
 Triton imports at the first launch it specialises whatever the path, are done before the clock,
 and so is the full garbage collection those imports leave pending).
 
-No GPU here: a stand-in driver (:class:`service.cubin_loader.TargetOnlyDriver`) answers the
+No GPU here: a stand-in driver (:class:`fuser_core.codegen.launches.TargetOnlyDriver`) answers the
 device, stream and target (sm_90) that ``JITFunction.run`` asks before launching. What only a
 GPU can run is **not measured on GPU**: Triton's CUDA driver start-up, ``cuModuleLoadData`` of
 the cubin and the first launch, and checking outputs against float64.
@@ -120,7 +120,7 @@ def time_path(path: str, content: bytes, folder: str, n: int) -> tuple[float, fl
 def _set_up_process() -> None:
     from triton.runtime.driver import driver
 
-    from service.cubin_loader import TargetOnlyDriver
+    from fuser_core.codegen.launches import TargetOnlyDriver
 
     os.environ["TRITON_INTERPRET"] = "0"
     os.environ.pop("TRITON_DEFAULT_FP_FUSION", None)  # as an inference server runs

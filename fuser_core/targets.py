@@ -85,6 +85,14 @@ class Target:
         return self.arch if self.backend == CUDA else None  # type: ignore[return-value]
 
     @property
+    def fp8_native(self) -> bool:
+        """Does it convert e4m3 and multiply it on the tensor cores in hardware (NVIDIA sm_89 and
+        newer)? The generated launchers ask the device the same question (codegen.helpers.fp8_native,
+        copied into self-contained modules; a test keeps the two equal); AMD's fp8 is the fnuz
+        variant, so AMD kernels convert in software."""
+        return self.backend == CUDA and int(self.arch) >= 89
+
+    @property
     def arch_name(self) -> str:
         """The arch as users and profiles write it: ``sm_90``, ``gfx942``."""
         return f"sm_{self.arch}" if self.backend == CUDA else str(self.arch)

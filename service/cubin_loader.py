@@ -31,8 +31,9 @@ Triton's cache-invalidating variables first (:func:`service.bundle.choose_binary
 **AMD (not run on AMD).** An hsaco variant goes through the same steps: Triton's
 ``CompiledKernel`` is the same class for both backends, its binary under the backend's
 ``binary_ext`` ("hsaco") and loaded by the HIP driver's ``load_binary`` at the first launch, as
-for a cubin. The warm-up with an hsaco is tested on a CPU host with :class:`TargetOnlyDriver`
-for gfx942 (tests/service/test_binaries_hsaco.py); loading and launching it has not been run on an AMD GPU,
+for a cubin. The warm-up with an hsaco is tested on a CPU host with
+:class:`fuser_core.codegen.launches.TargetOnlyDriver` for gfx942 (tests/service/test_binaries_hsaco.py);
+loading and launching it has not been run on an AMD GPU,
 so :func:`service.bundle.choose_binary` does not pick one yet (the client compiles the source).
 
 Imports only the standard library at import time (torch and triton when called).
@@ -247,24 +248,3 @@ def seed_jit_caches(module: ModuleType, bundle: Mapping[str, Any], variant: Mapp
                 else:
                     vars(fn).pop("compile", None)
     return [k.name for k in launched]
-
-
-class TargetOnlyDriver:
-    """For hosts without a GPU (tests, benchmarks/kernel_startup.py): the three calls Triton's
-    ``JITFunction.run`` makes before a launch (device 0, stream 0, the target), so a warm-up
-    binds and keys launches exactly as on a device of this target (a :class:`fuser_core.Target`,
-    or an NVIDIA compute capability: 90). It cannot launch."""
-
-    def __init__(self, target: Any):
-        from fuser_core import Target
-
-        self.target = (target if isinstance(target, Target) else Target.parse(f"sm_{int(target)}")).triton()
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int) -> int:
-        return 0
-
-    def get_current_target(self) -> Any:
-        return self.target

@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fuser_core.codegen.gpu_compile import KernelBuild
+from fuser_core.codegen.ops import FP8_DOT
 from fuser_core.codegen.plan import KernelConfig, parallel_combine
 from fuser_core.codegen.strategies import BASELINE
 from fuser_core.derive import Derivation
@@ -102,6 +103,14 @@ WARPS_TO_FILL_ALU = 8  # resident warps per SM for the CUDA cores to be busy (la
 WARPS_TO_FILL_DOT = 4  # one warp per SM sub-partition (one wavefront per SIMD of a CU) for the matrix units
 SPILL_ACCESSES = 2  # a spilled byte is written to local memory and read back (per loop iteration)
 PRECISION_UNIT = {"tl.float16": "fp16", "tl.bfloat16": "fp16", "tf32": "tf32", "ieee": "fp32"}
+
+
+def dot_unit(precision: str, profile: GpuProfile) -> str:
+    """The matrix unit a tl.dot of this precision runs on: an fp8 dot on the fp8 units where the
+    target multiplies e4m3 in hardware, else on fp16's (its exact fallback, codegen.helpers.fp8_operand)."""
+    if precision == FP8_DOT:
+        return "fp8" if profile.target.fp8_native else "fp16"
+    return PRECISION_UNIT.get(precision, precision)
 
 
 @dataclass(frozen=True)
@@ -200,7 +209,7 @@ def kernel_time(k: KernelLoad, profile: GpuProfile) -> tuple[float, dict[str, An
         t_l2 = n * per["l2"] / profile.l2_bytes_per_s  # every request passes L2
         in_flight = busiest * k.bytes_in_flight  # Little's law on the busiest SM
         t_sm = busiest * per["l2"] / (sm_bw * max(1e-9, saturation(in_flight / (sm_bw * profile.mem_latency_s))))
-        t_dot = sum(busiest * f / (profile.dot_flops(PRECISION_UNIT.get(prec, prec)) / S * DOT_EFFICIENCY
+        t_dot = sum(busiest * f / (profile.dot_flops(dot_unit(prec, profile)) / S * DOT_EFFICIENCY
                                    * min(1.0, warps / WARPS_TO_FILL_DOT)) for prec, f in per["dot"].items())
         fill = min(1.0, warps / WARPS_TO_FILL_ALU)
         hidden = (k.looped and k.num_stages > 1) or busiest >= 2

@@ -121,7 +121,8 @@ def dtype_label(dtype: Any) -> str:
 
 
 def probes(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
-    """float8 index_select on CUDA, and whether zeroing the flush buffer evicts L2."""
+    """float8 index_select on CUDA, the hardware's fp8 conversions against the exact path
+    (benchmarks/gpu/fp8_native.py), and whether zeroing the flush buffer evicts L2."""
     if args.device != "cuda":
         return {"skipped": "no GPU: probes need CUDA"}
     import torch
@@ -135,6 +136,14 @@ def probes(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
         out["fp8_index_select"] = {"works": bool(torch.equal(got.view(torch.uint8), want.view(torch.uint8)))}
     except Exception as err:  # noqa: BLE001 (the probe's answer)
         out["fp8_index_select"] = {"works": False, "error": f"{type(err).__name__}: {err}"[:300]}
+
+    if torch.cuda.get_device_capability(0) >= (8, 9):  # the hardware's e4m3 conversions against the exact path
+        try:
+            from benchmarks.gpu.fp8_native import compare
+
+            out["fp8_native"] = compare("cuda")
+        except Exception as err:  # noqa: BLE001 (the probe's answer)
+            out["fp8_native"] = {"error": f"{type(err).__name__}: {err}"[:300]}
 
     props = torch.cuda.get_device_properties(0)
     l2 = int(props.L2_cache_size)

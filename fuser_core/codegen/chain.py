@@ -55,7 +55,7 @@ from fuser_core.codegen.chain_subspec import part_dims, part_is_index, step_read
 from fuser_core.codegen.emit import load_expr, store_expr
 from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.module import TORCH_DTYPES, _load, cached_source, generate, module_header, output_dtypes
-from fuser_core.codegen.names import FP8, kernel_arg, safe_name, scalar_arg
+from fuser_core.codegen.names import FP8, FP8_HELPERS, FP8_NATIVE, kernel_arg, safe_name, scalar_arg
 from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan, NotValid, make_plan, next_pow2
 from fuser_core.codegen.strategies import MULTI_PASS, ROW_RESIDENT
 from fuser_core.codegen.tritonize import Ref, expr_dims, helpers_of, to_triton
@@ -340,7 +340,8 @@ class ElementwiseWriter:
             args += [f"stride_{self.var[n]}_{d}" for d in self.leaf_dims(n)]
         for o in self.outputs:
             args += [f"stride_{self.var[o]}_{d}" for d in self.spec.step(o).dims]
-        return args + [f"BLOCK_{d}: tl.constexpr" for d in self.dims]
+        args += [f"BLOCK_{d}: tl.constexpr" for d in self.dims]
+        return args + ([f"{FP8_NATIVE}: tl.constexpr"] if self.takes_fp8_native() else [])
 
     def write(self) -> str:
         emit = self.lines.append
@@ -424,6 +425,8 @@ class ElementwiseWriter:
         for o in self.outputs:
             args += [f"{self.var[o]}.stride({k})" for k in range(len(self.spec.step(o).dims))]
         args += [f"BLOCK_{d}={self.blocks[d]}" for d in self.dims] + ["num_warps=4"]
+        if self.takes_fp8_native():
+            args.append(f"{FP8_NATIVE}=fp8_native()")
         lines.append(f"    {self.kernel}[({grid},)](")
         lines += [f"        {a}," for a in args]
         lines.append("    )")
@@ -436,10 +439,15 @@ class ElementwiseWriter:
         out += [h for o in self.outputs for h in helpers_of(self.exprs[o])]
         return out + (["fp8e4m3_bits"] if any(self.stores[o] == FP8 for o in self.outputs) else [])
 
+    def takes_fp8_native(self) -> bool:
+        """Does the kernel convert fp8 (its FP8_NATIVE parameter; the launcher calls fp8_native)?"""
+        return bool(FP8_HELPERS & set(self.helpers()))
+
     def module_source(self) -> str:
         body = self.write()
         header = module_header(f"{self.spec.name}, unfused chain, elementwise outputs.",
-                               [f"blocks: {json.dumps(self.blocks, sort_keys=True)}"], self.helpers())
+                               [f"blocks: {json.dumps(self.blocks, sort_keys=True)}"],
+                               self.helpers() + (["fp8_native"] if self.takes_fp8_native() else []))
         return header + "\n\n" + body + "\n\n" + self.launcher()
 
 

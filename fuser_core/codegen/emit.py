@@ -25,9 +25,10 @@ from pathlib import Path
 import sympy as sp
 
 from fuser_core.codegen import ops as o
-from fuser_core.codegen.names import FP8, safe_name
+from fuser_core.codegen.names import FP8, FP8_NATIVE, fp8_bits_var, safe_name
 from fuser_core.codegen.structure import Kernel, ModuleStructure
 from fuser_core.codegen.tritonize import expr_dims, number, to_triton
+from fuser_core.symbolic import CAST_FUNCTIONS
 from fuser_core.realisation import identity
 from fuser_core.reduce_ops import has_slots, is_negated, reduce_op, returns_indices
 
@@ -91,14 +92,19 @@ def load_expr(load_args: str, dtype: str | None, kind: str) -> str:
     """``tl.load(load_args)`` as float32 (``kind`` tl.int32 for index inputs); fp8 arrives as bits.
     Masked lanes are never used (every reduction and store masks them): ``other`` is 0."""
     if dtype == FP8:
-        return f"fp8e4m3_to_float(tl.load({load_args}))"
+        return fp8_value(f"tl.load({load_args})")
     return f"tl.load({load_args}).to({kind})"
+
+
+def fp8_value(bits: str) -> str:
+    """The float32 value of e4m3 ``bits``."""
+    return f"fp8e4m3_to_float({bits}, {FP8_NATIVE})"
 
 
 def store_expr(value: str, dtype: str, var: str) -> str:
     """``value`` converted for ``{var}_ptr``: fp8 leaves as its bits."""
     if dtype == FP8:
-        return f"fp8e4m3_bits({value})"
+        return f"fp8e4m3_bits({value}, {FP8_NATIVE})"
     return f"{value}.to({var}_ptr.dtype.element_ty)"
 
 
@@ -113,6 +119,7 @@ class KernelPrinter:
         self.layout = kernel.layout
         self.lines: list[str] = []
         self.depth = 1
+        self.fp8_bits: set[str] = set()  # fp8 inputs loaded with their bits kept (fp8_bits_var)
         self.printers: dict[type, Callable] = {
             o.Comment: self.comment, o.Program: self.program, o.Offsets: self.offsets, o.Chunk: self.chunk,
             o.Load: self.load, o.Gather: self.gather, o.Loop: self.loop, o.InitState: self.init_state, o.Count: self.count, o.Copy: self.copy,
@@ -210,7 +217,11 @@ class KernelPrinter:
             p, _ = self.masked(over, p, p_dims, "0.0")
         lhs = self.as_matrix(p, self.layout.union(p_dims, (over,)), i, over)
         rhs = self.as_matrix(self.tex(dot.q, env), self.tex_dims(dot.q, env), over, j)
-        if dot.precision == "tl.float16":
+        if dot.precision == o.FP8_DOT:
+            lhs = self.fp8_operand(dot.p, env, masked, over, (i, over))
+            rhs = self.fp8_operand(dot.q, env, False, over, (over, j))
+            prod = f"tl.dot({lhs}, {rhs})"
+        elif dot.precision == "tl.float16":
             prod = f"tl.dot({lhs}.to(tl.float16), {rhs}.to(tl.float16))"
         elif dot.precision == "tl.bfloat16":  # rounded to nearest even in the interpreter too
             prod = f"tl.dot(bf16_operand({lhs}), bf16_operand({rhs}))"
@@ -220,6 +231,21 @@ class KernelPrinter:
             prod = f"tl.trans({prod})"
         scale = f" * {self.tex(dot.scale, env)}" if dot.scale is not None else ""
         return f"{prod}{scale}", self.layout.order((i, j))
+
+    def fp8_operand(self, e: sp.Expr, env: o.Env, masked: bool, over: str, rc: tuple[str, str]) -> str:
+        """The e4m3 operand ``e`` of an fp8 tl.dot as a [rc] matrix: an fp8 input as its loaded bits,
+        a cast to fp8 as its argument rounded once by fp8_operand, anything else rounded there too."""
+        if e.is_Symbol and self.tex(e, env) in self.fp8_bits:
+            helper, value, zero = "fp8_bits_operand", fp8_bits_var(self.tex(e, env)), "0"
+        else:
+            helper, zero = "fp8_operand", "0.0"
+            if e.func == CAST_FUNCTIONS[FP8]:
+                e = e.args[0]
+            value = self.tex(e, env)
+        dims = self.tex_dims(e, env)
+        if masked:  # a masked lane of P must add 0 to the product
+            value, dims = self.masked(over, value, dims, zero)
+        return f"{helper}({self.as_matrix(value, dims, *rc)}, {FP8_NATIVE})"
 
     def as_matrix(self, t: str, dims, row: str, col: str) -> str:
         """A value on ``dims`` (some of row, col) as a [BLOCK_row, BLOCK_col] matrix."""
@@ -316,7 +342,12 @@ class KernelPrinter:
         other = number(identity(op.fill)) if op.fill else "0"
         args = f"{ptr}, mask={mask}, other={other}" if mask else ptr
         note = "  # loop-invariant: loaded once per program" if op.hoisted else ""
-        self.emit(f"{var} = {load_expr(args, op.dtype, op.kind)}{note}")
+        if op.dtype == FP8:  # the bits too: a tl.dot takes them as its operand (fp8_bits_operand)
+            self.emit(f"{fp8_bits_var(var)} = tl.load({args}){note}")
+            self.emit(f"{var} = {fp8_value(fp8_bits_var(var))}")
+            self.fp8_bits.add(var)
+        else:
+            self.emit(f"{var} = {load_expr(args, op.dtype, op.kind)}{note}")
 
     def gather(self, op: o.Gather) -> None:
         at = f"{op.name}_at"

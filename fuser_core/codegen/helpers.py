@@ -6,7 +6,9 @@ are defined here; which ones a kernel needs comes from its operations
 (:meth:`fuser_core.codegen.ops.Op.helpers`). Each helper is one block: its definition with the
 comments and statements just above it (``bf16_round``'s two definitions, chosen by
 ``TRITON_INTERPRET`` where the module is loaded, are one block). Nothing else belongs in this
-file: every top-level statement after the imports is part of a helper's block.
+file: every top-level statement after the imports is part of a helper's block. One helper is
+a plain function the launcher calls on the host (HOST_HELPERS): the device's choice of fp8
+conversions, which becomes the kernels' FP8_NATIVE constexpr.
 """
 
 import os
@@ -142,39 +144,88 @@ def topk_merge(vals, idx, tile, tile_idx, slot, AXIS: tl.constexpr, SLOTS: tl.co
     return new_vals, new_idx
 
 
-# float8 e4m3fn crosses into and out of kernels as its bits (uint8): sm_80 has no fp8 type, and
-# Triton's interpreter converts without round-to-even, saturation or subnormals. The conversion
-# is done here, exactly, in integer and power-of-two arithmetic, the same on every target.
+# float8 e4m3fn crosses into and out of kernels as its bits (uint8), on every target. What
+# converts them is the kernel's NATIVE constexpr, which the launcher sets from the device
+# (fp8_native): on sm_89 and newer the hardware's conversions (F2FP.SATFINITE.E4M3.F32: round
+# to nearest even, saturating at +-448, NaN kept) and fp8 tensor-core operands (QGMMA ... E4M3);
+# elsewhere (sm_80, AMD, whose fp8 is the fnuz variant) and in Triton's interpreter, which
+# converts without round-to-even, saturation or subnormals, the same conversion done exactly
+# here in integer and power-of-two arithmetic. Both give the reference's values (fuser_core.reference.cast_to).
+HOST_HELPERS = {"fp8_native"}  # plain Python, run by the launcher; the rest run in kernels
+
+
+def fp8_native():
+    """Does the device the kernels launch on convert e4m3 in hardware (NVIDIA sm_89 and newer)?
+    The target is Triton's active driver's: the GPU's, or the target a compile for another
+    machine binds launches to (fuser_core.codegen.launches.target_driver)."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    target = triton.runtime.driver.active.get_current_target()
+    return target.backend == "cuda" and target.arch >= 89
+
+
 @triton.jit
-def fp8e4m3_bits(x):
+def fp8e4m3_bits(x, NATIVE: tl.constexpr):
     """The e4m3fn bits of x rounded to nearest even (saturating at 448, subnormals kept)."""
-    a = tl.minimum(tl.abs(x), 448.0)
-    e = tl.maximum((a.to(tl.uint32, bitcast=True) >> 23).to(tl.int32) - 127, -6)  # subnormals share -6
-    scale = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e): exact
-    m = round_half_even(a * scale).to(tl.int32)  # the significand in eighths; 16 carries into e + 1
-    code = (e + 6) * 8 + m
-    sign = (x.to(tl.uint32, bitcast=True) >> 31).to(tl.int32) * 0x80  # -0.0 keeps its sign
-    code = tl.where(x != x, 0x7F, code) + sign
-    return code.to(tl.uint8)
+    if NATIVE:
+        bits = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        a = tl.minimum(tl.abs(x), 448.0)
+        e = tl.maximum((a.to(tl.uint32, bitcast=True) >> 23).to(tl.int32) - 127, -6)  # subnormals share -6
+        scale = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e): exact
+        m = round_half_even(a * scale).to(tl.int32)  # the significand in eighths; 16 carries into e + 1
+        code = (e + 6) * 8 + m
+        sign = (x.to(tl.uint32, bitcast=True) >> 31).to(tl.int32) * 0x80  # -0.0 keeps its sign
+        code = tl.where(x != x, 0x7F, code) + sign
+        bits = code.to(tl.uint8)
+    return bits
 
 
 @triton.jit
-def fp8e4m3_to_float(bits):
+def fp8e4m3_to_float(bits, NATIVE: tl.constexpr):
     """The float32 value of e4m3fn bits (uint8)."""
-    b = bits.to(tl.int32)
-    code = b & 0x7F
-    e = code >> 3
-    m = code & 7
-    normal = ((e + 120) << 23 | m << 20).to(tl.float32, bitcast=True)
-    value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormals: m * 2**-9
-    value = tl.where(code == 0x7F, float("nan"), value)
-    return tl.where(b >= 0x80, -value, value)
+    if NATIVE:
+        value = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        b = bits.to(tl.int32)
+        code = b & 0x7F
+        e = code >> 3
+        m = code & 7
+        normal = ((e + 120) << 23 | m << 20).to(tl.float32, bitcast=True)
+        value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormals: m * 2**-9
+        value = tl.where(code == 0x7F, float("nan"), value)
+        value = tl.where(b >= 0x80, -value, value)
+    return value
 
 
 @triton.jit
-def fp8e4m3_round(x):
+def fp8e4m3_round(x, NATIVE: tl.constexpr):
     """x rounded to float8 e4m3fn, as a float32."""
-    return fp8e4m3_to_float(fp8e4m3_bits(x))
+    return fp8e4m3_to_float(fp8e4m3_bits(x, NATIVE), NATIVE)
+
+
+# A tl.dot whose operands are e4m3 values (an fp8 input, a cast to fp8: the fp8 GEMM) multiplies
+# them as fp8 on the tensor cores where the hardware has it, else as float16, which holds every
+# e4m3 value exactly; either way the products are exact and sum in float32.
+@triton.jit
+def fp8_operand(x, NATIVE: tl.constexpr):
+    """float32 x rounded to e4m3, as a tl.dot operand."""
+    if NATIVE:
+        operand = x.to(tl.float8e4nv)
+    else:
+        operand = fp8e4m3_round(x, NATIVE).to(tl.float16)
+    return operand
+
+
+@triton.jit
+def fp8_bits_operand(bits, NATIVE: tl.constexpr):
+    """e4m3 bits (uint8) as a tl.dot operand: on the hardware, the loaded tile itself (shared
+    memory straight to the tensor cores, no conversion in registers)."""
+    if NATIVE:
+        operand = bits.to(tl.float8e4nv, bitcast=True)
+    else:
+        operand = fp8e4m3_to_float(bits, NATIVE).to(tl.float16)
+    return operand
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"

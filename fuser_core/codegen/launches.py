@@ -46,6 +46,42 @@ def intercepted_launches():
         JITFunction.run = original
 
 
+class TargetOnlyDriver:
+    """For hosts without a GPU (the compile pool, tests, benchmarks/kernel_startup.py): the calls
+    Triton's ``JITFunction.run`` makes before a launch (device 0, stream 0, the target), and that a
+    launcher makes to choose for its device (``fp8_native``), so a launcher binds and keys its
+    launches exactly as on a device of this target (a :class:`fuser_core.Target`, or an NVIDIA
+    compute capability: 90). It cannot launch."""
+
+    def __init__(self, target: Any):
+        from fuser_core.targets import Target
+
+        self.target = (target if isinstance(target, Target) else Target.parse(f"sm_{int(target)}")).triton()
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        return self.target
+
+
+@contextlib.contextmanager
+def target_driver(target: Any):
+    """Within the block, Triton's active driver is a :class:`TargetOnlyDriver` for ``target``; after
+    it, the one before (``reset_active`` would make the default driver, which fails without a GPU)."""
+    from triton.runtime.driver import driver
+
+    before = driver._active  # DriverConfig's own field, the same in Triton 3.6 and 3.9
+    driver.set_active(TargetOnlyDriver(target))
+    try:
+        yield
+    finally:
+        driver._active = before
+
+
 def meta_inputs(spec, shape: Mapping[str, int], dtypes: Mapping[str, str]) -> dict[str, Any]:
     """Empty ``meta`` tensors for every input: dtypes and strides, no storage; in the user's dims (a
     contiguous per-channel weight, as inference servers pass it: fuser_core.merged)."""
@@ -81,7 +117,7 @@ def request_launches(request: Any) -> tuple[dict[str, Any], list[KernelLaunch]]:
     inputs = meta_inputs(spec, shape, dtypes)
     if request.strategy == BASELINE:
         config = KernelConfig.from_dict(request.config or {})
-        with intercepted_launches() as launches:
+        with target_driver(request.target), intercepted_launches() as launches:
             run_chain_detailed(spec, shape, dtypes, inputs, config_blocks=config.blocks,
                                scalars=placeholder_scalars(spec))
         return config.to_dict(), launches
@@ -95,6 +131,6 @@ def request_launches(request: Any) -> tuple[dict[str, Any], list[KernelLaunch]]:
     else:
         config = KernelConfig.from_dict(request.config)
     module = generate(spec, derivation, request.strategy, shape, config, dtypes)
-    with intercepted_launches() as launches:
+    with target_driver(request.target), intercepted_launches() as launches:
         module.load().launch(inputs, shape, scalars=placeholder_scalars(spec))
     return config.to_dict(), launches

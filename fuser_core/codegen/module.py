@@ -20,7 +20,7 @@ from types import ModuleType
 
 from fuser_core.canonical import canonical_json
 from fuser_core.codegen.emit import helper_source, kernels_source
-from fuser_core.codegen.names import safe_name, scalar_arg
+from fuser_core.codegen.names import FP8_NATIVE, safe_name, scalar_arg
 from fuser_core.codegen.plan import KernelConfig, KernelPlan, make_plan
 from fuser_core.codegen.structure import Grid, Launch, ModuleStructure, SplitLaunch, build_structure
 from fuser_core.derive import Derivation
@@ -133,9 +133,14 @@ def module_source(plan: KernelPlan, stores: dict[str, str], dtypes: dict[str, st
     header = module_header(
         f"{spec.name}, strategy {plan.strategy}.",
         [f"config: {json.dumps(plan.config.to_dict(), sort_keys=True)}", f"blocks: {json.dumps(plan.blocks, sort_keys=True)}"],
-        structure.helpers(),
+        structure.helpers() + (["fp8_native"] if takes_fp8_native(structure) else []),
     )
     return header + "\n\n" + body + "\n\n" + launcher_source(structure, stores)
+
+
+def takes_fp8_native(structure: ModuleStructure) -> bool:
+    """Does a kernel of the module take the FP8_NATIVE choice (the launcher then calls fp8_native)?"""
+    return any(a.name == FP8_NATIVE for k in structure.kernels for a in k.args)
 
 
 def module_header(title: str, details: list[str], helpers: Iterable[str]) -> str:
@@ -203,6 +208,8 @@ def launcher_source(structure: ModuleStructure, stores: dict[str, str]) -> str:
         # order, or out= tensors); the kernels take every output's strides, so any layout is written
         lines.append(f'    {var} = out["{part}"] if out is not None else {alloc}')
         outs.append((part, var))
+    if takes_fp8_native(structure):
+        lines.append(f"    {FP8_NATIVE} = fp8_native()  # the hardware's e4m3 conversions and fp8 dots (sm_89+)")
     tail = [f"num_warps={plan.config.num_warps}", f"num_stages={plan.config.num_stages}",
             f"enable_fp_fusion={FP_FUSION}"]
 

@@ -6,17 +6,22 @@ from __future__ import annotations
 import keyword
 
 FP8 = "float8_e4m3fn"  # kernels see it as uint8 bits: see fp8e4m3_bits in HELPERS
+# the constexpr kernel parameter (and launcher local) that chooses the hardware's fp8 conversions
+# and tensor-core operands (helpers.fp8_native); a kernel takes it when it calls one of FP8_HELPERS
+FP8_NATIVE = "FP8_NATIVE"
+FP8_HELPERS = frozenset({"fp8e4m3_bits", "fp8e4m3_to_float", "fp8e4m3_round", "fp8_operand", "fp8_bits_operand"})
 # the kernels' and the launcher's own names: a spec's step or input called "out" shadowed
 # launch()'s out= argument (fuzz regressions); "chunk" and "SPLIT" are a split launch's locals
 _RESERVED = {"tl", "triton", "pid", "start", "count", "count_old", "float", "range", "int", "math", "torch",
-             "inputs", "shape", "out", "scalars", "chunk", "SPLIT"}
+             "inputs", "shape", "out", "scalars", "chunk", "SPLIT", FP8_NATIVE}
+_SUFFIXES = ("_ptr", "_anchor", "_old", "_bits")
 _PREFIXES = ("offs_", "mask_", "size_", "scalar_", "stride_", "BLOCK_", "nblk_", "pid_", "ws_")
 
 
 def safe_name(name: str) -> str:
     """A Python identifier for a spec name inside generated code."""
     name = name.replace(".", "_")
-    if keyword.iskeyword(name) or name in _RESERVED or name.startswith(_PREFIXES) or name.endswith(("_ptr", "_anchor", "_old")):
+    if keyword.iskeyword(name) or name in _RESERVED or name.startswith(_PREFIXES) or name.endswith(_SUFFIXES):
         return f"v_{name}"
     return name
 
@@ -25,6 +30,11 @@ def scalar_arg(name: str) -> str:
     """The kernel argument (and launcher variable) of runtime param ``name``: a plain fp32 scalar,
     never ``tl.constexpr``, so every value runs the same compiled kernel."""
     return f"scalar_{name}"
+
+
+def fp8_bits_var(var: str) -> str:
+    """The variable holding an fp8 input's loaded bits, beside ``var``, its float32 value."""
+    return f"{var}_bits"
 
 
 def kernel_arg(var: str, dtype: str | None) -> str:

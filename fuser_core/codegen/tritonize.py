@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from fuser_core.codegen.layout import Layout
+from fuser_core.codegen.names import FP8_NATIVE
 from fuser_core.grouping import Grouping
 from fuser_core.realisation import NanToZero, Rescale, ShiftTerm
 from fuser_core.symbolic import CAST_FUNCTIONS, InfCompare, NanOf, Round, Unordered
@@ -301,7 +302,7 @@ class _Printer:
                 # sizes only: Triton passes a size of 1 as a constant, so this may be a Python float too
                 a = f"tl.full([], {a}, tl.float32)"
             if dtype == "float8_e4m3fn":  # saturating, as the GPU's conversion and our reference
-                return self.call("fp8e4m3_round", a)
+                return self.call("fp8e4m3_round", f"{a}, {FP8_NATIVE}")
             if dtype == "bfloat16":  # nearest even (the interpreter's own conversion truncates)
                 return self.call("bf16_round", a)
             return f"({a}).to({_TRITON_DTYPE[dtype]}).to(tl.float32)", _ATOM

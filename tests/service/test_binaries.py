@@ -14,6 +14,7 @@ import logging
 
 import pytest
 
+from fuser_core.codegen.launches import TargetOnlyDriver
 from fuser_core.catalog import spec_source
 from fuser_core import Target
 from fuser_core.problem import make_problem
@@ -433,7 +434,7 @@ def _fast_path(b2: dict, v1_sha: str, cache_dir: str) -> dict:
     CUDABackend.make_cubin = CUDABackend.make_ptx = refuse
     client._device_facts = lambda: {"arch": "sm_90a", "triton_version": triton.__version__,
                                     "interpreted": False, "env_vars": {}}
-    driver.set_active(cubin_loader.TargetOnlyDriver(90))
+    driver.set_active(TargetOnlyDriver(90))
     try:
         def serve(request: httpx.Request) -> httpx.Response:
             if request.url.path.endswith("/bundle"):

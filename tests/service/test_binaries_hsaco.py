@@ -18,6 +18,7 @@ import pytest
 from tests.support.catalog import load_catalog
 from fastapi.testclient import TestClient
 
+from fuser_core.codegen.launches import TargetOnlyDriver
 from fuser_core.catalog import spec_source
 from fuser_core.problem import make_problem
 from fuser_core.spec import load_spec
@@ -192,7 +193,7 @@ def _seed_hsaco(bundle: dict, variant: dict) -> dict:
 
     saved = os.environ.get("TRITON_DEFAULT_FP_FUSION")
     os.environ.pop("TRITON_DEFAULT_FP_FUSION", None)  # as in an inference server
-    driver.set_active(cubin_loader.TargetOnlyDriver(Target.parse("gfx942")))
+    driver.set_active(TargetOnlyDriver(Target.parse("gfx942")))
     # the module is shared by every bundle of this source in the worker (an h100 bundle's too), and a
     # device cache keeps the target it was made for: start and leave with none (a process has one GPU)
     module = load_bundle(bundle)._module

@@ -48,7 +48,7 @@ The package, by job: :mod:`.base` (the :class:`Op` base, environments, ``tl.dot`
 updates, lane merges) and :mod:`.stores` (part merges, final values, workspace and output stores).
 """
 
-from fuser_core.codegen.ops.base import Dot, Env, Op, assuming, env_refs, walk
+from fuser_core.codegen.ops.base import FP8_DOT, Dot, Env, Op, assuming, env_refs, walk
 from fuser_core.codegen.ops.folds import AnchorUpdate, Fold, LaneMerge, Reduce, Select
 from fuser_core.codegen.ops.setup import (
     Chunk,
@@ -74,7 +74,8 @@ from fuser_core.codegen.ops.stores import (
 )
 
 __all__ = [
-    "AnchorUpdate", "Chunk", "Comment", "Copy", "Count", "Dot", "Env", "FallbackFlag", "Finalise", "FirstChunk",
+    "FP8_DOT", "AnchorUpdate", "Chunk", "Comment", "Copy", "Count", "Dot", "Env", "FallbackFlag", "Finalise",
+    "FirstChunk",
     "Fold", "Gather", "InitState", "LaneMerge", "Load", "Loop", "Offsets", "Op", "OutputStore", "PartMerge",
     "Program", "Reduce", "Select", "Value", "WorkspaceLoad", "WorkspaceStore", "assuming", "env_refs", "walk",
 ]

@@ -10,10 +10,15 @@ from typing import Any
 
 import sympy as sp
 
+from fuser_core.codegen.names import FP8_HELPERS, FP8_NATIVE
 from fuser_core.codegen.tritonize import Ref, helpers_of
 from fuser_core.reduce_ops import REDUCE_OPS
 
 Env = tuple[tuple[sp.Basic, "Ref"], ...]  # each free symbol of an operation's expressions -> what it reads
+
+
+# a tl.dot whose operands are e4m3 values: fp8 tensor cores on sm_89+, exact float16 elsewhere
+FP8_DOT = "fp8"
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,7 @@ class Dot:
     p: sp.Expr
     q: sp.Expr
     scale: sp.Expr | None
-    precision: str  # "tl.float16" | "tl.bfloat16" | "ieee": the operands' precision
+    precision: str  # FP8_DOT | "tl.float16" | "tl.bfloat16" | "ieee": the operands' precision
     direct: tuple[str, ...] = ()  # inputs that are a factor as loaded (staged in shared memory once)
 
     @property
@@ -89,8 +94,13 @@ class Op:
     dims: tuple[str, ...] = ()
 
     def reads(self) -> set[str]:
-        """Kernel parameters and variables its printed code reads."""
+        """Kernel parameters and variables its printed code reads, but for FP8_NATIVE (:meth:`uses`)."""
         return set()
+
+    def uses(self) -> set[str]:
+        """Everything its printed code reads: :meth:`reads`, and the FP8_NATIVE constexpr its fp8
+        helpers take (one rule for every operation that converts fp8)."""
+        return self.reads() | ({FP8_NATIVE} if FP8_HELPERS.intersection(self.helpers()) else set())
 
     def helpers(self) -> list[str]:
         """The ``@triton.jit`` helpers (fuser_core/codegen/helpers.py) its printed code calls."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from fuser_core.codegen.ops.base import Dot, Env, Op, block_params, env_reads, expr_helpers, max_min_helpers
+from fuser_core.codegen.ops.base import FP8_DOT, Dot, Env, Op, block_params, env_reads, expr_helpers, max_min_helpers
 from fuser_core.codegen.tritonize import Ref
 from fuser_core.reduce_ops import reduce_op
 
@@ -23,7 +23,8 @@ def dot_reads(dot: Dot | None, masked: bool, over: str) -> set[str]:
 def dot_helpers(dot: Dot | None) -> list[str]:
     if dot is None:
         return []
-    return expr_helpers(dot.p, dot.q, dot.scale) + (["bf16_operand"] if dot.precision == "tl.bfloat16" else [])
+    operands = {"tl.bfloat16": ["bf16_operand"], FP8_DOT: ["fp8_operand", "fp8_bits_operand"]}
+    return expr_helpers(dot.p, dot.q, dot.scale) + operands.get(dot.precision, [])
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from fuser_core.codegen.names import kernel_arg, scalar_arg
+from fuser_core.codegen.names import FP8_NATIVE, kernel_arg, scalar_arg
 from fuser_core.codegen.ops import Fold, Load, Op, Reduce, walk
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.structure.facts import accumulators, axis_outputs, kernel_names, workspace
@@ -45,7 +45,8 @@ def _args(plan: KernelPlan, inputs: Iterable[str], outputs: Iterable[str], ws: t
     if role in ("split_part", "combine"):
         out.append(Arg("chunk", "chunk"))
     out += [Arg(f"BLOCK_{d}", str(plan.blocks[d]), constexpr=True) for d in spec.dims]
-    read = set().union(*(op.reads() for op in walk(ops)))
+    out.append(Arg(FP8_NATIVE, FP8_NATIVE, constexpr=True))
+    read = set().union(*(op.uses() for op in walk(ops)))
     return tuple(a for a in out if a.name in read)
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import sympy as sp
 
-from fuser_core.codegen.ops import Dot, Fold, Reduce, Select
+from fuser_core.codegen.ops import FP8_DOT, Dot, Fold, Reduce, Select
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.structure.model import State, var_name
 from fuser_core.derive import ReductionForm
@@ -178,12 +178,27 @@ def _exact_in_fp16(e: sp.Expr, input_dtypes: Mapping[str, str]) -> bool:
     return True
 
 
-def dot_precision(plan: KernelPlan, p: sp.Expr, q: sp.Expr, input_dtypes: Mapping[str, str]) -> str:
-    """Operand precision of tl.dot, as FlashAttention and the tutorials choose it: operands
-    exactly representable in fp16 (fp8 values, as in the fp8 GEMM) -> fp16 tensor cores, exact;
+def _fp8_value(e: sp.Expr, input_dtypes: Mapping[str, str]) -> bool:
+    """``e`` is one e4m3 value: an fp8 input or a cast to fp8."""
+    from fuser_core.symbolic import CAST_FUNCTIONS
+
+    return (e.is_Symbol and input_dtypes.get(e.name) == "float8_e4m3fn") or e.func == CAST_FUNCTIONS["float8_e4m3fn"]
+
+
+FP8_MIN_DEPTH = 32  # K of the e4m3 MMA instructions (QGMMA 64xNx32, Ada's m16n8k32): Triton refuses less
+
+
+def dot_precision(plan: KernelPlan, p: sp.Expr, q: sp.Expr, over: str, input_dtypes: Mapping[str, str]) -> str:
+    """Operand precision of tl.dot, as FlashAttention and the tutorials choose it: two e4m3
+    operands (the fp8 GEMM's cast activations and fp8 weights) over a block of at least
+    FP8_MIN_DEPTH -> FP8_DOT (fp8 tensor cores where the target has them, else fp16's, exact
+    either way; a shallower block multiplies them as fp16, as exactly); other operands exactly
+    representable in fp16 (fp8 products, fp16 casts) -> fp16 tensor cores, exact;
     float16 inputs -> float16, bfloat16 inputs -> bfloat16 (P rounded to the inputs' dtype,
     float32 accumulation: 16-bit tensor cores at twice TF32's rate); float32 and mixed inputs ->
     IEEE float32."""
+    if _fp8_value(p, input_dtypes) and _fp8_value(q, input_dtypes) and plan.blocks.get(over, 1) >= FP8_MIN_DEPTH:
+        return FP8_DOT
     if _exact_in_fp16(p, input_dtypes) and _exact_in_fp16(q, input_dtypes):
         return "tl.float16"
     floats = {input_dtypes.get(i.name, "float32") for i in plan.spec.inputs if i.is_float}
@@ -227,7 +242,8 @@ def decide_dot(plan: KernelPlan, e: sp.Expr, over: str, input_dtypes: Mapping[st
     p = sp.Mul(*[f for f, d in zip(factors, dims) if d != {j}])
     q = sp.Mul(*[f for f, d in zip(factors, dims) if d == {j}])
     direct = tuple(f.name for f in factors if isinstance(f, sp.Symbol) and isinstance(plan.spec.lookup(f.name), Input))
-    return Dot(over, i, j, p, q, sp.Mul(*scalars) if scalars else None, dot_precision(plan, p, q, input_dtypes), direct)
+    precision = dot_precision(plan, p, q, over, input_dtypes)
+    return Dot(over, i, j, p, q, sp.Mul(*scalars) if scalars else None, precision, direct)
 
 
 def _masked_product(e: sp.Expr) -> tuple[sp.Expr, sp.Expr] | None:

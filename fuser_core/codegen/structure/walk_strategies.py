@@ -331,7 +331,7 @@ class StrategiesWalk(StreamingWalk):
                     names = [f"offs_{d}" for d in op.lanes if d not in op.tile and f"offs_{d}" not in removed]
                 for n in names:
                     defined[n] = defined.get(n, 0) + 1
-                read |= op.reads()
+                read |= op.uses()
             unused = {n for n, k in defined.items() if k == 1 and n not in read}
             if not unused:
                 break
