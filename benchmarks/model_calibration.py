@@ -67,16 +67,10 @@ def foldwise_prediction(spec_name: str, shape: dict, dtype: dict, strategy: str,
         return {"error": measured.error}
     verdict = gate.check(candidate)
     # the model as it was: registers and shared memory from the compiler, compute from its estimates
-    bare = predict(problem, derivation, candidate, profile, _without_sass(verdict))
+    bare = predict(problem, derivation, candidate, profile, verdict.without_sass())
     floor = measured.details.get("static_bound", {}).get("time_s")
     return {"ms": measured.time_ms, "before_ms": max(bare.time_s, floor or 0.0) * 1e3,
             "bound": measured.details["model"]["kernels"][0]["bound"]}
-
-
-def _without_sass(verdict: Any) -> Any:
-    from dataclasses import replace
-
-    return replace(verdict, kernels=tuple(replace(k, sass=None) for k in verdict.kernels))
 
 
 def expert_prediction(name: str, spec_name: str, shape: dict, dtype: str, profile: Any) -> dict[str, Any] | None:

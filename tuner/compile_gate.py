@@ -46,7 +46,7 @@ import atexit
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest, KernelBuild, ModuleBuild
@@ -75,6 +75,11 @@ class CompileVerdict:
     @property
     def pruned(self) -> bool:
         return self.reason is not None
+
+    def without_sass(self) -> CompileVerdict:
+        """The same verdict with no SASS facts: what the cost model charges from registers and the
+        plan alone (the calibration's "before" column, the tests' contrast)."""
+        return replace(self, kernels=tuple(replace(k, sass=None) for k in self.kernels))
 
     @property
     def spill_bytes(self) -> int:

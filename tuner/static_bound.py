@@ -215,6 +215,13 @@ def min_bytes(spec: Any, shape: Mapping[str, int], dtypes: Mapping[str, str]) ->
     return total
 
 
+# the last few problem_bounds answers, by the identity of their arguments (each held, so no id is
+# reused while its entry lives): a gated trial asks twice for one verdict, the cost model's issued
+# counts and the model measurer's static floor, and the plan and structure are the cost
+_BOUNDS: dict[tuple, tuple[tuple, list[dict[str, Any]] | None]] = {}
+_BOUNDS_KEPT = 16
+
+
 def problem_bounds(problem: Any, derivation: Any, strategy: str, config: Any, builds: Sequence[Any],
                    profile: GpuProfile) -> list[dict[str, Any]] | None:
     """:func:`module_bounds` of the module generated for (``problem``, ``strategy``, ``config``: a
@@ -223,10 +230,18 @@ def problem_bounds(problem: Any, derivation: Any, strategy: str, config: Any, bu
     from fuser_core.codegen.plan import make_plan
     from fuser_core.codegen.structure import build_structure
 
+    held = (problem, derivation, builds, profile)
+    key = (*map(id, held), strategy, repr(config.to_dict()))
+    if key in _BOUNDS:
+        return _BOUNDS[key][1]
     plan = make_plan(problem.spec, derivation, strategy, problem.shape, config)
     structure = build_structure(plan, problem.dtypes, problem.output_dtypes)
-    return module_bounds(plan, structure, builds, profile, problem.shape,
-                         min_bytes(problem.spec, problem.shape, problem.dtypes))
+    out = module_bounds(plan, structure, builds, profile, problem.shape,
+                        min_bytes(problem.spec, problem.shape, problem.dtypes))
+    if len(_BOUNDS) >= _BOUNDS_KEPT:
+        del _BOUNDS[next(iter(_BOUNDS))]  # the oldest
+    _BOUNDS[key] = (held, out)
+    return out
 
 
 __all__ = ["ISSUE_PER_SM_PER_CLOCK", "load_width", "loop_trips", "min_bytes", "module_bounds", "problem_bounds",

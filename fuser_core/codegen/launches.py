@@ -74,7 +74,7 @@ def target_driver(target: Any):
     it, the one before (``reset_active`` would make the default driver, which fails without a GPU)."""
     from triton.runtime.driver import driver
 
-    before = driver._active  # DriverConfig's own field, the same in Triton 3.6 and 3.9
+    before = getattr(driver, "_active", None)  # DriverConfig's field (None: its default, made when asked)
     driver.set_active(TargetOnlyDriver(target))
     try:
         yield
