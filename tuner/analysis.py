@@ -214,11 +214,17 @@ class Anatomy:
 
 
     def dot_rows(self, strategy: str, blocks: Mapping[str, int], per_lane: bool = True) -> list[frozenset[str]]:
-        """Per launched kernel, the row dims (``i`` of ``tl.dot(P[i, over], Q[over, j])``) of its dots."""
+        """Per launched kernel, the row dims (``i`` of ``tl.dot(P[i, over], Q[over, j])``) of its
+        chained dots, those Triton gives every warp along the rows: on sm_90 it lays a dot whose
+        result reaches another dot (attention's scores, then p.v) as ``num_warps x 1`` warps
+        (AccelerateMatmul's warpsPerTileV3), while a lone dot (a GEMM) spreads warpgroups beyond
+        its rows' over its columns: the fp8 GEMM at 64 x 256 on 8 warps issues the tensor work of
+        128 x 128, not twice it. A kernel with one dot has none here."""
         key = ("dot_rows", strategy, block_pattern(blocks), per_lane)
         if key not in self._cache:
             structure = self.structure(strategy, blocks, per_lane=per_lane)
-            self._cache[key] = [frozenset(d.i for d in k.dots) for k in structure.kernels]
+            self._cache[key] = [frozenset(d.i for d in k.dots) if len(k.dots) > 1 else frozenset()
+                                for k in structure.kernels]
         return self._cache[key]
 
 

@@ -290,6 +290,33 @@ def test_expert_candidates_are_the_hand_written_kernels_configurations(catalog_s
     assert space.check(space.candidate(strategy, values)) is None
 
 
+def test_a_gemm_s_expert_is_the_matmul_tutorial_s_first_tile_that_fits(catalog_specs: dict) -> None:
+    """The fp8 GEMM: the tutorial's 128 x 256 does not fit Foldwise's kernel (it quantises its
+    activations in registers); its 64 x 256 does for multi_pass, at the tutorial's fp8 K step and
+    8 warps: two warpgroups side by side over the 256 columns, which the space does not refuse for
+    a lone dot (it does for attention's chained dots, below)."""
+    from fuser_core.derive import derive_cascade
+    from fuser_core.problem import make_problem
+    from fuser_core.spec import load_spec
+    from tuner.profiles import get_profile
+    from tuner.search.proposals import expert_candidates
+    from tuner.space import SearchSpace
+
+    spec = load_spec(catalog_specs["fp8_quant_gemm"])
+    dtypes = {"a": "float16", "w": "float8_e4m3fn", "w_scale": "float32"}
+    space = SearchSpace(make_problem(spec, {"m": 4096, "n": 4096, "k": 4096}, dtypes), derive_cascade(spec),
+                        get_profile("h100"))
+    found = dict(expert_candidates(space))
+    assert found["multi_pass"] == {"block_m": 64, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3}
+    assert space.check(space.candidate("multi_pass", {**found["multi_pass"], "block_m": 128})) is not None  # registers
+    attention = load_spec(catalog_specs["attention"])
+    att = SearchSpace(make_problem(attention, {"b": 4, "h": 32, "m": 4096, "n": 4096, "d": 128, "e": 128}, "float16"),
+                      derive_cascade(attention), get_profile("h100"))
+    why = att.check(att.candidate("streaming_fused", {"block_m": 64, "block_n": 128, "block_e": 128, "num_warps": 8,
+                                                      "num_stages": 2}))
+    assert why and "two warpgroups would compute the same product" in why
+
+
 def test_the_first_trials_measure_the_defaults_and_the_experts(catalog_specs: dict) -> None:
     from fuser_core.derive import derive_cascade
     from fuser_core.problem import make_problem

@@ -99,12 +99,29 @@ def default_candidates(space: SearchSpace) -> list[tuple[str, dict[str, int]]]:
     return out
 
 
+#: the output tiles of Triton's matmul tutorial (03-matrix-multiplication's CUDA configs), in its order
+GEMM_TILES = ((128, 256), (64, 256), (128, 128))
+
+
+def _snapped(space: SearchSpace, strategy: str, want: Mapping[str, int]) -> dict[str, int]:
+    """``want`` on the space's choices for ``strategy``: each value the nearest choice, a parameter
+    it lacks the first choice."""
+    params = space.params(strategy)
+    return {name: _nearest(want[name], choices) if name in want else choices[0] for name, choices in params.items()}
+
+
 def expert_candidates(space: SearchSpace) -> list[tuple[str, dict[str, int]]]:
     """The configurations the hand-written kernels use at this shape, where the space has them:
     first trials beside the defaults, so that the search always measures the expert's shape.
 
     - a contraction with a query tile (attention): Triton tutorial 06's forward tile, BLOCK_M
       128, BLOCK_N 128 (64 for a head dim under 128), 8 warps, 3 stages, the whole head dim;
+    - a matrix product, both operands carrying the loop axis (the fp8 GEMM's ``a[m, k]`` and
+      ``w[n, k]``): Triton's matmul tutorial's first Hopper tile (03-matrix-multiplication),
+      128 x 256 outputs, a K step of 64 (128 where an operand is fp8), 8 warps, 3 stages, for
+      each strategy that can run it, or the first of its other tiles (GEMM_TILES) that fits:
+      Foldwise's fp8 GEMM quantises its activations in registers, so 128 x 256 does not fit its
+      registers at 8 warps and 64 x 256 does;
     - a contraction with one query row (decode): the split-KV decoder's
       (:func:`tuner.experts.split_kv_decode`): 64 keys a step, 4 warps, as many parts as fill
       the SMs twice (split_fused), or one part per row (streaming_fused);
@@ -117,7 +134,8 @@ def expert_candidates(space: SearchSpace) -> list[tuple[str, dict[str, int]]]:
     streaming cross-entropy at 32 warps holds 16384, not Liger's 32768); a candidate still
     refused is left out."""
     from fuser_core.codegen.plan import contraction_dims, next_pow2
-    from fuser_core.codegen.strategies import ROW_RESIDENT, SPLIT_FUSED, STREAMING_FUSED
+    from fuser_core.codegen.names import FP8
+    from fuser_core.codegen.strategies import MULTI_PASS, ROW_RESIDENT, SPLIT_FUSED, STREAMING_FUSED
     from tuner.experts import DECODER_BLOCK, decoder_parts
 
     axis, shape = getattr(space, "axis", None), getattr(space, "shape", None)
@@ -130,7 +148,17 @@ def expert_candidates(space: SearchSpace) -> list[tuple[str, dict[str, int]]]:
     inner = {d: shape[d] for d in sorted(free) if d != axis and d in with_axis}
     lanes = sorted(d for d in free if d != axis and d not in inner)
     wanted: list[tuple[str, dict[str, int]]] = []
-    if free:
+    if free and not lanes and len(inner) >= 2:  # every output dim on an operand with the axis: a GEMM tile
+        rows, cols = sorted(inner)[:2]
+        step = 128 if FP8 in space.problem.dtypes.values() else 64
+        for strategy in (MULTI_PASS.name, STREAMING_FUSED.name):
+            if strategy not in space.strategies():
+                continue
+            tiles = [{f"block_{rows}": r, f"block_{cols}": c, f"block_{axis}": step, "num_warps": 8, "num_stages": 3}
+                     for r, c in GEMM_TILES]
+            fits = [t for t in tiles if space.check(space.candidate(strategy, _snapped(space, strategy, t))) is None]
+            wanted.append((strategy, fits[0] if fits else tiles[0]))
+    elif free:
         query = [d for d in lanes if shape[d] > 1]
         if query:
             head = max(inner.values(), default=128)
@@ -156,7 +184,7 @@ def expert_candidates(space: SearchSpace) -> list[tuple[str, dict[str, int]]]:
         if strategy not in space.strategies():
             continue
         params = space.params(strategy)
-        values = {name: _nearest(want[name], choices) if name in want else choices[0] for name, choices in params.items()}
+        values = _snapped(space, strategy, want)
         loop = params.get(f"block_{axis}", [])
         # the expert's block may hold more than Foldwise's kernel can at those warps (Liger's
         # cross-entropy keeps fewer values live): the largest smaller one that fits, same warps
