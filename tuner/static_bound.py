@@ -123,7 +123,10 @@ def static_bound(sass: Mapping[str, Any], *, programs: int, num_warps: int, trip
 def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
     """Iterations of a structure loop (``fuser_core.codegen.ops.Loop``) averaged over the programs:
     a split chunk's share, SPLIT partial states, or, for a loop a mask bounds
-    (fuser_core.codegen.bounds), each program's own window of the axis."""
+    (fuser_core.codegen.bounds), each program's own window of the axis; none for a fallback pass,
+    which runs only for rows whose dependency ended +-inf or NaN (a bound is a floor: the rows
+    that need it are the exception, and counting it as run charged a bottom-right causal mask
+    four times the tensor work of the one it skips)."""
     import sympy as sp
 
     from fuser_core.codegen.bounds import axis_window
@@ -135,6 +138,8 @@ def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
     full = -(-shape[a] // blocks[a])
     if loop.resident:
         return 1.0
+    if loop.span == "fallback":
+        return 0.0
     if loop.span == "split":
         return float(plan.config.split)
     if loop.span in ("chunk", "chunk_outputs"):

@@ -313,3 +313,28 @@ def test_a_kernel_known_by_its_cubin_alone_is_predicted_from_its_sass(compile_po
         assert 0.5 < p.time_s / model.time_s < 2.0
         times.append(p.time_s)
     assert times[1] > 2 * times[0]
+
+
+def test_a_fallback_pass_is_not_charged_to_the_static_bound(compile_pool):
+    """A bottom-right causal mask (attention_gqa) may leave a query row with no key, so its kernel
+    carries fallback passes that run only for such rows (a dependency ended +-inf or NaN). The
+    static bound, a floor, counts them as not run: its tensor work is the top-left causal
+    kernel's at m = n (the same mask), not the four times that counting the passes gave."""
+    from tuner.static_bound import problem_bounds
+
+    shape = {"b": 1, "m": 1024, "n": 1024, "d": 64, "e": 64}
+    tile = {"blocks": {"b": 1, "e": 64, "m": 128, "n": 64}, "num_warps": 4, "num_stages": 2}
+    tensor = {}
+    for name, extra in (("attention_causal", {"h": 1}), ("attention_gqa", {"g": 1, "r": 1})):
+        spec = load_spec(load_catalog()[name])
+        problem = make_problem(spec, {**shape, **extra}, "bfloat16")
+        space = SearchSpace(problem, derive_cascade(spec), H100)
+        blocks = {**tile["blocks"], **{d: 1 for d in extra}}
+        candidate = space.candidate("streaming_fused", {f"block_{d}": v for d, v in blocks.items()} | {
+            "num_warps": 4, "num_stages": 2})
+        gate = CompileGate.for_space(space, pool=compile_pool)
+        verdict = gate.check(candidate)
+        assert not verdict.pruned, verdict.reason
+        [bound] = problem_bounds(problem, space.derivation, "streaming_fused", candidate.config, verdict.kernels, H100)
+        tensor[name] = bound["terms_s"]["tensor"]
+    assert tensor["attention_gqa"] == pytest.approx(tensor["attention_causal"], rel=0.05), tensor
