@@ -241,11 +241,28 @@ class KernelPrinter:
             helper, zero = "fp8_operand", "0.0"
             if e.func == CAST_FUNCTIONS[FP8]:
                 e = e.args[0]
-            value = self.tex(e, env)
+            value = self.scaled(e, env)
         dims = self.tex_dims(e, env)
         if masked:  # a masked lane of P must add 0 to the product
             value, dims = self.masked(over, value, dims, zero)
         return f"{helper}({self.as_matrix(value, dims, *rc)}, {FP8_NATIVE})"
+
+    def scaled(self, e: sp.Expr, env: o.Env) -> str:
+        """``e`` printed with a divisor that lives on fewer dims (a row's: the fp8 GEMM's ``a / amax``)
+        as one reciprocal on those dims, broadcast and multiplied: one division per row instead of
+        one per element (a division is an SFU reciprocal and a multiply per element, and the
+        quantisation runs in the GEMM's loop). Only for a value about to be rounded to e4m3, whose
+        3-bit significand the reciprocal's extra rounding (half a float32 ulp) cannot move but at a
+        rounding midpoint; the same special values (0, inf and NaN divisors give what ``/`` gives)."""
+        dims = self.tex_dims(e, env)
+        rows = [f for f in sp.Mul.make_args(e) if f.is_Pow and f.exp == -1 and f.base.free_symbols
+                and set(self.tex_dims(f.base, env)) < set(dims)]
+        if not rows:
+            return self.tex(e, env)
+        den = sp.Mul(*[f.base for f in rows])
+        num = sp.Mul(*[f for f in sp.Mul.make_args(e) if f not in rows])
+        inverse = self.on(f"(1.0 / ({self.tex(den, env)}))", self.tex_dims(den, env), dims)
+        return f"({self.on(self.tex(num, env), self.tex_dims(num, env), dims)}) * {inverse}"
 
     def as_matrix(self, t: str, dims, row: str, col: str) -> str:
         """A value on ``dims`` (some of row, col) as a [BLOCK_row, BLOCK_col] matrix."""
