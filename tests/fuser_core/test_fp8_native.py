@@ -52,3 +52,20 @@ def test_amd_keeps_the_exact_path_and_compiles(compile_pool):
     [build] = compile_pool.compile([CompileRequest(spec, {"m": 64, "n": 64, "k": 96}, FP8_GEMM_DTYPES,
                                                    "streaming_fused", None, Target.parse("gfx942"))])
     assert build.ok, build.first_error()
+
+
+def test_the_gemm_quantises_with_one_reciprocal_per_row_and_keeps_the_loaded_weight_bits():
+    """The fp8 dot's operands as printed: the activations' 448 a / amax with 1 / amax once per row
+    (a division per element was an SFU reciprocal and a multiply in the GEMM's loop), the weights
+    as the bits their load gave (shared memory straight to the tensor cores)."""
+    from fuser_core.codegen.module import generate
+    from fuser_core.codegen.plan import KernelConfig
+    from fuser_core.derive import derive_cascade
+
+    spec = load_spec(spec_source("fp8_quant_gemm"))
+    config = KernelConfig.from_dict({"blocks": {"m": 64, "n": 64, "k": 32}, "num_warps": 4, "num_stages": 2})
+    source = generate(spec, derive_cascade(spec), "multi_pass", {"m": 100, "n": 70, "k": 96}, config,
+                      FP8_GEMM_DTYPES).source
+    [dot] = [line for line in source.splitlines() if "tl.dot(" in line and "=" in line]
+    assert "fp8_operand(" in dot and "(1.0 / (amax_acc)))[:, None]" in dot and "/ amax_acc[:, None]" not in dot
+    assert "fp8_bits_operand(w_bits, FP8_NATIVE)" in dot
