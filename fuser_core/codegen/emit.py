@@ -260,8 +260,9 @@ class KernelPrinter:
         if not rows:
             return self.tex(e, env)
         den = sp.Mul(*[f.base for f in rows])
-        num = sp.Mul(*[f for f in sp.Mul.make_args(e) if f not in rows])
-        inverse = self.on(f"(1.0 / ({self.tex(den, env)}))", self.tex_dims(den, env), dims)
+        coeff, num = sp.Mul(*[f for f in sp.Mul.make_args(e) if f not in rows]).as_coeff_Mul()
+        # the number joins the row's factor (448 / amax): one multiply per element
+        inverse = self.on(f"({self.tex(coeff, env)} / ({self.tex(den, env)}))", self.tex_dims(den, env), dims)
         return f"({self.on(self.tex(num, env), self.tex_dims(num, env), dims)}) * {inverse}"
 
     def as_matrix(self, t: str, dims, row: str, col: str) -> str:

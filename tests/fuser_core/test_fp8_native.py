@@ -67,5 +67,5 @@ def test_the_gemm_quantises_with_one_reciprocal_per_row_and_keeps_the_loaded_wei
     source = generate(spec, derive_cascade(spec), "multi_pass", {"m": 100, "n": 70, "k": 96}, config,
                       FP8_GEMM_DTYPES).source
     [dot] = [line for line in source.splitlines() if "tl.dot(" in line and "=" in line]
-    assert "fp8_operand(" in dot and "(1.0 / (amax_acc)))[:, None]" in dot and "/ amax_acc[:, None]" not in dot
+    assert "fp8_operand(" in dot and "(448.0 / (amax_acc)))[:, None]" in dot and "/ amax_acc[:, None]" not in dot
     assert "fp8_bits_operand(w_bits, FP8_NATIVE)" in dot
