@@ -219,12 +219,14 @@ class Anatomy:
         result reaches another dot (attention's scores, then p.v) as ``num_warps x 1`` warps
         (AccelerateMatmul's warpsPerTileV3), while a lone dot (a GEMM) spreads warpgroups beyond
         its rows' over its columns: the fp8 GEMM at 64 x 256 on 8 warps issues the tensor work of
-        128 x 128, not twice it. A kernel with one dot has none here."""
+        128 x 128, not twice it. Dots chain where they contract different dims (attention: d, then
+        n); one contraction in two loops (whole tiles, then the tail) is one GEMM."""
         key = ("dot_rows", strategy, block_pattern(blocks), per_lane)
         if key not in self._cache:
             structure = self.structure(strategy, blocks, per_lane=per_lane)
-            self._cache[key] = [frozenset(d.i for d in k.dots) if len(k.dots) > 1 else frozenset()
-                                for k in structure.kernels]
+            chained = [len({d.over for d in k.dots}) > 1 for k in structure.kernels]
+            self._cache[key] = [frozenset(d.i for d in k.dots) if c else frozenset()
+                                for k, c in zip(structure.kernels, chained)]
         return self._cache[key]
 
 

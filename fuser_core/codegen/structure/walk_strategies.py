@@ -106,10 +106,15 @@ class StrategiesWalk(StreamingWalk):
             self.depth -= 1
             self.begin_scope()
 
-        lo, hi, bounds = self.windowed([(step.reduce or "", integrand)], "0", f"size_{a}", (f"size_{a}", f"BLOCK_{a}"))
+        folds = [(step.reduce or "", integrand)]
+        lo, hi, bounds = self.windowed(folds, "0", f"size_{a}", (f"size_{a}", f"BLOCK_{a}"))
         if gate:
             hi, bounds = f"({hi}) * {gate}", (*bounds, gate)
-        self.loop("fallback" if gate else "axis", "start", lo, hi, f"BLOCK_{a}", bounds, body)
+            self.loop("fallback", "start", lo, hi, f"BLOCK_{a}", bounds, body)
+        else:  # as the streamed loop (tutorial 06): whole or unmasked tiles first, without the masks
+            dots = step.reduce == "sum" and self.dot(integrand, a) is not None
+            if not self.split_at_mask(folds, "axis", lo, hi, bounds, body, dots=dots):
+                self.loop("axis", "start", lo, hi, f"BLOCK_{a}", bounds, body)
         if is_selection(step.reduce):
             self.set_result(step, self.selected(step, acc), f"{acc}_indices")
         else:

@@ -105,7 +105,7 @@ class StreamingWalk(FoldsWalk):
             self.loop(span, "start", lo, hi, f"BLOCK_{a}", bounds, body)
 
     def split_at_mask(self, folds: list[tuple[str, sp.Expr]], span: str, lo: str, hi: str, bounds: tuple[str, ...],
-                      body: Callable[[], Callable[[], None] | None]) -> bool:
+                      body: Callable[[], Callable[[], None] | None], dots: bool | None = None) -> bool:
         """Walk the loop as two, as tutorial 06 does, where that saves work per element: the first
         covers whole tiles that need no mask, the second the rest with the masks.
 
@@ -116,7 +116,8 @@ class StreamingWalk(FoldsWalk):
           dots): the whole tiles fold without the tail mask, the last partial tile with it.
 
         Both first loops stop at a tile boundary at or below ``size(axis)``: no tail mask in them.
-        False when neither applies (the caller walks one loop)."""
+        ``dots``: does the loop fold a tl.dot (default: the streamed loop's folds; a multi_pass pass
+        says for its own). False when neither applies (the caller walks one loop)."""
         a = self.axis
         cond = self.axis_mask(folds)
         block, size = self.plan.blocks[a], sp.Symbol(f"size({a})", integer=True, positive=True)
@@ -129,7 +130,8 @@ class StreamingWalk(FoldsWalk):
             at = sp.floor(sp.Max(sp.Min(full.hi, size), 0) / block) * block  # `mid`, for counting trips
             subs, tail_hi = {cond: sp.true}, seen.hi
             self.add(Comment(text=f"# unmasked: every lane of this program sees the {a} below {text}"))
-        elif cond is None and hi == f"size_{a}" and any(f.dot is not None for f in self.stream_folds()):
+        elif cond is None and hi == f"size_{a}" and (any(f.dot is not None for f in self.stream_folds())
+                                                       if dots is None else dots):
             mid, reads, at, subs, tail_hi = f"size_{a} // BLOCK_{a} * BLOCK_{a}", bounds, sp.floor(size / block) * block, {}, None
             self.add(Comment(text=f"# whole tiles of {a} first, no tail mask; then the last partial tile"))
         else:
