@@ -58,7 +58,8 @@ def compare(device: str = "cuda") -> dict[str, Any]:
     (hb, hv), (sb, sv) = out[True], out[False]
     nan = torch.isnan(hv) & torch.isnan(sv)  # NaN's sign bit may differ: both are NaN
     return {"values": int(x.numel()), "bits_differ": int(((hb != sb) & ~nan).sum()),
-            "values_differ": int(((hv != sv) & ~nan).sum()), "nan_mismatch": int((torch.isnan(hv) != torch.isnan(sv)).sum())}
+            "values_differ": int(((hv != sv) & ~nan).sum()),
+            "nan_mismatch": int((torch.isnan(hv) != torch.isnan(sv)).sum())}
 
 
 if __name__ == "__main__":
