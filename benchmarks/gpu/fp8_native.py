@@ -23,7 +23,7 @@ from fuser_core.codegen.helpers import fp8e4m3_bits, fp8e4m3_to_float  # noqa: E
 
 
 @triton.jit
-def _roundtrip(x_ptr, bits_ptr, back_ptr, n, BLOCK: tl.constexpr, NATIVE: tl.constexpr):
+def roundtrip_kernel(x_ptr, bits_ptr, back_ptr, n, BLOCK: tl.constexpr, NATIVE: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     bits = fp8e4m3_bits(tl.load(x_ptr + offs, mask=mask, other=0), NATIVE)
@@ -53,7 +53,7 @@ def compare(device: str = "cuda") -> dict[str, Any]:
     for native in (True, False):
         bits = torch.empty(x.numel(), dtype=torch.uint8, device=device)
         back = torch.empty(x.numel(), dtype=torch.float32, device=device)
-        _roundtrip[(triton.cdiv(x.numel(), 1024),)](x, bits, back, x.numel(), BLOCK=1024, NATIVE=native)
+        roundtrip_kernel[(triton.cdiv(x.numel(), 1024),)](x, bits, back, x.numel(), BLOCK=1024, NATIVE=native)
         out[native] = (bits.cpu(), back.cpu())
     (hb, hv), (sb, sv) = out[True], out[False]
     nan = torch.isnan(hv) & torch.isnan(sv)  # NaN's sign bit may differ: both are NaN

@@ -9,18 +9,8 @@ import numpy as np
 import pytest
 import torch
 import triton
-import triton.language as tl
 
-from fuser_core.codegen.helpers import fp8e4m3_bits, fp8e4m3_to_float  # the helpers generated modules copy
-
-
-@triton.jit
-def roundtrip_kernel(x_ptr, bits_ptr, back_ptr, n, BLOCK: tl.constexpr, NATIVE: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    bits = fp8e4m3_bits(tl.load(x_ptr + offs, mask=mask, other=0), NATIVE)
-    tl.store(bits_ptr + offs, bits, mask=mask)
-    tl.store(back_ptr + offs, fp8e4m3_to_float(bits, NATIVE), mask=mask)
+from benchmarks.gpu.fp8_native import roundtrip_kernel  # the helpers generated modules copy, in one kernel
 
 
 def run(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
