@@ -102,7 +102,7 @@ def foldwise_kernels(case: Case, strategy: str, config: Any) -> list[dict[str, A
     from fuser_core.codegen.structure import build_structure
     from fuser_core.derive import derive_cascade
     from fuser_core.problem import make_problem
-    from tuner.static_bound import loop_trips
+    from tuner.static_bound import descriptor_bytes, loop_trips
 
     spec = load_catalog_spec(case.spec)
     derivation = derive_cascade(spec)
@@ -115,7 +115,8 @@ def foldwise_kernels(case: Case, strategy: str, config: Any) -> list[dict[str, A
         programs = math.prod(-(-problem.shape[d] // b) for d, b in kernel.grid.lanes) * (
             plan.config.split if kernel.grid.split else 1)
         trips = [loop_trips(plan, loop, problem.shape) for loop in kernel.loops() if not loop.resident]
-        out.append({"build": build, "programs": programs, "num_warps": config.num_warps, "trips": trips or [1]})
+        out.append({"build": build, "programs": programs, "num_warps": config.num_warps, "trips": trips or [1],
+                    "tma_bytes": descriptor_bytes(plan, kernel, problem.shape)})
     return out
 
 
@@ -211,7 +212,8 @@ def summarize(kernels: list[dict[str, Any]], case: Case, profile: Any) -> dict[s
             row["error"] = b.error or "no SASS"
             return row
         sb = static_bound(b.sass, programs=k["programs"], num_warps=k["num_warps"], trips=k["trips"], profile=profile,
-                          elements=elements, input_bytes=input_bytes, unique_bytes=_min_bytes(case))
+                          elements=elements, input_bytes=input_bytes, unique_bytes=_min_bytes(case),
+                          tma_bytes=k.get("tma_bytes", 0.0))
         row["registers"].append(b.registers)
         row["spill_bytes"] = max(row["spill_bytes"], b.spill_bytes or 0)
         row["time_s"] += sb["time_s"]

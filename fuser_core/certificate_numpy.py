@@ -13,6 +13,7 @@ import sympy as sp
 
 from fuser_core.derive import Derivation
 from fuser_core.errors import DerivationLimitError
+from fuser_core.realisation import RESCALE_FLOOR
 from fuser_core.reference import cast_to
 from fuser_core.symbolic import CAST_FUNCTIONS, COMPARE_OPS
 
@@ -36,13 +37,11 @@ class _Broadcasting:
 
 
 def _rescale(acc: Any, c: Any) -> np.ndarray:
-    """:data:`fuser_core.realisation.Rescale` in float64: acc * c with a non-finite correction taken
-    as 0, and an accumulator kept where that product is NaN (an infinite one times 0), as the
-    kernels' ``rescale``."""
+    """:data:`fuser_core.realisation.Rescale` in float64: acc * c with a correction that is not a
+    positive finite number taken as RESCALE_FLOOR, as the kernels' ``rescale``."""
     acc, c = np.asarray(acc, dtype=np.float64), np.asarray(c, dtype=np.float64)
     with np.errstate(invalid="ignore"):
-        t = acc * np.where(np.isfinite(c), c, 0.0)
-    return np.where(np.isnan(t), acc, t)
+        return acc * np.where((c > 0.0) & (c < np.inf), c, RESCALE_FLOOR)
 
 
 def _shift_term(acc: Any, c: Any) -> np.ndarray:

@@ -142,8 +142,8 @@ def bind_scalars(spec: Spec, shape: Mapping[str, int], given: Mapping[str, Any])
             number = size_expression_value(p.expr, shape, loc)
         else:
             raise ShapeError("this runtime scalar has no default: pass its value", loc=loc)
-        if p.positive and not number > 0:
-            raise ShapeError(f"is declared positive, got {number:g}", loc=loc)
+        if p.positive and not 0 < number < math.inf:  # the derivation and the kernels take it as finite
+            raise ShapeError(f"is declared positive (a finite number > 0), got {number:g}", loc=loc)
         out[p.name] = number
     return out
 

@@ -41,11 +41,13 @@ if TYPE_CHECKING:
     from fuser_core.derive import ReductionForm
 
 
-# acc * c for a correction c, taking a non-finite c as 0 (it only multiplies an empty
-# accumulator) and keeping the accumulator where that product is NaN (an infinite accumulator
-# times 0): the rescale guard of the kernels' `rescale` helper and of the certificate, one
-# definition for both.
+# acc * c for a correction c, taking a c that is not a positive finite number (0 where it
+# underflowed; inf or NaN where it only multiplies an empty accumulator) as RESCALE_FLOOR, so that
+# an infinite accumulator is never made NaN by a zero correction: the rescale guard of the
+# kernels' `rescale` helper and of the certificate, one definition for both. The guard reads the
+# correction alone: one test per row where the correction is per row (attention's), not per element.
 Rescale = sp.Function("rescale")
+RESCALE_FLOOR = 2.0 ** -126  # float32's least normal number (the kernels' nonzero_correction)
 # ``shift_term(acc, c)``: one term ``acc * c`` of a Taylor shift, 0 when the shift ``c`` is 0 (a part
 # already at the merged anchor: the term is 0 whatever acc is) or NaN (an anchor that stayed at one
 # infinity: inf - inf, no move), when acc is 0 (nothing seen yet), or when c is finite and acc infinite

@@ -86,14 +86,17 @@ def tensor_unit(sass: Mapping[str, Any]) -> str | None:
 
 def static_bound(sass: Mapping[str, Any], *, programs: int, num_warps: int, trips: Sequence[float] | float,
                  profile: GpuProfile, elements: int | None = None, input_bytes: int | None = None,
-                 unique_bytes: int | None = None) -> dict[str, Any]:
+                 unique_bytes: int | None = None, tma_bytes: float = 0.0) -> dict[str, Any]:
     """The four times and the bound (module docstring); ``input_bytes``: the inputs' size, for
     the reads per element; ``unique_bytes``: the minimum traffic (None: all requested bytes
-    count as HBM traffic)."""
+    count as HBM traffic); ``tma_bytes``: what a program loads by TMA (:func:`descriptor_bytes`:
+    a ``UTMALDG``'s box is not in its SASS), counted where the SASS has TMA loads."""
     trips = [float(trips)] if isinstance(trips, (int, float)) else [float(t) for t in trips] or [1.0]
     w = _per_warp(sass, trips)
     warps = programs * num_warps
     chip = {k: v * warps for k, v in w.items()}
+    if sass["total"]["classes"].get("tma"):
+        chip["load_bytes"] += tma_bytes * programs
     unit = tensor_unit(sass)
     requested = chip["load_bytes"] + chip["store_bytes"]
     hbm = requested if unique_bytes is None else min(requested, unique_bytes)
@@ -173,6 +176,22 @@ def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
     return min(float(full), total / n)
 
 
+def descriptor_bytes(plan: Any, kernel: Any, shape: Mapping[str, int]) -> float:
+    """Bytes one program of ``kernel`` loads through tensor descriptors (its loads with a
+    ``descriptor``: a whole tile each, every trip of their loop), for :func:`static_bound`."""
+    import math
+
+    from fuser_core.codegen.ops import Load, walk
+    from tuner.analysis import ELEMENT_BYTES
+
+    total = 0.0
+    for loop in kernel.loops():
+        tile = sum(math.prod(plan.blocks[d] for d in op.descriptor) * ELEMENT_BYTES[op.dtype]
+                   for op in walk(loop.body) if isinstance(op, Load) and op.descriptor)
+        total += tile * (loop_trips(plan, loop, shape) if tile else 0.0)
+    return total
+
+
 def module_bounds(plan: Any, structure: Any, builds: Sequence[Any], profile: GpuProfile, shape: Mapping[str, int],
                   unique_bytes: int | None = None) -> list[dict[str, Any]] | None:
     """Per kernel of a generated module, its static bound (:func:`static_bound`) from its compile
@@ -192,7 +211,8 @@ def module_bounds(plan: Any, structure: Any, builds: Sequence[Any], profile: Gpu
             plan.config.split if kernel.grid.split else 1)
         trips = [loop_trips(plan, loop, shape) for loop in kernel.loops() if not loop.resident] or [1.0]
         bound = static_bound(sass, programs=programs, num_warps=plan.config.num_warps, trips=trips, profile=profile,
-                             unique_bytes=unique_bytes if i == 0 else None)
+                             unique_bytes=unique_bytes if i == 0 else None,
+                             tma_bytes=descriptor_bytes(plan, kernel, shape))
         out.append({"kernel": kernel.name, "programs": programs, "trips": trips, **bound})
     return out
 
@@ -249,5 +269,5 @@ def problem_bounds(problem: Any, derivation: Any, strategy: str, config: Any, bu
     return out
 
 
-__all__ = ["ISSUE_PER_SM_PER_CLOCK", "load_width", "loop_trips", "min_bytes", "module_bounds", "problem_bounds",
+__all__ = ["ISSUE_PER_SM_PER_CLOCK", "descriptor_bytes", "load_width", "loop_trips", "min_bytes", "module_bounds", "problem_bounds",
            "static_bound", "tensor_unit"]

@@ -25,7 +25,7 @@ from pathlib import Path
 import sympy as sp
 
 from fuser_core.codegen import ops as o
-from fuser_core.codegen.names import FP8, FP8_NATIVE, fp8_bits_var, safe_name
+from fuser_core.codegen.names import FP8, FP8_NATIVE, TMA_LOADS, fp8_bits_var, safe_name
 from fuser_core.codegen.structure import Kernel, ModuleStructure
 from fuser_core.codegen.tritonize import expr_dims, number, to_triton
 from fuser_core.symbolic import CAST_FUNCTIONS
@@ -120,9 +120,10 @@ class KernelPrinter:
         self.lines: list[str] = []
         self.depth = 1
         self.fp8_bits: set[str] = set()  # fp8 inputs loaded with their bits kept (fp8_bits_var)
+        self.origins: dict[str, str] = {}  # dim -> the first index of the current tile (its Offsets' base)
         self.printers: dict[type, Callable] = {
             o.Comment: self.comment, o.Program: self.program, o.Offsets: self.offsets, o.Chunk: self.chunk,
-            o.Load: self.load, o.Gather: self.gather, o.Loop: self.loop, o.InitState: self.init_state, o.Count: self.count, o.Copy: self.copy,
+            o.Load: self.load, o.Descriptor: self.descriptor, o.Gather: self.gather, o.Loop: self.loop, o.InitState: self.init_state, o.Count: self.count, o.Copy: self.copy,
             o.Value: self.value, o.Reduce: self.reduce_op, o.Fold: self.fold, o.Select: self.select,
             o.AnchorUpdate: self.anchor_update, o.LaneMerge: self.lane_merge, o.WorkspaceLoad: self.workspace_load,
             o.PartMerge: self.part_merge, o.Finalise: self.finalise, o.WorkspaceStore: self.workspace_store,
@@ -191,6 +192,8 @@ class KernelPrinter:
         scale = None
         if op == "sum":
             scale, e = self.constant_factor(e, env)
+        elif op in ("max", "min"):
+            scale, e = self.positive_factor(e, env)
         value, dims = self.tex(e, env), self.tex_dims(e, env)
         if masked:
             value, dims = self.masked(over, value, dims, number(identity(op)))
@@ -205,6 +208,25 @@ class KernelPrinter:
         factors = sp.Mul.make_args(e)
         constant = [f for f in factors if not f.is_Number and not self.tex_dims(f, env)
                     and f.is_finite is True and f.is_nonzero is True]
+        if not constant or len(constant) == len(factors):
+            return None, e
+        return sp.Mul(*constant), sp.Mul(*[f for f in factors if f not in constant])
+
+    def positive_factor(self, e: sp.Expr, env: o.Env) -> tuple[sp.Expr | None, sp.Expr]:
+        """(the factors of ``e`` on no dim that are provably finite and positive, the rest), through a
+        where() whose other branch is +-inf (a causal mask); (None, e) when there is none. A max or
+        min of c x is c times the max or min of x for such a c, bit for bit (rounding is monotone),
+        NaN and +-inf included: the scale a dot deferred (attention's) multiplies a row, not a score."""
+        if isinstance(e, sp.Piecewise):
+            found = [self.positive_factor(branch, env) if branch not in (sp.oo, -sp.oo) else (None, branch)
+                     for branch, _ in e.args]
+            scales = {f for f, _ in found if f is not None}
+            if len(scales) != 1 or any(f is None and b not in (sp.oo, -sp.oo) for f, b in found):
+                return None, e
+            return scales.pop(), sp.Piecewise(*[(b, c) for (_, b), (_, c) in zip(found, e.args)])
+        factors = sp.Mul.make_args(e)
+        constant = [f for f in factors if not f.is_Number and not self.tex_dims(f, env)
+                    and f.is_finite is True and f.is_positive is True]
         if not constant or len(constant) == len(factors):
             return None, e
         return sp.Mul(*constant), sp.Mul(*[f for f in factors if f not in constant])
@@ -339,8 +361,9 @@ class KernelPrinter:
 
     def offsets(self, op: o.Offsets) -> None:
         d = op.dim
-        base = {"pid": f"pid_{d} * BLOCK_{d} + ", "start": "start + ", "": ""}[op.base]
-        self.emit(f"offs_{d} = {base}tl.arange(0, BLOCK_{d})")
+        origin = {"pid": f"pid_{d} * BLOCK_{d}", "start": "start", "": "0"}[op.base]
+        self.origins[d] = origin
+        self.emit(f"offs_{d} = {'' if origin == '0' else origin + ' + '}tl.arange(0, BLOCK_{d})")
         if op.mask and op.inside:
             self.emit(f"mask_{d} = tl.full([BLOCK_{d}], 1, tl.int1)  # every tile of this loop lies inside {d}")
         elif op.mask:
@@ -360,12 +383,31 @@ class KernelPrinter:
         other = number(identity(op.fill)) if op.fill else "0"
         args = f"{ptr}, mask={mask}, other={other}" if mask else ptr
         note = "  # loop-invariant: loaded once per program" if op.hoisted else ""
+        if op.descriptor:  # the whole tile by TMA where the launcher chose it, else as pointers
+            tile = f"{var}_desc.load([{', '.join(self.origins[d] for d in op.descriptor)}])"
+            if self.layout.order(op.dims) != op.descriptor:
+                tile = f"tl.trans({tile})"
+            self.emit(f"if {TMA_LOADS}:")
+            self.emit(f"    {var} = {tile}.to({op.kind})")
+            self.emit("else:")
+            self.depth += 1
+            self.emit(f"{var} = {load_expr(args, op.dtype, op.kind)}")
+            self.depth -= 1
+            return
         if op.dtype == FP8:  # the bits too: a tl.dot takes them as its operand (fp8_bits_operand)
             self.emit(f"{fp8_bits_var(var)} = tl.load({args}){note}")
             self.emit(f"{var} = {fp8_value(fp8_bits_var(var))}")
             self.fp8_bits.add(var)
         else:
             self.emit(f"{var} = {load_expr(args, op.dtype, op.kind)}{note}")
+
+    def descriptor(self, op: o.Descriptor) -> None:
+        outer, inner = op.memory
+        base = self.addressed(f"{op.var}_ptr", [a for a in op.address if a[0] not in op.memory], ())
+        stride = next(stride for d, _, stride, _ in op.address if d == outer)
+        self.emit(f"if {TMA_LOADS}:  # {op.var}'s tiles by the tensor memory accelerator (sm_90+)")
+        self.emit(f"    {op.name} = tl.make_tensor_descriptor({base}, shape=[size_{outer}, size_{inner}], "
+                  f"strides=[{stride}, 1], block_shape=[BLOCK_{outer}, BLOCK_{inner}])")
 
     def gather(self, op: o.Gather) -> None:
         at = f"{op.name}_at"

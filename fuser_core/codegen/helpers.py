@@ -30,9 +30,13 @@ def min_nan(a, b):
 
 
 @triton.jit
-def finite_or_zero(c):
-    """A correction that is inf or nan only multiplies an empty accumulator: use 0."""
-    return tl.where((c == c) & (c != float("inf")) & (c != float("-inf")), c, 0.0)
+def nonzero_correction(c):
+    """A correction that is 0 (it underflowed), inf or NaN (it only multiplies an empty accumulator)
+    taken as float32's least normal number instead, so that acc * c never makes NaN of an infinite
+    accumulator: one test per row, where the correction is per row (attention's [BLOCK_m, 1]). The
+    number is fuser_core.realisation.RESCALE_FLOOR, the certificate's."""
+    # max drops NaN (max.f32), and takes 0 and -inf to the floor: one max, one test, one select
+    return tl.where(c < float("inf"), tl.maximum(c, 1.1754943508222875e-38), 1.1754943508222875e-38)
 
 
 @triton.jit
@@ -43,12 +47,12 @@ def safe_anchor(v):
 
 @triton.jit
 def rescale(acc, c):
-    """acc * c, a non-finite c taken as 0 (it only multiplies an empty accumulator), and an
-    infinite accumulator that a zero correction would turn into NaN kept as it is. The
-    correction is guarded on its own (per row: attention's c is [BLOCK_m, 1]), the accumulator
-    by one NaN test of the product, the cheapest guard there is per element."""
-    t = acc * finite_or_zero(c)
-    return tl.where(t != t, acc, t)
+    """acc * c, with a correction that is not a positive finite number taken as float32's least
+    normal number: an infinite accumulator stays infinite (where a zero correction would make it
+    NaN), a NaN stays NaN, a finite one becomes at most |acc| * 2^-126 (where the exact correction,
+    below 2^-126 or of an empty accumulator, gives about as little). The guard is on the correction
+    alone, so it costs one test per row, and the accumulator one multiply per element."""
+    return acc * nonzero_correction(c)
 
 
 @triton.jit
@@ -151,7 +155,7 @@ def topk_merge(vals, idx, tile, tile_idx, slot, AXIS: tl.constexpr, SLOTS: tl.co
 # elsewhere (sm_80, AMD, whose fp8 is the fnuz variant) and in Triton's interpreter, which
 # converts without round-to-even, saturation or subnormals, the same conversion done exactly
 # here in integer and power-of-two arithmetic. Both give the reference's values (fuser_core.reference.cast_to).
-HOST_HELPERS = {"fp8_native"}  # plain Python, run by the launcher; the rest run in kernels
+HOST_HELPERS = {"fp8_native", "tma_loads"}  # plain Python, run by the launcher; the rest run in kernels
 
 
 def fp8_native():
@@ -162,6 +166,30 @@ def fp8_native():
         return False
     target = triton.runtime.driver.active.get_current_target()
     return target.backend == "cuda" and target.arch >= 89
+
+
+def tma_loads(*tensors):
+    """Can the kernels load these tensors' tiles through tensor descriptors (TMA): an NVIDIA device
+    of sm_90 or newer (the driver's target, as fp8_native), each tensor 16-byte aligned with its
+    last dim contiguous and every other stride a multiple of 16 bytes (what a TMA descriptor
+    takes)? Where it can, Triton's scratch for the descriptors the kernels make is allocated by
+    torch, unless the caller set an allocator of its own (triton.set_allocator)."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    target = triton.runtime.driver.active.get_current_target()
+    if target.backend != "cuda" or target.arch < 90:
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
+            return False
+    from triton.runtime import _allocation  # the allocator in use (3.6 to 3.9: a ContextVar there)
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        import torch
+
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    return True
 
 
 @triton.jit

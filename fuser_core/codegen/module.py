@@ -20,7 +20,8 @@ from types import ModuleType
 
 from fuser_core.canonical import canonical_json
 from fuser_core.codegen.emit import helper_source, kernels_source
-from fuser_core.codegen.names import FP8_NATIVE, safe_name, scalar_arg
+from fuser_core.codegen.names import FP8_NATIVE, TMA_LOADS, safe_name, scalar_arg
+from fuser_core.codegen.ops import Descriptor, walk
 from fuser_core.codegen.plan import KernelConfig, KernelPlan, make_plan
 from fuser_core.codegen.structure import Grid, Launch, ModuleStructure, SplitLaunch, build_structure
 from fuser_core.derive import Derivation
@@ -133,7 +134,8 @@ def module_source(plan: KernelPlan, stores: dict[str, str], dtypes: dict[str, st
     header = module_header(
         f"{spec.name}, strategy {plan.strategy}.",
         [f"config: {json.dumps(plan.config.to_dict(), sort_keys=True)}", f"blocks: {json.dumps(plan.blocks, sort_keys=True)}"],
-        structure.helpers() + (["fp8_native"] if takes_fp8_native(structure) else []),
+        structure.helpers() + (["fp8_native"] if takes_fp8_native(structure) else [])
+        + (["tma_loads"] if descriptor_inputs(structure) else []),
     )
     return header + "\n\n" + body + "\n\n" + launcher_source(structure, stores)
 
@@ -141,6 +143,13 @@ def module_source(plan: KernelPlan, stores: dict[str, str], dtypes: dict[str, st
 def takes_fp8_native(structure: ModuleStructure) -> bool:
     """Does a kernel of the module take the FP8_NATIVE choice (the launcher then calls fp8_native)?"""
     return any(a.name == FP8_NATIVE for k in structure.kernels for a in k.args)
+
+
+def descriptor_inputs(structure: ModuleStructure) -> list[str]:
+    """The launcher's variables of the inputs some kernel may load through a tensor descriptor (the
+    launcher then calls tma_loads on them), in the spec's order."""
+    vars_ = {op.var for k in structure.kernels for op in walk(k.ops) if isinstance(op, Descriptor)}
+    return [safe_name(i.name) for i in structure.plan.spec.inputs if safe_name(i.name) in vars_]
 
 
 def module_header(title: str, details: list[str], helpers: Iterable[str]) -> str:
@@ -210,6 +219,8 @@ def launcher_source(structure: ModuleStructure, stores: dict[str, str]) -> str:
         outs.append((part, var))
     if takes_fp8_native(structure):
         lines.append(f"    {FP8_NATIVE} = fp8_native()  # the hardware's e4m3 conversions and fp8 dots (sm_89+)")
+    if descriptor_inputs(structure):
+        lines.append(f"    {TMA_LOADS} = tma_loads({', '.join(descriptor_inputs(structure))})  # tiles by TMA (sm_90+)")
     tail = [f"num_warps={plan.config.num_warps}", f"num_stages={plan.config.num_stages}",
             f"enable_fp_fusion={FP_FUSION}"]
 

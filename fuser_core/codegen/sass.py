@@ -213,6 +213,8 @@ def loops(instructions: list[Instruction]) -> list[Loop]:
     out = []
     for lo, hi in inner:
         body = [i for i in instructions if lo <= i.address <= hi]
+        if all(i.base in ("SYNCS", "BRA") for i in body):
+            continue  # an mbarrier's try-wait retried (TMA, async copies), out of line: a wait, not a loop of work
         out.append(Loop(lo, hi, count(body)))
     return out
 

@@ -421,14 +421,27 @@ class _Printer:
         out = ""
         for coeff, rest in terms:
             c = float(coeff) * LOG2E
+            varying, constant = self.program_constants(rest)
             if rest == 1:
                 text = number(sp.Float(abs(c)))
+            elif constant != 1:  # s * (scale * LOG2E): the product of constants once per program, an FMA per element
+                text = f"{self.wrap(varying, _MUL)} * ({self.wrap(constant, _MUL)} * {number(sp.Float(abs(c)))})"
             else:
                 operand = f"({self.go(rest)[0]})" if rest.is_Add else self.wrap(rest, _MUL)
                 text = f"{operand} * {number(sp.Float(abs(c)))}"
             sign = " - " if c < 0 else " + "
             out = out + sign + text if out else ("-" if c < 0 else "") + text
         return f"tl.exp2({out})"
+
+    def program_constants(self, e: sp.Expr) -> tuple[sp.Expr, sp.Expr]:
+        """(the factors of a product ``e`` that vary over the tile, those that do not: sizes, runtime
+        scalars, a row's nothing); (e, 1) when either is empty or without a layout."""
+        if not e.is_Mul or self.layout is None:
+            return e, sp.Integer(1)
+        constant = [f for f in e.args if f.free_symbols and not self.dims(f)]
+        if not constant or len(constant) == len(e.args):
+            return e, sp.Integer(1)
+        return sp.Mul(*[f for f in e.args if f not in constant]), sp.Mul(*constant)
 
     def pow(self, e: sp.Expr) -> tuple[str, int]:
         base, exp = e.base, e.exp

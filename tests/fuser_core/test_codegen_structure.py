@@ -178,7 +178,7 @@ def softmax_source(strategy: str, config: KernelConfig) -> str:
 def test_a_module_pastes_only_the_helpers_its_kernels_call() -> None:
     source = softmax_source("streaming_fused", KernelConfig({"n": 64}))
     defined = set(re.findall(r"^def (\w+)\(", source, re.M))
-    assert {"rescale", "finite_or_zero", "safe_anchor"} <= defined  # rescale calls finite_or_zero
+    assert {"rescale", "nonzero_correction", "safe_anchor"} <= defined  # rescale calls nonzero_correction
     assert not defined & {"topk_merge", "argmax_merge", "fp8e4m3_bits", "bf16_round", "pow_real"}
     spec = load_catalog_spec("moe_routing")
     d = derive_cascade(spec)
@@ -356,8 +356,8 @@ def test_helpers_are_real_functions_copied_by_name() -> None:
 
     names = helper_names()
     assert {"rescale", "topk_merge", "fp8e4m3_bits", "bf16_round", "pow_real"} <= set(names)
-    # @triton.jit functions (the interpreter's kind under TRITON_INTERPRET=1), but for the launchers' host function
-    assert helpers.HOST_HELPERS == {"fp8_native"} and helpers.HOST_HELPERS <= set(names)
+    # @triton.jit functions (the interpreter's kind under TRITON_INTERPRET=1), but for the launchers' host functions
+    assert helpers.HOST_HELPERS == {"fp8_native", "tma_loads"} and helpers.HOST_HELPERS <= set(names)
     kinds = {n: type(getattr(helpers, n)).__name__ for n in names if n not in helpers.HOST_HELPERS}
     assert set(kinds.values()) <= {"JITFunction", "InterpretedFunction"}, kinds
     source, modules = helper_source(["fp8e4m3_round"])  # with the helpers it calls, in helpers.py's order

@@ -82,6 +82,9 @@ def test_bind_scalars_defaults_and_errors():
     assert bind_scalars(spec, {"t": 2, "c": 3}, {"eps": np.float32(1e-5)}) == {"eps": float(np.float32(1e-5))}
     with pytest.raises(ShapeError, match=r"^scalars\.eps: is declared positive"):
         bind_scalars(spec, {"t": 2, "c": 3}, {"eps": 0.0})
+    for not_finite in (float("inf"), float("nan")):  # positive means a finite number > 0: the kernels assume it
+        with pytest.raises(ShapeError, match=r"^scalars\.eps: is declared positive \(a finite number > 0\)"):
+            bind_scalars(spec, {"t": 2, "c": 3}, {"eps": not_finite})
     with pytest.raises(ShapeError, match=r"^scalars\.eps: a runtime scalar takes one real number"):
         bind_scalars(spec, {"t": 2, "c": 3}, {"eps": "1e-5"})
     required = load_spec(rms_raw({"runtime": "float", "positive": True}))

@@ -22,6 +22,8 @@ The operations:
 - :class:`Offsets`: ``offs_d`` (and ``mask_d``) of one dim's tile;
 - :class:`Chunk`: a split program's chunk of the loop axis (``lo``);
 - :class:`Load`: an input loaded as float32 (int32 for index inputs), hoisted or not;
+- :class:`Descriptor`: an input's tensor descriptor, once per program, for the loads a tl.dot reads
+  as loaded (TMA on sm_90+, where the launcher chooses it);
 - :class:`Gather`: a reduction that is one term, ``sum of where(index(axis) == at, X, 0)``: X loaded at ``at``;
 - :class:`Loop`: a loop over the axis (its tiles, a split chunk of them, or the SPLIT partial
   states), its body and, after a per-lane loop, the merge of its lanes; one resident tile is a
@@ -55,6 +57,7 @@ from fuser_core.codegen.ops.setup import (
     Comment,
     Copy,
     Count,
+    Descriptor,
     Gather,
     InitState,
     Load,
@@ -74,7 +77,7 @@ from fuser_core.codegen.ops.stores import (
 )
 
 __all__ = [
-    "FP8_DOT", "AnchorUpdate", "Chunk", "Comment", "Copy", "Count", "Dot", "Env", "FallbackFlag", "Finalise",
+    "FP8_DOT", "AnchorUpdate", "Chunk", "Comment", "Copy", "Count", "Descriptor", "Dot", "Env", "FallbackFlag", "Finalise",
     "FirstChunk",
     "Fold", "Gather", "InitState", "LaneMerge", "Load", "Loop", "Offsets", "Op", "OutputStore", "PartMerge",
     "Program", "Reduce", "Select", "Value", "WorkspaceLoad", "WorkspaceStore", "assuming", "env_refs", "walk",

@@ -9,7 +9,7 @@ from typing import Any
 
 import sympy as sp
 
-from fuser_core.codegen.names import FP8, safe_name
+from fuser_core.codegen.names import FP8, TMA_LOADS, safe_name
 from fuser_core.codegen.ops.base import Env, Op, block_params, env_reads, expr_helpers, tile_reads
 
 
@@ -86,13 +86,42 @@ class Load(Op):
     address: tuple[tuple[str, str, str, tuple[str, ...]], ...]
     fill: str | None = None
     hoisted: bool = False
+    # (outer, contiguous): the tile's two dims in memory order, where the tile may come through the
+    # input's tensor descriptor (:class:`Descriptor`) when the launcher chooses TMA_LOADS; else ()
+    descriptor: tuple[str, ...] = ()
 
     def reads(self) -> set[str]:
-        return ({f"{self.name}_ptr"} | {stride for _, _, stride, _ in self.address}
-                | {s for *_, sizes in self.address for s in sizes} | tile_reads(self.input_dims, self.dims))
+        out = ({f"{self.name}_ptr"} | {stride for _, _, stride, _ in self.address}
+               | {s for *_, sizes in self.address for s in sizes} | tile_reads(self.input_dims, self.dims))
+        return out | ({f"{self.name}_desc", TMA_LOADS} | block_params(self.descriptor) if self.descriptor else set())
 
     def helpers(self) -> list[str]:
         return ["fp8e4m3_to_float"] if self.dtype == FP8 else []
+
+
+@dataclass(frozen=True, kw_only=True)
+class Descriptor(Op):
+    """``{var}_desc``: a tensor descriptor of the 2-d slice of the input read as ``var`` a program's tiles come from
+    (``memory``: its (outer, contiguous) dims; the other dims at the program's offsets, in ``address``),
+    made once per program where the launcher chose TMA_LOADS. Its loads (:attr:`Load.descriptor`)
+    are whole tiles by the tensor memory accelerator, zero outside the tensor as the masked loads
+    give, pipelined into shared memory for the tl.dot that reads them (Triton's tutorial 06)."""
+
+    var: str
+    memory: tuple[str, ...]
+    address: tuple[tuple[str, str, str, tuple[str, ...]], ...]
+    dims: tuple[str, ...] = ()  # a descriptor, no tile
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"{self.var}_desc"
+
+    def reads(self) -> set[str]:
+        outer, inner = self.memory
+        lanes = {x for d, _, stride, _ in self.address if d not in self.memory for x in (f"offs_{d}", stride)}
+        strides = {stride for d, _, stride, _ in self.address if d == outer}
+        return ({f"{self.var}_ptr", f"size_{outer}", f"size_{inner}", TMA_LOADS} | lanes | strides
+                | block_params(self.memory))
 
 
 @dataclass(frozen=True, kw_only=True)

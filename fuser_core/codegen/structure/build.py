@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from fuser_core.codegen.names import FP8_NATIVE, kernel_arg, scalar_arg
+from fuser_core.codegen.names import FP8_NATIVE, TMA_LOADS, kernel_arg, scalar_arg
 from fuser_core.codegen.ops import Fold, Load, Op, Reduce, walk
 from fuser_core.codegen.plan import KernelPlan
+from fuser_core.codegen.structure.descriptors import descriptor_loads
 from fuser_core.codegen.structure.facts import accumulators, axis_outputs, kernel_names, workspace
 from fuser_core.codegen.structure.model import Arg, Grid, Kernel, Launch, ModuleStructure, SplitLaunch, State, var_name
+from fuser_core.codegen.structure.scales import move_dot_scales
 from fuser_core.codegen.structure.walk_strategies import StrategiesWalk
 from fuser_core.merged import kernel_dims
 
@@ -46,6 +48,7 @@ def _args(plan: KernelPlan, inputs: Iterable[str], outputs: Iterable[str], ws: t
         out.append(Arg("chunk", "chunk"))
     out += [Arg(f"BLOCK_{d}", str(plan.blocks[d]), constexpr=True) for d in spec.dims]
     out.append(Arg(FP8_NATIVE, FP8_NATIVE, constexpr=True))
+    out.append(Arg(TMA_LOADS, TMA_LOADS, constexpr=True))
     read = set().union(*(op.uses() for op in walk(ops)))
     return tuple(a for a in out if a.name in read)
 
@@ -59,7 +62,7 @@ def _kernel(plan: KernelPlan, name: str, role: str, grid: Grid, walker, doc: str
         w = Walk(plan, input_dtypes, stores, dots, role, grid, no_fill)
         w.setup()
         walker(w)
-        ops = w.kernel_ops()
+        ops = descriptor_loads(move_dot_scales(w.kernel_ops()), plan)
         dotted = {s.name for op in walk(ops) if isinstance(op, (Reduce, Fold)) and op.dot is not None
                   for s in op.dot.p.free_symbols | op.dot.q.free_symbols}
         filled = {op.input for op in walk(ops) if isinstance(op, Load) and op.fill} & dotted
