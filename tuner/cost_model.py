@@ -451,7 +451,10 @@ class _Model:
                 for name in p.loads:
                     touched[name] = done
             done += load.l2_bytes
-        return _combine(loads, profile, {"strategy": strategy, "config": config.to_dict(), "blocks": blocks})
+        # a combine in the part kernel's launch (KernelConfig.combine "last_part") runs the same merge,
+        # by the last program of each lane block: one launch fewer
+        launches = len(loads) - (1 if config.combine == "last_part" else 0)
+        return _combine(loads, profile, {"strategy": strategy, "config": config.to_dict(), "blocks": blocks}, launches)
 
 
     def issued(self, strategy: str, config: KernelConfig, compiled: CompileVerdict | None,
@@ -470,7 +473,9 @@ class _Model:
 ISSUED_FIELDS = ("warp_instructions", "mufu", "tensor_macs")
 
 
-def _combine(loads: list[KernelLoad], profile: GpuProfile, extra: dict[str, Any]) -> Prediction:
+def _combine(loads: list[KernelLoad], profile: GpuProfile, extra: dict[str, Any],
+             launches: int | None = None) -> Prediction:
+    """The kernels' times summed; ``launches``: how many launches they take (default: one each)."""
     kernels = []
     for load in loads:
         _, det = kernel_time(load, profile)
@@ -478,8 +483,10 @@ def _combine(loads: list[KernelLoad], profile: GpuProfile, extra: dict[str, Any]
     first = kernels[0]
     flops = sum(k["alu_ops"] + k["sfu_ops"] + sum(k["dot_flops"].values()) for k in kernels)
     details = {**extra, "target": profile.name, "predicted": True, "kernels": kernels}
+    fewer = len(kernels) - (len(kernels) if launches is None else launches)
     return Prediction(
-        time_s=sum(k["time_s"] for k in kernels), bytes=sum(k["hbm_bytes"] for k in kernels), flops=flops,
+        time_s=sum(k["time_s"] for k in kernels) - fewer * profile.launch_overhead_s,
+        bytes=sum(k["hbm_bytes"] for k in kernels), flops=flops,
         programs=first["programs"], waves=first["waves"], occupancy=first["occupancy"], details=details,
     )
 

@@ -19,7 +19,10 @@ Parameters (Optuna-style names; ``split`` only for split_fused):
   as fit the target's 1,024 threads per block: on AMD ``num_warps`` counts 64-lane wavefronts (as
   Triton's AMD backend does), so 1..16; ``num_stages`` 1..5 (1 for row_resident), ``split`` 2..64;
 - ``per_lane`` 1 or 0 (streaming and split, where the derivation allows per-lane states): a
-  streamed loop's running states per lane of the tile, or per tile (:attr:`KernelConfig.per_lane`).
+  streamed loop's running states per lane of the tile, or per tile (:attr:`KernelConfig.per_lane`);
+- ``combine`` 0 or 1 (split, where no output keeps the axis): the partial states merged by a
+  combine kernel, or by the last part program of each lane block, in the same launch
+  (:attr:`KernelConfig.combine` "kernel", "last_part").
 
 The unfused chain is a baseline, never a candidate.
 
@@ -49,6 +52,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fuser_core.codegen.config import COMBINES
 from fuser_core.codegen.plan import (
     MAX_TILE_ELEMENTS,
     KernelConfig,
@@ -60,7 +64,7 @@ from fuser_core.codegen.plan import (
     valid_strategies,
 )
 from fuser_core.codegen.strategies import STRATEGIES, STREAMING_FUSED
-from fuser_core.codegen.strategies.base import AXIS_BLOCK, NUM_STAGES, PER_LANE, SPLIT
+from fuser_core.codegen.strategies.base import AXIS_BLOCK, COMBINE, NUM_STAGES, PER_LANE, SPLIT
 from fuser_core.derive import Derivation
 from fuser_core.problem import Problem
 from tuner.analysis import Anatomy, Resources, cdiv, input_info, resources
@@ -178,6 +182,9 @@ class SearchSpace:
             out["split"] = pow2_range(2, most) or [2]
         if PER_LANE in tunables and self._lanes_possible:
             out["per_lane"] = [1, 0]  # running states per lane of the tile, or per tile (KernelConfig.per_lane)
+        if COMBINE in tunables and not any(self.axis in self.spec.step(p.split(".")[0]).dims
+                                           for p in self.spec.output_parts):
+            out["combine"] = list(range(len(COMBINES)))  # KernelConfig.combine, by its index in COMBINES
         return out
 
     @property
@@ -213,6 +220,7 @@ class SearchSpace:
             num_stages=value("num_stages", 2),
             split=value("split", STRATEGIES[strategy].least_split) if SPLIT in STRATEGIES[strategy].tunables else 1,
             per_lane=bool(value("per_lane", 1)),
+            combine=COMBINES[value("combine", 0)],
         )
         return Candidate(strategy, config)
 
@@ -224,6 +232,8 @@ class SearchSpace:
             out["split"] = c.split
         if "per_lane" in self.params(candidate.strategy):
             out["per_lane"] = int(c.per_lane)
+        if "combine" in self.params(candidate.strategy):
+            out["combine"] = COMBINES.index(c.combine)
         return out
 
     # ------------------------------------------------------------------ feasibility

@@ -176,6 +176,14 @@ def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
     return min(float(full), total / n)
 
 
+def kernel_loop_trips(plan: Any, kernel: Any, loop: Any, shape: Mapping[str, int]) -> float:
+    """:func:`loop_trips` averaged over ``kernel``'s programs: a loop over the SPLIT partial states
+    inside a kernel whose grid is split is the combine the last program of each lane block runs
+    (KernelConfig.combine "last_part"), one program in SPLIT."""
+    trips = loop_trips(plan, loop, shape)
+    return trips / plan.config.split if loop.span == "split" and kernel.grid.split else trips
+
+
 def descriptor_bytes(plan: Any, kernel: Any, shape: Mapping[str, int]) -> float:
     """Bytes one program of ``kernel`` loads through tensor descriptors (its loads with a
     ``descriptor``: a whole tile each, every trip of their loop), for :func:`static_bound`."""
@@ -188,7 +196,7 @@ def descriptor_bytes(plan: Any, kernel: Any, shape: Mapping[str, int]) -> float:
     for loop in kernel.loops():
         tile = sum(math.prod(plan.blocks[d] for d in op.descriptor) * ELEMENT_BYTES[op.dtype]
                    for op in walk(loop.body) if isinstance(op, Load) and op.descriptor)
-        total += tile * (loop_trips(plan, loop, shape) if tile else 0.0)
+        total += tile * (kernel_loop_trips(plan, kernel, loop, shape) if tile else 0.0)
     return total
 
 
@@ -209,7 +217,7 @@ def module_bounds(plan: Any, structure: Any, builds: Sequence[Any], profile: Gpu
             return None
         programs = math.prod(-(-shape[d] // b) for d, b in kernel.grid.lanes) * (
             plan.config.split if kernel.grid.split else 1)
-        trips = [loop_trips(plan, loop, shape) for loop in kernel.loops() if not loop.resident] or [1.0]
+        trips = [kernel_loop_trips(plan, kernel, loop, shape) for loop in kernel.loops() if not loop.resident] or [1.0]
         bound = static_bound(sass, programs=programs, num_warps=plan.config.num_warps, trips=trips, profile=profile,
                              unique_bytes=unique_bytes if i == 0 else None,
                              tma_bytes=descriptor_bytes(plan, kernel, shape))
@@ -269,5 +277,5 @@ def problem_bounds(problem: Any, derivation: Any, strategy: str, config: Any, bu
     return out
 
 
-__all__ = ["ISSUE_PER_SM_PER_CLOCK", "descriptor_bytes", "load_width", "loop_trips", "min_bytes", "module_bounds", "problem_bounds",
-           "static_bound", "tensor_unit"]
+__all__ = ["ISSUE_PER_SM_PER_CLOCK", "descriptor_bytes", "kernel_loop_trips", "load_width", "loop_trips", "min_bytes",
+           "module_bounds", "problem_bounds", "static_bound", "tensor_unit"]

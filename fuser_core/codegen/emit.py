@@ -123,11 +123,13 @@ class KernelPrinter:
         self.origins: dict[str, str] = {}  # dim -> the first index of the current tile (its Offsets' base)
         self.printers: dict[type, Callable] = {
             o.Comment: self.comment, o.Program: self.program, o.Offsets: self.offsets, o.Chunk: self.chunk,
-            o.Load: self.load, o.Descriptor: self.descriptor, o.Gather: self.gather, o.Loop: self.loop, o.InitState: self.init_state, o.Count: self.count, o.Copy: self.copy,
+            o.Load: self.load, o.Descriptor: self.descriptor, o.Gather: self.gather, o.Loop: self.loop,
+            o.InitState: self.init_state, o.Count: self.count, o.Copy: self.copy,
             o.Value: self.value, o.Reduce: self.reduce_op, o.Fold: self.fold, o.Select: self.select,
             o.AnchorUpdate: self.anchor_update, o.LaneMerge: self.lane_merge, o.WorkspaceLoad: self.workspace_load,
             o.PartMerge: self.part_merge, o.Finalise: self.finalise, o.WorkspaceStore: self.workspace_store,
             o.OutputStore: self.output_store, o.FirstChunk: self.first_chunk, o.FallbackFlag: self.fallback_flag,
+            o.LastPartCombine: self.last_part_combine,
         }
 
     # ------------------------------------------------------------ text helpers
@@ -534,7 +536,18 @@ class KernelPrinter:
     def workspace_load(self, op: o.WorkspaceLoad) -> None:
         mask = self.mask(op.entry_dims)
         args = self.ws_pointer(op.entry, op.entry_dims) + (f", mask={mask}, other={op.other}" if mask else "")
-        self.emit(f"{op.name} = tl.load({args})")
+        # from L2 (.cg), never an SM's L1: a combine in the part kernel's launch reads what other
+        # programs of the launch wrote
+        self.emit(f'{op.name} = tl.load({args}, cache_modifier=".cg")')
+
+    def last_part_combine(self, op: o.LastPartCombine) -> None:
+        self.emit("# the last of this lane block's SPLIT programs to finish merges the partial states, in this launch")
+        self.emit("tl.debug_barrier()  # every thread's partial state stored before the ticket is taken")
+        self.emit('ticket = tl.atomic_add(tickets_ptr + tl.program_id(0), 1, sem="acq_rel")')
+        self.emit("if ticket == SPLIT - 1:")
+        self.emit("    tl.atomic_xchg(tickets_ptr + tl.program_id(0), 0)  # back to 0 for the next launch")
+        args = [*op.args, *(f"{c}={c}" for c in op.constexprs)]
+        self.emit(f"    {op.kernel}({', '.join(args)})")
 
     def part_merge(self, op: o.PartMerge) -> None:
         left, right = self.tex(op.left, op.env), self.tex(op.right, op.env)

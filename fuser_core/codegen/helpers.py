@@ -155,7 +155,8 @@ def topk_merge(vals, idx, tile, tile_idx, slot, AXIS: tl.constexpr, SLOTS: tl.co
 # elsewhere (sm_80, AMD, whose fp8 is the fnuz variant) and in Triton's interpreter, which
 # converts without round-to-even, saturation or subnormals, the same conversion done exactly
 # here in integer and power-of-two arithmetic. Both give the reference's values (fuser_core.reference.cast_to).
-HOST_HELPERS = {"fp8_native", "tma_loads"}  # plain Python, run by the launcher; the rest run in kernels
+# plain Python, run by the launcher; the rest run in kernels
+HOST_HELPERS = {"fp8_native", "tma_loads", "split_tickets"}
 
 
 def fp8_native():
@@ -190,6 +191,27 @@ def tma_loads(*tensors):
 
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     return True
+
+
+# split_tickets' buffers, by (device, stream): each launch leaves its counts at 0 again
+SPLIT_TICKETS = {}
+
+
+def split_tickets(device, n):
+    """int32 counts, at least ``n``, all 0, for a split kernel whose last program per lane block
+    merges the partial states (KernelConfig.combine "last_part"). Made once per device and stream
+    and kept: each launch's last programs set their counts back to 0, so no launch clears them
+    (a memset would be a second launch); launches on one stream run in order, so they never share
+    a count."""
+    import torch
+
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    tickets = SPLIT_TICKETS.get(key)
+    if tickets is None or tickets.numel() < n:
+        tickets = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        SPLIT_TICKETS[key] = tickets
+    return tickets
 
 
 @triton.jit

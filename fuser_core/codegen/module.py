@@ -135,7 +135,8 @@ def module_source(plan: KernelPlan, stores: dict[str, str], dtypes: dict[str, st
         f"{spec.name}, strategy {plan.strategy}.",
         [f"config: {json.dumps(plan.config.to_dict(), sort_keys=True)}", f"blocks: {json.dumps(plan.blocks, sort_keys=True)}"],
         structure.helpers() + (["fp8_native"] if takes_fp8_native(structure) else [])
-        + (["tma_loads"] if descriptor_inputs(structure) else []),
+        + (["tma_loads"] if descriptor_inputs(structure) else [])
+        + (["split_tickets"] if combines_in_launch(structure) else []),
     )
     return header + "\n\n" + body + "\n\n" + launcher_source(structure, stores)
 
@@ -152,6 +153,11 @@ def descriptor_inputs(structure: ModuleStructure) -> list[str]:
     return [safe_name(i.name) for i in structure.plan.spec.inputs if safe_name(i.name) in vars_]
 
 
+def combines_in_launch(structure: ModuleStructure) -> bool:
+    """Does a split launch merge its parts in the part kernel (the launcher then calls split_tickets)?"""
+    return any(isinstance(x, SplitLaunch) and x.combine is None for x in structure.launches)
+
+
 def module_header(title: str, details: list[str], helpers: Iterable[str]) -> str:
     """Docstring, imports and the @triton.jit helpers ``helpers`` (those the module's kernels call;
     with the helpers they call), copied from fuser_core/codegen/helpers.py."""
@@ -162,8 +168,13 @@ def module_header(title: str, details: list[str], helpers: Iterable[str]) -> str
     return "\n".join(lines) + source
 
 
+def lane_programs(grid: Grid) -> str:
+    """The launcher's expression for the number of lane blocks of ``grid`` (its first grid dim)."""
+    return " * ".join(f"triton.cdiv(size_{d}, {b})" for d, b in grid.lanes) or "1"
+
+
 def grid_text(grid: Grid) -> str:
-    lanes = " * ".join(f"triton.cdiv(size_{d}, {b})" for d, b in grid.lanes) or "1"
+    lanes = lane_programs(grid)
     return f"({lanes}, SPLIT)" if grid.split else f"({lanes},)"
 
 
@@ -238,8 +249,12 @@ def launcher_source(structure: ModuleStructure, stores: dict[str, str]) -> str:
             for w in launch.workspace:
                 size = "(SPLIT, " + "".join(f"size_{d}, " for d in w.dims) + ")"
                 lines.append(f"    ws_{w.name} = torch.empty({size}, device={first}.device, dtype={TORCH_DTYPES[w.dtype]})")
+            if launch.combine is None:
+                lines.append(f"    tickets = split_tickets({first}.device, {lane_programs(launch.part.grid)})"
+                             "  # a count per lane block, 0 between launches")
             call(launch.part)
-            call(launch.combine)
+            if launch.combine is not None:
+                call(launch.combine)
         else:
             call(launch)
     lines.append("    return {" + ", ".join(f'"{p}": {v}' for p, v in outs) + "}")

@@ -268,12 +268,18 @@ def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str
     if config.split != 1 and not rules.splits_axis:
         splitting = ", ".join(n for n, other in STRATEGIES.items() if other.splits_axis)
         raise NotValid(f"split = {config.split} is only for {splitting}")
+    parallel = parallel_combine(strategy, lanes, shape, blocks)
+    if config.combine != "kernel":
+        if not rules.splits_axis:
+            raise NotValid(f"combine = {config.combine} merges a split's partial states: it is for split strategies")
+        if parallel and any(axis in spec.step(p.split(".")[0]).dims for p in spec.output_parts):
+            raise NotValid(f"combine = {config.combine}: the outputs keep {axis} and the lane blocks are few, so the "
+                           "combine writes them with SPLIT programs per lane block, in a launch of its own")
     dots = {f.name for f in derivation.forms.values() if f.contraction}
     tile = max(_tile_elements(spec, s, blocks, s.name in dots) for s in spec.steps)
     if tile > MAX_TILE_ELEMENTS:
         raise NotValid(f"a tile of {tile} elements is too large (max {MAX_TILE_ELEMENTS}); use smaller blocks")
-    return KernelPlan(spec, derivation, strategy, axis, inner, blocks, lanes, config,
-                      parallel_combine(strategy, lanes, shape, blocks))
+    return KernelPlan(spec, derivation, strategy, axis, inner, blocks, lanes, config, parallel)
 
 
 def valid_strategies(spec: Spec, derivation: Derivation, shape: dict[str, int]) -> dict[str, str | None]:

@@ -118,8 +118,9 @@ def test_every_paper_case_has_a_feasible_space(case: dict) -> None:
         make_plan(spec, d, s, space.shape, c.config)  # the plan agrees
         params = space.params(s)
         assert all(v and all(x >= 1 and not x & (x - 1) for x in v) for k, v in params.items()
-                   if k not in ("num_stages", "per_lane"))
+                   if k not in ("num_stages", "per_lane", "combine"))
         assert params.get("per_lane", [1, 0]) == [1, 0]  # per lane or per tile, where the derivation allows lanes
+        assert params.get("combine", [0, 1]) == [0, 1]  # a combine kernel, or the last part program (split only)
         assert ("split" in params) == (s == "split_fused")
     for s in set(plan_valid) - set(strategies):  # valid, but nothing fits the target: said why
         assert space.not_valid()[s].startswith("no configuration fits h100")

@@ -91,8 +91,8 @@ def default_candidates(space: SearchSpace) -> list[tuple[str, dict[str, int]]]:
         candidate = space.candidate(strategy, space.values_of(Candidate(strategy, config)))
         got = candidate.config
         if ({d: got.blocks.get(d) for d in config.blocks} != config.blocks
-                or (got.num_warps, got.num_stages, got.split, got.per_lane)
-                != (config.num_warps, config.num_stages, config.split, config.per_lane)):
+                or (got.num_warps, got.num_stages, got.split, got.per_lane, got.combine)
+                != (config.num_warps, config.num_stages, config.split, config.per_lane, config.combine)):
             continue  # a default outside the space's choices: not this space's to try
         if space.check(candidate) is None:
             out.append((strategy, space.values_of(candidate)))

@@ -43,7 +43,9 @@ The operations:
 - :class:`FallbackFlag`: 1 where a dependency of a fused reduction ended at a value its fused form
   does not hold (an infinity, a NaN), the gate of the fallback passes (a ``fallback`` loop) and of
   their results;
-- :class:`FirstChunk`: operations only the program of chunk 0 runs; :class:`Comment`.
+- :class:`FirstChunk`: operations only the program of chunk 0 runs; :class:`Comment`;
+- :class:`LastPartCombine`: split_fused's combine run by the last part program of a lane block to
+  finish, in the part kernel's launch (an atomic ticket; the combine kernel called as a function).
 
 The package, by job: :mod:`.base` (the :class:`Op` base, environments, ``tl.dot``, walking),
 :mod:`.setup` (set-up, loads and loops), :mod:`.folds` (reductions, folds, selections, anchor
@@ -70,6 +72,7 @@ from fuser_core.codegen.ops.stores import (
     FallbackFlag,
     Finalise,
     FirstChunk,
+    LastPartCombine,
     OutputStore,
     PartMerge,
     WorkspaceLoad,
@@ -79,6 +82,7 @@ from fuser_core.codegen.ops.stores import (
 __all__ = [
     "FP8_DOT", "AnchorUpdate", "Chunk", "Comment", "Copy", "Count", "Descriptor", "Dot", "Env", "FallbackFlag", "Finalise",
     "FirstChunk",
-    "Fold", "Gather", "InitState", "LaneMerge", "Load", "Loop", "Offsets", "Op", "OutputStore", "PartMerge",
+    "Fold", "Gather", "InitState", "LaneMerge", "LastPartCombine", "Load", "Loop", "Offsets", "Op", "OutputStore",
+    "PartMerge",
     "Program", "Reduce", "Select", "Value", "WorkspaceLoad", "WorkspaceStore", "assuming", "env_refs", "walk",
 ]

@@ -152,3 +152,24 @@ class FirstChunk(Op):
 
     def children(self) -> tuple[Op, ...]:
         return self.body
+
+
+@dataclass(frozen=True, kw_only=True)
+class LastPartCombine(Op):
+    """split_fused's combine in the part kernel's launch (``KernelConfig.combine`` "last_part"):
+    after writing its partial state, each program takes a ticket for its lane block (an atomic
+    add, acquire-release at GPU scope, after a barrier so every thread's stores precede it); the
+    program that draws SPLIT - 1, the last to finish, sets the count back to 0 for the next launch
+    and calls the combine kernel ``kernel`` as a function with ``args`` (its parameters, which this
+    kernel takes too): the merge and the outputs, in the same launch, no second launch."""
+
+    kernel: str
+    args: tuple[str, ...]
+    constexprs: tuple[str, ...]
+    body: tuple[Op, ...] = ()  # the combine kernel's operations, what the call runs (for counting its loops)
+
+    def reads(self) -> set[str]:
+        return {*self.args, *self.constexprs, "tickets_ptr", "SPLIT"}
+
+    def children(self) -> tuple[Op, ...]:
+        return self.body

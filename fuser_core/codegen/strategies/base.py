@@ -39,6 +39,7 @@ NUM_WARPS = "num_warps"
 NUM_STAGES = "num_stages"  # software pipelining of a loop (1 where nothing loops)
 SPLIT = "split"  # programs the loop axis is split over
 PER_LANE = "per_lane"  # a streamed loop's running states per lane of the tile or per tile
+COMBINE = "combine"  # a split's partial states merged by a combine kernel or in the part kernel's launch
 
 
 @dataclass(frozen=True)

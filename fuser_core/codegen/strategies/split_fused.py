@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fuser_core.codegen.config import KernelConfig, NotValid
-from fuser_core.codegen.strategies.base import DefaultTiling, SPLIT
+from fuser_core.codegen.strategies.base import COMBINE, SPLIT, DefaultTiling
 from fuser_core.codegen.strategies.streaming_fused import StreamingFused
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ PARALLEL_COMBINE_DOC = ("{name}, split-fused part 2: program (lanes, s) merges t
 
 class SplitFused(StreamingFused):
     splits_axis = True
-    tunables = (*StreamingFused.tunables, SPLIT)
+    tunables = (*StreamingFused.tunables, SPLIT, COMBINE)
 
     def check(self, derivation: Derivation, axis: str, blocks: Mapping[str, int], shape: Mapping[str, int],
               config: KernelConfig) -> None:

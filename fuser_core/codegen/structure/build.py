@@ -5,9 +5,10 @@ its arguments, and the launches.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
 from fuser_core.codegen.names import FP8_NATIVE, TMA_LOADS, kernel_arg, scalar_arg
-from fuser_core.codegen.ops import Fold, Load, Op, Reduce, walk
+from fuser_core.codegen.ops import Fold, LastPartCombine, Load, Op, Reduce, walk
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.structure.descriptors import descriptor_loads
 from fuser_core.codegen.structure.facts import accumulators, axis_outputs, kernel_names, workspace
@@ -119,9 +120,29 @@ class KernelBuilder:
         combine, _ = _kernel(plan, self.combine_name, "combine", combine_grid, combine_walker,
                              parallel_combine_doc if parallel else combine_doc, self.input_dtypes, self.stores,
                              self.dots, ws, tuple(plan.spec.output_parts))
-        launch = SplitLaunch(Launch(self.name, part.grid), Launch(self.combine_name, combine_grid), plan.config.split,
-                             plan.axis, plan.blocks[plan.axis], ws)
+        if plan.config.combine == "last_part":  # the combine kernel, a function the part kernel's last program calls
+            part = with_last_part_combine(part, combine)
+            launch = SplitLaunch(Launch(self.name, part.grid), None, plan.config.split, plan.axis,
+                                 plan.blocks[plan.axis], ws)
+        else:
+            launch = SplitLaunch(Launch(self.name, part.grid), Launch(self.combine_name, combine_grid),
+                                 plan.config.split, plan.axis, plan.blocks[plan.axis], ws)
         return ModuleStructure(plan, (part, combine), (launch,), ws)
+
+
+def with_last_part_combine(part: Kernel, combine: Kernel) -> Kernel:
+    """``part`` ending in a :class:`LastPartCombine` that calls ``combine``: it takes the combine
+    kernel's parameters as well as its own (positional ones first, then the constexprs, as a launch
+    passes them) and the tickets, and writes the outputs."""
+    own = {a.name for a in part.args}
+    extra = [a for a in combine.args if a.name not in own]
+    positional = [a for a in part.args if not a.constexpr] + [a for a in extra if not a.constexpr]
+    positional.append(Arg("tickets_ptr", "tickets"))
+    constexprs = [a for a in part.args if a.constexpr] + [a for a in extra if a.constexpr]
+    call = LastPartCombine(kernel=combine.name, args=tuple(a.name for a in combine.args if not a.constexpr),
+                           constexprs=tuple(a.name for a in combine.args if a.constexpr), body=combine.ops)
+    return replace(part, ops=(*part.ops, call), args=(*positional, *constexprs),
+                   inputs=tuple(dict.fromkeys((*part.inputs, *combine.inputs))), outputs=combine.outputs)
 
 
 def build_structure(plan: KernelPlan, input_dtypes: Mapping[str, str],

@@ -109,10 +109,11 @@ class Launch:
 class SplitLaunch:
     """split_fused: the part kernel (grid lanes x SPLIT, each program folds a chunk of ``chunk``
     axis elements into its partial state in ``workspace``) then the combine kernel (grid lanes,
-    times SPLIT when outputs keep the axis: each program then writes one chunk of them)."""
+    times SPLIT when outputs keep the axis: each program then writes one chunk of them); ``combine``
+    None: the part kernel's last program per lane block merges, in the same launch (``tickets``)."""
 
     part: Launch
-    combine: Launch
+    combine: Launch | None
     split: int
     axis: str
     block: int  # chunk = cdiv(cdiv(size_axis, split), block) * block
