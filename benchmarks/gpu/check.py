@@ -8,7 +8,9 @@ saved as soon as it ends, so a run cut short still leaves what it measured:
    flush evicts (a buffer inside L2 read hot, then after the flush);
 2. **correctness**: every catalog spec x valid strategy (and the unfused chain) at a moderate
    shape whose loop axis is not a multiple of any block, in the suite's dtype and in float32,
-   checked against the float64 reference in the measurement worker (:mod:`tuner.device`);
+   checked against the float64 reference in the measurement worker (:mod:`tuner.device`); split
+   ones also with their combine in the part kernel's launch where it is valid (``/last_part``: the
+   atomic tickets on a real GPU), and attention's K and V by TMA on sm_90+ (the launchers choose it);
 3. **client**: a bundle built from the cubin the worker launched (as a cuda-measured job stores
    it) is loaded in a fresh process with an empty Triton cache: it must run without compiling
    and match float64;
@@ -175,7 +177,9 @@ def probes(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
 def correctness(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
     """Every catalog spec x valid strategy (+ the unfused chain) x dtype against float64."""
     from fuser_core.catalog import catalog_names, load_catalog_spec
-    from fuser_core.codegen.plan import BASELINE, default_config, valid_strategies
+    from dataclasses import replace
+
+    from fuser_core.codegen.plan import BASELINE, NotValid, default_config, make_plan, valid_strategies
     from fuser_core.derive import derive_cascade
     from fuser_core.problem import make_problem
     from tuner.device.inputs import problem_payload
@@ -195,6 +199,13 @@ def correctness(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
             for strategy, why_not in valid_strategies(spec, derivation, problem.shape).items():
                 config = None if why_not else default_config(spec, derivation, strategy, problem.shape)
                 mine.append((problem, derivation, strategy, config, why_not))
+                if config is not None and config.split > 1:  # the combine in the part's launch too (atomic tickets)
+                    in_launch = replace(config, combine="last_part")
+                    try:
+                        make_plan(spec, derivation, strategy, problem.shape, in_launch)
+                        mine.append((problem, derivation, strategy, in_launch, None))
+                    except NotValid:
+                        pass
             chains.append((problem, derivation, BASELINE, None, None))
         per_spec.append(mine)
     # the specs take turns (each one's first kernel, then each one's second, ...): a budget that
@@ -206,7 +217,7 @@ def correctness(args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
     with WorkerProcess(args.device) as worker:
         for problem, derivation, strategy, config, why_not in plan:
             row = {"spec": problem.spec.name, "shape": problem.shape, "dtype": dtype_label(problem.dtype),
-                   "strategy": strategy}
+                   "strategy": strategy + ("/last_part" if config is not None and config.combine == "last_part" else "")}
             if why_not:
                 rows.append({**row, "status": "not valid", "reason": why_not})
                 continue
