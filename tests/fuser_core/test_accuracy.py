@@ -234,6 +234,26 @@ def test_an_overflow_the_formula_shares_is_not_the_strategys():
     assert not bar_verdict(spec, {"e": np.array([np.inf, 1.1e38])}, ref, formula, stores)["passed"]
 
 
+def test_a_value_the_outputs_dtype_cannot_hold_is_judged_as_stored():
+    """A float16 GEMM output whose float64 value passes 65504: the formula (evaluated in float32) is
+    finite there, but stored it is inf, as the kernel's is. The fp8 GEMM's multi_pass failed the
+    offset and scale families on exactly this (error inf, ratio inf); a kernel that stores a finite
+    number there instead is still wrong."""
+    spec = load_catalog_spec("fp8_quant_gemm")
+    dtypes = {"a": "float16", "w": "float8_e4m3fn", "w_scale": "float32"}
+    verdict = accuracy_check(spec, {"m": 6, "n": 16, "k": 37}, dtypes, families=("offset100", "scale30"),
+                             strategy="multi_pass")
+    assert verdict["passed"], verdict["families"]
+    ref = {"o": np.array([1e6, 2.0])}
+    formula = {"o": np.array([1e6, 2.0])}  # float32 holds it
+    stores = {"o": "float16"}
+    assert bar_verdict(spec, {"o": np.array([np.inf, 2.0])}, ref, formula, stores)["passed"]
+    assert not bar_verdict(spec, {"o": np.array([65504.0, 2.0])}, ref, formula, stores)["passed"]
+    ref, formula = {"o": np.array([1e6, 3e4])}, {"o": np.array([1e6, 3e4])}  # the rest still held to the ratio
+    assert bar_verdict(spec, {"o": np.array([np.inf, 3e4])}, ref, formula, stores)["passed"]
+    assert not bar_verdict(spec, {"o": np.array([np.inf, 3.3e4])}, ref, formula, stores)["passed"]
+
+
 def test_a_sum_that_cancels_is_judged_on_its_terms_magnitude():
     """Fuzz seed 61: a 5-term sum of a row that cancels 22-fold (|sum| 0.14, sum |x| 3.05) erred 11 units of its
     result's roundoff in a kernel's order of additions and at most 4 in the formula's: 2.7x, refused, although
