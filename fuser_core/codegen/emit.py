@@ -204,34 +204,29 @@ class KernelPrinter:
             text = f"{text} * ({self.tex(scale, env)})"
         return text, got
 
-    def constant_factor(self, e: sp.Expr, env: o.Env) -> tuple[sp.Expr | None, sp.Expr]:
-        """(the factors of ``e`` on no dim that are provably finite and nonzero, the rest); (None, e)
-        when there is none, or nothing else."""
+    def constant_factor(self, e: sp.Expr, env: o.Env, positive: bool = False) -> tuple[sp.Expr | None, sp.Expr]:
+        """(the factors of ``e`` on no dim that are provably finite and nonzero (``positive``: and
+        positive), the rest); (None, e) when there is none, or nothing else."""
         factors = sp.Mul.make_args(e)
-        constant = [f for f in factors if not f.is_Number and not self.tex_dims(f, env)
-                    and f.is_finite is True and f.is_nonzero is True]
+        constant = [f for f in factors if not f.is_Number and not self.tex_dims(f, env) and f.is_finite is True
+                    and (f.is_positive if positive else f.is_nonzero) is True]
         if not constant or len(constant) == len(factors):
             return None, e
         return sp.Mul(*constant), sp.Mul(*[f for f in factors if f not in constant])
 
     def positive_factor(self, e: sp.Expr, env: o.Env) -> tuple[sp.Expr | None, sp.Expr]:
-        """(the factors of ``e`` on no dim that are provably finite and positive, the rest), through a
-        where() whose other branch is +-inf (a causal mask); (None, e) when there is none. A max or
-        min of c x is c times the max or min of x for such a c, bit for bit (rounding is monotone),
-        NaN and +-inf included: the scale a dot deferred (attention's) multiplies a row, not a score."""
-        if isinstance(e, sp.Piecewise):
-            found = [self.positive_factor(branch, env) if branch not in (sp.oo, -sp.oo) else (None, branch)
-                     for branch, _ in e.args]
-            scales = {f for f, _ in found if f is not None}
-            if len(scales) != 1 or any(f is None and b not in (sp.oo, -sp.oo) for f, b in found):
-                return None, e
-            return scales.pop(), sp.Piecewise(*[(b, c) for (_, b), (_, c) in zip(found, e.args)])
-        factors = sp.Mul.make_args(e)
-        constant = [f for f in factors if not f.is_Number and not self.tex_dims(f, env)
-                    and f.is_finite is True and f.is_positive is True]
-        if not constant or len(constant) == len(factors):
+        """:meth:`constant_factor`'s positive one, also through a where() whose other branch is +-inf
+        (a causal mask). A max or min of c x is c times the max or min of x for such a c, bit for bit
+        (rounding is monotone), NaN and +-inf included: the scale a dot deferred (attention's)
+        multiplies a row, not a score."""
+        if not isinstance(e, sp.Piecewise):
+            return self.constant_factor(e, env, positive=True)
+        found = [(None, branch) if branch in (sp.oo, -sp.oo) else self.positive_factor(branch, env)
+                 for branch, _ in e.args]
+        scales = {f for f, _ in found if f is not None}
+        if len(scales) != 1 or any(f is None and b not in (sp.oo, -sp.oo) for f, b in found):
             return None, e
-        return sp.Mul(*constant), sp.Mul(*[f for f in factors if f not in constant])
+        return scales.pop(), sp.Piecewise(*[(b, c) for (_, b), (_, c) in zip(found, e.args)])
 
     def dot(self, dot: o.Dot, env: o.Env, masked: bool) -> tuple[str, tuple[str, ...]]:
         """A tl.dot decided by the structure: P[i, over] @ Q[over, j], then the scale; with its dims."""
