@@ -260,9 +260,12 @@ def test_the_model_charges_what_the_compiled_kernel_issues(compile_pool):
     """Issue 35: with SASS facts the model's compute is the kernel's issued instructions and MUFU
     ops (every loop body times its trips), not its own estimate. Softmax 4096 x 32768 fp16 on an
     H200: the streaming kernel's loop issues ~3 exps per element and reads x twice; the
-    row-resident one reads once with one exp per element. The GPU timed row_resident faster
-    (benchmarks/results/gpu-2026-11-26-h200*: 0.184 ms against 0.280 ms); the estimate alone
-    had predicted the opposite order."""
+    row-resident one reads once with one exp per element. The GPU timed row_resident at 0.184 ms
+    (benchmarks/results/gpu-2026-11-26-h200*), and the model predicts that kernel within 10%. (It
+    timed the streaming kernel of that day at 0.280 ms; the model's estimate alone, without the
+    SASS, had ordered the two the other way. Today's streaming loop issues a sixth fewer
+    instructions, the rescale guard per row, and the model, estimate or SASS, puts it level with
+    row_resident under Triton 3.6: an order the GPU has not timed.)"""
     space = softmax_space({"m": 4096, "n": 32768}, "float16", get_profile("h200"))
     gate = CompileGate.for_space(space, pool=compile_pool)
     measurer = ModelMeasurer(space.problem, SOFTMAX_D, space.profile, gate=gate, verify=False)
@@ -275,12 +278,13 @@ def test_the_model_charges_what_the_compiled_kernel_issues(compile_pool):
         times[c.strategy] = r.time_ms
         # the model's kernel record names the instructions it charged
         assert r.error is None and issued["kernel"].endswith("_kernel")
-    assert times["row_resident"] < times["streaming_fused"]
+    assert abs(times["row_resident"] / 0.1844 - 1) < 0.1  # the time the H200 measured for this kernel
     p = predict(space.problem, SOFTMAX_D, streaming, space.profile, gate.check(streaming))
     counts = p.details["kernels"][0]["issued"]
     assert counts["mufu"] * 32 >= 2.5 * 4096 * 32768  # the streaming loop's exps, read off the SASS
     bare = predict(space.problem, SOFTMAX_D, streaming, space.profile, gate.check(streaming).without_sass())
-    assert bare.details["kernels"][0]["issued"] is None and bare.time_s < p.time_s
+    # without SASS the model falls back on its own estimate (which, for today's loop, counts as many exps)
+    assert bare.details["kernels"][0]["issued"] is None and counts["warp_instructions"] > 0
     # one verdict's bounds are derived once however many ask (the model's counts, the static floor)
     from tuner.static_bound import problem_bounds
 
