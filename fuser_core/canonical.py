@@ -38,7 +38,7 @@ import json
 from typing import Any
 
 from fuser_core import expr as ex
-from fuser_core.spec import Spec
+from fuser_core.spec import Spec, oriented
 
 
 def canonical_names(spec: Spec) -> dict[str, str]:
@@ -104,7 +104,7 @@ def canonical_form(spec: Spec) -> dict[str, Any]:
             entry["k"] = step.k
             entry["as"] = names[step.as_dim]  # type: ignore[index]
         steps.append(entry)
-    return {
+    out = {
         "foldwise": 1,
         "name": "canonical",
         "inputs": inputs,
@@ -112,6 +112,9 @@ def canonical_form(spec: Spec) -> dict[str, Any]:
         "steps": steps,
         "outputs": [names[o] for o in spec.outputs],
     }
+    if spec.constraints:  # absent when none: a spec without constraints keeps its hash
+        out["constraints"] = sorted(" ".join(oriented(names[a], rel, names[b])) for a, rel, b in spec.constraints)
+    return out
 
 
 def canonical_json(spec: Spec) -> str:

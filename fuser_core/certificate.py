@@ -37,6 +37,7 @@ from fuser_core import expr as ex
 from fuser_core.certificate_loop import AxisLoop
 from fuser_core.certificate_numpy import compile_forms
 from fuser_core.derive import Derivation
+from fuser_core.problem import meeting_constraints
 from fuser_core.reference import Evaluator, random_inputs, random_scalars
 from fuser_core.spec import Spec, load_spec, raw_param
 
@@ -152,7 +153,7 @@ def _random_shape(spec: Spec, rng: np.random.Generator) -> dict[str, int]:
             shape[d] = int(rng.integers(lo, max(lo + 1, MAX_AXIS)))
         else:
             shape[d] = int(rng.integers(1, MAX_OTHER + 1))
-    return shape
+    return meeting_constraints(spec, shape)
 
 
 def _without_casts(spec: Spec) -> Spec:

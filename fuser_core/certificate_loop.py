@@ -327,7 +327,8 @@ class AxisLoop:
         +-inf or NaN there (an empty row's max is -inf; its sum 0, where the settle gives 0 * inf)."""
         real = form.realisation
         if real is None or not form.deps or not any(
-                may_exclude_every(a.contribution, a.op, form.step.over) for a in real.accumulators):
+                may_exclude_every(a.contribution, a.op, form.step.over, self.ev.spec.constraints)
+                for a in real.accumulators):
             return got
         ref = np.asarray(env[form.step.name], np.float64)
         redone = np.zeros(ref.shape, bool)

@@ -81,14 +81,17 @@ def excluded(e: sp.Expr, op: str) -> sp.Expr:
     return sp.Piecewise((e, cond), (identity(op), True))
 
 
-def may_exclude_every(e: sp.Expr, op: str, axis: str) -> bool:
+def may_exclude_every(e: sp.Expr, op: str, axis: str, constraints: tuple[tuple[str, str, str], ...] = ()) -> bool:
     """Can a fold of ``e`` over ``axis`` drop every element of a row (:func:`exclusion`'s condition false for
     every index of the axis)? False when the condition provably holds at index 0, at the last index or
     at the index of another dim it compares with (causal attention's ``index(n) <= index(m)`` keeps key 0
-    and key m); True when unsure (``index(d) > index(t)`` drops every d once t >= size(d) - 1)."""
+    and key m); True when unsure (``index(d) > index(t)`` drops every d once t >= size(d) - 1).
+    ``constraints``: the spec's (``m <= n``: a bottom-right causal mask ``index(n) <= index(m) + size(n) -
+    size(m)`` keeps key 0 then)."""
     cond = exclusion(e, op)
     if cond is None:
         return False
+    cond = cond.xreplace(sizes_under(constraints))
     here = next((s for s in cond.free_symbols if s.name == f"index({axis})"), None)
     if here is None:
         return True  # a condition on other dims only: it may drop the whole row
@@ -98,6 +101,17 @@ def may_exclude_every(e: sp.Expr, op: str, axis: str) -> bool:
         if cond.xreplace({here: at}) is sp.true:  # not bool(): an undecided And is a truthy Python object
             return False
     return True
+
+
+def sizes_under(constraints: tuple[tuple[str, str, str], ...]) -> dict[sp.Symbol, sp.Expr]:
+    """The larger size of each constraint written as the smaller plus a nonnegative gap (``m <= n``:
+    size(n) = size(m) + gap), so that sympy decides what the constraint implies."""
+    out: dict[sp.Symbol, sp.Expr] = {}
+    for a, rel, b in constraints:
+        small, large = (sp.Symbol(f"size({d})", integer=True, positive=True) for d in (a, b))
+        gap = sp.Symbol(f"gap({a},{b})", integer=True, nonnegative=True)
+        out[large] = small + {"<=": gap, "<": gap + 1, "==": sp.Integer(0)}[rel]
+    return out
 
 
 def truth(cond: sp.Basic, values: dict) -> np.ndarray:

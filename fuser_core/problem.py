@@ -112,8 +112,27 @@ def bind_shape(spec: Spec, shape: Mapping[str, int], *, allow_empty: bool = Fals
         if step.k > bound[step.over]:
             raise ShapeError(f"topk step {step.name!r} takes k={step.k} of {step.over!r}, which has only "
                              f"{bound[step.over]}", loc=("shape", step.over))
+    for a, rel, b in spec.constraints:  # what the spec's doc excludes is refused, never run
+        if not _RELATIONS[rel](bound[a], bound[b]):
+            raise ShapeError(f"{a} = {bound[a]} and {b} = {bound[b]}: the spec takes only {a} {rel} {b}",
+                             loc=("shape", a))
     check_sizes(spec, bound)
     return bound
+
+
+def meeting_constraints(spec: Spec, shape: dict[str, int]) -> dict[str, int]:
+    """``shape`` with each of the spec's constraints met (``m <= n``: n raised to m where smaller): a
+    shape a program draws or caps (the certificate's trials, the interpreter's reduced shapes) that the
+    spec takes."""
+    out = dict(shape)
+    for a, rel, b in spec.constraints:
+        if a in out and b in out:
+            out[b] = out[a] if rel == "==" else max(out[b], out[a] + (rel == "<"))
+    return out
+
+
+_RELATIONS = {"<": lambda x, y: x < y, "<=": lambda x, y: x <= y, "==": lambda x, y: x == y,
+              ">=": lambda x, y: x >= y, ">": lambda x, y: x > y}
 
 
 def bind_scalars(spec: Spec, shape: Mapping[str, int], given: Mapping[str, Any]) -> dict[str, float]:

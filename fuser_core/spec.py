@@ -21,6 +21,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from fuser_core import expr as ex
@@ -43,7 +44,17 @@ MAX_MERGED = 4  # dims one list 'over' reduces together
 
 IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}\Z")
 SPEC_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
-TOP_KEYS = {"foldwise", "name", "doc", "inputs", "params", "steps", "outputs"}
+TOP_KEYS = {"foldwise", "name", "doc", "inputs", "params", "steps", "outputs", "constraints"}
+# a shape constraint: two dims and how their sizes compare ("m <= n"); read by this pattern, never evaluated
+CONSTRAINT = re.compile(r"\s*([A-Za-z][A-Za-z0-9_]{0,63})\s*(<=|<|==|>=|>)\s*([A-Za-z][A-Za-z0-9_]{0,63})\s*\Z")
+MAX_CONSTRAINTS = 16
+
+
+def oriented(a: str, rel: str, b: str) -> tuple[str, str, str]:
+    """One way to write a constraint: ``n >= m`` as ``m <= n``, ``n == m`` with its dims sorted."""
+    if rel in (">", ">="):
+        return b, rel.replace(">", "<"), a
+    return (min(a, b), rel, max(a, b)) if rel == "==" else (a, rel, b)
 STEP_KEYS = {"name", "expr", "reduce", "over", "k", "as", "doc"}
 INPUT_KEYS = {"dims", "kind", "doc"}
 RUNTIME_PARAM_KEYS = {"runtime", "default", "positive", "doc"}
@@ -161,10 +172,34 @@ class _Loader:
         steps = self.load_steps(raw["steps"])
         outputs = self.load_outputs(raw["outputs"], steps)
         self.check_reachability(inputs, params, steps, outputs)
-        return Spec(
+        spec = Spec(
             name=name, doc=doc, inputs=inputs, params=params, steps=steps, outputs=outputs,
             dims=tuple(self.dims), merges=dict(self.merges), _by_name=dict(self.by_name),
         )
+        constraints = self.load_constraints(raw.get("constraints", []), spec.sized_dims)
+        return replace(spec, constraints=constraints) if constraints else spec
+
+    def load_constraints(self, raw: Any, dims: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
+        """``"constraints": ["m <= n", ...]``: each two of the spec's dims and a relation (<, <=, ==,
+        >=, >), matched by a pattern (no user text is evaluated); sorted, duplicates dropped."""
+        if not isinstance(raw, list):
+            raise SpecError('expected a list of constraints such as "m <= n"', loc=("constraints",))
+        if len(raw) > MAX_CONSTRAINTS:
+            raise SpecError(f"{len(raw)} constraints; the limit is {MAX_CONSTRAINTS}", loc=("constraints",))
+        out = set()
+        for i, text in enumerate(raw):
+            m = CONSTRAINT.match(text) if isinstance(text, str) else None
+            if m is None:
+                raise SpecError(f'expected "<dim> <relation> <dim>" (relation <, <=, ==, >= or >), got {_show(text)}',
+                                loc=("constraints", i))
+            a, rel, b = m.groups()
+            for d in (a, b):
+                if d not in dims:
+                    raise SpecError(f"{d!r} is not a dim of this spec (its dims: {', '.join(dims)})", loc=("constraints", i))
+            if a == b:
+                raise SpecError(f"compares {a!r} with itself", loc=("constraints", i))
+            out.add(oriented(a, rel, b))
+        return tuple(sorted(out))
 
     def load_inputs(self, raw: Any) -> tuple[Input, ...]:
         if not isinstance(raw, dict) or not raw:

@@ -81,6 +81,8 @@ class Spec:
     # merged dim -> the dims it merges, outer to inner: a reduction "over": ["c", "p"] runs one loop over
     # the merged dim "c_p" (docs/SPEC.md "Reducing over several dims"); c and p are its parts
     merges: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)  # hashed through dims
+    # shapes the spec's doc excludes, refused by name: (dim, relation, dim), "m <= n" (docs/SPEC.md)
+    constraints: tuple[tuple[str, str, str], ...] = ()
     _by_name: dict[str, Input | Param | Step] = field(default_factory=dict, repr=False, compare=False)
 
     def step(self, name: str) -> Step:

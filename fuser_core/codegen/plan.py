@@ -28,7 +28,7 @@ from fuser_core.codegen.strategies import STRATEGIES, DefaultTiling, Strategy, s
 from fuser_core.codegen.strategies import BASELINE  # noqa: F401  (tests and benchmarks import it from here)
 from fuser_core.codegen.strategies.base import DOT_BLOCK_N, MAX_DOT_INNER
 from fuser_core.derive import Derivation
-from fuser_core.problem import fill_parts
+from fuser_core.problem import fill_parts, meeting_constraints
 from fuser_core.reduce_ops import in_tile
 from fuser_core.spec import Input, Spec, Step
 
@@ -180,7 +180,7 @@ def capped_shape(spec: Spec, derivation: Derivation | None, shape: Mapping[str, 
         else:
             out[d] = min(n, lane)
     # a merged dim's parts, kept as far as the capped size allows (c=5, p=7 stay; capped to 20: c=2, p=7)
-    return fill_parts(spec, {**out, **{d: shape[d] for d in spec.part_dims if d in shape}})
+    return meeting_constraints(spec, fill_parts(spec, {**out, **{d: shape[d] for d in spec.part_dims if d in shape}}))
 
 
 def contraction_dims(spec: Spec, derivation: Derivation) -> tuple[set[str], set[str]]:

@@ -74,6 +74,8 @@ def rename(raw: dict, mapping: dict[str, str]) -> dict:
         steps.append(s)
     out["steps"] = steps
     out["outputs"] = [mapping.get(o, o) for o in raw["outputs"]]
+    if "constraints" in raw:  # "m <= n": dims
+        out["constraints"] = [rename_expr(c, mapping) for c in raw["constraints"]]
     return out
 
 
@@ -138,8 +140,8 @@ def test_name_and_doc_do_not_count(name):
         ("layernorm", "var", "((x - mean) ** 2) / size(c)"),
         ("layernorm", "var", "(x - mean)**2/size( c )"),
         ("attention", "s", "(q * k) * scale"),
-        ("attention_causal", "s", "where((index(n) <= index(m)), s0, -(inf))"),
-        ("attention_causal", "s", "where(index(n) <= index(m), s0, -inf)\n"),
+        ("attention_causal", "s", "where((index(n) <= (index(m) + size(n)) - size(m)), s0, -(inf))"),
+        ("attention_causal", "s", "where(index(n) <= index(m) + size(n) - size(m), s0, -inf)\n"),
         ("fp8_quant_gemm", "amax", "maximum(abs(a), 0.000000000001)"),
         ("fp8_quant_gemm", "amax", "maximum(abs(a), 1E-12)"),
         ("fp8_quant_gemm", "amax", "maximum(abs(a), 1.0e-12)"),

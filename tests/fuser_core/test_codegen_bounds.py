@@ -197,13 +197,18 @@ def test_a_row_an_index_mask_empties_sums_to_zero_in_every_strategy():
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
 def test_causal_attention_keeps_a_key_for_every_query():
-    """Causal attention's mask keeps key 0 for every query: no row is empty, so its fused kernels take no
-    fallback pass for it (their SASS is unchanged by the exclusion rule)."""
+    """Causal attention's mask, aligned bottom-right (key j visible to query i when j <= i + n - m),
+    keeps key 0 for every query where the spec's constraint m <= n holds: no row is empty, so its fused
+    kernels take no fallback pass for it. Without the constraint a row may be empty (m > n)."""
     from fuser_core.masks import may_exclude_every
 
     from fuser_core.catalog import load_catalog_spec
 
-    d = derive_cascade(load_catalog_spec("attention_causal"))
-    for name in ("den", "o"):
-        for acc in d.forms[name].realisation.accumulators:
-            assert not may_exclude_every(acc.contribution, acc.op, "n")
+    for name in ("attention_causal", "attention_gqa"):
+        spec = load_catalog_spec(name)
+        assert spec.constraints == (("m", "<=", "n"),)
+        d = derive_cascade(spec)
+        for step in ("den", "o"):
+            for acc in d.forms[step].realisation.accumulators:
+                assert not may_exclude_every(acc.contribution, acc.op, "n", spec.constraints)
+                assert may_exclude_every(acc.contribution, acc.op, "n")

@@ -12,6 +12,7 @@ import pytest
 import scipy.special
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from fuser_core.derive import derive_cascade
 from fuser_core.expr import parse_expr_text
@@ -116,10 +117,16 @@ def test_attention_vs_sdpa(name, mn):
     m, n = mn
     shape = {"b": 2, "h": 3, "m": m, "n": n, "d": 4, "e": 6}
     spec = catalog(name)
-    ins = random_inputs(spec, shape, rng(2))
-    o = evaluate(spec, shape, ins)["o"]
+    ins = random_inputs(spec, shape if m <= n else {**shape, "n": m}, rng(2))
+    ins = {**ins, "k": ins["k"][:, :, :n], "v": ins["v"][:, :, :n]}
     q, k, v = (torch.tensor(ins[x]) for x in "qkv")
-    want = F.scaled_dot_product_attention(q, k, v, is_causal=name == "attention_causal")  # top-left causal
+    if name == "attention_causal" and m > n:  # the m queries are the last m of the n keys: m <= n
+        with pytest.raises(ShapeError, match=r"^shape\.m: m = 7 and n = 5: the spec takes only m <= n"):
+            evaluate(spec, shape, ins)
+        return
+    o = evaluate(spec, shape, ins)["o"]
+    mask = causal_lower_right(m, n) if name == "attention_causal" else None  # aligned bottom-right
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert o.shape == (2, 3, m, 6)
     close(o, want.numpy())
 

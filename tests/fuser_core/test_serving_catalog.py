@@ -139,6 +139,32 @@ def test_attention_matches_torch(derived, name, m, extra):
         np.testing.assert_allclose(got["o"], want, rtol=2e-5, atol=2e-6, err_msg=f"{name} {strategy}")
 
 
+@pytest.mark.parametrize("m", [1, 3, N])
+def test_causal_attention_is_aligned_bottom_right_in_every_strategy(derived, m):
+    """attention_causal (issue 36, 2): one causal meaning across the catalog. At m = 3 over n = 37 keys
+    (chunked prefill) and m = 1 (decode) it is SDPA with causal_lower_right, in every strategy; at
+    m = n the usual causal mask. The top-left mask it had gave decode v[..., :1, :] instead."""
+    rng = np.random.default_rng(8)
+    b, h = 2, 3
+    q, k, v = rng.standard_normal((b, h, m, D)), rng.standard_normal((b, h, N, D)), rng.standard_normal((b, h, N, E))
+    want = F.scaled_dot_product_attention(*(torch.tensor(x) for x in (q, k, v)), attn_mask=causal_lower_right(m, N))
+    shape = {"b": b, "h": h, "m": m, "n": N, "d": D, "e": E}
+    for strategy, got in run_all(derived, "attention_causal", shape, {"q": q, "k": k, "v": v},
+                                 {"n": 8, "m": 16, "e": 8}).items():
+        np.testing.assert_allclose(got["o"], want.numpy(), rtol=2e-5, atol=2e-6, err_msg=f"m={m} {strategy}")
+
+
+@pytest.mark.parametrize("name", ["attention_causal", "attention_gqa", "attention_padded", "attention_varlen",
+                                  "attention_sliding_window", "attention_softcap"])
+def test_a_causal_spec_refuses_more_queries_than_keys_naming_both(name):
+    """The m queries are the last m of the n keys: the docs exclude m > n, and the specs say so
+    (``"constraints": ["m <= n"]``), so such a call is refused, never run."""
+    spec = load_catalog_spec(name)
+    shape = {d: 2 for d in spec.sized_dims} | {"m": 5, "n": 4}
+    with pytest.raises(ShapeError, match=r"^shape\.m: m = 5 and n = 4: the spec takes only m <= n$"):
+        run(spec, shape, "float32", {})
+
+
 def gpt_oss_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """gpt-oss's reference ``sdpa`` with sinks: each head's sink logit is a column appended to the scores,
     softmax over it, the column dropped, times v."""

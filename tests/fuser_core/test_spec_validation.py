@@ -564,3 +564,30 @@ def test_long_linear_chain_is_fine():
 def test_one_big_expression_at_the_node_limit():
     raw = _chain(2, lambda prev: " + ".join([prev] * ((MAX_EXPR_NODES + 1) // 2)))
     load_spec(raw)
+
+
+def test_shape_constraints():
+    """``"constraints"`` (issue 36, 2): pairs of dims and a relation, read by a pattern (never
+    evaluated), refused naming the entry when malformed; one spelling per meaning (``n >= m`` is
+    ``m <= n``: the same spec_hash); a shape that breaks one is refused naming both dims."""
+    from fuser_core.canonical import spec_hash
+    from fuser_core.problem import ShapeError, bind_shape
+
+    raw = {"foldwise": 1, "name": "c", "inputs": {"q": {"dims": ["m", "d"]}, "k": {"dims": ["n", "d"]}},
+           "steps": [{"name": "s", "reduce": "sum", "over": "d", "expr": "q * k"},
+                     {"name": "mx", "reduce": "max", "over": "n", "expr": "s"}], "outputs": ["mx"]}
+    plain = load_spec(raw)
+    spec = load_spec({**raw, "constraints": ["m <= n"]})
+    assert plain.constraints == () and spec.constraints == (("m", "<=", "n"),)
+    assert spec_hash(spec) != spec_hash(plain)
+    assert spec_hash(load_spec({**raw, "constraints": [" n>=m ", "m <= n"]})) == spec_hash(spec)
+    assert load_spec({**raw, "constraints": ["n == m"]}).constraints == (("m", "==", "n"),)
+    for bad, words in ((["m <= x"], "'x' is not a dim of this spec"), (["m <= m"], "compares 'm' with itself"),
+                       (["m => n"], 'expected "<dim> <relation> <dim>"'), (["__import__('os') < n"], "expected"),
+                       ("m <= n", "expected a list"), ([7], "expected"), (["m <= n"] * 17, "the limit is 16")):
+        with pytest.raises(SpecError, match="^constraints") as err:
+            load_spec({**raw, "constraints": bad})
+        assert words in str(err.value), (bad, str(err.value))
+    assert bind_shape(spec, {"m": 4, "n": 4, "d": 2}) == {"m": 4, "n": 4, "d": 2}
+    with pytest.raises(ShapeError, match=r"^shape\.m: m = 5 and n = 4: the spec takes only m <= n$"):
+        bind_shape(spec, {"m": 5, "n": 4, "d": 2})

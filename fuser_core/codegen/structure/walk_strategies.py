@@ -185,7 +185,8 @@ class StrategiesWalk(StreamingWalk):
             real = self.realisation(step)
             # a row whose every element a where() on indices drops (fuser_core.masks) sums to 0, but its running max
             # ends -inf and the settle's 0 * exp(0 - -inf) is NaN: such rows take the fallback pass
-            empty = any(may_exclude_every(a.contribution, a.op, self.axis) for a in real.accumulators)
+            empty = any(may_exclude_every(a.contribution, a.op, self.axis, self.spec.constraints)
+                        for a in real.accumulators)
             for dep in real.deps:
                 if real.rescales and real.op == "sum":
                     sym = self.conv.symbols[dep]
