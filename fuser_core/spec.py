@@ -48,6 +48,10 @@ TOP_KEYS = {"foldwise", "name", "doc", "inputs", "params", "steps", "outputs", "
 # a shape constraint: two dims and how their sizes compare ("m <= n"); read by this pattern, never evaluated
 CONSTRAINT = re.compile(r"\s*([A-Za-z][A-Za-z0-9_]{0,63})\s*(<=|<|==|>=|>)\s*([A-Za-z][A-Za-z0-9_]{0,63})\s*\Z")
 MAX_CONSTRAINTS = 16
+STEP_KEYS = {"name", "expr", "reduce", "over", "k", "as", "doc"}
+INPUT_KEYS = {"dims", "kind", "doc"}
+RUNTIME_PARAM_KEYS = {"runtime", "default", "positive", "doc"}
+RUNTIME_KINDS = ("float",)  # a runtime scalar is passed to the kernel as fp32 (never an int: see docs/SPEC.md)
 
 
 def oriented(a: str, rel: str, b: str) -> tuple[str, str, str]:
@@ -55,10 +59,6 @@ def oriented(a: str, rel: str, b: str) -> tuple[str, str, str]:
     if rel in (">", ">="):
         return b, rel.replace(">", "<"), a
     return (min(a, b), rel, max(a, b)) if rel == "==" else (a, rel, b)
-STEP_KEYS = {"name", "expr", "reduce", "over", "k", "as", "doc"}
-INPUT_KEYS = {"dims", "kind", "doc"}
-RUNTIME_PARAM_KEYS = {"runtime", "default", "positive", "doc"}
-RUNTIME_KINDS = ("float",)  # a runtime scalar is passed to the kernel as fp32 (never an int: see docs/SPEC.md)
 
 
 def _show(value: Any, limit: int = 80) -> str:
