@@ -23,8 +23,10 @@ class Handwritten:
     fn: Callable[[Mapping[str, Any], Mapping[str, int]], dict[str, Any]]
 
 
-def _spec(name: str, inputs: dict, steps: list, outputs: list, params: dict | None = None) -> dict:
-    return {"foldwise": 1, "name": name, "inputs": inputs, "params": params or {}, "steps": steps, "outputs": outputs}
+def _spec(name: str, inputs: dict, steps: list, outputs: list, params: dict | None = None,
+          constraints: list[str] | None = None) -> dict:
+    spec = {"foldwise": 1, "name": name, "inputs": inputs, "params": params or {}, "steps": steps, "outputs": outputs}
+    return spec | ({"constraints": constraints} if constraints else {})
 
 
 _ATTENTION_INPUTS = {"q": {"dims": ["b", "h", "m", "d"]}, "k": {"dims": ["b", "h", "n", "d"]},
@@ -49,11 +51,11 @@ HANDWRITTEN_TEMPLATES: dict[str, dict] = {
         {"scale": "1 / sqrt(size(d))"}),
     "attention_causal": _spec("attention_causal", _ATTENTION_INPUTS, [
         {"name": "s0", "reduce": "sum", "over": "d", "expr": "q * k * scale"},
-        {"name": "s", "expr": "where(index(n) <= index(m), s0, -inf)"},
+        {"name": "s", "expr": "where(index(n) <= index(m) + size(n) - size(m), s0, -inf)"},  # issue 36: bottom-right
         {"name": "mx", "reduce": "max", "over": "n", "expr": "s"},
         {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(s - mx)"},
         {"name": "o", "reduce": "sum", "over": "n", "expr": "exp(s - mx) * v / den"}], ["o"],
-        {"scale": "1 / sqrt(size(d))"}),
+        {"scale": "1 / sqrt(size(d))"}, ["m <= n"]),
     "safe_softmax": _spec("safe_softmax", {"x": {"dims": ["m", "n"]}},
                           [*_SOFTMAX_STEPS, {"name": "y", "expr": "exp(x - mx) / den"}], ["y"]),
     "logsumexp": _spec("logsumexp", {"x": {"dims": ["m", "n"]}}, [  # torch's own guard of an infinite max
@@ -79,8 +81,12 @@ HANDWRITTEN_TEMPLATES: dict[str, dict] = {
 def _sdpa(causal: bool):
     def fn(t: Mapping[str, Any], shape: Mapping[str, int]) -> dict[str, Any]:
         import torch.nn.functional as F
+        from torch.nn.attention.bias import causal_lower_right
 
-        return {"o": F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=causal)}
+        q, k, v = t["q"], t["k"], t["v"]
+        if not causal or q.shape[-2] == k.shape[-2]:  # square: is_causal's top-left mask is the same one
+            return {"o": F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
+        return {"o": F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]))}
 
     return fn
 
@@ -119,7 +125,7 @@ def _cross_entropy(t, shape):
 
 _HANDWRITTEN: dict[str, Handwritten] = {
     "attention": Handwritten("F.scaled_dot_product_attention", _sdpa(False)),
-    "attention_causal": Handwritten("F.scaled_dot_product_attention(is_causal=True)", _sdpa(True)),
+    "attention_causal": Handwritten("F.scaled_dot_product_attention(causal_lower_right)", _sdpa(True)),
     "safe_softmax": Handwritten("torch.softmax", _softmax),
     "logsumexp": Handwritten("torch.logsumexp", _logsumexp),
     "layernorm": Handwritten("F.layer_norm", _layer_norm),
