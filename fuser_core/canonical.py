@@ -1,6 +1,6 @@
 """Canonical form and ``spec_hash``: one identity per computation.
 
-Two specs that differ only in key order, whitespace, ``name``/``doc``, or a consistent
+Two specs that differ only in key order, whitespace, ``name``/``doc``/``example``, or a consistent
 renaming of dims, steps or params get the same canonical form, hence the same hash
 (docs/SPEC.md, "Canonical form and identity"). The rules, decided here:
 

@@ -44,7 +44,7 @@ MAX_MERGED = 4  # dims one list 'over' reduces together
 
 IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}\Z")
 SPEC_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
-TOP_KEYS = {"foldwise", "name", "doc", "inputs", "params", "steps", "outputs", "constraints"}
+TOP_KEYS = {"foldwise", "name", "doc", "inputs", "params", "steps", "outputs", "constraints", "example"}
 # a shape constraint: two dims and how their sizes compare ("m <= n"); read by this pattern, never evaluated
 CONSTRAINT = re.compile(r"\s*([A-Za-z][A-Za-z0-9_]{0,63})\s*(<=|<|==|>=|>)\s*([A-Za-z][A-Za-z0-9_]{0,63})\s*\Z")
 MAX_CONSTRAINTS = 16
@@ -177,7 +177,21 @@ class _Loader:
             dims=tuple(self.dims), merges=dict(self.merges), _by_name=dict(self.by_name),
         )
         constraints = self.load_constraints(raw.get("constraints", []), spec.sized_dims)
-        return replace(spec, constraints=constraints) if constraints else spec
+        spec = replace(spec, constraints=constraints) if constraints else spec
+        return replace(spec, example=self.load_example(raw["example"], spec)) if "example" in raw else spec
+
+    def load_example(self, raw: Any, spec: Spec) -> dict[str, int]:
+        """``"example": {"m": 3, "n": 37}``: a shape the spec runs at, checked as every shape is
+        (fuser_core.problem.bind_shape: each dim a positive size, the limits, the constraints)."""
+        from fuser_core.problem import bind_shape  # problem imports this module
+
+        if not isinstance(raw, dict) or not raw:
+            raise SpecError("expected an object of dim -> size, such as {\"m\": 4, \"n\": 300}", loc=("example",))
+        try:
+            bind_shape(spec, raw)
+        except SpecError as err:
+            raise SpecError(err.message, loc=("example", *err.loc[1:])) from None
+        return dict(raw)
 
     def load_constraints(self, raw: Any, dims: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
         """``"constraints": ["m <= n", ...]``: each two of the spec's dims and a relation (<, <=, ==,

@@ -60,7 +60,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     # every argument checked before numpy's arrays, torch or Triton load (service/cli_checks.py)
     spec, bound, dtype = checked_problem(args, allow_empty=True)
-    shape, _ = shape_and_dtype(args)  # as written: the run binds it itself
+    shape, _ = shape_and_dtype(args, spec)  # as written: the run binds it itself
     strategy = checked_strategy(args.strategy)
     config = checked_config(args.config)
     if args.families is not None:  # the default list needs no check (and loads NumPy and SciPy)
@@ -219,7 +219,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     spec, _, _ = checked_problem(args)
     checked_tune_choices(args)
     raw_spec = json.loads(_read_spec_source(args.spec))
-    shape, dtype = shape_and_dtype(args)
+    shape, dtype = shape_and_dtype(args, spec)
 
     from tuner import Tuner, study_name_for
 
@@ -370,7 +370,7 @@ def format_report(r: dict[str, Any]) -> str:
 def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     """The spec, ``--shape`` and ``--dtype`` of the commands that generate kernels."""
     parser.add_argument("spec", help=SPEC_HELP)
-    parser.add_argument("--shape", required=True, help="dim sizes, e.g. m=4,n=300")
+    parser.add_argument("--shape", help="dim sizes, e.g. m=4,n=300; default: the spec's example shape")
     parser.add_argument("--dtype", default="float32", help="float32|float16|bfloat16, or a JSON map input -> dtype")
 
 

@@ -36,14 +36,19 @@ def read_spec(name_or_path: str):
     return load_spec(read_spec_source(name_or_path))
 
 
-def shape_and_dtype(args: argparse.Namespace) -> tuple[dict[str, int], str | dict[str, str]]:
-    """``--shape m=4,n=300`` and ``--dtype float16`` (or a JSON object of input -> dtype), read
-    by :func:`service.bundle.parse_shape_text` and ``parse_dtype_text``; UsageError naming the flag."""
+def shape_and_dtype(args: argparse.Namespace, spec) -> tuple[dict[str, int], str | dict[str, str]]:
+    """``--shape m=4,n=300`` (without it, the spec's ``example``) and ``--dtype float16`` (or a JSON
+    object of input -> dtype), read by :func:`service.bundle.parse_shape_text` and
+    ``parse_dtype_text``; UsageError naming the flag."""
     from fuser_core import SpecError
     from service.bundle import parse_dtype_text, parse_shape_text
 
+    if args.shape is None and not spec.example:
+        raise UsageError(f"--shape: {spec.name} has no example shape; give one, e.g. --shape "
+                         + ",".join(f"{d}=64" for d in spec.dims[:2]))
     try:
-        return parse_shape_text(args.shape), parse_dtype_text(args.dtype)
+        shape = dict(spec.example) if args.shape is None else parse_shape_text(args.shape)
+        return shape, parse_dtype_text(args.dtype)
     except SpecError as err:
         raise UsageError(f"--{err.loc[0]}: {err.message}") from None
 
@@ -55,7 +60,7 @@ def checked_problem(args: argparse.Namespace, *, allow_empty: bool = False) -> t
     from fuser_core import bind_dtypes, bind_shape
 
     spec = read_spec(args.spec)
-    raw_shape, dtype = shape_and_dtype(args)
+    raw_shape, dtype = shape_and_dtype(args, spec)
     shape = bind_shape(spec, raw_shape, allow_empty=allow_empty)
     bind_dtypes(spec, dtype)
     return spec, shape, dtype

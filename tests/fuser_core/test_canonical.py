@@ -76,6 +76,8 @@ def rename(raw: dict, mapping: dict[str, str]) -> dict:
     out["outputs"] = [mapping.get(o, o) for o in raw["outputs"]]
     if "constraints" in raw:  # "m <= n": dims
         out["constraints"] = [rename_expr(c, mapping) for c in raw["constraints"]]
+    if "example" in raw:  # dim -> size
+        out["example"] = {mapping.get(d, d): n for d, n in raw["example"].items()}
     return out
 
 

@@ -137,3 +137,35 @@ def test_derive_by_name_in_a_subprocess(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("safe_softmax  spec_hash ") and "fusible: yes" in proc.stdout
+
+
+@pytest.mark.parametrize("name", sorted(PACKAGED_SPECS))
+def test_foldwise_run_without_a_shape_runs_the_specs_example(name, capsys, monkeypatch):
+    """Issue 36: every catalog spec carries an example shape, and `foldwise run NAME` runs it: the
+    random self-check and the accuracy bar of every input family pass there."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    example = load_catalog_spec(name).example
+    assert example, name
+    assert main(["run", name]) == 0, capsys.readouterr().err
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["accuracy"]["passed"]
+    assert {d: report["shape"][d] for d in example} == example
+
+
+def test_an_example_is_checked_as_a_shape_and_is_no_part_of_the_identity(tmp_path, capsys):
+    from fuser_core import SpecError
+    from fuser_core.canonical import spec_hash
+
+    raw = json.loads((PACKAGED_DIR / "attention_causal.json").read_text())
+    with pytest.raises(SpecError) as err:  # the spec's constraint holds for its example too
+        load_spec({**raw, "example": {**raw["example"], "m": 40}})
+    assert err.value.loc == ("example", "m") and "m <= n" in err.value.message
+    with pytest.raises(SpecError, match=r"example\.d: must be a positive integer"):
+        load_spec({**raw, "example": {**raw["example"], "d": 0}})
+    with pytest.raises(SpecError, match=r"example\.x: unknown dim 'x'"):
+        load_spec({**raw, "example": {**raw["example"], "x": 2}})
+    bare = {k: v for k, v in raw.items() if k != "example"}
+    assert spec_hash(load_spec(bare)) == spec_hash(load_spec(raw))
+    (tmp_path / "bare.json").write_text(json.dumps(bare))
+    assert main(["run", str(tmp_path / "bare.json")]) == 2
+    assert "--shape: attention_causal has no example shape; give one" in capsys.readouterr().err
