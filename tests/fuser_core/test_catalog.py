@@ -33,7 +33,9 @@ PACKAGED_SPECS = {"attention", "attention_causal", "attention_sink", "cross_entr
                   "fp8_quant_per_token", "group_norm", "layernorm", "logsumexp", "moe_routing", "rmsnorm", "safe_softmax",
                   # the serving catalog (issue 24)
                   "attention_gqa", "attention_padded", "attention_varlen", "attention_sliding_window",
-                  "attention_softcap", "cross_entropy_ignore", "rmsnorm_residual", "swiglu_fp8_per_token"}
+                  "attention_softcap", "cross_entropy_ignore", "rmsnorm_residual", "swiglu_fp8_per_token",
+                  # norm + fp8 quantisation (issue 36)
+                  "rmsnorm_fp8_per_token", "rmsnorm_residual_fp8_per_token", "rmsnorm_fp8_per_block"}
 
 
 def test_packaged_catalog_names_are_the_specs_own_names():

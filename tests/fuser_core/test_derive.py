@@ -34,10 +34,22 @@ MEAN = {"name": "mean", "reduce": "sum", "over": "n", "expr": "x / size(n)"}
 DEN = {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"}
 
 
+# Catalog specs the derivation does not fuse into one loop, and why (they run in every strategy all the
+# same: row_resident holds the row). rmsnorm_fp8_per_block's amax over a block reads the norm, a sum over
+# the blocks g of sums over c, only through the factor rsqrt(ms + eps) applied at the end, which a loop
+# over c cannot know yet; deriving "max now, factor once the other axis is done" is open (issue 36).
+NOT_FUSED = {"rmsnorm_fp8_per_block": ("amax", "a reduction over g that itself needs the final ssq")}
+
+
 @pytest.mark.parametrize("name", sorted(CATALOG))
 def test_catalog_spec_fuses_and_certifies(name):
     d = derive_cascade(load_spec(CATALOG[name]))
-    assert d.fusible, {f.name: f.reason for f in d.forms.values()}
+    if name in NOT_FUSED:
+        step, reason = NOT_FUSED[name]
+        assert not d.fusible and reason in d.forms[step].reason
+        assert all(f.reason is None for f in d.forms.values() if f.name != step)
+    else:
+        assert d.fusible, {f.name: f.reason for f in d.forms.values()}
     cert = certify(d, trials=12, seed=1)
     assert cert.holds
     assert cert.algebra_max_rel_err < 1e-9

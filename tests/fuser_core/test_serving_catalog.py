@@ -33,7 +33,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 ALL = (*STRATEGIES, BASELINE)
 B, G, R, N, D, E = 2, 2, 2, 37, 7, 6  # n = 37: four tiles of 8 and a partial one
 SERVING = ("attention_gqa", "attention_padded", "attention_varlen", "attention_sliding_window",
-           "attention_softcap", "attention_sink", "cross_entropy_ignore", "rmsnorm_residual", "swiglu_fp8_per_token")
+           "attention_softcap", "attention_sink", "cross_entropy_ignore", "rmsnorm_residual", "swiglu_fp8_per_token",
+           "rmsnorm_fp8_per_token", "rmsnorm_residual_fp8_per_token", "rmsnorm_fp8_per_block")
 
 
 def config(strategy: str, blocks: dict[str, int], resident_tiles: bool = False) -> KernelConfig | None:
@@ -332,6 +333,98 @@ def test_swiglu_fp8_matches_vllms_formula(derived):
         q, ref = got["q"], want_q.double().numpy()
         assert np.all(np.abs(q - ref) <= np.abs(ref) * 2 ** -3 + 2 ** -9), strategy
         assert np.mean(q == ref) > 0.95, strategy
+
+
+def vllm_rms_norm_fp8(x: torch.Tensor, w: torch.Tensor, eps: float, group: int | None = None,
+                      rounded_to: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's rms_norm_dynamic_per_token_quant (group None) and rms_norm_per_block_quant (scales [t, c / group],
+    row-major) on x [t, c]: rms = rsqrt(mean(x^2) + eps); y = x * rms * w; scale = max(amax / 448, 1 / (448 * 512))
+    over the token or the group; q = fp8(y / scale). ``rounded_to``: vLLM's own rounding of x * rms and of y to
+    the activation dtype (None: float32 throughout, the catalog specs' formula)."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    y = y.to(rounded_to).float() * w.float() if rounded_to is not None else y * w.float()
+    if rounded_to is not None:
+        y = y.to(rounded_to).float()
+    blocks = y.unflatten(-1, (-1, group)) if group else y.unsqueeze(-2)
+    scale = torch.clamp(blocks.abs().amax(-1, keepdim=True) / 448, min=1 / (448 * 512))
+    q = (blocks / scale).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(-2)
+    return q, scale.squeeze(-1) if group else scale[..., 0, 0]
+
+
+def assert_fp8_close(got: np.ndarray, want: torch.Tensor, what: str, tied: float = 0.95) -> None:
+    """fp8 values one e4m3 step apart at most (y / scale in float32 may land either side of a tie)."""
+    ref = want.double().numpy().reshape(got.shape)
+    assert np.all(np.abs(got - ref) <= np.abs(ref) * 2 ** -3 + 2 ** -9), what
+    assert np.mean(got == ref) > tied, what
+
+
+NORM_FP8 = {  # catalog spec -> (its shape at t tokens of hidden size c, vLLM's block, the inputs' dims)
+    "rmsnorm_fp8_per_token": (lambda t, c: {"t": t, "c": c}, None),
+    "rmsnorm_residual_fp8_per_token": (lambda t, c: {"t": t, "c": c}, None),
+    "rmsnorm_fp8_per_block": (lambda t, c: {"t": t, "g": c // 16, "c": 16}, 16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORM_FP8))
+def test_norm_fp8_quantisation_matches_vllms_formula(derived, name):
+    """Issue 36: RMSNorm + fp8 e4m3 quantisation per token and per block (and after a residual add),
+    in every strategy, against vLLM's formulas in float32: the scales to float32 rounding, q to one
+    fp8 step; a quiet row and a quiet block take the scale floor; h (the residual) is x + residual."""
+    shape_of, group = NORM_FP8[name]
+    rng = np.random.default_rng(12)
+    t, c, eps = 5, 48, 1e-6
+    x = rng.standard_normal((t, c)).astype(np.float32) * 3
+    residual = rng.standard_normal((t, c)).astype(np.float32)
+    x[2] *= 1e-9  # a quiet token (mean(x^2) far below eps): the floor 1 / (448 * 512) decides its scale
+    residual[2] *= 1e-9
+    x[4, :16] *= 1e-9  # a quiet first block in a loud token
+    residual[4, :16] *= 1e-9
+    w = (rng.standard_normal(c) * 0.5 + 1).astype(np.float32)
+    h = x + residual if "residual" in name else x
+    want_q, want_scale = vllm_rms_norm_fp8(torch.tensor(h), torch.tensor(w), eps, group)
+    shape = shape_of(t, c)
+    inputs = {"x": x.reshape([shape[d] for d in ("t", "g", "c") if d in shape]),
+              "w": w.reshape([shape[d] for d in ("g", "c") if d in shape])}
+    if "residual" in name:
+        inputs["residual"] = residual
+    results = run_all(derived, name, shape, inputs, {"c": 8})
+    assert len(results) == len(ALL)
+    for strategy, got in results.items():
+        np.testing.assert_allclose(got["scale"], want_scale.double().numpy().reshape(got["scale"].shape),
+                                   rtol=2e-6, err_msg=f"{name} {strategy}")
+        assert_fp8_close(got["q"], want_q, f"{name} {strategy}")
+        if "residual" in name:
+            np.testing.assert_array_equal(got["h"], h, err_msg=strategy)
+    floor = np.float32(1 / (448 * 512))
+    assert np.all(results["unfused_chain"]["scale"].reshape(t, -1)[2] == floor)
+    assert (results["unfused_chain"]["scale"].reshape(t, -1)[4, 0] == floor) == (group is not None)
+
+
+@pytest.mark.parametrize("name", sorted(NORM_FP8))
+def test_norm_fp8_quantisation_in_bf16_is_vllms_up_to_its_rounding_of_y(derived, name):
+    """In bf16 the catalog keeps y in float32 where vLLM rounds x * rsqrt(...) and y to bf16: the scales
+    differ by at most two bf16 roundings, and q by one fp8 step where the rounding crosses a tie."""
+    shape_of, group = NORM_FP8[name]
+    rng = np.random.default_rng(13)
+    t, c = 4, 64
+    x = torch.tensor(rng.standard_normal((t, c)) * 2, dtype=torch.bfloat16)
+    w = torch.tensor(rng.standard_normal(c) * 0.5 + 1, dtype=torch.bfloat16)
+    residual = torch.tensor(rng.standard_normal((t, c)), dtype=torch.bfloat16)
+    h = (x.float() + residual.float()).to(torch.bfloat16) if "residual" in name else x  # vLLM's rounded h
+    want_q, want_scale = vllm_rms_norm_fp8(h, w, 1e-6, group, rounded_to=torch.bfloat16)
+    spec, d = derived(name)
+    shape = shape_of(t, c)
+    inputs = {"x": x.float().numpy().reshape([shape[k] for k in ("t", "g", "c") if k in shape]),
+              "w": w.float().numpy().reshape([shape[k] for k in ("g", "c") if k in shape])}
+    if "residual" in name:
+        inputs["residual"] = residual.float().numpy()
+    with interpreter_quiet():
+        result = run(spec, shape, "bfloat16", inputs, derivation=d)
+    assert result.outputs["scale"].dtype == torch.float32 and result.outputs["q"].dtype == torch.float8_e4m3fn
+    got_scale = result.outputs["scale"].double().numpy().reshape(want_scale.shape)
+    np.testing.assert_allclose(got_scale, want_scale.double().numpy(), rtol=2 * 2 ** -8)
+    assert_fp8_close(result.outputs["q"].double().numpy(), want_q, name, tied=0.8)
 
 
 @pytest.mark.parametrize("name,extra", [("attention_padded", {"kv_start": np.array([0, 3])}),
