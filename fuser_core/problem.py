@@ -42,8 +42,9 @@ from fuser_core.reduce_ops import returns_indices
 from fuser_core.spec import Spec
 
 # Size limits of a bound shape, per tensor rather than for the product of every dim (attention's
-# b, h, m, n, d, e multiply to 2**41 though its largest tensor has 2**29 elements).
-MAX_ELEMENTS = 2**31  # the most elements any input or step (an intermediate a strategy may store) may have
+# b, h, m, n, d, e multiply to 2**41 though its largest tensor has 2**29 elements), and per tensor
+# stored: the kernels address each with 32-bit offsets (fuser_core.codegen.helpers.int32_offsets).
+MAX_ELEMENTS = 2**31  # the most elements an input, an output, or an intermediate a strategy stores may have
 MAX_WORK = 2**48  # the most points of any step's iteration space (its dims and the dim it reduces over)
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 INDEX_DTYPES = ("int32", "int64")
@@ -234,15 +235,18 @@ def fill_parts(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
 
 def check_sizes(spec: Spec, bound: Mapping[str, int], *, max_elements: int = MAX_ELEMENTS,
                 max_work: int = MAX_WORK) -> None:
-    """ShapeError (field ``shape``) naming the first tensor, an input or a step, with more than
+    """ShapeError (field ``shape``) naming the first tensor, an input or an output, with more than
     ``max_elements`` elements, or the first step whose iteration space has more than ``max_work``
-    points. Every step counts as a tensor, since some strategy stores it (the unfused chain stores
-    attention's ``s``); a step's iteration space adds the dim it reduces over (a topk step's own
-    ``as`` dim is not iterated)."""
+    points. Only what every strategy addresses counts as a tensor: the inputs and the outputs. A
+    step no fused strategy stores (attention's score matrix ``s``, 2**39 elements at a 131072-token
+    context) is limited where a strategy does store it: the unfused chain refuses such a shape
+    (fuser_core.codegen.chain.chain_plan). A step's iteration space adds the dim it reduces over
+    (a topk step's own ``as`` dim is not iterated)."""
     def sizes(dims) -> str:
         return ", ".join(f"{d}={bound[d]}" for d in dims)
 
-    tensors = [(f"input {i.name!r}", i.dims) for i in spec.inputs] + [(f"step {s.name!r}", s.dims) for s in spec.steps]
+    tensors = [(f"input {i.name!r}", i.dims) for i in spec.inputs] + [(f"output {o!r}", spec.step(o).dims)
+                                                                      for o in spec.outputs]
     for what, dims in tensors:
         n = math.prod([bound[d] for d in dims])
         if n > max_elements:

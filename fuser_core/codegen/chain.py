@@ -60,7 +60,7 @@ from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan,
 from fuser_core.codegen.strategies import MULTI_PASS, ROW_RESIDENT
 from fuser_core.codegen.tritonize import Ref, expr_dims, helpers_of, to_triton
 from fuser_core.merged import as_logical
-from fuser_core.reference import bind_shape
+from fuser_core.reference import MAX_ELEMENTS, bind_shape
 from fuser_core.spec import Input, Spec, Step, load_spec
 from fuser_core.symbolic import SymbolicSpec
 
@@ -179,6 +179,12 @@ def chain_plan(
     elementwise_outputs = [o for o in spec.outputs if not spec.step(o).is_reduction]
     for o in elementwise_outputs:
         read_later.update(step_reads(spec, spec.step(o))[2])
+    for step in spec.steps:  # the chain stores every reduction's result: each within the per-tensor limit
+        n = math.prod([bound[d] for d in step.dims])
+        if step.is_reduction and n > MAX_ELEMENTS:
+            sizes = ", ".join(f"{d}={bound[d]}" for d in step.dims)
+            raise NotValid(f"the unfused chain stores step {step.name!r} ({sizes}): {n} elements, above the limit "
+                           f"per tensor, {MAX_ELEMENTS}; the fused strategies never store it")
     reductions = tuple(_reduction_plan(spec, step, bound, dtypes, blocks_given, final, read_later)
                        for step in spec.steps if step.is_reduction)
     elementwise = None
@@ -415,6 +421,8 @@ class ElementwiseWriter:
         for o in self.outputs:
             size = "(" + "".join(f"size_{d}, " for d in self.spec.step(o).dims) + ")"
             lines.append(f"    {self.var[o]} = torch.empty({size}, device={device}, dtype={TORCH_DTYPES[self.stores[o]]})")
+        lines.append("    int32_offsets(" + ", ".join(f"{self.var[n]}={self.var[n]}" for n in (*self.leaves, *self.outputs))
+                     + ")  # every tensor the kernel addresses")
         grid = " * ".join(f"triton.cdiv(size_{d}, {self.blocks[d]})" for d in self.dims) or "1"
         args = [kernel_arg(self.var[n], self.input_dtypes.get(n)) for n in self.leaves]
         args += [kernel_arg(self.var[o], self.stores[o]) for o in self.outputs]
@@ -435,7 +443,7 @@ class ElementwiseWriter:
 
     def helpers(self) -> list[str]:
         """The @triton.jit helpers the kernel calls: its expressions', and fp8's conversions."""
-        out = ["fp8e4m3_to_float"] if any(self.input_dtypes.get(n) == FP8 for n in self.leaves) else []
+        out = ["int32_offsets"] + (["fp8e4m3_to_float"] if any(self.input_dtypes.get(n) == FP8 for n in self.leaves) else [])
         out += [h for o in self.outputs for h in helpers_of(self.exprs[o])]
         return out + (["fp8e4m3_bits"] if any(self.stores[o] == FP8 for o in self.outputs) else [])
 

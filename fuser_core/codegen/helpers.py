@@ -156,7 +156,7 @@ def topk_merge(vals, idx, tile, tile_idx, slot, AXIS: tl.constexpr, SLOTS: tl.co
 # converts without round-to-even, saturation or subnormals, the same conversion done exactly
 # here in integer and power-of-two arithmetic. Both give the reference's values (fuser_core.reference.cast_to).
 # plain Python, run by the launcher; the rest run in kernels
-HOST_HELPERS = {"fp8_native", "tma_loads", "split_tickets"}
+HOST_HELPERS = {"fp8_native", "tma_loads", "split_tickets", "int32_offsets"}
 
 
 def fp8_native():
@@ -191,6 +191,22 @@ def tma_loads(*tensors):
 
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     return True
+
+
+def int32_offsets(**tensors):
+    """The kernels address elements with int32 offsets (positions times strides, summed; a stride
+    of 2**31 or more arrives as int64 and is exact): ValueError naming the tensor whose furthest
+    element lies 2**31 elements or more past its first, which they would reach wrapped. A
+    contiguous tensor of at most 2**31 elements, what the shape limits allow, always fits; a view
+    into a larger buffer (q of a packed qkv at a long context) may not."""
+    for name, t in tensors.items():
+        if t.numel() == 0 or (t.numel() <= 2**31 and t.is_contiguous()):
+            continue
+        reach = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()) if abs(s) < 2**31)
+        if reach >= 2**31:
+            raise ValueError(f"{name}: its furthest element is {reach} elements past its first (strides "
+                             f"{tuple(t.stride())}); the kernels index with 32-bit offsets, below 2**31: "
+                             "pass a contiguous tensor or a view within 2**31 elements")
 
 
 # split_tickets' buffers, by (device, stream): each launch leaves its counts at 0 again

@@ -136,7 +136,7 @@ def module_source(plan: KernelPlan, stores: dict[str, str], dtypes: dict[str, st
         [f"config: {json.dumps(plan.config.to_dict(), sort_keys=True)}", f"blocks: {json.dumps(plan.blocks, sort_keys=True)}"],
         structure.helpers() + (["fp8_native"] if takes_fp8_native(structure) else [])
         + (["tma_loads"] if descriptor_inputs(structure) else [])
-        + (["split_tickets"] if combines_in_launch(structure) else []),
+        + (["split_tickets"] if combines_in_launch(structure) else []) + ["int32_offsets"],
     )
     return header + "\n\n" + body + "\n\n" + launcher_source(structure, stores)
 
@@ -228,6 +228,8 @@ def launcher_source(structure: ModuleStructure, stores: dict[str, str]) -> str:
         # order, or out= tensors); the kernels take every output's strides, so any layout is written
         lines.append(f'    {var} = out["{part}"] if out is not None else {alloc}')
         outs.append((part, var))
+    lines.append("    int32_offsets(" + ", ".join(f"{safe_name(i.name)}={safe_name(i.name)}" for i in spec.inputs)
+                 + "".join(f", {v}={v}" for _, v in outs) + ")  # every tensor the kernels address")
     if takes_fp8_native(structure):
         lines.append(f"    {FP8_NATIVE} = fp8_native()  # the hardware's e4m3 conversions and fp8 dots (sm_89+)")
     if descriptor_inputs(structure):

@@ -440,12 +440,27 @@ def test_bind_shape_errors(shape, dim):
         assert dim in str(err)
 
 
-def test_element_limit_counts_steps():
-    spec = catalog("attention")  # s has (b, h, m, n) though no input does
+def test_element_limit_counts_what_a_strategy_stores():
+    """Issue 36: inputs and outputs count (every strategy addresses them); a step only where a strategy
+    stores it: attention's s (b, h, m, n) at 2**32 elements binds, the fused strategies run it, and the
+    unfused chain, which stores s, refuses the shape naming s."""
+    from fuser_core.codegen.chain import chain_plan
+    from fuser_core.codegen.plan import NotValid, valid_strategies
+    from fuser_core.derive import derive_cascade
+
+    spec = catalog("attention")
     shape = {"b": 1, "h": 1, "m": 2**16, "n": 2**16, "d": 1, "e": 1}
     assert 2**32 > MAX_ELEMENTS
-    message = str(shape_error(bind_shape, spec, shape))
-    assert "step 's' (b=1, h=1, m=65536, n=65536) would have 4294967296 elements" in message
+    bound = bind_shape(spec, shape)
+    valid = valid_strategies(spec, derive_cascade(spec), bound)
+    assert valid["streaming_fused"] is None and valid["split_fused"] is None
+    with pytest.raises(NotValid, match=r"the unfused chain stores step 's' \(b=1, h=1, m=65536, n=65536\): "
+                                       r"4294967296 elements"):
+        chain_plan(spec, bound, "float32")
+    wide = {**shape, "n": 1, "e": 2**15}  # o (b, h, m, e): an output, 2**31 elements
+    assert bind_shape(spec, wide)["e"] == 2**15
+    message = str(shape_error(bind_shape, spec, {**wide, "e": 2**15 + 1}))
+    assert "output 'o' (b=1, h=1, m=65536, e=32769) would have 2147549184 elements" in message
 
 
 def test_input_errors_name_the_input():

@@ -424,10 +424,16 @@ def test_the_papers_attention_shape_is_accepted(client) -> None:
 
 
 def test_size_limits_name_the_tensor(client) -> None:
-    attention = load_catalog()["attention"]
-    too_big = {**PAPER_ATTENTION, "m": 4096, "n": 4096}  # s: 128*16*4096*4096 = 2**35 elements
-    assert_problem(client.post("/v1/jobs", json=job_body(spec=attention, shape=too_big)), 422, "shape",
-                   "step 's' (b=128, h=16, m=4096, n=4096) would have 34359738368 elements")
+    # issue 36: a limit applies to what a strategy stores. A 131072-token context is accepted: its score
+    # matrix s0 (2**39 elements) is a step no fused strategy stores (the unfused chain refuses the shape)
+    long_context = {"b": 1, "h": 32, "m": 131072, "n": 131072, "d": 128, "e": 128}
+    r = client.post("/v1/jobs", json=job_body(spec=load_catalog()["attention_causal"], shape=long_context,
+                                              dtype="bfloat16"))
+    assert r.status_code == 202, r.text
+    outer = {"foldwise": 1, "name": "outer", "inputs": {"x": {"dims": ["m"]}, "y": {"dims": ["n"]}},
+             "steps": [{"name": "p", "expr": "x * y"}], "outputs": ["p"]}  # an output every strategy writes
+    assert_problem(client.post("/v1/jobs", json=job_body(spec=outer, shape={"m": 2**16, "n": 2**16})), 422, "shape",
+                   "output 'p' (m=65536, n=65536) would have 4294967296 elements; the limit per tensor is 2147483648")
     outer = {"foldwise": 1, "name": "outer", "inputs": {"x": {"dims": ["m", "n"]}, "y": {"dims": ["k", "l"]}},
              "steps": [{"name": "s", "reduce": "sum", "over": "n", "expr": "x * y"}], "outputs": ["s"]}
     wide = {"m": 1, "n": 2**30, "k": 2**15, "l": 2**15}  # every tensor 2**30, the sum iterates 2**60 points
