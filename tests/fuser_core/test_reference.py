@@ -76,6 +76,10 @@ SMALL = {
     "cross_entropy_ignore": {"t": 6, "v": 11},
     "rmsnorm_residual": {"t": 4, "c": 10},
     "swiglu_fp8_per_token": {"t": 5, "f": 16},
+    # issue 36: their reference tests against vLLM's formulas are in test_serving_catalog.py
+    "rmsnorm_fp8_per_token": {"t": 4, "c": 10},
+    "rmsnorm_residual_fp8_per_token": {"t": 4, "c": 10},
+    "rmsnorm_fp8_per_block": {"t": 4, "g": 3, "c": 8},
 }
 
 
