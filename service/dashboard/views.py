@@ -317,7 +317,7 @@ def kernel_rows(
 
 def catalog_entries() -> list[dict[str, Any]]:
     """The catalog's specs that load (:mod:`fuser_core.catalog`: $FOLDWISE_CATALOG_DIR's folders,
-    then the packaged catalog), by name, each with its suite cases (shape, dtype)."""
+    then the packaged catalog), by name, each with its suite cases (shape, dtype), then its example shape."""
     from fuser_core import catalog_dirs, catalog_entries as entries
 
     dirs = catalog_dirs()
@@ -360,8 +360,9 @@ def _catalog_json(dirs: tuple[str, ...], stamp: tuple[tuple[str, float], ...]) -
             spec = load_spec(source)
         except (CatalogError, SpecError, ValueError):
             continue  # not a spec: a user's catalog folder may hold other JSON
+        example = [{"suite": "example", "shape": spec.example, "dtype": "float32", "note": "the spec's own"}]
         out.append({"name": entry.name, "file": entry.path.name, "doc": entry.doc, "spec_hash": spec_hash(spec),
-                    "spec": json.loads(source), "cases": cases.get(entry.name, [])})
+                    "spec": json.loads(source), "cases": cases.get(entry.name, []) + (example if spec.example else [])})
     return json.dumps(out)
 
 

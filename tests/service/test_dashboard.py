@@ -282,6 +282,9 @@ def test_catalog_lists_the_specs_with_their_suite_cases(client):
     assert att["spec_hash"] == compute_spec_hash(load_spec(att["spec"]))
     assert {c["suite"] for c in att["cases"]} >= {"paper"}
     assert all(set(c) == {"suite", "shape", "dtype", "note"} for c in att["cases"])
+    # a spec in no suite still offers the form a shape: its example (issue 36)
+    quant = next(s for s in specs if s["name"] == "rmsnorm_fp8_per_block")
+    assert [(c["suite"], c["shape"]) for c in quant["cases"]] == [("example", {"t": 5, "g": 3, "c": 128})]
 
 
 def test_catalog_dir_adds_a_users_folder(client, tmp_path, monkeypatch):
@@ -295,7 +298,9 @@ def test_catalog_dir_adds_a_users_folder(client, tmp_path, monkeypatch):
     specs = {s["name"]: s for s in client.get("/v1/catalog").json()["specs"]}
     assert sorted(specs) == sorted([*load_catalog(), "mine"])  # junk and broken are not specs
     assert specs["mine"]["file"] == "mine.json" and specs["mine"]["spec"]["name"] == "rmsnorm"
-    assert specs["mine"]["cases"] == [{"suite": "mine", "shape": {"t": 2, "c": 8}, "dtype": "float32", "note": None}]
+    assert specs["mine"]["cases"] == [{"suite": "mine", "shape": {"t": 2, "c": 8}, "dtype": "float32", "note": None},
+                                      {"suite": "example", "shape": {"t": 5, "c": 300}, "dtype": "float32",
+                                       "note": "the spec's own"}]  # rmsnorm's example shape, last
     assert specs["safe_softmax"]["spec"]["name"] == "logsumexp"
     assert {c["suite"] for c in specs["attention"]["cases"]} >= {"paper", "smoke"}  # packaged suites still there
     monkeypatch.setenv("FOLDWISE_CATALOG_DIR", str(tmp_path / "missing"))
