@@ -59,9 +59,16 @@ def checked_problem(args: argparse.Namespace, *, allow_empty: bool = False) -> t
     are refused here (SpecError naming the field, or UsageError naming the flag)."""
     from fuser_core import bind_dtypes, bind_shape
 
+    from fuser_core import SpecError
+
     spec = read_spec(args.spec)
     raw_shape, dtype = shape_and_dtype(args, spec)
-    shape = bind_shape(spec, raw_shape, allow_empty=allow_empty)
+    try:
+        shape = bind_shape(spec, raw_shape, allow_empty=allow_empty)
+    except SpecError as err:
+        if args.shape is not None:
+            raise
+        raise SpecError(err.message, loc=("example", *err.loc[1:])) from None  # the spec's own example
     bind_dtypes(spec, dtype)
     return spec, shape, dtype
 

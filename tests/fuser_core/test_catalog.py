@@ -159,13 +159,17 @@ def test_an_example_is_checked_as_a_shape_and_is_no_part_of_the_identity(tmp_pat
     from fuser_core.canonical import spec_hash
 
     raw = json.loads((PACKAGED_DIR / "attention_causal.json").read_text())
-    with pytest.raises(SpecError) as err:  # the spec's constraint holds for its example too
-        load_spec({**raw, "example": {**raw["example"], "m": 40}})
-    assert err.value.loc == ("example", "m") and "m <= n" in err.value.message
-    with pytest.raises(SpecError, match=r"example\.d: must be a positive integer"):
+    with pytest.raises(SpecError, match=r"example\.d: must be a positive integer, got 0"):
         load_spec({**raw, "example": {**raw["example"], "d": 0}})
-    with pytest.raises(SpecError, match=r"example\.x: unknown dim 'x'"):
-        load_spec({**raw, "example": {**raw["example"], "x": 2}})
+    with pytest.raises(SpecError, match=r"^example: expected an object"):
+        load_spec({**raw, "example": [3, 37]})
+    # bound where a command uses it, as every shape is: the spec's constraint holds for its example too
+    (tmp_path / "wide.json").write_text(json.dumps({**raw, "example": {**raw["example"], "m": 40}}))
+    assert main(["run", str(tmp_path / "wide.json")]) == 2
+    assert "example.m: m = 40 and n = 37: the spec takes only m <= n" in capsys.readouterr().err
+    (tmp_path / "odd.json").write_text(json.dumps({**raw, "example": {**raw["example"], "x": 2}}))
+    assert main(["compile", str(tmp_path / "odd.json")]) == 2
+    assert "example.x: unknown dim 'x'" in capsys.readouterr().err
     bare = {k: v for k, v in raw.items() if k != "example"}
     assert spec_hash(load_spec(bare)) == spec_hash(load_spec(raw))
     (tmp_path / "bare.json").write_text(json.dumps(bare))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import sympy as sp
 
-from tests.support.catalog import load_catalog
+from tests.support.catalog import NOT_FUSED, load_catalog
 from fuser_core.certificate import certify
 from fuser_core.codegen.plan import valid_strategies
 from fuser_core.derive import derive_cascade
@@ -32,13 +32,6 @@ EXPECTED_KIND = {
 MX = {"name": "mx", "reduce": "max", "over": "n", "expr": "x"}
 MEAN = {"name": "mean", "reduce": "sum", "over": "n", "expr": "x / size(n)"}
 DEN = {"name": "den", "reduce": "sum", "over": "n", "expr": "exp(x - mx)"}
-
-
-# Catalog specs the derivation does not fuse into one loop, and why (they run in every strategy all the
-# same: row_resident holds the row). rmsnorm_fp8_per_block's amax over a block reads the norm, a sum over
-# the blocks g of sums over c, only through the factor rsqrt(ms + eps) applied at the end, which a loop
-# over c cannot know yet; deriving "max now, factor once the other axis is done" is open (issue 36).
-NOT_FUSED = {"rmsnorm_fp8_per_block": ("amax", "a reduction over g that itself needs the final ssq")}
 
 
 @pytest.mark.parametrize("name", sorted(CATALOG))
