@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -132,8 +133,7 @@ def meeting_constraints(spec: Spec, shape: dict[str, int]) -> dict[str, int]:
     return out
 
 
-_RELATIONS = {"<": lambda x, y: x < y, "<=": lambda x, y: x <= y, "==": lambda x, y: x == y,
-              ">=": lambda x, y: x >= y, ">": lambda x, y: x > y}
+_RELATIONS = {"<": operator.lt, "<=": operator.le, "==": operator.eq, ">=": operator.ge, ">": operator.gt}
 
 
 def bind_scalars(spec: Spec, shape: Mapping[str, int], given: Mapping[str, Any]) -> dict[str, float]:
@@ -233,6 +233,11 @@ def fill_parts(spec: Spec, shape: Mapping[str, int]) -> dict[str, int]:
     return out
 
 
+def tensor_size(bound: Mapping[str, int], dims) -> tuple[int, str]:
+    """(the points of ``dims`` at the sizes ``bound``, and those sizes as an error names them: ``m=4, n=300``)."""
+    return math.prod([bound[d] for d in dims]), ", ".join(f"{d}={bound[d]}" for d in dims)
+
+
 def check_sizes(spec: Spec, bound: Mapping[str, int], *, max_elements: int = MAX_ELEMENTS,
                 max_work: int = MAX_WORK) -> None:
     """ShapeError (field ``shape``) naming the first tensor, an input or an output, with more than
@@ -242,21 +247,18 @@ def check_sizes(spec: Spec, bound: Mapping[str, int], *, max_elements: int = MAX
     context) is limited where a strategy does store it: the unfused chain refuses such a shape
     (fuser_core.codegen.chain.chain_plan). A step's iteration space adds the dim it reduces over
     (a topk step's own ``as`` dim is not iterated)."""
-    def sizes(dims) -> str:
-        return ", ".join(f"{d}={bound[d]}" for d in dims)
-
     tensors = [(f"input {i.name!r}", i.dims) for i in spec.inputs] + [(f"output {o!r}", spec.step(o).dims)
                                                                       for o in spec.outputs]
     for what, dims in tensors:
-        n = math.prod([bound[d] for d in dims])
+        n, sizes = tensor_size(bound, dims)
         if n > max_elements:
-            raise ShapeError(f"{what} ({sizes(dims)}) would have {n} elements; the limit per tensor is {max_elements}",
+            raise ShapeError(f"{what} ({sizes}) would have {n} elements; the limit per tensor is {max_elements}",
                              loc=("shape",))
     for step in spec.steps:
         dims = [d for d in step.dims if d != step.as_dim] + ([step.over] if step.over else [])
-        n = math.prod([bound[d] for d in dims])
+        n, sizes = tensor_size(bound, dims)
         if n > max_work:
-            raise ShapeError(f"step {step.name!r} iterates over {sizes(dims)}: {n} points; the limit is {max_work}",
+            raise ShapeError(f"step {step.name!r} iterates over {sizes}: {n} points; the limit is {max_work}",
                              loc=("shape",))
 
 

@@ -83,8 +83,9 @@ class Spec:
     merges: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)  # hashed through dims
     # shapes the spec's doc excludes, refused by name: (dim, relation, dim), "m <= n" (docs/SPEC.md)
     constraints: tuple[tuple[str, str, str], ...] = ()
-    # a shape the spec runs at (dim -> size as a user writes it: a merged dim's parts), checked against the
-    # spec when loaded; what `foldwise run NAME` uses without --shape. Not part of the spec's identity
+    # a shape the spec runs at (dim -> size as a user writes it: a merged dim's parts), its sizes checked when
+    # loaded and the whole bound where a command uses it (`foldwise run NAME` without --shape). Not part of the
+    # spec's identity
     example: dict[str, int] = field(default_factory=dict, hash=False, compare=False)
     _by_name: dict[str, Input | Param | Step] = field(default_factory=dict, repr=False, compare=False)
 

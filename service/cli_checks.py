@@ -57,9 +57,7 @@ def checked_problem(args: argparse.Namespace, *, allow_empty: bool = False) -> t
     """(spec, the shape bound to it, the ``--dtype`` text read) of a command's spec, ``--shape``
     and ``--dtype``: a misspelt catalog name, an unknown or missing dim and an unknown dtype
     are refused here (SpecError naming the field, or UsageError naming the flag)."""
-    from fuser_core import bind_dtypes, bind_shape
-
-    from fuser_core import SpecError
+    from fuser_core import SpecError, bind_dtypes, bind_shape
 
     spec = read_spec(args.spec)
     raw_shape, dtype = shape_and_dtype(args, spec)

@@ -60,7 +60,8 @@ from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan,
 from fuser_core.codegen.strategies import MULTI_PASS, ROW_RESIDENT
 from fuser_core.codegen.tritonize import Ref, expr_dims, helpers_of, to_triton
 from fuser_core.merged import as_logical
-from fuser_core.reference import MAX_ELEMENTS, bind_shape
+from fuser_core.problem import MAX_ELEMENTS, tensor_size
+from fuser_core.reference import bind_shape
 from fuser_core.spec import Input, Spec, Step, load_spec
 from fuser_core.symbolic import SymbolicSpec
 
@@ -180,9 +181,8 @@ def chain_plan(
     for o in elementwise_outputs:
         read_later.update(step_reads(spec, spec.step(o))[2])
     for step in spec.steps:  # the chain stores every reduction's result: each within the per-tensor limit
-        n = math.prod([bound[d] for d in step.dims])
+        n, sizes = tensor_size(bound, step.dims)
         if step.is_reduction and n > MAX_ELEMENTS:
-            sizes = ", ".join(f"{d}={bound[d]}" for d in step.dims)
             raise NotValid(f"the unfused chain stores step {step.name!r} ({sizes}): {n} elements, above the limit "
                            f"per tensor, {MAX_ELEMENTS}; the fused strategies never store it")
     reductions = tuple(_reduction_plan(spec, step, bound, dtypes, blocks_given, final, read_later)

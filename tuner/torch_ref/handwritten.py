@@ -81,11 +81,12 @@ HANDWRITTEN_TEMPLATES: dict[str, dict] = {
 def _sdpa(causal: bool):
     def fn(t: Mapping[str, Any], shape: Mapping[str, int]) -> dict[str, Any]:
         import torch.nn.functional as F
-        from torch.nn.attention.bias import causal_lower_right
 
         q, k, v = t["q"], t["k"], t["v"]
         if not causal or q.shape[-2] == k.shape[-2]:  # square: is_causal's top-left mask is the same one
             return {"o": F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
+        from torch.nn.attention.bias import causal_lower_right
+
         return {"o": F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]))}
 
     return fn
