@@ -69,8 +69,9 @@ def foldwise_prediction(spec_name: str, shape: dict, dtype: dict, strategy: str,
     # the model as it was: registers and shared memory from the compiler, compute from its estimates
     bare = predict(problem, derivation, candidate, profile, verdict.without_sass())
     floor = measured.details.get("static_bound", {}).get("time_s")
-    return {"ms": measured.time_ms, "before_ms": max(bare.time_s, floor or 0.0) * 1e3,
-            "bound": measured.details["model"]["kernels"][0]["bound"]}
+    main = measured.details["model"]["kernels"][0]
+    return {"ms": measured.time_ms, "before_ms": max(bare.time_s, floor or 0.0) * 1e3, "bound": main["bound"],
+            "warps_per_sm": round(main["occupancy"] * profile.max_warps_per_sm)}
 
 
 def expert_prediction(name: str, spec_name: str, shape: dict, dtype: str, profile: Any) -> dict[str, Any] | None:
@@ -90,7 +91,9 @@ def expert_prediction(name: str, spec_name: str, shape: dict, dtype: str, profil
         p = predict_compiled(kernels, profile, _min_bytes(case), name)
     except ValueError as err:
         return {"error": str(err)}
-    return {"ms": p.time_ms, "bound": p.details["kernels"][0]["bound"]}
+    main = p.details["kernels"][0]
+    return {"ms": p.time_ms, "bound": main["bound"],
+            "warps_per_sm": round(main["occupancy"] * profile.max_warps_per_sm)}
 
 
 def rows_of(run: str, profile: Any) -> list[dict[str, Any]]:
@@ -116,16 +119,19 @@ def rows_of(run: str, profile: Any) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]], profile: Any) -> str:
     lines = ["| run | case | kernel | measured ms | predicted ms | predicted / measured | bound (model) "
-             "| before SASS: predicted ms | before / measured |", "|---|---|---|---|---|---|---|---|---|"]
+             "| warps / SM (model) | before SASS: predicted ms | before / measured |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['run']} | {r['case']} | {r['kernel']} | {r['measured_ms']:.4g} | error: {r['error'][:60]} |||||")
+            lines.append(f"| {r['run']} | {r['case']} | {r['kernel']} | {r['measured_ms']:.4g} "
+                         f"| error: {r['error'][:60]} ||||||")
             continue
         before = r.get("before_ms")
         was = ("", "") if before is None else (f"{before:.4g}", f"{before / r['measured_ms']:.2f}")
         run = "run2" if r["run"].endswith("run2") else "run1"
         lines.append(f"| {run} | {r['case']} | {r['kernel']} | {r['measured_ms']:.4g} "
-                     f"| {r['ms']:.4g} | {r['ms'] / r['measured_ms']:.2f} | {r['bound']} | {was[0]} | {was[1]} |")
+                     f"| {r['ms']:.4g} | {r['ms'] / r['measured_ms']:.2f} | {r['bound']} | {r['warps_per_sm']} "
+                     f"| {was[0]} | {was[1]} |")
     ok = [r for r in rows if "error" not in r]
 
     def spread(key: str, sel: list[dict[str, Any]]) -> str:
@@ -156,7 +162,34 @@ def table(rows: list[dict[str, Any]], profile: Any) -> str:
         lines.append(f"| {'run2' if run.endswith('run2') else 'run1'} | {case} | {' < '.join(gpu)} | {' < '.join(model)} "
                      f"| {'yes' if gpu == model else '**no**'} |")
     lines += ["", f"Same order in {same} of {total} cases with two or more kernels."]
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + across_runs(fw))
+
+
+def across_runs(foldwise: list[dict[str, Any]]) -> list[str]:
+    """The tuner's own question: where the two runs timed different Foldwise kernels (strategy or
+    config) at the same case on the same GPU kind, does the model order them as the GPU did?"""
+    by_case: dict[str, list[dict[str, Any]]] = {}
+    for r in foldwise:
+        by_case.setdefault(r["case"], []).append(r)
+    lines = ["Foldwise against Foldwise: cases where the runs timed two different Foldwise kernels.", "",
+             "| case | GPU order (measured ms) | model order (predicted ms) | same |", "|---|---|---|---|"]
+    same = total = 0
+    for case, rs in by_case.items():
+        if len(rs) < 2 or len({json.dumps(r.get("config"), sort_keys=True) + r["kernel"] for r in rs}) < 2:
+            continue
+
+        def name(r: dict[str, Any]) -> str:
+            c = r.get("config") or {}
+            return f"{r['kernel'].removeprefix('Foldwise ')} {c.get('blocks')} w{c.get('num_warps')}"
+
+        gpu = sorted(rs, key=lambda r: r["measured_ms"])
+        model = sorted(rs, key=lambda r: r["ms"])
+        total += 1
+        same += gpu == model
+        measured = " < ".join(f"{name(r)} ({r['measured_ms']:.4g})" for r in gpu)
+        predicted = " < ".join(f"{name(r)} ({r['ms']:.4g})" for r in model)
+        lines.append(f"| {case} | {measured} | {predicted} | {'yes' if gpu == model else '**no**'} |")
+    return lines + ["", f"Same order in {same} of {total} cases."]
 
 
 def main(argv: list[str] | None = None) -> int:

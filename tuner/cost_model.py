@@ -95,7 +95,7 @@ if TYPE_CHECKING:  # chain imports the code generator's modules: loaded only whe
 
 HBM_EFFICIENCY = 0.92  # best fraction of the datasheet bandwidth a streaming kernel reaches
 DOT_EFFICIENCY = 0.75  # fraction of tensor-core peak a Triton tl.dot loop reaches
-ISSUE_EFFICIENCY = 0.6  # fraction of the SMs' issue rate compiled code reaches (fitted: benchmarks/model_calibration.py)
+ISSUE_EFFICIENCY = 0.45  # fraction of the issue rate compiled code reaches (chosen: benchmarks/model_calibration.py)
 ALU_EFFICIENCY = 0.8  # fraction of the vector-ALU issue rate (CUDA cores, AMD's SIMDs) reached by elementwise code
 L2_USABLE = 0.5  # fraction of L2 that holds data for reuse (H100/A100 split L2 in two partitions)
 SM_BYTES_PER_CLOCK = 64  # what one SM (CU) can take from L2 per clock
