@@ -136,7 +136,7 @@ from service.client_request import (
     Found, KernelRequest, MemoEntry, SpecFacts, as_spec, bounded_put, memo_key, parse_shape, spec_key,
 )
 from service.range_kernel import RangeKernel
-from service.shape_ranges import pick_bucket
+from service.shape_ranges import one_kernel, pick_bucket
 
 if TYPE_CHECKING:
     from service.torch_ops import FoldwiseOp
@@ -184,7 +184,8 @@ class KernelCache:
         self._ops: dict[int, FoldwiseOp] = {}  # id(kernel) -> its torch operator (op())
         self._memo: dict[Hashable, MemoEntry] = {}  # get()'s arguments as given -> the kernel (module docstring)
         self._specs: dict[Hashable, SpecFacts] = {}  # a spec argument -> what it means, hashed once
-        # (spec_hash, dtype, target, id(spec)) -> (range shape, its Found, the spec held): tuned ranges loaded
+        # (spec_hash, dtype, target, id(spec), batch_invariant) -> (range shape, its Found, the spec held):
+        # the tuned ranges loaded
         self._ranges: dict[tuple, tuple[dict, Found, Spec]] = {}
         self._memo_lock = threading.Lock()  # writes to both memos; reads are single dict lookups
         self._now = time.monotonic  # the memo's clock (tests step it)
@@ -209,8 +210,14 @@ class KernelCache:
 
     # ------------------------------------------------------------------------- public
     def get(self, spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str] = "float32",
-            target: str = "h100", *, allow_nearest: bool = False, tune_if_missing: bool = False) -> BundleKernel:
+            target: str = "h100", *, allow_nearest: bool = False, tune_if_missing: bool = False,
+            batch_invariant: bool = False) -> BundleKernel:
         """The best kernel for (spec, shape, dtype, target), as a callable over torch tensors.
+
+        ``batch_invariant``: only a range that one kernel serves whole (a job with
+        ``"batch_invariant": true``, :mod:`service.shape_ranges`), so the same row gives the same
+        bits at every size of the range; a kernel for one shape, or a range of several buckets,
+        is never used for it (KernelNotFound instead).
 
         A request answered before is answered from memory: no HTTP, no disk (see the module
         docstring for when the server is asked again). ``tune_if_missing``: when the server has
@@ -221,13 +228,14 @@ class KernelCache:
         queued or running job for the request, if any), KernelAuthError, KernelServiceError,
         KernelIntegrityError, and with ``tune_if_missing`` KernelTuningError.
         """
-        key = memo_key(spec, shape, dtype, target, allow_nearest) if self.revalidate_after != 0 else None
+        key = (memo_key(spec, shape, dtype, target, allow_nearest, batch_invariant)
+               if self.revalidate_after != 0 else None)
         entry = self._remembered(key)
         if entry is not None:
             if entry.fresh_until <= self._now():
                 self._revalidate_later(key, entry)
             return entry.found.kernel
-        req = self._request(spec, shape, dtype, target)
+        req = self._request(spec, shape, dtype, target, batch_invariant)
         found = self._in_known_range(req)
         if found is not None:  # a range loaded by an earlier get() holds this shape: no request
             self._remember(key, req, allow_nearest, found)
@@ -268,7 +276,7 @@ class KernelCache:
     def tune(self, spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str] = "float32",
              target: str = "h100", *, trials: int | None = None, seconds: float | None = None,
              measurer: str | None = None, wait: bool = True, timeout: float | None = None, progress: bool = True,
-             poll: float = 1.0) -> BundleKernel | TuningJob:
+             poll: float = 1.0, batch_invariant: bool = False) -> BundleKernel | TuningJob:
         """Tune a kernel for (spec, shape, dtype, target) on the server and return it.
 
         Submits ``POST /v1/jobs`` (which joins the queued or running job of an identical
@@ -280,17 +288,20 @@ class KernelCache:
         server's (40 trials, 3,600 s); ``timeout`` (seconds, None: until the job ends) raises
         :class:`KernelTuningTimeout`, leaving the job running. A failed or cancelled job
         raises :class:`KernelTuningError` with the server's reason. Needs the ``jobs:write``
-        scope once the server has tokens."""
+        scope once the server has tokens. ``shape`` may give dims as ranges, as a job does
+        (``{"t": {"min": 1, "max": 4096}, "c": 4096}``): the range is tuned and its kernel for the
+        largest sizes returned (a :class:`service.range_kernel.RangeKernel` serving every size);
+        ``batch_invariant`` as :meth:`get` (one kernel for the whole range)."""
         budget = tuning_budget(trials, seconds)
         positive_seconds("poll", poll)
         if timeout is not None:
             positive_seconds("timeout", timeout)
-        req = self._request(spec, shape, dtype, target)
+        req = self._request(spec, shape, dtype, target, batch_invariant)
         if not wait:
             return self._server.submit(req, budget, measurer)
         self._run_job(req, budget=budget, measurer=measurer, timeout=timeout, progress=progress, poll=poll)
         found = self._fetch(req, allow_nearest=False)
-        self._remember(memo_key(spec, shape, dtype, target, False), req, False, found)
+        self._remember(memo_key(spec, shape, dtype, target, False, batch_invariant), req, False, found)
         return found.kernel
 
     def prefetch(self, requests: Iterable[tuple], *, allow_nearest: bool = False,
@@ -307,7 +318,7 @@ class KernelCache:
                          for item in items])
 
     # ------------------------------------------------------------------------- the memo
-    def _request(self, spec: Any, shape: Any, dtype: Any, target: Any) -> KernelRequest:
+    def _request(self, spec: Any, shape: Any, dtype: Any, target: Any, batch_invariant: bool = False) -> KernelRequest:
         """The validated request; the spec argument is parsed and hashed once per distinct one."""
         skey = spec_key(spec)
         facts = self._specs.get(skey) if skey is not None else None
@@ -316,7 +327,7 @@ class KernelCache:
             if skey is not None:
                 with self._memo_lock:
                     bounded_put(self._specs, skey, facts)
-        return KernelRequest.of(facts, shape, dtype, target)
+        return KernelRequest.of(facts, shape, dtype, target, batch_invariant)
 
     def _remembered(self, key: Hashable | None) -> MemoEntry | None:
         # one dict read, atomic under the GIL: the hot path takes no lock
@@ -394,6 +405,8 @@ class KernelCache:
         view = self._server.lookup(req)
         if isinstance(view.get("range"), Mapping):  # a tuned range holds the shape: load every bucket
             return self._resolve_range(req, view, known)
+        if req.batch_invariant:
+            raise KernelIntegrityError(f"the server answered {req.what} with a kernel for one shape, not a range")
         if view.get("exact_match") is False and not allow_nearest:
             raise KernelNotFound(self._nearest_message(req, view.get("shape")))
         kernel_id, want = str(view["id"]), view.get("bundle_sha256")
@@ -424,6 +437,9 @@ class KernelCache:
         if pick_bucket(shape, req.cshape) is None:
             raise KernelIntegrityError(f"the server answered {req.what} with a range {req.show(shape)} "
                                        "that does not hold it")
+        if req.batch_invariant and not one_kernel(shape):
+            raise KernelIntegrityError(f"the server answered {req.what} with a range of several buckets "
+                                       f"{req.show(shape)}")
         ident = hashlib.sha256(json.dumps([rng.get("id"), [b.get("bundle_sha256") for b in buckets]])
                                .encode()).hexdigest()
         if known is not None and (known.kernel_id, known.bundle_sha256) == (f"range:{rng.get('id')}", ident):
@@ -445,15 +461,19 @@ class KernelCache:
         self._disk.store_range(req, shape, [(b["shape"], k.sha256) for b, (_, k) in zip(buckets, loaded)])
         found = Found(kernel, ident, f"range:{rng.get('id')}")
         with self._memo_lock:  # every later get() inside this range is answered without a request
-            self._ranges[(req.shash, dtype_text(req.ndtype), req.target, id(req.user))] = (shape, found, req.user)
+            self._ranges[self._range_key(req)] = (shape, found, req.user)
         return found
 
     def _in_known_range(self, req: KernelRequest) -> Found | None:
         """A range already loaded in this process that holds ``req``'s shape (no request)."""
-        hit = self._ranges.get((req.shash, dtype_text(req.ndtype), req.target, id(req.user)))
+        hit = self._ranges.get(self._range_key(req))
         if hit is None or pick_bucket(hit[0], req.cshape) is None:
             return None
         return hit[1]
+
+    @staticmethod
+    def _range_key(req: KernelRequest) -> tuple:
+        return req.shash, dtype_text(req.ndtype), req.target, id(req.user), req.batch_invariant
 
     # ------------------------------------------------------------------------- tuning jobs
     def _run_job(self, req: KernelRequest, *, budget: dict, measurer: str | None, timeout: float | None, progress: bool,
@@ -509,7 +529,7 @@ class KernelCache:
                                            f"not {expected!r:.80}, when asked for {req.what}")
 
     def _offline(self, req: KernelRequest, allow_nearest: bool, reason: str) -> BundleKernel | RangeKernel:
-        bundle = self._disk.from_index(req.key, allow_nearest)
+        bundle = None if req.batch_invariant else self._disk.from_index(req.key, allow_nearest)
         if bundle is not None:
             return self._load(bundle).for_spec(req.user)
         in_range = self._range_from_disk(req)
@@ -522,6 +542,8 @@ class KernelCache:
         """A range on disk holding ``req``'s shape, every bucket's bundle verified and for the
         request, as a :class:`RangeKernel`; None otherwise (a damaged entry is skipped)."""
         for shape, bundles in self._disk.ranges_holding(req):
+            if req.batch_invariant and not one_kernel(shape):
+                continue
             try:
                 loaded = []
                 for bundle in bundles:

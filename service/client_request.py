@@ -16,6 +16,7 @@ from fuser_core import (
 )
 from service.bundle import BundleKernel, dtype_text, parse_shape_text, shape_text
 from service.dim_names import DimNames
+from service.shape_ranges import has_ranges, is_range
 from service.tuning_request import check_target
 
 MEMO_LIMIT = 4096  # requests (and spec arguments) remembered in-process; the oldest go first
@@ -81,17 +82,32 @@ class KernelRequest:
     target: str
     names: DimNames  # canonical versus the caller's names
     source: str | None = None  # the caller's JSON text, for a tuning job (None: send the canonical form)
+    # only a range one kernel serves whole answers it (service.shape_ranges, "Batch-invariant ranges")
+    batch_invariant: bool = False
+    # a range job's shape, canonical ({"d1": {"min": 1, "max": 64}, ...}); cshape is then its largest bucket
+    job_range: dict[str, Any] | None = None
 
     @staticmethod
     def make(spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str], target: str) -> KernelRequest:
         return KernelRequest.of(SpecFacts.of(spec), shape, dtype, target)
 
     @staticmethod
-    def of(facts: SpecFacts, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str],
-           target: str) -> KernelRequest:
-        user = facts.user
-        return KernelRequest(user, facts.shash, canonical_shape(user, parse_shape(shape)),
-                             normalize_dtype(user, dtype), check_target(target), facts.names, facts.source)
+    def of(facts: SpecFacts, shape: Mapping[str, Any] | str, dtype: str | Mapping[str, str],
+           target: str, batch_invariant: bool = False) -> KernelRequest:
+        """``shape`` may give dims as ranges (``{"t": {"min": 1, "max": 64}}``, a tuning job's form):
+        the request is then for the range's largest sizes, and its job for the range."""
+        user, job_range = facts.user, None
+        sizes = parse_shape(shape)
+        if has_ranges(sizes):
+            names = facts.names.to_canonical
+            unknown = [d for d in sizes if d not in names]
+            if unknown:
+                raise SpecError(f"unknown dim {unknown[0]!r}; the spec's dims are {', '.join(names)}",
+                                loc=("shape", unknown[0]))
+            job_range = {names[d]: v for d, v in sizes.items()}
+            sizes = {d: v["max"] if is_range(v) and "max" in v else v for d, v in sizes.items()}
+        return KernelRequest(user, facts.shash, canonical_shape(user, sizes), normalize_dtype(user, dtype),
+                             check_target(target), facts.names, facts.source, batch_invariant, job_range)
 
     @property
     def key(self) -> str:
@@ -102,15 +118,18 @@ class KernelRequest:
     @property
     def query(self) -> dict[str, str]:
         """The request key as ``GET /v1/kernels`` and ``GET /v1/jobs`` take it."""
-        return {"spec_hash": self.shash, "target": self.target, "shape": shape_text(self.cshape),
-                "dtype": dtype_text(self.ndtype)}
+        query = {"spec_hash": self.shash, "target": self.target, "shape": shape_text(self.cshape),
+                 "dtype": dtype_text(self.ndtype)}
+        return {**query, "batch_invariant": "true"} if self.batch_invariant else query
 
     def job_fields(self) -> dict[str, Any]:
         """The spec and shape of ``POST /v1/jobs``, in the caller's names when their text is at
         hand; a loaded Spec has none to send, so its canonical form and the canonical shape."""
+        shape = self.job_range or self.cshape
+        fields = {"batch_invariant": True} if self.batch_invariant else {}
         if self.source is None:
-            return {"spec": canonical_json(self.user), "shape": self.cshape}
-        return {"spec": self.source, "shape": self.names.user_shape(self.cshape)}
+            return {**fields, "spec": canonical_json(self.user), "shape": shape}
+        return {**fields, "spec": self.source, "shape": self.names.user_shape(shape)}
 
     def show(self, shape: Any) -> str:
         """A canonical shape in the caller's dim names, for messages."""
@@ -120,8 +139,9 @@ class KernelRequest:
 
     @property
     def what(self) -> str:
-        return (f"spec {self.user.name} ({self.shash[:16]}), shape {self.show(self.cshape)}, "
-                f"dtype {dtype_text(self.ndtype)}, target {self.target}")
+        return (f"spec {self.user.name} ({self.shash[:16]}), shape {self.show(self.job_range or self.cshape)}, "
+                f"dtype {dtype_text(self.ndtype)}, target {self.target}"
+                + (", batch-invariant" if self.batch_invariant else ""))
 
 
 # ----------------------------------------------------------------------------- the memo
@@ -162,14 +182,15 @@ def sizes_key(value: Any) -> Hashable | None:
     return None
 
 
-def memo_key(spec: Any, shape: Any, dtype: Any, target: Any, allow_nearest: bool) -> Hashable | None:
+def memo_key(spec: Any, shape: Any, dtype: Any, target: Any, allow_nearest: bool,
+             batch_invariant: bool = False) -> Hashable | None:
     """The in-process memo's key of a ``get`` call, from its arguments as given (no parsing)."""
     skey = spec_key(spec)
     shape_key = sizes_key(shape)
     dtype_key = sizes_key(dtype)
     if skey is None or shape_key is None or dtype_key is None or type(target) is not str:
         return None
-    return (skey, shape_key, dtype_key, target, bool(allow_nearest))
+    return (skey, shape_key, dtype_key, target, bool(allow_nearest), bool(batch_invariant))
 
 
 def bounded_put(memo: dict, key: Hashable, value: Any) -> None:

@@ -34,7 +34,7 @@ from service.bundle import BundleError, canonical_bytes, verify_bundle
 from service.db import MAX_LIST, get_row, newest_first
 from service.errors import BundleCorrupted, InvalidBundle
 from service.models import Bundle, Job, Kernel, KernelRange, new_id, utcnow
-from service.shape_ranges import pick_bucket
+from service.shape_ranges import one_kernel, pick_bucket
 from service.served_bundles import bundle_intact, store_served
 from service.tuning_request import MEASURERS, TuningRequest, dtype_key, shape_key
 
@@ -293,10 +293,12 @@ def store_range(session: Session, job: Job, kernels: list[tuple[dict[str, int], 
 
 
 def find_range(session: Session, *, spec_hash: str, target: str, dtype: str | Mapping[str, str],
-               shape: Mapping[str, int]) -> tuple[KernelRange, Kernel, list[Kernel]] | None:
+               shape: Mapping[str, int],
+               batch_invariant: bool = False) -> tuple[KernelRange, Kernel, list[Kernel]] | None:
     """The tuned range holding ``shape`` (canonical): (range, the kernel of the bucket serving
     ``shape``, every bucket's kernel smallest first), or None. Only ranges of this code's Triton
-    and generator versions count (as exact kernels); of several holding the shape, the newest."""
+    and generator versions count (as exact kernels); of several holding the shape, the newest;
+    with ``batch_invariant``, only ranges one kernel serves whole (service.shape_ranges.one_kernel)."""
     triton_version, generator_version = current_versions()
     rows = session.execute(sa.select(KernelRange).where(
         KernelRange.spec_hash == spec_hash, KernelRange.target == str(target).strip().lower(),
@@ -306,7 +308,7 @@ def find_range(session: Session, *, spec_hash: str, target: str, dtype: str | Ma
         .execution_options(populate_existing=True)).scalars()
     for row in rows:
         bucket = pick_bucket(row.shape, shape)
-        if bucket is None:
+        if bucket is None or (batch_invariant and not one_kernel(row.shape)):
             continue
         ids = [b["kernel_id"] for b in row.buckets]
         by_id = {k.id: k for k in session.execute(sa.select(Kernel).where(Kernel.id.in_(ids))

@@ -17,6 +17,14 @@ Decisions, made here once:
   fused-MoE config tables, keyed by token count). Rounding *up* is what makes it safe: a bucket's
   kernel was generated at its upper size, and a dim the kernel holds whole in one block
   (``size_limits``, :mod:`service.bundle`) admits every size up to the one it was generated for.
+- **Batch-invariant ranges.** A job with ``"batch_invariant": true`` gets one bucket per ranged
+  dim, its ``max`` (given ``buckets`` are refused), so one kernel serves every size of the range.
+  That is what makes a row's bits independent of the batch: a kernel's reduction order within a
+  row is fixed by its configuration (blocks, split, warps; a split's partial states merge in part
+  order), never by the sizes it runs at, and rows never share a reduction. Where buckets differ,
+  a row at t = 1 and the same row at t = 37 can run two kernels with two orders. The flag is not
+  stored: a range is batch-invariant when every ranged dim has one bucket (:func:`one_kernel`),
+  so a job that gave ``buckets: [max]`` is the same job.
 - **Canonical form.** A range job's shape is stored in the canonical dim names with every
   range complete (``{"d0": {"min": 1, "max": 16384, "buckets": [1, 2, ...]}, "d1": 64}``), and
   keyed by :func:`range_key` (``d0=1..16384[1;2;4;...],d1=64``): two submissions with the same
@@ -87,8 +95,9 @@ def _positive_int(value: Any, loc: tuple[str | int, ...], max_dim: int | None) -
     return value
 
 
-def parse_range(dim: str, value: Any, *, max_dim: int | None = None) -> DimRange:
-    """A ``{"min", "max", "buckets"?}`` object checked; InvalidRequest naming ``shape.<dim>.<field>``."""
+def parse_range(dim: str, value: Any, *, max_dim: int | None = None, one_bucket: bool = False) -> DimRange:
+    """A ``{"min", "max", "buckets"?}`` object checked; InvalidRequest naming ``shape.<dim>.<field>``.
+    ``one_bucket`` (a batch-invariant job): the range's one bucket is its max; buckets are refused."""
     loc = ("shape", dim)
     if not isinstance(value, Mapping):
         raise InvalidRequest(f"expected a size or a range {{\"min\": .., \"max\": ..}}, got {value!r:.40}", loc=loc)
@@ -103,8 +112,11 @@ def parse_range(dim: str, value: Any, *, max_dim: int | None = None) -> DimRange
     if hi < lo:
         raise InvalidRequest(f"must be at least min ({lo}), got {hi}", loc=(*loc, "max"))
     given = value.get("buckets")
+    if one_bucket and given is not None:
+        raise InvalidRequest("a batch-invariant range is served by one kernel, tuned at max: leave buckets out",
+                             loc=(*loc, "buckets"))
     if given is None:
-        return DimRange(lo, hi, default_buckets(lo, hi))
+        return DimRange(lo, hi, (hi,) if one_bucket else default_buckets(lo, hi))
     if not isinstance(given, list | tuple) or not given:
         raise InvalidRequest(f"expected a non-empty list of sizes, got {given!r:.40}", loc=(*loc, "buckets"))
     if len(given) > MAX_BUCKETS:
@@ -123,9 +135,11 @@ def parse_range(dim: str, value: Any, *, max_dim: int | None = None) -> DimRange
     return DimRange(lo, hi, tuple(sorted(sizes)))
 
 
-def split_shape(shape: Mapping[str, Any], *, max_dim: int | None = None) -> tuple[dict[str, Any], dict[str, DimRange]]:
+def split_shape(shape: Mapping[str, Any], *, max_dim: int | None = None,
+                one_bucket: bool = False) -> tuple[dict[str, Any], dict[str, DimRange]]:
     """(the fixed sizes as given, the ranged dims checked); InvalidRequest naming every bad field,
-    and ``shape`` when the buckets' product is over :data:`MAX_BUCKETS`."""
+    and ``shape`` when the buckets' product is over :data:`MAX_BUCKETS`. ``one_bucket``: see
+    :func:`parse_range`."""
     fixed: dict[str, Any] = {}
     ranges: dict[str, DimRange] = {}
     errors: list[InvalidRequest] = []
@@ -134,7 +148,7 @@ def split_shape(shape: Mapping[str, Any], *, max_dim: int | None = None) -> tupl
             fixed[dim] = value
             continue
         try:
-            ranges[dim] = parse_range(dim, value, max_dim=max_dim)
+            ranges[dim] = parse_range(dim, value, max_dim=max_dim, one_bucket=one_bucket)
         except InvalidRequest as err:
             errors.append(err)
     if errors:
@@ -166,6 +180,11 @@ def fixed_of(shape: Mapping[str, Any]) -> dict[str, int]:
     return {d: v for d, v in shape.items() if not is_range(v)}
 
 
+def one_kernel(shape: Mapping[str, Any]) -> bool:
+    """A stored range shape whose every size runs one kernel: batch-invariant (module docstring)."""
+    return has_ranges(shape) and bucket_count(shape) == 1
+
+
 def bucket_count(shape: Mapping[str, Any]) -> int:
     """How many buckets a stored shape has: 1 for a plain shape."""
     n = 1
@@ -180,7 +199,8 @@ def range_view(shape: Mapping[str, Any]) -> dict[str, Any] | None:
     shape, smallest first, and the stride of its trials' numbers (trial n ran bucket n // stride)."""
     if not has_ranges(shape):
         return None
-    return {"buckets": bucket_shapes(fixed_of(shape), ranges_of(shape)), "trial_number_stride": TRIAL_STRIDE}
+    return {"buckets": bucket_shapes(fixed_of(shape), ranges_of(shape)), "trial_number_stride": TRIAL_STRIDE,
+            "batch_invariant": one_kernel(shape)}
 
 
 def range_key(shape: Mapping[str, Any]) -> str:

@@ -156,13 +156,15 @@ class TuningRequest:
 def tuning_request(spec: Spec, source: str | Mapping[str, Any], shape: Mapping[str, int],
                    dtype: str | Mapping[str, str], target: str, measurer: str, budget_trials: int,
                    budget_seconds: float, *, limits: Limits | None = None,
-                   spec_hash: str | None = None, allow_uncertified: bool = False) -> TuningRequest:
+                   spec_hash: str | None = None, allow_uncertified: bool = False,
+                   batch_invariant: bool = False) -> TuningRequest:
     """Check every field of a submission once and bind it to ``spec``.
 
     ``shape`` uses ``spec``'s own dim names; ``source`` is the spec as submitted (text or
     object); ``spec_hash`` may be given when the caller has it. Raises InvalidRequest whose
     ``errors`` name every bad field (budget, target, measurer, shape sizes, then the shape and
-    dtype against the spec)."""
+    dtype against the spec). ``batch_invariant``: one kernel for the whole range
+    (:mod:`service.shape_ranges`, "Batch-invariant ranges"); it needs a ranged dim."""
     limits = limits or Limits()
     errors: list[SpecError] = []
 
@@ -176,9 +178,12 @@ def tuning_request(spec: Spec, source: str | Mapping[str, Any], shape: Mapping[s
     budget = check(check_budget, budget_trials, budget_seconds, limits)
     ranges: dict = {}
     if has_ranges(shape):  # a range job (service.shape_ranges): fixed sizes, and ranges checked field by field
-        split = check(lambda: split_shape(shape, max_dim=limits.max_dim))
+        split = check(lambda: split_shape(shape, max_dim=limits.max_dim, one_bucket=batch_invariant))
         if split is not None:
             shape, ranges = split
+    elif batch_invariant:  # one size is one kernel already: the flag would promise nothing
+        errors.append(InvalidRequest("needs a range: give the batch dim as {\"min\": .., \"max\": ..} and one "
+                                     "kernel serves every size in it", loc=("batch_invariant",)))
     if isinstance(shape, Mapping) and limits.max_dim is not None:
         for dim, size in shape.items():
             if isinstance(size, int) and not 1 <= size <= limits.max_dim:

@@ -282,10 +282,12 @@ def _query_dtype(info: SpecInfo, dtype: str) -> str | dict[str, str]:
 
 
 def lookup_kernel(session: Session, cache: SpecCache, *, spec_hash: str, target: str, shape: str | None,
-                  dtype: str) -> dict[str, Any]:
+                  dtype: str, batch_invariant: bool = False) -> dict[str, Any]:
     """The kernel view for a lookup: a tuned range holding the shape (the view of the bucket's
     kernel that serves it, with ``range``: every bucket, so a client loads them all at once), else
-    the exact shape, else the nearest tuned one that can run it (``exact_match``).
+    the exact shape, else the nearest tuned one that can run it (``exact_match``). With
+    ``batch_invariant``: only a range one kernel serves whole, and nothing else (a kernel for one
+    size, or a range of several buckets, would give a row other bits at another batch size).
 
     ``shape`` may use the canonical dim names (``d0=4,d1=300``, as :mod:`service.client`
     sends them and bundles speak) or the names of the spec as first submitted.
@@ -297,17 +299,21 @@ def lookup_kernel(session: Session, cache: SpecCache, *, spec_hash: str, target:
         raise not_found("kernel for spec_hash", asked)
     cshape = _query_shape(info, shape) if shape is not None else None
     ndtype = _query_dtype(info, dtype)
+    if batch_invariant and cshape is None:
+        raise invalid_field(("shape",), "a batch-invariant lookup needs the shape it runs", where="query")
     if cshape is not None:  # a tuned range holding the shape first: its buckets serve it (service.shape_ranges)
         in_range = kernel_cache.find_range(session, spec_hash=spec_hash, target=target.strip().lower(),
-                                           dtype=ndtype, shape=cshape)
+                                           dtype=ndtype, shape=cshape, batch_invariant=batch_invariant)
         if in_range is not None:
             row, serving, kernels = in_range
             return kernel_view(serving, serving.shape == cshape, kernel_range=(row, kernels))
-    found = kernel_cache.find_kernel(session, spec_hash=spec_hash, target=target.strip().lower(), dtype=ndtype,
-                                     shape=cshape)
+    found = None if batch_invariant else kernel_cache.find_kernel(
+        session, spec_hash=spec_hash, target=target.strip().lower(), dtype=ndtype, shape=cshape)
     if found is None:
         what = f"spec {spec_hash[:16]}, target {target}, dtype {dtype}" + (f", shape {shape}" if shape else "")
-        raise Problem(404, "Not found", f"no tuned kernel for {what}; submit a tuning job (POST /v1/jobs)",
+        kind = "batch-invariant range holding it (a job with \"batch_invariant\": true)" if batch_invariant else \
+            "tuned kernel"
+        raise Problem(404, "Not found", f"no {kind} for {what}; submit a tuning job (POST /v1/jobs)",
                       kind="not-found")
     kernel, exact = found
     return kernel_view(kernel, exact)

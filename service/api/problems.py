@@ -25,7 +25,7 @@ from fuser_core import SpecError
 
 PROBLEM_JSON = "application/problem+json"
 # fields of a job request besides the spec: a SpecError located there is not inside the spec
-REQUEST_FIELDS = ("shape", "dtype", "target", "measurer", "budget")
+REQUEST_FIELDS = ("shape", "dtype", "target", "measurer", "budget", "batch_invariant")
 log = logging.getLogger("foldwise.api")
 
 

@@ -35,11 +35,12 @@ async def lookup_kernel(
     target: Annotated[str | None, Query(max_length=32, description="default: the server's target")] = None,
     shape: Annotated[str | None, Query(max_length=2048, description="d0=4,d1=300 (canonical dims) or the spec's own")] = None,
     dtype: Annotated[str, Query(max_length=2048, description="float32|float16|bfloat16 or a JSON map")] = "float32",
+    batch_invariant: Annotated[bool, Query(description="only a range one kernel serves whole")] = False,
 ) -> JSONResponse:
-    """The best kernel for exactly this shape, else the nearest tuned shape of the same spec,
-    target and dtype (``exact_match`` false)."""
+    """The tuned range holding the shape, else the best kernel for exactly this shape, else the
+    nearest tuned shape of the same spec, target and dtype (``exact_match`` false)."""
     view = await db.run(ops.lookup_kernel, ctx.specs, spec_hash=spec_hash, target=target or ctx.settings.target,
-                        shape=shape, dtype=dtype)
+                        shape=shape, dtype=dtype, batch_invariant=batch_invariant)
     return JSONResponse(view)
 
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from fuser_core import MAX_DIMS
 from service.models import Job, Kernel, KernelRange, TrialRecord, WorkerRecord
-from service.shape_ranges import bucket_count, range_view
+from service.shape_ranges import bucket_count, one_kernel, range_view
 from service.tuning_request import MEASURERS
 
 DEFAULT_TRIALS = 40
@@ -57,6 +57,9 @@ class JobRequest(BaseModel):
     allow_uncertified: bool = Field(
         False, description="tune even when the spec's certificate fails (its fused forms missed the float64 "
                            "reference); otherwise such a job answers 422 naming the reductions")
+    batch_invariant: bool = Field(
+        False, description="one kernel for every size of the shape's ranges (one bucket each, at max), so a row "
+                           "gives the same bits at every batch size (docs/API.md, \"Shape ranges\")")
 
 
 # ----------------------------------------------------------------------------- views
@@ -109,7 +112,7 @@ def kernel_view(kernel: Kernel, exact: bool | None = None, *,
     if kernel_range is not None:
         row, kernels = kernel_range
         view["range"] = {
-            "id": row.id, "shape": row.shape, "job_id": row.job_id,
+            "id": row.id, "shape": row.shape, "job_id": row.job_id, "batch_invariant": one_kernel(row.shape),
             "buckets": [{"shape": b["shape"], "kernel_id": k.id, "bundle_sha256": k.bundle_sha256,
                          "strategy": k.strategy, "config": k.config, "time_ms": k.time_ms, "predicted": k.predicted,
                          "bundle_url": f"/v1/kernels/{k.id}/bundle"} for b, k in zip(row.buckets, kernels)],

@@ -96,7 +96,7 @@ def check_job_request(req: JobRequest, spec: Spec, source: str, spec_hash: str, 
     try:
         return tuning_request(spec, source, req.shape, req.dtype, req.target or settings.target, measurer,
                               req.budget.trials, req.budget.seconds, limits=Limits.of(settings), spec_hash=spec_hash,
-                              allow_uncertified=req.allow_uncertified)
+                              allow_uncertified=req.allow_uncertified, batch_invariant=req.batch_invariant)
     except InvalidRequest as err:
         raise invalid([error_entry(e.loc if e.loc[:1] and e.loc[0] in REQUEST_FIELDS else ("spec", *e.loc), e.message,
                                    step=e.step) for e in err.errors]) from None

@@ -100,6 +100,8 @@ def test_the_api_answers_422_naming_the_range_field(tmp_path) -> None:
         assert r.status_code == 422, r.text
         assert any("shape.t.buckets" in str(e.get("field", "")) or e.get("loc") == ["shape", "t", "buckets"]
                    for e in r.json()["errors"]), r.json()
+        r = http.post("/v1/jobs", json={"spec": RMSNORM, "shape": {"t": 8, "c": 64}, "batch_invariant": True})
+        assert r.status_code == 422 and [e["loc"] for e in r.json()["errors"]] == [["batch_invariant"]], r.text
 
 
 def test_pick_bucket_rounds_up() -> None:
@@ -267,3 +269,93 @@ def test_nearest_prefers_a_kernel_whose_size_limits_hold_the_shape(tmp_path) -> 
         kernel, exact = find(session, **key, shape={"d0": 4, "d1": 200})  # the nearer one holds 200
         assert kernel.shape == {"d0": 4, "d1": 256} and not exact
         assert find(session, **key, shape={"d0": 4, "d1": 600}) is None  # none can run it
+
+
+# ----------------------------------------------------------------------------- batch-invariant ranges (issue 36, 5)
+
+
+def test_a_batch_invariant_request_is_one_bucket_at_max() -> None:
+    from service.shape_ranges import one_kernel, range_view
+
+    req = request({"t": {"min": 1, "max": 64}, "c": 64}, batch_invariant=True)
+    assert req.shape["d1"] == {"min": 1, "max": 64, "buckets": [64]} and req.buckets == ({"d0": 64, "d1": 64},)
+    assert one_kernel(req.shape) and range_view(req.shape)["batch_invariant"] is True
+    # the same content as buckets [max]: the same job; the default buckets are another, not invariant
+    assert req.dedupe_key == request({"t": {"min": 1, "max": 64, "buckets": [64]}, "c": 64}).dedupe_key
+    several = request({"t": {"min": 1, "max": 64}, "c": 64})
+    assert not one_kernel(several.shape) and range_view(several.shape)["batch_invariant"] is False
+
+
+@pytest.mark.parametrize(("shape", "loc", "message"), [
+    ({"t": {"min": 1, "max": 64, "buckets": [8, 64]}, "c": 64}, ("shape", "t", "buckets"), "one kernel"),
+    ({"t": 37, "c": 64}, ("batch_invariant",), "needs a range"),
+])
+def test_a_batch_invariant_request_refuses_buckets_and_plain_shapes(shape, loc, message) -> None:
+    with pytest.raises(InvalidRequest, match=message) as err:
+        request(shape, batch_invariant=True)
+    assert err.value.loc == loc
+
+
+def test_a_batch_invariant_range_gives_a_row_the_same_bits_at_every_batch_size(tmp_path) -> None:
+    """A batch-invariant range job for rmsnorm over t in [1, 64] (c = 64), submitted by the client's
+    tune() and run by a real worker: the row computed alone (t = 1) and inside batches of 37 and
+    64 rows is bitwise the same. The lookup serves it only from a range one kernel serves whole:
+    a shape held by a range of several buckets is not found for a batch-invariant get()."""
+    import torch
+    from fastapi.testclient import TestClient
+
+    from service.api import create_app
+    from service.client import KernelCache, KernelNotFound
+    from service.db import upgrade
+    from service.range_kernel import RangeKernel
+    from service.settings import get_settings
+    from service.worker import run_worker
+
+    url = f"sqlite:///{tmp_path / 'foldwise.db'}"
+    upgrade(url)
+    settings = get_settings(db_url=url, lease_seconds=30.0, heartbeat_seconds=0.5, compile_binaries=False)
+    stop = threading.Event()
+    with TestClient(create_app(settings)) as http:
+        worker = threading.Thread(target=run_worker, args=(url,), daemon=True,
+                                  kwargs={"measurer": "model", "target": "h100", "stop": stop, "poll_s": 0.05,
+                                          "settings": settings})
+        worker.start()
+        cache = KernelCache("http://testserver", cache_dir=tmp_path / "client", http_client=http)
+        try:
+            kernel = cache.tune(RMSNORM, {"t": {"min": 1, "max": 64}, "c": C}, batch_invariant=True, trials=1,
+                                measurer="model", timeout=120, progress=False)
+            # a range of several buckets over other sizes, for the lookup's filter below
+            several = http.post("/v1/jobs", json={"spec": RMSNORM, "shape": {"t": {"min": 65, "max": 128,
+                                                                                   "buckets": [100, 128]}, "c": C},
+                                                 "measurer": "model", "budget": {"trials": 1, "seconds": 600}}).json()
+            deadline = time.monotonic() + 120
+            while (view := http.get(f"/v1/jobs/{several['id']}").json())["status"] in ("queued", "running"):
+                assert time.monotonic() < deadline, view
+                time.sleep(0.2)
+            assert view["status"] == "succeeded" and view["range"]["batch_invariant"] is False, view
+        finally:
+            stop.set()
+            worker.join(30)
+        assert isinstance(kernel, RangeKernel)
+        assert cache.get(RMSNORM, {"t": 37, "c": C}, batch_invariant=True) is kernel
+        found = http.get("/v1/kernels", params={"spec_hash": several["spec_hash"], "shape": f"t=37,c={C}",
+                                                "batch_invariant": "true"}).json()
+        assert found["range"]["batch_invariant"] is True and found["range"]["shape"]["d1"]["buckets"] == [64]
+
+        torch.manual_seed(0)
+        w = torch.randn(C)
+        x = torch.randn(64, C) * torch.logspace(-3, 3, 64).unsqueeze(1)  # rows of very different scales
+        whole = kernel(x=x, w=w)["y"]
+        part = kernel(x=x[:37], w=w)["y"]
+        for row in (0, 5, 36):
+            alone = kernel(x=x[row:row + 1], w=w)["y"]
+            assert kernel.last_bucket == {"c": C, "t": 64}  # every size runs the one kernel
+            assert torch.equal(alone[0], part[row]) and torch.equal(alone[0], whole[row]), row
+        ref = x.double() * torch.rsqrt((x.double() ** 2).mean(1, keepdim=True) + 1e-6) * w.double()
+        assert torch.allclose(whole.double(), ref, rtol=1e-5, atol=1e-6)
+
+        # t = 100 is held only by the range of two buckets: not served to a batch-invariant get()
+        assert isinstance(cache.get(RMSNORM, {"t": 100, "c": C}), RangeKernel)
+        with pytest.raises(KernelNotFound, match="batch-invariant"):
+            cache.get(RMSNORM, {"t": 100, "c": C}, batch_invariant=True)
+        cache.close()
