@@ -77,6 +77,8 @@ from fuser_core.interpreter import interpreter_quiet  # (re-exported: fuser_core
 from fuser_core.reference import Evaluator, bind_scalars, bind_shape, check_inputs, evaluate, random_inputs, random_scalars
 from fuser_core.spec import Spec
 
+NO_LAUNCH = "none"  # the strategy a run reports when a dim is empty and no kernel is launched
+
 # bfloat16: 4 of its ulps (2^-8 each). A bf16 attention rounds twice (P to the tensor cores' operand type, the
 # output to its storage): 2 ulps, 0.0121 measured on causal multi_pass, which the former 1e-2 refused while it
 # meets FlashAttention's own criterion (tests/fuser_core/test_attention_accuracy.py)
@@ -135,7 +137,7 @@ def run(
                              "tensor)", loc=("inputs", inp.name))
     tensors = to_torch(arrays, dtypes, dev)
     if has_empty_dim(bound):  # no launch: empty outputs, reductions over an empty axis their identities
-        return RunResult(strategy or "none", config or KernelConfig(),
+        return RunResult(strategy or NO_LAUNCH, config or KernelConfig(),
                          empty_outputs(spec, bound, tensors, output_dtypes(spec, dtypes)), "")
     if strategy == BASELINE:  # the comparison baseline: one kernel per reduction, through memory
         from fuser_core.codegen.chain import run_chain_detailed

@@ -123,7 +123,7 @@ def parse_families(text: str | None, default: Sequence[str] = RUN_FAMILIES) -> t
 def apply_family(name: str, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """The family's transform of one standard-normal float array, rows along its last axis."""
     fam = FAMILIES[name]
-    if fam.transform is None:
+    if fam.transform is None or np.size(x) == 0:  # an empty tensor has no rows to transform
         return x
     if fam.affine:
         return _affine(np.asarray(x, np.float64), rng, fam)

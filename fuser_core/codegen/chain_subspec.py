@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fuser_core import expr as ex
+from fuser_core.codegen.config import NotValid
 from fuser_core.derive import Derivation, derive_cascade
 from fuser_core.reference import param_values
 from fuser_core.spec import Input, Spec, Step
@@ -110,6 +111,14 @@ def sub_spec(spec: Spec, step: Step, shape: Mapping[str, int]) -> tuple[dict[str
         raw_inputs[names[part]] = decl
         reads[names[part]] = ("step", part)
     dims = {d for decl in raw_inputs.values() for d in decl["dims"]}
+    # a dim the step reads only through index() (a mask over valid tokens, index(t) < length) has no
+    # input to carry it into a spec of its own: the fused strategies run such a step, the chain cannot
+    indexed = {n.dim for s in [*elementwise, step] for n in ex.walk(s.expr) if isinstance(n, ex.Index)}
+    carried = sorted((indexed | {step.over}) - dims - {None})
+    if carried:
+        raise NotValid(f"the unfused chain cannot run step {step.name!r} alone: it reads dim "
+                       f"{', '.join(carried)} only through index(), and no input it reads has that dim "
+                       "(the fused strategies run it)")
     values = param_values(spec, shape)
 
     def rewrite(node: ex.Expr) -> ex.Expr | None:

@@ -151,9 +151,10 @@ class KernelPrinter:
         """The offsets of ``dim`` on a tile over ``want`` (a scalar lane's: its program's index)."""
         return self.on(f"offs_{dim}", (dim,) if dim in self.layout.dims else (), want)
 
-    def mask(self, dims) -> str:
-        """The tail mask of a tile over ``dims`` ("" when none: scalar lanes need none)."""
-        return " & ".join(self.on(f"mask_{d}", (d,), dims) for d in self.layout.order(dims))
+    def mask(self, dims, on=None) -> str:
+        """The tail mask of ``dims`` placed on a tile over ``on`` (default: ``dims``; "" when none:
+        scalar lanes need none)."""
+        return " & ".join(self.on(f"mask_{d}", (d,), dims if on is None else on) for d in self.layout.order(dims))
 
     def addressed(self, base: str, address, dims, skip: str | None = None) -> str:
         """An input's tile of pointers over ``dims`` from its address (fuser_core.merged.address: a merged
@@ -417,7 +418,9 @@ class KernelPrinter:
             ptr = " + ".join([self.addressed(f"{src}_ptr", where, tile, skip=op.axis),
                               *(f"{fmt.format(self.on(at, at_dims, tile))} * {stride}"
                                 for d, fmt, stride, _ in where if d == op.axis)])
-            mask = " & ".join(m for m in (self.mask([d for d in dims if d != op.axis]), self.on(f"{at}_ok", at_dims, tile)) if m)
+            # the input's own tail masks on the whole tile (the index's lanes included), as its pointers are
+            mask = " & ".join(m for m in (self.mask([d for d in dims if d != op.axis], tile),
+                                          self.on(f"{at}_ok", at_dims, tile)) if m)
             self.emit(f"{var} = {load_expr(f'{ptr}, mask={mask}, other=0', dtype, kind)}")
         value, dims = self.tex(op.expr, op.env), self.tex_dims(op.expr, op.env)
         both = self.layout.union(dims, at_dims)

@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fuser_core import DerivationLimitError, Spec, SpecError, SpecKey
+from service.api.child_pipe import receive as receive_answer
 from service.api.problems import Problem, invalid_field, spec_problem
 from service.api.spec_child import SpecParser
 
@@ -230,29 +231,23 @@ class Deriver:
             raise
         send.close()  # the child holds its end: EOF here if it dies without answering
         self.running.add(proc.pid)
-        readable = loop.create_future()
-        loop.add_reader(receive.fileno(), lambda: readable.done() or readable.set_result(None))
         finished = False
         try:
-            while not readable.done():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self._too_slow()
-                await asyncio.wait({readable}, timeout=left)
-            try:
-                result = receive.recv()
+            try:  # read whole off the loop (service/api/child_pipe.py: uvloop and answers over 64 KB)
+                result = await receive_answer(receive, deadline)
+            except TimeoutError:
+                raise self._too_slow() from None
             except EOFError:
                 result = ("error", f"the derivation's process died (exit code {proc.exitcode})")
             finished = True
             return result
         finally:
-            loop.remove_reader(receive.fileno())
-            receive.close()
-            self.running.discard(proc.pid)
-            if not finished:
+            if not finished:  # killed first: a read still waiting in its thread ends with EOF
                 log.info("derivation stopped", extra={"spec": name})
                 self._stop(proc)
-            else:
+            receive.close()
+            self.running.discard(proc.pid)
+            if finished:
                 self._reap(proc)
 
     def _stop(self, proc: Any) -> None:

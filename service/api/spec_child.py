@@ -27,6 +27,7 @@ from typing import Any
 
 from fuser_core import SpecError, SpecKey
 from service.api.cache import SpecCache
+from service.api.child_pipe import receive
 from service.api.problems import Problem, spec_problem
 
 log = logging.getLogger("foldwise.api")
@@ -109,19 +110,14 @@ class SpecParser:
     async def _ask(self, source: str, deadline: float, too_slow: Callable[[], Problem]) -> tuple:
         if self._proc is None or self._proc.exitcode is not None:
             await self._start(deadline, too_slow)
-        conn, loop = self._conn, asyncio.get_running_loop()
+        conn = self._conn
         answered = False
-        readable = loop.create_future()
         try:
             conn.send(source)  # the child waits in recv: a pipe write (past 64 KB, until the child reads)
-            loop.add_reader(conn.fileno(), lambda: readable.done() or readable.set_result(None))
-            try:
-                await asyncio.wait({readable}, timeout=max(0.0, deadline - time.monotonic()))
-                if not readable.done():
-                    raise too_slow()
-            finally:
-                loop.remove_reader(conn.fileno())
-            answer = conn.recv()
+            try:  # read whole off the loop (service/api/child_pipe.py: uvloop and answers over 64 KB)
+                answer = await receive(conn, deadline)
+            except TimeoutError:
+                raise too_slow() from None
             answered = True
             return answer
         except (EOFError, OSError) as err:  # the child died (killed from outside: a bug or the OOM killer)

@@ -187,3 +187,51 @@ def test_elementwise_kernel_scalar_outputs():
         got = k.launch({"x": x}, {"s": s, "t": t.reshape(())}, {"m": 3, "n": 5})
         for o in outs:
             torch.testing.assert_close(got[o], want[o], rtol=1e-5, atol=1e-5)
+
+
+# DeepSeek-V3's router (issue 37, 14): experts picked by the biased scores, weighted by the unbiased
+# ones, gathered at the picked positions. Its gather runs on a [t, j] tile whose blocks differ (t in
+# a block of 8, j of 2): the input's own tail mask must be on that tile, not on [t] alone.
+DS_ROUTER = {
+    "foldwise": 1, "name": "ds_router",
+    "inputs": {"logits": {"dims": ["t", "x"]}, "bias": {"dims": ["x"]}},
+    "steps": [
+        {"name": "s", "expr": "sigmoid(logits)"},
+        {"name": "sel", "reduce": "topk", "over": "x", "k": 2, "as": "j", "expr": "s + bias"},
+        {"name": "w", "reduce": "sum", "over": "x", "expr": "where(index(x) == sel.indices, s, 0)"},
+    ],
+    "outputs": ["w", "sel"],
+}
+
+
+@pytest.mark.parametrize("t", [3, 6, 8])
+def test_the_chains_gather_masks_its_whole_tile(t):
+    spec = load_spec(DS_ROUTER)
+    check(spec, {"t": t, "x": 16}, "float32")
+    # a NaN row keeps its NaN weights (the reference's), the other rows theirs
+    bound = bind_shape(spec, {"t": t, "x": 16})
+    inputs = random_inputs(spec, bound, np.random.default_rng(1), bind_dtypes(spec, "float32"))
+    inputs["logits"][1, 5] = np.nan
+    reference = evaluate(spec, bound, inputs)
+    got = run_chain(spec, bound, "float32", inputs)
+    for row in range(t):
+        ref = np.asarray(reference["w"][row], dtype=np.float64)
+        out = got["w"][row].double().numpy()
+        assert np.array_equal(np.isnan(ref), np.isnan(out)), row
+        assert np.allclose(out[~np.isnan(ref)], ref[~np.isnan(ref)], rtol=1e-6, atol=1e-7), row
+
+
+def test_a_dim_read_only_through_index_is_refused_by_the_chain_naming_it():
+    """A masked count over valid tokens reads t only through index(t): no input of the step has t,
+    so its spec of one reduction has no t. The chain says so (the fused strategies run it)."""
+    from fuser_core.codegen.config import NotValid
+
+    spec = load_spec({
+        "foldwise": 1, "name": "masked_mean",
+        "inputs": {"x": {"dims": ["t", "c"]}, "length": {"dims": ["c"], "kind": "index"}},
+        "steps": [{"name": "cnt", "reduce": "sum", "over": "t", "expr": "where(index(t) < length, 1, 0)"},
+                  {"name": "s", "reduce": "sum", "over": "t", "expr": "where(index(t) < length, x, 0)"},
+                  {"name": "mean", "expr": "s / cnt"}],
+        "outputs": ["mean"]})
+    with pytest.raises(NotValid, match="step 'cnt'.*dim t only through index"):
+        chain_modules(spec, {"t": 6, "c": 5}, "float32")

@@ -158,3 +158,52 @@ def test_derivations_leave_a_core_free_by_default(monkeypatch) -> None:
         assert get_settings().derive_workers == workers
     monkeypatch.setenv("FOLDWISE_DERIVE_WORKERS", "4")  # the operator's choice stands
     assert get_settings().derive_workers == 4
+
+
+def _answer_after(conn, size: int, delay_s: float) -> None:  # a child process: one large answer
+    time.sleep(delay_s)
+    conn.send("x" * size)
+
+
+def _child_answer(run, size: int, delay_s: float = 0.1, within_s: float = 20.0):
+    import multiprocessing
+
+    from service.api.child_pipe import receive
+
+    context = multiprocessing.get_context("spawn")
+    conn, theirs = context.Pipe(duplex=False)
+    child = context.Process(target=_answer_after, args=(theirs, size, delay_s), daemon=True)
+    child.start()
+    theirs.close()
+    try:
+        return run(receive(conn, time.monotonic() + within_s))
+    finally:
+        child.kill()
+        child.join(10)
+        conn.close()
+
+
+def test_a_child_answer_larger_than_the_pipe_is_read_whole_under_uvloop() -> None:
+    """Issue 37, 1: uvloop's add_reader leaves the pipe non-blocking, and Connection.recv() of a
+    message over the pipe's 64 KB raised BlockingIOError halfway (a 500 on ``foldwise serve``; the
+    TestClient's asyncio loop never showed it). Read through service.api.child_pipe, a 1 MB answer
+    arrives whole on uvloop and on asyncio's loop."""
+    import asyncio
+
+    import uvloop
+
+    for run in (uvloop.run, asyncio.run):
+        assert _child_answer(run, 1 << 20) == "x" * (1 << 20)
+
+
+def test_a_child_answer_past_its_deadline_raises_timeout() -> None:
+    import uvloop
+
+    started = time.monotonic()
+    try:
+        _child_answer(uvloop.run, 10, delay_s=30, within_s=0.5)
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("no TimeoutError")
+    assert time.monotonic() - started < 10

@@ -50,6 +50,17 @@ def test_self_check_prints_report(softmax: Path) -> None:
     assert report["shape"] == {"m": 3, "n": 37}
 
 
+def test_an_empty_shape_runs_cleanly(softmax: Path) -> None:
+    """n = 0 (issue 37, 10): nothing is launched, the output is empty, and the accuracy families run
+    at their own shapes (axis1 at n = 1) with the strategy those shapes pick: exit 0, no traceback."""
+    r = foldwise_run(softmax, "--shape", "m=4,n=0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    report = json.loads(r.stdout)
+    assert report["strategy"] == "none" and report["passed"] and report["accuracy"]["passed"]
+    assert {f["family"] for f in report["accuracy"]["families"]} >= {"axis1", "empty"}
+
+
 def test_self_check_default_strategy_and_16bit(catalog_dir: Path) -> None:
     proc = foldwise_run(catalog_dir / "layernorm.json", "--shape", "t=2,c=19", "--dtype", "bfloat16")
     assert proc.returncode == 0, proc.stderr
