@@ -37,6 +37,9 @@ from service.errors import InvalidRequest
 from service.shape_ranges import bucket_shapes, has_ranges, range_key, split_shape
 
 MEASURERS = ("cuda", "model")  # cuda: timed on a worker's GPU; model: predicted by the cost model
+# a target's name as a query parameter takes it (the GPU profiles' names are these characters): text
+# with a NUL byte or a quote never reaches a database filter (PostgreSQL refuses NUL with a DataError)
+TARGET_PATTERN = r"^[A-Za-z0-9_.-]{1,32}$"
 
 
 # ----------------------------------------------------------------------------- single fields
@@ -184,6 +187,11 @@ def tuning_request(spec: Spec, source: str | Mapping[str, Any], shape: Mapping[s
     elif batch_invariant:  # one size is one kernel already: the flag would promise nothing
         errors.append(InvalidRequest("needs a range: give the batch dim as {\"min\": .., \"max\": ..} and one "
                                      "kernel serves every size in it", loc=("batch_invariant",)))
+    buckets = math.prod(len(r.buckets) for r in ranges.values())
+    if budget is not None and limits.max_trials is not None and budget[0] * buckets > limits.max_trials:
+        # a range job runs budget.trials per bucket: the server's limit is on what one request makes it run
+        errors.append(InvalidRequest(f"{buckets} buckets x {budget[0]} trials = {budget[0] * buckets} trials in all; "
+                                     f"at most {limits.max_trials} per job", loc=("budget", "trials")))
     if isinstance(shape, Mapping) and limits.max_dim is not None:
         for dim, size in shape.items():
             if isinstance(size, int) and not 1 <= size <= limits.max_dim:

@@ -26,7 +26,7 @@ from service.api.cache import BundleCache, SpecCache
 from service.api.deps import AppContext
 from service.api.derive import Deriver
 from service.api.fastpath import BundleFastPath, LoopReader
-from service.api.middleware import AccessLog, BodyLimit, OneAuthorization
+from service.api.middleware import AccessLog, BodyLimit, NoNulBytes, OneAuthorization
 from service.api.schemas import ProblemView
 from service.api.validation import ParsedSpecs
 from service.api.problems import (
@@ -138,6 +138,7 @@ def create_app(settings: Settings | None = None, *, check_db: bool = True, dashb
     if fast_path:
         app.add_middleware(BundleFastPath, ctx=ctx)
     app.add_middleware(OneAuthorization)  # before the fast path and every route read the header
+    app.add_middleware(NoNulBytes)  # before any text parameter reaches a route (or a database filter)
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(AccessLog, metrics=ctx.metrics)
     _document_problems(app)

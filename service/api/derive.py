@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fuser_core import DerivationLimitError, Spec, SpecError, SpecKey
+from service.api.child_bounds import bound_child, memory_message
 from service.api.child_pipe import receive as receive_answer
 from service.api.problems import Problem, invalid_field, spec_problem
 from service.api.spec_child import SpecParser
@@ -61,6 +62,7 @@ def _child(conn: Any, source: str) -> None:
     """In the child: the report's cache entry of the spec whose JSON text is ``source`` (text
     crosses to the child cheaply; a parsed Spec costs the API's process a pickling), or the
     error as plain data (a SpecError's ``loc`` and ``step`` do not survive pickling)."""
+    bound_child()  # dies with the API, its heap capped (service/api/child_bounds.py)
     try:
         os.nice(CHILD_NICE)
     except OSError:
@@ -73,6 +75,8 @@ def _child(conn: Any, source: str) -> None:
         result = ("spec", err.message, err.loc, err.step)
     except DerivationLimitError as err:
         result = ("limit", str(err))
+    except MemoryError:
+        result = ("limit", memory_message())
     except Exception as err:  # noqa: BLE001 - a bug in the derivation: the parent logs it and answers 500
         result = ("error", f"{type(err).__name__}: {err}")
     conn.send(result)

@@ -6,6 +6,9 @@
 - :class:`OneAuthorization`: refuses a request with more than one ``Authorization`` header
   (400 naming the header) before any route or the bundle fast path reads one: two readers
   could otherwise pick different ones (the first, the last).
+- :class:`NoNulBytes`: refuses a URL whose path or query holds a NUL byte (``%00``) with 422:
+  every route's text parameters are then free of it, and none reaches a database filter
+  (PostgreSQL refuses NUL in text with a DataError: a ``target=h1%0000`` filter answered 500).
 - :class:`AccessLog`: adds ``X-Content-Type-Options: nosniff`` to every answer, times every request, records it in the latency histogram (by route
   template, so ids in paths do not multiply the series) and logs one JSON line.
 """
@@ -104,6 +107,23 @@ class OneAuthorization:
                               errors=[error_entry(["Authorization"], message, where="header")])
             await problem.response()(scope, receive, send)
             return
+        await self.app(scope, receive, send)
+
+
+class NoNulBytes:
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            parts = (("query", scope.get("query_string", b"")), ("path", scope.get("raw_path") or b""))
+            for where, text in parts:
+                if b"%00" in text or b"\x00" in text:
+                    message = "holds a NUL byte (%00)"
+                    problem = Problem(422, "Invalid request", f"the URL's {where} {message}", kind="validation",
+                                      errors=[error_entry([where], message, where=where)])
+                    await problem.response()(scope, receive, send)
+                    return
         await self.app(scope, receive, send)
 
 

@@ -29,6 +29,7 @@ from service.api import ops
 from service.api.deps import AppContext, Context, Db, database
 from service.api.schemas import JobList, JobRequest, JobView, ProblemView, TrialList
 from service.spec_store import HASH_PATTERN
+from service.tuning_request import TARGET_PATTERN
 
 router = APIRouter(tags=["jobs"])
 JobId = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="a job id (32 lowercase hex)")]
@@ -69,7 +70,7 @@ async def list_jobs(
     ctx: Context, db: Annotated[Db, Depends(database(None))],
     status: Annotated[Literal["queued", "running", "succeeded", "failed", "cancelled"] | None, Query()] = None,
     spec_hash: Annotated[str | None, Query(pattern=HASH_PATTERN)] = None,
-    target: Annotated[str | None, Query(max_length=32)] = None,
+    target: Annotated[str | None, Query(pattern=TARGET_PATTERN)] = None,
     shape: Annotated[str | None, Query(max_length=2048, description="d0=4,d1=300 (needs spec_hash)")] = None,
     dtype: Annotated[str | None, Query(max_length=2048, description="a dtype or a per-input map (needs spec_hash)")]
     = None,

@@ -23,6 +23,7 @@ from service.api.routes_jobs import ERRORS
 from service.api.schemas import KernelView
 from service.bundle import ARCH_PATTERN
 from service.spec_store import HASH_PATTERN
+from service.tuning_request import TARGET_PATTERN
 
 router = APIRouter(tags=["kernels"])
 KernelId = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="a kernel id (32 lowercase hex)")]
@@ -32,7 +33,7 @@ KernelId = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="a kernel 
 async def lookup_kernel(
     ctx: Context, db: Annotated[Db, Depends(database("kernels:read"))],
     spec_hash: Annotated[str, Query(pattern=HASH_PATTERN, description="the spec's sha256, or a prefix of 12+ hex characters")],
-    target: Annotated[str | None, Query(max_length=32, description="default: the server's target")] = None,
+    target: Annotated[str | None, Query(pattern=TARGET_PATTERN, description="default: the server's target")] = None,
     shape: Annotated[str | None, Query(max_length=2048, description="d0=4,d1=300 (canonical dims) or the spec's own")] = None,
     dtype: Annotated[str, Query(max_length=2048, description="float32|float16|bfloat16 or a JSON map")] = "float32",
     batch_invariant: Annotated[bool, Query(description="only a range one kernel serves whole")] = False,

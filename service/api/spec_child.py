@@ -27,6 +27,7 @@ from typing import Any
 
 from fuser_core import SpecError, SpecKey
 from service.api.cache import SpecCache
+from service.api.child_bounds import bound_child
 from service.api.child_pipe import receive
 from service.api.problems import Problem, spec_problem
 
@@ -37,6 +38,7 @@ def _serve(conn: Any, nice: int) -> None:
     """In the child: for each spec text received, ``("ok", SpecKey)`` or the error as plain
     data (a SpecError's ``loc`` and ``step`` do not survive pickling), until the API's end of
     the pipe closes."""
+    bound_child()  # dies with the API, its heap capped (service/api/child_bounds.py)
     try:
         os.nice(nice)
     except OSError:

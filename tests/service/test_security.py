@@ -232,6 +232,17 @@ def test_path_identifiers_never_reach_the_database_or_500(db_url, sessions) -> N
             r = client.get("/v1/kernels", params={"spec_hash": HEX64, key: value})
             assert r.status_code in (404, 422), (key, r.status_code, r.text[:300])
         assert n > 100
+        # a NUL byte in any query parameter (issue 37, 6: target=h1%0000 answered 500 on PostgreSQL)
+        for path, params in (("/v1/kernels", {"spec_hash": HEX64, "target": "h1\x0000"}),
+                             ("/v1/jobs", {"target": "h\x00100"}), ("/v1/jobs", {"status": "qu\x00eued"}),
+                             ("/v1/dashboard/kernels", {"target": "h\x00100"}),
+                             ("/v1/dashboard/kernels", {"dtype": "float\x0032"}),
+                             ("/v1/dashboard/specs", {"hash": "ab\x00cd"})):
+            r = client.get(path, params=params)
+            assert r.status_code == 422, (path, params, r.status_code, r.text[:300])
+            assert r.headers["content-type"].startswith(PROBLEM)
+        r = client.get("/v1/jobs", params={"target": "h1\x0000"})
+        assert r.json()["errors"][0]["loc"] == ["query"], r.text
         with sessions() as s:
             assert s.execute(sa.text("SELECT count(*) FROM jobs")).scalar() == before
 

@@ -359,3 +359,19 @@ def test_a_batch_invariant_range_gives_a_row_the_same_bits_at_every_batch_size(t
         with pytest.raises(KernelNotFound, match="batch-invariant"):
             cache.get(RMSNORM, {"t": 100, "c": C}, batch_invariant=True)
         cache.close()
+
+
+def test_a_range_jobs_trials_in_all_are_within_the_servers_limit() -> None:
+    """Issue 37, 6: budget.trials runs per bucket, so 32 buckets x 1,000 trials was one request for
+    32,000 trials; the limit is on the job's trials in all."""
+    from service.tuning_request import Limits
+
+    limits = Limits(max_trials=1000)
+    spec = rmsnorm_spec()
+    ok = tuning_request(spec, RMSNORM, {"t": {"min": 1, "max": 8}, "c": 64}, "float32", "h100", "model", 250, 60.0,
+                        limits=limits)
+    assert len(ok.buckets) == 4
+    with pytest.raises(InvalidRequest, match="4 buckets x 251 trials = 1004") as err:
+        tuning_request(spec, RMSNORM, {"t": {"min": 1, "max": 8}, "c": 64}, "float32", "h100", "model", 251, 60.0,
+                       limits=limits)
+    assert err.value.loc == ("budget", "trials")
