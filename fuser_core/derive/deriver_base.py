@@ -45,6 +45,32 @@ class DeriverBase:
                 return found
         return None
 
+    def nested_hint(self, red: Step, through: str) -> str:
+        """Where the refusal comes from one reduction nested in another of the same kind over the
+        dim the inner one leaves (a sum over g of a sum over c: GroupNorm written with one-dim
+        steps), and every step over those two dims is such a pair, the list form of ``over`` that
+        takes them in one loop; "" otherwise (a step over one of the dims alone, as a per-block
+        amax, could not join a list)."""
+        for outer, inner in ((self.step, red), (red, self.conv.spec.step(through))):
+            if self.nests(outer, inner):
+                dims = (outer.over, inner.over)
+                over_them = {s.name for s in self.conv.spec.steps if s.is_reduction and s.over in dims}
+                paired = {n for o in self.conv.spec.steps for i in self.conv.spec.steps if self.nests(o, i)
+                          for n in (o.name, i.name)}
+                if over_them <= paired:
+                    listed = ", ".join(f'"{d}"' for d in dims)
+                    return (f"; {outer.name} is a {outer.reduce} over {outer.over} of the {inner.reduce} "
+                            f'{inner.name}: one step with "over": [{listed}] reduces both dims in one loop '
+                            '(docs/SPEC.md, "Reducing over several dims")')
+        return ""
+
+    def nests(self, outer: Step, inner: Step) -> bool:
+        """``outer`` reduces, by the same op, over a dim ``inner``'s result keeps, and reads it."""
+        return (outer.is_reduction and inner.is_reduction and outer.reduce == inner.reduce
+                and outer.reduce in ("sum", "max", "min") and isinstance(outer.over, str)
+                and isinstance(inner.over, str) and outer.over in inner.dims
+                and any(self.conv.leaf_step.get(sym) is inner for sym in self.conv.integrand(outer).free_symbols))
+
     def derive(self) -> ReductionForm:
         step, F = self.step, self.F
         deps: dict[str, sp.Symbol] = {}
@@ -60,7 +86,7 @@ class DeriverBase:
                     return self.not_fused(
                         tuple(deps),
                         f"reads {red.name}, a reduction over {red.over} that itself needs the final {through}: "
-                        "no single loop over the axis can provide it",
+                        "no single loop over the axis can provide it" + self.nested_hint(red, through),
                     )
             if self.axis in self.conv.leaf_dims.get(sym, ()):
                 streamed.add(sym)

@@ -238,3 +238,33 @@ def test_the_accuracy_bar_compares_with_torchs_group_norm(group_norm):
     small = capped_shape(spec, d, bind_shape(spec, {"n": 2, "g": 3, "c": 5, "p": 7}), axis=20, inner=5, free=4,
                          batch=2, lane=3)
     assert (small["c"], small["p"], small["c_p"]) == (2, 7, 14)
+
+
+def test_group_norm_written_with_one_dim_steps_is_pointed_to_the_list_form():
+    """Issue 37, 16: a sum over g of a sum over c (GroupNorm's statistics as two one-dim steps each)
+    is not fused, and the refusal names the list form of over that is."""
+    from fuser_core.derive import derive_cascade
+    from fuser_core.spec import load_spec
+
+    nested = {"foldwise": 1, "name": "gn_nested", "inputs": {"x": {"dims": ["t", "g", "c"]}}, "steps": [
+        {"name": "s1", "reduce": "sum", "over": "c", "expr": "x"},
+        {"name": "s", "reduce": "sum", "over": "g", "expr": "s1"},
+        {"name": "mean", "expr": "s / (size(g) * size(c))"},
+        {"name": "q1", "reduce": "sum", "over": "c", "expr": "(x - mean) * (x - mean)"},
+        {"name": "q", "reduce": "sum", "over": "g", "expr": "q1"},
+        {"name": "y", "expr": "(x - mean) * rsqrt(q / (size(g) * size(c)) + 1e-5)"}], "outputs": ["y"]}
+    derivation = derive_cascade(load_spec(nested))
+    reasons = {f.step.name: f.reason for f in derivation.forms.values() if not f.fused}
+    assert set(reasons) == {"q1", "q"}, reasons
+    assert 's is a sum over g of the sum s1: one step with "over": ["g", "c"]' in reasons["q1"]
+    assert 'q is a sum over g of the sum q1: one step with "over": ["g", "c"]' in reasons["q"]
+    listed = {**nested, "name": "gn_listed", "steps": [
+        {"name": "s", "reduce": "sum", "over": ["g", "c"], "expr": "x"},
+        {"name": "mean", "expr": "s / (size(g) * size(c))"},
+        {"name": "q", "reduce": "sum", "over": ["g", "c"], "expr": "(x - mean) * (x - mean)"},
+        {"name": "y", "expr": "(x - mean) * rsqrt(q / (size(g) * size(c)) + 1e-5)"}]}
+    assert all(f.fused for f in derive_cascade(load_spec(listed)).forms.values())
+    # a step over one of the dims alone (a per-block amax over c) could not join a list: no hint there
+    blocks = derive_cascade(load_catalog_spec("rmsnorm_fp8_per_block"))
+    amax = next(f for f in blocks.forms.values() if f.step.name == "amax")
+    assert not amax.fused and '"over": [' not in amax.reason
