@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sympy as sp
 
-from fuser_core.derive.algebra import at_most, expanded_terms, symbol_names
+from fuser_core.derive.algebra import at_most, exp_logs_split, expanded_terms, masks_folded, symbol_names
 from fuser_core.derive.forms import (
     MAX_EXPAND_POWER,
     MAX_SEPARATE_EXPONENT,
@@ -29,7 +29,7 @@ class DeriverBase:
         self.step = step
         self.forms = forms
         self.axis = step.over
-        self.F = conv.integrand(step)
+        self.F = exp_logs_split(masks_folded(conv.integrand(step)))
 
     # -- classification of the integrand's leaves
     def reaches_axis(self, red: Step, seen: frozenset[str] = frozenset()) -> str | None:

@@ -137,3 +137,49 @@ def test_grouping_finds_the_users_sums_inside_a_derived_one():
     assert [p.expr for p in parts if not p.grouped] == [y]
     assert g.split(a - ma).left == a and g.split(a - ma).sign == -1
     assert g.split(a + ma) is None
+
+
+# Issue 37, 13: weights that come from a mask written as a step of its own (w * (x - mean)^2), and an
+# entropy written -p log(p) with a temperature: both were raw power sums in the fused strategies
+# (at x + 1000: the variance 1e6x the formula's error, the entropy 158x); the mask is folded into a
+# where() and the log's exp taken out (fuser_core.derive.algebra), and both are centred.
+MASKED_MOMENTS = {"foldwise": 1, "name": "masked_moments",
+                  "inputs": {"x": {"dims": ["t", "c"]}, "length": {"dims": ["c"], "kind": "index"}}, "steps": [
+    {"name": "w", "expr": "where(index(t) < length, 1, 0)"},
+    {"name": "cnt", "reduce": "sum", "over": "t", "expr": "w"},
+    {"name": "s", "reduce": "sum", "over": "t", "expr": "w * x"},
+    {"name": "mean", "expr": "s / cnt"},
+    {"name": "q", "reduce": "sum", "over": "t", "expr": "w * (x - mean) * (x - mean)"},
+    {"name": "var", "expr": "q / cnt"},
+], "outputs": ["mean", "var"]}
+ENTROPY_PLOGP = {"foldwise": 1, "name": "entropy_plogp", "inputs": {"x": {"dims": ["m", "n"]}}, "params": {"t": 0.7},
+                 "steps": [
+    {"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
+    {"name": "den", "reduce": "sum", "over": "n", "expr": "exp((x - mx) / t)"},
+    {"name": "p", "expr": "exp((x - mx) / t) / den"},
+    {"name": "h", "reduce": "sum", "over": "n", "expr": "-p * log(p)"},
+], "outputs": ["h"]}
+
+
+def test_masked_weights_and_a_tempered_plogp_are_centred():
+    forms = derive_cascade(load_spec(MASKED_MOMENTS)).forms
+    assert forms["q"].kind in ("shifted", "taylor"), forms["q"]
+    assert forms["q"].fused
+    h = derive_cascade(load_spec(ENTROPY_PLOGP)).forms["h"]
+    assert h.kind == "taylor", h
+
+
+@pytest.mark.parametrize(("raw", "shape", "bar"), [
+    (MASKED_MOMENTS, {"t": 300, "c": 4}, 4.0),  # the issue's must-show: within 4x the formula's error
+    (ENTROPY_PLOGP, {"m": 4, "n": 300}, 2.0),
+], ids=["masked_moments", "entropy_plogp"])
+def test_centred_at_an_offset_of_1000_in_the_strategies_that_run_them(raw, shape, bar):
+    from fuser_core.accuracy import accuracy_check
+
+    spec = load_spec(raw)
+    strategies = ["row_resident", "streaming_fused", "multi_pass"] + (["split_fused"] if bar > 2 else [])
+    for strategy in strategies:
+        with interpreter_quiet():
+            report = accuracy_check(spec, shape, "float32", families=("offset100", "offset1000"), strategy=strategy)
+        ratios = {f["family"]: f["ratio"] for f in report["families"]}
+        assert all(r <= bar for r in ratios.values()), (strategy, ratios)
