@@ -19,6 +19,7 @@ from service.cli_checks import read_spec as _read_spec
 from service.cli_checks import read_spec_source as _read_spec_source
 from service.cli_checks import shape_and_dtype
 from service.cli_errors import EXIT_INVALID, UsageError
+from service.cli_progress import problem_text, stage
 
 
 def cmd_derive(args: argparse.Namespace) -> int:
@@ -67,6 +68,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         checked_families(args.families)
     if args.inputs and not Path(args.inputs).is_file():
         raise UsageError(f"--inputs: cannot read {args.inputs}: no such file")
+    stage("run", f"{problem_text(spec.name, bound, dtype)}: deriving, generating and running the kernel")
     # a strategy that cannot hold this shape, with its default config (a --config given is checked
     # by the run itself, after torch loads: the plan's check is not public API)
     derivation = strategy_fits(spec, bound, strategy) if config is None else None
@@ -82,6 +84,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.inputs:
             report = self_check(spec, shape, dtype, strategy=strategy, config=config, derivation=derivation)
             if families:  # the accuracy bar per input family (docs/API.md): its table on stderr, stdout one JSON
+                stage("run", f"the accuracy bar on {len(families)} input families")
                 ran = report["strategy"]  # an empty shape launched nothing: the families' shapes pick their own
                 report["accuracy"] = accuracy_check(spec, shape, dtype, families=families,
                                                     strategy=strategy if ran == NO_LAUNCH else ran, config=config)
@@ -127,6 +130,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from service.cli_compile import compile_command
 
     spec, shape, raw_dtype = checked_problem(args)
+    stage("compile", f"{problem_text(spec.name, shape)}: deriving and generating the kernels, then Triton's GPU "
+                     f"compiler on each for {args.target}")
     return compile_command(spec, shape, bind_dtypes(spec, raw_dtype), args)
 
 
@@ -222,6 +227,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     checked_tune_choices(args)
     raw_spec = json.loads(_read_spec_source(args.spec))
     shape, dtype = shape_and_dtype(args, spec)
+    stage("tune", f"{problem_text(spec.name, shape)}: deriving, then {args.trials} trials ({args.measurer} measurer, "
+                  f"target {args.target})")
 
     from tuner import Tuner, study_name_for
 

@@ -4,6 +4,7 @@ terminal, whole lines in a log (a pipe or a file gets no carriage returns).
 - ``tune``: :class:`ProgressBar` on a terminal; elsewhere :class:`TrialLog`, a line every
   ``max(1, budget // 10)`` trials (at most ten for any budget, so a log stays readable while a
   long search still shows it is alive) and one for the last trial.
+- every long command: :func:`stage`, a line when it starts each stage of its work;
 - ``compile``: :class:`CompileProgress`, a bar per compiled module on a terminal; elsewhere a
   line per kernel (its target, strategy, name and what the compiler said, or that the compile
   cache answered).
@@ -13,6 +14,20 @@ from __future__ import annotations
 
 import sys
 from typing import Any, TextIO
+
+
+def stage(command: str, text: str, stream: TextIO | None = None) -> None:
+    """One line on stderr saying what a long command is doing now, printed before the work (issue
+    37, 8: ``run`` printed nothing for 32 s on a fresh clone, ``tune`` 42 s): the first comes from
+    the argument checks' side of the command, before sympy, torch or Triton load."""
+    print(f"{command}: {text}", file=stream or sys.stderr, flush=True)
+
+
+def problem_text(name: str, shape: Any, dtype: Any = None) -> str:
+    """``safe_softmax m=4,n=300 float16``, for stage lines."""
+    sizes = ",".join(f"{d}={n}" for d, n in dict(shape).items())
+    kind = "" if dtype is None else " " + (dtype if isinstance(dtype, str) else ",".join(f"{k}:{v}" for k, v in dtype.items()))
+    return f"{name} {sizes}{kind}"
 
 
 def _best(study: Any) -> str:

@@ -87,3 +87,18 @@ def test_tune_logs_progress_lines_off_a_terminal(capsys: pytest.CaptureFixture) 
     lines = [line for line in err.splitlines() if line.startswith("tune: ")]
     assert [line.split(" trials")[0] for line in lines] == [f"tune: {n}/20" for n in (2, 4, 6, 8, 10, 12, 14, 16, 18, 20)]
     assert "\r" not in err and ", best " in lines[-1]
+
+
+@pytest.mark.parametrize("command", [["run", "safe_softmax", "--families", "none"],
+                                     ["tune", "safe_softmax", "--trials", "1", "--measurer", "model", "--no-compile-check"]])
+def test_a_long_command_says_what_it_does_before_it_does_it(command: list[str]) -> None:
+    """Issue 37, 8: the first thing on stderr is the stage line, written before the derivation,
+    the kernels or the search start (``run`` printed nothing for 32 s on a fresh clone)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", *command], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stderr.readline()
+    out, rest = proc.communicate(timeout=300)
+    assert proc.returncode == 0, rest[-2000:]
+    assert first.startswith(f"{command[0]}: safe_softmax m=5,n=300"), first
+    assert "deriving" in first
