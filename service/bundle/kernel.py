@@ -6,6 +6,7 @@ layout, meta tensors, other sizes, trust).
 
 from __future__ import annotations
 
+
 import hashlib
 import importlib.util
 import inspect
@@ -154,6 +155,9 @@ class BundleKernel:
         # sizes already checked -> (bound, shape): a forward pass calls with few distinct sizes, and the
         # checks (bind_shape: the spec's rules, size_limits) were half a warm call's host time
         self._checked_sizes: dict[tuple, tuple[dict[str, int], dict[str, int]]] = {}
+        # what a call traced by torch.compile runs: this call, left out of the graph (torch is loaded:
+        # the module's launcher imported it)
+        self._outside_the_graph = _outside_the_graph(self._call)
 
     def _output_part(self, part: str) -> _OutputPart:
         step, _, suffix = part.partition(".")
@@ -283,6 +287,14 @@ class BundleKernel:
     # -- running
     def __call__(self, inputs: Mapping[str, Any] | None = None, /, *, out: Mapping[str, Any] | None = None,
                  **tensors: Any) -> dict[str, Any]:
+        import torch
+
+        if torch.compiler.is_compiling():  # traced by Dynamo, which cannot trace a launcher: run it eagerly
+            return self._outside_the_graph(inputs, out=out, **tensors)
+        return self._call(inputs, out=out, **tensors)
+
+    def _call(self, inputs: Mapping[str, Any] | None = None, /, *, out: Mapping[str, Any] | None = None,
+              **tensors: Any) -> dict[str, Any]:
         import torch
 
         if inputs is not None and tensors:
@@ -441,3 +453,19 @@ class BundleKernel:
             tensor = tensor if p.same_order else tensor.permute(p.order)
             out[p.name] = to_storage(self._user, p.dims, tensor, bound)
         return out
+
+
+TRACE_ADVICE = ("a Foldwise kernel called inside torch.compile runs outside the graph (its launcher is not "
+                "traceable); for one that compiles, fullgraph included, call KernelCache.torch_op(...) instead")
+
+
+def _outside_the_graph(call: Any) -> Any:
+    """``call`` marked for Dynamo to leave out of the graph, with the reason (issue 37, 11: under
+    torch.compile(fullgraph=True) a raw kernel failed with "Attempted to call function marked as
+    skipped", and without fullgraph the interpreter's launch crashed inside the trace)."""
+    import torch
+
+    try:
+        return torch.compiler.disable(call, reason=TRACE_ADVICE)
+    except TypeError:  # a torch without disable(reason=)
+        return torch.compiler.disable(call)

@@ -448,3 +448,15 @@ def test_a_warm_call_allocates_its_outputs_and_nothing_else(attn, monkeypatch, g
     got = op(**inputs, out=out) if given_out else op(**inputs)
     assert made == ([] if given_out else ["empty"] * len(want))
     assert set(got) == set(want)
+
+
+def test_a_raw_kernel_under_torch_compile_points_to_torch_op(rms):
+    """Issue 37, 11: a raw kernel is left out of the graph: without fullgraph it runs eagerly (it
+    crashed inside the trace), and fullgraph's error names the traceable form, torch_op()."""
+    x, w = rms_inputs()["x"], rms_inputs()["w"]
+    eager = rms(x=x, w=w)["y"]
+    broken = torch.compile(lambda x, w: rms(x=x, w=w)["y"], backend="eager")
+    assert torch.equal(broken(x, w), eager)
+    whole = torch.compile(lambda x, w: rms(x=x, w=w)["y"], backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"KernelCache\.torch_op"):
+        whole(x, w)
