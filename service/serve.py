@@ -57,6 +57,15 @@ def fast_extras() -> dict[str, str]:
     return {"http": "httptools" if have("httptools") else "h11", "loop": "uvloop" if have("uvloop") else "asyncio"}
 
 
+def http_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's options that bound a request's head and the connections (service/http_limits.py),
+    with the open-file limit raised first."""
+    from service.http_limits import raise_open_file_limit, uvicorn_http_options
+
+    raise_open_file_limit()
+    return uvicorn_http_options(settings.max_header_bytes, settings.header_timeout_seconds, settings.max_connections)
+
+
 def http_app() -> Any:
     """The app of one HTTP process (a uvicorn factory): the parent's settings, JSON logs."""
     from service.api import create_app
@@ -92,7 +101,8 @@ def _serve_here(settings: Settings, log_level: str, tuning: Any = None) -> None:
     from service.api import create_app
 
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_config=None,
-                            access_log=False, log_level=log_level, timeout_graceful_shutdown=10)
+                            access_log=False, log_level=log_level, timeout_graceful_shutdown=10,
+                            **http_options(settings))
     server = _Server(config)
     previous = _shutdown_on_signals(server, tuning)
     try:
@@ -111,7 +121,7 @@ def _serve_processes(settings: Settings, processes: int, log_level: str) -> None
     try:  # uvicorn's supervisor: on SIGTERM/SIGINT it stops, terminates and joins the processes, and returns
         uvicorn.run("service.serve:http_app", factory=True, workers=processes, host=settings.host,
                     port=settings.port, log_config=None, access_log=False, log_level=log_level,
-                    timeout_graceful_shutdown=10)
+                    timeout_graceful_shutdown=10, **http_options(settings))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
