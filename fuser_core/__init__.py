@@ -41,7 +41,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("fuser_core.present", n) for n in ("REALISATIONS", "accumulator_names", "correction_text", "merge_text")},
     **{n: ("fuser_core.realisation", n) for n in ("Realisation", "Rescale", "ShiftTerm", "part_acc", "unguarded")},
     "new_anchor": ("fuser_core.realisation", "new"),  # "new" alone says too little at package level
-    **{n: ("fuser_core.runner", n) for n in ("run", "self_check")},
+    **{n: ("fuser_core.runner", n) for n in ("NO_LAUNCH", "run", "self_check")},
     **{n: ("fuser_core.interpreter", n) for n in ("interpreter_quiet",)},
     **{n: ("fuser_core.accuracy", n) for n in ("FAMILIES", "GATE_FAMILIES", "RUN_FAMILIES", "accuracy_check",
                                                "parse_families")},

@@ -75,8 +75,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from fuser_core import NotValid, accuracy_check, accuracy_table, run, self_check, to_logical, to_storage
-    from fuser_core.runner import NO_LAUNCH
+    from fuser_core import (
+        NO_LAUNCH, NotValid, accuracy_check, accuracy_table, run, self_check, to_logical, to_storage,
+    )
 
     families = checked_families(args.families)
 

@@ -477,7 +477,8 @@ def _best_trial(session: Session, job_id: str) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------- finishing
 
 
-def finish_job(session: Session, job_id: str, worker_id: str, *, bundle: dict, kernel_fields: dict) -> Kernel:
+def finish_job(session: Session, job_id: str, worker_id: str, *, bundle: dict, kernel_fields: dict,
+               variant: dict | None = None) -> Kernel:
     """Store the job's result: its bundle and the kernel for its cache key; the job succeeds.
 
     ``bundle`` must verify (:func:`service.bundle.verify_bundle`: format, fields, sha256) and
@@ -488,7 +489,9 @@ def finish_job(session: Session, job_id: str, worker_id: str, *, bundle: dict, k
     ``strategy`` if given must be the bundle's, ``config`` is used only for a bundle
     without one. If a kernel for the same key exists and is at least as good (a measurement
     beats a prediction, then lower time), the job points at it and it is kept; else it is
-    replaced in place (same id). :class:`LeaseLost` if not the holder. Commits.
+    replaced in place (same id). ``variant``: the bundle's compiled binary, stored in the same
+    transaction when the kernel takes this bundle, so the job is never ``succeeded`` before it
+    (issue 37, 7). :class:`LeaseLost` if not the holder. Commits.
     """
     content, digest = kernel_cache.bundle_content(bundle)
     for _ in range(RETRIES):
@@ -496,6 +499,7 @@ def finish_job(session: Session, job_id: str, worker_id: str, *, bundle: dict, k
         try:
             fields = kernel_cache.kernel_values(job, bundle, kernel_fields)
             kernel = kernel_cache.store_kernel(session, job, fields, digest, content)
+            _store_variants(session, [(kernel, digest, variant)])
         except JobError:
             session.rollback()
             raise
@@ -514,12 +518,13 @@ def finish_job(session: Session, job_id: str, worker_id: str, *, bundle: dict, k
 
 
 def finish_range_job(session: Session, job_id: str, worker_id: str, *,
-                     buckets: Sequence[tuple[Mapping[str, int], dict, dict]]) -> list[Kernel]:
+                     buckets: Sequence[tuple[Mapping[str, int], dict, dict]],
+                     variants: Sequence[dict | None] = ()) -> list[Kernel]:
     """Store a range job's result (:mod:`service.shape_ranges`): per bucket ``(shape, bundle,
     kernel_fields)`` as :func:`finish_job` stores one kernel (keyed by the bucket's shape; a
     better kernel already cached for that shape is kept), then the range row naming them; the
-    job succeeds, pointing at the largest bucket's kernel. All in one transaction.
-    :class:`LeaseLost` if not the holder. Commits."""
+    job succeeds, pointing at the largest bucket's kernel. ``variants``: per bucket, its binary
+    (:func:`finish_job`). All in one transaction. :class:`LeaseLost` if not the holder. Commits."""
     contents = [(shape, bundle, fields, *kernel_cache.bundle_content(bundle)) for shape, bundle, fields in buckets]
     for _ in range(RETRIES):
         job = _held(session, job_id, worker_id)
@@ -530,6 +535,8 @@ def finish_range_job(session: Session, job_id: str, worker_id: str, *,
                 kernels.append((dict(shape), kernel_cache.store_kernel(session, job, values, digest, content,
                                                                        shape=shape)))
             kernel_cache.store_range(session, job, kernels)
+            _store_variants(session, [(k, digest, v) for (_, k), (*_, digest), v
+                                      in zip(kernels, contents, list(variants) or [None] * len(kernels))])
         except JobError:
             session.rollback()
             raise
@@ -545,6 +552,16 @@ def finish_range_job(session: Session, job_id: str, worker_id: str, *,
         if committed(session):
             return [k for _, k in kernels]
     raise JobError(f"could not store the kernels of range job {job_id}: concurrent writers kept conflicting")
+
+
+def _store_variants(session: Session, stored: Sequence[tuple[Kernel, str, dict | None]]) -> None:
+    """Each (kernel, its job's bundle sha256, binary): the binary stored where the kernel took
+    that bundle (a better kernel kept from before keeps its own)."""
+    from service.binaries import store_variant
+
+    for kernel, digest, variant in stored:
+        if variant is not None and kernel.bundle_sha256 == digest:
+            store_variant(session, digest, variant)
 
 
 def release_worker_jobs(session: Session, worker_ids: Sequence[str]) -> list[str]:

@@ -424,20 +424,34 @@ class Worker:
 
     def _finish(self, session: Session, job: Job, space: Any, result: Any, binary: dict | None = None) -> None:
         bundle, fields = self._bundle(job, space, result)
-        kernel = job_queue.finish_job(session, job.id, self.worker_id, bundle=bundle, kernel_fields=fields)
-        # the kernel keeps an earlier, better bundle when this job's was not better: compile only ours
-        if self.settings.compile_binaries and kernel.bundle_sha256 == bundle["sha256"]:
-            self._store_binary(session, kernel.bundle_sha256, bundle, binary)
+        job_queue.finish_job(session, job.id, self.worker_id, bundle=bundle, kernel_fields=fields,
+                             variant=self._variant(bundle, binary))
 
     def _finish_range(self, session: Session, job: Job, found: list[tuple]) -> None:
         """Store every bucket's kernel and the range (service.job_queue.finish_range_job)."""
         made = [(shape, *self._bundle(job, space, result), binary) for shape, space, result, binary in found]
-        kernels = job_queue.finish_range_job(session, job.id, self.worker_id,
-                                             buckets=[(shape, bundle, fields) for shape, bundle, fields, _ in made])
-        if self.settings.compile_binaries:
-            for (_, bundle, _, binary), kernel in zip(made, kernels):
-                if kernel.bundle_sha256 == bundle["sha256"]:
-                    self._store_binary(session, kernel.bundle_sha256, bundle, binary)
+        job_queue.finish_range_job(session, job.id, self.worker_id,
+                                   buckets=[(shape, bundle, fields) for shape, bundle, fields, _ in made],
+                                   variants=[self._variant(bundle, binary) for _, bundle, _, binary in made])
+
+    def _variant(self, bundle: dict, binary: dict | None) -> dict | None:
+        """The bundle's binary (service.binaries.job_variant: the one the cuda measurer ran, else
+        compiled on this host), made before the job is marked succeeded: compiled after it, the cubin
+        appeared 18.7 s after ``succeeded`` under load, and a pipeline that downloads on success got
+        source only (issue 37, 7); now it is stored in the finishing transaction (job_queue.finish_job). None: not
+        wanted, or it failed (logged: the kernel is then served as source only)."""
+        if not self.settings.compile_binaries:
+            return None
+        from service.binaries import job_variant
+        from service.bundle import verify_variant
+
+        try:
+            variant = job_variant(bundle, binary)
+            verify_variant(variant)  # checked here: storing it is then one write of the finishing transaction
+            return variant
+        except Exception as err:  # noqa: BLE001 - the kernel is stored; its binary is an extra
+            log.warning("kernel binary not compiled", extra={"bundle_sha256": bundle["sha256"], "error": str(err)})
+            return None
 
     def _bundle(self, job: Job, space: Any, result: Any, *, partial: bool = False) -> tuple[dict, dict]:
         """The bundle of a search's best configuration (generated from the job's one derivation),
@@ -461,18 +475,6 @@ class Worker:
                              measured=measured, derived=space.derivation)
         return bundle, {"time_ms": result.time_ms, "measurer": job.measurer, "predicted": result.predicted,
                         "baselines": baselines or None}
-
-    def _store_binary(self, session: Session, bundle_sha256: str, bundle: dict, binary: dict | None) -> None:
-        """Store the bundle's binary (service.binaries.job_variant: the one the cuda measurer ran,
-        else compiled on this host); a failure is logged and leaves the kernel served as source only."""
-        from service.binaries import job_variant, store_variant
-
-        try:
-            store_variant(session, bundle_sha256, job_variant(bundle, binary))
-            session.commit()
-        except Exception as err:  # noqa: BLE001 - the kernel is stored; its binary is an extra
-            session.rollback()
-            log.warning("kernel binary not stored", extra={"bundle_sha256": bundle_sha256, "error": str(err)})
 
 
 def _baselines(space: Any, result: Any) -> dict[str, Any]:

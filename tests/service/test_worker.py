@@ -488,3 +488,32 @@ def test_a_worker_that_met_an_outage_does_not_take_over_live_leases(db_url, sess
     monkeypatch.setattr(service.db, "_last_outage", {"at": float("-inf")})  # a lease later: a dead holder's job
     assert run_worker(db_url, measurer="model", target="h100", once=True, settings=settings(db_url)) == 1
     assert reload(sessions, job_id).attempts == 2
+
+
+def test_a_job_is_succeeded_only_once_its_binary_is_stored(db_url, sessions, monkeypatch) -> None:
+    """Issue 37, 7: the binary used to be compiled after the job was marked succeeded (18.7 s later
+    under load), so a pipeline that downloaded on success got source only. It is now compiled first
+    and stored in the finishing transaction: when it is written, another connection still sees the
+    job running, and once the job is seen succeeded its binary is there."""
+    import service.binaries as binaries
+
+    job_id = submit(sessions, trials=2)
+    seen: list[str] = []
+    real = binaries.store_variant
+
+    reader = sa.create_engine(db_url)  # a plain reader (the service's sessions begin IMMEDIATE on SQLite)
+
+    def spy(session, bundle_sha256, variant):
+        with reader.connect() as other:  # what a client polling the job sees at this moment
+            seen.append(other.execute(sa.text("SELECT status FROM jobs WHERE id = :id"), {"id": job_id}).scalar())
+        return real(session, bundle_sha256, variant)
+
+    monkeypatch.setattr(binaries, "store_variant", spy)
+    assert run_worker(db_url, measurer="model", target="h100", once=True, worker_id="w-bin",
+                      settings=settings(db_url)) == 1
+    job = reload(sessions, job_id)
+    reader.dispose()
+    assert job.status == "succeeded" and seen == ["running"], seen
+    with sessions() as s:
+        kernel = kernel_cache.get_kernel(s, job.kernel_id)
+        assert [v["arch"] for v in stored_variants(s, kernel.bundle_sha256)] == ["sm_90a"]
