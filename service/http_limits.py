@@ -16,13 +16,13 @@ protocol:
   limit at start, so 1,100 slow connections under a 1,024-descriptor limit no longer refuse
   everyone else (they are dropped after the head timeout instead).
 
-Without httptools (uvicorn's h11 protocol) the head's size is bounded by h11 itself
-(``h11_max_incomplete_event_size``); the head timeout needs httptools.
+The protocol is :class:`service.http_protocol.BoundedHttpToolsProtocol`. Without httptools
+(uvicorn's h11 protocol) the head's size is bounded by h11 itself (``h11_max_incomplete_event_size``);
+the head timeout needs httptools.
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import resource
 from typing import Any
@@ -46,66 +46,18 @@ def raise_open_file_limit() -> int:
 
 
 def uvicorn_http_options(max_header_bytes: int, header_timeout_s: float, max_connections: int) -> dict[str, Any]:
-    """The keyword arguments of ``uvicorn.Config``/``uvicorn.run`` that apply these bounds."""
+    """The keyword arguments of ``uvicorn.Config``/``uvicorn.run`` that apply these bounds, the
+    limits set for this process's protocol (:func:`set_head_limits`; each HTTP process sets its own)."""
     options: dict[str, Any] = {"limit_concurrency": max_connections, "h11_max_incomplete_event_size": max_header_bytes}
+    set_head_limits(max_header_bytes, header_timeout_s)
     if importlib.util.find_spec("httptools") is not None:
-        options["http"] = bounded_protocol(max_header_bytes, header_timeout_s)
+        # by name: uvicorn's supervisor pickles its config into spawned processes
+        options["http"] = "service.http_protocol:BoundedHttpToolsProtocol"
     return options
 
 
-def bounded_protocol(max_header_bytes: int, header_timeout_s: float) -> type:
-    """uvicorn's httptools protocol with the head's size and time bounded (module docstring)."""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+HEAD_LIMITS = {"max_header_bytes": MAX_HEADER_BYTES, "header_timeout_s": HEADER_TIMEOUT_S}  # of this process
 
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            self._in_head, self._head_bytes, self._head_timer = True, 0, None
-            super().connection_made(transport)
 
-        def data_received(self, data: bytes) -> None:
-            if self._in_head:  # bytes of a head not yet complete: counted before httptools buffers them
-                if self._head_timer is None:
-                    self._head_timer = self.loop.call_later(header_timeout_s, self._head_too_slow)
-                self._head_bytes += len(data)
-                if self._head_bytes > max_header_bytes:
-                    self._refuse(431, "Request Header Fields Too Large",
-                                 f"the request line and headers are over {max_header_bytes} bytes")
-                    return
-            super().data_received(data)
-
-        def on_headers_complete(self) -> None:
-            self._in_head, self._head_bytes = False, 0
-            self._stop_head_timer()
-            super().on_headers_complete()
-
-        def on_response_complete(self) -> None:
-            pipelined = bool(self.pipeline)  # a next request already parsed: its head is done
-            super().on_response_complete()
-            self._in_head = not pipelined  # else what arrives next is the next request's head
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._stop_head_timer()
-            super().connection_lost(exc)
-
-        def _stop_head_timer(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_too_slow(self) -> None:
-            self._head_timer = None
-            if self._in_head and not self.transport.is_closing():
-                self._refuse(408, "Request Timeout", f"the request line and headers took over {header_timeout_s:g} s")
-
-        def _refuse(self, status: int, reason: str, message: str) -> None:
-            self._in_head = False
-            self._stop_head_timer()
-            body = message.encode("ascii")
-            self.transport.write(b"".join([
-                f"HTTP/1.1 {status} {reason}\r\n".encode("ascii"),
-                b"content-type: text/plain; charset=utf-8\r\n",
-                b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
-                b"connection: close\r\n\r\n", body]))
-            self.transport.close()
-
-    return BoundedHttpToolsProtocol
+def set_head_limits(max_header_bytes: int, header_timeout_s: float) -> None:
+    HEAD_LIMITS.update(max_header_bytes=max_header_bytes, header_timeout_s=header_timeout_s)

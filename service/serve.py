@@ -71,8 +71,12 @@ def http_app() -> Any:
     from service.api import create_app
     from service.logs import configure_logging
 
+    from service.http_limits import set_head_limits
+
     configure_logging(os.environ.get(LOG_LEVEL_ENV, "info"))
-    return create_app(Settings.model_validate_json(os.environ[SETTINGS_ENV]))
+    settings = Settings.model_validate_json(os.environ[SETTINGS_ENV])
+    set_head_limits(settings.max_header_bytes, settings.header_timeout_seconds)  # for this process's protocol
+    return create_app(settings)
 
 
 def serve(settings: Settings, *, processes: int, measurer: str, log_level: str,
