@@ -84,7 +84,8 @@ def test_compile_logs_each_kernel_and_a_rerun_starts_no_compile_worker() -> None
 def test_tune_logs_progress_lines_off_a_terminal(capsys: pytest.CaptureFixture) -> None:
     assert main(["tune", "safe_softmax", "--shape", "m=8,n=64", "--trials", "20", "--no-compile-check"]) == 0
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("tune: ")]
+    stage, *lines = [line for line in err.splitlines() if line.startswith("tune: ")]
+    assert stage.startswith("tune: safe_softmax m=8,n=64: deriving"), stage  # what it is about to do, first
     assert [line.split(" trials")[0] for line in lines] == [f"tune: {n}/20" for n in (2, 4, 6, 8, 10, 12, 14, 16, 18, 20)]
     assert "\r" not in err and ", best " in lines[-1]
 
