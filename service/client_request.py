@@ -96,18 +96,12 @@ class KernelRequest:
            target: str, batch_invariant: bool = False) -> KernelRequest:
         """``shape`` may give dims as ranges (``{"t": {"min": 1, "max": 64}}``, a tuning job's form):
         the request is then for the range's largest sizes, and its job for the range."""
-        user, job_range = facts.user, None
-        sizes = parse_shape(shape)
-        if has_ranges(sizes):
-            names = facts.names.to_canonical
-            unknown = [d for d in sizes if d not in names]
-            if unknown:
-                raise SpecError(f"unknown dim {unknown[0]!r}; the spec's dims are {', '.join(names)}",
-                                loc=("shape", unknown[0]))
-            job_range = {names[d]: v for d, v in sizes.items()}
-            sizes = {d: v["max"] if is_range(v) and "max" in v else v for d, v in sizes.items()}
-        return KernelRequest(user, facts.shash, canonical_shape(user, sizes), normalize_dtype(user, dtype),
-                             check_target(target), facts.names, facts.source, batch_invariant, job_range)
+        user, given = facts.user, parse_shape(shape)
+        sizes = {d: v["max"] if is_range(v) and "max" in v else v for d, v in given.items()}
+        cshape = canonical_shape(user, sizes)  # names each unknown or missing dim
+        job_range = {facts.names.to_canonical[d]: v for d, v in given.items()} if has_ranges(given) else None
+        return KernelRequest(user, facts.shash, cshape, normalize_dtype(user, dtype), check_target(target),
+                             facts.names, facts.source, batch_invariant, job_range)
 
     @property
     def key(self) -> str:
