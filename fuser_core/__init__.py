@@ -32,6 +32,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("fuser_core.index_values", n) for n in ("IndexRange", "index_ranges", "first_out_of_range",
                                                    "out_of_range_message")},
     **{n: ("fuser_core.merged", n) for n in ("as_logical", "to_logical", "to_storage", "input_to_storage")},
+    **{n: ("fuser_core.paged", n) for n in ("to_pages", "from_pages", "gathered", "call_dims", "call_sizes")},
     **{n: ("fuser_core.catalog", n) for n in (
         "CatalogError", "PACKAGED_DIR", "catalog_dirs", "catalog_entries", "load_suites", "spec_source")},
     **{n: ("fuser_core.derive", n) for n in ("Derivation", "ReductionForm", "derive_cascade")},

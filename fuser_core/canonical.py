@@ -87,6 +87,9 @@ def canonical_form(spec: Spec) -> dict[str, Any]:
         decl: dict[str, Any] = {"dims": [names[d] for d in inp.storage_dims or inp.dims]}
         if not inp.is_float:
             decl["kind"] = inp.kind
+        if inp.paged is not None:  # the layout is the kernel's interface; the table keeps its name, as inputs do
+            decl["paged"] = {"dim": names[inp.paged.dim], "by": [names[d] for d in inp.paged.by],
+                             "table": inp.paged.table, "page_size": inp.paged.page_size}
         inputs[inp.name] = decl
     params: dict[str, Any] = {names[p.name]: ex.to_text(p.expr, names) for p in spec.params if p.name in names}
     for p in spec.runtime_params:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fuser_core import paged
 from fuser_core.spec import Spec
 
 
@@ -90,6 +91,8 @@ def kernel_dims(spec: Spec, name: str) -> tuple[str, ...]:
     part (x[n, g, c_p], a view of the user's tensor), the parts it holds where it holds some
     (w[g, c]: the user's tensor itself, read at c = m // size(p), no copy)."""
     inp = spec.input(name)
+    if inp.paged is not None:
+        return paged.kernel_dims(inp)
     out: list[str] = []
     for d in inp.dims:
         held = [k for k in spec.merges.get(d, ()) if k in inp.storage_dims]
@@ -103,6 +106,8 @@ def address(spec: Spec, name: str, var: str) -> tuple[tuple[str, str, str, tuple
     arguments ``sizes``. A held part k of a merged dim m = (.., k, ..inner) is at
     ``(offs_m // prod(size(inner))) % size(k)`` (no ``%`` for the outer part, no ``//`` for the inner)."""
     inp = spec.input(name)
+    if inp.paged is not None:
+        return paged.address(inp, var)
     out = []
     for d in inp.dims:
         parts = spec.merges.get(d, ())

@@ -28,7 +28,7 @@ from fuser_core import expr as ex
 from fuser_core.errors import SpecError
 from fuser_core.reduce_ops import SPEC_REDUCE_KINDS, is_selection
 # the spec as data lives in spec_model; its names are the spec's public names, read from here too
-from fuser_core.spec_model import INPUT_KINDS, Input, Param, Spec, Step, raw_param  # noqa: F401
+from fuser_core.spec_model import INPUT_KINDS, Input, Paged, Param, Spec, Step, raw_param  # noqa: F401
 
 MAX_SPEC_BYTES = 64 * 1024
 MAX_INPUTS = 16
@@ -49,7 +49,9 @@ TOP_KEYS = {"foldwise", "name", "doc", "inputs", "params", "steps", "outputs", "
 CONSTRAINT = re.compile(r"\s*([A-Za-z][A-Za-z0-9_]{0,63})\s*(<=|<|==|>=|>)\s*([A-Za-z][A-Za-z0-9_]{0,63})\s*\Z")
 MAX_CONSTRAINTS = 16
 STEP_KEYS = {"name", "expr", "reduce", "over", "k", "as", "doc"}
-INPUT_KEYS = {"dims", "kind", "doc"}
+INPUT_KEYS = {"dims", "kind", "doc", "paged"}
+PAGED_KEYS = {"dim", "by", "table", "page_size"}
+MAX_PAGE_SIZE = 4096  # slots per page (vLLM's blocks hold 16 to 256 keys)
 RUNTIME_PARAM_KEYS = {"runtime", "default", "positive", "doc"}
 RUNTIME_KINDS = ("float",)  # a runtime scalar is passed to the kernel as fp32 (never an int: see docs/SPEC.md)
 
@@ -172,6 +174,7 @@ class _Loader:
         steps = self.load_steps(raw["steps"])
         outputs = self.load_outputs(raw["outputs"], steps)
         self.check_reachability(inputs, params, steps, outputs)
+        self.check_page_tables(inputs)
         spec = Spec(
             name=name, doc=doc, inputs=inputs, params=params, steps=steps, outputs=outputs,
             dims=tuple(self.dims), merges=dict(self.merges), _by_name=dict(self.by_name),
@@ -244,10 +247,61 @@ class _Loader:
                     self.dims.append(d)
             if len(self.dims) > MAX_DIMS:
                 raise SpecError(f"the spec uses more than {MAX_DIMS} dims", loc=(*loc, "dims"))
-            inp = Input(name, tuple(dims), kind)
+            paged = self.load_paged(decl["paged"], tuple(dims), kind, out, (*loc, "paged")) if "paged" in decl else None
+            inp = Input(name, tuple(dims), kind, paged=paged)
             self.declare(name, inp, loc, None)
             out.append(inp)
         return tuple(out)
+
+    def load_paged(self, raw: Any, dims: tuple[str, ...], kind: str, earlier: list[Input],
+                   loc: tuple[str | int, ...]) -> Paged:
+        """``"paged": {"dim": "n", "by": ["b"], "table": "block_table", "page_size": 16}``: the input is
+        stored in pages (a paged KV cache, :class:`~fuser_core.spec_model.Paged`). Inputs paged
+        through one table agree on its layout."""
+        self.keys(raw, PAGED_KEYS, loc)
+        for required in sorted(PAGED_KEYS):
+            if required not in raw:
+                raise SpecError("this field is required", loc=(*loc, required))
+        if kind != "float":
+            raise SpecError("only a float input is stored in pages", loc=loc)
+        dim = self.ident(raw["dim"], (*loc, "dim"), "dim name")
+        if dim not in dims:
+            raise SpecError(f"{dim!r} is not a dim of this input ({', '.join(dims)})", loc=(*loc, "dim"))
+        by = raw["by"]
+        if not isinstance(by, list) or not by:
+            raise SpecError("expected a non-empty list of the dims the table is indexed by, such as [\"b\"]",
+                            loc=(*loc, "by"))
+        for i, d in enumerate(by):
+            self.ident(d, (*loc, "by", i), "dim name")
+            if d not in dims or d == dim:
+                raise SpecError(f"{d!r} is not a dim of this input other than {dim!r}", loc=(*loc, "by", i))
+        if len(set(by)) != len(by):
+            raise SpecError("names a dim twice", loc=(*loc, "by"))
+        table = self.ident(raw["table"], (*loc, "table"), "table name")
+        size = raw["page_size"]
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_PAGE_SIZE:
+            raise SpecError(f"must be an integer from 1 to {MAX_PAGE_SIZE}, got {_show(size, 40)}",
+                            loc=(*loc, "page_size"))
+        paged = Paged(dim, tuple(by), table, size)
+        other = next((i for i in earlier if i.paged is not None and i.paged.table == table), None)
+        if other is not None and other.paged != paged:
+            raise SpecError(f"table {table!r} pages input {other.name!r} by dim {other.paged.dim!r}, by "
+                            f"{list(other.paged.by)}, page_size {other.paged.page_size}: the inputs it pages must "
+                            "agree", loc=loc)
+        return paged
+
+    def check_page_tables(self, inputs: tuple[Input, ...]) -> None:
+        """A page table's name is its own (the call passes it by name), and a paged input holds no
+        dims reduced together (its tensor is pages, not a view with a merged dim)."""
+        for inp in inputs:
+            if inp.paged is None:
+                continue
+            loc = ("inputs", inp.name, "paged")
+            if inp.storage_dims:
+                raise SpecError("holds dims reduced together: a paged input's dims are not merged", loc=loc)
+            if inp.paged.table in self.by_name or inp.paged.table in self.dims:
+                raise SpecError(f"table name {inp.paged.table!r} is already an input, param, step or dim name",
+                                loc=(*loc, "table"))
 
     def merge_dims(self, inputs: tuple[Input, ...], raw_steps: Any) -> tuple[Input, ...]:
         """Reductions with a list ``over`` ([c, p]) merge those dims into one, ``c_p`` (of size
@@ -304,7 +358,7 @@ class _Loader:
             if tuple(dims) == inp.dims:
                 out.append(inp)
                 continue
-            new = Input(inp.name, tuple(dims), inp.kind, storage_dims=inp.dims)
+            new = replace(inp, dims=tuple(dims), storage_dims=inp.dims)
             self.by_name[inp.name] = new
             out.append(new)
         order: list[str] = []

@@ -14,11 +14,30 @@ INPUT_KINDS = {"float": False, "index": True}  # input kind -> integer valued (p
 
 
 @dataclass(frozen=True)
+class Paged:
+    """An input stored in pages, as a paged KV cache (vLLM's and FlashAttention's layout): the
+    tensor is ``[pages, page_size, *rest]``, ``rest`` the input's dims but ``by`` and ``dim`` in its
+    order, and element ``[*by, i, *rest]`` of the logical input lies at page ``table[*by, i //
+    page_size]``, slot ``i % page_size`` (:mod:`fuser_core.paged`). ``table`` is an integer tensor
+    ``[*by, cols]``, cols >= cdiv(size(dim), page_size), passed by that name."""
+
+    dim: str
+    by: tuple[str, ...]
+    table: str
+    page_size: int
+
+    def rest(self, dims: tuple[str, ...]) -> tuple[str, ...]:
+        """The dims after the page and the slot in storage: ``dims`` but ``by`` and ``dim``."""
+        return tuple(d for d in dims if d != self.dim and d not in self.by)
+
+
+@dataclass(frozen=True)
 class Input:
     name: str
     dims: tuple[str, ...]  # logical: dims reduced together (a list ``over``) appear as their merged dim
     kind: str = "float"  # "float" or "index"
     storage_dims: tuple[str, ...] = ()  # the dims the user declared (the tensor's own), when they differ
+    paged: Paged | None = None  # stored in pages through a table (a paged KV cache)
 
     @property
     def is_index(self) -> bool:
@@ -111,6 +130,15 @@ class Spec:
         if isinstance(obj, Input | Step):
             return obj.dims
         raise KeyError(ref.name)
+
+    @property
+    def page_tables(self) -> dict[str, Paged]:
+        """Each page table by name -> its layout (the inputs paged through it agree on it)."""
+        return {i.paged.table: i.paged for i in self.inputs if i.paged is not None}
+
+    def paged_by(self, table: str) -> tuple[Input, ...]:
+        """The inputs stored in pages through ``table``, in the spec's order."""
+        return tuple(i for i in self.inputs if i.paged is not None and i.paged.table == table)
 
     @property
     def part_dims(self) -> tuple[str, ...]:

@@ -60,6 +60,7 @@ from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan,
 from fuser_core.codegen.strategies import MULTI_PASS, ROW_RESIDENT
 from fuser_core.codegen.tritonize import Ref, expr_dims, helpers_of, to_triton
 from fuser_core.merged import as_logical
+from fuser_core.paged import gathered
 from fuser_core.problem import MAX_ELEMENTS, tensor_size
 from fuser_core.reference import bind_shape
 from fuser_core.spec import Input, Spec, Step, load_spec
@@ -497,8 +498,9 @@ def run_chain_detailed(
     arrays = {n: a for n, a in inputs.items() if not isinstance(a, torch.Tensor)}
     tensors = {n: a for n, a in inputs.items() if isinstance(a, torch.Tensor)}
     tensors.update(to_torch(arrays, dtypes, dev))
-    # the chain's kernels read logical tensors (a per-channel weight repeated along the merged dim's other parts)
-    tensors = {n: as_logical(spec, n, t, bound) for n, t in tensors.items()}
+    # the chain's kernels read logical tensors (a per-channel weight repeated along the merged dim's other parts,
+    # a paged input's pages gathered)
+    tensors = {n: as_logical(spec, n, t, bound) for n, t in gathered(spec, tensors, bound).items()}
     memory: dict[str, Any] = {}
     for k in kernels:
         memory.update(k.launch(tensors, memory, bound, scalars))

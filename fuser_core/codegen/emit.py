@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import string
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -159,8 +160,14 @@ class KernelPrinter:
     def addressed(self, base: str, address, dims, skip: str | None = None) -> str:
         """An input's tile of pointers over ``dims`` from its address (fuser_core.merged.address: a merged
         dim's part read at offs // size(inner)), leaving out dim ``skip``."""
-        return " + ".join([base, *(f"{fmt.format(self.offs(d, dims))} * {stride}"
+        return " + ".join([base, *(f"{self.offset(fmt, self.offs(d, dims), dims)} * {stride}"
                                    for d, fmt, stride, _ in address if d != skip)])
+
+    def offset(self, fmt: str, position: str, dims) -> str:
+        """An address entry's offset format filled: ``position`` where it reads its dim's offsets,
+        ``offs_X`` fields (a paged input's table, read beside the ``by`` dims) with X's offsets on ``dims``."""
+        named = {f for _, f, _, _ in string.Formatter().parse(fmt) if f and not f.isdigit()}
+        return fmt.format(position, **{f: self.offs(f.removeprefix("offs_"), dims) for f in named})
 
     def pointer(self, base: str, offsets: list[tuple[str, str]], dims) -> str:
         """``base`` plus each (dim, stride) offset, as a tile of pointers over ``dims``."""
@@ -416,7 +423,7 @@ class KernelPrinter:
             src = safe_name(inp)
             tile = self.layout.union([d for d in dims if d != op.axis], at_dims)
             ptr = " + ".join([self.addressed(f"{src}_ptr", where, tile, skip=op.axis),
-                              *(f"{fmt.format(self.on(at, at_dims, tile))} * {stride}"
+                              *(f"{self.offset(fmt, self.on(at, at_dims, tile), tile)} * {stride}"
                                 for d, fmt, stride, _ in where if d == op.axis)])
             # the input's own tail masks on the whole tile (the index's lanes included), as its pointers are
             mask = " & ".join(m for m in (self.mask([d for d in dims if d != op.axis], tile),

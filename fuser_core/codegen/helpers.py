@@ -156,7 +156,8 @@ def topk_merge(vals, idx, tile, tile_idx, slot, AXIS: tl.constexpr, SLOTS: tl.co
 # converts without round-to-even, saturation or subnormals, the same conversion done exactly
 # here in integer and power-of-two arithmetic. Both give the reference's values (fuser_core.reference.cast_to).
 # plain Python, run by the launcher; the rest run in kernels
-HOST_HELPERS = {"fp8_native", "tma_loads", "split_tickets", "int32_offsets"}
+HOST_HELPERS = {"fp8_native", "tma_loads", "split_tickets", "int32_offsets", "page_order", "to_page_layout",
+                "page_table_checked"}
 
 
 def fp8_native():
@@ -207,6 +208,60 @@ def int32_offsets(**tensors):
             raise ValueError(f"{name}: its furthest element is {reach} elements past its first (strides "
                              f"{tuple(t.stride())}); the kernels index with 32-bit offsets, below 2**31: "
                              "pass a contiguous tensor or a view within 2**31 elements")
+
+
+def page_order(count, device):
+    """Page numbers 0 .. count - 1 scrambled (odd ones, then even ones, reversed): a logical tensor
+    paged for a launch (fuser_core.paged) has the pages of a sequence neither in order nor next to
+    each other, so a kernel that read past its table would read other keys."""
+    import torch
+
+    ids = torch.arange(count, dtype=torch.int64, device=device)
+    return torch.cat([ids[1::2], ids[0::2]]).flip(0)
+
+
+def to_page_layout(x, table, order, page_size):
+    """Logical ``x`` stored in pages through ``table`` [*by, cols] (a copy): ``order`` puts x's axes
+    as the table's (by), the paged one, then the rest; returns [pages, page_size, *rest], page
+    ``table[*by, i]`` holding positions i * page_size ... of the paged axis. Slots past its end
+    hold NaN (no kernel reads them)."""
+    nby = table.dim() - 1
+    seq = x.permute(order)
+    seq = seq.reshape(-1, *seq.shape[nby:])
+    rest = tuple(seq.shape[2:])
+    full = seq.new_full((seq.shape[0], table.shape[-1] * page_size, *rest), float("nan"))
+    full[:, : seq.shape[1]] = seq
+    stored = seq.new_empty((table.numel(), page_size, *rest))
+    stored[table.reshape(-1).long()] = full.reshape(-1, page_size, *rest)
+    return stored
+
+
+def page_table_checked(name, table, by, cols, **stored):
+    """The page table a launch reads (int32, its first ``cols`` columns): ValueError naming the table
+    or a paged input (``stored``: name -> (tensor, its shape after the page dim)) that does not
+    have the layout, or, outside a CUDA graph's capture (where a synchronisation is illegal), a
+    page number outside the pages every paged input holds: a kernel would read past them."""
+    import torch
+
+    if table is None:
+        raise ValueError(f"{name}: missing: the paged inputs {', '.join(stored)} are pages, read through it")
+    if table.dtype not in (torch.int32, torch.int64) or tuple(table.shape[:-1]) != tuple(by) or table.shape[-1] < cols:
+        raise ValueError(f"{name}: expected an int32 or int64 tensor of shape ({', '.join(map(str, by))}, >= {cols}),"
+                         f" got {table.dtype} {tuple(table.shape)}")
+    pages = None
+    for what, (t, tail) in stored.items():
+        if t.dim() != 1 + len(tail) or tuple(t.shape[1:]) != tuple(tail):
+            raise ValueError(f"{what}: expected pages of shape (pages, {', '.join(map(str, tail))}), got {tuple(t.shape)}")
+        pages = t.shape[0] if pages is None else min(pages, t.shape[0])
+    table = table[..., :cols].to(torch.int32)
+    capturing = table.is_cuda and torch.cuda.is_current_stream_capturing()
+    if table.numel() and not capturing and not table.is_meta:  # meta: a compile binding the launch
+        bad = (table < 0) | (table >= pages)
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"{name}: holds {int(table[at])} at position {list(at)}; a page number must lie in [0, "
+                             f"{pages}) (the pages {', '.join(stored)} hold)")
+    return table
 
 
 # split_tickets' buffers, by (device, stream): each launch leaves its counts at 0 again

@@ -84,14 +84,21 @@ def target_driver(target: Any):
 
 def meta_inputs(spec, shape: Mapping[str, int], dtypes: Mapping[str, str]) -> dict[str, Any]:
     """Empty ``meta`` tensors for every input: dtypes and strides, no storage; in the user's dims (a
-    contiguous per-channel weight, as inference servers pass it: fuser_core.merged)."""
+    contiguous per-channel weight, as inference servers pass it: fuser_core.merged), a paged input
+    as its pages with its table (fuser_core.paged)."""
     import torch
 
+    from fuser_core.paged import page_table, storage_shape
+
     out = {}
+    for table, layout in spec.page_tables.items():  # a paged KV cache as servers pass it: pages and an int32 table
+        out[table] = page_table(layout, shape, "meta")
     for i in spec.inputs:
         dtype = dtypes.get(i.name, "int64" if i.is_index else "float32")
-        out[i.name] = torch.empty([int(shape[d]) for d in i.storage_dims or i.dims], dtype=getattr(torch, dtype),
-                                  device="meta")
+        dims = [int(shape[d]) for d in i.storage_dims or i.dims]
+        if i.paged is not None:
+            dims = list(storage_shape(i, shape, out[i.paged.table].numel()))
+        out[i.name] = torch.empty(dims, dtype=getattr(torch, dtype), device="meta")
     return out
 
 

@@ -26,6 +26,7 @@ from fuser_core.codegen.plan import KernelConfig, KernelPlan, make_plan
 from fuser_core.codegen.structure import Grid, Launch, ModuleStructure, SplitLaunch, build_structure
 from fuser_core.derive import Derivation
 from fuser_core.merged import launcher_lines
+from fuser_core.paged import launcher_lines as paged_launcher_lines, offsets_checked
 from fuser_core.problem import output_dtypes  # (also read here by codegen.chain)
 from fuser_core.spec import Spec
 
@@ -44,9 +45,9 @@ def _generator_version() -> str:
             digest.update(path.read_bytes())
     # the derivation, the realisations the printer prints, the sympy forms of the spec's expressions, which
     # elements a fold drops (masks) and how
-    # kernels address and launchers lay out inputs of merged dims
+    # kernels address and launchers lay out inputs of merged dims and paged inputs
     # and the reduce kinds' table (identities, helpers)
-    for core in ("derive", "realisation.py", "symbolic.py", "merged.py", "masks.py", "reduce_ops.py"):
+    for core in ("derive", "realisation.py", "symbolic.py", "merged.py", "paged.py", "masks.py", "reduce_ops.py"):
         path = here.parent / core
         for source in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
             digest.update(source.read_bytes())
@@ -136,7 +137,8 @@ def module_source(plan: KernelPlan, stores: dict[str, str], dtypes: dict[str, st
         [f"config: {json.dumps(plan.config.to_dict(), sort_keys=True)}", f"blocks: {json.dumps(plan.blocks, sort_keys=True)}"],
         structure.helpers() + (["fp8_native"] if takes_fp8_native(structure) else [])
         + (["tma_loads"] if descriptor_inputs(structure) else [])
-        + (["split_tickets"] if combines_in_launch(structure) else []) + ["int32_offsets"],
+        + (["split_tickets"] if combines_in_launch(structure) else []) + ["int32_offsets"]
+        + (["page_order", "to_page_layout", "page_table_checked"] if spec.page_tables else []),
     )
     return header + "\n\n" + body + "\n\n" + launcher_source(structure, stores)
 
@@ -228,8 +230,10 @@ def launcher_source(structure: ModuleStructure, stores: dict[str, str]) -> str:
         # order, or out= tensors); the kernels take every output's strides, so any layout is written
         lines.append(f'    {var} = out["{part}"] if out is not None else {alloc}')
         outs.append((part, var))
-    lines.append("    int32_offsets(" + ", ".join(f"{safe_name(i.name)}={safe_name(i.name)}" for i in spec.inputs)
-                 + "".join(f", {v}={v}" for _, v in outs) + ")  # every tensor the kernels address")
+    lines.extend(paged_launcher_lines(spec))
+    addressed = [f"{safe_name(i.name)}={safe_name(i.name)}" for i in spec.inputs if i.paged is None]
+    addressed += [*offsets_checked(spec), *(f"{v}={v}" for _, v in outs)]
+    lines.append(f"    int32_offsets({', '.join(addressed)})  # every tensor the kernels address")
     if takes_fp8_native(structure):
         lines.append(f"    {FP8_NATIVE} = fp8_native()  # the hardware's e4m3 conversions and fp8 dots (sm_89+)")
     if descriptor_inputs(structure):

@@ -20,8 +20,9 @@ from types import ModuleType
 from typing import Any
 
 from fuser_core import (
-    Spec, SpecError, as_logical, bind_scalars, bind_shape, canonical_names, empty_outputs, first_out_of_range,
-    has_empty_dim, index_ranges, interpreter_quiet, load_spec, out_of_range_message, spec_hash, to_storage,
+    Spec, SpecError, as_logical, bind_scalars, bind_shape, call_dims, call_sizes, canonical_names, empty_outputs,
+    first_out_of_range, gathered, has_empty_dim, index_ranges, interpreter_quiet, load_spec, out_of_range_message,
+    spec_hash, to_storage,
 )
 from service.bundle.formats import shape_text, user_names
 from service.bundle.hashing import BundleError
@@ -146,7 +147,9 @@ class BundleKernel:
         self._back = user_names(user) if user is not None else {n: n for n in self._names}
         # a bundle made before launchers took out= (generator of issue 24) is run, then copied into place
         self._takes_out = "out" in inspect.signature(module.launch).parameters
-        self._input_dims = {i.name: i.storage_dims or i.dims for i in self._user.inputs}
+        # the tensors a call passes (a paged input's pages and its table among them: fuser_core.paged)
+        self._input_dims = {name: call_dims(self._user, name)
+                            for name in (*(i.name for i in self._user.inputs), *self._user.page_tables)}
         # runtime params (eps, a scale): passed at call time by keyword, their names kept by the canonical form
         self.scalar_names = tuple(p.name for p in self._user.runtime_params)
         self._parts = tuple(self._output_part(part) for part in self._user.output_parts)
@@ -308,21 +311,26 @@ class BundleKernel:
         ordered_tensors(given, expected, "inputs", "input")
         sizes: dict[str, int] = {}
         devices = set()
-        for inp in self._user.inputs:
-            t = given[inp.name]
-            dims = inp.storage_dims or inp.dims  # the user's dims (a merged dim's parts: c, p)
+        for name, dims in self._input_dims.items():  # the user's dims (a merged dim's parts: c, p; pages)
+            t = given[name]
             if t.dim() != len(dims):
-                raise BundleError(f"inputs.{inp.name}: has {t.dim()} dims {tuple(t.shape)}, expected "
+                raise BundleError(f"inputs.{name}: has {t.dim()} dims {tuple(t.shape)}, expected "
                                   f"{len(dims)} ({', '.join(dims)})")
-            want = self.bundle["inputs"][inp.name]["dtype"]
-            got = str(t.dtype).removeprefix("torch.")
-            if got != want:
-                raise BundleError(f"inputs.{inp.name}: dtype {got}, but this kernel was generated for {want}")
+            if name in self.bundle["inputs"]:  # a page table is int32 or int64 (the launcher checks it)
+                want = self.bundle["inputs"][name]["dtype"]
+                got = str(t.dtype).removeprefix("torch.")
+                if got != want:
+                    raise BundleError(f"inputs.{name}: dtype {got}, but this kernel was generated for {want}")
             for d, n in zip(dims, t.shape):
                 if sizes.setdefault(d, int(n)) != int(n):
-                    raise BundleError(f"inputs.{inp.name}: dim {d} has size {int(n)}, but another input "
+                    raise BundleError(f"inputs.{name}: dim {d} has size {int(n)}, but another input "
                                       f"gives {d} = {sizes[d]}")
             devices.add(t.device)
+        if self._user.page_tables:
+            try:
+                sizes = call_sizes(self._user, sizes)
+            except ValueError as err:
+                raise BundleError(f"inputs.{err}") from None
         if len(devices) > 1:
             raise BundleError(f"inputs: on several devices ({', '.join(sorted(map(str, devices)))}); put them on one")
         device = next(iter(devices))
@@ -346,7 +354,8 @@ class BundleKernel:
         canonical_inputs = {name: given[name] for name in expected}
         if has_empty_dim(shape):  # an empty batch (or axis): no launch (fuser_core/empty.py)
             stores = {part: o["dtype"] for part, o in self.bundle["outputs"].items()}
-            logical = {name: as_logical(self._user, name, t, bound) for name, t in canonical_inputs.items()}
+            logical = {name: as_logical(self._user, name, t, bound)
+                       for name, t in gathered(self._user, canonical_inputs, bound).items()}
             return self._copy_into(dst, self._to_user(empty_outputs(self._canon, shape, logical, stores), bound))
         if not self._takes_out:
             with interpreter_quiet():

@@ -60,6 +60,11 @@ def rename(raw: dict, mapping: dict[str, str]) -> dict:
     out["inputs"] = {
         name: {**decl, "dims": [mapping.get(d, d) for d in decl["dims"]]} for name, decl in raw["inputs"].items()
     }
+    for decl in out["inputs"].values():  # a paged input's layout names its dims (its table keeps its name)
+        if "paged" in decl:
+            paged = decl["paged"]
+            decl["paged"] = {**paged, "dim": mapping.get(paged["dim"], paged["dim"]),
+                             "by": [mapping.get(d, d) for d in paged["by"]]}
     out["params"] = {mapping.get(p, p): _renamed_param(v, mapping) for p, v in raw.get("params", {}).items()}
     steps = []
     for s in raw["steps"]:

@@ -35,7 +35,9 @@ PACKAGED_SPECS = {"attention", "attention_causal", "attention_sink", "cross_entr
                   "attention_gqa", "attention_padded", "attention_varlen", "attention_sliding_window",
                   "attention_softcap", "cross_entropy_ignore", "rmsnorm_residual", "swiglu_fp8_per_token",
                   # norm + fp8 quantisation (issue 36)
-                  "rmsnorm_fp8_per_token", "rmsnorm_residual_fp8_per_token", "rmsnorm_fp8_per_block"}
+                  "rmsnorm_fp8_per_token", "rmsnorm_residual_fp8_per_token", "rmsnorm_fp8_per_block",
+                  # a paged KV cache (issue 36)
+                  "attention_paged"}
 
 
 def test_packaged_catalog_names_are_the_specs_own_names():

@@ -28,6 +28,7 @@ from fuser_core.codegen.plan import default_config, loop_axis
 from fuser_core.derive import derive_cascade
 from fuser_core.errors import SpecError
 from fuser_core.merged import input_to_storage, to_logical, to_storage
+from fuser_core.paged import to_pages
 from fuser_core.problem import make_problem, normalize_dtype
 from fuser_core.reference import bind_shape, evaluate, random_inputs
 from fuser_core.runner import INEXACT_TOLERANCE, TOLERANCE, bind_dtypes, choose_strategy, compare, rel_err, to_torch
@@ -93,7 +94,10 @@ def check_against_reference(spec, derivation, strategy, kernel, shape, dtype="fl
     user = {n: input_to_storage(spec, n, a, bound)
             for n, a in random_inputs(spec, shape, np.random.default_rng(seed), dtypes).items()}
     arrays = {n: to_logical(spec, n, a, bound) for n, a in user.items()}
-    outputs = kernel(to_torch(user, dtypes, "cpu"))
+    tensors = to_torch(user, dtypes, "cpu")
+    # a paged KV cache as a server passes it: pages and a table (n is then the table's width in keys)
+    pages, tables = to_pages(spec, {n: t for n, t in tensors.items() if spec.input(n).paged is not None}, bound)
+    outputs = kernel({**tensors, **pages, **tables})
     reference = {p: to_storage(spec, spec.step(p.split(".")[0]).dims, r, bound)
                  for p, r in evaluate(spec, shape, arrays).items()}
     assert set(outputs) == set(reference)

@@ -20,6 +20,7 @@ import numpy as np
 
 from fuser_core.derive import Derivation
 from fuser_core.merged import consistent
+from fuser_core.paged import to_pages
 from fuser_core.problem import Problem
 from fuser_core.reference import index_input_bound
 from fuser_core.sampled_reference import (
@@ -59,6 +60,15 @@ def family_tensor(name: str, x: Any, pos: int, generator: Any) -> Any:
         out = moved.movedim(-1, pos)
     return out.to(x.dtype)
 
+
+
+def as_called(spec: Spec, inputs: Mapping[str, Any], shape: Mapping[str, int]) -> dict[str, Any]:
+    """Inputs as a server passes them: a paged input as its pages and table (fuser_core.paged), made
+    once, so a timed launch reads through the table and never pages a logical tensor itself."""
+    if not spec.page_tables:
+        return dict(inputs)
+    pages, tables = to_pages(spec, {n: t for n, t in inputs.items() if spec.input(n).paged is not None}, shape)
+    return {**inputs, **pages, **tables}
 
 
 def select_rows(t: Any, dims: tuple[str, ...], rows: Mapping[str, Any]) -> Any:
@@ -211,6 +221,7 @@ class DeviceProblem:
                 want = min(want, int(settings.get("max_sets", 32)))
                 free, _total = torch.cuda.mem_get_info()
                 want = max(1, min(want, int(0.3 * free // max(1, self.input_bytes))))
-            self._sets = [self.inputs] + [self.random_inputs(i) for i in range(1, want)]
+            self._sets = [as_called(self.spec, s, self.shape)
+                          for s in [self.inputs] + [self.random_inputs(i) for i in range(1, want)]]
         return self._sets
 

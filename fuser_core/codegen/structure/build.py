@@ -16,6 +16,7 @@ from fuser_core.codegen.structure.model import Arg, Grid, Kernel, Launch, Module
 from fuser_core.codegen.structure.scales import move_dot_scales
 from fuser_core.codegen.structure.walk_strategies import StrategiesWalk
 from fuser_core.merged import kernel_dims
+from fuser_core.paged import COL
 
 
 class Walk(StrategiesWalk):
@@ -36,6 +37,10 @@ def _args(plan: KernelPlan, inputs: Iterable[str], outputs: Iterable[str], ws: t
     for i in used:
         out += [Arg(f"stride_{var_name(i.name)}_{d}", f"{var_name(i.name)}.stride({k})")
                 for k, d in enumerate(kernel_dims(spec, i.name))]
+    for table, layout in spec.page_tables.items():  # a paged input's pages are read through it (fuser_core.paged)
+        t = var_name(table)
+        out.append(Arg(f"{t}_ptr", t))
+        out += [Arg(f"stride_{t}_{d}", f"{t}.stride({k})") for k, d in enumerate((*layout.by, COL))]
     for p in parts:
         dims = spec.step(p.split(".")[0]).dims
         out += [Arg(f"stride_{var_name(p)}_{d}", f"{var_name(p)}.stride({k})") for k, d in enumerate(dims)]
