@@ -235,3 +235,33 @@ def test_the_tuner_times_kernels_reading_pages_made_once():
     finally:
         measurer.close()
     assert result.error is None and result.details["check"]["passed"], result.error
+
+
+def test_pages_past_2_31_elements_are_read_where_they_lie():
+    """Offsets past 2**31 elements, run (issue 36, 1): a cache of 2**31 + 128 float16 elements per
+    tensor whose sequence lives on its last pages and one near its start. torch.empty reserves the
+    4 GiB without touching it (only the pages written use memory), so CI runs it: a page offset
+    computed in 32 bits would wrap (the interpreter then reads outside the buffer)."""
+    g, d, n = 1, 8, 40
+    pages = 2**31 // (PAGE * g * d) + 1
+    k_cache = torch.empty(pages, PAGE, g, d, dtype=torch.float16)
+    v_cache = torch.empty(pages, PAGE, g, d, dtype=torch.float16)
+    table = torch.tensor([[pages - 1, pages - 2, 3]], dtype=torch.int32)
+    assert (pages - 1) * PAGE * g * d >= 2**31
+    torch.manual_seed(11)
+    keys, vals = torch.randn(n, g, d).half(), torch.randn(n, g, d).half()
+    for j, page in enumerate(table[0].tolist()):
+        count = min(PAGE, n - PAGE * j)
+        k_cache[page, :count], v_cache[page, :count] = keys[PAGE * j:PAGE * j + count], vals[PAGE * j:PAGE * j + count]
+    q = torch.randn(1, g, 1, 1, d).half()
+    shape = {"b": 1, "g": g, "r": 1, "m": 1, "n": n, "d": d, "e": d}
+    bound = bind_shape(SPEC, shape)
+    derivation = derive_cascade(SPEC)
+    module = generate(SPEC, derivation, "streaming_fused", bound, default_config(SPEC, derivation, "streaming_fused", bound),
+                      {"q": "float16", "k": "float16", "v": "float16", "kv_len": "int32"})
+    with interpreter_quiet():
+        o = module.load().launch({"q": q, "k": k_cache, "v": v_cache, "block_table": table,
+                                  "kv_len": torch.tensor([n], dtype=torch.int32)}, bound, scalars={"scale": d**-0.5})["o"]
+    scores = keys[:, 0].double() @ q[0, 0, 0, 0].double() * d**-0.5
+    want = torch.softmax(scores, 0) @ vals[:, 0].double()
+    assert float((o[0, 0, 0, 0].double() - want).abs().max()) < 2e-3  # float16 output: a few ulps
