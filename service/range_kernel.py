@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from service.bundle import BundleError, BundleKernel
+from service.bundle.leading import call_folded
 from service.dim_names import DimNames
 
 
@@ -98,6 +99,10 @@ class RangeKernel:
     def __call__(self, inputs: Mapping[str, Any] | None = None, /, *, out: Mapping[str, Any] | None = None,
                  **tensors: Any) -> dict[str, Any]:
         given = inputs if inputs is not None else tensors
+        if isinstance(given, Mapping) and not (inputs is not None and tensors):  # [b, s, c] for x[t, c]: the bucket of t
+            folded = call_folded(self, self._largest.input_dims, self._largest.output_dims, given, out)
+            if folded is not None:
+                return folded
         sizes = {}
         for name, _lo, _hi, _uppers, (inp, axis) in self._dims:
             t = given.get(inp) if isinstance(given, Mapping) else None

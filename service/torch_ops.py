@@ -62,6 +62,7 @@ from torch._guards import TracingContext
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack  # what torch's detect_fake_mode reads
 
 from service.bundle import BundleError, BundleKernel, ordered_tensors
+from service.bundle.leading import fold_of, folded_inputs, unfolded_shapes
 from service.range_kernel import RangeKernel
 
 Kernel = BundleKernel | RangeKernel  # a range's kernel picks its bucket per call, inside the operator
@@ -110,6 +111,9 @@ def _named_inputs(kernel: Kernel, inputs: list[torch.Tensor]) -> dict[str, torch
 def _output_shapes(kernel: Kernel, inputs: Mapping[str, torch.Tensor]) -> dict[str, list[Any]]:
     """Output shapes from the inputs' sizes, as given (symbolic under torch.compile): the first
     input holding a dim gives its size; that the others agree is the kernel's check at run time."""
+    fold = fold_of(kernel.input_dims, inputs)  # [b, s, c] for x[t, c] (service.bundle.leading)
+    if fold is not None:
+        inputs = folded_inputs(kernel.input_dims, inputs, fold)
     sizes: dict[str, Any] = {}
     for name, dims in kernel.input_dims.items():
         t = inputs[name]
@@ -118,7 +122,8 @@ def _output_shapes(kernel: Kernel, inputs: Mapping[str, torch.Tensor]) -> dict[s
                               f"{len(dims)} ({', '.join(dims)})")
         for d, n in zip(dims, t.shape):
             sizes.setdefault(d, n)
-    return kernel.output_shapes(sizes)
+    shapes = kernel.output_shapes(sizes)
+    return shapes if fold is None else unfolded_shapes(kernel.output_dims, shapes, fold)
 
 
 # ----------------------------------------------------------------------------- the operators

@@ -26,6 +26,7 @@ from fuser_core import (
 )
 from service.bundle.formats import shape_text, user_names
 from service.bundle.hashing import BundleError
+from service.bundle.leading import call_folded
 from service.bundle.verify import verify_bundle
 
 _LOCK = threading.Lock()
@@ -130,6 +131,7 @@ class BundleKernel:
     bundle's), one device, consistent sizes per dim, and ``size_limits`` (module docstring).
     ``out={part: tensor}`` writes into given tensors (every part; shape, dtype and device
     checked). Outputs are contiguous in the caller's dim order; meta tensors launch nothing.
+    A model's ``[b, s, c]`` runs where the spec says ``[t, c]`` (service.bundle.leading).
     """
 
     def __init__(self, bundle: dict, module: ModuleType, interpreted: bool, *, exact_shape: bool = False,
@@ -298,6 +300,16 @@ class BundleKernel:
 
     def _call(self, inputs: Mapping[str, Any] | None = None, /, *, out: Mapping[str, Any] | None = None,
               **tensors: Any) -> dict[str, Any]:
+        if not (inputs is not None and tensors):  # model-shaped tensors ([b, s, c] for x[t, c]: service.bundle.leading)
+            given = inputs if inputs is not None else tensors
+            if isinstance(given, Mapping):
+                folded = call_folded(self._run, self._input_dims, self.output_dims, given, out)
+                if folded is not None:
+                    return folded
+        return self._run(inputs, out=out, **tensors)
+
+    def _run(self, inputs: Mapping[str, Any] | None = None, /, *, out: Mapping[str, Any] | None = None,
+             **tensors: Any) -> dict[str, Any]:
         import torch
 
         if inputs is not None and tensors:

@@ -203,6 +203,9 @@ def test_a_range_job_for_rmsnorm_serves_every_size_without_a_request(tmp_path) -
             assert kernel.last_bucket == {"c": C, "t": bucket}
             ref = (x.double() * torch.rsqrt((x.double() ** 2).mean(1, keepdim=True) + 1e-6) * w.double())
             assert y.shape == (t, C) and torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
+        # a model's [b, s, c] activation: t = b * s picks the bucket (service.bundle.leading)
+        y = kernel(x=torch.randn(4, 250, C), w=w)["y"]
+        assert y.shape == (4, 250, C) and kernel.last_bucket == {"c": C, "t": 1024}
         assert cache.get(RMSNORM, {"t": 1000, "c": C}) is kernel  # another shape of the range: no request
         assert counting.count == first
         # the range as one torch operator: the bucket picked inside it per call, also under
