@@ -81,6 +81,9 @@ def job_view_named(session: Session, cache: SpecCache, job: Any, live: LiveWorke
         view["best"] = user_best(names, view["best"])
     else:
         view["display_shape"] = job.shape
+    if view["range"] is not None:  # each bucket in the caller's dim names too, beside its canonical shape
+        view["range"]["display_buckets"] = [names.user_shape(b) if names is not None else b
+                                            for b in view["range"]["buckets"]]
     view["warnings"] = job_warnings(job, live(session) if job.status == "queued" else None)
     return view
 

@@ -106,6 +106,9 @@ async def problem_handler(request: Request, exc: Problem) -> Response:
     return exc.response()
 
 
+UNION_PREFIX = "Input should be "  # pydantic's wording of a type error, said once for a union's branches
+
+
 async def validation_handler(request: Request, exc: RequestValidationError) -> Response:
     """FastAPI's request validation errors, with the location as a field path (no ``body.`` prefix).
 
@@ -124,7 +127,13 @@ async def validation_handler(request: Request, exc: RequestValidationError) -> R
             loc, message = ["body"], json_error_message(exc.body, position, e.get("ctx", {}).get("error", message))
         elif where == "body" and not loc:
             loc, where, message = whole_body_error(request, message)
-        errors.append(error_entry(loc, message, where=where))
+        entry = error_entry(loc, message, where=where)
+        same = next((x for x in errors if (x["field"], x["in"]) == (entry["field"], entry["in"])), None)
+        if same is None:
+            errors.append(entry)
+        elif message not in same["message"]:  # each branch of a union (int | range) failed: one error, both reasons
+            joined = message.removeprefix(UNION_PREFIX) if message.startswith(UNION_PREFIX) else message
+            same["message"] += f" or {joined}"
     if not errors:
         errors = [error_entry(["body"], "invalid request")]
     return invalid(errors).response()

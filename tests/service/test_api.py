@@ -389,6 +389,14 @@ def test_submit_validation_names_the_field(client) -> None:
     assert client.get("/v1/jobs").json()["jobs"] == []  # nothing stored
 
 
+def test_a_union_field_is_one_error_with_both_reasons(client) -> None:
+    """A shape size is an integer or a range: a string fails both branches, answered once (issue 37, 11)."""
+    r = client.post("/v1/jobs", json=job_body(shape={"m": "4", "n": 300}))
+    assert r.status_code == 422
+    assert r.json()["errors"] == [{"field": "shape.m", "loc": ["shape", "m"], "in": "body",
+                                   "message": "Input should be a valid integer or a valid dictionary"}]
+
+
 def test_body_errors_name_the_body_or_the_content_type(client) -> None:
     def post(content: str, content_type: str | None = "application/json") -> list[dict]:
         r = client.post("/v1/jobs", content=content, headers={"content-type": content_type} if content_type else {})

@@ -172,6 +172,7 @@ def test_a_range_job_for_rmsnorm_serves_every_size_without_a_request(tmp_path) -
         assert view["progress"]["trials_done"] == 4
         # the view lists the buckets (canonical names: t is d1), and each trial's number says its bucket
         assert [b["d1"] for b in view["range"]["buckets"]] == BUCKETS, view["range"]
+        assert view["range"]["display_buckets"] == [{"t": b, "c": C} for b in BUCKETS]  # and in the spec's own
         stride = view["range"]["trial_number_stride"]
         trials = http.get(f"/v1/jobs/{job['id']}/trials").json()["trials"]
         assert sorted(t["number"] // stride for t in trials) == [0, 1, 2, 3]
