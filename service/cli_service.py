@@ -84,6 +84,39 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- signing keys
+
+
+def cmd_signing_key(args: argparse.Namespace) -> int:
+    """``new PATH``: an Ed25519 private key written to PATH (mode 0600, never over an existing file);
+    ``public PATH``: its public key. Either prints the public key (base64), what clients trust."""
+    import os
+
+    from service.bundle.signing import Signer, new_private_key
+
+    if args.action == "new":
+        pem, public = new_private_key()
+        try:
+            fd = os.open(args.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as err:
+            raise UsageError(f"PATH: cannot create {args.path!r}: {err.strerror}") from None
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+        print(public)
+        print(f"signing key written to {args.path} (keep it secret); serve with FOLDWISE_SIGNING_KEY_FILE={args.path}; "
+              "clients trust the public key above: KernelCache(..., trusted_keys=[...]) or FOLDWISE_TRUSTED_KEYS",
+              file=sys.stderr)
+        return 0
+    try:
+        with open(args.path, "rb") as f:
+            print(Signer.from_pem(f.read(), where="PATH").public_key)
+    except OSError as err:
+        raise UsageError(f"PATH: cannot read {args.path!r}: {err.strerror}") from None
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    return 0
+
+
 # ----------------------------------------------------------------------------- tokens
 
 
@@ -295,6 +328,14 @@ def add_service_commands(sub: Any) -> None:
     fill.add_argument("--db", help="database URL (default: FOLDWISE_DB_URL, else sqlite:///foldwise.db)")
     fill.add_argument("--limit", type=int, help="at most this many bundles (default: all)")
     fill.set_defaults(func=cmd_binaries)
+
+    signing = sub.add_parser("signing-key", help="the key a server signs served bundles with (Ed25519)")
+    k_sub = signing.add_subparsers(dest="action", required=True)
+    for action, what in (("new", "make a private key at PATH (0600) and print its public key"),
+                         ("public", "print the public key of the private key at PATH")):
+        k = k_sub.add_parser(action, help=what)
+        k.add_argument("path", metavar="PATH", help="the private key's file (PEM)")
+        k.set_defaults(func=cmd_signing_key)
 
     token = sub.add_parser("token", help="API tokens (bearer tokens with scopes)")
     t_sub = token.add_subparsers(dest="action", required=True)

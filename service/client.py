@@ -113,7 +113,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -125,6 +125,7 @@ from service import cubin_loader
 from service.bundle import (
     BundleError, BundleKernel, choose_binary, device_arch, dtype_text, install_variant, load_bundle, variant_kind,
 )
+from service.bundle.signing import TrustedKeys
 from service.client_disk import DiskCache, default_cache_dir
 from service.client_errors import (
     KernelAuthError, KernelCacheError, KernelIntegrityError, KernelNotFound, KernelServiceError, KernelTuningError,
@@ -162,11 +163,16 @@ class KernelCache:
     ``revalidate_after``: seconds a remembered kernel is served before the next ``get`` for it
     asks the server again, in a background thread (default 60); ``0``: no memo, every ``get``
     asks the server on the caller's thread; ``None``: never ask again in this process.
+
+    ``trusted_keys``: public keys (base64, ``foldwise signing-key``); with them (or
+    ``FOLDWISE_TRUSTED_KEYS``, comma-separated) only bundles signed by one of them are loaded,
+    downloaded or from disk (service.bundle.signing); an unsigned one raises KernelIntegrityError.
     """
 
     def __init__(self, base_url: str, token: str | None = None, cache_dir: str | os.PathLike | None = None,
                  timeout: float = 30, transport: Any = None, *, http_client: httpx.Client | None = None,
-                 binaries: bool = True, revalidate_after: float | None = 60.0):
+                 binaries: bool = True, revalidate_after: float | None = 60.0,
+                 trusted_keys: Sequence[str] | None = None):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url: expected an http(s) URL, got {base_url!r:.80}")
         if revalidate_after is not None and (isinstance(revalidate_after, bool)
@@ -175,7 +181,11 @@ class KernelCache:
             raise ValueError(f"revalidate_after: expected seconds >= 0 or None, got {revalidate_after!r:.40}")
         self.base_url = base_url.rstrip("/")
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        self._disk = DiskCache(self.cache_dir)
+        keys = trusted_keys if trusted_keys is not None else [
+            k for k in os.environ.get("FOLDWISE_TRUSTED_KEYS", "").split(",") if k.strip()]
+        # run only bundles a trusted key signed (service.bundle.signing); none given: the sha256 is the check
+        self.trust = TrustedKeys(keys) if keys else None
+        self._disk = DiskCache(self.cache_dir, self.trust)
         self._server = KernelServer(self.base_url, token, timeout, transport, http_client)
         self.binaries = binaries  # ask for compiled binaries (format 3, else 2); False: format 1, source only
         self._kernels: dict[str, BundleKernel] = {}

@@ -2,7 +2,8 @@
 and the tuned ranges, so a restart without the server still serves what it had
 (:mod:`service.client`, module docstring: "Offline").
 
-Layout under the cache folder: ``<sha256>.json`` (a bundle, canonical bytes),
+Layout under the cache folder: ``<sha256>.json`` (a bundle, canonical bytes), ``<sha256>.sig``
+(the signature its server sent, where the client trusts keys: service.bundle.signing),
 ``v2/<format-1 sha256>`` (the sha256 of the same bundle with binaries), ``index/<key>.json``
 (one per request: :attr:`service.client_request.KernelRequest.key`) and
 ``ranges/<spec, dtype, target digest>-<range digest>.json`` (a range's shape and each bucket's
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from service.bundle import BundleError, bundle_v1, canonical_bytes, dtype_text, verify_bundle
+from service.bundle.signing import TrustedKeys
 from service.client_errors import KernelServiceError
 from service.client_request import KernelRequest
 from service.shape_ranges import pick_bucket
@@ -35,10 +37,12 @@ def default_cache_dir() -> Path:
 class DiskCache:
     """The bundles, index and ranges under ``root`` (see the module docstring)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, trust: TrustedKeys | None = None):
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "index").mkdir(exist_ok=True)
+        # with trusted keys, a bundle is read only beside its server's signature (``<sha256>.sig``), checked
+        self.trust = trust
 
     def bundle_path(self, sha: str) -> Path:
         if not (len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
@@ -58,12 +62,26 @@ class DiskCache:
             verify_bundle(bundle)
             if bundle["sha256"] != sha:
                 raise BundleError("stored under another hash")
+            if self.trust is not None:  # no signature kept, or not a trusted one: downloaded again
+                self.trust.verify(sha, self._signature(path))
             return bundle
         except FileNotFoundError:
             return None
         except (OSError, ValueError, UnicodeDecodeError):  # BundleError is a ValueError
             path.unlink(missing_ok=True)
             return None
+
+    @staticmethod
+    def _signature(bundle_path: Path) -> str | None:
+        try:
+            return bundle_path.with_suffix(".sig").read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    def store_signature(self, sha: str, signature: str | None) -> None:
+        """The server's signature of bundle ``sha`` (its ``Foldwise-Signature``), kept beside it."""
+        if signature:
+            self._write_atomic(self.bundle_path(sha).with_suffix(".sig"), signature.encode("ascii", "replace"))
 
     def v2_of(self, v1_sha: str) -> str | None:
         """The sha256 of the bundle with binaries (format 2 or 3) stored for a format-1 one, when

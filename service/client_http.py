@@ -17,6 +17,7 @@ from urllib.parse import quote
 import httpx
 
 from service.bundle import BundleError, bundle_v1, verify_bundle
+from service.bundle.signing import SIGNATURE_HEADER
 from service.client_disk import MAX_BUNDLE_BYTES, DiskCache
 from service.client_errors import (
     KernelAuthError, KernelIntegrityError, KernelNotFound, KernelServiceError, KernelTuningError, ServerUnavailable,
@@ -153,6 +154,10 @@ class KernelServer:
             raise KernelIntegrityError(f"GET {path}: the bundle is not JSON") from None
         try:
             verify_bundle(bundle)
+            if disk.trust is not None:  # who served it (service.bundle.signing): a trusted key, or nothing runs
+                signature = headers.get(SIGNATURE_HEADER.lower())
+                disk.trust.verify(bundle["sha256"], signature)
+                disk.store_signature(bundle["sha256"], signature)
         except BundleError as err:
             raise KernelIntegrityError(f"GET {path}: the bundle failed verification, not cached: {err}") from None
         if etag is None and not isinstance(want, str):

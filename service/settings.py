@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     max_connections: int = Field(MAX_CONNECTIONS, ge=1, le=1 << 20)
     # workers compile each finished job's bundle for its target's arch and store the cubin (issue 15)
     compile_binaries: bool = True
+    # an Ed25519 private key (PEM, `foldwise signing-key new`): every served bundle's sha256 is signed
+    # with it, so clients that trust its public key run only what this server served (service/bundle/signing.py)
+    signing_key_file: str | None = None
 
     @field_validator("measurer", mode="before")
     @classmethod

@@ -38,6 +38,7 @@ from service.api.problems import (
     validation_handler,
 )
 from service.auth import AuthPolicy, is_loopback
+from service.bundle.signing import Signer
 from service.db import check_current, make_engine, session_factory
 from service.metrics import Metrics
 from service.settings import Settings, get_settings
@@ -66,6 +67,18 @@ def read_engine_for(url: str, engine: sa.Engine) -> sa.Engine:
         cursor.close()
 
     return reader
+
+
+def load_signer(path: str | None) -> Signer | None:
+    """The server's signing key (``FOLDWISE_SIGNING_KEY_FILE``), read once at start; a key that
+    cannot be read stops the start, naming the setting: a server meant to sign never serves unsigned."""
+    if not path:
+        return None
+    try:
+        pem = open(path, "rb").read()  # noqa: SIM115 - a few hundred bytes, read once
+    except OSError as err:
+        raise ValueError(f"FOLDWISE_SIGNING_KEY_FILE: cannot read {path!r}: {err.strerror}") from None
+    return Signer.from_pem(pem, where=f"FOLDWISE_SIGNING_KEY_FILE ({path})")
 
 
 def create_app(settings: Settings | None = None, *, check_db: bool = True, dashboard: bool = True,
@@ -97,6 +110,7 @@ def create_app(settings: Settings | None = None, *, check_db: bool = True, dashb
                         queue=settings.derive_queue),
         # an SQLite file: the hot path reads on the event loop (service.api.fastpath)
         loop_reader=LoopReader(reader) if reader is not engine else None,
+        signer=load_signer(settings.signing_key_file),
     )
 
     @contextlib.asynccontextmanager

@@ -31,6 +31,7 @@ from service.api.derive import Deriver
 from service.api.problems import Problem
 from service.api.validation import ParsedSpecs
 from service.auth import AuthError, AuthPolicy, Principal
+from service.bundle.signing import Signer
 from service.metrics import Metrics
 from service.settings import Settings
 
@@ -59,6 +60,7 @@ class AppContext:
     parsed_specs: ParsedSpecs  # request spec texts, parsed
     deriver: Deriver  # derivations off the event loop, with a time limit
     loop_reader: LoopReader | None = None  # an SQLite file's hot-path reads on the event loop (fastpath)
+    signer: Signer | None = None  # signs every served bundle's sha256 (settings.signing_key_file)
 
 
 def context(request: Request) -> AppContext:

@@ -39,6 +39,7 @@ from service.api.deps import AppContext, auth_problem
 from service.api.problems import Problem, not_found
 from service.auth import _ANY_TOKEN, _TOKEN_ROW, AuthError, TokenLookup
 from service.bundle import ARCH_PATTERN
+from service.bundle.signing import SIGNATURE_HEADER
 from service.models import Kernel, ServedBundle
 from service.served_bundles import no_binaries, served_bytes, view_of
 
@@ -204,6 +205,8 @@ async def bundle_answer(ctx: AppContext, kernel_id: str, authorization: str | No
         found = await run_in_threadpool(_lookup_pooled, ctx, kernel_id, authorization, view)
     sha, bundle_sha, chosen = found
     headers = {"ETag": f'"{sha}"', "Cache-Control": "no-cache"}
+    if ctx.signer is not None:  # who served it (service.bundle.signing): the sha256 covers every field
+        headers[SIGNATURE_HEADER] = ctx.signer.header(sha)
     if etag_matches(if_none_match, sha):
         ctx.metrics.bundle_downloads.labels("304").inc()
         return 304, headers, b""
@@ -218,6 +221,8 @@ async def bundle_answer(ctx: AppContext, kernel_id: str, authorization: str | No
             raise Problem(500, "Stored bundle corrupted", str(err), kind="bundle-corrupted") from None
         ctx.bundles.put(sha, content)
         headers["ETag"] = f'"{sha}"'
+        if ctx.signer is not None:
+            headers[SIGNATURE_HEADER] = ctx.signer.header(sha)
     ctx.metrics.bundle_downloads.labels("200").inc()
     headers["Content-Type"] = "application/json"
     return 200, headers, content

@@ -10,9 +10,11 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api import ops
 from service.api.deps import AppContext, Context, Db, database
+from service.api.problems import Problem
 from service.api.routes_jobs import ERRORS
 from service.api.schemas import DerivationRequest, SpecView, WorkerList
 from service.api.validation import checked_spec_text
+from service.bundle.signing import ALGORITHM, SIGNATURE_HEADER
 from service.spec_store import HASH_PATTERN
 
 router = APIRouter()
@@ -39,6 +41,18 @@ async def get_spec(spec_hash: SpecHash, db: Annotated[Db, Depends(database(None)
 async def list_workers(ctx: Context, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
     """Registered workers, most recently seen first; ``alive``: a heartbeat within the lease time."""
     return JSONResponse({"workers": await db.run(ops.list_workers, alive_within_s=ops.alive_within_s(ctx.settings))})
+
+
+@router.get("/v1/signing-key", tags=["kernels"], responses=ERRORS)
+async def signing_key(ctx: Context) -> JSONResponse:
+    """The public key this server signs served bundles with (``Foldwise-Signature``; docs/API.md,
+    "Signed bundles"): give it to clients as a trusted key, over a channel you trust. 404 when the
+    server signs nothing (no ``FOLDWISE_SIGNING_KEY_FILE``)."""
+    if ctx.signer is None:
+        raise Problem(404, "Not found", "this server signs no bundles (FOLDWISE_SIGNING_KEY_FILE is not set)",
+                      kind="not-found")
+    return JSONResponse({"algorithm": ALGORITHM, "key_id": ctx.signer.key_id, "public_key": ctx.signer.public_key,
+                         "header": SIGNATURE_HEADER})
 
 
 @router.get("/healthz", tags=["ops"])
