@@ -35,7 +35,7 @@ def kernel_lines(source: str) -> int:
 
 
 def measure() -> list[dict]:
-    from fuser_core.catalog import catalog_names, load_catalog_spec, load_suites
+    from fuser_core.catalog import load_catalog_spec, load_suites
     from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest
     from fuser_core.codegen.module import generate
     from fuser_core.codegen.plan import STRATEGIES, default_config, valid_strategies

@@ -288,7 +288,7 @@ def graph_capture(cache, cfg: Config, batch: int, target: str, trials: int | Non
     g = torch.Generator(device="cuda").manual_seed(5)
     x, residual = (torch.randn(batch, 1, cfg.hidden, device="cuda", generator=g) for _ in range(2))
     norm_w = torch.randn(cfg.hidden, device="cuda", generator=g)
-    n, r = cfg.max_len, cfg.heads // cfg.kv_heads
+    n = cfg.max_len
     q = torch.randn(batch, cfg.heads, 1, cfg.head_dim, device="cuda", generator=g)
     k, v = (torch.randn(batch, cfg.kv_heads, n, cfg.head_dim, device="cuda", generator=g) for _ in range(2))
     kv_start = torch.arange(batch, device="cuda") % (n // 2)

@@ -399,7 +399,7 @@ class KernelCache:
             return self._resolve(req, allow_nearest)
         except ServerUnavailable as err:
             return Found(self._offline(req, allow_nearest, str(err)), None, None)
-        except KernelNotFound as err:
+        except KernelNotFound:
             job = self._server.live_job(req)
             if job is None:
                 raise

@@ -621,9 +621,14 @@ def test_auth_matrix(db_url, sessions) -> None:
         assert all(len(h) == 64 for h in stored) and writer not in stored  # only hashes are kept
         assert hashlib.sha256(writer.encode()).hexdigest() in stored
 
-        submit = lambda headers: client.post("/v1/jobs", json=job_body(shape={"m": 4, "n": 96}), headers=headers)
-        bundle = lambda headers: client.get(f"/v1/kernels/{kernel_id}/bundle", headers=headers)
-        lookup = lambda headers: client.get("/v1/kernels/" + kernel_id, headers=headers)
+        def submit(headers):
+            return client.post("/v1/jobs", json=job_body(shape={"m": 4, "n": 96}), headers=headers)
+
+        def bundle(headers):
+            return client.get(f"/v1/kernels/{kernel_id}/bundle", headers=headers)
+
+        def lookup(headers):
+            return client.get("/v1/kernels/" + kernel_id, headers=headers)
 
         r = submit({})
         assert_problem(r, 401, text="jobs:write")
