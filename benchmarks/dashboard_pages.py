@@ -55,7 +55,7 @@ def seed(url: str, *, n_jobs: int, n_trials: int, max_trials: int, seed_value: i
     from fuser_core.spec import load_spec
     from service import spec_store
     from service.db import make_engine, session_factory
-    from service.models import Bundle, Job, Kernel, TrialRecord, WorkerRecord
+    from service.models import Bundle, Job, KernelRecord, TrialRecord, WorkerRecord
 
     rng = random.Random(seed_value)
     engine = make_engine(url)
@@ -148,7 +148,7 @@ def seed(url: str, *, n_jobs: int, n_trials: int, max_trials: int, seed_value: i
     with sessions() as s:
         s.execute(sa.insert(Bundle), bundle_rows)
         # kernels reference jobs loosely (no FK); jobs reference kernels: kernels first
-        s.execute(sa.insert(Kernel), kernel_rows)
+        s.execute(sa.insert(KernelRecord), kernel_rows)
         s.execute(sa.insert(Job), job_rows)
         for start in range(0, len(trial_rows), 5000):
             s.execute(sa.insert(TrialRecord), trial_rows[start:start + 5000])

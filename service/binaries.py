@@ -37,7 +37,7 @@ from service.errors import BundleCorrupted, NotFound
 from service.served_bundles import bundle_intact, store_served
 from service.bundle import (KINDS, BundleError, canonical_bytes, make_variant, newest_per_arch, triton_version_key,
                             variant_compiler, variant_kind, verify_variant)
-from service.models import Bundle, Kernel, KernelBinary, utcnow
+from service.models import Bundle, KernelRecord, KernelBinary, utcnow
 
 if TYPE_CHECKING:
     from tuner import Measurer
@@ -72,9 +72,8 @@ def compile_variant(bundle: Mapping[str, Any], arch: str | None = None, *, pool:
 def measured_binary_of(measurer: Measurer, strategy: str, config: Mapping[str, Any]) -> dict | None:
     """With a GPU measurer, the compiled kernels of the winning candidate as it measured them
     (:meth:`tuner.Measurer.measured_binary`), read before the measurer closes; None for another
-    measurer (a prediction, the interpreter), or when they cannot be had (logged: the host compile follows)."""
-    if measurer.name != "cuda":
-        return None
+    measurer (a prediction, the interpreter: they ran no binary), or when they cannot be had
+    (logged: the host compile follows)."""
     try:
         return measurer.measured_binary(strategy, config)
     except Exception as err:  # noqa: BLE001 - job_variant's host compile is the fallback
@@ -232,12 +231,12 @@ def bundles_without_binaries(session: Session, limit: int | None = None, *,
     """sha256 of the bundles that kernels serve and that have no stored variant (kernels stored
     before migration 0003, or whose compile failed), or none built by ``triton_version`` when it
     is given, oldest kernel first."""
-    joined = KernelBinary.bundle_sha256 == Kernel.bundle_sha256
+    joined = KernelBinary.bundle_sha256 == KernelRecord.bundle_sha256
     if triton_version is not None:
         joined = sa.and_(joined, KernelBinary.triton_version == triton_version)
-    query = (sa.select(Kernel.bundle_sha256).outerjoin(KernelBinary, joined)
-             .where(KernelBinary.bundle_sha256.is_(None)).group_by(Kernel.bundle_sha256)
-             .order_by(sa.func.min(Kernel.created_at)))
+    query = (sa.select(KernelRecord.bundle_sha256).outerjoin(KernelBinary, joined)
+             .where(KernelBinary.bundle_sha256.is_(None)).group_by(KernelRecord.bundle_sha256)
+             .order_by(sa.func.min(KernelRecord.created_at)))
     if limit is not None:
         query = query.limit(limit)
     return list(session.execute(query).scalars())
@@ -259,7 +258,7 @@ def backfill(sessions: Any, *, limit: int | None = None, pool: Any = None,
     for sha in todo:
         with sessions() as session:
             try:
-                kernel = session.execute(sa.select(Kernel).where(Kernel.bundle_sha256 == sha).limit(1)).scalar_one()
+                kernel = session.execute(sa.select(KernelRecord).where(KernelRecord.bundle_sha256 == sha).limit(1)).scalar_one()
                 content = kernel_cache.get_bundle_bytes(session, kernel)  # re-hashed: a corrupted bundle is skipped
                 variant = compile_variant(json.loads(content), pool=pool)
                 store_variant(session, sha, variant)

@@ -38,7 +38,7 @@ from service import kernel_cache
 from service.db import MAX_LIST, RETRIES, committed, get_row, newest_first, page
 from service.errors import InvalidRequest, JobError, LeaseLost, NotFound
 from service.job_outcome import JobOutcome
-from service.models import Job, Kernel, TrialRecord, UTCDateTime, WorkerRecord, new_id, utcnow
+from service.models import Job, KernelRecord, TrialRecord, UTCDateTime, WorkerRecord, new_id, utcnow
 from service.spec_store import ensure_spec, refuse_uncertified, uncertified
 from service.tuning_request import TuningRequest, check_choice, check_measurer, check_target
 
@@ -386,7 +386,7 @@ def fail_job(session: Session, job_id: str, worker_id: str, error: str) -> None:
     session.commit()
 
 
-def keep_partial(session: Session, job_id: str, *, bundle: dict, kernel_fields: dict) -> Kernel | None:
+def keep_partial(session: Session, job_id: str, *, bundle: dict, kernel_fields: dict) -> KernelRecord | None:
     """A failed job keeps its best kernel so far: ``bundle`` (of its best complete trial, which
     passed the correctness and compile gates) stored as :func:`finish_job` stores one, but as the
     key's ``partial`` kernel (:func:`service.kernel_cache.store_kernel`: ranked only against the
@@ -478,7 +478,7 @@ def _best_trial(session: Session, job_id: str) -> dict[str, Any] | None:
 
 
 def finish_job(session: Session, job_id: str, worker_id: str, *, bundle: dict, kernel_fields: dict,
-               variant: dict | None = None) -> Kernel:
+               variant: dict | None = None) -> KernelRecord:
     """Store the job's result: its bundle and the kernel for its cache key; the job succeeds.
 
     ``bundle`` must verify (:func:`service.bundle.verify_bundle`: format, fields, sha256) and
@@ -519,7 +519,7 @@ def finish_job(session: Session, job_id: str, worker_id: str, *, bundle: dict, k
 
 def finish_range_job(session: Session, job_id: str, worker_id: str, *,
                      buckets: Sequence[tuple[Mapping[str, int], dict, dict]],
-                     variants: Sequence[dict | None] = ()) -> list[Kernel]:
+                     variants: Sequence[dict | None] = ()) -> list[KernelRecord]:
     """Store a range job's result (:mod:`service.shape_ranges`): per bucket ``(shape, bundle,
     kernel_fields)`` as :func:`finish_job` stores one kernel (keyed by the bucket's shape; a
     better kernel already cached for that shape is kept), then the range row naming them; the
@@ -554,7 +554,7 @@ def finish_range_job(session: Session, job_id: str, worker_id: str, *,
     raise JobError(f"could not store the kernels of range job {job_id}: concurrent writers kept conflicting")
 
 
-def _store_variants(session: Session, stored: Sequence[tuple[Kernel, str, dict | None]]) -> None:
+def _store_variants(session: Session, stored: Sequence[tuple[KernelRecord, str, dict | None]]) -> None:
     """Each (kernel, its job's bundle sha256, binary): the binary stored where the kernel took
     that bundle (a better kernel kept from before keeps its own)."""
     from service.binaries import store_variant

@@ -33,10 +33,10 @@ from sqlalchemy.orm import Session
 from service.bundle import BundleError, canonical_bytes, verify_bundle
 from service.db import MAX_LIST, get_row, newest_first
 from service.errors import BundleCorrupted, InvalidBundle
-from service.models import Bundle, Job, Kernel, KernelRange, new_id, utcnow
+from service.models import Bundle, Job, KernelRecord, KernelRange, new_id, utcnow
 from service.shape_ranges import one_kernel, pick_bucket
 from service.served_bundles import bundle_intact, store_served
-from service.tuning_request import MEASURERS, TuningRequest, dtype_key, shape_key
+from service.tuning_request import MEASURERS, TuningRequest, dtype_key, measurer_kind, shape_key
 
 KERNEL_FIELDS = {"time_ms", "measurer", "predicted", "baselines", "strategy", "config"}
 
@@ -58,27 +58,27 @@ def current_versions() -> tuple[str, str]:
 # ----------------------------------------------------------------------------- a request's kernel
 
 
-def exact_kernel(session: Session, request: TuningRequest) -> Kernel | None:
+def exact_kernel(session: Session, request: TuningRequest) -> KernelRecord | None:
     triton_version, generator_version = current_versions()
-    return session.execute(sa.select(Kernel).where(
-        Kernel.spec_hash == request.spec_hash, Kernel.shape_key == request.shape_key, Kernel.dtype == request.dtype_key,
-        Kernel.target == request.target, Kernel.triton_version == triton_version,
-        Kernel.generator_version == generator_version, Kernel.partial == sa.false())
+    return session.execute(sa.select(KernelRecord).where(
+        KernelRecord.spec_hash == request.spec_hash, KernelRecord.shape_key == request.shape_key, KernelRecord.dtype == request.dtype_key,
+        KernelRecord.target == request.target, KernelRecord.triton_version == triton_version,
+        KernelRecord.generator_version == generator_version, KernelRecord.partial == sa.false())
         .execution_options(populate_existing=True)).scalar_one_or_none()
 
 
 def kernel_is_current(session: Session, kernel_id: str | None) -> bool:
-    kernel = session.get(Kernel, kernel_id, populate_existing=True) if kernel_id else None
+    kernel = session.get(KernelRecord, kernel_id, populate_existing=True) if kernel_id else None
     return kernel is not None and (kernel.triton_version, kernel.generator_version) == current_versions()
 
 
-def kernel_serves(kernel: Kernel, measurer: str) -> bool:
+def kernel_serves(kernel: KernelRecord, measurer: str) -> bool:
     """A cached kernel answers a request for ``measurer`` when it was found that way, or was
     measured on a GPU (a measurement beats any prediction); a prediction never answers cuda."""
     return kernel.measurer == measurer or not kernel.predicted
 
 
-def kernel_best(kernel: Kernel) -> dict[str, Any]:
+def kernel_best(kernel: KernelRecord) -> dict[str, Any]:
     return {"strategy": kernel.strategy, "config": kernel.config, "time_ms": kernel.time_ms, "trial": None,
             "predicted": kernel.predicted}
 
@@ -97,7 +97,7 @@ def bundle_content(bundle: Any) -> tuple[bytes, str]:
 
 def kernel_values(job: Job, bundle: dict, given: Mapping[str, Any], *,
                   shape: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """The Kernel row's values from the job (the key), the bundle and the measurement.
+    """The KernelRecord row's values from the job (the key), the bundle and the measurement.
     ``shape``: the kernel's shape when it is not the job's (a range job's bucket)."""
     unknown = sorted(set(given) - KERNEL_FIELDS)
     if unknown:
@@ -119,7 +119,7 @@ def kernel_values(job: Job, bundle: dict, given: Mapping[str, Any], *,
     triton_version, generator_version = current_versions()
     return {
         "strategy": bundle["strategy"], "config": bundle.get("config") or dict(given.get("config") or {}),
-        "time_ms": float(time_ms), "measurer": measurer, "predicted": bool(given.get("predicted", measurer == "model")),
+        "time_ms": float(time_ms), "measurer": measurer, "predicted": bool(given.get("predicted", not measurer_kind(measurer).on_device)),
         "baselines": given.get("baselines"),
         "triton_version": str(bundle.get("triton_version") or triton_version)[:64],
         "generator_version": str(bundle.get("generator_version") or generator_version)[:64],
@@ -131,16 +131,16 @@ def _rank(predicted: bool, time_ms: float) -> tuple[int, float]:
 
 
 def store_kernel(session: Session, job: Job, fields: dict[str, Any], digest: str, content: bytes, *,
-                 shape: Mapping[str, int] | None = None, partial: bool = False) -> Kernel:
+                 shape: Mapping[str, int] | None = None, partial: bool = False) -> KernelRecord:
     """Store (or keep the better) kernel for the job's key; ``shape``: a range job's bucket,
     keyed by that shape instead of the job's. ``partial``: a failed job's best, ranked only
     against the key's partial kernel (a finished kernel is never replaced by one)."""
     kshape = dict(shape) if shape is not None else job.shape
     kkey = shape_key(kshape) if shape is not None else job.shape_key
-    existing = session.execute(sa.select(Kernel).where(
-        Kernel.spec_hash == job.spec_hash, Kernel.shape_key == kkey, Kernel.dtype == job.dtype,
-        Kernel.target == job.target, Kernel.triton_version == fields["triton_version"],
-        Kernel.generator_version == fields["generator_version"], Kernel.partial == partial).with_for_update()
+    existing = session.execute(sa.select(KernelRecord).where(
+        KernelRecord.spec_hash == job.spec_hash, KernelRecord.shape_key == kkey, KernelRecord.dtype == job.dtype,
+        KernelRecord.target == job.target, KernelRecord.triton_version == fields["triton_version"],
+        KernelRecord.generator_version == fields["generator_version"], KernelRecord.partial == partial).with_for_update()
         .execution_options(populate_existing=True)).scalar_one_or_none()
     new_rank = _rank(fields["predicted"], fields["time_ms"])
     if (existing is not None and _rank(existing.predicted, existing.time_ms) <= new_rank
@@ -148,7 +148,7 @@ def store_kernel(session: Session, job: Job, fields: dict[str, Any], digest: str
         return existing  # the cached kernel is at least as good (and its bundle intact): keep it
     _store_bundle(session, digest, content)
     now = utcnow()
-    kernel = existing or Kernel(id=new_id(), spec_hash=job.spec_hash, shape=kshape, shape_key=kkey,
+    kernel = existing or KernelRecord(id=new_id(), spec_hash=job.spec_hash, shape=kshape, shape_key=kkey,
                                 dtype=job.dtype, target=job.target, partial=partial, created_at=now)
     for name, value in fields.items():
         setattr(kernel, name, value)
@@ -173,11 +173,11 @@ def _store_bundle(session: Session, digest: str, content: bytes) -> None:
 # ----------------------------------------------------------------------------- reading
 
 
-def get_kernel(session: Session, kernel_id: str) -> Kernel:
-    return get_row(session, Kernel, kernel_id, "kernel with id")
+def get_kernel(session: Session, kernel_id: str) -> KernelRecord:
+    return get_row(session, KernelRecord, kernel_id, "kernel with id")
 
 
-def get_bundle_bytes(session: Session, kernel: Kernel) -> bytes:
+def get_bundle_bytes(session: Session, kernel: KernelRecord) -> bytes:
     """The kernel's bundle exactly as stored, after re-checking its hash; a bundle whose bytes
     do not match its sha256 raises :class:`BundleCorrupted` and is never served."""
     row = session.get(Bundle, kernel.bundle_sha256, populate_existing=True)
@@ -196,15 +196,15 @@ def _storedbundle_intact(session: Session, digest: str) -> bool:
 
 
 def list_kernels(session: Session, *, spec_hash: str | None = None, target: str | None = None,
-                 dtype: str | None = None, limit: int = 100, offset: int = 0) -> list[Kernel]:
+                 dtype: str | None = None, limit: int = 100, offset: int = 0) -> list[KernelRecord]:
     """Finished kernels (not partial ones), newest first, filtered by any of spec_hash, target,
     dtype (a dtype_key)."""
-    return newest_first(session, Kernel, limit, offset, spec_hash=spec_hash, target=target, dtype=dtype,
+    return newest_first(session, KernelRecord, limit, offset, spec_hash=spec_hash, target=target, dtype=dtype,
                         partial=False)
 
 
 def find_kernel(session: Session, *, spec_hash: str, target: str, dtype: str | Mapping[str, str],
-                shape: Mapping[str, int] | None) -> tuple[Kernel, bool] | None:
+                shape: Mapping[str, int] | None) -> tuple[KernelRecord, bool] | None:
     """The kernel to serve for a request: (kernel, exact), or None.
 
     ``shape`` is canonical (``{"d0": 4, "d1": 300}``) and ``dtype`` normalized, as
@@ -216,8 +216,8 @@ def find_kernel(session: Session, *, spec_hash: str, target: str, dtype: str | M
     None when no kernel admits the shape. ``shape=None``: the best by those ties, not exact.
     """
     skey = shape_key(shape) if shape is not None else None
-    query = (sa.select(Kernel).where(Kernel.spec_hash == spec_hash, Kernel.target == str(target).strip().lower(),
-                                     Kernel.dtype == dtype_key(dtype), Kernel.partial == sa.false())
+    query = (sa.select(KernelRecord).where(KernelRecord.spec_hash == spec_hash, KernelRecord.target == str(target).strip().lower(),
+                                     KernelRecord.dtype == dtype_key(dtype), KernelRecord.partial == sa.false())
              .limit(10 * MAX_LIST))
     candidates = list(session.execute(query.execution_options(populate_existing=True)).scalars())
     if not candidates:
@@ -225,7 +225,7 @@ def find_kernel(session: Session, *, spec_hash: str, target: str, dtype: str | M
         return None
     current = current_versions()
 
-    def order(k: Kernel) -> tuple:
+    def order(k: KernelRecord) -> tuple:
         distance = 0.0 if shape is None else _shape_distance(shape, k.shape)
         newer = -k.updated_at.timestamp()
         return (distance, (k.triton_version, k.generator_version) != current, k.predicted, k.time_ms, newer, k.id)
@@ -271,7 +271,7 @@ _LIMITS: dict[str, dict[str, int]] = {}
 # ----------------------------------------------------------------------------- ranges (service.shape_ranges)
 
 
-def store_range(session: Session, job: Job, kernels: list[tuple[dict[str, int], Kernel]]) -> KernelRange:
+def store_range(session: Session, job: Job, kernels: list[tuple[dict[str, int], KernelRecord]]) -> KernelRange:
     """The range job's result: its key mapped to each bucket's kernel (``(bucket shape, kernel)``,
     smallest first), replacing an earlier range row for the same key. The caller commits."""
     triton_version, generator_version = current_versions()
@@ -294,7 +294,7 @@ def store_range(session: Session, job: Job, kernels: list[tuple[dict[str, int], 
 
 def find_range(session: Session, *, spec_hash: str, target: str, dtype: str | Mapping[str, str],
                shape: Mapping[str, int],
-               batch_invariant: bool = False) -> tuple[KernelRange, Kernel, list[Kernel]] | None:
+               batch_invariant: bool = False) -> tuple[KernelRange, KernelRecord, list[KernelRecord]] | None:
     """The tuned range holding ``shape`` (canonical): (range, the kernel of the bucket serving
     ``shape``, every bucket's kernel smallest first), or None. Only ranges of this code's Triton
     and generator versions count (as exact kernels); of several holding the shape, the newest;
@@ -311,7 +311,7 @@ def find_range(session: Session, *, spec_hash: str, target: str, dtype: str | Ma
         if bucket is None or (batch_invariant and not one_kernel(row.shape)):
             continue
         ids = [b["kernel_id"] for b in row.buckets]
-        by_id = {k.id: k for k in session.execute(sa.select(Kernel).where(Kernel.id.in_(ids))
+        by_id = {k.id: k for k in session.execute(sa.select(KernelRecord).where(KernelRecord.id.in_(ids))
                                                   .execution_options(populate_existing=True)).scalars()}
         if len(by_id) != len(set(ids)):
             continue  # a bucket's kernel is gone: the range is not served

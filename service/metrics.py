@@ -25,7 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session
 
-from service.models import JOB_STATUSES, TRIAL_STATES, Job, Kernel, TrialRecord, WorkerRecord
+from service.models import JOB_STATUSES, TRIAL_STATES, Job, KernelRecord, TrialRecord, WorkerRecord
 
 log = logging.getLogger("foldwise.metrics")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -56,8 +56,8 @@ class DatabaseCollector(Collector):
                 by_status = dict(session.execute(sa.select(Job.status, sa.func.count()).group_by(Job.status)).all())
                 by_state = dict(session.execute(
                     sa.select(TrialRecord.state, sa.func.count()).group_by(TrialRecord.state)).all())
-                n_kernels = session.scalar(sa.select(sa.func.count()).select_from(Kernel)  # finished, not partial
-                                           .where(Kernel.partial == sa.false())) or 0
+                n_kernels = session.scalar(sa.select(sa.func.count()).select_from(KernelRecord)  # finished, not partial
+                                           .where(KernelRecord.partial == sa.false())) or 0
                 since = datetime.now(UTC) - timedelta(seconds=self.alive_within_s)
                 alive = session.scalar(sa.select(sa.func.count()).select_from(WorkerRecord)
                                        .where(WorkerRecord.last_heartbeat >= since)) or 0

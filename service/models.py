@@ -142,7 +142,7 @@ class ServedBundle(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
-class Kernel(Base):
+class KernelRecord(Base):
     """The best kernel found for one cache key (spec, shape, dtype, target, Triton and generator versions).
 
     ``partial`` (migration 0007): the best kernel of a job that failed before it finished
@@ -185,7 +185,7 @@ class KernelRange(Base):
     ``shape`` is the canonical range shape (``{"d0": {"min", "max", "buckets"}, "d1": 64}``),
     ``shape_key`` its :func:`service.shape_ranges.range_key`. ``buckets`` lists, smallest first,
     ``{"shape": <the bucket's full canonical shape>, "kernel_id"}``: each bucket's kernel is an
-    ordinary :class:`Kernel` row keyed by that shape (so its bundle, binaries and exact lookups are
+    ordinary :class:`KernelRecord` row keyed by that shape (so its bundle, binaries and exact lookups are
     those of any kernel, and a better kernel found later for that shape serves the range too)."""
 
     __tablename__ = "kernel_ranges"
@@ -236,7 +236,7 @@ class Job(Base):
     attempts: Mapped[int] = mapped_column(sa.Integer, default=0)
     trials_done: Mapped[int] = mapped_column(sa.Integer, default=0)
     best: Mapped[dict[str, Any] | None] = mapped_column(_json())
-    # a succeeded job's kernel; a failed job's partial kernel (Kernel.partial), if it kept one
+    # a succeeded job's kernel; a failed job's partial kernel (KernelRecord.partial), if it kept one
     kernel_id: Mapped[str | None] = mapped_column(sa.String(32), sa.ForeignKey("kernels.id"))
     study_name: Mapped[str] = mapped_column(sa.String(4096))
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)

@@ -3,7 +3,7 @@
 **Names.** Everything stored is keyed in the *canonical* spec's names (dims ``d0, d1, ...``;
 inputs keep their names), as bundles are (:mod:`service.bundle`): two specs with the same
 ``spec_hash`` may name or order their dims differently, and a shape keyed by the submitter's
-names could then select another shape's kernel. So ``Job.shape``, ``Kernel.shape`` and their
+names could then select another shape's kernel. So ``Job.shape``, ``KernelRecord.shape`` and their
 ``shape_key`` (``"d0=4,d1=300"``) are canonical, and the spec a worker tunes is
 :func:`job_spec` (the canonical spec). :func:`display_shape` translates a canonical shape back
 to the names of the spec as first stored, for people (:class:`service.dim_names.DimNames`).

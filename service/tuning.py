@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from service.tuning_request import check_measurer, check_target
+from service.tuning_request import check_measurer, check_target, measurer_kind
 
 if TYPE_CHECKING:  # for the annotation only: tuner.measure is loaded when a job is set up, not on import
     from tuner import Measurer
@@ -77,7 +77,7 @@ def tuning_setup(spec: Any, raw_spec: Any, shape: Mapping[str, int], dtype: Any,
     measurer_name = checked_choice(check_measurer, measurer_name)
     profile = get_profile(checked_choice(check_target, target))
     problem = make_problem(spec, shape, dtype)
-    measurer_class = cuda_measurer(profile) if measurer_name == "cuda" else None
+    measurer_class = cuda_measurer(profile) if measurer_kind(measurer_name).on_device else None
     return search_setup(problem, derive_cascade(spec), profile, measurer_name, raw_spec,
                         measurer_class=measurer_class, compile_check=compile_check)
 
@@ -100,7 +100,7 @@ def search_setup(problem: Any, derivation: Any, profile: Any, measurer_name: str
         from tuner import CompileGate
 
         gate = CompileGate.for_space(space)
-    if measurer_name == "model":
+    if not measurer_kind(measurer_name).on_device:  # the cost model predicts
         from tuner import ModelMeasurer
 
         measurer = ModelMeasurer(problem, derivation, profile, gate=gate)

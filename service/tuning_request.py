@@ -36,7 +36,26 @@ from service.dim_names import DimNames
 from service.errors import InvalidRequest
 from service.shape_ranges import bucket_shapes, has_ranges, range_key, split_shape
 
-MEASURERS = ("cuda", "model")  # cuda: timed on a worker's GPU; model: predicted by the cost model
+
+
+@dataclass(frozen=True)
+class MeasurerKind:
+    """A measurer a job may name. ``on_device``: it times each kernel on a worker's GPU (the worker
+    needs one matching the target, and the time is measured); else it predicts the time (the cost
+    model, from the compiled kernel's SASS; no GPU)."""
+
+    name: str
+    on_device: bool
+
+
+# the measurers a job may name; every decision about one reads its kind here, never its name
+MEASURER_KINDS = {m.name: m for m in (MeasurerKind("cuda", on_device=True), MeasurerKind("model", on_device=False))}
+MEASURERS = tuple(MEASURER_KINDS)
+
+
+def measurer_kind(name: str) -> MeasurerKind:
+    """The kind of a checked measurer name (:func:`check_measurer`)."""
+    return MEASURER_KINDS[name]
 # a target's name as a query parameter takes it (the GPU profiles' names are these characters): text
 # with a NUL byte or a quote never reaches a database filter (PostgreSQL refuses NUL with a DataError)
 TARGET_PATTERN = r"^[A-Za-z0-9_.-]{1,32}$"

@@ -57,6 +57,7 @@ from service.errors import LeaseLost
 from service.job_outcome import JobOutcome
 from service.models import Job, utcnow
 from service.shape_ranges import TRIAL_STRIDE, has_ranges
+from service.tuning_request import measurer_kind
 from service.worker_recording import STATES, LeaseKeeper, TrialRecorder  # noqa: F401 - STATES: re-exported
 
 log = logging.getLogger("foldwise.worker")
@@ -96,7 +97,7 @@ class Worker:
         measurer = checked_choice(check_measurer, measurer)
         self.profile = get_profile(checked_choice(check_target, target))
         # fail at start, not on the first job: no GPU, or the wrong one
-        self.measurer_class = cuda_measurer(self.profile) if measurer == "cuda" else None
+        self.measurer_class = cuda_measurer(self.profile) if measurer_kind(measurer).on_device else None
         self.settings = settings or get_settings(db_url=db_url)
         self.db_url, self.measurer, self.target = db_url, measurer, self.profile.name
         self.worker_id = worker_id or new_worker_id()
@@ -462,7 +463,7 @@ class Worker:
 
         measured = {
             "time_ms": result.time_ms, "measurer": job.measurer, "predicted": result.predicted,
-            "device": gpu_name() if job.measurer == "cuda" else None, "target": job.target,
+            "device": gpu_name() if measurer_kind(job.measurer).on_device else None, "target": job.target,
             "trials": result.trials, "best_trial": result.best_trial, "study": job.study_name,
             "worker_id": self.worker_id,
         }

@@ -474,7 +474,7 @@ def pass_iterations(p: Pass, axis: str, shape: Mapping[str, int], blocks: Mappin
 
 
 @dataclass(frozen=True)
-class Resources:
+class ResourceEstimate:
     """Per-program resources of one kernel, estimated (registers) or counted (shared memory)."""
 
     regs_per_thread: int
@@ -494,7 +494,7 @@ SCRATCH_BYTES = 1024  # cross-warp reduction scratch
 
 
 def resources(kernel: KernelSketch, inputs: Mapping[str, tuple[tuple[str, ...], int]], axis: str | None,
-              blocks: Mapping[str, int], num_warps: int, num_stages: int, target: Target | None = None) -> Resources:
+              blocks: Mapping[str, int], num_warps: int, num_stages: int, target: Target | None = None) -> ResourceEstimate:
     """Per-program resources; ``inputs`` maps each loadable name to (dims, bytes per element).
 
     Registers: live float32 elements (accumulators + loaded tiles + the largest temporary,
@@ -540,7 +540,7 @@ def resources(kernel: KernelSketch, inputs: Mapping[str, tuple[tuple[str, ...], 
         smem = max(smem, SCRATCH_BYTES + dot_smem + staged)
     threads = warp_size * num_warps
     regs = REG_OVERHEAD + math.ceil(live_max / threads)
-    return Resources(int(regs), int(smem), int(tile), int(live_max), math.ceil(live_min / threads))
+    return ResourceEstimate(int(regs), int(smem), int(tile), int(live_max), math.ceil(live_min / threads))
 
 
 def _buffers(dot: Any, side: sp.Expr, side_dims: frozenset[str], axis: str | None, num_stages: int) -> int:

@@ -67,7 +67,7 @@ from fuser_core.codegen.strategies import STRATEGIES, STREAMING_FUSED
 from fuser_core.codegen.strategies.base import AXIS_BLOCK, COMBINE, NUM_STAGES, PER_LANE, SPLIT
 from fuser_core.derive import Derivation
 from fuser_core.problem import Problem
-from tuner.analysis import Anatomy, Resources, cdiv, input_info, resources
+from tuner.analysis import Anatomy, ResourceEstimate, cdiv, input_info, resources
 from tuner.profiles import GpuProfile
 
 WARPS = (1, 2, 4, 8, 16, 32)
@@ -241,7 +241,7 @@ class SearchSpace:
         """Every dim's block as the kernel will have it (inner and topk dims whole)."""
         return self.anatomy.full_blocks(candidate.config.blocks, self.shape)
 
-    def resources(self, candidate: Candidate) -> list[Resources]:
+    def resources(self, candidate: Candidate) -> list[ResourceEstimate]:
         """Per launched kernel: estimated registers, shared memory, largest tile."""
         blocks = self.blocks_of(candidate)
         c = candidate.config

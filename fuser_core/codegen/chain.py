@@ -58,7 +58,7 @@ from fuser_core.codegen.module import TORCH_DTYPES, _load, cached_source, genera
 from fuser_core.codegen.names import FP8, FP8_HELPERS, FP8_NATIVE, kernel_arg, safe_name, scalar_arg
 from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan, NotValid, make_plan, next_pow2
 from fuser_core.codegen.strategies import MULTI_PASS, ROW_RESIDENT
-from fuser_core.codegen.tritonize import Ref, expr_dims, helpers_of, to_triton
+from fuser_core.codegen.tritonize import VarRef, expr_dims, helpers_of, to_triton
 from fuser_core.merged import as_logical
 from fuser_core.paged import gathered
 from fuser_core.problem import MAX_ELEMENTS, tensor_size
@@ -367,9 +367,9 @@ class ElementwiseWriter:
         for d in self.dims:
             emit(f"    offs_{d} = pid_{d} * BLOCK_{d} + tl.arange(0, BLOCK_{d})")
             emit(f"    mask_{d} = offs_{d} < size_{d}")
-        values: dict[str, Ref] = {f"size({d})": Ref(f"size_{d}", (), "size") for d in self.spec.sized_dims}
-        values.update({f"index({d})": Ref(f"offs_{d}", (d,)) for d in self.dims})
-        values.update({p.name: Ref(scalar_arg(p.name), ()) for p in self.spec.runtime_params})
+        values: dict[str, VarRef] = {f"size({d})": VarRef(f"size_{d}", (), "size") for d in self.spec.sized_dims}
+        values.update({f"index({d})": VarRef(f"offs_{d}", (d,)) for d in self.dims})
+        values.update({p.name: VarRef(scalar_arg(p.name), ()) for p in self.spec.runtime_params})
 
         def pointer(var: str, dims) -> str:
             return " + ".join([f"{var}_ptr", *(f"{lay.expand(f'offs_{d}', (d,), dims)} * stride_{var}_{d}" for d in dims)])
@@ -383,7 +383,7 @@ class ElementwiseWriter:
             args = f"{pointer(var, dims)}, mask={mask}, other=0" if mask else pointer(var, dims)
             kind = "tl.int32" if self.leaf_is_index(name) else "tl.float32"
             emit(f"    {var} = {load_expr(args, self.input_dtypes.get(name), kind)}")
-            values[name] = Ref(var, lay.order(dims))
+            values[name] = VarRef(var, lay.order(dims))
         for o in self.outputs:
             var, dims = self.var[o], self.spec.step(o).dims
             e = self.exprs[o]

@@ -186,7 +186,7 @@ def count(instructions: list[Instruction]) -> Counts:
 
 
 @dataclass(frozen=True)
-class Loop:
+class SassLoop:
     """Instructions from a backward branch's target to the branch: one iteration's issue."""
 
     start: int
@@ -197,7 +197,7 @@ class Loop:
         return {"start": self.start, "end": self.end, **self.counts.to_dict()}
 
 
-def loops(instructions: list[Instruction]) -> list[Loop]:
+def loops(instructions: list[Instruction]) -> list[SassLoop]:
     """The innermost loops (containing no other loop), in address order. A loop is a branch
     (``BRA``, not the ``EXIT``-guarding jumps forward) to an address at or before itself."""
     spans = []
@@ -215,7 +215,7 @@ def loops(instructions: list[Instruction]) -> list[Loop]:
         body = [i for i in instructions if lo <= i.address <= hi]
         if all(i.base in ("SYNCS", "BRA") for i in body):
             continue  # an mbarrier's try-wait retried (TMA, async copies), out of line: a wait, not a loop of work
-        out.append(Loop(lo, hi, count(body)))
+        out.append(SassLoop(lo, hi, count(body)))
     return out
 
 
@@ -225,10 +225,10 @@ class KernelSass:
 
     name: str
     total: Counts
-    loops: tuple[Loop, ...] = field(default_factory=tuple)
+    loops: tuple[SassLoop, ...] = field(default_factory=tuple)
 
     @property
-    def hot_loop(self) -> Loop | None:
+    def hot_loop(self) -> SassLoop | None:
         """The innermost loop that issues the most instructions per iteration."""
         return max(self.loops, key=lambda lp: lp.counts.instructions, default=None)
 
@@ -260,5 +260,5 @@ def cubin_facts(cubin: bytes) -> dict[str, KernelSass]:
     return facts(disassemble(cubin))
 
 
-__all__ = ["Counts", "Instruction", "KernelSass", "Loop", "access_bits", "classify", "count", "cubin_facts",
+__all__ = ["Counts", "Instruction", "KernelSass", "SassLoop", "access_bits", "classify", "count", "cubin_facts",
            "disassemble", "facts", "loops", "parse", "tensor_kind", "tensor_shape", "warp_macs"]

@@ -8,7 +8,7 @@ caller decides what ``mx`` or ``index(n)`` means in the kernel being written.
 
 Arithmetic is float32: integer symbols (indices, sizes) promote on contact with floats.
 
-Each name's value is a :class:`Ref`: the variable it reads and the tile dims it lives on. Given a
+Each name's value is a :class:`VarRef`: the variable it reads and the tile dims it lives on. Given a
 :class:`~fuser_core.codegen.layout.Layout`, every operation's operands are placed on the union of
 their dims (``mx[:, None]``), so each value stays on the fewest dims it needs.
 
@@ -18,9 +18,9 @@ known without printing it: :func:`helpers_of` runs the same printer with any nam
 Example:
     >>> import sympy as sp
     >>> x, m = sp.symbols("x mx", real=True)
-    >>> to_triton(sp.exp(x - m) / sp.Symbol("den"), {"x": Ref("x"), "mx": Ref("mx"), "den": Ref("den")})
+    >>> to_triton(sp.exp(x - m) / sp.Symbol("den"), {"x": VarRef("x"), "mx": VarRef("mx"), "den": VarRef("den")})
     'tl.exp(x - mx) / den'
-    >>> to_triton(sp.exp(x - m), {"x": Ref("x", ("m", "n")), "mx": Ref("mx", ("m",))}, Layout(("m", "n")))
+    >>> to_triton(sp.exp(x - m), {"x": VarRef("x", ("m", "n")), "mx": VarRef("mx", ("m",))}, Layout(("m", "n")))
     'tl.exp(x - mx[:, None])'
     >>> sorted(helpers_of(sp.tanh(x) + sp.log(1 + x)))
     ['log1p_accurate', 'tanh_accurate']
@@ -79,7 +79,7 @@ def number(value: sp.Expr) -> str:
 
 
 @dataclass(frozen=True)
-class Ref:
+class VarRef:
     """What an expression reads for one symbol: the variable ``name`` on the tile ``dims``; ``form``
     ``size``: the size parameter ``name`` as a float (``(size_n * 1.0)``: sizes enter float
     arithmetic); ``neg``: a selection's values, negated (``(-g_acc_values)``: bottom-k and arg-min
@@ -99,10 +99,10 @@ class Ref:
         return self.name
 
 
-Names = Mapping[str | sp.Basic, Ref]
+Names = Mapping[str | sp.Basic, VarRef]
 
 
-def lookup(names: Names, e: sp.Symbol) -> Ref:
+def lookup(names: Names, e: sp.Symbol) -> VarRef:
     """The value of symbol ``e``: an exact symbol key first (two symbols may share a name, as a step
     named ``count`` does with the count of values seen), then its name."""
     if e in names:
@@ -127,7 +127,7 @@ LOG2E = 1.4426950408889634  # log2(e), as float64: the printed constant rounds o
 
 
 def decide_finite(e: sp.Expr, names: Names) -> sp.Expr:
-    """``e`` with each comparison of a finite value (``Ref.finite``: ``x``, ``-x`` or ``abs(x)``) with
+    """``e`` with each comparison of a finite value (``VarRef.finite``: ``x``, ``-x`` or ``abs(x)``) with
     +-inf decided: a where() guarding a max against inf costs nothing on the running anchor, which
     safe_anchor keeps finite (``tl.abs(mx_anchor) == inf`` per element, otherwise)."""
     decided = {}
@@ -169,8 +169,8 @@ class _AnyName(dict):
     def __contains__(self, key) -> bool:
         return True
 
-    def __getitem__(self, key) -> Ref:
-        return Ref("v")
+    def __getitem__(self, key) -> VarRef:
+        return VarRef("v")
 
 
 def helpers_of(e: sp.Expr) -> list[str]:

@@ -24,13 +24,13 @@ from service import errors
 from service.api import routes_jobs, routes_kernels, routes_misc
 from service.api.cache import BundleCache, SpecCache
 from service.api.deps import AppContext
-from service.api.derive import Deriver
+from service.api.derive import DerivationPool
 from service.api.fastpath import BundleFastPath, LoopReader
 from service.api.middleware import AccessLog, BodyLimit, NoNulBytes, OneAuthorization
 from service.api.schemas import ProblemView
 from service.api.validation import ParsedSpecs
 from service.api.problems import (
-    Problem,
+    HttpProblem,
     http_error_handler,
     problem_handler,
     spec_problem,
@@ -106,7 +106,7 @@ def create_app(settings: Settings | None = None, *, check_db: bool = True, dashb
         auth=AuthPolicy(loopback=is_loopback(settings.host), writer=sessions),
         metrics=Metrics(read_sessions, alive_within_s=alive_s), bundles=BundleCache(), specs=SpecCache(),
         parsed_specs=ParsedSpecs(),
-        deriver=Deriver(derive_timeout_s or settings.derive_timeout_seconds, workers=settings.derive_workers,
+        deriver=DerivationPool(derive_timeout_s or settings.derive_timeout_seconds, workers=settings.derive_workers,
                         queue=settings.derive_queue),
         # an SQLite file: the hot path reads on the event loop (service.api.fastpath)
         loop_reader=LoopReader(reader) if reader is not engine else None,
@@ -134,7 +134,7 @@ def create_app(settings: Settings | None = None, *, check_db: bool = True, dashb
     app.state.settings, app.state.sessions, app.state.auth = settings, sessions, ctx.auth
     app.state.engine = engine
 
-    app.add_exception_handler(Problem, problem_handler)
+    app.add_exception_handler(HttpProblem, problem_handler)
     app.add_exception_handler(RequestValidationError, validation_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(SpecError, _spec_error)
@@ -209,14 +209,14 @@ async def _spec_error(request: Request, exc: Exception) -> Response:
 
 async def _job_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, errors.NotFound):
-        return Problem(404, "Not found", str(exc), kind="not-found").response()
+        return HttpProblem(404, "Not found", str(exc), kind="not-found").response()
     if isinstance(exc, errors.BundleCorrupted):
         log.error("corrupted bundle refused", extra={"path": request.url.path, "error": str(exc)})
-        return Problem(500, "Stored bundle corrupted", str(exc), kind="bundle-corrupted").response()
-    return Problem(503, "Try again", str(exc), kind="conflict", headers={"Retry-After": "1"}).response()
+        return HttpProblem(500, "Stored bundle corrupted", str(exc), kind="bundle-corrupted").response()
+    return HttpProblem(503, "Try again", str(exc), kind="conflict", headers={"Retry-After": "1"}).response()
 
 
 async def _database_error(request: Request, exc: Exception) -> Response:
     log.warning("database unavailable", extra={"path": request.url.path, "error": str(exc)[:300]})
-    return Problem(503, "Database unavailable", "the database did not answer; try again",
+    return HttpProblem(503, "Database unavailable", "the database did not answer; try again",
                    kind="database", headers={"Retry-After": "2"}).response()

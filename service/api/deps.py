@@ -27,8 +27,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from service.api.cache import BundleCache, SpecCache
-from service.api.derive import Deriver
-from service.api.problems import Problem
+from service.api.derive import DerivationPool
+from service.api.problems import HttpProblem
 from service.api.validation import ParsedSpecs
 from service.auth import AuthError, AuthPolicy, Principal
 from service.bundle.signing import Signer
@@ -58,7 +58,7 @@ class AppContext:
     bundles: BundleCache  # bundle bytes by sha256
     specs: SpecCache  # stored specs, parsed (service.api.ops.SpecInfo)
     parsed_specs: ParsedSpecs  # request spec texts, parsed
-    deriver: Deriver  # derivations off the event loop, with a time limit
+    deriver: DerivationPool  # derivations off the event loop, with a time limit
     loop_reader: LoopReader | None = None  # an SQLite file's hot-path reads on the event loop (fastpath)
     signer: Signer | None = None  # signs every served bundle's sha256 (settings.signing_key_file)
 
@@ -76,8 +76,8 @@ async def _context(request: Request) -> AppContext:
 Context = Annotated[AppContext, Depends(_context)]  # a route's typed handle on the app's shared state
 
 
-def auth_problem(err: AuthError) -> Problem:
-    return Problem(err.status, "Unauthorized" if err.status == 401 else "Forbidden", err.message, kind="auth",
+def auth_problem(err: AuthError) -> HttpProblem:
+    return HttpProblem(err.status, "Unauthorized" if err.status == 401 else "Forbidden", err.message, kind="auth",
                    headers={"WWW-Authenticate": err.www_authenticate})
 
 

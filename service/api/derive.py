@@ -7,7 +7,7 @@ in a **child process** of its own (forked from a ``forkserver`` with fuser_core 
 already imported: a start costs milliseconds, not an import), at a lower CPU priority
 (``nice``), so the event loop keeps its share of the CPU.
 
-The bounds, per request (:meth:`Deriver.report`):
+The bounds, per request (:meth:`DerivationPool.report`):
 
 - **one deadline** (``derive_timeout_seconds``) from the request's arrival here: the wait for a
   slot, the derivation *and* the certificate. Past it the child is killed and the answer is
@@ -44,7 +44,7 @@ from typing import Any
 from fuser_core import DerivationLimitError, Spec, SpecError, SpecKey
 from service.api.child_bounds import bound_child, memory_message
 from service.api.child_pipe import receive as receive_answer
-from service.api.problems import Problem, invalid_field, spec_problem
+from service.api.problems import HttpProblem, invalid_field, spec_problem
 from service.api.spec_child import SpecParser
 
 log = logging.getLogger("foldwise.api")
@@ -55,7 +55,7 @@ CHILD_NICE = 10  # the children's CPU priority below the API's
 PRELOAD = ["service.api.derive", "service.api.spec_child", "fuser_core.report", "fuser_core.derive", "fuser_core.certificate",
            "fuser_core.present"]
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(PRELOAD)  # only a list until the forkserver starts (Deriver.warm_up)
+_CONTEXT.set_forkserver_preload(PRELOAD)  # only a list until the forkserver starts (DerivationPool.warm_up)
 
 
 def _child(conn: Any, source: str) -> None:
@@ -83,7 +83,7 @@ def _child(conn: Any, source: str) -> None:
     conn.close()
 
 
-class Deriver:
+class DerivationPool:
     """The app's derivations; see the module docstring."""
 
     def __init__(self, timeout_s: float, *, workers: int = 2, queue: int = 8):
@@ -137,7 +137,7 @@ class Deriver:
 
     async def report(self, key: SpecKey, source: str, request: Any = None, *,
                      deadline: float | None = None) -> dict[str, Any]:
-        """``fuser_core.derivation_report`` of the spec with ``key``, or a Problem: 422 (invalid),
+        """``fuser_core.derivation_report`` of the spec with ``key``, or a HttpProblem: 422 (invalid),
         429 (pool and queue full), 503 (past the deadline: ``deadline``, ``time.monotonic()``,
         default the timeout from now). ``source``: the spec's JSON text (what the child parses);
         ``request``: the Starlette request whose client is watched (None: not watched).
@@ -154,7 +154,7 @@ class Deriver:
         task = self._inflight.get(key_text)
         if task is None:
             if self._admitted >= self.workers + self.queue:
-                raise Problem(429, "Too many derivations", f"{self.workers} derivations are running and "
+                raise HttpProblem(429, "Too many derivations", f"{self.workers} derivations are running and "
                               f"{self.queue} waiting, the most this server takes; retry later",
                               kind="derivation-busy", headers={"Retry-After": str(max(1, round(self.timeout_s / 2)))})
             if deadline is None:
@@ -175,7 +175,7 @@ class Deriver:
         return await self.run(self._answer, key, result)  # the rename: off the event loop
 
     async def _wait(self, task: asyncio.Future, name: str, request: Any) -> tuple:
-        """The shared derivation's result (or its Problem), watching this request's client."""
+        """The shared derivation's result (or its HttpProblem), watching this request's client."""
         while True:
             done, _ = await asyncio.wait({task}, timeout=POLL_S)
             if done:
@@ -183,7 +183,7 @@ class Deriver:
             if request is not None and await request.is_disconnected():
                 log.info("a derivation's client has gone", extra={"spec": name})
                 # nobody reads this answer; 499 (nginx's "client closed request") in the access log
-                raise Problem(499, "Client closed request", "the client left before the derivation "
+                raise HttpProblem(499, "Client closed request", "the client left before the derivation "
                               "ended", kind="client-gone")
 
     async def _work(self, name: str, source: str, deadline: float) -> tuple:
@@ -208,8 +208,8 @@ class Deriver:
             self._slots, self._loop = asyncio.Semaphore(self.workers), loop
         return self._slots
 
-    def _too_slow(self) -> Problem:
-        return Problem(503, "Derivation too slow", f"the derivation and its certificate took longer than "
+    def _too_slow(self) -> HttpProblem:
+        return HttpProblem(503, "Derivation too slow", f"the derivation and its certificate took longer than "
                        f"{self.timeout_s:g} s (this server's limit: FOLDWISE_DERIVE_TIMEOUT_SECONDS) and were "
                        "stopped; retry when the server is less busy", kind="derivation-timeout",
                        headers={"Retry-After": str(max(1, round(self.timeout_s)))})
@@ -279,5 +279,5 @@ class Deriver:
         if kind == "limit":
             raise invalid_field(("spec",), f"the derivation exceeds its limits: {result[1]}")
         log.error("derivation failed", extra={"spec": key.name, "error": result[1][:500]})
-        raise Problem(500, "Derivation failed", "the derivation failed; this is a bug, see the server's log",
+        raise HttpProblem(500, "Derivation failed", "the derivation failed; this is a bug, see the server's log",
                       kind="derivation-failed")

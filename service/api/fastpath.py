@@ -36,24 +36,24 @@ from starlette.concurrency import run_in_threadpool
 from service import errors
 from service.api import ops
 from service.api.deps import AppContext, auth_problem
-from service.api.problems import Problem, not_found
+from service.api.problems import HttpProblem, not_found
 from service.auth import _ANY_TOKEN, _TOKEN_ROW, AuthError, TokenLookup
 from service.bundle import ARCH_PATTERN
 from service.bundle.signing import SIGNATURE_HEADER
-from service.models import Kernel, ServedBundle
+from service.models import KernelRecord, ServedBundle
 from service.served_bundles import no_binaries, served_bytes, view_of
 
 log = logging.getLogger("foldwise.api")
 BUNDLE_PATH = re.compile(r"/v1/kernels/([0-9a-f]{32})/bundle")
 ARCH = re.compile(ARCH_PATTERN.encode())  # the route's pattern for ?arch=
 ROUTE = SimpleNamespace(path="/v1/kernels/{kernel_id}/bundle")  # the metrics label
-_SHA_QUERY = sa.select(Kernel.bundle_sha256).where(Kernel.id == sa.bindparam("kernel_id"))
+_SHA_QUERY = sa.select(KernelRecord.bundle_sha256).where(KernelRecord.id == sa.bindparam("kernel_id"))
 # formats 2 and 3: the kernel's bundle joined to its precomputed views (service.served_bundles), one indexed read
-_SERVED_QUERY = (sa.select(Kernel.bundle_sha256, ServedBundle.view, ServedBundle.sha256)
-                 .outerjoin(ServedBundle, sa.and_(ServedBundle.bundle_sha256 == Kernel.bundle_sha256,
+_SERVED_QUERY = (sa.select(KernelRecord.bundle_sha256, ServedBundle.view, ServedBundle.sha256)
+                 .outerjoin(ServedBundle, sa.and_(ServedBundle.bundle_sha256 == KernelRecord.bundle_sha256,
                                                   ServedBundle.view.in_([sa.bindparam("view"),
                                                                          sa.bindparam("fallback")])))
-                 .where(Kernel.id == sa.bindparam("kernel_id")))
+                 .where(KernelRecord.id == sa.bindparam("kernel_id")))
 
 
 class _Raw:
@@ -121,7 +121,7 @@ class LoopReader:
 
 def _served(rows: list[Any], kernel_id: str, view: str | None) -> tuple[str, str]:
     """(ETag sha256, the view served: "" for format 1, else the view asked for or, for an arch
-    without a binary, its format's one without binaries) from the rows of a lookup; Problem 404
+    without a binary, its format's one without binaries) from the rows of a lookup; HttpProblem 404
     for an unknown kernel, 500 for a bundle without its format-2/-3 copies (not migrated)."""
     if not rows:
         raise not_found("kernel", kernel_id)
@@ -131,13 +131,13 @@ def _served(rows: list[Any], kernel_id: str, view: str | None) -> tuple[str, str
     for v in (view, no_binaries(view)):
         if v in found:
             return found[v], v
-    raise Problem(500, "Stored bundle incomplete", f"kernel {kernel_id}: bundle {rows[0][0]} has no stored "
+    raise HttpProblem(500, "Stored bundle incomplete", f"kernel {kernel_id}: bundle {rows[0][0]} has no stored "
                   f"format-{view.split(':')[0]} copy (run `foldwise db upgrade`)", kind="bundle-corrupted")
 
 
 def _lookup(conn: Any, ctx: AppContext, kernel_id: str, authorization: str | None,
             view: str | None) -> tuple[str, str, str]:
-    """Auth check, then (etag, bundle sha256, view) of the request (Problem 401/403/404), on a raw
+    """Auth check, then (etag, bundle sha256, view) of the request (HttpProblem 401/403/404), on a raw
     sqlite3 connection. ``view`` None: format 1 (the bundle itself)."""
     try:
         ctx.auth.require(RawTokenLookup(conn), authorization, "kernels:read")
@@ -191,7 +191,7 @@ def etag_matches(if_none_match: str | None, sha: str) -> bool:
 
 async def bundle_answer(ctx: AppContext, kernel_id: str, authorization: str | None, if_none_match: str | None,
                         *, format: int = 1, arch: str | None = None) -> tuple[int, dict[str, str], bytes]:
-    """(status, headers, body) of a bundle request; raises Problem for errors. ``format`` 2 or 3,
+    """(status, headers, body) of a bundle request; raises HttpProblem for errors. ``format`` 2 or 3,
     or an ``arch`` (format 2 unless 3 is asked for): the precomputed view (service.served_bundles)."""
     view = view_of(arch, 3 if format == 3 else 2) if (format in (2, 3) or arch is not None) else None
     reader = ctx.loop_reader
@@ -218,7 +218,7 @@ async def bundle_answer(ctx: AppContext, kernel_id: str, authorization: str | No
             raise not_found("kernel", kernel_id) from None
         except errors.BundleCorrupted as err:
             log.error("corrupted bundle refused", extra={"kernel_id": kernel_id, "error": str(err)})
-            raise Problem(500, "Stored bundle corrupted", str(err), kind="bundle-corrupted") from None
+            raise HttpProblem(500, "Stored bundle corrupted", str(err), kind="bundle-corrupted") from None
         ctx.bundles.put(sha, content)
         headers["ETag"] = f'"{sha}"'
         if ctx.signer is not None:
@@ -268,7 +268,7 @@ class BundleFastPath:
                 if_none_match = value.decode("latin-1")[:1024]
         try:
             status, headers, body = await bundle_answer(self.ctx, match.group(1), authorization, if_none_match, **query)
-        except Problem as problem:
+        except HttpProblem as problem:
             await problem.response()(scope, receive, send)
             return
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]

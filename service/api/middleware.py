@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any
 
-from service.api.problems import Problem, error_entry
+from service.api.problems import HttpProblem, error_entry
 
 log = logging.getLogger("foldwise.api.access")
 
@@ -33,8 +33,8 @@ class BodyLimit:
     def __init__(self, app: Any, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
-    def _problem(self) -> Problem:
-        return Problem(413, "Request too large", f"the request body is larger than {self.max_bytes} bytes",
+    def _problem(self) -> HttpProblem:
+        return HttpProblem(413, "Request too large", f"the request body is larger than {self.max_bytes} bytes",
                        kind="too-large")
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -103,7 +103,7 @@ class OneAuthorization:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and sum(name == b"authorization" for name, _ in scope.get("headers", ())) > 1:
             message = "more than one Authorization header; send one"
-            problem = Problem(400, "Bad request", f"Authorization: {message}", kind="header",
+            problem = HttpProblem(400, "Bad request", f"Authorization: {message}", kind="header",
                               errors=[error_entry(["Authorization"], message, where="header")])
             await problem.response()(scope, receive, send)
             return
@@ -120,7 +120,7 @@ class NoNulBytes:
             for where, text in parts:
                 if b"%00" in text or b"\x00" in text:
                     message = "holds a NUL byte (%00)"
-                    problem = Problem(422, "Invalid request", f"the URL's {where} {message}", kind="validation",
+                    problem = HttpProblem(422, "Invalid request", f"the URL's {where} {message}", kind="validation",
                                       errors=[error_entry([where], message, where=where)])
                     await problem.response()(scope, receive, send)
                     return

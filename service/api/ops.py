@@ -17,12 +17,12 @@ from fuser_core import Spec, SpecError, bound_to_canonical, canonical_shape, loa
 from service import job_queue, kernel_cache, spec_store
 from service.api.cache import SpecCache
 from service.api.deps import AppContext, Db
-from service.api.problems import Problem, error_entry, invalid, invalid_field, not_found
+from service.api.problems import HttpProblem, error_entry, invalid, invalid_field, not_found
 from service.api.schemas import JobRequest, iso, job_view, kernel_view, trial_view, worker_view
 from service.api.validation import ParsedSpecs, job_request, query_value
 from service.bundle import dtype_text, parse_dtype_text, parse_shape_text, shape_text
 from service.dim_names import DimNames
-from service.models import Job, Kernel, SpecRecord, WorkerRecord, utcnow
+from service.models import Job, KernelRecord, SpecRecord, WorkerRecord, utcnow
 from service.settings import Settings
 from service.tuning_request import TuningRequest
 
@@ -47,7 +47,7 @@ def resolve_hash(session: Session, text: str, *, field: str = "spec_hash", where
     try:
         return spec_store.resolve_hash(session, text, field=field)
     except spec_store.AmbiguousHash as err:
-        raise Problem(409, "Ambiguous spec hash", f"{field}: {err.message}", kind="ambiguous-hash",
+        raise HttpProblem(409, "Ambiguous spec hash", f"{field}: {err.message}", kind="ambiguous-hash",
                       errors=[error_entry((field,), err.message, where=where)], matches=err.matches) from None
     except SpecError as err:
         raise invalid_field((field,), err.message, where=where) from None
@@ -158,7 +158,7 @@ async def submit_job(db: Db, ctx: AppContext, req: JobRequest, request: Any = No
 
     1. :func:`_find_submitted` (a read, after the token check): the request checked and bound
        once, and the job of an identical earlier request if there is one (the answer);
-    2. a spec never stored is derived off the event loop, bounded (:meth:`service.api.derive.Deriver.report_spec`:
+    2. a spec never stored is derived off the event loop, bounded (:meth:`service.api.derive.DerivationPool.report_spec`:
        one deadline, 429/503, stopped if ``request``'s client leaves; cached in-process, so storing it is fast);
     3. :func:`_submit` (a write): :func:`service.job_queue.submit_job` with the same request.
     """
@@ -171,9 +171,9 @@ async def submit_job(db: Db, ctx: AppContext, req: JobRequest, request: Any = No
     return await db.run(_submit, ctx.specs, found.request, live)
 
 
-_BY_DEDUPE = (sa.select(Job.__table__, Kernel.triton_version.label("k_triton"),
-                        Kernel.generator_version.label("k_generator"))
-              .outerjoin(Kernel, Kernel.id == Job.kernel_id).where(Job.dedupe_key == sa.bindparam("key")))
+_BY_DEDUPE = (sa.select(Job.__table__, KernelRecord.triton_version.label("k_triton"),
+                        KernelRecord.generator_version.label("k_generator"))
+              .outerjoin(KernelRecord, KernelRecord.id == Job.kernel_id).where(Job.dedupe_key == sa.bindparam("key")))
 
 
 def _find_submitted(session: Session, cache: SpecCache, parsed: ParsedSpecs, req: JobRequest,
@@ -257,7 +257,7 @@ def cancel(session: Session, cache: SpecCache, live: LiveWorkers, job_id: str) -
 # ----------------------------------------------------------------------------- kernels
 
 
-def _query_problem(err: SpecError) -> Problem:
+def _query_problem(err: SpecError) -> HttpProblem:
     loc = tuple(err.loc) or ("shape",)
     return invalid([error_entry(loc, err.message, where="query")])
 
@@ -316,7 +316,7 @@ def lookup_kernel(session: Session, cache: SpecCache, *, spec_hash: str, target:
         what = f"spec {spec_hash[:16]}, target {target}, dtype {dtype}" + (f", shape {shape}" if shape else "")
         kind = "batch-invariant range holding it (a job with \"batch_invariant\": true)" if batch_invariant else \
             "tuned kernel"
-        raise Problem(404, "Not found", f"no {kind} for {what}; submit a tuning job (POST /v1/jobs)",
+        raise HttpProblem(404, "Not found", f"no {kind} for {what}; submit a tuning job (POST /v1/jobs)",
                       kind="not-found")
     kernel, exact = found
     return kernel_view(kernel, exact)
@@ -328,7 +328,7 @@ def get_kernel(session: Session, kernel_id: str) -> dict[str, Any]:
 
 def bundle_sha(session: Session, kernel_id: str) -> str:
     """The sha256 of the kernel's bundle (one primary-key lookup; the hot path of downloads)."""
-    sha = session.execute(sa.select(Kernel.bundle_sha256).where(Kernel.id == kernel_id)).scalar_one_or_none()
+    sha = session.execute(sa.select(KernelRecord.bundle_sha256).where(KernelRecord.id == kernel_id)).scalar_one_or_none()
     session.rollback()
     if sha is None:
         raise not_found("kernel", kernel_id)

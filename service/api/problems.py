@@ -47,7 +47,7 @@ def error_entry(loc: Sequence[str | int], message: str, *, where: str = "body", 
     return entry
 
 
-class Problem(Exception):
+class HttpProblem(Exception):
     """An error answer. Raise it from plain functions and routes; the app's handler renders it."""
 
     def __init__(self, status: int, title: str, detail: str, *, kind: str | None = None,
@@ -71,18 +71,18 @@ class Problem(Exception):
                         headers=self.headers)
 
 
-def invalid(errors: list[dict]) -> Problem:
+def invalid(errors: list[dict]) -> HttpProblem:
     """422 for one or more field errors (entries from :func:`error_entry`)."""
     first = errors[0]
     detail = f"{first['field']}: {first['message']}" if first["field"] else first["message"]
-    return Problem(422, "Invalid request", detail, kind="validation", errors=errors)
+    return HttpProblem(422, "Invalid request", detail, kind="validation", errors=errors)
 
 
-def invalid_field(loc: Sequence[str | int], message: str, *, where: str = "body") -> Problem:
+def invalid_field(loc: Sequence[str | int], message: str, *, where: str = "body") -> HttpProblem:
     return invalid([error_entry(loc, message, where=where)])
 
 
-def spec_problem(err: SpecError, *, body_field: str = "spec") -> Problem:
+def spec_problem(err: SpecError, *, body_field: str = "spec") -> HttpProblem:
     """422 for a SpecError. Its ``loc`` is a path in the spec (``steps, 2, expr``), or in the
     request for shape and dtype errors (``shape, n``); a step error names the step."""
     loc = tuple(err.loc)
@@ -95,14 +95,14 @@ def spec_problem(err: SpecError, *, body_field: str = "spec") -> Problem:
     return problem
 
 
-def not_found(what: str, ident: str) -> Problem:
-    return Problem(404, "Not found", f"no {what} {ident!r}", kind="not-found")
+def not_found(what: str, ident: str) -> HttpProblem:
+    return HttpProblem(404, "Not found", f"no {what} {ident!r}", kind="not-found")
 
 
 # ----------------------------------------------------------------------------- handlers
 
 
-async def problem_handler(request: Request, exc: Problem) -> Response:
+async def problem_handler(request: Request, exc: HttpProblem) -> Response:
     return exc.response()
 
 
@@ -180,11 +180,11 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
     detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
     if exc.status_code == 404 and detail == "Not Found":
         detail = f"no such resource: {request.method} {request.url.path}"
-    return Problem(exc.status_code, titles.get(exc.status_code, "Error"), detail,
+    return HttpProblem(exc.status_code, titles.get(exc.status_code, "Error"), detail,
                    headers=getattr(exc, "headers", None)).response()
 
 
 async def unhandled_handler(request: Request, exc: Exception) -> Response:
     log.error("unhandled error", exc_info=exc, extra={"path": request.url.path, "method": request.method})
-    return Problem(500, "Internal server error", "the server failed to answer this request; see its log",
+    return HttpProblem(500, "Internal server error", "the server failed to answer this request; see its log",
                    kind="internal").response()

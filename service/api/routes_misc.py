@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api import ops
 from service.api.deps import AppContext, Context, Db, database
-from service.api.problems import Problem
+from service.api.problems import HttpProblem
 from service.api.routes_jobs import ERRORS
 from service.api.schemas import DerivationRequest, SpecView, WorkerList
 from service.api.validation import checked_spec_text
@@ -49,7 +49,7 @@ async def signing_key(ctx: Context) -> JSONResponse:
     "Signed bundles"): give it to clients as a trusted key, over a channel you trust. 404 when the
     server signs nothing (no ``FOLDWISE_SIGNING_KEY_FILE``)."""
     if ctx.signer is None:
-        raise Problem(404, "Not found", "this server signs no bundles (FOLDWISE_SIGNING_KEY_FILE is not set)",
+        raise HttpProblem(404, "Not found", "this server signs no bundles (FOLDWISE_SIGNING_KEY_FILE is not set)",
                       kind="not-found")
     return JSONResponse({"algorithm": ALGORITHM, "key_id": ctx.signer.key_id, "public_key": ctx.signer.public_key,
                          "header": SIGNATURE_HEADER})

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from fuser_core import MAX_DIMS
-from service.models import Job, Kernel, KernelRange, TrialRecord, WorkerRecord
+from service.models import Job, KernelRecord, KernelRange, TrialRecord, WorkerRecord
 from service.shape_ranges import bucket_count, one_kernel, range_view
 from service.tuning_request import MEASURERS
 
@@ -95,8 +95,8 @@ def job_view(job: Job | Any) -> dict[str, Any]:
     }
 
 
-def kernel_view(kernel: Kernel, exact: bool | None = None, *,
-                kernel_range: tuple[KernelRange, list[Kernel]] | None = None) -> dict[str, Any]:
+def kernel_view(kernel: KernelRecord, exact: bool | None = None, *,
+                kernel_range: tuple[KernelRange, list[KernelRecord]] | None = None) -> dict[str, Any]:
     """A kernel's view; ``kernel_range`` (a lookup inside a tuned range): the range and its
     buckets' kernels, shown as ``range`` (docs/API.md, "Shape ranges")."""
     view = {

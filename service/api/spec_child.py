@@ -29,7 +29,7 @@ from fuser_core import SpecError, SpecKey
 from service.api.cache import SpecCache
 from service.api.child_bounds import bound_child
 from service.api.child_pipe import receive
-from service.api.problems import Problem, spec_problem
+from service.api.problems import HttpProblem, spec_problem
 
 log = logging.getLogger("foldwise.api")
 
@@ -71,8 +71,8 @@ class SpecParser:
         self._memo = SpecCache(memo_items)  # text -> the child's answer ("ok" and "spec" only)
         self.started = 0  # children started (tests read it)
 
-    async def key(self, source: str, deadline: float, too_slow: Callable[[], Problem]) -> SpecKey:
-        """``source``'s key; Problem 422 naming the field for an invalid spec, ``too_slow()``
+    async def key(self, source: str, deadline: float, too_slow: Callable[[], HttpProblem]) -> SpecKey:
+        """``source``'s key; HttpProblem 422 naming the field for an invalid spec, ``too_slow()``
         past ``deadline`` (``time.monotonic()``), 500 for a bug in the parser."""
         answer = self._memo.get(source) or await self._parse(source, deadline, too_slow)
         if answer[0] == "ok":
@@ -80,13 +80,13 @@ class SpecParser:
         if answer[0] == "spec":
             raise spec_problem(SpecError(answer[1], loc=tuple(answer[2]), step=answer[3]))
         log.error("spec parse failed", extra={"error": answer[1][:500]})
-        raise Problem(500, "Spec parse failed", "parsing the spec failed; this is a bug, see the server's log",
+        raise HttpProblem(500, "Spec parse failed", "parsing the spec failed; this is a bug, see the server's log",
                       kind="derivation-failed")
 
     def close(self) -> None:
         self._kill()
 
-    async def _parse(self, source: str, deadline: float, too_slow: Callable[[], Problem]) -> tuple:
+    async def _parse(self, source: str, deadline: float, too_slow: Callable[[], HttpProblem]) -> tuple:
         lock = self._lock_here()
         try:  # the wait for the child counts against the deadline too
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
@@ -109,7 +109,7 @@ class SpecParser:
             self._lock, self._loop = asyncio.Lock(), loop
         return self._lock
 
-    async def _ask(self, source: str, deadline: float, too_slow: Callable[[], Problem]) -> tuple:
+    async def _ask(self, source: str, deadline: float, too_slow: Callable[[], HttpProblem]) -> tuple:
         if self._proc is None or self._proc.exitcode is not None:
             await self._start(deadline, too_slow)
         conn = self._conn
@@ -128,7 +128,7 @@ class SpecParser:
             if not answered:  # its answer would be the next question's: a new child for that one
                 self._kill()
 
-    async def _start(self, deadline: float, too_slow: Callable[[], Problem]) -> None:
+    async def _start(self, deadline: float, too_slow: Callable[[], HttpProblem]) -> None:
         self._kill()
         mine, theirs = self._context.Pipe()
         proc = self._context.Process(target=_serve, args=(theirs, self._nice), daemon=True, name="foldwise-spec-parse")

@@ -70,7 +70,7 @@ class ParsedSpecs:
         self._cache = SpecCache(max_items)
 
     def get(self, raw: dict[str, Any] | str) -> tuple[Spec, str, str]:
-        """(spec, source text, spec_hash); Problem 422 for an invalid spec."""
+        """(spec, source text, spec_hash); HttpProblem 422 for an invalid spec."""
         source = spec_text(raw)  # a catalog name is read each time: its file may change
         hit = self._cache.get(source)
         if hit is None:

@@ -17,7 +17,7 @@ Example:
     >>> import torch
     >>> fold = fold_of({"x": ("t", "c"), "w": ("c",)}, {"x": torch.ones(2, 3, 8), "w": torch.ones(8)})
     >>> fold
-    Fold(dim='t', lead=(2, 3))
+    LeadingFold(dim='t', lead=(2, 3))
     >>> flat = folded_inputs({"x": ("t", "c"), "w": ("c",)}, {"x": torch.ones(2, 3, 8), "w": torch.ones(8)}, fold)
     >>> tuple(flat["x"].shape)
     (6, 8)
@@ -35,7 +35,7 @@ from service.bundle.hashing import BundleError
 
 
 @dataclass(frozen=True)
-class Fold:
+class LeadingFold:
     """The leading sizes ``lead`` a call's tensors fold into dim ``dim`` (of size their product)."""
 
     dim: str
@@ -49,16 +49,16 @@ def _extra(dims: tuple[str, ...], t: Any) -> int:
     return max(0, t.dim() - len(dims))
 
 
-def fold_of(input_dims: Mapping[str, tuple[str, ...]], given: Mapping[str, Any]) -> Fold | None:
+def fold_of(input_dims: Mapping[str, tuple[str, ...]], given: Mapping[str, Any]) -> LeadingFold | None:
     """The fold of a call's tensors (``input_dims``: input -> its tensor's dims), None when no tensor
     has extra dims. :class:`BundleError` naming an input whose fold disagrees with another's."""
-    found: tuple[Fold, str] | None = None
+    found: tuple[LeadingFold, str] | None = None
     for name, dims in input_dims.items():
         t = given.get(name)
         extra = _extra(dims, t)
         if not extra:
             continue
-        fold = Fold(dims[0], tuple(t.shape[: extra + 1]))
+        fold = LeadingFold(dims[0], tuple(t.shape[: extra + 1]))
         if found is None:
             found = (fold, name)
         elif found[0] != fold:
@@ -67,7 +67,7 @@ def fold_of(input_dims: Mapping[str, tuple[str, ...]], given: Mapping[str, Any])
     return found[0] if found else None
 
 
-def folded_inputs(input_dims: Mapping[str, tuple[str, ...]], given: Mapping[str, Any], fold: Fold) -> dict[str, Any]:
+def folded_inputs(input_dims: Mapping[str, tuple[str, ...]], given: Mapping[str, Any], fold: LeadingFold) -> dict[str, Any]:
     """``given`` with each tensor's extra leading dims folded into its first dim (a view where possible)."""
     out = dict(given)
     for name, dims in input_dims.items():
@@ -79,13 +79,13 @@ def folded_inputs(input_dims: Mapping[str, tuple[str, ...]], given: Mapping[str,
 
 
 def unfolded_shapes(output_dims: Mapping[str, tuple[str, ...]], shapes: Mapping[str, list[Any]],
-                    fold: Fold) -> dict[str, list[Any]]:
+                    fold: LeadingFold) -> dict[str, list[Any]]:
     """Output shapes (``shapes``, flat) with the leading sizes back where an output's first dim is the fold's."""
     return {part: ([*fold.lead, *shape[1:]] if output_dims[part][:1] == (fold.dim,) else list(shape))
             for part, shape in shapes.items()}
 
 
-def folded_out(output_dims: Mapping[str, tuple[str, ...]], out: Mapping[str, Any], fold: Fold) -> dict[str, Any]:
+def folded_out(output_dims: Mapping[str, tuple[str, ...]], out: Mapping[str, Any], fold: LeadingFold) -> dict[str, Any]:
     """``out=`` tensors given with the leading dims, viewed flat for the kernel (a view: the kernel
     writes into the caller's tensors). :class:`BundleError` naming one whose strides do not fold."""
     flat = dict(out)
@@ -102,7 +102,7 @@ def folded_out(output_dims: Mapping[str, tuple[str, ...]], out: Mapping[str, Any
 
 
 def unfolded_outputs(output_dims: Mapping[str, tuple[str, ...]], outputs: Mapping[str, Any],
-                     fold: Fold) -> dict[str, Any]:
+                     fold: LeadingFold) -> dict[str, Any]:
     """A call's flat outputs with the leading dims back (views)."""
     return {part: (t.view(*fold.lead, *t.shape[1:]) if output_dims[part][:1] == (fold.dim,) else t)
             for part, t in outputs.items()}

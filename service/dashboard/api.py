@@ -21,7 +21,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Path, Query, Request
 
 from service.api.deps import Db, context, database
-from service.api.problems import Problem, error_entry, invalid
+from service.api.problems import HttpProblem, error_entry, invalid
 from service.auth import SCOPES
 from service.dashboard import views
 from service.spec_store import HASH_PATTERN
@@ -40,11 +40,11 @@ async def _run(db: Db, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise _problem(err) from None
 
 
-def _problem(err: views.DashboardError) -> Problem:
+def _problem(err: views.DashboardError) -> HttpProblem:
     if err.status == 404:
-        return Problem(404, "Not found", err.message, kind="not-found")
+        return HttpProblem(404, "Not found", err.message, kind="not-found")
     if err.status == 409:  # an ambiguous spec hash prefix
-        return Problem(409, "Ambiguous spec hash", f"spec_hash: {err.message}", kind="ambiguous-hash",
+        return HttpProblem(409, "Ambiguous spec hash", f"spec_hash: {err.message}", kind="ambiguous-hash",
                        errors=[error_entry(["spec_hash"], err.message, where=str(err.loc[0]))])
     where = str(err.loc[0]) if err.loc and err.loc[0] in ("query", "path", "body") else "query"
     loc = list(err.loc[1:]) if err.loc and err.loc[0] in ("query", "path", "body") else list(err.loc)

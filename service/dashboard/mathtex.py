@@ -64,7 +64,7 @@ def symbol_tex(name: str) -> str:
     return name_tex(name)
 
 
-class _Printer(LatexPrinter):
+class _MathTexPrinter(LatexPrinter):
     """sympy's LaTeX printer with the dashboard's names for symbols, casts and round()."""
 
     def _print_Symbol(self, expr: sp.Symbol, style: str = "plain") -> str:
@@ -91,7 +91,7 @@ class _Printer(LatexPrinter):
         return super()._print_Function(expr, exp)
 
 
-_PRINTER = _Printer({"mul_symbol": None, "order": "none"})
+_PRINTER = _MathTexPrinter({"mul_symbol": None, "order": "none"})
 
 
 def tex(e: sp.Expr | int) -> str:

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from fuser_core import BASELINE, SpecError
 from service import spec_store
 from service.dim_names import DimNames
-from service.models import Job, Kernel, SpecRecord, WorkerRecord
+from service.models import Job, KernelRecord, SpecRecord, WorkerRecord
 
 MAX_LIMIT = 500
 MAX_NAMES = 200
@@ -150,8 +150,8 @@ def spec_source(
     spec_hash = rec.spec_hash  # the full hash, when a prefix was given
     spec, derivation = _loaded(rec.source)
     kernel = session.scalars(
-        sa.select(Kernel).where(Kernel.spec_hash == spec_hash, Kernel.partial == sa.false())
-        .order_by(Kernel.created_at.desc()).limit(1)
+        sa.select(KernelRecord).where(KernelRecord.spec_hash == spec_hash, KernelRecord.partial == sa.false())
+        .order_by(KernelRecord.created_at.desc()).limit(1)
     ).first()
     job = None
     if kernel is None:
@@ -218,7 +218,7 @@ def spec_source(
     }
 
 
-def _tuned_module(spec: Any, derivation: Any, kernel: Kernel, bound: dict[str, int], dtypes: dict[str, str],
+def _tuned_module(spec: Any, derivation: Any, kernel: KernelRecord, bound: dict[str, int], dtypes: dict[str, str],
                   names: DimNames) -> tuple[Any, Any]:
     """(module, config) of a stored kernel's strategy and configuration (its blocks renamed from the
     canonical dims), or (None, None) when this code cannot generate it (an older generator's config)."""
@@ -257,7 +257,7 @@ def _baseline(baselines: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[floa
     return None
 
 
-def speedups(kernel: Kernel) -> dict[str, Any]:
+def speedups(kernel: KernelRecord) -> dict[str, Any]:
     """Speedup over the unfused chain and over torch.compile, where a baseline was stored."""
     base = kernel.baselines or {}
     out: dict[str, Any] = {}
@@ -269,7 +269,7 @@ def speedups(kernel: Kernel) -> dict[str, Any]:
     return out
 
 
-def prediction(kernel: Kernel) -> dict[str, Any]:
+def prediction(kernel: KernelRecord) -> dict[str, Any]:
     """The model's prediction next to the measurement (a model-measured kernel is only a prediction)."""
     if kernel.predicted:
         return {"predicted_ms": kernel.time_ms, "measured_ms": None}
@@ -288,15 +288,15 @@ def kernel_rows(
         if spec_hash is None:  # no stored spec has that prefix
             return []
     limit = max(1, min(int(limit), MAX_LIMIT))
-    query = (sa.select(Kernel, SpecRecord.name).join(SpecRecord, SpecRecord.spec_hash == Kernel.spec_hash)
-             .where(Kernel.partial == sa.false()))
+    query = (sa.select(KernelRecord, SpecRecord.name).join(SpecRecord, SpecRecord.spec_hash == KernelRecord.spec_hash)
+             .where(KernelRecord.partial == sa.false()))
     if spec_hash:
-        query = query.where(Kernel.spec_hash == spec_hash)
+        query = query.where(KernelRecord.spec_hash == spec_hash)
     if target:
-        query = query.where(Kernel.target == target)
+        query = query.where(KernelRecord.target == target)
     if dtype:
-        query = query.where(Kernel.dtype == dtype)
-    query = query.order_by(Kernel.created_at.desc(), Kernel.id).limit(limit).offset(max(0, int(offset)))
+        query = query.where(KernelRecord.dtype == dtype)
+    query = query.order_by(KernelRecord.created_at.desc(), KernelRecord.id).limit(limit).offset(max(0, int(offset)))
     rows = []
     for kernel, name in session.execute(query):
         rows.append({
@@ -369,11 +369,11 @@ def _catalog_json(dirs: tuple[str, ...], stamp: tuple[tuple[str, float], ...]) -
 def form_options(session: Session, *, max_trials: int, max_seconds: float, default_target: str) -> dict[str, Any]:
     """Targets, measurers and dtypes the submit form offers, defaulting to what live workers run."""
     from fuser_core import FLOAT_DTYPES
-    from service.tuning_request import MEASURERS, known_targets
+    from service.tuning_request import MEASURERS, known_targets, measurer_kind
 
     workers = session.execute(sa.select(WorkerRecord.target, WorkerRecord.measurer)
                               .order_by(WorkerRecord.last_heartbeat.desc()).limit(50)).all()
-    measurers = sorted(MEASURERS, key=lambda m: m != "model")  # model first: it runs without a GPU
+    measurers = sorted(MEASURERS, key=lambda m: measurer_kind(m).on_device)  # the model first: it needs no GPU
     default_measurer = workers[0].measurer if workers and workers[0].measurer in measurers else "model"
     targets = known_targets()
     target = workers[0].target if workers and workers[0].target in targets else default_target

@@ -749,15 +749,15 @@ def test_exp_prints_in_base2_only_where_every_output_is_16_bit() -> None:
     logits near 1000 the base-2 form's error is ~90x the formula's: benchmarks/exp_base2_accuracy.py)."""
     import sympy as sp
 
-    from fuser_core.codegen.tritonize import Ref, to_triton
+    from fuser_core.codegen.tritonize import VarRef, to_triton
 
     x, m = sp.Symbol("x"), sp.Symbol("mx")
-    names = {"x": Ref("x", ("m", "n")), "mx": Ref("mx", ("m",))}
+    names = {"x": VarRef("x", ("m", "n")), "mx": VarRef("mx", ("m",))}
     from fuser_core.codegen.layout import Layout
 
     text = to_triton(sp.exp(x - m), names, Layout(("m", "n")), exp_base2=True)
     assert text == "tl.exp2(x * 1.4426950408889634 - mx[:, None] * 1.4426950408889634)"
-    assert to_triton(sp.exp(2 * x + 1), {"x": Ref("x")}, exp_base2=True) == (
+    assert to_triton(sp.exp(2 * x + 1), {"x": VarRef("x")}, exp_base2=True) == (
         "tl.exp2(x * 2.8853900817779268 + 1.4426950408889634)")
     assert to_triton(sp.exp(x - m), names, Layout(("m", "n"))) == "tl.exp(x - mx[:, None])"
 

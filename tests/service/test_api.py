@@ -192,7 +192,7 @@ def test_a_derivation_past_its_deadline_answers_503_and_is_stopped(db_url) -> No
 
 
 def test_a_derivation_error_in_the_child_names_the_field_and_step(client) -> None:
-    """Errors found while deriving (in the Deriver's child process) come back as they would
+    """Errors found while deriving (in the DerivationPool's child process) come back as they would
     in-process: 422 naming ``spec`` and the caller's step."""
     from tests.fuser_core.test_limits import CRAFTED
 
@@ -225,16 +225,16 @@ def test_identical_derivations_in_flight_share_one_child(db_url, monkeypatch) ->
     """Six identical requests at once with room for one derivation and no queue: one child
     derives, every request gets its answer (none 429)."""
     from fuser_core.report import clear_cache
-    from service.api.derive import Deriver
+    from service.api.derive import DerivationPool
 
     clear_cache()
-    real_derive, children = Deriver._derive, []
+    real_derive, children = DerivationPool._derive, []
 
     async def counted(self, *args, **kwargs):
         children.append(args[0])
         return await real_derive(self, *args, **kwargs)
 
-    monkeypatch.setattr(Deriver, "_derive", counted)
+    monkeypatch.setattr(DerivationPool, "_derive", counted)
     settings = get_settings(db_url=db_url, derive_workers=1, derive_queue=0)
     with TestClient(create_app(settings)) as c:
         c.app.state.ctx.deriver.warm_up(wait=True)
@@ -247,21 +247,21 @@ def test_identical_derivations_in_flight_share_one_child(db_url, monkeypatch) ->
 
 def test_a_new_spec_is_derived_once_by_its_submission(db_url, monkeypatch) -> None:
     """POST /v1/jobs for a spec never stored derives it once (the route's one call,
-    service.api.ops.submit_job), in the Deriver's child process: storing the spec uses that
+    service.api.ops.submit_job), in the DerivationPool's child process: storing the spec uses that
     derivation (nothing is derived in the API's process), and a second identical submission
     derives nothing."""
     import fuser_core.derive
     from fuser_core.report import clear_cache
-    from service.api.derive import Deriver
+    from service.api.derive import DerivationPool
 
     clear_cache()
-    real_derive, children = Deriver._derive, []
+    real_derive, children = DerivationPool._derive, []
 
     async def counted(self, *args, **kwargs):
         children.append(args[0])
         return await real_derive(self, *args, **kwargs)
 
-    monkeypatch.setattr(Deriver, "_derive", counted)
+    monkeypatch.setattr(DerivationPool, "_derive", counted)
     in_process = []
     real = fuser_core.derive.derive_cascade
     monkeypatch.setattr(fuser_core.derive, "derive_cascade",

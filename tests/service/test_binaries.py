@@ -687,8 +687,11 @@ def test_a_cuda_measurer_s_binary_is_stored_else_the_host_compile(split_bundle, 
 
     assert measured_binary_of(Broken(), "split_fused", {}) is None  # logged; the worker compiles on the host
 
-    class Model:
+    class Model:  # a prediction ran no binary (tuner.Measurer's contract), nor does the interpreter
         name = "model"
+
+        def measured_binary(self, strategy, config):
+            return None
 
     assert measured_binary_of(Model(), "split_fused", {}) is None
     import service.binaries as binaries

@@ -22,7 +22,7 @@ from service.api import create_app
 from service.auth import create_token
 from service.dashboard import STATIC_DIR
 from service.db import make_engine, session_factory, upgrade
-from service.models import Bundle, Kernel
+from service.models import Bundle, KernelRecord
 from service.settings import get_settings
 from service.tuning_request import tuning_request
 from tests.support.catalog import CATALOG_DIR, load_catalog
@@ -69,7 +69,7 @@ def add_kernel(sessions, job, *, time_ms: float, predicted: bool, baselines=None
         if s.get(Bundle, digest) is None:
             s.add(Bundle(sha256=digest, content=content, size=len(content)))
             s.flush()
-        k = Kernel(spec_hash=job.spec_hash, shape=job.shape, shape_key=job.shape_key, dtype=job.dtype,
+        k = KernelRecord(spec_hash=job.spec_hash, shape=job.shape, shape_key=job.shape_key, dtype=job.dtype,
                    target=job.target, triton_version="t", generator_version=f"g{time_ms}", strategy=strategy,
                    config=config or {"blocks": {}, "num_warps": 4, "num_stages": 2, "split": 1}, time_ms=time_ms,
                    measurer="model" if predicted else "cuda", predicted=predicted, bundle_sha256=digest,

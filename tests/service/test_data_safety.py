@@ -33,7 +33,7 @@ from service.api import create_app
 from service.bundle import canonical_spec
 from service.bundle_maker import make_bundle
 from service.db import make_engine
-from service.models import Bundle, Job, Kernel, utcnow
+from service.models import Bundle, Job, KernelRecord, utcnow
 from service.settings import get_settings
 from service.tuning_request import tuning_request
 from service.worker import Worker, run_worker
@@ -112,7 +112,7 @@ def test_a_worker_that_lost_its_job_before_storing_the_result_stores_nothing(db_
     with sessions() as s:
         stored = s.get(Job, job.id, populate_existing=True)
         assert stored.status == "running" and stored.worker_id == "w-thief" and stored.kernel_id is None
-        assert s.scalar(sa.select(sa.func.count()).select_from(Kernel)) == 0
+        assert s.scalar(sa.select(sa.func.count()).select_from(KernelRecord)) == 0
         assert s.scalar(sa.select(sa.func.count()).select_from(Bundle)) == 0
         # and it cannot fail or release the job either
         for call in (lambda: job_queue.fail_job(s, job.id, "w-stale", "x"),
@@ -178,7 +178,7 @@ def test_corruption_is_never_served_whatever_the_cache_holds(db_url, sessions, f
 
         # a kernel cannot point at a bundle that is not stored: the database refuses it
         with sessions() as s, pytest.raises(sa.exc.IntegrityError):
-            s.execute(sa.update(Kernel).where(Kernel.id == b_id).values(bundle_sha256="f" * 64))
+            s.execute(sa.update(KernelRecord).where(KernelRecord.id == b_id).values(bundle_sha256="f" * 64))
             s.commit()
 
     # a restarted server has an empty cache: the damaged A is refused too

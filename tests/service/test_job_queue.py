@@ -23,7 +23,7 @@ from service import errors, job_queue, kernel_cache, spec_store
 from service.bundle import bundle_sha256, canonical_bytes, canonical_spec
 from service.bundle_maker import make_bundle
 from service.db import make_engine, session_factory, upgrade
-from service.models import Bundle, Job, Kernel, WorkerRecord, utcnow
+from service.models import Bundle, Job, KernelRecord, WorkerRecord, utcnow
 from service.tuning_request import tuning_request
 
 LSE = {"foldwise": 1, "name": "lse", "inputs": {"x": {"dims": ["m", "n"]}},
@@ -279,7 +279,7 @@ def test_outdated_kernel_is_searched_again(Session):
     claim(Session)
     finish(Session, job)
     with Session() as s:  # as if the generator changed since the kernel was made
-        s.execute(sa.update(Kernel).values(generator_version="old"))
+        s.execute(sa.update(KernelRecord).values(generator_version="old"))
         s.commit()
     new, created = submit(Session)
     assert created and new.id != job.id and new.status == "queued"
@@ -299,7 +299,7 @@ def test_finish_rejects_bad_bundles(Session):
     with Session() as s, pytest.raises(errors.InvalidBundle, match="unknown field 'speed'"):
         job_queue.finish_job(s, job.id, "w1", bundle=bundle_for(job), kernel_fields={"time_ms": 1.0, "speed": 2})
     with Session() as s:
-        assert s.scalar(sa.select(sa.func.count()).select_from(Kernel)) == 0
+        assert s.scalar(sa.select(sa.func.count()).select_from(KernelRecord)) == 0
         assert s.scalar(sa.select(sa.func.count()).select_from(Bundle)) == 0
     assert reload(Session, job.id).status == "running"
 
@@ -323,7 +323,7 @@ def test_better_kernel_wins_per_key(Session):
     replaced = finish(Session, cuda2, "gpu", time_ms=3.0, measurer="cuda", predicted=False)
     assert replaced.id == predicted.id and replaced.time_ms == 3.0 and replaced.bundle_sha256 != predicted.bundle_sha256
     with Session() as s:
-        assert s.scalar(sa.select(sa.func.count()).select_from(Kernel)) == 2
+        assert s.scalar(sa.select(sa.func.count()).select_from(KernelRecord)) == 2
 
 
 def test_concurrent_finishes_of_one_key_store_one_kernel(Session):
@@ -336,7 +336,7 @@ def test_concurrent_finishes_of_one_key_store_one_kernel(Session):
     kernels = in_threads(2, lambda i: finish(Session, calls[i][0], calls[i][1], calls[i][2], **calls[i][3]))
     assert kernels[0].id == kernels[1].id
     with Session() as s:
-        only = s.execute(sa.select(Kernel)).scalars().all()
+        only = s.execute(sa.select(KernelRecord)).scalars().all()
     assert len(only) == 1 and not only[0].predicted and only[0].time_ms == 4.0
     assert {reload(Session, j.id).kernel_id for j in (a, b)} == {only[0].id}
 
@@ -408,7 +408,7 @@ def test_expired_lease_is_taken_over_and_stale_worker_rejected(Session):
     after = reload(Session, job.id)
     assert after.status == "running" and after.trials_done == 2 and after.best["time_ms"] == 3.0
     with Session() as s:
-        assert s.scalar(sa.select(sa.func.count()).select_from(Kernel)) == 0
+        assert s.scalar(sa.select(sa.func.count()).select_from(KernelRecord)) == 0
 
 
 def test_a_lost_worker_stops_naming_the_job_taken_over_from_it(Session):
@@ -537,7 +537,7 @@ def test_find_kernel_exact_then_nearest(Session):
         assert find(s, None)[1] is False
         assert len(kernel_cache.list_kernels(s, spec_hash=h)) == 2
         # a kernel of another generator version is still served, but never as an exact match
-        s.execute(sa.update(Kernel).values(generator_version="old"))
+        s.execute(sa.update(KernelRecord).values(generator_version="old"))
         s.commit()
         kernel, exact = find(s, {"d0": 4, "d1": 64})
         assert not exact and kernel.shape == {"d0": 4, "d1": 64}

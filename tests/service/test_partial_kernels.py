@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from service import errors, job_queue, kernel_cache
 from service.bundle import verify_bundle
-from service.models import Job, Kernel, utcnow
+from service.models import Job, KernelRecord, utcnow
 from service.tuning_request import tuning_request
 from service.worker import run_worker
 from service.worker_recording import TrialRecorder
@@ -94,7 +94,7 @@ def test_a_partial_kernel_never_answers_and_a_success_outranks_it(Session) -> No
     assert measured.id == partial.id and measured.partial and not measured.predicted and measured.job_id == cuda.id
     with Session() as s:
         assert kernel_cache.exact_kernel(s, _request()).id == done.id
-        assert s.scalar(sa.select(sa.func.count()).select_from(Kernel)) == 2
+        assert s.scalar(sa.select(sa.func.count()).select_from(KernelRecord)) == 2
 
 
 def test_a_partial_bundle_is_checked_as_a_finished_one(Session) -> None:
@@ -106,7 +106,7 @@ def test_a_partial_bundle_is_checked_as_a_finished_one(Session) -> None:
     with Session() as s, pytest.raises(errors.InvalidBundle, match="shape"):
         job_queue.keep_partial(s, job.id, bundle=q.bundle_for(other), kernel_fields={"time_ms": 1.0})
     with Session() as s:
-        assert s.scalar(sa.select(sa.func.count()).select_from(Kernel)) == 0
+        assert s.scalar(sa.select(sa.func.count()).select_from(KernelRecord)) == 0
     assert q.reload(Session, job.id).kernel_id is None
 
 
@@ -167,7 +167,7 @@ def test_a_job_failing_with_no_good_trial_keeps_nothing(db_url, sessions, monkey
     job = w.reload(sessions, job_id)
     assert job.status == "failed" and job.best is None and job.kernel_id is None
     with sessions() as s:
-        assert s.scalar(sa.select(sa.func.count()).select_from(Kernel)) == 0
+        assert s.scalar(sa.select(sa.func.count()).select_from(KernelRecord)) == 0
 
 
 def test_a_job_failed_for_its_lost_workers_keeps_its_best(db_url, sessions) -> None:

@@ -22,7 +22,7 @@ from service.bundle import verify_bundle
 from service.db import DatabaseBehind, study_storage_url
 from service.job_outcome import JobOutcome
 from service.binaries import stored_variants
-from service.models import Job, Kernel, KernelBinary, utcnow
+from service.models import Job, KernelRecord, KernelBinary, utcnow
 from service.settings import get_settings
 from service.tuning import SetupError
 from service.tuning_request import tuning_request
@@ -217,7 +217,7 @@ def test_a_range_job_is_derived_once_for_all_its_buckets(db_url, sessions, monke
                       settings=settings(db_url, compile_binaries=False)) == 1
     job = reload(sessions, job_id)
     with sessions() as s:
-        bundles = [json.loads(kernel_cache.get_bundle_bytes(s, k)) for k in s.scalars(sa.select(Kernel))]
+        bundles = [json.loads(kernel_cache.get_bundle_bytes(s, k)) for k in s.scalars(sa.select(KernelRecord))]
     assert job.status == "succeeded" and len(bundles) == 2, job.error
     # the job's spec (the cost model's unfused-chain baseline derives each step's own spec besides)
     assert calls.count(spec_hash(SPEC)) == 1, calls

@@ -8,7 +8,7 @@ these operations (:attr:`~fuser_core.codegen.structure.Kernel.ops`); the printer
 kernel's dim order: attention's ``q`` is on ``("m", "d")``, a row's max in a one-row program on
 ``()``), so nothing downstream infers a value's dims from printed text. An expression an
 operation prints is a sympy expression with its ``env``: every free symbol mapped to the
-:class:`Ref` it reads (a variable on its dims, a size, a negated selection).
+:class:`VarRef` it reads (a variable on its dims, a size, a negated selection).
 
 What each operation reads (:meth:`Op.reads`: kernel parameters and variables) comes from its
 fields; a kernel's arguments are exactly the parameters its operations read, and the offsets

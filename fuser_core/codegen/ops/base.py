@@ -11,10 +11,10 @@ from typing import Any
 import sympy as sp
 
 from fuser_core.codegen.names import FP8_HELPERS, FP8_NATIVE
-from fuser_core.codegen.tritonize import Ref, helpers_of
+from fuser_core.codegen.tritonize import VarRef, helpers_of
 from fuser_core.reduce_ops import REDUCE_OPS
 
-Env = tuple[tuple[sp.Basic, "Ref"], ...]  # each free symbol of an operation's expressions -> what it reads
+Env = tuple[tuple[sp.Basic, "VarRef"], ...]  # each free symbol of an operation's expressions -> what it reads
 
 
 # a tl.dot whose operands are e4m3 values: fp8 tensor cores on sm_89+, exact float16 elsewhere
@@ -56,7 +56,7 @@ class Dot:
         return len(sp.Mul.make_args(self.q))
 
 
-def env_refs(env: Env) -> Iterator[Ref]:
+def env_refs(env: Env) -> Iterator[VarRef]:
     return (ref for _, ref in env)
 
 

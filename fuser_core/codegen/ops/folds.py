@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from fuser_core.codegen.ops.base import FP8_DOT, Dot, Env, Op, block_params, env_reads, expr_helpers, max_min_helpers
-from fuser_core.codegen.tritonize import Ref
+from fuser_core.codegen.tritonize import VarRef
 from fuser_core.reduce_ops import reduce_op
 
 
@@ -118,7 +118,7 @@ class AnchorUpdate(Op):
     dep: str
     name: str
     dims: tuple[str, ...]
-    value: Ref
+    value: VarRef
     estimate: bool
     axis: str
     note: str = ""

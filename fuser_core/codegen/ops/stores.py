@@ -10,7 +10,7 @@ import sympy as sp
 
 from fuser_core.codegen.names import FP8
 from fuser_core.codegen.ops.base import Env, Op, block_params, env_reads, expr_helpers, tile_reads
-from fuser_core.codegen.tritonize import Ref
+from fuser_core.codegen.tritonize import VarRef
 from fuser_core.reduce_ops import has_slots, reduce_op, returns_indices
 
 
@@ -72,7 +72,7 @@ class Finalise(Op):
     dims: tuple[str, ...]
     expr: sp.Expr | None
     env: Env = ()
-    source: Ref | None = None
+    source: VarRef | None = None
 
     def reads(self) -> set[str]:
         if not self.name:
@@ -112,7 +112,7 @@ class OutputStore(Op):
     dims: tuple[str, ...]
     expr: sp.Expr | None
     env: Env
-    value: Ref | None
+    value: VarRef | None
     value_dims: tuple[str, ...]
     dtype: str
     constant: bool = False
@@ -135,7 +135,7 @@ class FallbackFlag(Op):
     (+-inf or NaN)), else 0: an int32 scalar, the gate of the fallback passes after the fused loop."""
 
     name: str
-    checks: tuple[tuple[Ref, str], ...]
+    checks: tuple[tuple[VarRef, str], ...]
 
     def reads(self) -> set[str]:
         return {ref.name for ref, _ in self.checks}

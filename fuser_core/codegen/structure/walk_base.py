@@ -17,7 +17,7 @@ from fuser_core.codegen.ops import Comment, Dot, Env, Fold, Gather, Load, Loop, 
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.structure.facts import anchored_deps, decide_dot, effective_op, tile_dims
 from fuser_core.codegen.structure.model import Grid
-from fuser_core.codegen.tritonize import Ref, lookup
+from fuser_core.codegen.tritonize import VarRef, lookup
 from fuser_core.masks import excluded
 from fuser_core.merged import address
 from fuser_core.realisation import Realisation
@@ -29,7 +29,7 @@ class WalkBase:
     """One kernel's operations, in the order they run (and are printed).
 
     ``values`` maps what expressions read (a spec name, or a symbol: ``count[old]``, a part's
-    accumulator) to the :class:`Ref` holding it in the kernel; ``loaded`` are the inputs and inner
+    accumulator) to the :class:`VarRef` holding it in the kernel; ``loaded`` are the inputs and inner
     reductions computed in the current scope (a loop's body forgets them after it, except
     ``persistent`` ones: loaded at the kernel's top level or hoisted); ``filled``: inputs loaded
     with a fold's identity in their masked lanes."""
@@ -49,7 +49,7 @@ class WalkBase:
         self.no_fill = no_fill  # inputs a tl.dot of this kernel reads: never identity-filled
         self.layout = Layout(tile_dims(plan))
         self.var_dims: dict[str, tuple[str, ...]] = {}  # variable -> the tile dims its value lives on
-        self.values: dict[str | sp.Basic, Ref] = {}
+        self.values: dict[str | sp.Basic, VarRef] = {}
         self.loaded: set[str] = set()
         self.persistent: set[str] = set()
         self.filled: dict[str, str] = {}
@@ -84,19 +84,19 @@ class WalkBase:
     def order(self, dims: Iterable[str]) -> tuple[str, ...]:
         return self.layout.order(dims)
 
-    def let(self, name: str, dims: Iterable[str]) -> Ref:
+    def let(self, name: str, dims: Iterable[str]) -> VarRef:
         """``name`` now holds a value on ``dims``."""
         self.var_dims[name] = self.order(dims)
         return self.var(name)
 
-    def var(self, name: str) -> Ref:
+    def var(self, name: str) -> VarRef:
         """The variable ``name``, defined earlier in the kernel, on its dims."""
-        return Ref(name, self.var_dims[name], finite=name.startswith(self.finite_prefixes))
+        return VarRef(name, self.var_dims[name], finite=name.startswith(self.finite_prefixes))
 
     def env(self, *exprs: sp.Expr | None, extra: Mapping | None = None) -> Env:
         """What each free symbol of ``exprs`` reads: ``extra`` first, then the values in scope."""
         names = {**self.values, **(extra or {})}
-        out: dict[sp.Basic, Ref] = {}
+        out: dict[sp.Basic, VarRef] = {}
         for e in exprs:
             if e is None:
                 continue
@@ -139,12 +139,12 @@ class WalkBase:
             self.let(f"offs_{d}", (d,))
             self.let(f"mask_{d}", (d,))
         for d in self.spec.part_dims:  # size(c) of a merged dim's part: an argument of its own
-            self.values[f"size({d})"] = Ref(f"size_{d}", (), "size")
+            self.values[f"size({d})"] = VarRef(f"size_{d}", (), "size")
         for d in self.plan.dims:
-            self.values[f"size({d})"] = Ref(f"size_{d}", (), "size")
-            self.values[f"index({d})"] = Ref(f"offs_{d}", (d,) if d in dims else ())
+            self.values[f"size({d})"] = VarRef(f"size_{d}", (), "size")
+            self.values[f"index({d})"] = VarRef(f"offs_{d}", (d,) if d in dims else ())
         for p in self.spec.runtime_params:  # a scalar passed at call time: a kernel argument (fp32)
-            self.values[p.name] = Ref(scalar_arg(p.name), ())
+            self.values[p.name] = VarRef(scalar_arg(p.name), ())
 
     def axis_tile(self, start: str) -> None:
         a = self.axis
@@ -212,7 +212,7 @@ class WalkBase:
                 extra[sym] = self.let(name, dims)
         others = [s for s in x.free_symbols if s not in extra]
         self.need([sp.Add(*others)] if others else [])
-        env = self.env(x, at, extra={**extra, sp.Symbol(f"{var}_at"): Ref(f"{var}_at", lanes)})
+        env = self.env(x, at, extra={**extra, sp.Symbol(f"{var}_at"): VarRef(f"{var}_at", lanes)})
         dims = self.order(set(self.dims_of(x, env)) | set(lanes))
         self.add(Comment(text=f"# {step.name}: sum over {a} of where(index({a}) == {sp.sstr(at)}, {sp.sstr(x)}, 0): "
                               f"its one term, loaded at that index"))

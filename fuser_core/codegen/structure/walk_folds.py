@@ -13,7 +13,7 @@ from fuser_core.codegen.names import safe_name
 from fuser_core.codegen.ops import Comment, Dot, Env, Finalise, FirstChunk, Fold, InitState, Op, OutputStore, Select
 from fuser_core.codegen.structure.facts import axis_outputs, state_name
 from fuser_core.codegen.structure.walk_base import WalkBase
-from fuser_core.codegen.tritonize import Ref, is_literal, lookup
+from fuser_core.codegen.tritonize import VarRef, is_literal, lookup
 from fuser_core.masks import exclusion
 from fuser_core.realisation import identity
 from fuser_core.reduce_ops import has_slots, is_negated, is_selection, returns_indices
@@ -163,12 +163,12 @@ class FoldsWalk(WalkBase):
         self.add(Select(step=step.name, name=acc, dims=state, op=op, over=a, expr=e, env=env, prev=prev, slots=slots,
                         k=step.k if slots else None, tile_dims=tile_dims, broadcast=got != tile_dims))
 
-    def selected(self, step: Step, acc: str) -> Ref:
+    def selected(self, step: Step, acc: str) -> VarRef:
         """The accumulated values of an order reduction, signs undone."""
         op = self.effective_op(step)
-        return Ref(f"{acc}_values", self.var_dims[f"{acc}_values"], "neg" if is_negated(op) else "var")
+        return VarRef(f"{acc}_values", self.var_dims[f"{acc}_values"], "neg" if is_negated(op) else "var")
 
-    def set_result(self, step: Step, value: Ref | None, indices: str | None = None, expr: sp.Expr | None = None,
+    def set_result(self, step: Step, value: VarRef | None, indices: str | None = None, expr: sp.Expr | None = None,
                    env: Env = ()) -> None:
         """Name a reduction's final value: ``expr`` (fused: its realisation's value) or ``value`` (a
         selection's values, or its accumulator); a variable already is read as it is."""
@@ -185,7 +185,7 @@ class FoldsWalk(WalkBase):
             self.add(Finalise(step=step.name, name="" if bare else target, dims=ref.dims, expr=expr, env=env))
         else:
             bare = value.form == "var"
-            ref = Ref(value.name, value.dims) if bare else self.let(target, value.dims)
+            ref = VarRef(value.name, value.dims) if bare else self.let(target, value.dims)
             self.add(Finalise(step=step.name, name="" if bare else target, dims=ref.dims, expr=None, source=value))
         if step.reduce == "topk":
             self.values[f"{step.name}.values"] = ref

@@ -29,7 +29,7 @@ from fuser_core.codegen.ops import (
 )
 from fuser_core.codegen.structure.facts import anchored_deps, placeholder, reads_count, sum_of_anchored_exps, workspace
 from fuser_core.codegen.structure.walk_streaming import StreamingWalk
-from fuser_core.codegen.tritonize import Ref
+from fuser_core.codegen.tritonize import VarRef
 from fuser_core.masks import may_exclude_every
 from fuser_core.realisation import (
     COUNT_OLD,
@@ -288,7 +288,7 @@ class StrategiesWalk(StreamingWalk):
                 parts.append(self.load_part(acc, ws[acc]))
         rules = real.merge()
         self.need([r.left for r in rules] + [r.right for r in rules])
-        names: dict = {COUNT_OLD: Ref("count_old"), part_count("a"): Ref("count_old"), part_count("b"): Ref("count_part")}
+        names: dict = {COUNT_OLD: VarRef("count_old"), part_count("a"): VarRef("count_old"), part_count("b"): VarRef("count_part")}
         for j, (merged, part) in enumerate(zip(self.state_names(real, accs), parts)):
             names[part_acc(j, "a")] = self.var(merged)
             names[part_acc(j, "b")] = self.var(part)

@@ -32,7 +32,7 @@ from fuser_core.codegen.structure.facts import (
     state_name,
 )
 from fuser_core.codegen.structure.walk_folds import FoldsWalk
-from fuser_core.codegen.tritonize import Ref
+from fuser_core.codegen.tritonize import VarRef
 from fuser_core.realisation import (
     COUNT_OLD,
     Realisation,
@@ -88,7 +88,7 @@ class StreamingWalk(FoldsWalk):
                 self.add(Copy(name=f"{anchor}_old", dims=self.var_dims[anchor], source=anchor))
                 self.values[f"{dep}[old]"] = self.let(f"{anchor}_old", self.var_dims[anchor])
                 self.values[f"{dep}[new]"] = self.var(anchor)
-            self.values[COUNT_OLD] = Ref("count_old")  # by symbol: a step named `count` has its own count[old]
+            self.values[COUNT_OLD] = VarRef("count_old")  # by symbol: a step named `count` has its own count[old]
             for step in steps:
                 self.streaming_update(step, accs[step.name])
                 if step.name in anchors:
@@ -228,7 +228,7 @@ class StreamingWalk(FoldsWalk):
                               note=note))
         self.let(anchor, value.dims)
 
-    def with_anchors(self, real: Realisation) -> dict[str, Ref | None]:
+    def with_anchors(self, real: Realisation) -> dict[str, VarRef | None]:
         """Values for a tile's contribution: dependencies at their (new) anchors."""
         saved = {}
         for dep in real.anchors:
@@ -236,7 +236,7 @@ class StreamingWalk(FoldsWalk):
             self.values[dep] = self.var(self.anchor_var(dep))
         return saved
 
-    def restore(self, saved: dict[str, Ref | None]) -> None:
+    def restore(self, saved: dict[str, VarRef | None]) -> None:
         for k, v in saved.items():
             if v is None:
                 self.values.pop(k, None)
@@ -359,7 +359,7 @@ class StreamingWalk(FoldsWalk):
         names.update({sym: self.var(a) for sym, a in zip(real.symbols, accs)})
         # after the loop the state holds every value seen: a move by the count reads the total, not the
         # count before the last tile (`count_old`, still in scope)
-        names[COUNT_OLD] = Ref("count")
+        names[COUNT_OLD] = VarRef("count")
         self.need([a.moved for a in real.accumulators])
         moved, refs = self.moves(real, accs, [a.moved for a in real.accumulators], names)
         for acc, m in zip(accs, moved):
