@@ -12,8 +12,10 @@ shape and bundle sha256). Every bundle read is verified again; a corrupt file is
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import uuid
 from collections.abc import Iterator, Mapping
@@ -26,6 +28,7 @@ from service.client_errors import KernelServiceError
 from service.client_request import KernelRequest
 from service.shape_ranges import pick_bucket
 
+log = logging.getLogger("foldwise.client")
 MAX_BUNDLE_BYTES = 32 * 1024 * 1024  # a bundle is tens of KiB; refuse anything absurd (on disk or downloaded)
 
 
@@ -93,10 +96,21 @@ class DiskCache:
             return None
         return v2 if self.read(v2) is not None else None
 
-    def _write_atomic(self, path: Path, data: bytes) -> None:
+    def _write_atomic(self, path: Path, data: bytes) -> bool:
+        """``data`` at ``path``, whole or not at all. A full or read-only disk costs the cache, never
+        the call: logged, the partial file removed, False (the kernel is served from memory)."""
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+            return True
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            log.warning("the kernel cache on disk was not written (%s: %s); the kernel is served from memory",
+                        path.name, err.strerror or err)
+            return False
 
     def store(self, bundle: dict, key: str, entry: dict) -> None:
         """The bundle, and the index entry of the request ``key`` it answers."""
@@ -111,7 +125,6 @@ class DiskCache:
         if self.read(bundle["sha256"]) is None:
             self._write_atomic(path, canonical_bytes(bundle))
         if bundle["format"] != bundle_v1(bundle)["format"]:  # with binaries: link it from its format-1 hash
-            (self.root / "v2").mkdir(exist_ok=True)
             self._write_atomic(self.root / "v2" / bundle_v1(bundle)["sha256"], bundle["sha256"].encode())
 
     def from_index(self, key: str, allow_nearest: bool) -> dict | None:
@@ -134,7 +147,6 @@ class DiskCache:
 
     def store_range(self, req: KernelRequest, shape: Mapping[str, Any], buckets: list[tuple[Any, str]]) -> None:
         folder = self.root / "ranges"
-        folder.mkdir(exist_ok=True)
         entry = {"spec_hash": req.shash, "dtype": req.ndtype, "target": req.target, "shape": dict(shape),
                  "buckets": [{"shape": b, "sha256": sha} for b, sha in buckets]}
         digest = hashlib.sha256(json.dumps(dict(shape), sort_keys=True).encode()).hexdigest()[:16]

@@ -107,8 +107,12 @@ def cached_source(stem: str, key_parts: list, make_source: Callable[[], str]) ->
         return key, path, path.read_text()
     source = make_source()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(source)
-    os.replace(tmp, path)  # atomic: concurrent writers produce the same text
+    try:
+        tmp.write_text(source)
+        os.replace(tmp, path)  # atomic: concurrent writers produce the same text
+    except OSError:  # a full disk: no partial file left behind (Triton reads a kernel's source from its file)
+        tmp.unlink(missing_ok=True)
+        raise
     return key, path, source
 
 

@@ -53,8 +53,13 @@ def _load_module(source: str, directory: Path | None) -> tuple[ModuleType, bool]
         path = folder / f"bundle_{digest[:32]}.py"
         if not path.exists() or path.read_bytes() != source.encode("utf-8"):
             tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_bytes(source.encode("utf-8"))
-            os.replace(tmp, path)
+            try:
+                tmp.write_bytes(source.encode("utf-8"))
+                os.replace(tmp, path)
+            except OSError as err:  # Triton's @jit reads the source from its file: without one, no kernel
+                tmp.unlink(missing_ok=True)
+                raise BundleError(f"triton_source: cannot be written to {folder} to be imported ({err.strerror or err}); "
+                                  "free space there or set FOLDWISE_CACHE_DIR") from None
         name = f"foldwise_bundle_{digest[:16]}"
         spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None

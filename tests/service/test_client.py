@@ -755,3 +755,25 @@ def test_a_server_trickling_bytes_cannot_hold_a_get_past_its_timeout(tmp_path):
     finally:
         stop.set()
         listener.close()
+
+
+def test_a_full_disk_costs_the_cache_not_the_call(server, tmp_path, monkeypatch, caplog):
+    """Issue 37, 5: a client whose cache cannot be written (a full disk) still serves the kernel,
+    from memory, logs why, and leaves no partial file behind."""
+    import errno
+    import pathlib
+
+    real = pathlib.Path.write_bytes
+
+    def full(self, data):
+        if tmp_path not in self.parents:  # the cache's disk is full, not the one kernel modules load from
+            return real(self, data)
+        real(self, data[: len(data) // 2])  # a partial write, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", full)
+    with caplog.at_level("WARNING", logger="foldwise.client"):
+        kernel = client(server, tmp_path).get(SPEC, SHAPE)
+    assert_runs(kernel)
+    assert "not written (" in caplog.text and "No space left on device" in caplog.text
+    assert not [p.name for p in tmp_path.rglob("*") if p.is_file()]  # nothing partial kept
