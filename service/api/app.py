@@ -219,4 +219,4 @@ async def _job_error(request: Request, exc: Exception) -> Response:
 async def _database_error(request: Request, exc: Exception) -> Response:
     log.warning("database unavailable", extra={"path": request.url.path, "error": str(exc)[:300]})
     return HttpProblem(503, "Database unavailable", "the database did not answer; try again",
-                   kind="database", headers={"Retry-After": "2"}).response()
+                       kind="database", headers={"Retry-After": "2"}).response()

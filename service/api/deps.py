@@ -78,7 +78,7 @@ Context = Annotated[AppContext, Depends(_context)]  # a route's typed handle on 
 
 def auth_problem(err: AuthError) -> HttpProblem:
     return HttpProblem(err.status, "Unauthorized" if err.status == 401 else "Forbidden", err.message, kind="auth",
-                   headers={"WWW-Authenticate": err.www_authenticate})
+                       headers={"WWW-Authenticate": err.www_authenticate})
 
 
 class Db:

@@ -155,8 +155,9 @@ class DerivationPool:
         if task is None:
             if self._admitted >= self.workers + self.queue:
                 raise HttpProblem(429, "Too many derivations", f"{self.workers} derivations are running and "
-                              f"{self.queue} waiting, the most this server takes; retry later",
-                              kind="derivation-busy", headers={"Retry-After": str(max(1, round(self.timeout_s / 2)))})
+                                  f"{self.queue} waiting, the most this server takes; retry later",
+                                  kind="derivation-busy",
+                                  headers={"Retry-After": str(max(1, round(self.timeout_s / 2)))})
             if deadline is None:
                 deadline = time.monotonic() + self.timeout_s
             task = asyncio.ensure_future(self._work(key.name, source, deadline))
@@ -184,7 +185,7 @@ class DerivationPool:
                 log.info("a derivation's client has gone", extra={"spec": name})
                 # nobody reads this answer; 499 (nginx's "client closed request") in the access log
                 raise HttpProblem(499, "Client closed request", "the client left before the derivation "
-                              "ended", kind="client-gone")
+                                  "ended", kind="client-gone")
 
     async def _work(self, name: str, source: str, deadline: float) -> tuple:
         """One derivation: a slot in the pool (waiting counts against the deadline), then the child."""
@@ -210,9 +211,9 @@ class DerivationPool:
 
     def _too_slow(self) -> HttpProblem:
         return HttpProblem(503, "Derivation too slow", f"the derivation and its certificate took longer than "
-                       f"{self.timeout_s:g} s (this server's limit: FOLDWISE_DERIVE_TIMEOUT_SECONDS) and were "
-                       "stopped; retry when the server is less busy", kind="derivation-timeout",
-                       headers={"Retry-After": str(max(1, round(self.timeout_s)))})
+                           f"{self.timeout_s:g} s (this server's limit: FOLDWISE_DERIVE_TIMEOUT_SECONDS) and were "
+                           "stopped; retry when the server is less busy", kind="derivation-timeout",
+                           headers={"Retry-After": str(max(1, round(self.timeout_s)))})
 
     async def _derive(self, name: str, source: str, deadline: float) -> tuple:
         """Run ``_child`` in a new process until it answers; kill it at the deadline, or when this
@@ -280,4 +281,4 @@ class DerivationPool:
             raise invalid_field(("spec",), f"the derivation exceeds its limits: {result[1]}")
         log.error("derivation failed", extra={"spec": key.name, "error": result[1][:500]})
         raise HttpProblem(500, "Derivation failed", "the derivation failed; this is a bug, see the server's log",
-                      kind="derivation-failed")
+                          kind="derivation-failed")

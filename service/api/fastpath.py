@@ -132,7 +132,7 @@ def _served(rows: list[Any], kernel_id: str, view: str | None) -> tuple[str, str
         if v in found:
             return found[v], v
     raise HttpProblem(500, "Stored bundle incomplete", f"kernel {kernel_id}: bundle {rows[0][0]} has no stored "
-                  f"format-{view.split(':')[0]} copy (run `foldwise db upgrade`)", kind="bundle-corrupted")
+                      f"format-{view.split(':')[0]} copy (run `foldwise db upgrade`)", kind="bundle-corrupted")
 
 
 def _lookup(conn: Any, ctx: AppContext, kernel_id: str, authorization: str | None,

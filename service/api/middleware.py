@@ -35,7 +35,7 @@ class BodyLimit:
 
     def _problem(self) -> HttpProblem:
         return HttpProblem(413, "Request too large", f"the request body is larger than {self.max_bytes} bytes",
-                       kind="too-large")
+                           kind="too-large")
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -104,7 +104,7 @@ class OneAuthorization:
         if scope["type"] == "http" and sum(name == b"authorization" for name, _ in scope.get("headers", ())) > 1:
             message = "more than one Authorization header; send one"
             problem = HttpProblem(400, "Bad request", f"Authorization: {message}", kind="header",
-                              errors=[error_entry(["Authorization"], message, where="header")])
+                                  errors=[error_entry(["Authorization"], message, where="header")])
             await problem.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -121,7 +121,7 @@ class NoNulBytes:
                 if b"%00" in text or b"\x00" in text:
                     message = "holds a NUL byte (%00)"
                     problem = HttpProblem(422, "Invalid request", f"the URL's {where} {message}", kind="validation",
-                                      errors=[error_entry([where], message, where=where)])
+                                          errors=[error_entry([where], message, where=where)])
                     await problem.response()(scope, receive, send)
                     return
         await self.app(scope, receive, send)

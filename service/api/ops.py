@@ -48,7 +48,7 @@ def resolve_hash(session: Session, text: str, *, field: str = "spec_hash", where
         return spec_store.resolve_hash(session, text, field=field)
     except spec_store.AmbiguousHash as err:
         raise HttpProblem(409, "Ambiguous spec hash", f"{field}: {err.message}", kind="ambiguous-hash",
-                      errors=[error_entry((field,), err.message, where=where)], matches=err.matches) from None
+                          errors=[error_entry((field,), err.message, where=where)], matches=err.matches) from None
     except SpecError as err:
         raise invalid_field((field,), err.message, where=where) from None
 
@@ -317,7 +317,7 @@ def lookup_kernel(session: Session, cache: SpecCache, *, spec_hash: str, target:
         kind = "batch-invariant range holding it (a job with \"batch_invariant\": true)" if batch_invariant else \
             "tuned kernel"
         raise HttpProblem(404, "Not found", f"no {kind} for {what}; submit a tuning job (POST /v1/jobs)",
-                      kind="not-found")
+                          kind="not-found")
     kernel, exact = found
     return kernel_view(kernel, exact)
 

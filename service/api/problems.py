@@ -181,10 +181,10 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
     if exc.status_code == 404 and detail == "Not Found":
         detail = f"no such resource: {request.method} {request.url.path}"
     return HttpProblem(exc.status_code, titles.get(exc.status_code, "Error"), detail,
-                   headers=getattr(exc, "headers", None)).response()
+                       headers=getattr(exc, "headers", None)).response()
 
 
 async def unhandled_handler(request: Request, exc: Exception) -> Response:
     log.error("unhandled error", exc_info=exc, extra={"path": request.url.path, "method": request.method})
     return HttpProblem(500, "Internal server error", "the server failed to answer this request; see its log",
-                   kind="internal").response()
+                       kind="internal").response()

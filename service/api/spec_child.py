@@ -81,7 +81,7 @@ class SpecParser:
             raise spec_problem(SpecError(answer[1], loc=tuple(answer[2]), step=answer[3]))
         log.error("spec parse failed", extra={"error": answer[1][:500]})
         raise HttpProblem(500, "Spec parse failed", "parsing the spec failed; this is a bug, see the server's log",
-                      kind="derivation-failed")
+                          kind="derivation-failed")
 
     def close(self) -> None:
         self._kill()

@@ -45,7 +45,7 @@ def _problem(err: views.DashboardError) -> HttpProblem:
         return HttpProblem(404, "Not found", err.message, kind="not-found")
     if err.status == 409:  # an ambiguous spec hash prefix
         return HttpProblem(409, "Ambiguous spec hash", f"spec_hash: {err.message}", kind="ambiguous-hash",
-                       errors=[error_entry(["spec_hash"], err.message, where=str(err.loc[0]))])
+                           errors=[error_entry(["spec_hash"], err.message, where=str(err.loc[0]))])
     where = str(err.loc[0]) if err.loc and err.loc[0] in ("query", "path", "body") else "query"
     loc = list(err.loc[1:]) if err.loc and err.loc[0] in ("query", "path", "body") else list(err.loc)
     return invalid([error_entry(loc, err.message, where=where)])
