@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
+import json
 import os
 import sys
 import threading
@@ -337,7 +338,8 @@ class BundleKernel:
                 want = self.bundle["inputs"][name]["dtype"]
                 got = str(t.dtype).removeprefix("torch.")
                 if got != want:
-                    raise BundleError(f"inputs.{name}: dtype {got}, but this kernel was generated for {want}")
+                    raise BundleError(f"inputs.{name}: dtype {got}, but this kernel was generated for {want}"
+                                      + self._dtype_hint(given))
             for d, n in zip(dims, t.shape):
                 if sizes.setdefault(d, int(n)) != int(n):
                     raise BundleError(f"inputs.{name}: dim {d} has size {int(n)}, but another input "
@@ -393,6 +395,19 @@ class BundleKernel:
             for name in copied:
                 dst[name].copy_(back[name])
         return dst
+
+    def _dtype_hint(self, given: Mapping[str, Any]) -> str:
+        """What to ask the server for to run these tensors: their dtype map (issue 37, 12: a bf16
+        activation with an fp32 weight is a kernel of its own, found only by asking for its map)."""
+        dtypes = {}
+        for inp in self._user.inputs:
+            t = given.get(inp.name)
+            got = str(getattr(t, "dtype", "")).removeprefix("torch.")
+            if inp.is_float or got == "int32":  # index inputs are int64 unless the map says int32
+                dtypes[inp.name] = got
+        if len(set(dtypes.values())) == 1 and all(i.is_float for i in self._user.inputs):
+            return f"; for these tensors ask for dtype {next(iter(dtypes.values()))!r}"
+        return f"; for these tensors ask for the dtype map {json.dumps(dtypes)}"
 
     def _bind_scalars(self, given: Mapping[str, Any], bound: Mapping[str, int]) -> dict[str, Any]:
         """The launcher's keyword for the runtime params: ``{"scalars": {name: value}}`` with the

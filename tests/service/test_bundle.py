@@ -143,7 +143,10 @@ def test_per_input_dtypes_with_fp8_weights():
     assert bundle["dtype"] == dtype and bundle["inputs"]["w"]["dtype"] == "float8_e4m3fn"
     kernel = load_bundle(bundle, spec=spec)
     check_against_reference(spec, derivation, "multi_pass", kernel, shape, dtype=dtype)
-    with pytest.raises(BundleError, match="inputs.w: dtype float32, but this kernel was generated for float8_e4m3fn"):
+    # the error says what to ask for to run these tensors: their dtype map (issue 37, 12)
+    with pytest.raises(BundleError, match=r"inputs.w: dtype float32, but this kernel was generated for float8_e4m3fn; "
+                                          r'for these tensors ask for the dtype map \{"a": "float16", "w": "float32", '
+                                          r'"w_scale": "float32"\}'):
         dtypes = bind_dtypes(spec, {**dtype, "w": "float32"})
         kernel(to_torch(random_inputs(spec, shape, np.random.default_rng(0), dtypes), dtypes, "cpu"))
 
