@@ -21,7 +21,7 @@ COPY service ./service
 COPY migrations ./migrations
 # Editable install: service/db.py finds migrations/ next to the service package (/app/migrations).
 # [postgres]: the PostgreSQL driver behind postgresql+psycopg:// URLs.
-RUN pip install -e ".[postgres]" \
+RUN pip install -e ".[postgres,signing]" \
     && useradd --create-home --uid 10001 foldwise
 
 USER foldwise

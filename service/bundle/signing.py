@@ -10,8 +10,8 @@ one of them: it checks the header on download and keeps it beside the bundle on 
 again on every later read (offline too). The signed message is ``foldwise-bundle-sha256:`` and
 the hex digest, so a signature can be checked for no other purpose.
 
-Ed25519 through ``cryptography`` (pyca): a well-kept implementation, imported only where a key is
-used (the client without trusted keys never loads it).
+Ed25519 through ``cryptography`` (pyca; the ``signing`` extra): a well-kept implementation,
+imported only where a key is used (a client without trusted keys never needs it).
 
 Example:
     >>> pem, public = new_private_key()
@@ -41,6 +41,18 @@ ALGORITHM = "ed25519"
 _HEADER = re.compile(r"ed25519 key=([0-9a-f]{16}) sig=([A-Za-z0-9+/]{86}==)\Z")
 
 
+def _crypto() -> tuple[Any, Any]:
+    """``cryptography``'s Ed25519 and serialization modules; ImportError saying what to install
+    (the ``signing`` extra: only a signing server and a client with trusted keys need it)."""
+    try:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError:
+        raise ImportError("signed bundles need the cryptography package: pip install 'foldwise[signing]' "
+                          "(or cryptography>=42)") from None
+    return ed25519, serialization
+
+
 def message(sha256: str) -> bytes:
     """What is signed for a bundle of hex digest ``sha256``."""
     return b"foldwise-bundle-sha256:" + sha256.encode("ascii")
@@ -52,17 +64,14 @@ def key_id(public_raw: bytes) -> str:
 
 
 def _raw_public(public: Any) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
+    _, serialization = _crypto()
     return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
 def new_private_key() -> tuple[bytes, str]:
     """(a new Ed25519 private key as PEM, its public key as base64 of the 32 raw bytes)."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    key = Ed25519PrivateKey.generate()
+    ed25519, serialization = _crypto()
+    key = ed25519.Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
     return pem, base64.b64encode(_raw_public(key.public_key())).decode("ascii")
@@ -81,14 +90,12 @@ class Signer:
     @classmethod
     def from_pem(cls, pem: bytes, where: str = "signing key") -> Signer:
         """ValueError naming ``where`` unless ``pem`` is an unencrypted Ed25519 private key."""
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
+        ed25519, serialization = _crypto()
         try:
             key = serialization.load_pem_private_key(pem, password=None)
         except (ValueError, TypeError) as err:
             raise ValueError(f"{where}: not an unencrypted PEM private key ({err})") from None
-        if not isinstance(key, Ed25519PrivateKey):
+        if not isinstance(key, ed25519.Ed25519PrivateKey):
             raise ValueError(f"{where}: a {type(key).__name__}, not an Ed25519 key (foldwise signing-key new makes one)")
         return cls(key)
 
@@ -102,13 +109,12 @@ class TrustedKeys:
     ``foldwise signing-key new`` and ``GET /v1/signing-key`` print them)."""
 
     def __init__(self, keys: Iterable[str]):
-        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
+        ed25519, _ = _crypto()
         self._keys: dict[str, Any] = {}
         for i, text in enumerate(keys):
             try:
                 raw = base64.b64decode(str(text).strip(), validate=True)
-                public = Ed25519PublicKey.from_public_bytes(raw)
+                public = ed25519.Ed25519PublicKey.from_public_bytes(raw)
             except (binascii.Error, ValueError):
                 raise BundleError(f"trusted_keys[{i}]: not the base64 of a 32-byte Ed25519 public key") from None
             self._keys[key_id(raw)] = public
