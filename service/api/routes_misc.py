@@ -44,10 +44,11 @@ async def list_workers(ctx: Context, db: Annotated[Db, Depends(database(None))])
 
 
 @router.get("/v1/signing-key", tags=["kernels"], responses=ERRORS)
-async def signing_key(ctx: Context) -> JSONResponse:
+async def signing_key(ctx: Context, db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
     """The public key this server signs served bundles with (``Foldwise-Signature``; docs/API.md,
     "Signed bundles"): give it to clients as a trusted key, over a channel you trust. 404 when the
-    server signs nothing (no ``FOLDWISE_SIGNING_KEY_FILE``)."""
+    server signs nothing (no ``FOLDWISE_SIGNING_KEY_FILE``). A status read (auth policy): a public key."""
+    await db.authorize()
     if ctx.signer is None:
         raise HttpProblem(404, "Not found", "this server signs no bundles (FOLDWISE_SIGNING_KEY_FILE is not set)",
                       kind="not-found")
