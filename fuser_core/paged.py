@@ -61,10 +61,11 @@ def address(inp: Input, var: str) -> tuple[tuple[str, str, str, tuple[str, ...]]
     p = inp.paged
     assert p is not None
     t = safe_name(p.table)
-    by = "".join(f"{{offs_{d}}} * stride_{t}_{d} + " for d in p.by)
+    # a lane past a by dim reads the last row (its loads are masked anyway): never a row past the table
+    by = "".join(f"tl.minimum({{offs_{d}}}, size_{d} - 1) * stride_{t}_{d} + " for d in p.by)
     page = (f"tl.load({t}_ptr + {by}({{0}} // {p.page_size}) * stride_{t}_{COL}, mask={{0}} < size_{p.dim}, "
             "other=0).to(tl.int64)")
-    reads = (f"{t}_ptr", *(f"stride_{t}_{d}" for d in p.by), f"stride_{t}_{COL}", f"size_{p.dim}")
+    reads = (f"{t}_ptr", *(f"stride_{t}_{d}" for d in p.by), f"stride_{t}_{COL}", *(f"size_{d}" for d in (p.dim, *p.by)))
     out = []
     for d in inp.dims:
         if d in p.by:
