@@ -40,12 +40,13 @@ class RangeKernel:
         self._largest = kernels[-1]
         names = DimNames.of(self._largest.spec)
         self._ranged = sorted(d for d, v in shape.items() if isinstance(v, Mapping))
-        # per ranged dim: (caller's name, min, max, sorted uppers, where to read its size: (input, axis))
+        # per ranged dim: (caller's name, min, max, sorted uppers, where to read its size: (input, axis, times))
         self._dims = []
+        paged = {p.dim: (table, len(p.by), p.page_size) for table, p in self._largest.spec.page_tables.items()}
         for d in self._ranged:
             name = names.user(d)
-            where = next(((inp, dims.index(name)) for inp, dims in self._largest.input_dims.items() if name in dims),
-                         None)
+            where = next(((inp, dims.index(name), 1) for inp, dims in self._largest.input_dims.items() if name in dims),
+                         paged.get(name))  # a paged dim: its table's width in pages, times the page size
             if where is None:  # every dim of a spec is some input's (fuser_core); a bundle that says otherwise is bad
                 raise BundleError(f"shape.{name}: no input has this dim, so a call cannot pick its bucket")
             v = shape[d]
@@ -104,11 +105,11 @@ class RangeKernel:
             if folded is not None:
                 return folded
         sizes = {}
-        for name, _lo, _hi, _uppers, (inp, axis) in self._dims:
+        for name, _lo, _hi, _uppers, (inp, axis, times) in self._dims:
             t = given.get(inp) if isinstance(given, Mapping) else None
             if t is None or len(t.shape) <= axis:  # let the kernel's own checks name what is wrong
                 return self._largest(inputs, out=out, **tensors)
-            sizes[name] = int(t.shape[axis])
+            sizes[name] = int(t.shape[axis]) * times
         key = self._key(sizes)
         self.last_bucket = self._shapes[key]
         return self._kernels[key](inputs, out=out, **tensors)

@@ -266,3 +266,37 @@ def test_pages_past_2_31_elements_are_read_where_they_lie():
     scores = keys[:, 0].double() @ q[0, 0, 0, 0].double() * d**-0.5
     want = torch.softmax(scores, 0) @ vals[:, 0].double()
     assert float((o[0, 0, 0, 0].double() - want).abs().max()) < 2e-3  # float16 output: a few ulps
+
+
+def test_a_range_over_the_paged_dim_picks_its_bucket_from_the_table():
+    """A decode server's range over the context length: the bucket of n is the table's width in
+    keys (slice the table to the batch's longest sequence to run a smaller bucket)."""
+    from fuser_core.canonical import canonical_names
+    from fuser_core.problem import make_problem
+    from service.bundle import load_bundle
+    from service.bundle_maker import make_bundle
+    from service.range_kernel import RangeKernel
+
+    base = {"b": 2, "g": 1, "r": 1, "m": 1, "d": 8, "e": 8}
+    names = canonical_names(SPEC)
+    derivation = derive_cascade(SPEC)
+    dtypes = {"q": "float32", "k": "float32", "v": "float32", "kv_len": "int32"}
+    measured = {"time_ms": 0.01, "measurer": "model", "predicted": True, "date": "2026-12-06T00:00:00+00:00"}
+    buckets = []
+    for n in (32, 64):
+        shape = {**base, "n": n}
+        config = default_config(SPEC, derivation, "streaming_fused", bind_shape(SPEC, shape)).to_dict()
+        bundle = make_bundle(make_problem(SPEC, shape, dtypes), target="h100", strategy="streaming_fused",
+                             config=config, measured=measured)
+        buckets.append(({names[d]: s for d, s in shape.items()}, load_bundle(bundle, spec=SPEC)))
+    ranged = {**{names[d]: s for d, s in base.items()}, names["n"]: {"min": 1, "max": 64, "buckets": [32, 64]}}
+    kernel = RangeKernel(ranged, buckets)
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 1, 1, 1, 8), torch.randn(2, 1, 64, 8), torch.randn(2, 1, 64, 8)
+    kv_len = torch.tensor([30, 7], dtype=torch.int32)
+    k_cache, v_cache, table = vllm_cache(k, v, kv_len, pages=9, seed=4)
+    want = paged_reference(q, k_cache, v_cache, table, kv_len, 8**-0.5)
+    for cols, bucket in ((2, 32), (4, 64)):
+        got = kernel(q=q, k=k_cache, v=v_cache, kv_len=kv_len, block_table=table[:, :cols].contiguous())["o"]
+        assert kernel.last_bucket["n"] == bucket
+        assert float((got.double() - want).abs().max()) < 1e-5
