@@ -72,8 +72,9 @@ def compile_variant(bundle: Mapping[str, Any], arch: str | None = None, *, pool:
 def measured_binary_of(measurer: Measurer, strategy: str, config: Mapping[str, Any]) -> dict | None:
     """With a GPU measurer, the compiled kernels of the winning candidate as it measured them
     (:meth:`tuner.Measurer.measured_binary`), read before the measurer closes; None for another
-    measurer (a prediction, the interpreter: they ran no binary), or when they cannot be had
-    (logged: the host compile follows)."""
+    measurer (a prediction, the interpreter), or when they cannot be had (logged: the host compile follows)."""
+    if measurer.name != "cuda":  # the tuner's device measurer on a GPU (on the CPU it is "cuda-interpreter")
+        return None
     try:
         return measurer.measured_binary(strategy, config)
     except Exception as err:  # noqa: BLE001 - job_variant's host compile is the fallback

@@ -202,6 +202,9 @@ def _sigmoid_arg(e: sp.Expr) -> sp.Expr | None:
     return -other.args[0] if one == 1 and isinstance(other, sp.exp) else None
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: a literal beyond it is inf in a kernel
+
+
 class _Printer:
     def __init__(self, names: Names, layout: Layout | None = None, grouping: Grouping | None = None,
                  exp_base2: bool = False):
@@ -388,6 +391,10 @@ class _Printer:
         for f in sp.Mul.make_args(e):
             if f.is_Pow and f.exp.is_Number and f.exp.is_negative and _sigmoid_arg(f) is None:
                 den.append(f.base ** (-f.exp))
+            elif f.is_Rational and not f.is_Integer and max(abs(f.p), f.q) > FLOAT32_MAX:
+                # p / q as one literal: printed apart, a q past float32's range is inf in the kernel (eps**8 with
+                # eps = 1e-5 is 1 / 10**40: x / inf is NaN where x * 1e-40 is the formula's value)
+                num.append(sp.Float(float(f)))
             elif f.is_Rational and not f.is_Integer:
                 if f.p != 1:
                     num.append(sp.Integer(f.p))

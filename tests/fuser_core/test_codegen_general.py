@@ -768,3 +768,26 @@ def test_exp_prints_in_base2_only_where_every_output_is_16_bit() -> None:
     for dtype, base2 in (("float16", True), ("bfloat16", True), ("float32", False)):
         source = generate(spec, d, "streaming_fused", shape, config, {"x": dtype}).source
         assert ("tl.exp2(" in source) is base2 and ("tl.exp(" in source) is not base2, dtype
+
+
+def test_a_constant_whose_denominator_overflows_float32_is_printed_as_one_literal():
+    """Found by the cascade fuzzer: eps**8 with eps = 1e-5 is 1 / 10**40, and printed as
+    ``x / 1e40`` its denominator is inf in float32, so x = -inf gave NaN where the formula (x times
+    the float32 subnormal 1e-40) gives -inf. The rational is one literal now."""
+    import numpy as np
+
+    from fuser_core import runner
+    from fuser_core.reference import evaluate
+    from fuser_core.spec import load_spec
+
+    spec = load_spec({"foldwise": 1, "name": "tiny", "inputs": {"a": {"dims": ["n", "d"]}},
+                      "params": {"eps": 1e-05},
+                      "steps": [{"name": "t", "expr": "((eps / size(n)) ** 4) ** 2 * a"},
+                                {"name": "s", "reduce": "sum", "over": "d", "expr": "a"}],
+                      "outputs": ["t", "s"]})
+    a = np.array([[-np.inf, 1.0, -2.0], [3.0, np.inf, 0.0]], np.float32)
+    want = evaluate(spec, {"n": 2, "d": 3}, {"a": a})["t"]
+    got = runner.run(spec, {"n": 2, "d": 3}, "float32", {"a": a}, strategy="row_resident")
+    assert "e+40" not in got.source and "0000000000000000000000000000000000000000.0" not in got.source
+    np.testing.assert_array_equal(np.isinf(got.outputs["t"].numpy()), np.isinf(want))
+    assert not np.isnan(got.outputs["t"].numpy()).any()

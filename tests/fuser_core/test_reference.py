@@ -80,6 +80,8 @@ SMALL = {
     "rmsnorm_fp8_per_token": {"t": 4, "c": 10},
     "rmsnorm_residual_fp8_per_token": {"t": 4, "c": 10},
     "rmsnorm_fp8_per_block": {"t": 4, "g": 3, "c": 8},
+    # a paged KV cache (issue 36): its reference test against torch, pages gathered, is test_paged_attention.py
+    "attention_paged": {"b": 2, "g": 2, "r": 2, "m": 3, "n": 7, "d": 4, "e": 5},
 }
 
 

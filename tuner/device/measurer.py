@@ -115,13 +115,10 @@ class DeviceMeasurer:
         details["sample"] = value.get("sample")
         return Measurement(float(value["time_ms"]), None, False, details)
 
-    def measured_binary(self, strategy: str, config: Mapping[str, Any]) -> dict[str, Any] | None:
+    def measured_binary(self, strategy: str, config: Mapping[str, Any]) -> dict[str, Any]:
         """The compiled kernels of the candidate ``(strategy, config)`` as the child launched
         them when it measured it (tuner.measured_binary): ``compile_artifacts``' answer, for
-        the kernel store; None on the CPU (Triton's interpreter compiles nothing). Raises
-        RuntimeError when the child cannot give them (...)."""
-        if self.device != "cuda":
-            return None
+        the kernel store. Raises RuntimeError when the child cannot give them (no GPU, ...)."""
         variant = {"kind": "fused", "strategy": strategy, "config": dict(config)}
         r = self.worker.call("binary", {"problem": self._problem, "variant": variant, "timing": self.timing.to_dict()},
                              timeout_s=self.timeout_s)
