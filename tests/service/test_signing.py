@@ -116,3 +116,38 @@ def test_the_server_signs_served_bundles_and_publishes_its_key(db_url, tmp_path,
         assert again.status_code == 304 and again.headers[SIGNATURE_HEADER] == r.headers[SIGNATURE_HEADER]
     with pytest.raises(ValueError, match="FOLDWISE_SIGNING_KEY_FILE: cannot read"):
         create_app(get_settings(db_url=db_url, signing_key_file=str(tmp_path / "missing.pem")))
+
+
+def test_a_real_serve_signs_what_a_trusting_client_runs(tmp_path, monkeypatch):
+    """`foldwise serve` itself (uvicorn, its event loop, the bundle fast path) with a signing key: a
+    job tuned by its worker, downloaded by a client that trusts only the server's key."""
+    import time
+
+    from tests.e2e.test_serve_processes import start_serve
+
+    key_file = tmp_path / "signing.pem"
+    pem, public = new_private_key()
+    key_file.write_bytes(pem)
+    monkeypatch.setenv("FOLDWISE_SIGNING_KEY_FILE", str(key_file))
+    server, base, _ = start_serve(tmp_path, 1)
+    try:
+        assert httpx.get(base + "/v1/signing-key", timeout=10).json()["public_key"] == public
+        body = {"spec": "safe_softmax", "shape": {"m": 3, "n": 40}, "dtype": "float32", "target": "h100",
+                "measurer": "model", "budget": {"trials": 2, "seconds": 300}}
+        job = httpx.post(base + "/v1/jobs", json=body, timeout=60).json()
+        deadline = time.monotonic() + 240
+        while (view := httpx.get(f"{base}/v1/jobs/{job['id']}", timeout=10).json())["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline, view
+            time.sleep(0.5)
+        assert view["status"] == "succeeded", view
+        with KernelCache(base, cache_dir=tmp_path / "client", trusted_keys=[public]) as cache:
+            kernel = cache.get("safe_softmax", {"m": 3, "n": 40})
+        assert list((tmp_path / "client").glob("*.sig"))  # its server's signature, kept beside it
+        assert kernel.spec_hash == job["spec_hash"]
+        _, other = new_private_key()
+        with KernelCache(base, cache_dir=tmp_path / "other", trusted_keys=[other]) as cache:
+            with pytest.raises(KernelIntegrityError, match="which this client does not trust"):
+                cache.get("safe_softmax", {"m": 3, "n": 40})
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
