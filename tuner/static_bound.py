@@ -16,7 +16,8 @@ warps, iterations of each innermost loop), four times, each at the profile's rat
 - **issue**: warp instructions over the SMs' issue rate (4 warp instructions per SM per clock:
   one per sub-partition);
 - **SFU**: ``MUFU`` operations (one per lane) over the special-function units' rate;
-- **tensor**: the multiply-adds of the tensor-core instructions (HGMMA/HMMA shapes) x 2 over the
+- **tensor**: the multiply-adds of the tensor-core instructions (HGMMA/HMMA shapes; on sm_100,
+  whose UTCHMMA/UTCQMMA do not show theirs, the kernel's dots: :func:`dot_macs`) x 2 over the
   peak of their operand type.
 
 The bound is the largest; the kernel cannot run faster than it. Per element (``elements``: what
@@ -38,12 +39,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fuser_core.codegen.sass import TCGEN05_MMA
 from fuser_core.targets import CUDA
 from tuner.profiles import GpuProfile
 
 ISSUE_PER_SM_PER_CLOCK = 4  # warp instructions: four sub-partitions, one each per clock
 SASS_LANES = 32  # threads per warp instruction in SASS (NVIDIA's warp)
-TENSOR_UNITS = {"f16": "fp16", "bf16": "bf16", "tf32": "tf32", "e4m3": "fp8", "e5m2": "fp8", "f32": "tf32"}
+TENSOR_UNITS = {"f16": "fp16", "bf16": "bf16", "tf32": "tf32", "e4m3": "fp8", "e5m2": "fp8", "f32": "tf32",
+                "kind_f16": "fp16", "kind_f8f6f4": "fp8", "kind_mxf4": "fp4"}  # the last three: sm_100's (sass.TCGEN05_MMA)
+TCGEN05_KINDS = frozenset(TCGEN05_MMA.values())
 
 
 def _per_warp(sass: Mapping[str, Any], trips: Sequence[float]) -> dict[str, float]:
@@ -86,17 +90,21 @@ def tensor_unit(sass: Mapping[str, Any]) -> str | None:
 
 def static_bound(sass: Mapping[str, Any], *, programs: int, num_warps: int, trips: Sequence[float] | float,
                  profile: GpuProfile, elements: int | None = None, input_bytes: int | None = None,
-                 unique_bytes: int | None = None, tma_bytes: float = 0.0) -> dict[str, Any]:
+                 unique_bytes: int | None = None, tma_bytes: float = 0.0, dot_macs: float = 0.0) -> dict[str, Any]:
     """The four times and the bound (module docstring); ``input_bytes``: the inputs' size, for
     the reads per element; ``unique_bytes``: the minimum traffic (None: all requested bytes
     count as HBM traffic); ``tma_bytes``: what a program loads by TMA (:func:`descriptor_bytes`:
-    a ``UTMALDG``'s box is not in its SASS), counted where the SASS has TMA loads."""
+    a ``UTMALDG``'s box is not in its SASS), counted where the SASS has TMA loads; ``dot_macs``:
+    what a program's dots multiply-add (:func:`dot_macs`), counted where the SASS has Blackwell's
+    tensor-core instructions (their shape is not in it)."""
     trips = [float(trips)] if isinstance(trips, (int, float)) else [float(t) for t in trips] or [1.0]
     w = _per_warp(sass, trips)
     warps = programs * num_warps
     chip = {k: v * warps for k, v in w.items()}
     if sass["total"]["classes"].get("tma"):
         chip["load_bytes"] += tma_bytes * programs
+    if any(kind in TCGEN05_KINDS for kind in sass["total"].get("tensor") or {}):
+        chip["tensor_macs"] += dot_macs * programs
     unit = tensor_unit(sass)
     requested = chip["load_bytes"] + chip["store_bytes"]
     hbm = requested if unique_bytes is None else min(requested, unique_bytes)
@@ -200,6 +208,33 @@ def descriptor_bytes(plan: Any, kernel: Any, shape: Mapping[str, int]) -> float:
     return total
 
 
+# tcgen05.mma's smallest tile: 64 rows (cta_group::1), 8 columns, a depth of 32 bytes of operand
+TCGEN05_MIN_ROWS, TCGEN05_MIN_COLS, TCGEN05_DEPTH_BYTES = 64, 8, 32
+
+
+def dot_macs(plan: Any, kernel: Any, shape: Mapping[str, int]) -> float:
+    """Multiply-adds one program of ``kernel`` asks the tensor cores for (its ``tl.dot``s, every
+    trip of their loop), each dot's tile padded to tcgen05.mma's smallest: for :func:`static_bound`
+    on sm_100, whose ``UTCHMMA``/``UTCQMMA`` keep their shape out of the SASS text."""
+    from fuser_core.codegen.ops import FP8_DOT, walk
+
+    def up(n: int, step: int) -> int:
+        return -(-max(n, 1) // step) * step
+
+    total = 0.0
+    for loop in kernel.loops():
+        macs = 0.0
+        for op in walk(loop.body):
+            dot = getattr(op, "dot", None)
+            if dot is None:
+                continue
+            depth = TCGEN05_DEPTH_BYTES // (1 if dot.precision == FP8_DOT else 2)
+            macs += (up(plan.blocks.get(dot.i, 1), TCGEN05_MIN_ROWS) * up(plan.blocks.get(dot.j, 1), TCGEN05_MIN_COLS)
+                     * up(plan.blocks.get(dot.over, 1), depth))
+        total += macs * (kernel_loop_trips(plan, kernel, loop, shape) if macs else 0.0)
+    return total
+
+
 def module_bounds(plan: Any, structure: Any, builds: Sequence[Any], profile: GpuProfile, shape: Mapping[str, int],
                   unique_bytes: int | None = None) -> list[dict[str, Any]] | None:
     """Per kernel of a generated module, its static bound (:func:`static_bound`) from its compile
@@ -220,7 +255,7 @@ def module_bounds(plan: Any, structure: Any, builds: Sequence[Any], profile: Gpu
         trips = [kernel_loop_trips(plan, kernel, loop, shape) for loop in kernel.loops() if not loop.resident] or [1.0]
         bound = static_bound(sass, programs=programs, num_warps=plan.config.num_warps, trips=trips, profile=profile,
                              unique_bytes=unique_bytes if i == 0 else None,
-                             tma_bytes=descriptor_bytes(plan, kernel, shape))
+                             tma_bytes=descriptor_bytes(plan, kernel, shape), dot_macs=dot_macs(plan, kernel, shape))
         out.append({"kernel": kernel.name, "programs": programs, "trips": trips, **bound})
     return out
 
@@ -277,5 +312,5 @@ def problem_bounds(problem: Any, derivation: Any, strategy: str, config: Any, bu
     return out
 
 
-__all__ = ["ISSUE_PER_SM_PER_CLOCK", "descriptor_bytes", "kernel_loop_trips", "load_width", "loop_trips", "min_bytes",
+__all__ = ["ISSUE_PER_SM_PER_CLOCK", "descriptor_bytes", "dot_macs", "kernel_loop_trips", "load_width", "loop_trips", "min_bytes",
            "module_bounds", "problem_bounds", "static_bound", "tensor_unit"]

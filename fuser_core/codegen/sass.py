@@ -4,10 +4,10 @@ The cost model needs more than registers and shared memory: how many instruction
 loop issues per element, how many of them go to the special-function unit (``MUFU.EX2`` for
 every ``exp``), how wide the global loads and stores are (``LDG.E.128`` moves 16 bytes a
 thread, ``LDG.E.U16`` two), and which tensor-core instruction the matrix products became
-(``HGMMA`` bf16/fp16 or TF32 on sm_90, ``HMMA`` on sm_80, none). This module is the one
-parser of that text: :func:`parse` splits a listing into functions and instructions,
-:func:`loops` finds the loops (a branch back to an earlier address), and :func:`facts`
-counts per function and per innermost loop. Nothing else in the project reads SASS.
+(``HGMMA`` bf16/fp16 or TF32 on sm_90, ``HMMA`` on sm_80, ``UTCHMMA``/``UTCQMMA`` on sm_100,
+none). This module is the one parser of that text: :func:`parse` splits a listing into
+functions and instructions, :func:`loops` finds the loops (a branch back to an earlier address),
+and :func:`facts` counts per function and per innermost loop. Nothing else in the project reads SASS.
 
 An instruction line of ``cuobjdump -sass`` reads::
 
@@ -86,11 +86,21 @@ def access_bits(ins: Instruction) -> int:
     return 32
 
 
+# Blackwell's tensor-core instructions (tcgen05.mma), issued by one thread for the whole CTA: their
+# shape and operand types are in an instruction descriptor (a uniform register, ``idesc[UR..]``),
+# not in the SASS text, so their multiply-adds come from the kernel's dots (warp_macs gives 0;
+# tuner.static_bound.dot_macs counts them). The kind is PTX's tcgen05.mma kind, an operand family
+# (kind::f16 is fp16 and bf16, one rate).
+TCGEN05_MMA = {"UTCHMMA": "utchmma.kind_f16", "UTCQMMA": "utcqmma.kind_f8f6f4", "UTCOMMA": "utcomma.kind_mxf4"}
+
+
 def tensor_kind(ins: Instruction) -> str | None:
     """``"hgmma.bf16"``, ``"hgmma.f16"``, ``"hgmma.tf32"``, ``"qgmma.e4m3"``, ``"hmma.bf16"``...
     for a tensor-core instruction, else None. After the shape come the accumulator's type and
     then the operands' (``HGMMA.64x64x16.F32.BF16``); fp16 operands are not spelled out
     (``HGMMA.64x64x16.F32``, ``HMMA.16816.F32``)."""
+    if ins.base in TCGEN05_MMA:
+        return TCGEN05_MMA[ins.base]
     if ins.base not in ("HGMMA", "QGMMA", "HMMA", "IMMA"):
         return None
     types = [m for m in ins.modifiers if not _GMMA_SHAPE.match(m) and not m.isdigit()
@@ -261,4 +271,4 @@ def cubin_facts(cubin: bytes) -> dict[str, KernelSass]:
 
 
 __all__ = ["Counts", "Instruction", "KernelSass", "SassLoop", "access_bits", "classify", "count", "cubin_facts",
-           "disassemble", "facts", "loops", "parse", "tensor_kind", "tensor_shape", "warp_macs"]
+           "disassemble", "facts", "loops", "parse", "TCGEN05_MMA", "tensor_kind", "tensor_shape", "warp_macs"]

@@ -39,6 +39,24 @@ def test_instructions_and_modifiers() -> None:
     assert tensor_kind(ins[0]) is None
 
 
+def test_blackwell_tensor_instructions_are_counted_without_a_shape() -> None:
+    """sm_100's tcgen05.mma (UTCHMMA kind::f16, UTCQMMA kind::f8f6f4) keeps its tile in an
+    instruction descriptor: it counts as a tensor instruction of its kind with no shape and no
+    multiply-adds of its own (tuner.static_bound.dot_macs supplies them from the kernel's dots)."""
+    from fuser_core.codegen.sass import count, warp_macs
+
+    text = listing(
+        "        /*18d0*/                   UTCHMMA gdesc[UR10], gdesc[UR32], tmem[UR7], tmem[UR46], idesc[UR47], !UPT ;",
+        "        /*1840*/                   UTCQMMA gdesc[UR6], gdesc[UR8], tmem[UR15], tmem[UR12], idesc[UR13], UPT ;",
+        "        /*1930*/                   UTCBAR [UR9], URZ ;",
+    )
+    [(_, ins)] = parse(text).items()
+    assert [tensor_kind(i) for i in ins] == ["utchmma.kind_f16", "utcqmma.kind_f8f6f4", None]
+    assert [classify(i) for i in ins] == ["tensor", "tensor", "other"]
+    assert tensor_shape(ins[0]) is None and warp_macs(ins[0]) == 0.0
+    assert count(ins).tensor == {"utchmma.kind_f16": 1, "utcqmma.kind_f8f6f4": 1}
+
+
 def test_innermost_loops_are_backward_branches() -> None:
     text = listing(
         "        /*0000*/                   MOV R1, RZ ;",

@@ -342,3 +342,36 @@ def test_a_fallback_pass_is_not_charged_to_the_static_bound(compile_pool):
         [bound] = problem_bounds(problem, space.derivation, "streaming_fused", candidate.config, verdict.kernels, H100)
         tensor[name] = bound["terms_s"]["tensor"]
     assert tensor["attention_gqa"] == pytest.approx(tensor["attention_causal"], rel=0.05), tensor
+
+
+@pytest.mark.parametrize("dtype,unit", [("bfloat16", "bf16"), ("float16", "fp16")])
+def test_blackwell_tensor_work_is_counted_from_the_kernels_dots(compile_pool, dtype, unit):
+    """On sm_100 the dots become UTCHMMA (tcgen05.mma), whose tile is in an instruction
+    descriptor, not in the SASS: the static bound counts the kernel's dots instead. Attention's
+    tensor work on b200 is then the same multiply-adds H100's HGMMA count gives (two dots of
+    128 x 128 x 64 per tile), at b200's rate, where before it was 0 and attention read as
+    issue-bound."""
+    from fuser_core.codegen.sass import TCGEN05_MMA
+    from tuner.static_bound import problem_bounds
+
+    spec = load_spec(load_catalog()["attention"])
+    shape = {"b": 1, "h": 2, "m": 512, "n": 512, "d": 64, "e": 64}
+    problem = make_problem(spec, shape, dtype)
+    macs = {}
+    for profile in (H100, get_profile("b200")):
+        space = SearchSpace(problem, derive_cascade(spec), profile)
+        candidate = space.candidate("streaming_fused", {"block_b": 1, "block_h": 1, "block_m": 128, "block_n": 64,
+                                                        "block_e": 64, "num_warps": 4, "num_stages": 2})
+        verdict = CompileGate.for_space(space, pool=compile_pool).check(candidate)
+        assert not verdict.pruned, verdict.reason
+        [bound] = problem_bounds(problem, space.derivation, "streaming_fused", candidate.config, verdict.kernels,
+                                 profile)
+        kinds = set(verdict.kernels[0].sass["total"]["tensor"])
+        macs[profile.name] = bound["tensor_macs"]
+        # sm_100's kind::f16 is fp16 and bf16 alike (one rate)
+        assert bound["tensor_unit"] == (unit if profile.name == "h100" else "fp16"), (profile.name, kinds)
+        assert bound["terms_s"]["tensor"] > 0
+        if profile.name == "b200":
+            assert kinds <= set(TCGEN05_MMA.values()) and kinds, kinds
+    minimum = 2 * shape["h"] * shape["m"] * shape["n"] * shape["d"]  # QK^T and PV
+    assert macs["b200"] == pytest.approx(macs["h100"], rel=0.02) and macs["h100"] >= minimum, macs
