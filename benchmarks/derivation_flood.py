@@ -16,7 +16,17 @@ Phases, each measuring ``GET /v1/jobs`` (a database read; and ``/healthz``) one 
 3. ``abandoned``: 10 more posted at once, their clients leaving after 0.5 s; measured from
    then for as long as a flood wave lasted (the work must stop with the clients).
 
-Run: ``PYTHONPATH=. python3 benchmarks/derivation_flood.py [--deadline 5] [--steps 45]``.
+``--flood`` picks what floods (issue 37, 2: each was measured at 6.5x to 59x idle's p99):
+
+- ``derivations`` (the default): ``POST /v1/derivations`` of the slow specs, as above;
+- ``jobs``: ``POST /v1/jobs`` of distinct specs (each parsed, derived and stored);
+- ``math``: ``GET /v1/specs/{h}/math`` of distinct stored specs never asked before (5 a wave);
+- ``source``: ``GET /v1/specs/{h}/source`` of distinct stored specs never asked before (12 a wave).
+
+For ``math`` and ``source`` the specs are stored first (jobs of ``--steps``-step specs, outside
+the measurement; ``--steps 12`` derives within the deadline, so the answers are 200).
+
+Run: ``PYTHONPATH=. python3 benchmarks/derivation_flood.py [--deadline 5] [--steps 45] [--flood math]``.
 Prints a Markdown table (p50/p99 per phase, the ratio to idle, the answers' statuses) and the
 load average (the machine may be shared).
 """
@@ -64,7 +74,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] * 1e3
 
 
-def _flood_clients(base: str, bodies: list[bytes], leave_after: float | None, out: Any) -> None:
+def _flood_clients(base: str, requests: list[tuple[str, str, bytes]], leave_after: float | None, out: Any) -> None:
     """In a process of its own (its GIL is not the measuring client's): one thread per body, on
     a plain socket: an httpx client per request cost ~25 ms of CPU each (its SSL context, even
     for http://), ~270 ms at each wave's start on the server's two cores, which the server's
@@ -72,10 +82,10 @@ def _flood_clients(base: str, bodies: list[bytes], leave_after: float | None, ou
     statuses: Counter = Counter()
     host, port = base.removeprefix("http://").split(":")
 
-    def post(body: bytes) -> None:
+    def post(method: str, path: str, body: bytes) -> None:
         with socket.create_connection((host, int(port)), timeout=120) as sock:
-            sock.sendall(b"POST /v1/derivations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+                         + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
             if leave_after is not None:  # a client that leaves
                 time.sleep(leave_after)
                 statuses["left"] += 1
@@ -87,7 +97,7 @@ def _flood_clients(base: str, bodies: list[bytes], leave_after: float | None, ou
         kind = json.loads(payload).get("type", "") if payload else ""
         statuses[f"{int(head.split()[1])} {kind.rsplit(':', 1)[-1] or 'ok'}"] += 1
 
-    threads = [threading.Thread(target=post, args=(body,)) for body in bodies]
+    threads = [threading.Thread(target=post, args=request) for request in requests]
     for t in threads:
         t.start()
     for t in threads:
@@ -95,13 +105,39 @@ def _flood_clients(base: str, bodies: list[bytes], leave_after: float | None, ou
     out.put(dict(statuses))
 
 
-def flood(base: str, steps: int, offset: int, statuses: Counter, leave_after: float | None) -> list[Any]:
-    """10 distinct slow specs posted at once from a child process; ``statuses`` counts the answers
-    once it is joined (:func:`join`)."""
-    bodies = [json.dumps({"spec": slow_spec(steps, tag=offset + i)}).encode() for i in range(10)]
+def job_body(steps: int, tag: int) -> bytes:
+    return json.dumps({"spec": slow_spec(steps, tag=tag), "shape": {"m": 4, "n": 64}, "dtype": "float32",
+                       "target": "h100", "measurer": "model", "budget": {"trials": 1}}).encode()
+
+
+def flood_requests(kind: str, steps: int, offset: int, hashes: list[str]) -> list[tuple[str, str, bytes]]:
+    """One wave of ``kind`` (module docstring); ``hashes``: stored specs not asked before."""
+    if kind == "derivations":
+        return [("POST", "/v1/derivations", json.dumps({"spec": slow_spec(steps, tag=offset + i)}).encode())
+                for i in range(10)]
+    if kind == "jobs":
+        return [("POST", "/v1/jobs", job_body(steps, offset + i)) for i in range(10)]
+    count = {"math": 5, "source": 12}[kind]
+    return [("GET", f"/v1/specs/{hashes.pop()}/{kind}", b"") for _ in range(count)]
+
+
+def store_specs(base: str, steps: int, count: int) -> list[str]:
+    """The hashes of ``count`` distinct specs stored through jobs (outside the measurement)."""
+    out = []
+    with httpx.Client(base_url=base, timeout=120) as http:
+        for i in range(count):
+            r = http.post("/v1/jobs", content=job_body(steps, 5000 + i), headers={"Content-Type": "application/json"})
+            assert r.status_code in (200, 201, 202), r.text
+            out.append(r.json()["spec_hash"])
+    return out
+
+
+def flood(base: str, requests: list[tuple[str, str, bytes]], statuses: Counter, leave_after: float | None) -> list[Any]:
+    """``requests`` sent at once from a child process; ``statuses`` counts the answers once it is
+    joined (:func:`join`)."""
     context = multiprocessing.get_context("fork")
     out = context.Queue()
-    proc = context.Process(target=_flood_clients, args=(base, bodies, leave_after, out))
+    proc = context.Process(target=_flood_clients, args=(base, requests, leave_after, out))
     proc.start()
     proc.out, proc.statuses = out, statuses  # type: ignore[attr-defined]
     return [proc]
@@ -120,6 +156,7 @@ def main() -> int:
     ap.add_argument("--idle", type=float, default=12.0, help="seconds of idle measurement (half before, half after)")
     ap.add_argument("--repo", default=None, help="run the server from this checkout (e.g. the code before issue 26)")
     ap.add_argument("--waves", type=int, default=3, help="floods of 10, one after another")
+    ap.add_argument("--flood", choices=("derivations", "jobs", "math", "source"), default="derivations")
     args = ap.parse_args()
     os.environ["FOLDWISE_DERIVE_TIMEOUT_SECONDS"] = str(args.deadline)
     if args.repo:
@@ -131,12 +168,15 @@ def main() -> int:
         server = LiveServer(f"sqlite:///{tmp}/flood.db", Path(tmp))
         try:
             measure(server.base, 1.0)  # warm up
+            per_wave = {"math": 5, "source": 12}.get(args.flood, 0)
+            hashes = store_specs(server.base, args.steps, per_wave * (args.waves + 1))
             rows, statuses = {}, Counter()
             idle = measure(server.base, args.idle / 2)
             samples: dict[str, list[float]] = {"/v1/jobs": [], "/healthz": []}
             t0 = time.monotonic()
             for wave in range(args.waves):
-                threads = flood(server.base, args.steps, 10 * wave, statuses, None)  # measured from its start:
+                wave_requests = flood_requests(args.flood, args.steps, 10 * wave, hashes)
+                threads = flood(server.base, wave_requests, statuses, None)  # measured from its start:
                 # the API receiving ten specs at once is part of the flood
                 while any(t.is_alive() for t in threads):
                     for path, times in measure(server.base, 0.5).items():
@@ -144,7 +184,7 @@ def main() -> int:
                 join(threads)
             flood_s = (time.monotonic() - t0) / args.waves
             rows["flood"] = samples
-            join(flood(server.base, args.steps, 1000, statuses, 0.5))
+            join(flood(server.base, flood_requests(args.flood, args.steps, 1000, hashes), statuses, 0.5))
             rows["abandoned"] = measure(server.base, max(flood_s, 3.0))
             rows = {"idle": idle, **rows, "idle after": measure(server.base, args.idle / 2)}
             log = server.log_path.read_text(errors="replace")
@@ -153,7 +193,7 @@ def main() -> int:
     load_after = os.getloadavg()
     idle = {path: pct(times, 0.99) for path, times in rows["idle"].items()}
     print(f"server code: {args.repo or 'this checkout'}")
-    print(f"derivation flood: {args.waves} waves of 10 specs of {args.steps} steps at once, deadline "
+    print(f"{args.flood} flood: {args.waves} waves of distinct specs of {args.steps} steps at once, deadline "
           f"{args.deadline:g} s, {flood_s:.1f} s a wave; answers: {dict(statuses)}")
     print(f"load average (1, 5, 15 min): before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
           f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}; {os.cpu_count()} CPUs\n")

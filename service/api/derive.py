@@ -34,6 +34,7 @@ retry of the same spec is answered at once.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import multiprocessing
 import os
@@ -45,6 +46,7 @@ from fuser_core import DerivationLimitError, Spec, SpecError, SpecKey
 from service.api.child_bounds import bound_child, memory_message
 from service.api.child_pipe import receive as receive_answer
 from service.api.problems import HttpProblem, invalid_field, spec_problem
+from service.api.cache import SpecCache
 from service.api.spec_child import SpecParser
 
 log = logging.getLogger("foldwise.api")
@@ -53,7 +55,7 @@ CHILD_NICE = 10  # the children's CPU priority below the API's
 # imported once, in the forkserver, before it forks the children: sympy and the derivation, and
 # this module (the children's target: unpickling it in each child would import the API, ~1 s)
 PRELOAD = ["service.api.derive", "service.api.spec_child", "fuser_core.report", "fuser_core.derive", "fuser_core.certificate",
-           "fuser_core.present"]
+           "fuser_core.present", "service.dashboard.compute", "service.dashboard.mathtex", "fuser_core.codegen.module"]
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)  # only a list until the forkserver starts (DerivationPool.warm_up)
 
@@ -83,10 +85,34 @@ def _child(conn: Any, source: str) -> None:
     conn.close()
 
 
+def _compute_child(conn: Any, fn: Any, args: tuple, passes: tuple[type[Exception], ...]) -> None:
+    """In the child: ``fn(*args)`` as JSON text (:meth:`DerivationPool.compute`), an exception of
+    one of ``passes`` as itself (it pickles), or the failure as plain data."""
+    bound_child()
+    try:
+        os.nice(CHILD_NICE)
+    except OSError:
+        pass
+    try:
+        result: tuple = ("ok", json.dumps(fn(*args)))
+    except passes as err:
+        result = ("raised", err)
+    except SpecError as err:
+        result = ("spec", err.message, err.loc, err.step)
+    except DerivationLimitError as err:
+        result = ("limit", str(err))
+    except MemoryError:
+        result = ("limit", memory_message())
+    except Exception as err:  # noqa: BLE001 - a bug: the parent logs it and answers 500
+        result = ("error", f"{type(err).__name__}: {err}")
+    conn.send(result)
+    conn.close()
+
+
 class DerivationPool:
     """The app's derivations; see the module docstring."""
 
-    def __init__(self, timeout_s: float, *, workers: int = 2, queue: int = 8):
+    def __init__(self, timeout_s: float, *, workers: int = 2, queue: int = 8, memo_items: int = 64):
         self.timeout_s, self.workers, self.queue = timeout_s, workers, queue
         self._slots: asyncio.Semaphore | None = None  # made on the event loop that uses it
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -97,10 +123,12 @@ class DerivationPool:
         # one thread does, not as ten. Parsing a spec, the larger part, is not here: see .parser
         self._cpu = ThreadPoolExecutor(1, thread_name_prefix="foldwise-derive-cpu")
         self.parser = SpecParser(_CONTEXT, self._starter, nice=CHILD_NICE)  # POST /v1/derivations' specs
-        self._inflight: dict[str, asyncio.Future] = {}  # canonical JSON -> its derivation's task
+        self._inflight: dict[str, asyncio.Future] = {}  # canonical JSON (or a computation's key) -> its task
+        self._computed = SpecCache(memo_items)  # a computation's key -> its answer as JSON text
         self._waiters: dict[asyncio.Future, int] = {}  # requests waiting for each
         self.running: set[int] = set()  # the pids of the children now deriving (tests and metrics read it)
         self.killed = 0  # children stopped before they finished (deadline, client gone, shutdown)
+        self.started = 0  # children started for derivations and computations (tests read it)
 
     def warm_up(self, *, wait: bool = False) -> None:
         """Start the forkserver (it imports PRELOAD: seconds) in the background, so the first
@@ -150,8 +178,37 @@ class DerivationPool:
         cached = await self.run(cached_report, key)  # renaming a large report: a millisecond or two
         if cached is not None:
             return cached
-        key_text = key.canonical
-        task = self._inflight.get(key_text)
+        result = await self._shared(key.canonical, key.name, (_child, (source,)), request, deadline)
+        return await self.run(self._answer, key, result)  # the rename: off the event loop
+
+    async def compute(self, fn: Any, *args: Any, request: Any = None,
+                      passes: tuple[type[Exception], ...] = ()) -> Any:
+        """``fn(*args)`` computed in a child process, bounded as a derivation is (one deadline from
+        now, the pool's slots and queue, killed when nobody waits): for a request's CPU work that
+        would hold the API's GIL (the dashboard's LaTeX and generated source). ``fn``: a module-level
+        function (it crosses by name) of plain, picklable arguments whose answer is JSON-able;
+        identical calls share one child, and answers are kept (``memo_items``, as JSON text: each
+        caller gets its own copy). An exception of one of ``passes`` is raised here as itself;
+        otherwise the HttpProblems of :meth:`report`."""
+        key = repr((fn.__module__, fn.__qualname__, args))
+        text = self._computed.get(key)
+        if text is None:
+            name = fn.__qualname__
+            deadline = time.monotonic() + self.timeout_s
+            result = await self._shared(key, name, (_compute_child, (fn, args, passes)), request, deadline)
+            if result[0] == "raised":
+                raise result[1]
+            if result[0] != "ok":
+                raise _failure(name, result)
+            text = result[1]
+            self._computed.put(key, text)
+        return await self.run(json.loads, text)
+
+    async def _shared(self, key: str, name: str, job: tuple, request: Any, deadline: float | None) -> tuple:
+        """The answer of ``job`` (a child's target and its arguments), run once for every caller
+        with the same ``key`` in flight; 429 past the pool and queue; stopped when the last caller
+        has gone."""
+        task = self._inflight.get(key)
         if task is None:
             if self._admitted >= self.workers + self.queue:
                 raise HttpProblem(429, "Too many derivations", f"{self.workers} derivations are running and "
@@ -160,20 +217,19 @@ class DerivationPool:
                                   headers={"Retry-After": str(max(1, round(self.timeout_s / 2)))})
             if deadline is None:
                 deadline = time.monotonic() + self.timeout_s
-            task = asyncio.ensure_future(self._work(key.name, source, deadline))
-            self._inflight[key_text] = task
-            task.add_done_callback(lambda _: self._inflight.pop(key_text, None))
+            task = asyncio.ensure_future(self._work(name, job, deadline))
+            self._inflight[key] = task
+            task.add_done_callback(lambda _: self._inflight.pop(key, None))
             self._waiters[task] = 0
         self._waiters[task] += 1
         try:
-            result = await self._wait(task, key.name, request)
+            return await self._wait(task, name, request)
         finally:
             self._waiters[task] -= 1
             if not self._waiters[task]:
                 del self._waiters[task]
                 if not task.done():
                     task.cancel()  # nobody waits for it: the child is killed
-        return await self.run(self._answer, key, result)  # the rename: off the event loop
 
     async def _wait(self, task: asyncio.Future, name: str, request: Any) -> tuple:
         """The shared derivation's result (or its HttpProblem), watching this request's client."""
@@ -187,8 +243,9 @@ class DerivationPool:
                 raise HttpProblem(499, "Client closed request", "the client left before the derivation "
                                   "ended", kind="client-gone")
 
-    async def _work(self, name: str, source: str, deadline: float) -> tuple:
-        """One derivation: a slot in the pool (waiting counts against the deadline), then the child."""
+    async def _work(self, name: str, job: tuple, deadline: float) -> tuple:
+        """One derivation (or computation): a slot in the pool (waiting counts against the deadline),
+        then the child."""
         slots = self._slots_here()
         self._admitted += 1
         try:
@@ -197,7 +254,7 @@ class DerivationPool:
             except TimeoutError:
                 raise self._too_slow() from None
             try:
-                return await self._derive(name, source, deadline)
+                return await self._derive(name, job, deadline)
             finally:
                 slots.release()
         finally:
@@ -215,12 +272,14 @@ class DerivationPool:
                            "stopped; retry when the server is less busy", kind="derivation-timeout",
                            headers={"Retry-After": str(max(1, round(self.timeout_s)))})
 
-    async def _derive(self, name: str, source: str, deadline: float) -> tuple:
-        """Run ``_child`` in a new process until it answers; kill it at the deadline, or when this
-        task is cancelled (the last request waiting for it has gone, or the app stops)."""
+    async def _derive(self, name: str, job: tuple, deadline: float) -> tuple:
+        """Run ``job`` (``_child`` or ``_compute_child`` and its arguments after the pipe's end) in
+        a new process until it answers; kill it at the deadline, or when this task is cancelled
+        (the last request waiting for it has gone, or the app stops)."""
         loop = asyncio.get_running_loop()
         receive, send = _CONTEXT.Pipe(duplex=False)
-        proc = _CONTEXT.Process(target=_child, args=(send, source), daemon=True, name="foldwise-derive")
+        target, args = job
+        proc = _CONTEXT.Process(target=target, args=(send, *args), daemon=True, name="foldwise-derive")
         started = loop.run_in_executor(self._starter, proc.start)
         try:  # a cold forkserver may take seconds to start: within the deadline too
             await asyncio.wait_for(asyncio.shield(started), timeout=max(0.0, deadline - time.monotonic()))
@@ -235,6 +294,7 @@ class DerivationPool:
             send.close()
             raise
         send.close()  # the child holds its end: EOF here if it dies without answering
+        self.started += 1
         self.running.add(proc.pid)
         finished = False
         try:
@@ -271,14 +331,20 @@ class DerivationPool:
     def _answer(self, key: SpecKey, result: tuple) -> dict[str, Any]:
         from fuser_core import cached_report, remember_report
 
-        kind = result[0]
-        if kind == "ok":
+        if result[0] == "ok":
             remember_report(result[1], result[2])
             return cached_report(key)  # a lookup now, in the caller's names
-        if kind == "spec":
-            raise spec_problem(SpecError(result[1], loc=tuple(result[2]), step=result[3]))
-        if kind == "limit":
-            raise invalid_field(("spec",), f"the derivation exceeds its limits: {result[1]}")
-        log.error("derivation failed", extra={"spec": key.name, "error": result[1][:500]})
-        raise HttpProblem(500, "Derivation failed", "the derivation failed; this is a bug, see the server's log",
-                          kind="derivation-failed")
+        raise _failure(key.name, result)
+
+
+def _failure(name: str, result: tuple) -> HttpProblem:
+    """The HttpProblem for a child's answer that is not "ok": 422 naming the field (an invalid spec,
+    a derivation past its limits), 500 for a bug (logged)."""
+    kind = result[0]
+    if kind == "spec":
+        return spec_problem(SpecError(result[1], loc=tuple(result[2]), step=result[3]))
+    if kind == "limit":
+        return invalid_field(("spec",), f"the derivation exceeds its limits: {result[1]}")
+    log.error("derivation failed", extra={"spec": name, "error": result[1][:500]})
+    return HttpProblem(500, "Derivation failed", "the derivation failed; this is a bug, see the server's log",
+                       kind="derivation-failed")

@@ -23,7 +23,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from service.api.deps import Db, context, database
 from service.api.problems import HttpProblem, error_entry, invalid
 from service.auth import SCOPES
-from service.dashboard import views
+from service.dashboard import compute, views
 from service.spec_store import HASH_PATTERN
 
 router = APIRouter(tags=["dashboard"])
@@ -52,22 +52,37 @@ def _problem(err: views.DashboardError) -> HttpProblem:
 
 
 @router.get("/v1/specs/{spec_hash}/math")
-async def spec_math(spec_hash: SpecHash, db: StatusRead) -> dict[str, Any]:
+async def spec_math(spec_hash: SpecHash, db: StatusRead, request: Request) -> dict[str, Any]:
     """The spec, its derivation as LaTeX (per reduction: F, the terms G/H, the update with its
-    correction, the final value, the merge rule) and its certificate."""
-    return await _run(db, views.spec_math, spec_hash)
+    correction, the final value, the merge rule) and its certificate. The LaTeX is derived in a
+    child process (service/dashboard/compute.py), bounded as derivations are."""
+    stored = await _run(db, views.spec_math, spec_hash)
+    math = await _compute(request, compute.spec_math, stored.pop("source"))
+    return {**math, **stored}
 
 
 @router.get("/v1/specs/{spec_hash}/source")
 async def spec_source(
-    spec_hash: SpecHash, db: KernelRead,  # tuned kernels' source: kernels:read, as the kernel routes
+    spec_hash: SpecHash, db: KernelRead, request: Request,  # tuned kernels' source: kernels:read, as the kernel routes
     strategy: Annotated[str | None, Query(max_length=32, pattern=r"^[a-z_]+$")] = None,
     shape: Annotated[str | None, Query(max_length=1024, description="m=4,n=300 (the spec's dim names)")] = None,
     dtype: Annotated[str | None, Query(max_length=1024)] = None,
 ) -> dict[str, Any]:
     """Generated Triton source: by default the spec's newest tuned kernel, else the preferred valid
-    strategy's default configuration at the newest job's shape."""
-    return await _run(db, views.spec_source, spec_hash, strategy=strategy, shape=shape, dtype=dtype)
+    strategy's default configuration at the newest job's shape. Generated in a child process
+    (service/dashboard/compute.py), bounded as derivations are."""
+    q = await _run(db, views.spec_source_query, spec_hash)
+    return await _compute(request, compute.spec_source, q["source"], q["spec_hash"], q["origin"], q["kernel"],
+                          strategy, shape, dtype)
+
+
+async def _compute(request: Request, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in the derivations' child processes (service.api.derive.DerivationPool.compute);
+    its DashboardError as problem+json."""
+    try:
+        return await context(request).deriver.compute(fn, *args, request=request, passes=(compute.DashboardError,))
+    except compute.DashboardError as err:
+        raise _problem(err) from None
 
 
 @router.get("/v1/dashboard/specs")

@@ -8,8 +8,9 @@ the form offers. Routes (:mod:`service.dashboard.api`) stay thin; errors are
 a message naming it.
 
 Costs are bounded: a spec was validated when first stored (size and expression limits of
-:mod:`fuser_core.spec`), derivations and LaTeX are cached per spec (LRU), code generation is
-cached on disk by :mod:`fuser_core.codegen.module`, and listings are paged with a hard limit.
+:mod:`fuser_core.spec`), the LaTeX and the generated source are computed off the API's process
+(:mod:`service.dashboard.compute`: these functions read only what it needs from the database)
+and kept, and listings are paged with a hard limit.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from sqlalchemy.orm import Session
 
 from fuser_core import BASELINE, SpecError
 from service import spec_store
+from service.dashboard.compute import DashboardError
 from service.dim_names import DimNames
 from service.models import Job, KernelRecord, SpecRecord, WorkerRecord
 
@@ -34,14 +36,6 @@ MAX_LIMIT = 500
 MAX_NAMES = 200
 DEFAULT_DIM = 128  # a dim's size for generated source when no job or kernel gives one
 HASH_RE = re.compile(r"^[0-9a-f]{64}$")
-
-
-class DashboardError(Exception):
-    """A request the dashboard views cannot answer: ``status`` 404 or 422, ``loc`` the field."""
-
-    def __init__(self, status: int, message: str, loc: tuple[str | int, ...] = ()):
-        self.status, self.message, self.loc = status, message, tuple(loc)
-        super().__init__(message)
 
 
 # ----------------------------------------------------------------------------- specs
@@ -66,24 +60,6 @@ def _spec_record(session: Session, spec_hash: str) -> SpecRecord:
     return rec
 
 
-@lru_cache(maxsize=128)
-def _loaded(source: str) -> tuple[Any, Any]:
-    """(Spec, Derivation) for a stored spec's source; cached, since both are pure functions of it."""
-    from fuser_core import derive_cascade, load_spec
-
-    spec = load_spec(source)
-    return spec, derive_cascade(spec)
-
-
-@lru_cache(maxsize=128)
-def _math(source: str) -> str:
-    """The LaTeX view as JSON text (cached as text so callers can never mutate the cached value)."""
-    from service.dashboard.mathtex import derivation_math
-
-    _, derivation = _loaded(source)
-    return json.dumps(derivation_math(derivation))
-
-
 def spec_names(session: Session, hashes: list[str]) -> dict[str, dict[str, Any]]:
     """For each known spec hash: its name and its dims' names (canonical -> as first stored).
 
@@ -104,133 +80,44 @@ def spec_names(session: Session, hashes: list[str]) -> dict[str, dict[str, Any]]
 
 
 def spec_math(session: Session, spec_hash: str) -> dict[str, Any]:
-    """The spec as submitted, its derivation as LaTeX per reduction, and its certificate."""
+    """What ``GET /v1/specs/{h}/math`` reads: the spec as submitted and its certificate, with its
+    stored ``source`` (the LaTeX is :func:`service.dashboard.compute.spec_math` of it, in a child)."""
     rec = _spec_record(session, spec_hash)
-    out = json.loads(_math(rec.source))
     report = rec.derivation or {}
-    out.update(
-        spec_hash=rec.spec_hash,
-        name=rec.name,
-        spec=json.loads(rec.source),
-        certificate=report.get("certificate"),
-        report_reductions=report.get("reductions", []),
-        created_at=rec.created_at.isoformat() if rec.created_at else None,
-    )
-    return out
-
-
-def _query_value(parse: Any, text: str) -> Any:
-    """A query parameter or stored text read by one of :mod:`service.bundle`'s text readers
-    (``parse_shape_text``, ``parse_dtype_text``); DashboardError naming the parameter otherwise."""
-    from fuser_core import SpecError
-
-    try:
-        return parse(text)
-    except SpecError as err:
-        raise DashboardError(422, err.message, ("query", *err.loc)) from None
-
-
-def spec_source(
-    session: Session, spec_hash: str, *, strategy: str | None = None, shape: str | None = None,
-    dtype: str | None = None,
-) -> dict[str, Any]:
-    """Generated Triton source for the spec.
-
-    Defaults: the shape, dtype, strategy and configuration of the spec's newest kernel (the
-    tuned source), else the newest job's shape and dtype with the preferred valid strategy and
-    its default configuration, else ``DEFAULT_DIM`` per dim in float32.
-    """
-    from fuser_core import (
-        FALLBACK, GENERATOR_VERSION, PREFERENCE, NotValid, SpecError, bind_dtypes, bind_shape, default_config, generate,
-        valid_strategies,
-    )
-    from service.bundle import parse_dtype_text, parse_shape_text
-
-    rec = _spec_record(session, spec_hash)
-    spec_hash = rec.spec_hash  # the full hash, when a prefix was given
-    spec, derivation = _loaded(rec.source)
-    kernel = session.scalars(
-        sa.select(KernelRecord).where(KernelRecord.spec_hash == spec_hash, KernelRecord.partial == sa.false())
-        .order_by(KernelRecord.created_at.desc()).limit(1)
-    ).first()
-    job = None
-    if kernel is None:
-        job = session.scalars(
-            sa.select(Job).where(Job.spec_hash == spec_hash).order_by(Job.created_at.desc()).limit(1)
-        ).first()
-    origin = kernel or job
-    # stored shapes and tuned configs use the canonical dim names (service.spec_store); show the spec's own
-    names = DimNames.of_source(rec.source)
-    raw_shape: Mapping[str, int] = (
-        _query_value(parse_shape_text, shape) if shape else names.user_shape(origin.shape) if origin is not None
-        else {d: DEFAULT_DIM for d in spec.dims if not any(s.as_dim == d for s in spec.steps)}
-    )
-    raw_dtype: str | dict[str, str] = (
-        _query_value(parse_dtype_text, dtype) if dtype else _query_value(parse_dtype_text, origin.dtype)
-        if origin is not None else "float32"
-    )
-    fallback_note = ""
-    try:
-        bound = bind_shape(spec, raw_shape)
-    except SpecError as err:
-        if shape:
-            raise DashboardError(422, err.message, ("query", *err.loc)) from None
-        # a stored shape the generator cannot take (larger than the reference's limits): show the code anyway
-        fallback_note = f"The stored shape cannot be generated here ({err}); showing {DEFAULT_DIM} per dim. "
-        bound = bind_shape(spec, {d: DEFAULT_DIM for d in spec.dims if not any(s.as_dim == d for s in spec.steps)})
-        kernel = None
-    try:
-        dtypes = bind_dtypes(spec, raw_dtype)
-    except SpecError as err:
-        raise DashboardError(422, err.message, ("query", *err.loc)) from None
-    valid = valid_strategies(spec, derivation, bound)
-    module = None
-    if kernel is not None and not shape and not dtype and strategy in (None, kernel.strategy):
-        module, config = _tuned_module(spec, derivation, kernel, bound, dtypes, names)
-    if module is not None:
-        assert kernel is not None
-        chosen, kernel_id = kernel.strategy, kernel.id
-        note = f"The tuned kernel {kernel.id[:12]} ({kernel.time_ms:.4g} ms, {kernel.measurer})."
-    else:
-        kernel_id = None
-        chosen = strategy or next((s for s in PREFERENCE if valid.get(s) is None), FALLBACK)
-        if chosen not in valid:
-            raise DashboardError(422, f"unknown strategy {chosen!r}; one of {', '.join(valid)}", ("query", "strategy"))
-        if valid[chosen] is not None:
-            raise DashboardError(422, f"{chosen} is not valid here: {valid[chosen]}", ("query", "strategy"))
-        config = default_config(spec, derivation, chosen, bound)
-        note = fallback_note + "The strategy's default configuration (before tuning)."
-        try:
-            module = generate(spec, derivation, chosen, bound, config, dtypes)
-        except (NotValid, ValueError) as err:
-            raise DashboardError(422, str(err), ("query", "strategy")) from None
     return {
-        "spec_hash": spec_hash,
-        "strategy": chosen,
-        "strategies": valid,
-        "shape": bound,
-        "dtype_key": raw_dtype if isinstance(raw_dtype, str) else json.dumps(raw_dtype, sort_keys=True),
-        "config": config.to_dict(),
-        "generator_version": GENERATOR_VERSION,
-        "kernel_id": kernel_id,
-        "note": note,
-        "source": module.source,
+        "spec_hash": rec.spec_hash,
+        "name": rec.name,
+        "spec": json.loads(rec.source),
+        "certificate": report.get("certificate"),
+        "report_reductions": report.get("reductions", []),
+        "created_at": rec.created_at.isoformat() if rec.created_at else None,
+        "source": rec.source,
     }
 
 
-def _tuned_module(spec: Any, derivation: Any, kernel: KernelRecord, bound: dict[str, int], dtypes: dict[str, str],
-                  names: DimNames) -> tuple[Any, Any]:
-    """(module, config) of a stored kernel's strategy and configuration (its blocks renamed from the
-    canonical dims), or (None, None) when this code cannot generate it (an older generator's config)."""
-    from fuser_core import KernelConfig, NotValid, generate
-
-    raw = dict(kernel.config or {})
-    raw["blocks"] = names.user_shape(raw.get("blocks") or {})
-    try:
-        config = KernelConfig.from_dict(raw)
-        return generate(spec, derivation, kernel.strategy, bound, config, dtypes), config
-    except (NotValid, ValueError, KeyError):
-        return None, None
+def spec_source_query(session: Session, spec_hash: str) -> dict[str, Any]:
+    """What ``GET /v1/specs/{h}/source`` reads, as the arguments of
+    :func:`service.dashboard.compute.spec_source` (run in a child): the stored spec's text and
+    full hash, the newest finished kernel, and the shape and dtype it (or else the newest job)
+    ran at."""
+    rec = _spec_record(session, spec_hash)
+    kernel = session.scalars(
+        sa.select(KernelRecord).where(KernelRecord.spec_hash == rec.spec_hash, KernelRecord.partial == sa.false())
+        .order_by(KernelRecord.created_at.desc()).limit(1)
+    ).first()
+    origin: Any = kernel
+    if kernel is None:
+        origin = session.scalars(
+            sa.select(Job).where(Job.spec_hash == rec.spec_hash).order_by(Job.created_at.desc()).limit(1)
+        ).first()
+    return {
+        "source": rec.source,
+        "spec_hash": rec.spec_hash,  # the full hash, when a prefix was given
+        "origin": {"shape": dict(origin.shape), "dtype": origin.dtype} if origin is not None else None,
+        "kernel": None if kernel is None else {"id": kernel.id, "strategy": kernel.strategy,
+                                               "config": dict(kernel.config or {}), "time_ms": kernel.time_ms,
+                                               "measurer": kernel.measurer},
+    }
 
 
 # ----------------------------------------------------------------------------- kernels

@@ -192,6 +192,43 @@ def test_math_shows_the_corrections(db, client):
     assert len(var["merge"]) == 2 and r"T_{1,a}^{\text{moved}}" in var["merge"][0]
 
 
+def test_math_and_source_are_computed_in_a_child_process_and_kept(db, client):
+    """The LaTeX and the generated source (seconds of sympy for a large spec) are computed in the
+    derivations' child processes, not in the API's (where they held the GIL against every other
+    request: issue 37, 2); an answer is kept, so asking again starts no child."""
+    from service.dashboard import compute
+
+    compute.loaded.cache_clear()
+    pool = client.app.state.ctx.deriver
+    job = submit(db, "layernorm", {"t": 4, "c": 64})
+    started = pool.started
+    for path in ("math", "source"):
+        first = client.get(f"/v1/specs/{job.spec_hash}/{path}")
+        assert first.status_code == 200, first.text
+        assert client.get(f"/v1/specs/{job.spec_hash}/{path}").json() == first.json()
+    assert pool.started == started + 2  # one child each; the second asks were answered from what was kept
+    assert compute.loaded.cache_info().currsize == 0  # nothing derived in this (the API's) process
+    other = client.get(f"/v1/specs/{job.spec_hash}/source", params={"shape": "t=2,c=32"})
+    assert other.status_code == 200 and other.json()["shape"] == {"t": 2, "c": 32} and pool.started == started + 3
+
+
+def test_a_slow_math_or_source_is_stopped_at_the_derivations_deadline(db, db_url):
+    """A spec whose derivation outlasts the deadline: GET /math and /source answer 503
+    derivation-timeout at it, and the child is killed (nothing goes on computing)."""
+    from tests.support.slow_specs import slow_spec
+
+    raw = slow_spec(15)  # ~0.35 s of derivation on a 2-core CI machine
+    with db() as s:
+        job, _ = job_queue.submit_job(s, tuning_request(load_spec(raw), json.dumps(raw), {"m": 4, "n": 64},
+                                                        "float32", "h100", "model", 10, 60.0))
+    with TestClient(create_app(get_settings(db_url=db_url), derive_timeout_s=0.1)) as c:
+        pool = c.app.state.ctx.deriver
+        for path in ("math", "source"):
+            r = c.get(f"/v1/specs/{job.spec_hash}/{path}")
+            assert r.status_code == 503 and r.json()["type"].endswith("derivation-timeout"), r.text
+        assert pool.killed == 2 and not pool.running
+
+
 def test_spec_endpoints_validate_the_hash(client):
     assert client.get("/v1/specs/" + "0" * 64 + "/math").status_code == 404
     r = client.get("/v1/specs/NOTAHASH/math")
