@@ -276,17 +276,23 @@ def is_transient(err: BaseException) -> bool:
     """A database error that says the server could not be reached, not that the request was
     wrong: connection refused or reset, the server shutting down or restarting, a dropped
     connection, a pool timeout, a lock or serialisation conflict (all OperationalError on
-    psycopg and sqlite3). Optuna's storage wraps such errors (``StorageInternalError``): the
-    chain of causes is searched."""
+    psycopg and sqlite3). Optuna's storage wraps such errors (``StorageInternalError``), and its
+    ``_run_trial`` can hide one behind an ``UnboundLocalError`` (its ``finally`` reads a name
+    the failed storage call never set): the chain of causes is searched."""
+    return database_error(err) is not None
+
+
+def database_error(err: BaseException) -> BaseException | None:
+    """The transient database error in ``err``'s chain of causes (:func:`is_transient`), else None."""
     seen = 0
     while err is not None and seen < 8:
         if isinstance(err, sa.exc.DBAPIError) and err.connection_invalidated:
-            return True
+            return err
         if isinstance(err, (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DisconnectionError,
                             sa.exc.TimeoutError)):
-            return True
+            return err
         err, seen = err.__cause__ or err.__context__, seen + 1
-    return False
+    return None
 
 
 def note_outage() -> None:

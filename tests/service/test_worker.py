@@ -452,6 +452,84 @@ def test_database_errors_are_retried_and_the_worker_and_job_go_on(db_url, sessio
     assert not thread.is_alive()
 
 
+def flapping_storage(real_storage, fails):
+    """``tuner.make_storage`` whose Optuna storage fails Optuna's tell of a result when ``fails(n)``
+    (the n-th such tell) and then its next ``get_trial`` too, as a database that stops under the tell does: Optuna
+    5's ``_run_trial`` then raises ``UnboundLocalError: updated_state`` in front of the database
+    error (issue 37, 5)."""
+    told = {"n": 0, "down": False, "failed": 0}
+
+    def make(*args, **kwargs):
+        storage = real_storage(*args, **kwargs)
+        real_set, real_get = storage.set_trial_state_values, storage.get_trial
+
+        def set_trial_state_values(trial_id, state, values=None):
+            if state != optuna.trial.TrialState.COMPLETE:  # not a tell of a result (closing an orphan: FAIL)
+                return real_set(trial_id, state, values)
+            told["n"] += 1
+            if fails(told["n"]):
+                told["down"], told["failed"] = True, told["failed"] + 1
+                raise sa.exc.OperationalError("UPDATE trials", {}, ConnectionRefusedError("server closed (injected)"))
+            return real_set(trial_id, state, values)
+
+        def get_trial(trial_id):
+            if told["down"]:
+                told["down"] = False
+                raise sa.exc.OperationalError("SELECT trials", {}, ConnectionRefusedError("server closed (injected)"))
+            return real_get(trial_id)
+
+        storage.set_trial_state_values, storage.get_trial = set_trial_state_values, get_trial
+        return storage
+
+    return make, told
+
+
+def test_a_database_that_flaps_more_often_than_the_resume_limit_fails_no_job(db_url, sessions, monkeypatch) -> None:
+    """A database that goes down again and again (45 stops in 134 s in issue 37) stops the search
+    more often than MAX_RESUMES; trials are recorded between the stops, so each stop is an outage
+    ridden out, not an error that always comes back: the job succeeds with every trial once."""
+    import service.worker
+    import tuner
+
+    monkeypatch.setattr(service.worker, "MAX_RESUMES", 2)
+    make, told = flapping_storage(tuner.make_storage, lambda n: n % 2 == 0 and n <= 16)  # 8 stops
+    monkeypatch.setattr(tuner, "make_storage", make)
+    job_id = submit(sessions, trials=10)
+    thread, stop = start(db_url, worker_id="w-flap")
+    try:
+        wait_for(lambda: reload(sessions, job_id).status in ("succeeded", "failed"), timeout=180, what="the job")
+        job = reload(sessions, job_id)
+        assert job.status == "succeeded" and job.error is None, job.error
+        assert job.trials_done == 10 and job.attempts == 1
+        assert told["failed"] == 8 > service.worker.MAX_RESUMES
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def test_a_database_error_that_always_comes_back_fails_the_job_naming_it(db_url, sessions, monkeypatch) -> None:
+    """Every tell fails from the third on: no trial is recorded between the resumes, so after
+    MAX_RESUMES the job fails, and its error names the database's error, not the
+    ``UnboundLocalError`` Optuna raises in front of it."""
+    import service.worker
+    import tuner
+
+    monkeypatch.setattr(service.worker, "MAX_RESUMES", 2)
+    make, told = flapping_storage(tuner.make_storage, lambda n: n >= 3)
+    monkeypatch.setattr(tuner, "make_storage", make)
+    job_id = submit(sessions, trials=10)
+    thread, stop = start(db_url, worker_id="w-down")
+    try:
+        wait_for(lambda: reload(sessions, job_id).status in ("succeeded", "failed"), timeout=180, what="the job")
+        job = reload(sessions, job_id)
+        assert job.status == "failed" and "OperationalError" in job.error and "server closed (injected)" in job.error
+        assert "UnboundLocalError" not in job.error
+        assert told["failed"] == service.worker.MAX_RESUMES + 1 + 1  # the first stop, then one per resume
+    finally:
+        stop.set()
+        thread.join(30)
+
+
 def test_run_worker_waits_for_a_database_that_is_down_at_start(db_url, sessions, monkeypatch) -> None:
     """A worker started while the database is unreachable waits (no exit) and then works."""
     import service.db
