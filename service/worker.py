@@ -68,6 +68,8 @@ SHUTDOWN_GRACE_S = 2.0
 # always comes back (a flapping database records trials between its outages and is ridden out)
 MAX_RESUMES = 20
 POLL_BACKOFF_S = (1.0, 10.0)  # the claim loop's wait after a database error: first, largest (doubling, jittered)
+# the claim loop's pause after a job was given back for the host (a full disk): first, largest (doubling)
+HOST_FAULT_PAUSE_S = (5.0, 60.0)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class Worker:
         self.db_url, self.measurer, self.target = db_url, measurer, self.profile.name
         self.worker_id = worker_id or new_worker_id()
         self.stop = stop or threading.Event()
+        self.host_faults = 0  # jobs given back in a row because the host's disk was full (reset by a job that ends)
         quiet_optuna()
         self.engine = make_engine(db_url)
         self.retry(lambda: check_current(self.engine), "checking the database's migration")
@@ -150,6 +153,15 @@ class Worker:
             self.keep_partial(job_id)  # failed for its lost workers: it keeps its best so far (cancelled: nothing)
         return job
 
+    def host_pause(self) -> float:
+        """Seconds to wait before claiming again: none, or after jobs given back for a full disk,
+        HOST_FAULT_PAUSE_S doubling with each one in a row (the disk may be freed, or another
+        worker's host has room for the job meanwhile)."""
+        if not self.host_faults:
+            return 0.0
+        first, largest = HOST_FAULT_PAUSE_S
+        return min(largest, first * 2 ** (self.host_faults - 1))
+
     def idle(self) -> None:
         with self.sessions() as session:
             job_queue.worker_heartbeat(session, self.worker_id, None)
@@ -157,11 +169,18 @@ class Worker:
     # ------------------------------------------------------------------------- one job
     def process(self, job: Job) -> JobOutcome:
         """Tune one claimed job to its end; returns what became of it."""
+        from tuner import HostFault
+
         log.info("job claimed", extra={"job_id": job.id, "worker_id": self.worker_id, "attempt": job.attempts})
         keeper = LeaseKeeper(self.sessions, job.id, self.worker_id, lease_s=self.settings.lease_seconds,
                              every=self.settings.heartbeat_seconds).start()
         try:
             outcome, detail = self._tune(job, keeper)
+        except HostFault as err:  # the host's disk is full: nothing wrong with the job, which goes back
+            log.warning("the host's disk is full; the job goes back to the queue and this worker pauses",
+                        extra={"job_id": job.id, "worker_id": self.worker_id, "error": str(err)[:300]})
+            outcome, detail = JobOutcome.RELEASED, None
+            self.host_faults += 1
         except Exception as err:  # a crash of the search fails the job with the reason, never the worker
             if self.stop.wait(SHUTDOWN_GRACE_S):  # killed with us (a signal to the process group): give it back
                 log.info("search stopped by the worker's shutdown", extra={"job_id": job.id, "error": repr(err)[:300]})
@@ -174,6 +193,7 @@ class Worker:
             keeper.stop()
         outcome = self._settle(job, outcome, detail, keeper)
         if outcome.finished:
+            self.host_faults = 0
             self.close_orphans(job.id, job.study_name)
         if outcome == JobOutcome.FAILED:
             self.keep_partial(job.id)
@@ -541,6 +561,7 @@ def run_worker(db_url: str, *, measurer: str, target: str, worker_id: str | None
                 continue
             worker.process(job)
             done += 1
+            worker.stop.wait(worker.host_pause())
             if once:
                 break
     finally:

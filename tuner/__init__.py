@@ -21,6 +21,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("tuner.cost_model", n) for n in ("Prediction", "predict", "predict_chain", "exhaustive_best")},
     **{n: ("tuner.compile_gate", n) for n in ("CompileGate", "shared_compile_pool")},
     **{n: ("tuner.search.tuner", n) for n in ("Tuner", "NoResult")},
+    **{n: ("tuner.search.objective", n) for n in ("HostFault",)},
     **{n: ("tuner.search.storage", n) for n in ("fail_orphaned_trials", "make_storage", "study_name_for")},
     **{n: ("tuner.search.trials", n) for n in ("budget_used", "trial_result")},
     **{n: ("tuner.bench.variants", n) for n in ("BASELINES",)},

@@ -49,6 +49,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fuser_core import is_host_fault
 from fuser_core.codegen.gpu_compile import CompilePool, CompileRequest, KernelBuild, ModuleBuild
 from fuser_core.spec import Spec
 from tuner.profiles import GpuProfile
@@ -177,10 +178,13 @@ class CompileGate:
             requests = [CompileRequest(self.spec, self.shape, self.dtypes, c.strategy, c.config.to_dict(),
                                        target=self.profile.target, sass=True) for c in missing.values()]
             builds = (self.pool or shared_compile_pool()).compile(requests)
+            fresh = {key: judge(build, self.profile) for key, build in zip(missing, builds)}
             with self._lock:
-                for key, build in zip(missing, builds):
-                    self._verdicts[key] = judge(build, self.profile)
+                for key, verdict in fresh.items():
+                    if not is_host_fault(verdict.reason):  # a full disk says nothing of the candidate
+                        self._verdicts[key] = verdict
                 self.compiled += len(missing)
+                return [fresh.get(c.key()) or self._verdicts[c.key()] for c in candidates]
         with self._lock:
             return [self._verdicts[c.key()] for c in candidates]
 

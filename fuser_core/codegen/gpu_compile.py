@@ -51,6 +51,7 @@ from typing import Any
 from fuser_core.codegen.backends import Backend, BoundLaunch, backend_for
 from fuser_core.codegen.compiler_errors import MAX_ERROR_CHARS, CompileError, compiler_stderr, error_text, pass_on
 from fuser_core.codegen.launches import KernelLaunch, request_launches
+from fuser_core.host_faults import is_host_fault, write_cache_file
 from fuser_core.spec import Spec
 from fuser_core.targets import Target
 
@@ -283,10 +284,11 @@ def cached_compile(launch: KernelLaunch, target: Target = DEFAULT_TARGET, sass: 
         with contextlib.suppress(OSError, ValueError, TypeError):
             _BUILDS[key] = KernelBuild.from_dict(json.loads(path.read_text()))
             return _BUILDS[key]
-    build = _BUILDS[key] = _compile_bound(launch, backend, bound, sass)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(build.to_dict()))
-    os.replace(tmp, path)
+    build = _compile_bound(launch, backend, bound, sass)
+    if is_host_fault(build.error):  # the disk was full, not the kernel wrong: compiled again next time
+        return build
+    _BUILDS[key] = build
+    write_cache_file(path, json.dumps(build.to_dict()))
     return build
 
 
@@ -347,12 +349,13 @@ def cached_module(key: str) -> ModuleBuild | None:
 def store_module(key: str, build: ModuleBuild) -> None:
     """Keep a request's outcome, atomically; not a launcher failure (a derivation past its limit on
     a loaded host, say: another try may succeed), which names the kernel ``launch``."""
-    if any(k.kernel == "launch" and not k.ok for k in build.kernels):
+    if any((k.kernel == "launch" and not k.ok) or is_host_fault(k.error) for k in build.kernels):
         return
-    path = _request_path(key)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(build.to_dict()))
-    os.replace(tmp, path)
+    try:
+        path = _request_path(key)
+    except OSError:  # the cache's folder cannot be made (a full disk): nothing kept
+        return
+    write_cache_file(path, json.dumps(build.to_dict()))
 
 
 def compile_request(request: CompileRequest) -> ModuleBuild:

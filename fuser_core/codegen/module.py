@@ -25,6 +25,7 @@ from fuser_core.codegen.ops import Descriptor, walk
 from fuser_core.codegen.plan import KernelConfig, KernelPlan, make_plan
 from fuser_core.codegen.structure import Grid, Launch, ModuleStructure, SplitLaunch, build_structure
 from fuser_core.derive import Derivation
+from fuser_core.host_faults import write_cache_file
 from fuser_core.merged import launcher_lines
 from fuser_core.paged import launcher_lines as paged_launcher_lines, offsets_checked
 from fuser_core.problem import output_dtypes  # (also read here by codegen.chain)
@@ -106,13 +107,9 @@ def cached_source(stem: str, key_parts: list, make_source: Callable[[], str]) ->
     if path.exists():
         return key, path, path.read_text()
     source = make_source()
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        tmp.write_text(source)
-        os.replace(tmp, path)  # atomic: concurrent writers produce the same text
-    except OSError:  # a full disk: no partial file left behind (Triton reads a kernel's source from its file)
-        tmp.unlink(missing_ok=True)
-        raise
+    failed = write_cache_file(path, source)  # atomic: concurrent writers produce the same text
+    if failed is not None:  # (a full disk): no partial file left, and Triton reads a kernel's source from its file
+        raise failed
     return key, path, source
 
 

@@ -530,6 +530,49 @@ def test_a_database_error_that_always_comes_back_fails_the_job_naming_it(db_url,
         thread.join(30)
 
 
+def test_a_full_cache_disk_fails_no_job_and_leaves_no_temporary_file(db_url, sessions, monkeypatch, tmp_path) -> None:
+    """The disk under the kernel cache fills up mid-search (issue 37, 5: it failed the job with
+    "does not compile ... No space left on device" and left .tmp files): the job goes back to
+    the queue (no lost worker counted), the worker pauses, and once there is room the same study
+    goes on to the job's end, every trial recorded once. The partial .tmp files are removed."""
+    import errno
+    import os
+    from pathlib import Path
+
+    import service.worker
+
+    monkeypatch.setenv("FOLDWISE_CACHE_DIR", str(tmp_path / "cache"))  # modules not generated before
+    monkeypatch.setattr(service.worker, "HOST_FAULT_PAUSE_S", (0.05, 0.1))
+    real_write = Path.write_text
+    writes = {"n": 0, "full": 0}
+
+    def write_text(self, data, *args, **kwargs):
+        if self.suffix == ".tmp":
+            writes["n"] += 1
+            if 2 <= writes["n"] <= 4:  # three cache writes meet a full disk, after a partial write
+                writes["full"] += 1
+                real_write(self, data[:7], *args, **kwargs)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+        return real_write(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    job_id = submit(sessions, trials=6, shape={"m": 4, "n": 77})
+    thread, stop = start(db_url, worker_id="w-full")
+    try:
+        wait_for(lambda: reload(sessions, job_id).status in ("succeeded", "failed"), timeout=180, what="the job")
+        job = reload(sessions, job_id)
+        assert job.status == "succeeded" and job.error is None, job.error
+        assert job.attempts == 1 and job.trials_done == 6
+        with sessions() as s:
+            trials = job_queue.list_trials(s, job_id)
+        assert not any("No space left" in (t.error or "") for t in trials)  # no candidate charged for the disk
+    finally:
+        stop.set()
+        thread.join(30)
+    assert writes["full"] == 3
+    assert not list((tmp_path / "cache").rglob("*.tmp"))
+
+
 def test_run_worker_waits_for_a_database_that_is_down_at_start(db_url, sessions, monkeypatch) -> None:
     """A worker started while the database is unreachable waits (no exit) and then works."""
     import service.db

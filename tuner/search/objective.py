@@ -30,6 +30,9 @@ attr ``result`` (a dict) under ``outcome``:
     the measurer returned an error (a wrong result, a crash, a timeout): the trial FAILs,
     the error kept in ``error``; it never gets a time.
 
+A compile or measurement that failed for the host (a full disk) is none of these: it raises
+:class:`HostFault` and stops the search (the trial FAILs without a ``result``).
+
 The values themselves are in the trial's ``result`` (``values``, ``config``). The measurer is
 anything that keeps the :class:`tuner.measure.Measurer` contract; only its ``measure`` is
 called here.
@@ -48,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import FrozenTrial, Trial, TrialState
 
+from fuser_core import is_host_fault
 from tuner.search.proposals import suggest_candidate
 from tuner.search.trials import trial_result
 
@@ -66,6 +70,13 @@ def worker_id() -> str:
 
 class MeasurementFailed(Exception):
     """The measurer could not give a time for this candidate (the trial FAILs, the study goes on)."""
+
+
+class HostFault(Exception):
+    """The candidate's compile or measurement failed for the host, not the kernel: a full disk
+    (:func:`fuser_core.is_host_fault`). It stops the search: the trial FAILs for Optuna with no
+    ``result`` (so it uses no budget and says nothing of the candidate), and the caller resumes
+    the study once the host has room (the worker gives the job back)."""
 
 
 
@@ -130,6 +141,8 @@ class Objective:
                 verdict = self.gate.check(candidate)
             finally:  # compiling is the measurement's own cost, not the tuner's overhead
                 self.outside_s[trial.number] = self.outside_s.get(trial.number, 0.0) + time.perf_counter() - start
+            if verdict.pruned and is_host_fault(verdict.reason):
+                raise HostFault(verdict.reason)
             result["compile"] = verdict.facts()
             if verdict.pruned:
                 self.counts["compile_pruned"] += 1
@@ -148,6 +161,8 @@ class Objective:
             m = self.measurer.measure(candidate)
         finally:
             self.outside_s[trial.number] = self.outside_s.get(trial.number, 0.0) + time.perf_counter() - start
+        if m.error is not None and is_host_fault(m.error):
+            raise HostFault(m.error)
         result["predicted"] = bool(m.predicted)
         if m.details:
             result["details"] = _jsonable(m.details)
