@@ -350,10 +350,12 @@ class _Printer:
             return self.wrap(split.left, _ADD) + self.added(split.sign * split.right, split.right, split.sign)
         parts = self.grouping.arrange(e)
         content, primitive = e.as_content_primitive()
-        if content.is_Integer and content > 1 and primitive.is_Add and not any(p.grouped for p in parts):
-            # a common integer factor outside: 3 * (t - t_old), not 3 * t - 3 * t_old, which rounds each
+        if content.is_Rational and content > 0 and content != 1 and primitive.is_Add and not any(
+                p.grouped for p in parts):
+            # a common factor outside: 3 * (t - t_old), not 3 * t - 3 * t_old, which rounds each
             # product first and cancels the difference away (a Taylor shift's 3 delta: 12x the formula's
-            # error at offset 1000, fuzz seed 70)
+            # error at offset 1000, fuzz seed 70); and a temperature's 10/7 * (m_old - m), not
+            # 10 * m_old / 7 - 10 * m / 7 (a split's merge of a tempered entropy at x + 1000: 10.7x)
             return f"{number(content)} * ({self.go(primitive)[0]})"
         left = Counter(p.expr for p in parts if not p.grouped)
         rest = []
