@@ -20,6 +20,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("fuser_core.errors", n) for n in ("SpecError", "DerivationLimitError")},
     **{n: ("fuser_core.targets", n) for n in ("Target",)},
     **{n: ("fuser_core.host_faults", n) for n in ("is_host_fault",)},
+    **{n: ("fuser_core.dim_symbols", n) for n in ("dim_symbol", "is_dim_symbol", "symbol_kind")},
     **{n: ("fuser_core.spec", n) for n in ("load_spec", "MAX_DIMS", "MAX_SPEC_BYTES")},
     **{n: ("fuser_core.spec_model", n) for n in ("Spec",)},
     **{n: ("fuser_core.reduce_ops", n) for n in (

@@ -12,6 +12,7 @@ import numpy as np
 import sympy as sp
 
 from fuser_core.derive import WEIGHTED_MEAN, ReductionForm
+from fuser_core.dim_symbols import symbol_kind
 from fuser_core.masks import may_exclude_every
 from fuser_core.realisation import (
     COUNT_OLD,
@@ -69,14 +70,13 @@ class AxisLoop:
         return arr[tuple(idx)]
 
     def leaf(self, s: sp.Symbol, lo: int, hi: int) -> np.ndarray | float:
-        name = s.name
-        if name.startswith("size("):  # a NumPy float: overflow gives inf, as in the reference, not OverflowError
-            return np.float64(self.ev.shape[name[5:-1]])
-        if name.startswith("index("):
-            dim = name[6:-1]
+        kind, dim = symbol_kind(s) or (None, "")
+        if kind == "size":  # a NumPy float: overflow gives inf, as in the reference, not OverflowError
+            return np.float64(self.ev.shape[dim])
+        if kind == "index":
             arr = self.ev.aligned(np.arange(self.ev.shape[dim], dtype=np.float64), (dim,))
             return self.tile(arr, lo, hi)
-        return self.tile(np.asarray(self.env[name], dtype=np.float64), lo, hi)
+        return self.tile(np.asarray(self.env[s.name], dtype=np.float64), lo, hi)
 
     def evaluate(self, e: sp.Expr, known: dict[sp.Symbol, Any], lo: int = 0, hi: int = 0) -> np.ndarray:
         values = dict(known)

@@ -33,6 +33,7 @@ import sympy as sp
 
 from fuser_core.realisation import identity
 from fuser_core.reduce_ops import excludes_masked
+from fuser_core.dim_symbols import dim_symbol, is_dim_symbol, symbol_kind
 
 
 
@@ -92,11 +93,11 @@ def may_exclude_every(e: sp.Expr, op: str, axis: str, constraints: tuple[tuple[s
     if cond is None:
         return False
     cond = cond.xreplace(sizes_under(constraints))
-    here = next((s for s in cond.free_symbols if s.name == f"index({axis})"), None)
+    here = next((s for s in cond.free_symbols if symbol_kind(s) == ("index", axis)), None)
     if here is None:
         return True  # a condition on other dims only: it may drop the whole row
-    size = sp.Symbol(f"size({axis})", integer=True, positive=True)
-    others = [s for s in cond.free_symbols if s.name.startswith("index(") and s is not here]
+    size = dim_symbol("size", axis)
+    others = [s for s in cond.free_symbols if is_dim_symbol(s, "index") and s is not here]
     for at in [sp.Integer(0), size - 1, *others]:
         if cond.xreplace({here: at}) is sp.true:  # not bool(): an undecided And is a truthy Python object
             return False
@@ -108,7 +109,7 @@ def sizes_under(constraints: tuple[tuple[str, str, str], ...]) -> dict[sp.Symbol
     size(n) = size(m) + gap), so that sympy decides what the constraint implies."""
     out: dict[sp.Symbol, sp.Expr] = {}
     for a, rel, b in constraints:
-        small, large = (sp.Symbol(f"size({d})", integer=True, positive=True) for d in (a, b))
+        small, large = (dim_symbol("size", d) for d in (a, b))
         gap = sp.Symbol(f"gap({a},{b})", integer=True, nonnegative=True)
         out[large] = small + {"<=": gap, "<": gap + 1, "==": sp.Integer(0)}[rel]
     return out

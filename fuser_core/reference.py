@@ -250,10 +250,19 @@ class Evaluator:
         cond = step_exclusions(self.spec).get(step.name)
         if cond is None:
             return value
-        values = {s: self.index_array(s.name[6:-1]) if s.name.startswith("index(") else
-                  self.size_value(s.name[5:-1]) if s.name.startswith("size(") else np.asarray(env[s.name], np.float64)
-                  for s in cond.free_symbols}  # index inputs: their aligned values
+        values = {s: self._condition_value(s, env) for s in cond.free_symbols}  # index inputs: their aligned values
         return np.where(truth(cond, values), value, float(identity(step.reduce)))
+
+    def _condition_value(self, sym: Any, env: Mapping[str, Any]) -> np.ndarray:
+        """A condition's symbol's values: a dim's index or size, or an input's (aligned)."""
+        from fuser_core.dim_symbols import symbol_kind
+
+        kind = symbol_kind(sym)
+        if kind is not None and kind[0] == "index":
+            return self.index_array(kind[1])
+        if kind is not None and kind[0] == "size":
+            return self.size_value(kind[1])
+        return np.asarray(env[sym.name], np.float64)
 
     def summed(self, value: np.ndarray, ax: int) -> np.ndarray:
         """A sum along axis ``ax`` (kept, of length 1): exact, then :meth:`rounded` once."""

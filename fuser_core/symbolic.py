@@ -35,6 +35,7 @@ from functools import cached_property
 import sympy as sp
 
 from fuser_core import expr as ex
+from fuser_core.dim_symbols import dim_symbol, is_dim_symbol
 from fuser_core.errors import DerivationLimitError, SpecError
 from fuser_core.grouping import Grouping
 from fuser_core.spec import Param, Spec, Step
@@ -100,7 +101,7 @@ def _cancelled(total: sp.Expr, *operands: sp.Expr) -> sp.Expr:
     as s is finite; ``x - x`` is NaN there. Of the lost symbols' part of it: an operand's other symbols are
     taken at a finite value, as their infinities do not cancel."""
     lost = set().union(*(o.free_symbols for o in operands)) - total.free_symbols
-    lost = {s for s in lost if not (s.name.startswith("size(") or s.name.startswith("index("))}
+    lost = {s for s in lost if not is_dim_symbol(s, "size", "index")}
     if not lost:
         return total
     # each operand's part that reads the lost symbols: its other symbols at a generic finite value (3/7), so that
@@ -245,7 +246,7 @@ def number(value: float) -> sp.Expr:
 
 
 def size_symbol(dim: str) -> sp.Symbol:
-    return sp.Symbol(f"size({dim})", integer=True, positive=True)
+    return dim_symbol("size", dim)
 
 
 def axis_size(spec: Spec, axis: str) -> sp.Expr:
@@ -255,7 +256,7 @@ def axis_size(spec: Spec, axis: str) -> sp.Expr:
 
 
 def index_symbol(dim: str) -> sp.Symbol:
-    return sp.Symbol(f"index({dim})", integer=True, nonnegative=True)
+    return dim_symbol("index", dim)
 
 
 class IndexData(sp.Symbol):

@@ -36,6 +36,7 @@ import sympy as sp
 
 from fuser_core import has_slots, returns_indices
 from fuser_core.codegen import ops
+from fuser_core import is_dim_symbol, symbol_kind
 from fuser_core.codegen import structure as st
 from fuser_core.codegen.plan import KernelConfig, KernelPlan, loop_axis, next_pow2
 from fuser_core.codegen.strategies import STRATEGIES
@@ -168,8 +169,8 @@ class Anatomy:
             base = name[:name.rindex("[")] if name.endswith("]") and "[" in name else None
             if base is not None and isinstance(self.spec.lookup(base), Step):  # an anchor: dep[old], dep[a], ...
                 out = frozenset(self.spec.step(base).dims)
-            elif name.startswith("index("):
-                out = frozenset((name[6:-1],))
+            elif is_dim_symbol(s, "index"):
+                out = frozenset((symbol_kind(s)[1],))
             else:
                 out = frozenset(self.conv.leaf_dims.get(s, ()))
             self._sym_dims[s] = out

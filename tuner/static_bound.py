@@ -143,6 +143,7 @@ def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
     from fuser_core.codegen.bounds import axis_window
     from fuser_core.codegen.ops import Fold
     from fuser_core.codegen.structure import reads_count
+    from fuser_core import dim_symbol, is_dim_symbol, symbol_kind
     from fuser_core import is_selection
 
     blocks, a = plan.blocks, plan.axis
@@ -163,11 +164,11 @@ def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
                              selections=any(is_selection(s.reduce) for s in plan.axis_reductions()))
     if window is None:
         return float(full)
-    lanes = sorted({s.name[s.name.index("(") + 1:-1] for e in (window.lo, window.hi) if e is not None
-                    for s in e.free_symbols if not s.name.startswith("size(")})
+    lanes = sorted({symbol_kind(s)[1] for e in (window.lo, window.hi) if e is not None
+                    for s in e.free_symbols if not is_dim_symbol(s, "size")})
     if len(lanes) > 1:
         return float(full)
-    sizes = {sp.Symbol(f"size({x})", integer=True, positive=True): v for x, v in shape.items()}
+    sizes = {dim_symbol("size", x): v for x, v in shape.items()}
 
     def trips(at: Mapping[sp.Symbol, int]) -> int:
         lo = max(0, int(window.lo.subs(at))) // blocks[a] * blocks[a] if window.lo is not None else 0
@@ -178,8 +179,8 @@ def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
         return min(float(full), float(trips(sizes)))
     d = lanes[0]
     n = -(-shape[d] // blocks[d])
-    total = sum(trips({sp.Symbol(f"first({d})", integer=True): i * blocks[d],
-                       sp.Symbol(f"last({d})", integer=True): min((i + 1) * blocks[d], shape[d]) - 1, **sizes})
+    total = sum(trips({dim_symbol("first", d): i * blocks[d],
+                       dim_symbol("last", d): min((i + 1) * blocks[d], shape[d]) - 1, **sizes})
                 for i in range(n))
     return min(float(full), total / n)
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from fuser_core.dim_symbols import dim_symbol, is_dim_symbol, symbol_kind
 from fuser_core.masks import masked_condition
 
 _RELATIONS = (sp.LessThan, sp.StrictLessThan, sp.GreaterThan, sp.StrictGreaterThan)
@@ -49,11 +50,11 @@ class Window:
 
 
 def first(dim: str) -> sp.Symbol:
-    return sp.Symbol(f"first({dim})", integer=True)
+    return dim_symbol("first", dim)
 
 
 def last(dim: str) -> sp.Symbol:
-    return sp.Symbol(f"last({dim})", integer=True)
+    return dim_symbol("last", dim)
 
 
 def window_of(index: sp.Symbol, conditions: Iterable[sp.Expr], every_lane: bool = False) -> Window | None:
@@ -98,15 +99,14 @@ def _widest(bound: sp.Expr, upper: bool) -> sp.Expr | None:
     smallest). Only linear, integer-coefficient bounds in indices and sizes qualify."""
     out = bound
     for s in bound.free_symbols:
-        name = s.name
-        if name.startswith("size("):
+        kind, dim = symbol_kind(s) or (None, "")
+        if kind == "size":
             continue
-        if not name.startswith("index("):
+        if kind != "index":
             return None
         c = sp.expand(bound).coeff(s)
         if not c.is_Integer or s in sp.expand(bound - c * s).free_symbols:
             return None
-        dim = name[6:-1]
         grows = (c > 0) == upper
         out = out.subs(s, last(dim) if grows else first(dim))
     if not all(t.is_Integer or t.is_Symbol or (t.is_Mul and t.args[0].is_Integer) for t in sp.Add.make_args(sp.expand(out))):
@@ -137,7 +137,7 @@ def axis_window(axis: str, folds: Sequence[tuple[str, sp.Expr]], *, counts: bool
     cond = axis_mask(folds, counts=counts, selections=selections)
     if cond is None:
         return None
-    return window_of(sp.Symbol(f"index({axis})", integer=True, nonnegative=True), [cond])
+    return window_of(dim_symbol("index", axis), [cond])
 
 
 def bound_text(e: sp.Expr, tile_dims: Iterable[str], whole: Iterable[str] = ()) -> tuple[str, set[str]]:
@@ -147,28 +147,27 @@ def bound_text(e: sp.Expr, tile_dims: Iterable[str], whole: Iterable[str] = ()) 
     holds ``whole`` (no program id: an inner axis) runs from 0 to ``size_d``; ``size(d)`` is ``size_d``."""
     tile, whole = set(tile_dims), set(whole)
     reads: set[str] = set()
-    ends = {s: sp.Symbol(f"end({s.name[5:-1]})", integer=True) - 1 for s in e.free_symbols if s.name.startswith("last(")}
+    ends = {s: dim_symbol("end", symbol_kind(s)[1]) - 1 for s in e.free_symbols if is_dim_symbol(s, "last")}
     e = sp.expand(e.subs(ends)) if ends else e
 
     def text(e: sp.Expr) -> str:
         if e.is_Integer:
             return str(int(e))
         if e.is_Symbol:
-            name = e.name
-            dim = name[name.index("(") + 1:-1]
-            if name.startswith("size("):
+            kind, dim = symbol_kind(e) or (None, "")
+            if kind == "size":
                 reads.add(f"size_{dim}")
                 return f"size_{dim}"
             if dim in whole:
-                if name.startswith("first("):
+                if kind == "first":
                     return "0"
                 reads.add(f"size_{dim}")
                 return f"size_{dim}"  # end(d)
             if dim not in tile:  # a scalar lane: one index per program (its end: the next one)
                 reads.add(f"offs_{dim}")
-                return f"(offs_{dim} + 1)" if name.startswith("end(") else f"offs_{dim}"
+                return f"(offs_{dim} + 1)" if kind == "end" else f"offs_{dim}"
             reads.update({f"pid_{dim}", f"BLOCK_{dim}"})
-            if name.startswith("first("):
+            if kind == "first":
                 return f"pid_{dim} * BLOCK_{dim}"
             reads.add(f"size_{dim}")
             return f"tl.minimum(pid_{dim} * BLOCK_{dim} + BLOCK_{dim}, size_{dim})"  # end(d)

@@ -65,6 +65,7 @@ from fuser_core.problem import MAX_ELEMENTS, tensor_size
 from fuser_core.reference import bind_shape
 from fuser_core.spec import Input, Spec, Step, load_spec
 from fuser_core.symbolic import SymbolicSpec
+from fuser_core.dim_symbols import is_dim_symbol
 
 RESIDENT_MAX = 4096  # a reduction axis up to this is held in one block (row_resident)
 MULTI_PASS_BLOCK = 1024  # the default tile along a longer axis (multi_pass)
@@ -389,7 +390,7 @@ class ElementwiseWriter:
             e = self.exprs[o]
             emit(f"    # output {o} = {sp.sstr(e)}")
             value = to_triton(e, values, lay, self.conv.grouping)
-            if any(s.name in self.var or s.name.startswith("index(") for s in e.free_symbols):
+            if any(s.name in self.var or is_dim_symbol(s, "index") for s in e.free_symbols):
                 full = lay.whole(value, expr_dims(e, values, lay), dims)
             else:  # no tensor in it (sizes and numbers only)
                 full = f"(tl.zeros({lay.shape(dims)}, tl.float32) + ({value}))"

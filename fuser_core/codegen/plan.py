@@ -31,6 +31,7 @@ from fuser_core.derive import Derivation
 from fuser_core.problem import fill_parts, meeting_constraints
 from fuser_core.reduce_ops import in_tile
 from fuser_core.spec import Input, Spec, Step
+from fuser_core.dim_symbols import is_dim_symbol, symbol_kind
 
 MAX_INNER_BLOCK = 1024  # an inner axis is held whole; beyond this a tile no longer fits
 MAX_TILE_ELEMENTS = 1 << 16  # elements of the largest tensor a program holds
@@ -108,7 +109,7 @@ def gather_form(spec: Spec, derivation: Derivation, step: Step, axis: str) -> tu
     x, cond = e.args[0]
     if not isinstance(cond, sp.Eq):
         return None
-    index = next((s for s in cond.free_symbols if s.name == f"index({axis})"), None)
+    index = next((s for s in cond.free_symbols if symbol_kind(s) == ("index", axis)), None)
     if index is None:
         return None
     solved = sp.solve(cond, index)
@@ -117,8 +118,8 @@ def gather_form(spec: Spec, derivation: Derivation, step: Step, axis: str) -> tu
     at = solved[0]
     for sym in at.free_symbols:  # an index input or an index of another dim: integers all
         inp = spec.lookup(sym.name)
-        if sym.name.startswith("index("):
-            if sym.name == f"index({axis})":
+        if is_dim_symbol(sym, "index"):
+            if symbol_kind(sym) == ("index", axis):
                 return None
             continue
         if not (inp is not None and getattr(inp, "is_index", False) and axis not in inp.dims):

@@ -36,6 +36,7 @@ import sympy as sp
 
 from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.names import FP8_NATIVE
+from fuser_core.dim_symbols import is_dim_symbol
 from fuser_core.grouping import Grouping
 from fuser_core.realisation import NanToZero, Rescale, ShiftTerm
 from fuser_core.symbolic import CAST_FUNCTIONS, InfCompare, NanOf, Round, Unordered
@@ -249,7 +250,7 @@ class _Printer:
         """A float function's argument: integer values (indices, argmax results, index
         inputs) are int32 tensors in a kernel, and tl.exp & co. take floating point only."""
         text = self.go(e)[0]
-        if e.is_integer and not e.is_Number and any(not s.name.startswith("size(") for s in e.free_symbols):
+        if e.is_integer and not e.is_Number and any(not is_dim_symbol(s, "size") for s in e.free_symbols):
             return f"({text}).to(tl.float32)"
         return text
 
@@ -301,7 +302,7 @@ class _Printer:
                 if x is not None:
                     return self.go(sp.Float(_rounded(x, dtype)))
                 a = f"tl.full([], {a}, tl.float32)"  # not a real number: round it as a tensor
-            elif all(s.name.startswith("size(") for s in e.args[0].free_symbols):
+            elif all(is_dim_symbol(s, "size") for s in e.args[0].free_symbols):
                 # sizes only: Triton passes a size of 1 as a constant, so this may be a Python float too
                 a = f"tl.full([], {a}, tl.float32)"
             if dtype == "float8_e4m3fn":  # saturating, as the GPU's conversion and our reference
@@ -417,7 +418,7 @@ class _Printer:
         ``tl.exp2(s * LOG2E - m * LOG2E)``, an FMA per element when m is a row's (the multiply of a
         broadcast row value is one per row). A user's sum inside stays one term, in parentheses
         (:mod:`fuser_core.grouping`); numeric coefficients fold into the constant in float64."""
-        if arg.is_integer and not arg.is_Number and any(not s.name.startswith("size(") for s in arg.free_symbols):
+        if arg.is_integer and not arg.is_Number and any(not is_dim_symbol(s, "size") for s in arg.free_symbols):
             return f"tl.exp2(({self.arg(arg)}) * {LOG2E!r})"  # an integer argument: as a float first
         split = self.grouping.split(arg) if arg.is_Add else None
         if split is not None:

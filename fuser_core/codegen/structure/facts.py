@@ -19,6 +19,7 @@ from fuser_core.realisation import (
 )
 from fuser_core.reduce_ops import is_selection
 from fuser_core.spec import Input, Step
+from fuser_core.dim_symbols import symbol_kind
 
 
 def realisation(plan: KernelPlan, step: Step) -> Realisation | None:
@@ -143,8 +144,9 @@ def expr_dims(plan: KernelPlan, e: sp.Expr) -> set[str]:
     for s in e.free_symbols:
         name = s.name
         dims.update(conv.leaf_dims.get(s, ()))
-        if name.startswith("index("):
-            dims.add(name[6:-1])
+        kind = symbol_kind(s)
+        if kind is not None and kind[0] == "index":
+            dims.add(kind[1])
         if name.endswith(("[old]", "[new]")) and isinstance(plan.spec.lookup(name[:-5]), Step):
             dims.update(plan.spec.step(name[:-5]).dims)
     return {d for d in dims if plan.blocks.get(d, 1) > 1}

@@ -18,6 +18,7 @@ from fuser_core.masks import exclusion
 from fuser_core.realisation import identity
 from fuser_core.reduce_ops import has_slots, is_negated, is_selection, returns_indices
 from fuser_core.spec import Input, Step
+from fuser_core.dim_symbols import symbol_kind
 
 
 class FoldsWalk(WalkBase):
@@ -136,7 +137,8 @@ class FoldsWalk(WalkBase):
             return dot  # nothing masked, or P is masked by it already (the streamed form)
         dims: set[str] = set()
         for sym in cond.free_symbols:
-            dims |= {sym.name[6:-1]} if sym.name.startswith("index(") else set(self.conv.leaf_dims.get(sym, ()))
+            kind = symbol_kind(sym)
+            dims |= {kind[1]} if kind and kind[0] == "index" else set(self.conv.leaf_dims.get(sym, ()))
         if dot.j in dims:
             return dot
         return replace(dot, p=sp.Piecewise((dot.p, cond), (sp.Integer(0), True)))
