@@ -56,7 +56,7 @@ def submit_job(session: Session, request: TuningRequest) -> tuple[Job, bool]:
     a new row pointing at the kernel; ``created`` False). Race-safe: see the module
     docstring. Commits.
     """
-    record = ensure_spec(session, request.spec, request.source)
+    record = ensure_spec(session, request.spec, request.source, request.spec_hash)
     refuse_uncertified(request.spec, uncertified(record.derivation), request.allow_uncertified)
     for _ in range(RETRIES):
         try:

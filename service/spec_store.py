@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
 import sqlalchemy as sa
@@ -37,19 +38,30 @@ def display_shape(record: SpecRecord, shape: Mapping[str, int]) -> dict[str, int
     return DimNames.of_source(record.source).user_shape(shape)
 
 
-def ensure_spec(session: Session, spec: Spec, source: str) -> SpecRecord:
-    """The stored record of ``spec`` (by spec_hash), storing it with its derivation report once.
+@lru_cache(maxsize=256)
+def parsed_source(source: str) -> tuple[Spec, str]:
+    """(spec, spec_hash) of a spec's JSON text, kept by the text (a spec is a value: the same text
+    always parses to the same spec): the API parses a request's spec once, and storing it checks
+    the text against the spec without parsing it again (milliseconds of the API's GIL per new
+    spec, issue 37, 2). Raises SpecError for an invalid spec (not kept)."""
+    spec = load_spec(source)
+    return spec, compute_spec_hash(spec)
+
+
+def ensure_spec(session: Session, spec: Spec, source: str, spec_hash: str | None = None) -> SpecRecord:
+    """The stored record of ``spec`` (by spec_hash; given when the caller has it), storing it with
+    its derivation report once.
 
     ``source`` is the spec JSON as submitted; it must parse to the same spec_hash. The
     derivation (seconds, for large specs) is computed outside any transaction; a concurrent
     insert of the same spec is resolved by reading the winner's record. Commits.
     """
-    shash = compute_spec_hash(spec)
+    shash = spec_hash or compute_spec_hash(spec)
     record = session.get(SpecRecord, shash)
     session.commit()
     if record is not None:
         return record
-    if compute_spec_hash(load_spec(source)) != shash:
+    if parsed_source(source)[1] != shash:
         raise InvalidRequest("the spec source does not parse to the spec given", loc=("spec",))
     from fuser_core import derivation_report
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import sympy as sp
 
 from fuser_core.codegen import ops as o
-from fuser_core.codegen.names import FP8, FP8_NATIVE, TMA_LOADS, fp8_bits_var, safe_name
+from fuser_core.codegen.names import FP8, FP8_NATIVE, TMA_LOADS, WIDE_OFFSETS, fp8_bits_var, safe_name
 from fuser_core.codegen.structure import Kernel, ModuleStructure
 from fuser_core.codegen.tritonize import expr_dims, number, to_triton
 from fuser_core.symbolic import CAST_FUNCTIONS
@@ -357,18 +357,28 @@ class KernelPrinter:
 
         if len(op.lanes) == 1:
             show(op.lanes[0], f"{pid[op.lanes[0]]} = tl.program_id(0)")
-            return
-        self.emit("pid = tl.program_id(0)")  # the fastest lane dim last in the grid's order: peel them off
-        for d in reversed(op.lanes[1:]):
-            show(d, f"{pid[d]} = pid % tl.cdiv(size_{d}, BLOCK_{d})")
-            self.emit(f"pid = pid // tl.cdiv(size_{d}, BLOCK_{d})")
-        show(op.lanes[0], f"{pid[op.lanes[0]]} = pid")
+        else:
+            self.emit("pid = tl.program_id(0)")  # the fastest lane dim last in the grid's order: peel them off
+            for d in reversed(op.lanes[1:]):
+                show(d, f"{pid[d]} = pid % tl.cdiv(size_{d}, BLOCK_{d})")
+                self.emit(f"pid = pid // tl.cdiv(size_{d}, BLOCK_{d})")
+            show(op.lanes[0], f"{pid[op.lanes[0]]} = pid")
+        for d in op.lanes:
+            if d not in op.tile and d in op.used:
+                self.widen(f"offs_{d}")
+
+    def widen(self, var: str) -> None:
+        """``var``, a position, in 64 bits where the launcher found a view past 2**31 elements
+        (WIDE_OFFSETS, a constexpr: otherwise nothing is compiled for it)."""
+        self.emit(f"if {WIDE_OFFSETS}:")
+        self.emit(f"    {var} = {var}.to(tl.int64)")
 
     def offsets(self, op: o.Offsets) -> None:
         d = op.dim
         origin = {"pid": f"pid_{d} * BLOCK_{d}", "start": "start", "": "0"}[op.base]
         self.origins[d] = origin
         self.emit(f"offs_{d} = {'' if origin == '0' else origin + ' + '}tl.arange(0, BLOCK_{d})")
+        self.widen(f"offs_{d}")
         if op.mask and op.inside:
             self.emit(f"mask_{d} = tl.full([BLOCK_{d}], 1, tl.int1)  # every tile of this loop lies inside {d}")
         elif op.mask:
@@ -418,6 +428,7 @@ class KernelPrinter:
         at = f"{op.name}_at"
         at_dims = self.tex_dims(op.at, op.env)
         self.emit(f"{at} = {self.tex(op.at, op.env)}")
+        self.widen(at)
         self.emit(f"{at}_ok = ({at} >= 0) & ({at} < size_{op.axis})  # an index outside the axis: no term")
         for inp, dims, dtype, kind, var, where in op.inputs:
             src = safe_name(inp)

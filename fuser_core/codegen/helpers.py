@@ -156,8 +156,8 @@ def topk_merge(vals, idx, tile, tile_idx, slot, AXIS: tl.constexpr, SLOTS: tl.co
 # converts without round-to-even, saturation or subnormals, the same conversion done exactly
 # here in integer and power-of-two arithmetic. Both give the reference's values (fuser_core.reference.cast_to).
 # plain Python, run by the launcher; the rest run in kernels
-HOST_HELPERS = {"fp8_native", "tma_loads", "split_tickets", "int32_offsets", "page_order", "to_page_layout",
-                "page_table_checked"}
+HOST_HELPERS = {"fp8_native", "tma_loads", "split_tickets", "offset_reach", "int32_offsets", "wide_offsets",
+                "page_order", "to_page_layout", "page_table_checked"}
 
 
 def fp8_native():
@@ -194,20 +194,34 @@ def tma_loads(*tensors):
     return True
 
 
+def offset_reach(t):
+    """How far past its first element a tensor's furthest lies (elements), for the tensors a
+    32-bit offset may not reach: 0 for an empty one or a contiguous one of at most 2**31 elements
+    (what the shape limits allow); a stride of 2**31 or more arrives as int64 and is exact."""
+    if t.numel() == 0 or (t.numel() <= 2**31 and t.is_contiguous()):
+        return 0
+    return sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()) if abs(s) < 2**31)
+
+
+def wide_offsets(**tensors):
+    """Must the fused kernels address in 64 bits (their WIDE_OFFSETS)? True when a tensor's furthest
+    element lies 2**31 elements or more past its first (a view into a larger buffer: q of a packed
+    qkv at a long context, a slice of a preallocated cache), which 32-bit positions times strides
+    would reach wrapped; otherwise they stay 32-bit, as in Triton's tutorials (no cost: the
+    constexpr compiles nothing for it)."""
+    return any(offset_reach(t) >= 2**31 for t in tensors.values())
+
+
 def int32_offsets(**tensors):
-    """The kernels address elements with int32 offsets (positions times strides, summed; a stride
-    of 2**31 or more arrives as int64 and is exact): ValueError naming the tensor whose furthest
-    element lies 2**31 elements or more past its first, which they would reach wrapped. A
-    contiguous tensor of at most 2**31 elements, what the shape limits allow, always fits; a view
-    into a larger buffer (q of a packed qkv at a long context) may not."""
+    """The unfused chain's kernels address elements with int32 offsets: ValueError naming the tensor
+    whose furthest element lies 2**31 elements or more past its first, which they would reach
+    wrapped (the fused kernels widen instead: wide_offsets)."""
     for name, t in tensors.items():
-        if t.numel() == 0 or (t.numel() <= 2**31 and t.is_contiguous()):
-            continue
-        reach = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()) if abs(s) < 2**31)
+        reach = offset_reach(t)
         if reach >= 2**31:
             raise ValueError(f"{name}: its furthest element is {reach} elements past its first (strides "
-                             f"{tuple(t.stride())}); the kernels index with 32-bit offsets, below 2**31: "
-                             "pass a contiguous tensor or a view within 2**31 elements")
+                             f"{tuple(t.stride())}); the unfused chain indexes with 32-bit offsets, below "
+                             "2**31: pass a contiguous tensor or a view within 2**31 elements")
 
 
 def page_order(count, device):

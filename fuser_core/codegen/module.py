@@ -20,7 +20,7 @@ from types import ModuleType
 
 from fuser_core.canonical import canonical_json
 from fuser_core.codegen.emit import helper_source, kernels_source
-from fuser_core.codegen.names import FP8_NATIVE, TMA_LOADS, safe_name, scalar_arg
+from fuser_core.codegen.names import FP8_NATIVE, TMA_LOADS, WIDE_OFFSETS, safe_name, scalar_arg
 from fuser_core.codegen.ops import Descriptor, walk
 from fuser_core.codegen.plan import KernelConfig, KernelPlan, make_plan
 from fuser_core.codegen.structure import Grid, Launch, ModuleStructure, SplitLaunch, build_structure
@@ -138,7 +138,7 @@ def module_source(plan: KernelPlan, stores: dict[str, str], dtypes: dict[str, st
         [f"config: {json.dumps(plan.config.to_dict(), sort_keys=True)}", f"blocks: {json.dumps(plan.blocks, sort_keys=True)}"],
         structure.helpers() + (["fp8_native"] if takes_fp8_native(structure) else [])
         + (["tma_loads"] if descriptor_inputs(structure) else [])
-        + (["split_tickets"] if combines_in_launch(structure) else []) + ["int32_offsets"]
+        + (["split_tickets"] if combines_in_launch(structure) else []) + ["wide_offsets"]
         + (["page_order", "to_page_layout", "page_table_checked"] if spec.page_tables else []),
     )
     return header + "\n\n" + body + "\n\n" + launcher_source(structure, stores)
@@ -234,7 +234,7 @@ def launcher_source(structure: ModuleStructure, stores: dict[str, str]) -> str:
     lines.extend(paged_launcher_lines(spec))
     addressed = [f"{safe_name(i.name)}={safe_name(i.name)}" for i in spec.inputs if i.paged is None]
     addressed += [*offsets_checked(spec), *(f"{v}={v}" for _, v in outs)]
-    lines.append(f"    int32_offsets({', '.join(addressed)})  # every tensor the kernels address")
+    lines.append(f"    {WIDE_OFFSETS} = wide_offsets({', '.join(addressed)})  # a view past 2**31 elements: 64-bit positions")
     if takes_fp8_native(structure):
         lines.append(f"    {FP8_NATIVE} = fp8_native()  # the hardware's e4m3 conversions and fp8 dots (sm_89+)")
     if descriptor_inputs(structure):

@@ -12,11 +12,15 @@ FP8_NATIVE = "FP8_NATIVE"
 # the constexpr kernel parameter (and launcher local) that chooses tensor-descriptor (TMA) loads for the
 # inputs a tl.dot reads as loaded (helpers.tma_loads: NVIDIA sm_90+, 16-byte aligned, last dim contiguous)
 TMA_LOADS = "TMA_LOADS"
+# the constexpr kernel parameter (and launcher local) that widens the kernels' positions to 64 bits
+# (helpers.wide_offsets: a tensor whose furthest element lies 2**31 or more elements past its first,
+# a view into a larger buffer); otherwise positions times strides are 32-bit, as in Triton's tutorials
+WIDE_OFFSETS = "WIDE_OFFSETS"
 FP8_HELPERS = frozenset({"fp8e4m3_bits", "fp8e4m3_to_float", "fp8e4m3_round", "fp8_operand", "fp8_bits_operand"})
 # the kernels' and the launcher's own names: a spec's step or input called "out" shadowed
 # launch()'s out= argument (fuzz regressions); "chunk" and "SPLIT" are a split launch's locals
 _RESERVED = {"tl", "triton", "pid", "start", "count", "count_old", "float", "range", "int", "math", "torch",
-             "inputs", "shape", "out", "scalars", "chunk", "SPLIT", FP8_NATIVE, TMA_LOADS}
+             "inputs", "shape", "out", "scalars", "chunk", "SPLIT", FP8_NATIVE, TMA_LOADS, WIDE_OFFSETS}
 _SUFFIXES = ("_ptr", "_anchor", "_old", "_bits", "_desc")
 _PREFIXES = ("offs_", "mask_", "size_", "scalar_", "stride_", "BLOCK_", "nblk_", "pid_", "ws_")
 

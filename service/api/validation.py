@@ -8,12 +8,13 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from fuser_core import MAX_SPEC_BYTES, Spec, SpecError, load_spec, spec_hash as compute_spec_hash
+from fuser_core import MAX_SPEC_BYTES, Spec, SpecError, load_spec
 from service.api.cache import SpecCache
 from service.api.problems import REQUEST_FIELDS, error_entry, invalid, invalid_field, spec_problem
 from service.api.schemas import JobRequest
 from service.errors import InvalidRequest
 from service.settings import Settings
+from service.spec_store import parsed_source
 from service.tuning_request import Limits, TuningRequest, tuning_request
 
 
@@ -74,8 +75,12 @@ class ParsedSpecs:
         source = spec_text(raw)  # a catalog name is read each time: its file may change
         hit = self._cache.get(source)
         if hit is None:
-            spec, source = parse_spec(source)
-            hit = (spec, source, compute_spec_hash(spec))
+            source = checked_spec_text(source)
+            try:  # the spec store's parse, kept by the text: storing the spec then checks it without a parse
+                spec, shash = parsed_source(source)
+            except SpecError as err:
+                raise spec_problem(err, body_field="spec") from None
+            hit = (spec, source, shash)
             self._cache.put(source, hit)
         return hit
 

@@ -357,8 +357,8 @@ def test_helpers_are_real_functions_copied_by_name() -> None:
     names = helper_names()
     assert {"rescale", "topk_merge", "fp8e4m3_bits", "bf16_round", "pow_real"} <= set(names)
     # @triton.jit functions (the interpreter's kind under TRITON_INTERPRET=1), but for the launchers' host functions
-    assert helpers.HOST_HELPERS == {"fp8_native", "tma_loads", "split_tickets", "int32_offsets", "page_order",
-                                    "to_page_layout", "page_table_checked"}
+    assert helpers.HOST_HELPERS == {"fp8_native", "tma_loads", "split_tickets", "offset_reach", "int32_offsets",
+                                    "wide_offsets", "page_order", "to_page_layout", "page_table_checked"}
     assert helpers.HOST_HELPERS <= set(names)
     kinds = {n: type(getattr(helpers, n)).__name__ for n in names if n not in helpers.HOST_HELPERS}
     assert set(kinds.values()) <= {"JITFunction", "InterpretedFunction"}, kinds

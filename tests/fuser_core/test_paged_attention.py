@@ -144,7 +144,7 @@ def test_the_kernels_read_pages_through_the_table_in_64_bits():
     # the page number is widened before its stride multiplies it: a cache may hold more than 2**31 elements
     assert "stride_block_table__col, mask=offs_n" in source and ".to(tl.int64) * stride_k__page" in source
     assert "tl.minimum(offs_b, size_b - 1) * stride_block_table_b" in source  # never a row past the batch
-    assert "int32_offsets(q=q, kv_len=kv_len, k=k[:1], v=v[:1], block_table=block_table, o=o)" in source
+    assert "WIDE_OFFSETS = wide_offsets(q=q, kv_len=kv_len, k=k[:1], v=v[:1], block_table=block_table, o=o)" in source
 
 
 BASE = {"foldwise": 1, "name": "p", "outputs": ["o"],

@@ -9,7 +9,7 @@ from typing import Any
 
 import sympy as sp
 
-from fuser_core.codegen.names import FP8, TMA_LOADS, safe_name
+from fuser_core.codegen.names import FP8, TMA_LOADS, WIDE_OFFSETS, safe_name
 from fuser_core.codegen.ops.base import Env, Op, block_params, env_reads, expr_helpers, tile_reads
 
 
@@ -29,7 +29,7 @@ class Program(Op):
     name: str = "pid"
 
     def reads(self) -> set[str]:
-        return {x for d in self.lanes[1:] for x in (f"size_{d}", f"BLOCK_{d}")}
+        return {x for d in self.lanes[1:] for x in (f"size_{d}", f"BLOCK_{d}")} | ({WIDE_OFFSETS} if self.used else set())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +54,7 @@ class Offsets(Op):
 
     def reads(self) -> set[str]:
         d = self.dim
-        out = {f"BLOCK_{d}"} | ({f"size_{d}", self.name} if self.mask and not self.inside else set())  # the mask reads the offsets
+        out = {f"BLOCK_{d}", WIDE_OFFSETS} | ({f"size_{d}", self.name} if self.mask and not self.inside else set())  # the mask reads the offsets
         return out | ({f"pid_{d}"} if self.base == "pid" else {"start"} if self.base == "start" else set())
 
 
@@ -143,7 +143,7 @@ class Gather(Op):
     tile: tuple[str, ...]  # the lanes' tile dims of the loads (their masks)
 
     def reads(self) -> set[str]:
-        out = env_reads(self.env) | {f"size_{self.axis}"}
+        out = env_reads(self.env) | {f"size_{self.axis}", WIDE_OFFSETS}
         for inp, dims, _, _, _, where in self.inputs:
             var = safe_name(inp)
             out |= {f"{var}_ptr"} | {stride for _, _, stride, _ in where} | {s for *_, sizes in where for s in sizes}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
-from fuser_core.codegen.names import FP8_NATIVE, TMA_LOADS, kernel_arg, scalar_arg
+from fuser_core.codegen.names import FP8_NATIVE, TMA_LOADS, WIDE_OFFSETS, kernel_arg, scalar_arg
 from fuser_core.codegen.ops import Fold, LastPartCombine, Load, Op, Reduce, walk
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.structure.descriptors import descriptor_loads
@@ -55,6 +55,7 @@ def _args(plan: KernelPlan, inputs: Iterable[str], outputs: Iterable[str], ws: t
     out += [Arg(f"BLOCK_{d}", str(plan.blocks[d]), constexpr=True) for d in spec.dims]
     out.append(Arg(FP8_NATIVE, FP8_NATIVE, constexpr=True))
     out.append(Arg(TMA_LOADS, TMA_LOADS, constexpr=True))
+    out.append(Arg(WIDE_OFFSETS, WIDE_OFFSETS, constexpr=True))
     read = set().union(*(op.uses() for op in walk(ops)))
     return tuple(a for a in out if a.name in read)
 
