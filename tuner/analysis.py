@@ -48,7 +48,7 @@ from fuser_core.targets import CUDA, WARP_SIZES, Target
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int32": 4, "int64": 8}
 # operand bytes in shared memory per tl.dot precision (an fp8 dot's: 1 where the hardware has fp8)
-DOT_BYTES = {ops.FP8_DOT: 1, "tl.float16": 2, "tl.bfloat16": 2, "tf32": 4, "ieee": 4}
+DOT_BYTES = {ops.FP8_DOT: 1, "float16": 2, "bfloat16": 2, "tf32": 4, "ieee": 4}
 LOAD_ALU = 4  # per loaded element: address (multiply-add per dim, folded), mask, conversion to float32
 REDUCE_ALU = 2  # per element of a reduced tile: the mask select and the combine
 RESCALE_ALU = 4  # rescale(acc, c): compare, select, multiply (fuser_core/codegen/helpers.py)

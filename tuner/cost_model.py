@@ -102,7 +102,7 @@ SM_BYTES_PER_CLOCK = 64  # what one SM (CU) can take from L2 per clock
 WARPS_TO_FILL_ALU = 8  # resident warps per SM for the CUDA cores to be busy (latency hiding)
 WARPS_TO_FILL_DOT = 4  # one warp per SM sub-partition (one wavefront per SIMD of a CU) for the matrix units
 SPILL_ACCESSES = 2  # a spilled byte is written to local memory and read back (per loop iteration)
-PRECISION_UNIT = {"tl.float16": "fp16", "tl.bfloat16": "fp16", "tf32": "tf32", "ieee": "fp32"}
+PRECISION_UNIT = {"float16": "fp16", "bfloat16": "fp16", "tf32": "tf32", "ieee": "fp32"}
 
 
 def dot_unit(precision: str, profile: GpuProfile) -> str:

@@ -382,7 +382,7 @@ class ElementwiseWriter:
             var, dims = self.var[name], self.leaf_dims(name)
             mask = mask_of(dims)
             args = f"{pointer(var, dims)}, mask={mask}, other=0" if mask else pointer(var, dims)
-            kind = "tl.int32" if self.leaf_is_index(name) else "tl.float32"
+            kind = "int32" if self.leaf_is_index(name) else "float32"
             emit(f"    {var} = {load_expr(args, self.input_dtypes.get(name), kind)}")
             values[name] = VarRef(var, lay.order(dims))
         for o in self.outputs:

@@ -90,11 +90,11 @@ def helper_source(names: Iterable[str]) -> tuple[str, set[str]]:
 
 
 def load_expr(load_args: str, dtype: str | None, kind: str) -> str:
-    """``tl.load(load_args)`` as float32 (``kind`` tl.int32 for index inputs); fp8 arrives as bits.
+    """``tl.load(load_args)`` as float32 (``kind`` int32 for index inputs); fp8 arrives as bits.
     Masked lanes are never used (every reduction and store masks them): ``other`` is 0."""
     if dtype == FP8:
         return fp8_value(f"tl.load({load_args})")
-    return f"tl.load({load_args}).to({kind})"
+    return f"tl.load({load_args}).to(tl.{kind})"
 
 
 def fp8_value(bits: str) -> str:
@@ -248,9 +248,9 @@ class KernelPrinter:
             lhs = self.fp8_operand(dot.p, env, masked, over, (i, over))
             rhs = self.fp8_operand(dot.q, env, False, over, (over, j))
             prod = f"tl.dot({lhs}, {rhs})"
-        elif dot.precision == "tl.float16":
+        elif dot.precision == "float16":
             prod = f"tl.dot({lhs}.to(tl.float16), {rhs}.to(tl.float16))"
-        elif dot.precision == "tl.bfloat16":  # rounded to nearest even in the interpreter too
+        elif dot.precision == "bfloat16":  # rounded to nearest even in the interpreter too
             prod = f"tl.dot(bf16_operand({lhs}), bf16_operand({rhs}))"
         else:
             prod = f"tl.dot({lhs}, {rhs}, input_precision=\"{dot.precision}\")"
@@ -329,7 +329,7 @@ class KernelPrinter:
             if key != last:
                 out.append([])
                 last = key
-            out[-1].append(a.param)
+            out[-1].append(f"{a.name}: tl.constexpr" if a.constexpr else a.name)
         return out
 
     def text(self) -> str:
@@ -403,7 +403,7 @@ class KernelPrinter:
             if self.layout.order(op.dims) != op.descriptor:
                 tile = f"tl.trans({tile})"
             self.emit(f"if {TMA_LOADS}:")
-            self.emit(f"    {var} = {tile}.to({op.kind})")
+            self.emit(f"    {var} = {tile}.to(tl.{op.kind})")
             self.emit("else:")
             self.depth += 1
             self.emit(f"{var} = {load_expr(args, op.dtype, op.kind)}")

@@ -106,7 +106,7 @@ def test_dots_are_decided_once_and_printed_as_decided() -> None:
     # s = q.k over d, o = p.v over n, in each of the loop's two parts (whole tiles, then the partial one)
     assert [loop.unmasked for loop in structure.kernels[0].loops()] == [True, False]
     assert sorted(x.over for x in dots) == ["d", "d", "n", "n"]
-    assert all(x.precision == "tl.float16" for x in dots)
+    assert all(x.precision == "float16" for x in dots)
     source = module_source(plan, output_dtypes(spec, dtypes), dtypes)
     assert sum("tl.dot(" in line for line in source.splitlines()) == len(dots)
     small = make_plan(spec, d, "streaming_fused", ATTENTION_SHAPE, KernelConfig({"m": 1, "n": 16, "e": 16}))

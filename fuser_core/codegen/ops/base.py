@@ -32,7 +32,7 @@ class Dot:
     p: sp.Expr
     q: sp.Expr
     scale: sp.Expr | None
-    precision: str  # FP8_DOT | "tl.float16" | "tl.bfloat16" | "ieee": the operands' precision
+    precision: str  # FP8_DOT | "float16" | "bfloat16" | "ieee": the operands' precision
     direct: tuple[str, ...] = ()  # inputs that are a factor as loaded (staged in shared memory once)
 
     @property

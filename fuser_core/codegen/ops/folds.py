@@ -23,7 +23,7 @@ def dot_reads(dot: Dot | None, masked: bool, over: str) -> set[str]:
 def dot_helpers(dot: Dot | None) -> list[str]:
     if dot is None:
         return []
-    operands = {"tl.bfloat16": ["bf16_operand"], FP8_DOT: ["fp8_operand", "fp8_bits_operand"]}
+    operands = {"bfloat16": ["bf16_operand"], FP8_DOT: ["fp8_operand", "fp8_bits_operand"]}
     return expr_helpers(dot.p, dot.q, dot.scale) + operands.get(dot.precision, [])
 
 

@@ -99,7 +99,7 @@ def per_lane(plan: KernelPlan, folds: Iterable) -> tuple[bool, str]:
         if not isinstance(f, (Fold, Select, Reduce, FoldFact)) or getattr(f, "inner", False):
             continue
         if getattr(f, "dot", None) is not None:
-            return False, f"{f.step} folds by tl.dot"
+            return False, f"{f.step} folds by a matrix product"
         if f.op == "sum" and contracts(plan, f.expr, f.over):  # a tl.dot at larger blocks; per lane, an outer product
             return False, f"{f.step} is a matrix product over {f.over} (its lanes would hold an outer product)"
     return True, "every reduction of the loop folds elementwise with an exact merge"
@@ -202,12 +202,12 @@ def dot_precision(plan: KernelPlan, p: sp.Expr, q: sp.Expr, over: str, input_dty
     if _fp8_value(p, input_dtypes) and _fp8_value(q, input_dtypes) and plan.blocks.get(over, 1) >= FP8_MIN_DEPTH:
         return FP8_DOT
     if _exact_in_fp16(p, input_dtypes) and _exact_in_fp16(q, input_dtypes):
-        return "tl.float16"
+        return "float16"
     floats = {input_dtypes.get(i.name, "float32") for i in plan.spec.inputs if i.is_float}
     if floats == {"float16"}:
-        return "tl.float16"
+        return "float16"
     if floats == {"bfloat16"}:
-        return "tl.bfloat16"
+        return "bfloat16"
     return "ieee"
 
 

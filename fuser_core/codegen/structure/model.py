@@ -43,10 +43,6 @@ class Arg:
     constexpr: bool = False
 
     @property
-    def param(self) -> str:
-        return f"{self.name}: tl.constexpr" if self.constexpr else self.name
-
-    @property
     def launch_arg(self) -> str:
         return f"{self.name}={self.value}" if self.constexpr else self.value
 

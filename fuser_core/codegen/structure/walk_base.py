@@ -207,7 +207,7 @@ class WalkBase:
             if isinstance(inp, Input) and a in inp.dims:
                 name = f"{var}_{safe_name(inp.name)}"
                 dims = self.order([*(d for d in inp.dims if d != a), *lanes])
-                inputs.append((inp.name, inp.dims, self.dtypes.get(inp.name), "tl.int32" if inp.is_index else "tl.float32",
+                inputs.append((inp.name, inp.dims, self.dtypes.get(inp.name), "int32" if inp.is_index else "float32",
                                name, address(self.spec, inp.name, safe_name(inp.name))))
                 extra[sym] = self.let(name, dims)
         others = [s for s in x.free_symbols if s not in extra]
@@ -264,7 +264,7 @@ class WalkBase:
             self.filled[name] = fill
         else:
             self.filled.pop(name, None)
-        op = Load(input=name, name=var, dims=tile, input_dims=inp.dims, kind="tl.int32" if inp.is_index else "tl.float32",
+        op = Load(input=name, name=var, dims=tile, input_dims=inp.dims, kind="int32" if inp.is_index else "float32",
                   dtype=self.dtypes.get(name), address=address(self.spec, name, var), fill=fill, hoisted=hoisted)
         self.values[name] = self.let(var, inp.dims)
         self.loaded.add(name)
