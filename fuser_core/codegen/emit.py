@@ -89,6 +89,11 @@ def helper_source(names: Iterable[str]) -> tuple[str, set[str]]:
 # ---------------------------------------------------------------------- loads and stores
 
 
+def dot_note(op: o.Reduce | o.Fold) -> str:
+    """The comment that says a fold is a matrix product (where the structure decided a tl.dot)."""
+    return f"  # tl.dot: sum over {op.over} as a matrix product" if op.dot is not None else ""
+
+
 def load_expr(load_args: str, dtype: str | None, kind: str) -> str:
     """``tl.load(load_args)`` as float32 (``kind`` int32 for index inputs); fp8 arrives as bits.
     Masked lanes are never used (every reduction and store masks them): ``other`` is 0."""
@@ -500,7 +505,7 @@ class KernelPrinter:
             text, _ = self.dot(op.dot, op.env, op.masked)
         else:
             text, _ = self.tile(op.op, op.expr, op.env, op.over, op.masked)
-        self.emit(f"{op.name} = {text}{op.note}")
+        self.emit(f"{op.name} = {text}{op.note}{dot_note(op)}")
 
     def fold(self, op: o.Fold) -> None:
         if op.per_lane:  # elementwise: each lane folds its own element
@@ -515,7 +520,7 @@ class KernelPrinter:
             left, left_dims = op.name, op.dims
         else:
             left, left_dims = self.tex(op.prev, op.env), self.tex_dims(op.prev, op.env)
-        self.combine(op.name, op.op, op.dims, left, left_dims, right, right_dims, op.note)
+        self.combine(op.name, op.op, op.dims, left, left_dims, right, right_dims, op.note + dot_note(op))
 
     def select(self, op: o.Select) -> None:
         a = op.over

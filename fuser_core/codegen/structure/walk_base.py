@@ -295,9 +295,8 @@ class WalkBase:
         else:
             dims = tuple(d for d in self.layout.union(self.dims_of(integrand, env), (step.over,)) if d != step.over)
             masked = True
-        note = f"  # tl.dot: sum over {step.over} as a matrix product" if dot is not None else ""
         self.add(Reduce(step=step.name, name=var, dims=dims, op=op, over=step.over, expr=integrand, env=env, inner=True,
-                        dot=dot, masked=masked, note=note))
+                        dot=dot, masked=masked))
         self.values[step.name] = self.let(var, dims)
         self.loaded.add(step.name)
 

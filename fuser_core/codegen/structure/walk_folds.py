@@ -48,19 +48,19 @@ class FoldsWalk(WalkBase):
             self.let(n, dims)
         return names
 
-    def tile_fold(self, step: Step, e: sp.Expr, env: Env) -> tuple[Dot | None, bool, tuple[str, ...], str]:
+    def tile_fold(self, step: Step, e: sp.Expr, env: Env) -> tuple[Dot | None, bool, tuple[str, ...]]:
         """A sum/max/min of ``e`` over the axis's tile: (its tl.dot, whether its masked lanes are set to
-        the identity, the dims of its value, a note)."""
+        the identity, the dims of its value)."""
         a = self.axis
         op = self.effective_op(step)
         dot = self.dot(e, a) if op == "sum" else None
         if dot is not None:
-            return dot, not self.zero_filled(dot.p, a), self.order((dot.i, dot.j)), f"  # tl.dot: sum over {a} as a matrix product"
+            return dot, not self.zero_filled(dot.p, a), self.order((dot.i, dot.j))
         dims = self.dims_of(e, env)
         masked = self.needs_mask(e, op)
         if masked:
             dims = self.layout.union(dims, (a,))
-        return None, masked, tuple(d for d in dims if d != a), ""
+        return None, masked, tuple(d for d in dims if d != a)
 
     def needs_mask(self, e: sp.Expr, op: str) -> bool:
         """Must a fold of ``e`` set the tail's masked lanes to ``op``'s identity? Not where the values
@@ -119,12 +119,12 @@ class FoldsWalk(WalkBase):
         if is_selection(op):
             self.select(step, acc, e, env_e + env_prev, prev)
             return
-        dot, masked, _, note = self.tile_fold(step, e, env_e)
+        dot, masked, _ = self.tile_fold(step, e, env_e)
         if dot is not None:
             dot = self.dot_excluded(dot, e, op)
         env = (self.env(dot.p, dot.q, dot.scale) if dot is not None else env_e) + env_prev
         self.add(Fold(step=step.name, name=acc, dims=self.var_dims[acc], op=op, over=self.axis, expr=e, env=env, prev=prev,
-                      dot=dot, masked=masked, note=note))
+                      dot=dot, masked=masked))
 
     def dot_excluded(self, dot: Dot, e: sp.Expr, op: str) -> Dot:
         """``dot`` with its P set to 0 where a where() on indices masks ``e`` (fuser_core.masks), when that

@@ -65,13 +65,13 @@ class StrategiesWalk(StreamingWalk):
     def direct_reduction(self, step: Step, value: sp.Expr) -> None:
         if not is_selection(self.effective_op(step)):  # the whole axis is one tile: its reduction is the value
             env = self.env(value)
-            dot, masked, dims, note = self.tile_fold(step, value, env)
+            dot, masked, dims = self.tile_fold(step, value, env)
             if dot is not None:
                 dot = self.dot_excluded(dot, value, self.effective_op(step))
                 env = self.env(dot.p, dot.q, dot.scale)
             var = safe_name(step.name)
             self.add(Reduce(step=step.name, name=var, dims=dims, op=self.effective_op(step), over=self.axis, expr=value,
-                            env=env, inner=False, dot=dot, masked=masked, note=note))
+                            env=env, inner=False, dot=dot, masked=masked))
             self.values[step.name] = self.let(var, dims)
             return
         acc = self.init_state(step)[0]
