@@ -61,7 +61,7 @@ def on_indices(cond: sp.Basic) -> bool:
     """Does ``cond`` read only indices, sizes and index inputs (no value)?"""
     from fuser_core.symbolic import IndexData
 
-    return bool(cond.free_symbols) and all(isinstance(s, IndexData) or s.name.startswith(("index(", "size("))
+    return bool(cond.free_symbols) and all(isinstance(s, IndexData) or is_dim_symbol(s, "index", "size")
                                            for s in cond.free_symbols)
 
 

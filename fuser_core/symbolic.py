@@ -212,7 +212,7 @@ def compare(op: str, lhs: sp.Expr, rhs: sp.Expr) -> sp.Basic:
     if any(side.has(sp.oo, -sp.oo) for side in (lhs, rhs)):
         return InfCompare(k, lhs, rhs)
     decided = _COMPARE[op](lhs, rhs)
-    floats = {s for s in (lhs.free_symbols | rhs.free_symbols) if not s.name.startswith(("size(", "index("))}
+    floats = {s for s in (lhs.free_symbols | rhs.free_symbols) if not is_dim_symbol(s, "size", "index")}
     if decided in (sp.true, sp.false) and floats:
         return InfCompare(k, lhs, rhs)
     return decided
@@ -227,7 +227,7 @@ def logic(op: str, args: list[sp.Basic]) -> sp.Basic:
     out = combine(*args)
     if out in (sp.true, sp.false) and all(a not in (sp.true, sp.false) for a in args):
         def kept(a: sp.Basic) -> sp.Basic:
-            if isinstance(a, sp.Rel) and any(not s.name.startswith(("size(", "index(")) for s in a.free_symbols):
+            if isinstance(a, sp.Rel) and any(not is_dim_symbol(s, "size", "index") for s in a.free_symbols):
                 return InfCompare(sp.Integer(COMPARE_OPS.index(_REL_OP[type(a)])), a.lhs, a.rhs)
             return a
         out = combine(*(kept(a) for a in args))

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fuser_core", "tuner", "service")
 # a name tested for a kind's prefix, or sliced past one ("index(n)"[6:-1])
-READS_A_KIND = re.compile(r"""startswith\(\s*["'](size|index|first|last|end)\(["']|\[\s*[56]\s*:\s*-1\s*\]""")
+READS_A_KIND = re.compile(r"""startswith\(\(?\s*["'](size|index|first|last|end)\(["']|\[\s*[56]\s*:\s*-1\s*\]""")
 
 
 def test_only_dim_symbols_reads_a_symbols_kind_from_its_name() -> None:

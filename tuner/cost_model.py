@@ -65,6 +65,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fuser_core import is_dim_symbol
 from fuser_core.codegen.gpu_compile import KernelBuild
 from fuser_core.codegen.ops import FP8_DOT
 from fuser_core.codegen.plan import KernelConfig, parallel_combine
@@ -624,7 +625,7 @@ def _chain_elementwise(m: _Model, plan: ChainElementwise, earlier: Mapping[str, 
         e = m.anatomy.conv.value(o)
         for s in sorted(e.free_symbols, key=lambda s: s.name):
             name = s.name
-            if name.startswith(("size(", "index(")) or name in inputs or name in runtime:
+            if is_dim_symbol(s, "size", "index") or name in inputs or name in runtime:
                 continue  # a runtime param is a scalar argument, nothing loaded
             obj = spec.lookup(name)
             if isinstance(obj, Input):

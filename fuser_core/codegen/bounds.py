@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from fuser_core.codegen.ops.bounds import ZERO, Bound, group, maximum, minimum, name, num, plus, product
 from fuser_core.dim_symbols import dim_symbol, is_dim_symbol, symbol_kind
 from fuser_core.masks import masked_condition
 
@@ -140,57 +141,50 @@ def axis_window(axis: str, folds: Sequence[tuple[str, sp.Expr]], *, counts: bool
     return window_of(dim_symbol("index", axis), [cond])
 
 
-def bound_text(e: sp.Expr, tile_dims: Iterable[str], whole: Iterable[str] = ()) -> tuple[str, set[str]]:
-    """A window end as Triton text, and the names it reads: ``first(d)`` is ``pid_d * BLOCK_d``,
-    ``last(d) + 1`` the end of the program's block of d (``tl.minimum(pid_d * BLOCK_d + BLOCK_d,
-    size_d)``); a lane in no tile (block 1) is its scalar offset ``offs_d``; a dim each program
-    holds ``whole`` (no program id: an inner axis) runs from 0 to ``size_d``; ``size(d)`` is ``size_d``."""
+def window_bound(e: sp.Expr, tile_dims: Iterable[str], whole: Iterable[str] = ()) -> Bound:
+    """A window end as a loop bound (:class:`fuser_core.codegen.ops.bounds.Bound`, printed by the
+    printer): ``first(d)`` is ``pid_d * BLOCK_d``, ``last(d) + 1`` the end of the program's block of
+    d (the smaller of ``pid_d * BLOCK_d + BLOCK_d`` and ``size_d``); a lane in no tile (block 1) is
+    its scalar offset ``offs_d``; a dim each program holds ``whole`` (no program id: an inner axis)
+    runs from 0 to ``size_d``; ``size(d)`` is ``size_d``."""
     tile, whole = set(tile_dims), set(whole)
-    reads: set[str] = set()
     ends = {s: dim_symbol("end", symbol_kind(s)[1]) - 1 for s in e.free_symbols if is_dim_symbol(s, "last")}
     e = sp.expand(e.subs(ends)) if ends else e
 
-    def text(e: sp.Expr) -> str:
+    def node(e: sp.Expr) -> Bound:
         if e.is_Integer:
-            return str(int(e))
+            return num(int(e))
         if e.is_Symbol:
             kind, dim = symbol_kind(e) or (None, "")
             if kind == "size":
-                reads.add(f"size_{dim}")
-                return f"size_{dim}"
+                return name(f"size_{dim}")
             if dim in whole:
-                if kind == "first":
-                    return "0"
-                reads.add(f"size_{dim}")
-                return f"size_{dim}"  # end(d)
+                return ZERO if kind == "first" else name(f"size_{dim}")  # end(d)
             if dim not in tile:  # a scalar lane: one index per program (its end: the next one)
-                reads.add(f"offs_{dim}")
-                return f"(offs_{dim} + 1)" if kind == "end" else f"offs_{dim}"
-            reads.update({f"pid_{dim}", f"BLOCK_{dim}"})
+                return group(plus(name(f"offs_{dim}"), num(1))) if kind == "end" else name(f"offs_{dim}")
+            start = product(name(f"pid_{dim}"), name(f"BLOCK_{dim}"))
             if kind == "first":
-                return f"pid_{dim} * BLOCK_{dim}"
-            reads.add(f"size_{dim}")
-            return f"tl.minimum(pid_{dim} * BLOCK_{dim} + BLOCK_{dim}, size_{dim})"  # end(d)
+                return start
+            return minimum(plus(start, name(f"BLOCK_{dim}")), name(f"size_{dim}"))  # end(d)
         if isinstance(e, (sp.Min, sp.Max)):
-            fn = "tl.minimum" if isinstance(e, sp.Min) else "tl.maximum"
-            out = text(e.args[0])
+            fold = minimum if isinstance(e, sp.Min) else maximum
+            out = node(e.args[0])
             for arg in e.args[1:]:
-                out = f"{fn}({out}, {text(arg)})"
+                out = fold(out, node(arg))
             return out
         if e.is_Mul:
-            return " * ".join(text(f) if not f.is_Add else f"({text(f)})" for f in e.args)
+            return product(*(node(f) if not f.is_Add else group(node(f)) for f in e.args))
         if e.is_Add:
             terms = sorted(e.args, key=lambda t: (t.is_Integer, sp.default_sort_key(t)))  # the constant last
-            out = text(terms[0])
+            signs, nodes = [1], [node(terms[0])]
             for t in terms[1:]:
-                if (t.is_Integer and t < 0) or (t.is_Mul and t.args[0].is_Integer and t.args[0] < 0):
-                    out += f" - {text(-t)}"
-                else:
-                    out += f" + {text(t)}"
-            return f"({out})"
+                negative = (t.is_Integer and t < 0) or (t.is_Mul and t.args[0].is_Integer and t.args[0] < 0)
+                signs.append(-1 if negative else 1)
+                nodes.append(node(-t if negative else t))
+            return group(plus(*nodes, signs=tuple(signs)))
         raise AssertionError(f"not a loop bound: {e}")
 
-    return text(e), reads
+    return node(e)
 
 
-__all__ = ["Window", "axis_mask", "axis_window", "bound_text", "first", "last", "masked_condition", "window_of"]
+__all__ = ["Window", "axis_mask", "axis_window", "first", "last", "masked_condition", "window_bound", "window_of"]

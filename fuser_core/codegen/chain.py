@@ -318,7 +318,7 @@ class ElementwiseWriter:
         # every leaf the outputs read: an original input or a reduction part, in a stable order
         leaves: set[str] = set()
         for e in self.exprs.values():
-            leaves |= {s.name for s in e.free_symbols if not s.name.startswith(("size(", "index("))}
+            leaves |= {s.name for s in e.free_symbols if not is_dim_symbol(s, "size", "index")}
         order = [i.name for i in spec.inputs] + [p for s in spec.steps if s.is_reduction for p in s.parts]
         self.leaves = [n for n in order if n in leaves]
         taken: set[str] = set()

@@ -27,6 +27,7 @@ import sympy as sp
 
 from fuser_core.codegen import ops as o
 from fuser_core.codegen.names import FP8, FP8_NATIVE, TMA_LOADS, WIDE_OFFSETS, fp8_bits_var, safe_name
+from fuser_core.codegen.ops.bounds import Bound
 from fuser_core.codegen.structure import Kernel, ModuleStructure
 from fuser_core.codegen.tritonize import expr_dims, number, to_triton
 from fuser_core.symbolic import CAST_FUNCTIONS
@@ -87,6 +88,28 @@ def helper_source(names: Iterable[str]) -> tuple[str, set[str]]:
 
 
 # ---------------------------------------------------------------------- loads and stores
+
+
+def bound_source(b: Bound) -> str:
+    """A loop bound (:class:`fuser_core.codegen.ops.bounds.Bound`) as Triton source."""
+    kind, args = b.kind, b.args
+    if kind == "name":
+        return args[0]
+    if kind == "int":
+        return str(args[0])
+    if kind in ("min", "max"):
+        return f"tl.{'minimum' if kind == 'min' else 'maximum'}({bound_source(args[0])}, {bound_source(args[1])})"
+    if kind == "sum":
+        (_, first), *rest = args
+        return bound_source(first) + "".join(f" {'-' if sign < 0 else '+'} {bound_source(t)}" for sign, t in rest)
+    if kind == "group":
+        return f"({bound_source(args[0])})"
+    if kind == "product":
+        return " * ".join(bound_source(f) for f in args)
+    if kind == "tiles":
+        x, dim = args
+        return f"{bound_source(x)} // BLOCK_{dim} * BLOCK_{dim}"
+    raise AssertionError(f"no printer for bound kind {kind!r}")
 
 
 def dot_note(op: o.Reduce | o.Fold) -> str:
@@ -349,7 +372,7 @@ class KernelPrinter:
 
     # ------------------------------------------------------------ one method per operation
     def comment(self, op: o.Comment) -> None:
-        self.emit(op.text)
+        self.emit(op.text.format(*map(bound_source, op.bounds)) if op.bounds else op.text)
 
     def program(self, op: o.Program) -> None:
         # a lane in no tile (block 1) has one program per index: its program id is its offset, in
@@ -453,7 +476,7 @@ class KernelPrinter:
         if op.resident:  # one tile holds the whole axis
             self.print_ops(op.body)
             return
-        bounds = ", ".join(x for x in (op.lo, op.hi, op.step) if x is not None)
+        bounds = ", ".join(bound_source(x) for x in (op.lo, op.hi, op.step) if x is not None)
         self.emit(f"for {op.var} in range({bounds}):")
         self.depth += 1
         self.print_ops(op.body)
@@ -487,7 +510,7 @@ class KernelPrinter:
             self.emit("count = 0.0")
         elif op.mode == "tile":
             self.emit("count_old = count")
-            self.emit(f"count += tl.minimum(BLOCK_{a}, {op.hi} - start).to(tl.float32)")
+            self.emit(f"count += tl.minimum(BLOCK_{a}, {bound_source(op.hi)} - start).to(tl.float32)")
         else:
             self.emit("count_old = count")
             self.emit(f"count_part = (tl.minimum(split * chunk + chunk, size_{a}) - tl.minimum(split * chunk, size_{a}))"

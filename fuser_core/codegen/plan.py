@@ -127,7 +127,7 @@ def gather_form(spec: Spec, derivation: Derivation, step: Step, axis: str) -> tu
     if not all(c.is_Integer for c in sp.Add.make_args(at) for c in ([c] if c.is_number else [])):
         return None
     for sym in x.free_symbols:
-        if sym.name.startswith(("size(", "index(")):
+        if is_dim_symbol(sym, "size", "index"):
             continue
         if not isinstance(spec.lookup(sym.name), Input):
             return None  # a step's value (or a param folded later): not a plain load at one index

@@ -11,11 +11,15 @@ import sympy as sp
 
 from fuser_core.codegen.names import FP8, TMA_LOADS, WIDE_OFFSETS, safe_name
 from fuser_core.codegen.ops.base import Env, Op, block_params, env_reads, expr_helpers, tile_reads
+from fuser_core.codegen.ops.bounds import Bound, bound_names
 
 
 @dataclass(frozen=True, kw_only=True)
 class Comment(Op):
+    """``text`` as a comment line; with ``bounds``, its ``{}`` fields are those bounds as printed."""
+
     text: str
+    bounds: tuple[Bound, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,17 +167,16 @@ class Loop(Op):
     holds the whole axis (row_resident), printed as its body. ``per_lane``: the states it folds keep
     one value per lane of the axis's tile (:func:`~fuser_core.codegen.structure.per_lane`);
     ``lanes`` merges them after the loop. ``hoisted``: inputs it reads, loaded before the loops
-    (they do not vary along the axis). ``bounds``: the parameters and variables lo, hi and step read.
-    ``window``: the part of the axis it covers when a mask bounds it (:class:`~fuser_core.codegen.bounds.Window`,
+    (they do not vary along the axis). ``lo``, ``hi`` and ``step`` are :class:`Bound` data (what
+    the loop reads is theirs: :meth:`reads`). ``window``: the part of the axis it covers when a mask bounds it (:class:`~fuser_core.codegen.bounds.Window`,
     for counting its trips); ``unmasked``: its tiles lie where the mask holds for every lane, so its
     body folds without the mask (the masked loop that follows it covers the rest)."""
 
     span: str
     var: str
-    lo: str
-    hi: str
-    step: str | None
-    bounds: frozenset[str]
+    lo: Bound
+    hi: Bound
+    step: Bound | None
     body: tuple[Op, ...]
     resident: bool = False
     per_lane: bool = False
@@ -187,7 +190,7 @@ class Loop(Op):
         return self.var
 
     def reads(self) -> set[str]:
-        return set() if self.resident else set(self.bounds)
+        return set() if self.resident else set(bound_names(self.lo, self.hi, self.step))
 
     def children(self) -> tuple[Op, ...]:
         return self.body + self.lanes
@@ -214,13 +217,12 @@ class Count(Op):
 
     mode: str
     axis: str
-    hi: str = ""
-    hi_reads: frozenset[str] = frozenset()
+    hi: Bound | None = None
     name: str = "count"
 
     def reads(self) -> set[str]:
         if self.mode == "tile":
-            return {"count", "start", f"BLOCK_{self.axis}"} | set(self.hi_reads)
+            return {"count", "start", f"BLOCK_{self.axis}"} | set(bound_names(self.hi))
         if self.mode == "part":
             return {"count", "split", "chunk", f"size_{self.axis}"}
         return set()

@@ -14,6 +14,7 @@ import sympy as sp
 from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.names import FP8, safe_name, scalar_arg
 from fuser_core.codegen.ops import Comment, Dot, Env, Fold, Gather, Load, Loop, Offsets, Op, Program, Reduce
+from fuser_core.codegen.ops.bounds import Bound
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.structure.facts import anchored_deps, decide_dot, effective_op, tile_dims
 from fuser_core.codegen.structure.model import Grid
@@ -153,7 +154,7 @@ class WalkBase:
         self.let(f"mask_{a}", (a,))
 
     # ------------------------------------------------------------ loops
-    def loop(self, span: str, var: str, lo: str, hi: str, step: str | None, bounds: Iterable[str],
+    def loop(self, span: str, var: str, lo: Bound, hi: Bound, step: Bound | None,
              body: Callable[[], Callable[[], None] | None], resident: bool = False) -> Loop:
         """Walk ``body()`` as the body of a loop; what it returns (a per-lane loop's lane merge), if
         anything, is walked as the operations after the loop that merge its lanes."""
@@ -170,7 +171,7 @@ class WalkBase:
             self.out = lanes
             per_lane_loop()
         self.out = outer
-        return self.add(Loop(span=span, var=var, lo=lo, hi=hi, step=step, bounds=frozenset(bounds), body=tuple(ops),
+        return self.add(Loop(span=span, var=var, lo=lo, hi=hi, step=step, body=tuple(ops),
                              resident=resident, per_lane=bool(per_lane_loop), lanes=tuple(lanes), hoisted=hoisted))
 
     def begin_scope(self) -> None:

@@ -11,6 +11,7 @@ import sympy as sp
 
 from fuser_core.codegen.names import safe_name
 from fuser_core.codegen.ops import Comment, Dot, Env, Finalise, FirstChunk, Fold, InitState, Op, OutputStore, Select
+from fuser_core.codegen.ops import bounds as bound
 from fuser_core.codegen.structure.facts import axis_outputs, state_name
 from fuser_core.codegen.structure.walk_base import WalkBase
 from fuser_core.codegen.tritonize import VarRef, is_literal, lookup
@@ -242,12 +243,12 @@ class FoldsWalk(WalkBase):
         if chunked:
             self.add(Comment(text=f"# second pass, over this program's chunk of {a}: outputs {', '.join(along)} need "
                                   "the final reductions"))
-            span, lo, hi, bounds = "chunk_outputs", "lo", f"tl.minimum(lo + chunk, size_{a})", ("lo", "chunk", f"size_{a}")
+            span, lo, hi = "chunk_outputs", bound.name("lo"), bound.minimum(bound.plus(bound.name("lo"), bound.name("chunk")), bound.name(f"size_{a}"))
         else:
             self.add(Comment(text=f"# second pass over {a}: outputs {', '.join(along)} need the final reductions"))
-            span, lo, hi, bounds = "outputs", "0", f"size_{a}", (f"size_{a}",)
+            span, lo, hi = "outputs", bound.ZERO, bound.name(f"size_{a}")
         if gate:  # the pass runs only where the flag is set
-            span, hi, bounds = "fallback", f"({hi}) * {gate}", (*bounds, gate)
+            span, hi = "fallback", bound.product(bound.group(hi), bound.name(gate))
 
         def body():
             self.depth += 1
@@ -258,4 +259,4 @@ class FoldsWalk(WalkBase):
             self.depth -= 1
             self.begin_scope()
 
-        self.loop(span, "start", lo, hi, f"BLOCK_{a}", (*bounds, f"BLOCK_{a}"), body)
+        self.loop(span, "start", lo, hi, bound.name(f"BLOCK_{a}"), body)

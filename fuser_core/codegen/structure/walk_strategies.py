@@ -9,6 +9,7 @@ from dataclasses import replace
 import sympy as sp
 
 from fuser_core.codegen.names import safe_name
+from fuser_core.codegen.ops import bounds as bound
 from fuser_core.codegen.ops import (
     Chunk,
     Comment,
@@ -60,7 +61,7 @@ class StrategiesWalk(StreamingWalk):
                 self.direct_reduction(step, integrand)
             self.outputs()
 
-        self.loop("axis", "start", "0", f"size_{a}", f"BLOCK_{a}", (), body, resident=True)
+        self.loop("axis", "start", bound.ZERO, bound.name(f"size_{a}"), bound.name(f"BLOCK_{a}"), body, resident=True)
 
     def direct_reduction(self, step: Step, value: sp.Expr) -> None:
         if not is_selection(self.effective_op(step)):  # the whole axis is one tile: its reduction is the value
@@ -107,14 +108,14 @@ class StrategiesWalk(StreamingWalk):
             self.begin_scope()
 
         folds = [(step.reduce or "", integrand)]
-        lo, hi, bounds = self.windowed(folds, "0", f"size_{a}", (f"size_{a}", f"BLOCK_{a}"))
+        lo, hi = self.windowed(folds, bound.ZERO, bound.name(f"size_{a}"))
         if gate:
-            hi, bounds = f"({hi}) * {gate}", (*bounds, gate)
-            self.loop("fallback", "start", lo, hi, f"BLOCK_{a}", bounds, body)
+            hi = bound.product(bound.group(hi), bound.name(gate))
+            self.loop("fallback", "start", lo, hi, bound.name(f"BLOCK_{a}"), body)
         else:  # as the streamed loop (tutorial 06): whole or unmasked tiles first, without the masks
             dots = step.reduce == "sum" and self.dot(integrand, a) is not None
-            if not self.split_at_mask(folds, "axis", lo, hi, bounds, body, dots=dots):
-                self.loop("axis", "start", lo, hi, f"BLOCK_{a}", bounds, body)
+            if not self.split_at_mask(folds, "axis", lo, hi, body, dots=dots):
+                self.loop("axis", "start", lo, hi, bound.name(f"BLOCK_{a}"), body)
         if is_selection(step.reduce):
             self.set_result(step, self.selected(step, acc), f"{acc}_indices")
         else:
@@ -212,7 +213,7 @@ class StrategiesWalk(StreamingWalk):
 
     def streaming_fused(self) -> None:
         a = self.axis
-        self.streaming_loop("axis", "0", f"size_{a}", (f"size_{a}",))
+        self.streaming_loop("axis", bound.ZERO, bound.name(f"size_{a}"))
         self.finalize()
         self.outputs()
         self.fallback()
@@ -220,7 +221,7 @@ class StrategiesWalk(StreamingWalk):
     def split_part(self) -> None:
         self.add(Chunk(part=True))
         a = self.axis
-        self.streaming_loop("chunk", "lo", f"tl.minimum(lo + chunk, size_{a})", ("lo", "chunk", f"size_{a}"))
+        self.streaming_loop("chunk", bound.name("lo"), bound.minimum(bound.plus(bound.name("lo"), bound.name("chunk")), bound.name(f"size_{a}")))
         for w in workspace(self.plan):
             self.add(WorkspaceStore(entry=w.name, entry_dims=w.dims, dims=self.order(w.dims), value_dims=self.var_dims[w.name]))
 
@@ -263,7 +264,7 @@ class StrategiesWalk(StreamingWalk):
                     self.update_anchor(step)
             self.depth -= 1
 
-        self.loop("split", "split", "0", "SPLIT", None, ("SPLIT",), body)
+        self.loop("split", "split", bound.ZERO, bound.name("SPLIT"), None, body)
         self.accs = accs
 
     def load_part(self, name: str, dims: tuple[str, ...], other: str = "0") -> str:

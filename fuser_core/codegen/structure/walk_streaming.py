@@ -8,7 +8,9 @@ from dataclasses import replace
 
 import sympy as sp
 
-from fuser_core.codegen.bounds import Window, axis_mask, bound_text, window_of
+from fuser_core.codegen.bounds import Window, axis_mask, window_bound, window_of
+from fuser_core.codegen.ops import bounds as bound
+from fuser_core.codegen.ops.bounds import Bound
 from fuser_core.codegen.names import safe_name
 from fuser_core.codegen.ops import (
     AnchorUpdate,
@@ -59,7 +61,7 @@ class StreamingWalk(FoldsWalk):
                 out.append(FoldFact(step.name, self.axis, rule.op, rule.right, dot))
         return out
 
-    def streaming_loop(self, span: str, lo: str, hi: str, hi_reads: tuple[str, ...]) -> None:
+    def streaming_loop(self, span: str, lo: Bound, hi: Bound) -> None:
         """The loop over the axis with the realisations' step rule; per tile (each tile reduced into the
         state) or, where :func:`per_lane` allows it, per lane (each lane of the tile keeps its own state,
         updated elementwise) with the lanes merged once after the loop."""
@@ -82,7 +84,7 @@ class StreamingWalk(FoldsWalk):
             self.begin_scope()
             self.axis_tile("start")
             if counts:
-                self.add(Count(mode="tile", axis=a, hi=hi, hi_reads=frozenset(hi_reads)))
+                self.add(Count(mode="tile", axis=a, hi=hi))
             for dep in anchors:
                 anchor = self.anchor_var(dep)
                 self.add(Copy(name=f"{anchor}_old", dims=self.var_dims[anchor], source=anchor))
@@ -100,11 +102,11 @@ class StreamingWalk(FoldsWalk):
 
         folds = [(f.op, f.expr) for f in self.stream_folds() if not f.inner]
         start = lo
-        lo, hi, bounds = self.windowed(folds, lo, hi, (*hi_reads, f"BLOCK_{a}"))
-        if lanes or start != "0" or not self.split_at_mask(folds, span, lo, hi, bounds, body):
-            self.loop(span, "start", lo, hi, f"BLOCK_{a}", bounds, body)
+        lo, hi = self.windowed(folds, lo, hi)
+        if lanes or not start.is_zero() or not self.split_at_mask(folds, span, lo, hi, body):
+            self.loop(span, "start", lo, hi, bound.name(f"BLOCK_{a}"), body)
 
-    def split_at_mask(self, folds: list[tuple[str, sp.Expr]], span: str, lo: str, hi: str, bounds: tuple[str, ...],
+    def split_at_mask(self, folds: list[tuple[str, sp.Expr]], span: str, lo: Bound, hi: Bound,
                       body: Callable[[], Callable[[], None] | None], dots: bool | None = None) -> bool:
         """Walk the loop as two, as tutorial 06 does, where that saves work per element: the first
         covers whole tiles that need no mask, the second the rest with the masks.
@@ -124,24 +126,24 @@ class StreamingWalk(FoldsWalk):
         seen = window_of(self.axis_index(), [cond]) if cond is not None else None
         full = window_of(self.axis_index(), [cond], every_lane=True) if cond is not None else None
         if seen is not None and full is not None and seen.lo is None and full.lo is None and full.hi is not None:
-            text, used = self.bound_text(full.hi)
-            mid = f"tl.maximum(tl.minimum({hi}, {text}), 0) // BLOCK_{a} * BLOCK_{a}"
-            reads = (*bounds, *sorted(used - set(bounds)))
+            end = self.window_bound(full.hi)
+            mid = bound.tiles(bound.maximum(bound.minimum(hi, end), bound.ZERO), a)
             at = sp.floor(sp.Max(sp.Min(full.hi, size), 0) / block) * block  # `mid`, for counting trips
             subs, tail_hi = {cond: sp.true}, seen.hi
-            self.add(Comment(text=f"# unmasked: every lane of this program sees the {a} below {text}"))
-        elif cond is None and hi == f"size_{a}" and (any(f.dot is not None for f in self.stream_folds())
-                                                       if dots is None else dots):
-            mid, reads, at, subs, tail_hi = f"size_{a} // BLOCK_{a} * BLOCK_{a}", bounds, sp.floor(size / block) * block, {}, None
+            self.add(Comment(text=f"# unmasked: every lane of this program sees the {a} below {{}}", bounds=(end,)))
+        elif cond is None and hi == bound.name(f"size_{a}") and (any(f.dot is not None for f in self.stream_folds())
+                                                                 if dots is None else dots):
+            mid, at, subs, tail_hi = bound.tiles(hi, a), sp.floor(size / block) * block, {}, None
             self.add(Comment(text=f"# whole tiles of {a} first, no tail mask; then the last partial tile"))
         else:
             return False
-        unmasked = self.loop(span, "start", lo, mid, f"BLOCK_{a}", reads, body)
+        step = bound.name(f"BLOCK_{a}")
+        unmasked = self.loop(span, "start", lo, mid, step, body)
         # every tile below `mid` lies inside the axis too (mid <= hi <= size): no tail mask either
         body_ops = tuple(replace(op, inside=True) if isinstance(op, Offsets) and op.dim == a else op
                          for op in assuming(unmasked, subs).body)
         self.out[-1] = replace(unmasked, body=body_ops, unmasked=True, window=Window(None, at))
-        self.loop(span, "start", mid, hi, f"BLOCK_{a}", reads, body)
+        self.loop(span, "start", mid, hi, step, body)
         self.out[-1] = replace(self.out[-1], window=Window(at, tail_hi))
         return True
 
@@ -154,34 +156,30 @@ class StreamingWalk(FoldsWalk):
     def axis_index(self) -> sp.Symbol:
         return sp.Symbol(f"index({self.axis})", integer=True, nonnegative=True)
 
-    def bound_text(self, e: sp.Expr) -> tuple[str, set[str]]:
-        """A window end as Triton text (:func:`bounds.bound_text`); the tile dims without a program
+    def window_bound(self, e: sp.Expr) -> Bound:
+        """A window end as a loop bound (:func:`bounds.window_bound`); the tile dims without a program
         id (held whole) start at 0."""
         whole = [d for d in self.layout.dims if d != self.axis and d not in self.plan.lanes]
-        return bound_text(e, self.layout.dims, whole)
+        return window_bound(e, self.layout.dims, whole)
 
-    def windowed(self, folds: list[tuple[str, sp.Expr]], lo: str, hi: str,
-                 reads: tuple[str, ...]) -> tuple[str, str, tuple[str, ...]]:
+    def windowed(self, folds: list[tuple[str, sp.Expr]], lo: Bound, hi: Bound) -> tuple[Bound, Bound]:
         """A reduction loop's ``lo``/``hi`` clamped to the part of the axis its program's lanes can
-        see (:mod:`fuser_core.codegen.bounds`; the lower end rounded down to a tile boundary), with
-        the names the bounds read."""
+        see (:mod:`fuser_core.codegen.bounds`; the lower end rounded down to a tile boundary)."""
         cond = self.axis_mask(folds)
         w = window_of(self.axis_index(), [cond]) if cond is not None else None
         if w is None:
-            return lo, hi, reads
-        a, extra = self.axis, set()
+            return lo, hi
+        a = self.axis
         if w.lo is not None:
-            text, used = self.bound_text(w.lo)
-            start = f"tl.maximum({text}, 0) // BLOCK_{a} * BLOCK_{a}"
-            lo = start if lo == "0" else f"tl.maximum({lo}, {start})"
-            extra |= used
-            self.add(Comment(text=f"# masked: this program's lanes see no {a} before {text}"))
+            first = self.window_bound(w.lo)
+            start = bound.tiles(bound.maximum(first, bound.ZERO), a)
+            lo = start if lo.is_zero() else bound.maximum(lo, start)
+            self.add(Comment(text=f"# masked: this program's lanes see no {a} before {{}}", bounds=(first,)))
         if w.hi is not None:
-            text, used = self.bound_text(w.hi)
-            hi = f"tl.minimum({hi}, {text})"
-            extra |= used
-            self.add(Comment(text=f"# masked: this program's lanes see no {a} from {text} on"))
-        return lo, hi, (*reads, *sorted(extra - set(reads)))
+            end = self.window_bound(w.hi)
+            hi = bound.minimum(hi, end)
+            self.add(Comment(text=f"# masked: this program's lanes see no {a} from {{}} on", bounds=(end,)))
+        return lo, hi
 
     def merge_lanes(self, lanes: dict[str, list[str]]) -> None:
         """After a per-lane loop, each reduction's lanes folded over the axis once with the realisation's
