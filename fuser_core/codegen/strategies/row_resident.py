@@ -13,7 +13,11 @@ from fuser_core.codegen.config import KernelConfig, NotValid, next_pow2
 from fuser_core.codegen.strategies.base import LANE_BLOCKS, NUM_WARPS, DefaultTiling, Strategy
 
 if TYPE_CHECKING:
+    import sympy as sp
+
+    from fuser_core.codegen.structure.build import Walk
     from fuser_core.derive import Derivation
+    from fuser_core.spec import Step
 
 MAX_RESIDENT_BLOCK = 1 << 16
 RESIDENT_TILE = 8192  # values a row_resident program holds when its rows are short
@@ -57,5 +61,51 @@ class RowResident(Strategy):
     def reduced_axis_block(self, n: int) -> int:
         return next_pow2(n)
 
-    def walk(self, w) -> None:
-        w.row_resident()
+    def walk(self, w: Walk) -> None:
+        """The axis as one tile: each reduction straight off it (:func:`direct_reduction`), then the outputs."""
+        import sympy as sp
+
+        from fuser_core.codegen.ops import Comment
+        from fuser_core.codegen.ops import bounds as bound
+
+        a = w.axis
+
+        def body():
+            w.axis_tile("0")
+            for step in w.axis_steps():
+                integrand = w.conv.integrand(step)
+                # no identity_loads here: the row stays live through every reduction and output, and with
+                # -inf in its masked lanes sm_90 spilled more (safe_softmax n=32768: 560 -> 992 bytes)
+                w.need([integrand])
+                w.add(Comment(text=f"# {step.name} = {step.reduce} over {a} of {sp.sstr(integrand)}"))
+                direct_reduction(w, step, integrand)
+            w.outputs()
+
+        w.loop("axis", "start", bound.ZERO, bound.name(f"size_{a}"), bound.name(f"BLOCK_{a}"), body, resident=True)
+
+
+def direct_reduction(w: Walk, step: Step, value: sp.Expr) -> None:
+    """``step`` over the whole axis, one tile: its reduction is the tile's (a tl.dot where the
+    structure decides one); a selection folds its one tile into its state."""
+    from fuser_core.codegen.names import safe_name
+    from fuser_core.codegen.ops import Reduce
+    from fuser_core.reduce_ops import is_selection
+
+    op = w.effective_op(step)
+    if not is_selection(op):  # the whole axis is one tile: its reduction is the value
+        env = w.env(value)
+        dot, masked, dims = w.tile_fold(step, value, env)
+        if dot is not None:
+            dot = w.dot_excluded(dot, value, op)
+            env = w.env(dot.p, dot.q, dot.scale)
+        var = safe_name(step.name)
+        w.add(Reduce(step=step.name, name=var, dims=dims, op=op, over=w.axis, expr=value, env=env, inner=False,
+                     dot=dot, masked=masked))
+        w.values[step.name] = w.let(var, dims)
+        return
+    acc = w.init_state(step)[0]
+    w.fold(step, acc, value)
+    if is_selection(step.reduce):
+        w.set_result(step, w.selected(step, acc), f"{acc}_indices")
+    else:
+        w.set_result(step, w.var(acc))

@@ -4,7 +4,12 @@ reductions keep running values of earlier ones, corrected when those move (the d
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fuser_core.codegen.strategies.base import AXIS_BLOCK, LANE_BLOCKS, NUM_STAGES, NUM_WARPS, PER_LANE, Strategy
+
+if TYPE_CHECKING:
+    from fuser_core.codegen.structure.build import Walk
 
 
 class StreamingFused(Strategy):
@@ -13,5 +18,11 @@ class StreamingFused(Strategy):
     doc = ("{name}, streaming-fused: one pass over {a}; later reductions are kept with running values of "
            "earlier ones and corrected when those move (derived by foldwise).")
 
-    def walk(self, w) -> None:
-        w.streaming_fused()
+    def walk(self, w: Walk) -> None:
+        """One streamed loop over the axis, the reductions' final values, the outputs, the fallback passes."""
+        from fuser_core.codegen.ops import bounds as bound
+
+        w.streaming_loop("axis", bound.ZERO, bound.name(f"size_{w.axis}"))
+        w.finalize()
+        w.outputs()
+        w.fallback()

@@ -18,10 +18,12 @@ launcher printer (:mod:`fuser_core.codegen.module`) and the tuner's analysis
 (:mod:`tuner.analysis`), which counts the same operations.
 
 The package, by job: :mod:`.model` (the data), :mod:`.facts` (plan-level decisions every kernel
-shares), the walk of one kernel in parts (:mod:`.walk_base`: values, loops and loads;
-:mod:`.walk_folds`: reductions over the loop axis and output stores; :mod:`.walk_streaming`: the
-streaming loop; :mod:`.walk_strategies`: each strategy's kernels) and :mod:`.build` (the walks
-put together into a module's kernels and launches).
+shares), the walk of one kernel in parts, its primitives (:mod:`.walk_base`: values, loops and
+loads; :mod:`.walk_folds`: reductions over the loop axis and output stores; :mod:`.walk_streaming`:
+the streaming loop; :mod:`.walk_passes`: a pass per reduction, the fallback passes and the
+finished kernel) and :mod:`.build` (the walks put together into a module's kernels and launches).
+Each strategy's own walk, made of those primitives, is in its module
+(:mod:`fuser_core.codegen.strategies`: ``Strategy.walk``, or ``build`` for split_fused's two kernels).
 """
 
 from fuser_core.codegen.structure.build import build_structure

@@ -14,12 +14,12 @@ from fuser_core.codegen.structure.descriptors import descriptor_loads
 from fuser_core.codegen.structure.facts import accumulators, axis_outputs, kernel_names, workspace
 from fuser_core.codegen.structure.model import Arg, Grid, Kernel, Launch, ModuleStructure, SplitLaunch, State, var_name
 from fuser_core.codegen.structure.scales import move_dot_scales
-from fuser_core.codegen.structure.walk_strategies import StrategiesWalk
+from fuser_core.codegen.structure.walk_passes import PassesWalk
 from fuser_core.merged import kernel_dims
 from fuser_core.paged import COL
 
 
-class Walk(StrategiesWalk):
+class Walk(PassesWalk):
     """One kernel's operations, in the order they run (and are printed): every part of the walk."""
 
 

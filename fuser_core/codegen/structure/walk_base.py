@@ -1,7 +1,8 @@
 """The walk of one kernel, its base: the values in scope, set-up, loops, loads and inner reductions.
 
-The strategies' walks (:mod:`.walk_folds`, :mod:`.walk_streaming`, :mod:`.walk_strategies`) add
-to this class; :class:`~fuser_core.codegen.structure.build.Walk` is all of them together.
+The walk's other primitives (:mod:`.walk_folds`, :mod:`.walk_streaming`, :mod:`.walk_passes`) add
+to this class; :class:`~fuser_core.codegen.structure.build.Walk` is all of them together, and each
+strategy's module (:mod:`fuser_core.codegen.strategies`) walks its kernels with it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""The walk of each strategy's kernels: row_resident, multi_pass (and its fallback passes),
-streaming_fused, split_fused's part and combine kernels; and the finished list of operations.
+"""The passes a walk makes besides the streamed loop: one loop over the axis per reduction with its
+dependencies final (multi_pass's pass, and the fused strategies' fallback passes where a dependency
+ended +-inf or NaN), and the finished list of a kernel's operations. Each strategy's own walk is in
+its module (:mod:`fuser_core.codegen.strategies`), made of these primitives and the streamed loop's.
 """
 
 from __future__ import annotations
@@ -8,84 +10,19 @@ from dataclasses import replace
 
 import sympy as sp
 
-from fuser_core.codegen.names import safe_name
+from fuser_core.codegen.ops import Comment, FallbackFlag, Loop, Offsets, Op, Program, walk
 from fuser_core.codegen.ops import bounds as bound
-from fuser_core.codegen.ops import (
-    Chunk,
-    Comment,
-    Copy,
-    Count,
-    FallbackFlag,
-    InitState,
-    Loop,
-    Offsets,
-    Op,
-    PartMerge,
-    Program,
-    Reduce,
-    Value,
-    WorkspaceLoad,
-    WorkspaceStore,
-    walk,
-)
-from fuser_core.codegen.structure.facts import anchored_deps, placeholder, reads_count, sum_of_anchored_exps, workspace
+from fuser_core.codegen.structure.facts import sum_of_anchored_exps
 from fuser_core.codegen.structure.walk_streaming import StreamingWalk
-from fuser_core.codegen.tritonize import VarRef
 from fuser_core.masks import may_exclude_every
-from fuser_core.realisation import (
-    COUNT_OLD,
-    Realisation,
-    new,
-    part_acc,
-    part_anchor,
-    part_count,
-)
-from fuser_core.reduce_ops import has_slots, is_selection
+from fuser_core.realisation import Realisation
+from fuser_core.reduce_ops import is_selection
 from fuser_core.spec import Step
 
 
-class StrategiesWalk(StreamingWalk):
-    """Each strategy's kernels (a part of :class:`~fuser_core.codegen.structure.build.Walk`)."""
-
-    def row_resident(self) -> None:
-        a = self.axis
-
-        def body():
-            self.axis_tile("0")
-            for step in self.axis_steps():
-                integrand = self.conv.integrand(step)
-                # no identity_loads here: the row stays live through every reduction and output, and with
-                # -inf in its masked lanes sm_90 spilled more (safe_softmax n=32768: 560 -> 992 bytes)
-                self.need([integrand])
-                self.add(Comment(text=f"# {step.name} = {step.reduce} over {a} of {sp.sstr(integrand)}"))
-                self.direct_reduction(step, integrand)
-            self.outputs()
-
-        self.loop("axis", "start", bound.ZERO, bound.name(f"size_{a}"), bound.name(f"BLOCK_{a}"), body, resident=True)
-
-    def direct_reduction(self, step: Step, value: sp.Expr) -> None:
-        if not is_selection(self.effective_op(step)):  # the whole axis is one tile: its reduction is the value
-            env = self.env(value)
-            dot, masked, dims = self.tile_fold(step, value, env)
-            if dot is not None:
-                dot = self.dot_excluded(dot, value, self.effective_op(step))
-                env = self.env(dot.p, dot.q, dot.scale)
-            var = safe_name(step.name)
-            self.add(Reduce(step=step.name, name=var, dims=dims, op=self.effective_op(step), over=self.axis, expr=value,
-                            env=env, inner=False, dot=dot, masked=masked))
-            self.values[step.name] = self.let(var, dims)
-            return
-        acc = self.init_state(step)[0]
-        self.fold(step, acc, value)
-        if is_selection(step.reduce):
-            self.set_result(step, self.selected(step, acc), f"{acc}_indices")
-        else:
-            self.set_result(step, self.var(acc))
-
-    def multi_pass(self) -> None:
-        for step in self.axis_steps():
-            self.one_pass(step)
-        self.outputs()
+class PassesWalk(StreamingWalk):
+    """One pass per reduction, the fallback passes, the finished kernel (a part of
+    :class:`~fuser_core.codegen.structure.build.Walk`)."""
 
     def one_pass(self, step: Step, gate: str | None = None) -> None:
         """A loop over the axis that reduces ``step``'s integrand with every dependency at its final
@@ -211,115 +148,6 @@ class StrategiesWalk(StreamingWalk):
                 checks[step.name] = "nonfinite"
         return checks
 
-    def streaming_fused(self) -> None:
-        a = self.axis
-        self.streaming_loop("axis", bound.ZERO, bound.name(f"size_{a}"))
-        self.finalize()
-        self.outputs()
-        self.fallback()
-
-    def split_part(self) -> None:
-        self.add(Chunk(part=True))
-        a = self.axis
-        self.streaming_loop("chunk", bound.name("lo"), bound.minimum(bound.plus(bound.name("lo"), bound.name("chunk")), bound.name(f"size_{a}")))
-        for w in workspace(self.plan):
-            self.add(WorkspaceStore(entry=w.name, entry_dims=w.dims, dims=self.order(w.dims), value_dims=self.var_dims[w.name]))
-
-    def combine_kernel(self) -> None:
-        if self.grid.split:
-            self.add(Chunk(part=False))
-        self.combine()
-        self.finalize()
-        self.outputs()
-        self.fallback()
-
-
-    # -- split: partial states over chunks of the axis, then a derived combine
-    def combine(self) -> None:
-        a = self.axis
-        steps = self.axis_steps()
-        accs = {s.name: self.init_state(s, len(self.realisation(s).accumulators)) for s in steps}
-        anchors = anchored_deps(self.plan)
-        for dep in anchors:
-            dims = self.order(self.spec.step(dep).dims)
-            self.add(InitState(name=f"{safe_name(dep)}_anchor", dims=dims, dtype="float32", fill=None))
-            self.let(f"{safe_name(dep)}_anchor", dims)
-        counts = reads_count(self.plan)
-        if counts:
-            self.add(Count(mode="init", axis=a))
-        ws = {w.name: w.dims for w in workspace(self.plan)}
-
-        def body():
-            self.depth += 1
-            if counts:
-                self.add(Count(mode="part", axis=a))
-            for dep in anchors:
-                var = safe_name(dep)
-                self.add(Copy(name=f"{var}_anchor_old", dims=self.var_dims[f"{var}_anchor"], source=f"{var}_anchor"))
-                self.let(f"{var}_anchor_old", self.var_dims[f"{var}_anchor"])
-                self.load_part(f"{var}_anchor", ws[f"{var}_anchor"], other="0.0")
-            for step in steps:
-                self.merge_part(step, accs[step.name], ws)
-                if step.name in anchors:
-                    self.update_anchor(step)
-            self.depth -= 1
-
-        self.loop("split", "split", bound.ZERO, bound.name("SPLIT"), None, body)
-        self.accs = accs
-
-    def load_part(self, name: str, dims: tuple[str, ...], other: str = "0") -> str:
-        tile = self.order(dims)
-        self.add(WorkspaceLoad(entry=name, dims=tile, entry_dims=dims, other=other))
-        self.let(f"{name}_part", tile)
-        return f"{name}_part"
-
-    def merge_part(self, step: Step, accs: list[str], ws: dict[str, tuple[str, ...]]) -> None:
-        """Fold part `split` into the merged state with the realisation's merge rule:
-        acc_k = op(moved_k(merged so far), moved_k(part)), both moved to the merged anchors."""
-        real = self.realisation(step)
-        self.add(Comment(text=f"# {step.name}: merge part `split` ({real.kind})"))
-        parts = []
-        for a, acc in zip(real.accumulators, accs):
-            if a.selection:
-                # the padding slots of a top-k list (BLOCK_as > k) must never win a merge: -inf, not 0
-                # (lists are kept largest-first: a bottomk accumulates negated values)
-                parts.append(self.load_part(f"{acc}_values", ws[f"{acc}_values"], other='float("-inf")'))
-                self.load_part(f"{acc}_indices", ws[f"{acc}_indices"], other="2147483647")
-            else:
-                parts.append(self.load_part(acc, ws[acc]))
-        rules = real.merge()
-        self.need([r.left for r in rules] + [r.right for r in rules])
-        names: dict = {COUNT_OLD: VarRef("count_old"), part_count("a"): VarRef("count_old"), part_count("b"): VarRef("count_part")}
-        for j, (merged, part) in enumerate(zip(self.state_names(real, accs), parts)):
-            names[part_acc(j, "a")] = self.var(merged)
-            names[part_acc(j, "b")] = self.var(part)
-        for dep in anchored_deps(self.plan):
-            sym = self.conv.symbols[dep]
-            names[part_anchor(sym, "a")] = self.var(f"{safe_name(dep)}_anchor_old")
-            names[part_anchor(sym, "b")] = self.var(f"{safe_name(dep)}_anchor_part")
-            names[new(sym)] = self.var(f"{safe_name(dep)}_anchor")
-        lefts: list[sp.Expr] = [r.left for r in rules]
-        extra = dict(names)
-        if real.moves_jointly:  # a Taylor shift reads every merged accumulator: none may be updated first
-            held = []
-            for acc, left in zip(accs, lefts):
-                env = self.env(left, extra=names)
-                self.add(Value(name=f"{acc}_moved", dims=self.dims_of(left, env), expr=left, env=env))
-                holder = placeholder(f"{acc}_moved")
-                extra[holder] = self.let(f"{acc}_moved", self.dims_of(left, env))
-                held.append(holder)
-            lefts = held
-        for acc, rule, left in zip(accs, rules, lefts):
-            env = self.env(left, rule.right, extra=extra)
-            state = self.var_dims[f"{acc}_values"] if is_selection(rule.op) else self.var_dims[acc]
-            self.add(PartMerge(step=step.name, name=acc, dims=state, op=rule.op, left=left, right=rule.right, env=env,
-                               slots=step.as_dim if has_slots(rule.op) else None,
-                               k=step.k if has_slots(rule.op) else None))
-        if self.read_in_loop(step):
-            self.running_value(step, accs)
-        elif not real.selection and real.value not in real.symbols:
-            self.hoist([real.value])
-
     # ------------------------------------------------------------ the kernel
     def kernel_ops(self) -> tuple[Op, ...]:
         """The set-up, hoisted loads and operations, less the offsets and masks no operation reads (a
@@ -366,4 +194,20 @@ def _without(ops: list[Op], unused: set[str], removed: set[str] | None = None) -
     return out
 
 
-# ---------------------------------------------------------------------- kernels and arguments
+def _without(ops: list[Op], unused: set[str], removed: set[str] | None = None) -> list[Op]:
+    """``ops`` with the offsets and masks named in ``unused`` not set up; ``removed``: every name taken
+    out, for a program's scalar lane offsets."""
+    out: list[Op] = []
+    for op in ops:
+        if isinstance(op, Offsets) and op.name in unused:
+            continue
+        if isinstance(op, Offsets) and op.mask and f"mask_{op.dim}" in unused:
+            op = Offsets(dim=op.dim, base=op.base, mask=False)
+        elif isinstance(op, Program) and removed is not None:
+            op = Program(lanes=op.lanes, tile=op.tile,
+                         used=frozenset(d for d in op.lanes if d not in op.tile and f"offs_{d}" not in removed))
+        elif isinstance(op, Loop):
+            op = replace(op, body=tuple(_without(list(op.body), unused, removed)),
+                         lanes=tuple(_without(list(op.lanes), unused, removed)))
+        out.append(op)
+    return out
