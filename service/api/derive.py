@@ -62,39 +62,30 @@ _CONTEXT.set_forkserver_preload(PRELOAD)  # only a list until the forkserver sta
 
 def _child(conn: Any, source: str) -> None:
     """In the child: the report's cache entry of the spec whose JSON text is ``source`` (text
-    crosses to the child cheaply; a parsed Spec costs the API's process a pickling), or the
-    error as plain data (a SpecError's ``loc`` and ``step`` do not survive pickling)."""
-    bound_child()  # dies with the API, its heap capped (service/api/child_bounds.py)
-    try:
-        os.nice(CHILD_NICE)
-    except OSError:
-        pass
+    crosses to the child cheaply; a parsed Spec costs the API's process a pickling)."""
     from fuser_core import load_spec, report_entry
 
-    try:
-        result: tuple = ("ok", *report_entry(load_spec(source)))
-    except SpecError as err:
-        result = ("spec", err.message, err.loc, err.step)
-    except DerivationLimitError as err:
-        result = ("limit", str(err))
-    except MemoryError:
-        result = ("limit", memory_message())
-    except Exception as err:  # noqa: BLE001 - a bug in the derivation: the parent logs it and answers 500
-        result = ("error", f"{type(err).__name__}: {err}")
-    conn.send(result)
-    conn.close()
+    _answer_in_child(conn, lambda: ("ok", *report_entry(load_spec(source))))
 
 
 def _compute_child(conn: Any, fn: Any, args: tuple, passes: tuple[type[Exception], ...]) -> None:
-    """In the child: ``fn(*args)`` as JSON text (:meth:`DerivationPool.compute`), an exception of
-    one of ``passes`` as itself (it pickles), or the failure as plain data."""
+    """In the child: ``fn(*args)`` as JSON text (:meth:`DerivationPool.compute`), or an exception of
+    one of ``passes`` as itself (it pickles)."""
+    _answer_in_child(conn, lambda: ("ok", json.dumps(fn(*args))), passes)
+
+
+def _answer_in_child(conn: Any, work: Any, passes: tuple[type[Exception], ...] = ()) -> None:
+    """A child's one job: bounded (it dies with the API, its heap capped: service/api/child_bounds.py)
+    at a lower CPU priority, ``work()``'s answer sent, or its failure as plain data (a SpecError's
+    ``loc`` and ``step`` do not survive pickling): "spec", "limit" (the derivation's limits, or the
+    heap), "raised" (one of ``passes``), "error" (a bug: the parent logs it and answers 500)."""
     bound_child()
     try:
         os.nice(CHILD_NICE)
     except OSError:
         pass
     try:
-        result: tuple = ("ok", json.dumps(fn(*args)))
+        result: tuple = work()
     except passes as err:
         result = ("raised", err)
     except SpecError as err:
