@@ -452,6 +452,17 @@ def test_database_errors_are_retried_and_the_worker_and_job_go_on(db_url, sessio
     assert not thread.is_alive()
 
 
+def run_to_end(db_url: str, sessions, job_id: str, worker_id: str, timeout: float = 180) -> Job:
+    """A worker thread runs until the job has ended (succeeded or failed); the job as it ended."""
+    thread, stop = start(db_url, worker_id=worker_id)
+    try:
+        wait_for(lambda: reload(sessions, job_id).status in ("succeeded", "failed"), timeout=timeout, what="the job")
+        return reload(sessions, job_id)
+    finally:
+        stop.set()
+        thread.join(30)
+
+
 def flapping_storage(real_storage, fails):
     """``tuner.make_storage`` whose Optuna storage fails Optuna's tell of a result when ``fails(n)``
     (the n-th such tell) and then its next ``get_trial`` too, as a database that stops under the tell does: Optuna
@@ -494,17 +505,10 @@ def test_a_database_that_flaps_more_often_than_the_resume_limit_fails_no_job(db_
     monkeypatch.setattr(service.worker, "MAX_RESUMES", 2)
     make, told = flapping_storage(tuner.make_storage, lambda n: n % 2 == 0 and n <= 16)  # 8 stops
     monkeypatch.setattr(tuner, "make_storage", make)
-    job_id = submit(sessions, trials=10)
-    thread, stop = start(db_url, worker_id="w-flap")
-    try:
-        wait_for(lambda: reload(sessions, job_id).status in ("succeeded", "failed"), timeout=180, what="the job")
-        job = reload(sessions, job_id)
-        assert job.status == "succeeded" and job.error is None, job.error
-        assert job.trials_done == 10 and job.attempts == 1
-        assert told["failed"] == 8 > service.worker.MAX_RESUMES
-    finally:
-        stop.set()
-        thread.join(30)
+    job = run_to_end(db_url, sessions, submit(sessions, trials=10), "w-flap")
+    assert job.status == "succeeded" and job.error is None, job.error
+    assert job.trials_done == 10 and job.attempts == 1
+    assert told["failed"] == 8 > service.worker.MAX_RESUMES
 
 
 def test_a_database_error_that_always_comes_back_fails_the_job_naming_it(db_url, sessions, monkeypatch) -> None:
@@ -517,17 +521,10 @@ def test_a_database_error_that_always_comes_back_fails_the_job_naming_it(db_url,
     monkeypatch.setattr(service.worker, "MAX_RESUMES", 2)
     make, told = flapping_storage(tuner.make_storage, lambda n: n >= 3)
     monkeypatch.setattr(tuner, "make_storage", make)
-    job_id = submit(sessions, trials=10)
-    thread, stop = start(db_url, worker_id="w-down")
-    try:
-        wait_for(lambda: reload(sessions, job_id).status in ("succeeded", "failed"), timeout=180, what="the job")
-        job = reload(sessions, job_id)
-        assert job.status == "failed" and "OperationalError" in job.error and "server closed (injected)" in job.error
-        assert "UnboundLocalError" not in job.error
-        assert told["failed"] == service.worker.MAX_RESUMES + 1 + 1  # the first stop, then one per resume
-    finally:
-        stop.set()
-        thread.join(30)
+    job = run_to_end(db_url, sessions, submit(sessions, trials=10), "w-down")
+    assert job.status == "failed" and "OperationalError" in job.error and "server closed (injected)" in job.error
+    assert "UnboundLocalError" not in job.error
+    assert told["failed"] == service.worker.MAX_RESUMES + 1 + 1  # the first stop, then one per resume
 
 
 def test_a_full_cache_disk_fails_no_job_and_leaves_no_temporary_file(db_url, sessions, monkeypatch, tmp_path) -> None:
@@ -556,19 +553,12 @@ def test_a_full_cache_disk_fails_no_job_and_leaves_no_temporary_file(db_url, ses
         return real_write(self, data, *args, **kwargs)
 
     monkeypatch.setattr(Path, "write_text", write_text)
-    job_id = submit(sessions, trials=6, shape={"m": 4, "n": 77})
-    thread, stop = start(db_url, worker_id="w-full")
-    try:
-        wait_for(lambda: reload(sessions, job_id).status in ("succeeded", "failed"), timeout=180, what="the job")
-        job = reload(sessions, job_id)
-        assert job.status == "succeeded" and job.error is None, job.error
-        assert job.attempts == 1 and job.trials_done == 6
-        with sessions() as s:
-            trials = job_queue.list_trials(s, job_id)
-        assert not any("No space left" in (t.error or "") for t in trials)  # no candidate charged for the disk
-    finally:
-        stop.set()
-        thread.join(30)
+    job = run_to_end(db_url, sessions, submit(sessions, trials=6, shape={"m": 4, "n": 77}), "w-full")
+    assert job.status == "succeeded" and job.error is None, job.error
+    assert job.attempts == 1 and job.trials_done == 6
+    with sessions() as s:
+        trials = job_queue.list_trials(s, job.id)
+    assert not any("No space left" in (t.error or "") for t in trials)  # no candidate charged for the disk
     assert writes["full"] == 3
     assert not list((tmp_path / "cache").rglob("*.tmp"))
 

@@ -192,22 +192,3 @@ def _without(ops: list[Op], unused: set[str], removed: set[str] | None = None) -
                          lanes=tuple(_without(list(op.lanes), unused, removed)))
         out.append(op)
     return out
-
-
-def _without(ops: list[Op], unused: set[str], removed: set[str] | None = None) -> list[Op]:
-    """``ops`` with the offsets and masks named in ``unused`` not set up; ``removed``: every name taken
-    out, for a program's scalar lane offsets."""
-    out: list[Op] = []
-    for op in ops:
-        if isinstance(op, Offsets) and op.name in unused:
-            continue
-        if isinstance(op, Offsets) and op.mask and f"mask_{op.dim}" in unused:
-            op = Offsets(dim=op.dim, base=op.base, mask=False)
-        elif isinstance(op, Program) and removed is not None:
-            op = Program(lanes=op.lanes, tile=op.tile,
-                         used=frozenset(d for d in op.lanes if d not in op.tile and f"offs_{d}" not in removed))
-        elif isinstance(op, Loop):
-            op = replace(op, body=tuple(_without(list(op.body), unused, removed)),
-                         lanes=tuple(_without(list(op.lanes), unused, removed)))
-        out.append(op)
-    return out
