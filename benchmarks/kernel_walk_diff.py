@@ -180,7 +180,8 @@ def _generate_one(case: dict) -> dict:
     from fuser_core.problem import make_problem, output_dtypes
     from fuser_core.spec import load_spec
     from tuner.analysis import Anatomy
-    from tuner.cost_model import predict, predict_chain
+    from tuner.chain_cost import predict_chain
+    from tuner.cost_model import predict
     from tuner.profiles import get_profile
     from tuner.space import Candidate
 

@@ -7,6 +7,8 @@ exits 2; the HTTP API turns ``loc`` into the problem+json error location.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SpecError(ValueError):
     """A spec that cannot be accepted.
@@ -39,3 +41,17 @@ class SpecError(ValueError):
 
 class DerivationLimitError(RuntimeError):
     """A derivation that would exceed its size or time budget (reported, never hung on)."""
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """A short repr for error messages that is safe on any decoded value (a deeply nested list
+    or a 5000-digit int makes ``repr`` raise RecursionError / ValueError)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, str):
+        text = repr(value[: limit + 1])
+    elif value is None or isinstance(value, bool | int | float):
+        text = repr(value)
+    else:
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

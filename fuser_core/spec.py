@@ -25,9 +25,10 @@ from dataclasses import replace
 from typing import Any
 
 from fuser_core import expr as ex
-from fuser_core.errors import SpecError
+from fuser_core.errors import SpecError, shown
 from fuser_core.reduce_ops import SPEC_REDUCE_KINDS, is_selection
 # the spec as data lives in spec_model; its names are the spec's public names, read from here too
+from fuser_core.spec_paged import check_page_tables, load_paged
 from fuser_core.spec_model import INPUT_KINDS, Input, Paged, Param, Spec, Step, raw_param  # noqa: F401
 
 MAX_SPEC_BYTES = 64 * 1024
@@ -50,8 +51,6 @@ CONSTRAINT = re.compile(r"\s*([A-Za-z][A-Za-z0-9_]{0,63})\s*(<=|<|==|>=|>)\s*([A
 MAX_CONSTRAINTS = 16
 STEP_KEYS = {"name", "expr", "reduce", "over", "k", "as", "doc"}
 INPUT_KEYS = {"dims", "kind", "doc", "paged"}
-PAGED_KEYS = {"dim", "by", "table", "page_size"}
-MAX_PAGE_SIZE = 4096  # slots per page (vLLM's blocks hold 16 to 256 keys)
 RUNTIME_PARAM_KEYS = {"runtime", "default", "positive", "doc"}
 RUNTIME_KINDS = ("float",)  # a runtime scalar is passed to the kernel as fp32 (never an int: see docs/SPEC.md)
 
@@ -61,20 +60,6 @@ def oriented(a: str, rel: str, b: str) -> tuple[str, str, str]:
     if rel in (">", ">="):
         return b, rel.replace(">", "<"), a
     return (min(a, b), rel, max(a, b)) if rel == "==" else (a, rel, b)
-
-
-def _show(value: Any, limit: int = 80) -> str:
-    """A short repr for error messages that is safe on any decoded value (a deeply nested list
-    or a 5000-digit int makes ``repr`` raise RecursionError / ValueError)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
-        return f"an integer of {value.bit_length()} bits"
-    if isinstance(value, str):
-        text = repr(value[: limit + 1])
-    elif value is None or isinstance(value, bool | int | float):
-        text = repr(value)
-    else:
-        return f"a {type(value).__name__}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _decode(source: str | bytes | Mapping[str, Any]) -> Any:
@@ -130,7 +115,7 @@ class _Loader:
     def ident(self, value: Any, loc: tuple[str | int, ...], what: str, step: str | None = None) -> str:
         if not isinstance(value, str) or not IDENT.match(value):
             raise SpecError(
-                f"{what} must be an identifier (a letter, then letters, digits or _; at most 64), got {_show(value)}",
+                f"{what} must be an identifier (a letter, then letters, digits or _; at most 64), got {shown(value)}",
                 loc=loc, step=step,
             )
         if value in ex.RESERVED:
@@ -143,7 +128,7 @@ class _Loader:
         unknown = sorted(set(obj) - allowed, key=str)  # a dict given directly may have non-str keys
         if unknown:
             raise SpecError(
-                f"unknown field {_show(unknown[0])} (allowed: {', '.join(sorted(allowed))})", loc=loc, step=step
+                f"unknown field {shown(unknown[0])} (allowed: {', '.join(sorted(allowed))})", loc=loc, step=step
             )
 
     def declare(self, name: str, obj: Input | Param | Step, loc: tuple[str | int, ...], step: str | None) -> None:
@@ -161,10 +146,10 @@ class _Loader:
             if required not in raw:
                 raise SpecError("this field is required", loc=(required,))
         if type(raw["foldwise"]) is not int or raw["foldwise"] != 1:  # not True, not 1.0
-            raise SpecError(f"unsupported format version {_show(raw['foldwise'], 40)}; expected 1", loc=("foldwise",))
+            raise SpecError(f"unsupported format version {shown(raw['foldwise'], 40)}; expected 1", loc=("foldwise",))
         name = raw["name"]
         if not isinstance(name, str) or not SPEC_NAME.match(name):
-            raise SpecError(f"must match [a-z][a-z0-9_]* (at most 64 characters), got {_show(name)}", loc=("name",))
+            raise SpecError(f"must match [a-z][a-z0-9_]* (at most 64 characters), got {shown(name)}", loc=("name",))
         doc = raw.get("doc", "")
         if not isinstance(doc, str) or len(doc) > MAX_DOC_CHARS:
             raise SpecError(f"must be text of at most {MAX_DOC_CHARS} characters", loc=("doc",))
@@ -174,7 +159,7 @@ class _Loader:
         steps = self.load_steps(raw["steps"])
         outputs = self.load_outputs(raw["outputs"], steps)
         self.check_reachability(inputs, params, steps, outputs)
-        self.check_page_tables(inputs)
+        check_page_tables(self, inputs)
         spec = Spec(
             name=name, doc=doc, inputs=inputs, params=params, steps=steps, outputs=outputs,
             dims=tuple(self.dims), merges=dict(self.merges), _by_name=dict(self.by_name),
@@ -192,7 +177,7 @@ class _Loader:
                             loc=("example",))
         for d, n in raw.items():
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise SpecError(f"must be a positive integer, got {_show(n, 40)}", loc=("example", str(d)))
+                raise SpecError(f"must be a positive integer, got {shown(n, 40)}", loc=("example", str(d)))
         return dict(raw)
 
     def load_constraints(self, raw: Any, dims: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
@@ -206,7 +191,7 @@ class _Loader:
         for i, text in enumerate(raw):
             m = CONSTRAINT.match(text) if isinstance(text, str) else None
             if m is None:
-                raise SpecError(f'expected "<dim> <relation> <dim>" (relation <, <=, ==, >= or >), got {_show(text)}',
+                raise SpecError(f'expected "<dim> <relation> <dim>" (relation <, <=, ==, >= or >), got {shown(text)}',
                                 loc=("constraints", i))
             a, rel, b = m.groups()
             for d in (a, b):
@@ -241,67 +226,17 @@ class _Loader:
                 raise SpecError(f"dim {dup!r} appears twice in one input", loc=(*loc, "dims"))
             kind = decl.get("kind", "float")
             if kind not in ("float", "index"):
-                raise SpecError(f"must be 'index' or 'float', got {_show(kind, 40)}", loc=(*loc, "kind"))
+                raise SpecError(f"must be 'index' or 'float', got {shown(kind, 40)}", loc=(*loc, "kind"))
             for d in dims:
                 if d not in self.dims:
                     self.dims.append(d)
             if len(self.dims) > MAX_DIMS:
                 raise SpecError(f"the spec uses more than {MAX_DIMS} dims", loc=(*loc, "dims"))
-            paged = self.load_paged(decl["paged"], tuple(dims), kind, out, (*loc, "paged")) if "paged" in decl else None
+            paged = load_paged(self, decl["paged"], tuple(dims), kind, out, (*loc, "paged")) if "paged" in decl else None
             inp = Input(name, tuple(dims), kind, paged=paged)
             self.declare(name, inp, loc, None)
             out.append(inp)
         return tuple(out)
-
-    def load_paged(self, raw: Any, dims: tuple[str, ...], kind: str, earlier: list[Input],
-                   loc: tuple[str | int, ...]) -> Paged:
-        """``"paged": {"dim": "n", "by": ["b"], "table": "block_table", "page_size": 16}``: the input is
-        stored in pages (a paged KV cache, :class:`~fuser_core.spec_model.Paged`). Inputs paged
-        through one table agree on its layout."""
-        self.keys(raw, PAGED_KEYS, loc)
-        for required in sorted(PAGED_KEYS):
-            if required not in raw:
-                raise SpecError("this field is required", loc=(*loc, required))
-        if kind != "float":
-            raise SpecError("only a float input is stored in pages", loc=loc)
-        dim = self.ident(raw["dim"], (*loc, "dim"), "dim name")
-        if dim not in dims:
-            raise SpecError(f"{dim!r} is not a dim of this input ({', '.join(dims)})", loc=(*loc, "dim"))
-        by = raw["by"]
-        if not isinstance(by, list) or not by:
-            raise SpecError("expected a non-empty list of the dims the table is indexed by, such as [\"b\"]",
-                            loc=(*loc, "by"))
-        for i, d in enumerate(by):
-            self.ident(d, (*loc, "by", i), "dim name")
-            if d not in dims or d == dim:
-                raise SpecError(f"{d!r} is not a dim of this input other than {dim!r}", loc=(*loc, "by", i))
-        if len(set(by)) != len(by):
-            raise SpecError("names a dim twice", loc=(*loc, "by"))
-        table = self.ident(raw["table"], (*loc, "table"), "table name")
-        size = raw["page_size"]
-        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_PAGE_SIZE:
-            raise SpecError(f"must be an integer from 1 to {MAX_PAGE_SIZE}, got {_show(size, 40)}",
-                            loc=(*loc, "page_size"))
-        paged = Paged(dim, tuple(by), table, size)
-        other = next((i for i in earlier if i.paged is not None and i.paged.table == table), None)
-        if other is not None and other.paged != paged:
-            raise SpecError(f"table {table!r} pages input {other.name!r} by dim {other.paged.dim!r}, by "
-                            f"{list(other.paged.by)}, page_size {other.paged.page_size}: the inputs it pages must "
-                            "agree", loc=loc)
-        return paged
-
-    def check_page_tables(self, inputs: tuple[Input, ...]) -> None:
-        """A page table's name is its own (the call passes it by name), and a paged input holds no
-        dims reduced together (its tensor is pages, not a view with a merged dim)."""
-        for inp in inputs:
-            if inp.paged is None:
-                continue
-            loc = ("inputs", inp.name, "paged")
-            if inp.storage_dims:
-                raise SpecError("holds dims reduced together: a paged input's dims are not merged", loc=loc)
-            if inp.paged.table in self.by_name or inp.paged.table in self.dims:
-                raise SpecError(f"table name {inp.paged.table!r} is already an input, param, step or dim name",
-                                loc=(*loc, "table"))
 
     def merge_dims(self, inputs: tuple[Input, ...], raw_steps: Any) -> tuple[Input, ...]:
         """Reductions with a list ``over`` ([c, p]) merge those dims into one, ``c_p`` (of size
@@ -388,10 +323,10 @@ class _Loader:
         kind = raw.get("runtime")
         if kind not in RUNTIME_KINDS:
             raise SpecError(f"a param given as an object is a runtime scalar: 'runtime' must be "
-                            f"{' or '.join(map(repr, RUNTIME_KINDS))}, got {_show(kind, 40)}", loc=(*loc, "runtime"))
+                            f"{' or '.join(map(repr, RUNTIME_KINDS))}, got {shown(kind, 40)}", loc=(*loc, "runtime"))
         positive = raw.get("positive", False)
         if not isinstance(positive, bool):
-            raise SpecError(f"must be true or false, got {_show(positive, 40)}", loc=(*loc, "positive"))
+            raise SpecError(f"must be true or false, got {shown(positive, 40)}", loc=(*loc, "positive"))
         doc = raw.get("doc", "")
         if not isinstance(doc, str) or len(doc) > MAX_DOC_CHARS:
             raise SpecError(f"must be text of at most {MAX_DOC_CHARS} characters", loc=(*loc, "doc"))
@@ -472,7 +407,7 @@ class _Loader:
             self.declare(sname, step, (*loc, "name"), sname)
             return step
         if reduce not in SPEC_REDUCE_KINDS:
-            raise SpecError(f"unknown reduction {_show(reduce, 40)}; one of {', '.join(SPEC_REDUCE_KINDS)}", loc=(*loc, "reduce"), step=sname)
+            raise SpecError(f"unknown reduction {shown(reduce, 40)}; one of {', '.join(SPEC_REDUCE_KINDS)}", loc=(*loc, "reduce"), step=sname)
         over = raw.get("over")
         if over is None:
             raise SpecError("a reduction needs 'over' (the dim it reduces)", loc=(*loc, "over"), step=sname)
@@ -590,7 +525,7 @@ class _Loader:
             if not isinstance(name, str) or name not in names:
                 obj = self.by_name.get(name) if isinstance(name, str) else None
                 what = "an input" if isinstance(obj, Input) else "a param" if isinstance(obj, Param) else "not a step"
-                raise SpecError(f"{_show(name)} is {what}; outputs name steps", loc=("outputs", i))
+                raise SpecError(f"{shown(name)} is {what}; outputs name steps", loc=("outputs", i))
             if raw.index(name) != i:
                 raise SpecError(f"{name!r} is listed twice", loc=("outputs", i))
         return tuple(raw)

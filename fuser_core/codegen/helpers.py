@@ -1,7 +1,7 @@
 """The ``@triton.jit`` helpers that generated kernels call, as real functions.
 
 A generated module gets the source of each helper its kernels need, copied by name
-(:func:`fuser_core.codegen.emit.helper_source`), with the helpers those call, in the order they
+(:func:`fuser_core.codegen.helper_copy.helper_source`), with the helpers those call, in the order they
 are defined here; which ones a kernel needs comes from its operations
 (:meth:`fuser_core.codegen.ops.Op.helpers`). Each helper is one block: its definition with the
 comments and statements just above it (``bf16_round``'s two definitions, chosen by

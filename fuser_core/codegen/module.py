@@ -19,7 +19,8 @@ from pathlib import Path
 from types import ModuleType
 
 from fuser_core.canonical import canonical_json
-from fuser_core.codegen.emit import helper_source, kernels_source
+from fuser_core.codegen.emit import kernels_source
+from fuser_core.codegen.helper_copy import helper_source
 from fuser_core.codegen.names import FP8_NATIVE, TMA_LOADS, WIDE_OFFSETS, safe_name, scalar_arg
 from fuser_core.codegen.ops import Descriptor, walk
 from fuser_core.codegen.plan import KernelConfig, KernelPlan, make_plan

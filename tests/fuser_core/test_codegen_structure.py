@@ -352,7 +352,7 @@ def test_the_printer_prints_operations_only() -> None:
 
 def test_helpers_are_real_functions_copied_by_name() -> None:
     import fuser_core.codegen.helpers as helpers
-    from fuser_core.codegen.emit import helper_names, helper_source
+    from fuser_core.codegen.helper_copy import helper_names, helper_source
 
     names = helper_names()
     assert {"rescale", "topk_merge", "fp8e4m3_bits", "bf16_round", "pow_real"} <= set(names)

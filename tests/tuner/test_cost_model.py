@@ -27,7 +27,8 @@ from fuser_core.spec import load_spec
 from tests.support.cascades import red, spec_of
 from tuner import measure as measure_mod
 from tuner.analysis import Anatomy, tree_cost
-from tuner.cost_model import KernelLoad, kernel_time, predict, predict_chain
+from tuner.chain_cost import predict_chain
+from tuner.cost_model import KernelLoad, kernel_time, predict
 from tuner.measure import Measurement, Measurer, ModelMeasurer, clear_verification_cache, reduced_problem
 from tuner.profiles import FLEET, PROFILES, get_profile, profile_for_device_name
 from tuner.space import Candidate, SearchSpace
