@@ -189,7 +189,7 @@ class Chaos:
             conn.execute(sa.text('CREATE DATABASE "chaos"'))
         admin.dispose()
         self.url = self.pg.url("chaos")
-        from service.db import upgrade
+        from service.store.db import upgrade
 
         upgrade(self.url)
         self.engine = self.db()

@@ -1,7 +1,7 @@
 """Server time of every dashboard page with 1,000 jobs and 50,000 trials (a benchmark, not a test).
 
-Seeds a fresh database through the service's models (``service.models``; specs through
-``service.spec_store.ensure_spec``, so each carries its real derivation report): the catalog's specs,
+Seeds a fresh database through the service's models (``service.store.models``; specs through
+``service.store.spec_store.ensure_spec``, so each carries its real derivation report): the catalog's specs,
 ``--jobs`` jobs over them in every status, ``--trials`` trials (one job holds ``--max-trials``
 of them, the largest job page there can be; the rest are spread over the others), a kernel
 with its bundle for each succeeded job, and a few workers. Then it times, in-process through
@@ -53,9 +53,9 @@ def seed(url: str, *, n_jobs: int, n_trials: int, max_trials: int, seed_value: i
     """Fill a migrated database; returns ids the page timings need."""
     from fuser_core.canonical import canonical_names
     from fuser_core.spec import load_spec
-    from service import spec_store
-    from service.db import make_engine, session_factory
-    from service.models import Bundle, Job, KernelRecord, TrialRecord, WorkerRecord
+    from service.store import spec_store
+    from service.store.db import make_engine, session_factory
+    from service.store.models import Bundle, Job, KernelRecord, TrialRecord, WorkerRecord
 
     rng = random.Random(seed_value)
     engine = make_engine(url)
@@ -268,7 +268,7 @@ def main() -> None:
     if args.jobs < 2 or args.trials < 1:
         parser.error("--jobs must be at least 2 and --trials at least 1")
 
-    from service.db import upgrade
+    from service.store.db import upgrade
 
     manager = postgres_db(args.postgres) if args.postgres else sqlite_db()
     backend = "PostgreSQL" if args.postgres else "SQLite"

@@ -17,7 +17,7 @@ launch's specialisation, so the first ``kernel[grid](...)`` only loads the modul
   compiles for sm_90 into an empty Triton cache, as an inference server's first launch does);
 - **cubin** (what :class:`service.client.KernelCache` does): ``json.loads`` + ``verify_bundle`` of
   the format-2 bundle (every cubin's sha256 included), the same module import, then
-  :func:`service.cubin_loader.seed_jit_caches` (cubin hashes checked again, the same warm-up
+  :func:`service.client.cubin_loader.seed_jit_caches` (cubin hashes checked again, the same warm-up
   launches, each given a ``CompiledKernel`` built from the stored metadata and cubin: no
   compile, no source hashing, no Triton cache files);
 - **via Triton's cache** (the previous cubin path, kept for comparison and as the client's path
@@ -75,7 +75,7 @@ def _warm_up_launches(module, bundle: dict) -> list:
     """The module's launcher on meta tensors, each launch a Triton warm-up (no launch)."""
     from triton.runtime.jit import JITFunction
 
-    from service.cubin_loader import meta_inputs
+    from service.client.cubin_loader import meta_inputs
 
     kernels = []
     original = JITFunction.run
@@ -95,7 +95,7 @@ def time_path(path: str, content: bytes, folder: str, n: int) -> tuple[float, fl
     """Seconds of one path (module docstring), from the bundle's bytes to a ready kernel: (the
     path without the module import, the import)."""
     from service.bundle import install_variant, verify_bundle
-    from service.cubin_loader import seed_jit_caches
+    from service.client.cubin_loader import seed_jit_caches
 
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache  # empty: nothing compiled before
@@ -152,7 +152,7 @@ def _one(path: str, bundle_file: str) -> None:
 
 
     import service.bundle  # noqa: F401
-    import service.cubin_loader  # noqa: F401
+    import service.client.cubin_loader  # noqa: F401
 
     _set_up_process()
     # the imports leave a full garbage collection pending (hundreds of thousands of new objects):
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "kernel ready in Triton's JIT cache (json, verify, module import, the launches bound and keyed by "
         "Triton on `meta` tensors with a stand-in driver for sm_90). *source* compiles every kernel for "
         "sm_90 into an empty cache (an inference server's first launch); *cubin* is the client's path "
-        "(`service.cubin_loader`: a `CompiledKernel` from the stored metadata and cubin, hashes verified); "
+        "(`service.client.cubin_loader`: a `CompiledKernel` from the stored metadata and cubin, hashes verified); "
         "*via Triton's cache* is the previous cubin path (install into Triton's cache, `triton.compile` "
         "finding it). Triton's CUDA driver start-up, `cuModuleLoadData` and the first launch are not "
         "measured, and outputs were not checked against float64 on a GPU.",

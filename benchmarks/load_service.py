@@ -61,7 +61,7 @@ def free_port() -> int:
 
 def prepare(db_url: str) -> dict:
     """Tune the benchmark's job once (in this process) and return its submission request."""
-    from service.db import make_engine, session_factory, upgrade
+    from service.store.db import make_engine, session_factory, upgrade
     from service.worker import run_worker
 
     upgrade(db_url)
@@ -78,7 +78,7 @@ def prepare(db_url: str) -> dict:
     run_worker(db_url, measurer="model", target="h100", once=True)
     engine = make_engine(db_url)
     with session_factory(engine)() as s:
-        from service import job_queue
+        from service.store import job_queue
 
         job = job_queue.get_job(s, r.json()["id"])
         assert job.status == "succeeded", job.error

@@ -56,9 +56,9 @@ def main() -> int:
     from fuser_core import spec_source
     from service.api import create_app
     from service.client import KernelCache
-    from service.db import upgrade
+    from service.store.db import upgrade
     from service.settings import get_settings
-    from service.tuning import quiet_optuna
+    from service.worker.tuning import quiet_optuna
     from service.worker import run_worker
 
     quiet_optuna()

@@ -171,7 +171,7 @@ class _Loader:
     def load_example(self, raw: Any) -> dict[str, int]:
         """``"example": {"m": 3, "n": 37}``: a shape the spec runs at, dim -> a positive size. Bound
         to the spec (its dims, limits and constraints) where a command uses it, as every shape is
-        (fuser_core.problem.bind_shape; service.cli_checks names it ``example``)."""
+        (fuser_core.problem.bind_shape; service.cli.checks names it ``example``)."""
         if not isinstance(raw, dict) or not raw or len(raw) > MAX_DIMS:
             raise SpecError(f"expected an object of at most {MAX_DIMS} dim -> size, such as {{\"m\": 4, \"n\": 300}}",
                             loc=("example",))

@@ -1,8 +1,8 @@
-"""Alembic environment for the service database (see service/db.py for how it is invoked).
+"""Alembic environment for the service database (see service/store/db.py for how it is invoked).
 
-The URL comes from ``config.attributes["url"]`` (set by :func:`service.db.alembic_config`),
+The URL comes from ``config.attributes["url"]`` (set by :func:`service.store.db.alembic_config`),
 or an open connection from ``config.attributes["connection"]``. Engines are made by
-:func:`service.db.make_engine`, so SQLite migrations run with the same pragmas and
+:func:`service.store.db.make_engine`, so SQLite migrations run with the same pragmas and
 ``BEGIN IMMEDIATE`` as the service. On PostgreSQL a transaction-level advisory lock makes
 concurrent ``foldwise db upgrade`` runs wait for each other instead of both creating tables.
 Only the default schema is compared and migrated: Optuna's tables live in the ``optuna``
@@ -14,8 +14,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context
 
-from service.db import make_engine
-from service.models import Base
+from service.store.db import make_engine
+from service.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -25,7 +25,7 @@ MIGRATION_LOCK_ID = 0x466F6C64  # "Fold": pg_advisory_xact_lock key for migratio
 def _url() -> str:
     url = config.attributes.get("url") or config.get_main_option("sqlalchemy.url")
     if not url:
-        raise RuntimeError("no database URL: use service.db.upgrade(url) or `foldwise db upgrade --db URL`")
+        raise RuntimeError("no database URL: use service.store.db.upgrade(url) or `foldwise db upgrade --db URL`")
     return url
 
 

@@ -45,7 +45,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from service.models import SCOPES, ApiToken
+from service.store.models import SCOPES, ApiToken
 
 TOKEN_PREFIX = "fw_"
 MAX_TOKEN_CHARS = 256

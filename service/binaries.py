@@ -32,12 +32,12 @@ from urllib.parse import quote
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from service import kernel_cache
+from service.store import kernel_cache
 from service.errors import BundleCorrupted, NotFound
-from service.served_bundles import bundle_intact, store_served
+from service.store.served_bundles import bundle_intact, store_served
 from service.bundle import (KINDS, BundleError, canonical_bytes, make_variant, newest_per_arch, triton_version_key,
                             variant_compiler, variant_kind, verify_variant)
-from service.models import Bundle, KernelRecord, KernelBinary, utcnow
+from service.store.models import Bundle, KernelRecord, KernelBinary, utcnow
 
 if TYPE_CHECKING:
     from tuner import Measurer
@@ -94,7 +94,7 @@ def job_variant(bundle: Mapping[str, Any], measured: Mapping[str, Any] | None = 
 
 def store_variant(session: Session, bundle_sha256: str, variant: dict) -> KernelBinary:
     """Store (or replace) the variant of a stored bundle for its arch and Triton version, and
-    rebuild the bundle's served format-2 and -3 copies (service.served_bundles); flushes, does
+    rebuild the bundle's served format-2 and -3 copies (service.store.served_bundles); flushes, does
     not commit."""
     verify_variant(variant)
     stored = session.get(Bundle, bundle_sha256)

@@ -25,7 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session
 
-from service.models import JOB_STATUSES, TRIAL_STATES, Job, KernelRecord, TrialRecord, WorkerRecord
+from service.store.models import JOB_STATUSES, TRIAL_STATES, Job, KernelRecord, TrialRecord, WorkerRecord
 
 log = logging.getLogger("foldwise.metrics")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -16,7 +16,7 @@
 Stopping: SIGTERM or SIGINT to ``serve`` stops accepting, lets the requests in flight finish,
 and stops the tuning process at once (SIGTERM). Its workers have :data:`WORKER_STOP_S` to end
 their trial and give their job back; the jobs of those that did not are given back by the
-process itself (:func:`service.job_queue.release_worker_jobs`: a late write of theirs is then
+process itself (:func:`service.store.job_queue.release_worker_jobs`: a late write of theirs is then
 refused), and it exits without waiting for them. So ``serve`` stops within a few seconds, and
 no job waits for a lease to expire (nor counts a lost worker). The tuning process also stops by
 itself when its parent is gone, so a killed ``serve`` leaves no tuner behind.
@@ -27,7 +27,7 @@ which is all ``serve`` needs; gunicorn would add a dependency and a second confi
 language for the same pre-fork model.
 
 The processes share the database: PostgreSQL, or the SQLite file in WAL mode with a 30 s
-``busy_timeout`` and ``BEGIN IMMEDIATE`` (service/db.py), one writer at a time.
+``busy_timeout`` and ``BEGIN IMMEDIATE`` (service/store/db.py), one writer at a time.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ def fast_extras() -> dict[str, str]:
 
 
 def http_options(settings: Settings) -> dict[str, Any]:
-    """uvicorn's options that bound a request's head and the connections (service/http_limits.py),
+    """uvicorn's options that bound a request's head and the connections (service/http/limits.py),
     with the open-file limit raised first."""
-    from service.http_limits import raise_open_file_limit, uvicorn_http_options
+    from service.http.limits import raise_open_file_limit, uvicorn_http_options
 
     raise_open_file_limit()
     return uvicorn_http_options(settings.max_header_bytes, settings.header_timeout_seconds, settings.max_connections)
@@ -71,7 +71,7 @@ def http_app() -> Any:
     from service.api import create_app
     from service.logs import configure_logging
 
-    from service.http_limits import set_head_limits
+    from service.http.limits import set_head_limits
 
     configure_logging(os.environ.get(LOG_LEVEL_ENV, "info"))
     settings = Settings.model_validate_json(os.environ[SETTINGS_ENV])
@@ -227,8 +227,8 @@ def tuning_process(settings_json: str, measurer: str, log_level: str, parent_pid
 
 
 def _release_jobs(db_url: str, worker_ids: list[str]) -> None:
-    from service import job_queue
-    from service.db import make_engine, session_factory
+    from service.store import job_queue
+    from service.store.db import make_engine, session_factory
 
     engine = make_engine(db_url)
     try:

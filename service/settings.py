@@ -19,7 +19,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fuser_core import MAX_ELEMENTS, MAX_WORK
-from service.http_limits import HEADER_TIMEOUT_S, MAX_CONNECTIONS, MAX_HEADER_BYTES
+from service.http.limits import HEADER_TIMEOUT_S, MAX_CONNECTIONS, MAX_HEADER_BYTES
 from service.tuning_request import MEASURERS
 
 
@@ -56,7 +56,7 @@ class Settings(BaseSettings):
     derive_timeout_seconds: float = Field(60.0, gt=0)
     derive_workers: int = Field(default_factory=default_derive_workers, ge=1, le=64)
     derive_queue: int = Field(8, ge=0, le=1024)
-    # what a client can make the server hold before its request reaches the app (service/http_limits.py)
+    # what a client can make the server hold before its request reaches the app (service/http/limits.py)
     max_header_bytes: int = Field(MAX_HEADER_BYTES, ge=1024, le=1 << 24)
     header_timeout_seconds: float = Field(HEADER_TIMEOUT_S, gt=0, le=3600)
     max_connections: int = Field(MAX_CONNECTIONS, ge=1, le=1 << 20)

@@ -1,8 +1,8 @@
 """The one request normaliser: a tuning submission bound and checked once.
 
 Every way in — ``POST /v1/jobs`` (service/api/validation.py), the dashboard's submit form (the
-same route), ``foldwise tune`` and the job-queue worker (service/cli.py, service/tuning.py,
-service/worker.py) — names its spec, shape, dtype, target, measurer and budget here:
+same route), ``foldwise tune`` and the job-queue worker (service/cli/__init__.py, service/worker/tuning.py,
+service/worker/__init__.py) — names its spec, shape, dtype, target, measurer and budget here:
 :func:`tuning_request` checks each field once, binds the shape and dtypes to the spec once
 (:mod:`fuser_core.problem`), and answers a :class:`TuningRequest` whose shape is canonical and
 dtype normalized (the names bundles, jobs and kernels are keyed by, :mod:`service.bundle`).
@@ -171,7 +171,7 @@ class TuningRequest:
 
     @cached_property
     def dedupe_key(self) -> str:
-        """A job's identity: submissions with the same key are the same job (service.job_queue)."""
+        """A job's identity: submissions with the same key are the same job (service.store.job_queue)."""
         return dedupe_key(self.spec_hash, self.shape_key, self.dtype_key, self.target, self.measurer)
 
 

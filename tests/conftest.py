@@ -99,7 +99,7 @@ def service_db_url(request, tmp_path):
 @pytest.fixture()
 def db_url(service_db_url):
     """A migrated service database (both backends, as ``service_db_url``)."""
-    from service.db import upgrade
+    from service.store.db import upgrade
 
     upgrade(service_db_url)
     return service_db_url
@@ -108,7 +108,7 @@ def db_url(service_db_url):
 @pytest.fixture()
 def sessions(db_url):
     """A session factory on the migrated database ``db_url``."""
-    from service.db import make_engine, session_factory
+    from service.store.db import make_engine, session_factory
 
     engine = make_engine(db_url)
     yield session_factory(engine)

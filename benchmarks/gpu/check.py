@@ -415,12 +415,12 @@ def client_load(path: str, seed: int) -> dict[str, Any]:
     from fuser_core.spec import load_spec
     from fuser_core.tensors import to_torch
     from service.bundle import load_bundle
-    from service.client import KernelCache
+    from service.client.binary import prepare_binary
 
     bundle = json.loads(Path(path).read_text())
     t0 = time.perf_counter()
     kernel = load_bundle(bundle)
-    info = KernelCache._prepare_binary(bundle, kernel)
+    info = prepare_binary(bundle, kernel)
     load_ms = (time.perf_counter() - t0) * 1e3
     spec = load_spec(bundle["spec"], printed=True)
     shape = dict(bundle["shape"])

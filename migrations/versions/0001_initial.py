@@ -1,8 +1,8 @@
 """Initial schema: specs, bundles, kernels, jobs, trials, workers, api_tokens.
 
-Written by hand to match service/models.py (tests/service/test_db.py checks that Alembic's
+Written by hand to match service/store/models.py (tests/service/test_db.py checks that Alembic's
 autogenerate finds no difference). Datetimes are ``DateTime(timezone=True)``: ``timestamptz``
-on PostgreSQL; on SQLite, service.models.UTCDateTime stores UTC wall time.
+on PostgreSQL; on SQLite, service.store.models.UTCDateTime stores UTC wall time.
 
 Revision ID: 0001
 Revises:

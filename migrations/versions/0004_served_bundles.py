@@ -1,6 +1,6 @@
 """Format-2 bundles precomputed (issue 16): ``served_bundles``, one row per (bundle, view).
 
-A new table, filled here for the bundles stored before it (service.served_bundles.rebuild_views:
+A new table, filled here for the bundles stored before it (service.store.served_bundles.rebuild_views:
 the views the writers compute): every bundle whose bytes verify gets its views ``"2"``,
 ``"2:none"`` and one ``"2:<arch>"`` per stored binary whose bytes verify (since issue 21, also
 format 3's). A bundle that does not verify gets none (it is not served in either format).
@@ -37,7 +37,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("bundle_sha256", "view", name="pk_served_bundles"),
     )
     # the views as the writers compute them today (formats 2 and 3; 0005 rebuilds them again)
-    from service.served_bundles import rebuild_views
+    from service.store.served_bundles import rebuild_views
 
     rebuild_views(op.get_bind())
 

@@ -6,7 +6,7 @@ A cubin belongs to the Triton that compiled it (its launcher, its cache key, its
 inference image's) is often not the server's. So each Triton version's variant of a bundle is
 kept: the primary key gains ``triton_version`` (the column exists since 0003, filled for every
 row, so every existing row keeps its key). Then every bundle's served views are rebuilt
-(service.served_bundles.rebuild_views, what the writers compute): the format-2 views are
+(service.store.served_bundles.rebuild_views, what the writers compute): the format-2 views are
 unchanged for one variant per arch, and the format-3 views are added.
 
 Revision ID: 0005
@@ -27,7 +27,7 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    from service.served_bundles import rebuild_views
+    from service.store.served_bundles import rebuild_views
 
     with op.batch_alter_table("kernel_binaries", recreate="auto") as batch:
         batch.drop_constraint("pk_kernel_binaries", type_="primary")
@@ -40,7 +40,7 @@ def downgrade() -> None:
     import sqlalchemy as sa
 
     from service.bundle import triton_version_key
-    from service.served_bundles import rebuild_views
+    from service.store.served_bundles import rebuild_views
 
     conn = op.get_bind()
     table = sa.table("kernel_binaries", sa.column("bundle_sha256", sa.String), sa.column("arch", sa.String),

@@ -3,7 +3,7 @@
 A range job (service/shape_ranges.py) tunes one kernel per bucket; each is an ordinary
 ``kernels`` row keyed by its bucket's shape, and this table maps the range's key (spec, range
 shape, dtype, target, versions) to those kernels, so a lookup for any shape inside the range
-finds them (service.kernel_cache.find_range). Nothing existing changes.
+finds them (service.store.kernel_cache.find_range). Nothing existing changes.
 
 Revision ID: 0006
 Revises: 0005

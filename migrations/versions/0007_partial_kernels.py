@@ -1,7 +1,7 @@
 """Partial kernels (issue 26): a job that fails keeps its best kernel so far, marked partial.
 
 ``kernels.partial`` (false for every existing row) says a kernel is the best of a failed job
-(service.job_queue.keep_partial); lookups and submissions never see one (service.kernel_cache).
+(service.store.job_queue.keep_partial); lookups and submissions never see one (service.store.kernel_cache).
 It joins the cache key ``uq_kernels_key``, so a key holds one finished and one partial kernel
 at most and a failed job's kernel never takes the place of a finished one.
 

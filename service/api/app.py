@@ -39,7 +39,7 @@ from service.api.problems import (
 )
 from service.auth import AuthPolicy, is_loopback
 from service.bundle.signing import Signer
-from service.db import check_current, make_engine, session_factory
+from service.store.db import check_current, make_engine, session_factory
 from service.metrics import Metrics
 from service.settings import Settings, get_settings
 
@@ -85,7 +85,7 @@ def create_app(settings: Settings | None = None, *, check_db: bool = True, dashb
                derive_timeout_s: float | None = None, fast_path: bool = True) -> FastAPI:
     """The API for ``settings`` (default: from the environment).
 
-    ``check_db``: refuse (``service.db.DatabaseBehind``) a database that is not migrated to
+    ``check_db``: refuse (``service.store.db.DatabaseBehind``) a database that is not migrated to
     this code's head. The server's bind address (``settings.host``) decides the auth policy
     (service.auth). ``fast_path``: answer bundle downloads before the framework's routing
     (service.api.fastpath; same answers).

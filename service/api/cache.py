@@ -2,7 +2,7 @@
 
 - :class:`BundleCache`: bundle bytes by sha256. A bundle's content is fixed by its hash, so a
   cached copy can never be stale; the bytes were verified (re-hashed) when read from the
-  database (:func:`service.kernel_cache.get_bundle_bytes`). Bounded by total size (LRU).
+  database (:func:`service.store.kernel_cache.get_bundle_bytes`). Bounded by total size (LRU).
 - :class:`SpecCache`: per spec_hash, the canonical spec and the dim names of the spec as first
   stored (specs are immutable by hash), so kernel lookups need not parse a spec each time.
 """

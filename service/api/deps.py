@@ -8,7 +8,7 @@ The request's token is checked in the same thread, with the same session, before
 enter and exit, and a sync route, would each take one). The session is closed (its connection
 back in the pool) at the end of each ``run``, in the thread that used it.
 
-Reads use a *read* session: on SQLite an engine without ``BEGIN IMMEDIATE`` (service/db.py
+Reads use a *read* session: on SQLite an engine without ``BEGIN IMMEDIATE`` (service/store/db.py
 starts every transaction with it, which takes the write lock) and with ``query_only``, so
 concurrent reads in WAL mode neither wait for each other nor for a worker's write; on
 PostgreSQL the same engine as writes.

@@ -10,7 +10,7 @@ documented route in routes_kernels.py, which calls the same :func:`bundle_answer
 2. the kernel's current bundle hash: one primary-key lookup (a kernel is replaced in place
    when a better one is found, so this is read every time, never cached); for ``?format=2``,
    ``?format=3`` or ``?arch=``, the same lookup joined to the bundle's precomputed view
-   (service.served_bundles: built when the bundle or a binary was stored, never per request);
+   (service.store.served_bundles: built when the bundle or a binary was stored, never per request);
 3. ``If-None-Match`` -> 304; else the bytes from the in-memory cache by sha256 (content
    addressed: never stale), or from the database, re-hashed, then cached.
 
@@ -40,15 +40,15 @@ from service.api.problems import HttpProblem, not_found
 from service.auth import _ANY_TOKEN, _TOKEN_ROW, AuthError, TokenLookup
 from service.bundle import ARCH_PATTERN
 from service.bundle.signing import SIGNATURE_HEADER
-from service.models import KernelRecord, ServedBundle
-from service.served_bundles import no_binaries, served_bytes, view_of
+from service.store.models import KernelRecord, ServedBundle
+from service.store.served_bundles import no_binaries, served_bytes, view_of
 
 log = logging.getLogger("foldwise.api")
 BUNDLE_PATH = re.compile(r"/v1/kernels/([0-9a-f]{32})/bundle")
 ARCH = re.compile(ARCH_PATTERN.encode())  # the route's pattern for ?arch=
 ROUTE = SimpleNamespace(path="/v1/kernels/{kernel_id}/bundle")  # the metrics label
 _SHA_QUERY = sa.select(KernelRecord.bundle_sha256).where(KernelRecord.id == sa.bindparam("kernel_id"))
-# formats 2 and 3: the kernel's bundle joined to its precomputed views (service.served_bundles), one indexed read
+# formats 2 and 3: the kernel's bundle joined to its precomputed views (service.store.served_bundles), one indexed read
 _SERVED_QUERY = (sa.select(KernelRecord.bundle_sha256, ServedBundle.view, ServedBundle.sha256)
                  .outerjoin(ServedBundle, sa.and_(ServedBundle.bundle_sha256 == KernelRecord.bundle_sha256,
                                                   ServedBundle.view.in_([sa.bindparam("view"),
@@ -192,7 +192,7 @@ def etag_matches(if_none_match: str | None, sha: str) -> bool:
 async def bundle_answer(ctx: AppContext, kernel_id: str, authorization: str | None, if_none_match: str | None,
                         *, format: int = 1, arch: str | None = None) -> tuple[int, dict[str, str], bytes]:
     """(status, headers, body) of a bundle request; raises HttpProblem for errors. ``format`` 2 or 3,
-    or an ``arch`` (format 2 unless 3 is asked for): the precomputed view (service.served_bundles)."""
+    or an ``arch`` (format 2 unless 3 is asked for): the precomputed view (service.store.served_bundles)."""
     view = view_of(arch, 3 if format == 3 else 2) if (format in (2, 3) or arch is not None) else None
     reader = ctx.loop_reader
     found = None

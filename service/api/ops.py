@@ -1,7 +1,7 @@
 """What the routes do: plain functions of a Session (run in the thread pool by
 :class:`service.api.deps.Db`), and :func:`submit_job`, the one call a submission makes; the
-stores themselves are :mod:`service.spec_store`, :mod:`service.job_queue` and
-:mod:`service.kernel_cache`."""
+stores themselves are :mod:`service.store.spec_store`, :mod:`service.store.job_queue` and
+:mod:`service.store.kernel_cache`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from fuser_core import Spec, SpecError, bound_to_canonical, canonical_shape, load_spec, normalize_dtype
-from service import job_queue, kernel_cache, spec_store
+from service.store import job_queue, kernel_cache, spec_store
 from service.api.cache import SpecCache
 from service.api.deps import AppContext, Db
 from service.api.problems import HttpProblem, error_entry, invalid, invalid_field, not_found
@@ -22,7 +22,7 @@ from service.api.schemas import JobRequest, iso, job_view, kernel_view, trial_vi
 from service.api.validation import ParsedSpecs, job_request, query_value
 from service.bundle import dtype_text, parse_dtype_text, parse_shape_text, shape_text
 from service.dim_names import DimNames
-from service.models import Job, KernelRecord, SpecRecord, WorkerRecord, utcnow
+from service.store.models import Job, KernelRecord, SpecRecord, WorkerRecord, utcnow
 from service.settings import Settings
 from service.tuning_request import TuningRequest
 
@@ -41,7 +41,7 @@ class SpecInfo:
 
 
 def resolve_hash(session: Session, text: str, *, field: str = "spec_hash", where: str = "query") -> str | None:
-    """A spec hash or a prefix of one (:func:`service.spec_store.resolve_hash`) as the full hash;
+    """A spec hash or a prefix of one (:func:`service.store.spec_store.resolve_hash`) as the full hash;
     None when no stored spec matches. 422 naming ``field`` for a malformed one, 409 naming it for
     an ambiguous prefix."""
     try:
@@ -131,7 +131,7 @@ class LiveWorkers:
 
 def job_warnings(job: Any, live: set[tuple[str, str]] | None) -> list[str]:
     """Why a queued job may never run: no live worker claims its (target, measurer)
-    (:func:`service.job_queue.claim_job` matches both). Empty once one registers."""
+    (:func:`service.store.job_queue.claim_job` matches both). Empty once one registers."""
     if job.status != "queued" or live is None or (job.target, job.measurer) in live:
         return []
     start = (f"start one: foldwise serve --targets {job.target}, or foldwise worker --target {job.target} "
@@ -160,7 +160,7 @@ async def submit_job(db: Db, ctx: AppContext, req: JobRequest, request: Any = No
        once, and the job of an identical earlier request if there is one (the answer);
     2. a spec never stored is derived off the event loop, bounded (:meth:`service.api.derive.DerivationPool.report_spec`:
        one deadline, 429/503, stopped if ``request``'s client leaves; cached in-process, so storing it is fast);
-    3. :func:`_submit` (a write): :func:`service.job_queue.submit_job` with the same request.
+    3. :func:`_submit` (a write): :func:`service.store.job_queue.submit_job` with the same request.
     """
     live = LiveWorkers(alive_within_s(ctx.settings))
     found = await db.run(_find_submitted, ctx.specs, ctx.parsed_specs, req, ctx.settings, live, read=True)
@@ -198,7 +198,7 @@ def _find_submitted(session: Session, cache: SpecCache, parsed: ParsedSpecs, req
 
 
 def _submit(session: Session, cache: SpecCache, request: TuningRequest, live: LiveWorkers) -> Submission:
-    """Submit a checked request (idempotent, :func:`service.job_queue.submit_job`)."""
+    """Submit a checked request (idempotent, :func:`service.store.job_queue.submit_job`)."""
     job, created = job_queue.submit_job(session, request)
     return Submission(request, view=_caller_view(session, cache, job, live, request), created=created)
 

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from service.api import ops
 from service.api.deps import AppContext, Context, Db, database
 from service.api.schemas import JobList, JobRequest, JobView, ProblemView, TrialList
-from service.spec_store import HASH_PATTERN
+from service.store.spec_store import HASH_PATTERN
 from service.tuning_request import TARGET_PATTERN
 
 router = APIRouter(tags=["jobs"])

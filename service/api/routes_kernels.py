@@ -3,7 +3,7 @@
 Bundles are served as stored, byte for byte (``application/json``), with
 ``ETag: "<sha256>"``; ``If-None-Match`` with that tag (or ``*``) answers 304 without a body.
 Formats 2 and 3 (``?format=2|3``, ``?arch=``) are stored too, precomputed per view when the
-bundle or a binary is stored (service.served_bundles). The bytes are re-hashed when first read
+bundle or a binary is stored (service.store.served_bundles). The bytes are re-hashed when first read
 from the database and then cached in memory by sha256 (content addressed, so never stale); the
 per-request database work is one indexed lookup of the kernel's current bundle (formats 2 and
 3: joined to its stored view), after the token check.
@@ -22,7 +22,7 @@ from service.api.fastpath import bundle_answer
 from service.api.routes_jobs import ERRORS
 from service.api.schemas import KernelView
 from service.bundle import ARCH_PATTERN
-from service.spec_store import HASH_PATTERN
+from service.store.spec_store import HASH_PATTERN
 from service.tuning_request import TARGET_PATTERN
 
 router = APIRouter(tags=["kernels"])
@@ -72,7 +72,7 @@ async def get_bundle(
     ``?format=2`` (or ``?arch=``) serves ``foldwise-bundle/2``: the same bundle with its compiled
     binaries (service.bundle, "binaries"), one per arch; ``?format=3`` serves
     ``foldwise-bundle/3``, with every Triton version's; ETag the served sha256, as precomputed
-    when the bundle or a binary was stored (service.served_bundles). Format 1 stays the default
+    when the bundle or a binary was stored (service.store.served_bundles). Format 1 stays the default
     so clients written for it are served what they understand."""
     status, headers, body = await bundle_answer(ctx, kernel_id, request.headers.get("authorization"),
                                                 if_none_match, format=format, arch=arch)

@@ -15,7 +15,7 @@ from service.api.routes_jobs import ERRORS
 from service.api.schemas import DerivationRequest, SpecView, WorkerList
 from service.api.validation import checked_spec_text
 from service.bundle.signing import ALGORITHM, SIGNATURE_HEADER
-from service.spec_store import HASH_PATTERN
+from service.store.spec_store import HASH_PATTERN
 
 router = APIRouter()
 SpecHash = Annotated[str, Path(pattern=HASH_PATTERN, description="the spec's sha256 (64 lowercase hex), or a prefix of 12+")]

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from fuser_core import MAX_DIMS
-from service.models import Job, KernelRecord, KernelRange, TrialRecord, WorkerRecord
+from service.store.models import Job, KernelRecord, KernelRange, TrialRecord, WorkerRecord
 from service.shape_ranges import bucket_count, one_kernel, range_view
 from service.tuning_request import MEASURERS
 
@@ -74,7 +74,7 @@ def iso(value: datetime | None) -> str | None:
 def job_view(job: Job | Any) -> dict[str, Any]:
     """The JSON view of a job (an ORM ``Job`` or a Core row of the jobs table).
 
-    A failed job's ``kernel_id`` (stored) is the partial kernel it kept (service.job_queue.keep_partial):
+    A failed job's ``kernel_id`` (stored) is the partial kernel it kept (service.store.job_queue.keep_partial):
     shown as ``partial_kernel_id``, never as ``kernel_id``, which only a finished kernel fills."""
     partial = job.status == "failed" and job.kernel_id is not None
     kernel_id = None if partial else job.kernel_id

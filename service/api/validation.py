@@ -14,7 +14,7 @@ from service.api.problems import REQUEST_FIELDS, error_entry, invalid, invalid_f
 from service.api.schemas import JobRequest
 from service.errors import InvalidRequest
 from service.settings import Settings
-from service.spec_store import parsed_source
+from service.store.spec_store import parsed_source
 from service.tuning_request import Limits, TuningRequest, tuning_request
 
 
@@ -114,7 +114,7 @@ def default_measurer() -> str:
     """The server's default measurer when neither the request nor the settings name one
     (cuda with a visible GPU, else model), decided once per process."""
     if not _DEFAULT_MEASURER:
-        from service.tuning import default_measurer as pick
+        from service.worker.tuning import default_measurer as pick
 
         _DEFAULT_MEASURER.append(pick())
     return _DEFAULT_MEASURER[0]

@@ -27,7 +27,7 @@ are never copied either: strided views are read as they are. A bundle made befor
 took ``out=`` is run as before and its outputs copied into place.
 
 **Meta tensors** (and torch's fake tensors) give the outputs' shapes, dtypes and device after
-the same checks, and launch nothing: :mod:`service.torch_ops` builds its fake kernel on
+the same checks, and launch nothing: :mod:`service.client.torch_ops` builds its fake kernel on
 :meth:`BundleKernel.output_shapes`.
 
 **Other sizes.** A bundle's kernel was tuned for ``shape``, but the generated launcher takes

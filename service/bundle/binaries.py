@@ -23,7 +23,7 @@ names): an NVIDIA arch a *cubin* variant, an AMD one an *hsaco* variant (an AMDG
 field, and decodes to its recorded size and sha256 before it is used (:func:`verify_variant`).
 
 Loading an hsaco on an AMD GPU has not been run (no ROCm machine was available): the loader
-(:mod:`service.cubin_loader`) handles both kinds the same way, but :func:`choose_binary` does not
+(:mod:`service.client.cubin_loader`) handles both kinds the same way, but :func:`choose_binary` does not
 pick an hsaco (``BinaryKind.run_on_device``); an AMD client compiles the source, as before.
 """
 

@@ -94,7 +94,7 @@ def ordered_tensors(given: Mapping[str, Any], names: tuple[str, ...], field: str
     """``given``'s tensors in the order of ``names``, each name given once: :class:`BundleError`
     naming ``field`` and an unknown or missing ``noun``, or ``field.<name>`` not a tensor.
 
-    Shared by :class:`BundleKernel` (inputs and ``out=``) and :class:`service.torch_ops.FoldwiseOp`,
+    Shared by :class:`BundleKernel` (inputs and ``out=``) and :class:`service.client.torch_ops.FoldwiseOp`,
     whose call torch.compile's Dynamo traces: loops and look-ups only (no generator expressions)."""
     import torch
 

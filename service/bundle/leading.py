@@ -9,8 +9,8 @@ tensors are given that way too. Every input given extra dims must fold the same 
 same dim (``x`` and ``residual`` both ``[b, s, c]``); one holding the dim flat (``[b * s, c]``)
 is taken as it is. Inputs stored in pages (a paged KV cache) never fold.
 
-Used by :class:`~service.bundle.BundleKernel`, :class:`~service.range_kernel.RangeKernel` (which
-picks a bucket from the folded sizes) and the torch operator's shapes (service.torch_ops). No torch
+Used by :class:`~service.bundle.BundleKernel`, :class:`~service.client.range_kernel.RangeKernel` (which
+picks a bucket from the folded sizes) and the torch operator's shapes (service.client.torch_ops). No torch
 import: sizes may be symbolic (torch.compile's fake tensors).
 
 Example:

@@ -24,7 +24,7 @@ from service.api.deps import Db, context, database
 from service.api.problems import HttpProblem, error_entry, invalid
 from service.auth import SCOPES
 from service.dashboard import compute, views
-from service.spec_store import HASH_PATTERN
+from service.store.spec_store import HASH_PATTERN
 
 router = APIRouter(tags=["dashboard"])
 SpecHash = Annotated[str, Path(pattern=HASH_PATTERN, description="the spec's sha256 (64 hex), or a prefix of 12+")]

@@ -82,7 +82,7 @@ def spec_source(source: str, spec_hash: str, origin: Mapping[str, Any] | None, k
     from service.bundle import parse_dtype_text, parse_shape_text
 
     spec, derivation = loaded(source)
-    # stored shapes and tuned configs use the canonical dim names (service.spec_store); show the spec's own
+    # stored shapes and tuned configs use the canonical dim names (service.store.spec_store); show the spec's own
     names = DimNames.of_source(source)
     defaults = {d: DEFAULT_DIM for d in spec.dims if not any(s.as_dim == d for s in spec.steps)}
     raw_shape: Mapping[str, int] = (

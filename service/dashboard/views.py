@@ -27,10 +27,10 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from fuser_core import BASELINE, SpecError
-from service import spec_store
+from service.store import spec_store
 from service.dashboard.compute import DashboardError
 from service.dim_names import DimNames
-from service.models import Job, KernelRecord, SpecRecord, WorkerRecord
+from service.store.models import Job, KernelRecord, SpecRecord, WorkerRecord
 
 MAX_LIMIT = 500
 MAX_NAMES = 200
@@ -42,7 +42,7 @@ HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def _full_hash(session: Session, spec_hash: str, where: str) -> str | None:
-    """A spec hash or a 12+ hex prefix as the full hash (:func:`service.spec_store.resolve_hash`);
+    """A spec hash or a 12+ hex prefix as the full hash (:func:`service.store.spec_store.resolve_hash`);
     DashboardError 422 (malformed) or 409 (ambiguous prefix) naming ``spec_hash``."""
     try:
         return spec_store.resolve_hash(session, spec_hash)

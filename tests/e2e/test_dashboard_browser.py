@@ -75,7 +75,7 @@ def _tail(path: Path, n: int = 3000) -> str:
 def server(tmp_path_factory):
     """``foldwise serve`` with one model-measurer worker on a fresh SQLite database, and two tokens."""
     from service.auth import create_token
-    from service.db import make_engine, session_factory, upgrade
+    from service.store.db import make_engine, session_factory, upgrade
 
     work = tmp_path_factory.mktemp("dashboard-server")
     url = f"sqlite:///{work / 'dash.db'}"
@@ -495,10 +495,10 @@ def test_a_failed_jobs_page_shows_the_partial_kernel_it_kept(server, page):
     says partial too. Made in the server's database directly, for a target (l40s) no worker serves."""
     from fuser_core.problem import make_problem
     from fuser_core.spec import load_spec
-    from service import job_queue
+    from service.store import job_queue
     from service.bundle import canonical_spec
     from service.bundle_maker import make_bundle
-    from service.db import make_engine, session_factory
+    from service.store.db import make_engine, session_factory
     from service.tuning_request import tuning_request
 
     raw = load_catalog()["safe_softmax"]

@@ -1,5 +1,5 @@
 """What a client can make ``foldwise serve`` hold before its request reaches the app (issue 37, 3;
-service/http_limits.py), on a real server (uvicorn with httptools and uvloop, as shipped): a head
+service/http/limits.py), on a real server (uvicorn with httptools and uvloop, as shipped): a head
 over the size limit is answered 431 without the server's memory growing by it, a head that takes
 too long is answered 408 and closed, slow heads do not keep other clients waiting, and a large
 body (not a head) still reaches the app."""

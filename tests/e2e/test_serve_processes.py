@@ -186,8 +186,8 @@ def test_sigterm_to_a_workers_process_group_gives_its_job_back(tmp_path: Path) -
     import json as _json
 
     from fuser_core.spec import load_spec
-    from service import job_queue
-    from service.db import make_engine, session_factory, upgrade
+    from service.store import job_queue
+    from service.store.db import make_engine, session_factory, upgrade
     from service.tuning_request import tuning_request
     from tests.support.catalog import load_catalog
 

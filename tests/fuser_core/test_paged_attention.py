@@ -275,7 +275,7 @@ def test_a_range_over_the_paged_dim_picks_its_bucket_from_the_table():
     from fuser_core.problem import make_problem
     from service.bundle import load_bundle
     from service.bundle_maker import make_bundle
-    from service.range_kernel import RangeKernel
+    from service.client.range_kernel import RangeKernel
 
     base = {"b": 2, "g": 1, "r": 1, "m": 1, "d": 8, "e": 8}
     names = canonical_names(SPEC)

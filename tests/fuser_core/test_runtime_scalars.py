@@ -198,7 +198,7 @@ def test_a_scalar_without_default_must_be_passed_to_the_bundle_kernel(rms_kernel
 
 
 def test_the_torch_op_takes_eps(rms_kernel):
-    from service.torch_ops import foldwise_op
+    from service.client.torch_ops import foldwise_op
 
     op = foldwise_op(rms_kernel)
     x, w = rms_args(1)

@@ -3,7 +3,7 @@
 idempotent submissions (also many at once, from two apps), the auth matrix, path validation
 before any query, ETag/304, metrics and JSON logs.
 
-Kernels are stored with service.job_queue directly (claim, a real generated bundle, finish): the
+Kernels are stored with service.store.job_queue directly (claim, a real generated bundle, finish): the
 tuner itself is tested in test_worker.py and end to end in tests/e2e/test_serve_and_worker.py.
 """
 
@@ -27,13 +27,13 @@ from fuser_core.canonical import spec_hash as compute_spec_hash
 from fuser_core.report import derivation_report
 from fuser_core.problem import make_problem
 from fuser_core.spec import MAX_SPEC_BYTES, load_spec
-from service import job_queue, kernel_cache
+from service.store import job_queue, kernel_cache
 from service.api import create_app
 from service.auth import create_token, revoke_token
 from service.bundle import bundle_sha256, canonical_spec
 from service.bundle_maker import make_bundle
-from service.db import DatabaseBehind
-from service.models import ApiToken, Job
+from service.store.db import DatabaseBehind
+from service.store.models import ApiToken, Job
 from service.settings import get_settings
 from service.tuning_request import tuning_request
 from tests.support.catalog import CATALOG_DIR, load_catalog
@@ -494,7 +494,7 @@ def test_trials_cancel_of_a_running_job_and_workers(client, sessions) -> None:
     # a worker whose heartbeats stopped is dead: it works on nothing (its lease runs out, another takes the job)
     from datetime import timedelta
 
-    from service.models import WorkerRecord, utcnow
+    from service.store.models import WorkerRecord, utcnow
 
     with sessions() as s:
         s.execute(sa.update(WorkerRecord).where(WorkerRecord.id == "w-1")
@@ -772,7 +772,7 @@ def test_a_spec_whose_certificate_fails_is_refused_unless_the_request_allows_it(
     from fuser_core.certificate import certify
     from fuser_core.derive import derive_cascade
     from fuser_core.present import present
-    from service.models import SpecRecord
+    from service.store.models import SpecRecord
 
     spec = load_spec(SOFTMAX)
     wrong = derive_cascade(spec)

@@ -15,8 +15,8 @@ import sqlalchemy as sa
 
 from fuser_core.canonical import spec_hash as compute_spec_hash
 from fuser_core.spec import load_spec
-from service import job_queue, spec_store
-from service.models import Job, SpecRecord, WorkerRecord, utcnow
+from service.store import job_queue, spec_store
+from service.store.models import Job, SpecRecord, WorkerRecord, utcnow
 from tests.service.test_api import SOFTMAX, assert_problem, client, job_body  # noqa: F401  (client: the fixture)
 
 

@@ -24,7 +24,7 @@ from service.bundle import (BUNDLE_FORMAT, BUNDLE_FORMAT_2, BUNDLE_FORMAT_3, Bun
                             bundle_v2, bundle_v3, canonical_bytes, newest_per_arch, triton_version_key, verify_bundle,
                             verify_variant)
 from service.bundle_maker import make_bundle
-from service.kernel_cache import _store_bundle
+from service.store.kernel_cache import _store_bundle
 
 
 def softmax_bundle(target: str = "h100", strategy: str = "split_fused") -> dict:
@@ -164,7 +164,7 @@ def test_store_and_read_variants(sessions, split_bundle, sm90):
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from service import job_queue  # noqa: E402
+from service.store import job_queue  # noqa: E402
 from service.api import create_app  # noqa: E402
 from service.bundle import choose_binary, device_arch, install_variant  # noqa: E402
 from service.client import KernelCache, KernelIntegrityError  # noqa: E402
@@ -193,9 +193,9 @@ def test_bundle_formats_served_arch_selection_and_etag(db_url, sessions, split_b
         raise AssertionError("a format-2 bundle was built for a download: it is precomputed when stored")
 
     import service.bundle
-    import service.served_bundles
+    import service.store.served_bundles
 
-    for module in (service.served_bundles, service.bundle):  # the stores have run
+    for module in (service.store.served_bundles, service.bundle):  # the stores have run
         monkeypatch.setattr(module, "bundle_v2", built_per_request)
         monkeypatch.setattr(module, "bundle_v3", built_per_request)
     with TestClient(create_app(get_settings(db_url=db_url), fast_path=fast_path)) as http:
@@ -418,8 +418,8 @@ def _fast_path(b2: dict, v1_sha: str, cache_dir: str) -> dict:
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    import service.client as client
-    from service import cubin_loader
+    import service.client.binary as binary
+    from service.client import cubin_loader
     from service.bundle import bundle_variants
 
     def refuse(*args, **kwargs):
@@ -428,11 +428,11 @@ def _fast_path(b2: dict, v1_sha: str, cache_dir: str) -> dict:
     variant = next(v for v in bundle_variants(b2) if v["triton_version"] == triton.__version__)
     seen: dict = {}
     saved = (triton.compile, triton.compiler.compile, triton.compiler.compiler.compile, CUDABackend.make_cubin,
-             CUDABackend.make_ptx, client._device_facts, os.environ.get("TRITON_DEFAULT_FP_FUSION"))
+             CUDABackend.make_ptx, binary.device_facts, os.environ.get("TRITON_DEFAULT_FP_FUSION"))
     os.environ.pop("TRITON_DEFAULT_FP_FUSION", None)  # as in an inference server
     triton.compile = triton.compiler.compile = triton.compiler.compiler.compile = refuse
     CUDABackend.make_cubin = CUDABackend.make_ptx = refuse
-    client._device_facts = lambda: {"arch": "sm_90a", "triton_version": triton.__version__,
+    binary.device_facts = lambda: {"arch": "sm_90a", "triton_version": triton.__version__,
                                     "interpreted": False, "env_vars": {}}
     driver.set_active(TargetOnlyDriver(90))
     try:
@@ -488,7 +488,7 @@ def _fast_path(b2: dict, v1_sha: str, cache_dir: str) -> dict:
         return seen
     finally:  # the worker is shared by the session's other compile tests
         (triton.compile, triton.compiler.compile, triton.compiler.compiler.compile, CUDABackend.make_cubin,
-         CUDABackend.make_ptx, client._device_facts, fp_fusion) = saved
+         CUDABackend.make_ptx, binary.device_facts, fp_fusion) = saved
         if fp_fusion is not None:
             os.environ["TRITON_DEFAULT_FP_FUSION"] = fp_fusion
         driver.set_active(None)
@@ -497,7 +497,7 @@ def _fast_path(b2: dict, v1_sha: str, cache_dir: str) -> dict:
 @pytest.mark.parametrize("fmt", [2, 3])
 def test_the_client_hands_the_cubins_to_triton_s_jit_and_never_compiles(split_bundle, sm90, compile_pool, tmp_path,
                                                                           fmt):
-    """The cubin fast path (service.cubin_loader) on a matching device, under each Triton it
+    """The cubin fast path (service.client.cubin_loader) on a matching device, under each Triton it
     knows (CI runs this file under 3.6 and 3.9): the stored kernels are in the JIT caches before
     any launch, the first launch at the tuned shape finds them, and triton.compile never runs;
     from format 3, this Triton's variant among another Triton's. A corrupted cubin, or one
@@ -505,10 +505,10 @@ def test_the_client_hands_the_cubins_to_triton_s_jit_and_never_compiles(split_bu
     module load and launch not run.)"""
     import triton
 
-    from service import cubin_loader
+    from service.client import cubin_loader
 
     if not cubin_loader.supports(triton.__version__):
-        pytest.skip(f"service.cubin_loader does not know Triton {triton.__version__}'s internals "
+        pytest.skip(f"service.client.cubin_loader does not know Triton {triton.__version__}'s internals "
                     f"(it knows {', '.join(cubin_loader.SUPPORTED_TRITON)}); such a client loads through Triton's cache")
     b2 = (bundle_v2(split_bundle, {"sm_90a": sm90}) if fmt == 2
           else bundle_v3(split_bundle, [built_by(sm90, "3.5.0"), sm90]))
@@ -724,7 +724,7 @@ def test_a_damaged_precomputed_format_2_bundle_is_never_served(db_url, sessions,
     """A served format-2 row is re-checked against its hash before its bytes are first served."""
     import sqlalchemy as sa
 
-    from service.models import ServedBundle
+    from service.store.models import ServedBundle
 
     kid = stored_kernel(sessions, split_bundle, sm90)
     with sessions() as s:

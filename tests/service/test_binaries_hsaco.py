@@ -136,9 +136,9 @@ def test_the_api_arch_pattern_reads_what_target_parse_reads():
 
 
 def test_an_hsaco_variant_is_stored_listed_and_downloaded(db_url, sessions, mi300x_bundle, gfx942):
-    from service import job_queue
+    from service.store import job_queue
     from service.api import create_app
-    from service.models import KernelBinary
+    from service.store.models import KernelBinary
     from service.settings import get_settings
     from service.tuning_request import tuning_request
 
@@ -180,7 +180,7 @@ def test_an_hsaco_variant_is_stored_listed_and_downloaded(db_url, sessions, mi30
 
 def _seed_hsaco(bundle: dict, variant: dict) -> dict:
     """In a compile worker (interpreter off, no GPU): the stored hsaco kernels through the JIT
-    warm-up of service.cubin_loader with a stand-in driver for gfx942, as an MI300X client would
+    warm-up of service.client.cubin_loader with a stand-in driver for gfx942, as an MI300X client would
     seed them; nothing is loaded or launched (not run on AMD)."""
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
@@ -188,7 +188,7 @@ def _seed_hsaco(bundle: dict, variant: dict) -> dict:
     import os
 
     from fuser_core import Target
-    from service import cubin_loader
+    from service.client import cubin_loader
     from service.bundle import load_bundle
 
     saved = os.environ.get("TRITON_DEFAULT_FP_FUSION")
@@ -217,10 +217,10 @@ def test_the_loader_seeds_stored_hsaco_kernels_behind_the_same_interface(mi300x_
     a CompiledKernel holding each stored hsaco; loading and launching it needs a ROCm GPU."""
     import triton
 
-    from service import cubin_loader
+    from service.client import cubin_loader
 
     if not cubin_loader.supports(triton.__version__):
-        pytest.skip(f"service.cubin_loader does not know Triton {triton.__version__}'s internals")
+        pytest.skip(f"service.client.cubin_loader does not know Triton {triton.__version__}'s internals")
     seen = compile_pool._pool.submit(_seed_hsaco, mi300x_bundle, gfx942).result()
     assert seen["names"] == [k["name"] for k in gfx942["kernels"]]
     assert sorted(seen["kept"]) == sorted(("StoredKernel", base64.b64decode(k["hsaco"]), "hip")
@@ -236,7 +236,7 @@ def test_a_model_tuned_mi300x_job_yields_a_bundle_carrying_an_amdgpu_elf_covered
     """Issue 25, must show: a job with "target": "mi300x", tuned with the model measurer by the
     worker, stores its kernel's hsaco (compiled on this host for gfx942) beside the bundle; the
     bundle served with binaries carries the AMDGPU ELF, and one byte changed fails verification."""
-    from service import job_queue, kernel_cache
+    from service.store import job_queue, kernel_cache
     from service.api import create_app
     from service.settings import get_settings
     from service.tuning_request import tuning_request

@@ -15,7 +15,7 @@ import pytest
 from fuser_core import CompilePool, CompileRequest, Target, bind_dtypes, bind_shape, load_spec, spec_source
 from fuser_core.codegen.gpu_compile import KernelBuild, ModuleBuild
 from service.cli import main
-from service.cli_progress import CompileProgress
+from service.cli.progress import CompileProgress
 
 REPO = Path(__file__).resolve().parents[2]
 

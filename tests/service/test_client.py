@@ -1,4 +1,4 @@
-"""service/client.py's KernelCache against a fake kernel server (httpx.MockTransport).
+"""service/client/__init__.py's KernelCache against a fake kernel server (httpx.MockTransport).
 
 The fake server follows docs/API.md: ``GET /v1/kernels?spec_hash=&target=&shape=&dtype=`` answers
 a kernel view (exact match, else the nearest shape, marked), ``GET /v1/kernels/{id}/bundle`` the
@@ -422,7 +422,7 @@ def test_a_warm_get_does_no_http_and_no_disk_access(server, tmp_path, disk_acces
         cold = cache.get(spec, SHAPE)
         assert len(server.requests) == 2 and disk_access  # the cold call asked and stored
         hashed = []
-        monkeypatch.setattr("service.client_request.spec_hash", lambda s: hashed.append(s) or spec_hash(s))
+        monkeypatch.setattr("service.client.request.spec_hash", lambda s: hashed.append(s) or spec_hash(s))
         requests_before, disk_access[:] = len(server.requests), []
         warm = [cache.get(spec, SHAPE) for _ in range(100)]
         assert len(server.requests) == requests_before
@@ -453,7 +453,7 @@ def test_a_warm_torch_op_call_does_no_http_and_no_disk_access(server, tmp_path, 
 
 def test_the_spec_is_parsed_and_hashed_once_per_distinct_argument(server, tmp_path, monkeypatch):
     hashed = []
-    monkeypatch.setattr("service.client_request.spec_hash", lambda s: hashed.append(s) or spec_hash(s))
+    monkeypatch.setattr("service.client.request.spec_hash", lambda s: hashed.append(s) or spec_hash(s))
     with client(server, tmp_path) as cache:
         cache.get(RAW, SHAPE)
         cache.get(RAW, {"m": 2, "n": 16})  # another shape of the same spec: a new request, no new hash
@@ -606,7 +606,7 @@ class FakeTTY(io.StringIO):
 def sqlite_db(tmp_path):
     """A migrated SQLite service database (the client's behaviour does not depend on the backend,
     which test_api.py and test_worker.py cover)."""
-    from service.db import upgrade
+    from service.store.db import upgrade
 
     url = f"sqlite:///{tmp_path / 'foldwise.db'}"
     upgrade(url)
@@ -717,7 +717,7 @@ def test_a_tune_timeout_leaves_the_job_running(tmp_path):
 
 def test_a_server_trickling_bytes_cannot_hold_a_get_past_its_timeout(tmp_path):
     """httpx's timeouts are per read: a server sending one byte a second never trips them. The
-    client's timeout is a total per request (service.client_http.KernelServer.send): past it
+    client's timeout is a total per request (service.client.http.KernelServer.send): past it
     the server counts as unreachable (the disk cache answers, here: nothing)."""
     import socket
 

@@ -17,12 +17,12 @@ from fastapi.testclient import TestClient
 
 from fuser_core.canonical import spec_hash as compute_spec_hash
 from fuser_core.spec import load_spec
-from service import job_queue
+from service.store import job_queue
 from service.api import create_app
 from service.auth import create_token
 from service.dashboard import STATIC_DIR
-from service.db import make_engine, session_factory, upgrade
-from service.models import Bundle, KernelRecord
+from service.store.db import make_engine, session_factory, upgrade
+from service.store.models import Bundle, KernelRecord
 from service.settings import get_settings
 from service.tuning_request import tuning_request
 from tests.support.catalog import CATALOG_DIR, load_catalog

@@ -28,12 +28,13 @@ from fastapi.testclient import TestClient
 
 from fuser_core.problem import make_problem
 from fuser_core.spec import load_spec
-from service import errors, job_queue
+from service import errors
+from service.store import job_queue
 from service.api import create_app
 from service.bundle import canonical_spec
 from service.bundle_maker import make_bundle
-from service.db import make_engine
-from service.models import Bundle, Job, KernelRecord, utcnow
+from service.store.db import make_engine
+from service.store.models import Bundle, Job, KernelRecord, utcnow
 from service.settings import get_settings
 from service.tuning_request import tuning_request
 from service.worker import Worker, run_worker

@@ -15,8 +15,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from pydantic import ValidationError
 
-from service import db
-from service.models import Base, WorkerRecord
+from service.store import db
+from service.store.models import Base, WorkerRecord
 from service.settings import Settings, get_settings
 
 TABLES = {"specs", "bundles", "kernels", "jobs", "trials", "workers", "api_tokens", "kernel_binaries", "served_bundles"}
@@ -137,7 +137,7 @@ def test_concurrent_upgrades(service_db_url, engine):
     import subprocess
     import sys
 
-    code = "import sys; from service.db import upgrade; upgrade(sys.argv[1])"
+    code = "import sys; from service.store.db import upgrade; upgrade(sys.argv[1])"
     env = {**os.environ, "PYTHONPATH": str(db.MIGRATIONS_DIR.parent)}
     procs = [subprocess.Popen([sys.executable, "-c", code, service_db_url], env=env, stderr=subprocess.PIPE,
                               text=True) for _ in range(3)]
@@ -274,7 +274,7 @@ def test_upgrade_0003_to_0004_precomputes_the_format_2_views_of_stored_bundles(s
     from service.bundle import canonical_bytes, canonical_spec
     from service.bundle_maker import make_bundle
     from fuser_core.problem import make_problem
-    from service.served_bundles import served_views
+    from service.store.served_bundles import served_views
     from tests.support.catalog import load_catalog
 
     db.upgrade(service_db_url, "0003")
@@ -311,7 +311,7 @@ def test_upgrade_0004_to_0005_keys_binaries_by_triton_version_and_adds_format_3(
     from fuser_core.spec import load_spec
     from service.bundle import BUNDLE_FORMAT_3, bundle_v2, canonical_bytes, canonical_spec, make_variant
     from service.bundle_maker import make_bundle
-    from service.served_bundles import served_views
+    from service.store.served_bundles import served_views
     from tests.support.catalog import load_catalog
 
     db.upgrade(service_db_url, "0004")

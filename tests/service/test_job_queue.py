@@ -1,7 +1,7 @@
-"""The job queue and kernel cache (service/job_queue.py, kernel_cache.py, spec_store.py) on SQLite and PostgreSQL.
+"""The job queue and kernel cache (service/store/job_queue.py, kernel_cache.py, spec_store.py) on SQLite and PostgreSQL.
 
 Every test runs on an empty SQLite file and on a fresh PostgreSQL database (the
-``service_db_url`` fixture), migrated with ``service.db.upgrade``. Concurrency tests use real
+``service_db_url`` fixture), migrated with ``service.store.db.upgrade``. Concurrency tests use real
 threads, each with its own session (own connection), started together by a barrier.
 """
 
@@ -19,11 +19,12 @@ import sqlalchemy as sa
 from fuser_core.errors import SpecError
 from fuser_core.problem import make_problem
 from fuser_core.spec import load_spec
-from service import errors, job_queue, kernel_cache, spec_store
+from service import errors
+from service.store import job_queue, kernel_cache, spec_store
 from service.bundle import bundle_sha256, canonical_bytes, canonical_spec
 from service.bundle_maker import make_bundle
-from service.db import make_engine, session_factory, upgrade
-from service.models import Bundle, Job, KernelRecord, WorkerRecord, utcnow
+from service.store.db import make_engine, session_factory, upgrade
+from service.store.models import Bundle, Job, KernelRecord, WorkerRecord, utcnow
 from service.tuning_request import tuning_request
 
 LSE = {"foldwise": 1, "name": "lse", "inputs": {"x": {"dims": ["m", "n"]}},

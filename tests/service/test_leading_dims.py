@@ -10,7 +10,7 @@ import torch
 from tests.service.test_torch_ops import kernel, rms_reference
 
 from service.bundle import BundleError
-from service.torch_ops import foldwise_op
+from service.client.torch_ops import foldwise_op
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

@@ -1,5 +1,5 @@
 """A job that fails keeps its best kernel so far, marked partial (issue 26; docs/DECISIONS.md,
-"Partial kernels"), on SQLite and PostgreSQL: the queue (service.job_queue.keep_partial and the
+"Partial kernels"), on SQLite and PostgreSQL: the queue (service.store.job_queue.keep_partial and the
 kernel cache's readers), the worker (a search that crashes after good trials, one that crashes
 before any, a job failed for its lost workers), the API's job and kernel views and the dashboard.
 
@@ -14,12 +14,13 @@ import json
 import pytest
 import sqlalchemy as sa
 
-from service import errors, job_queue, kernel_cache
+from service import errors
+from service.store import job_queue, kernel_cache
 from service.bundle import verify_bundle
-from service.models import Job, KernelRecord, utcnow
+from service.store.models import Job, KernelRecord, utcnow
 from service.tuning_request import tuning_request
 from service.worker import run_worker
-from service.worker_recording import TrialRecorder
+from service.worker.recording import TrialRecorder
 from tests.service import test_job_queue as q
 from tests.service.test_job_queue import Session  # noqa: F401 - the fixture (a session factory per backend)
 from tests.service import test_worker as w
@@ -155,14 +156,14 @@ def test_a_job_failing_after_good_trials_keeps_its_best_kernel_as_partial(db_url
 
 
 def test_a_job_failing_with_no_good_trial_keeps_nothing(db_url, sessions, monkeypatch) -> None:
-    import service.tuning
+    import service.worker.tuning
 
     job_id = w.submit(sessions, trials=4)
 
     def boom(*args, **kwargs):
         raise RuntimeError("the search blew up")
 
-    monkeypatch.setattr(service.tuning, "search_setup", boom)
+    monkeypatch.setattr(service.worker.tuning, "search_setup", boom)
     assert run_worker(db_url, measurer="model", target="h100", once=True, settings=w.settings(db_url)) == 1
     job = w.reload(sessions, job_id)
     assert job.status == "failed" and job.best is None and job.kernel_id is None
@@ -171,7 +172,7 @@ def test_a_job_failing_with_no_good_trial_keeps_nothing(db_url, sessions, monkey
 
 
 def test_a_job_failed_for_its_lost_workers_keeps_its_best(db_url, sessions) -> None:
-    """Closed by the next claim after MAX_ATTEMPTS lost workers (service.job_queue.claim_job):
+    """Closed by the next claim after MAX_ATTEMPTS lost workers (service.store.job_queue.claim_job):
     the claiming worker stores the job's best trial as its partial kernel."""
     job_id = w.submit(sessions, trials=4)
     with sessions() as s:

@@ -36,8 +36,8 @@ from service import auth
 from service.api import create_app
 from service.api.app import MAX_BODY_BYTES
 from service.auth import create_token, revoke_token
-from service.db import upgrade
-from service.models import ApiToken
+from service.store.db import upgrade
+from service.store.models import ApiToken
 from service.settings import get_settings
 from tests.support.catalog import load_catalog
 from tests.support.servers import LiveServer

@@ -89,7 +89,7 @@ def test_the_api_answers_422_naming_the_range_field(tmp_path) -> None:
     from fastapi.testclient import TestClient
 
     from service.api import create_app
-    from service.db import upgrade
+    from service.store.db import upgrade
     from service.settings import get_settings
 
     url = f"sqlite:///{tmp_path / 'foldwise.db'}"
@@ -141,8 +141,8 @@ def test_a_range_job_for_rmsnorm_serves_every_size_without_a_request(tmp_path) -
 
     from service.api import create_app
     from service.client import KernelCache, KernelNotFound
-    from service.db import upgrade
-    from service.range_kernel import RangeKernel
+    from service.store.db import upgrade
+    from service.client.range_kernel import RangeKernel
     from service.settings import get_settings
     from service.worker import run_worker
 
@@ -246,9 +246,9 @@ def test_nearest_prefers_a_kernel_whose_size_limits_hold_the_shape(tmp_path) -> 
     n = 512. Asked for n = 300, the nearer n = 256 cannot run it: the lookup answers n = 512."""
     from fuser_core.problem import make_problem
     from fuser_core.spec import load_spec
-    from service import job_queue, kernel_cache
+    from service.store import job_queue, kernel_cache
     from service.bundle_maker import make_bundle
-    from service.db import make_engine, session_factory, upgrade
+    from service.store.db import make_engine, session_factory, upgrade
 
     raw = load_catalog()["safe_softmax"]
     spec = load_spec(raw)
@@ -310,8 +310,8 @@ def test_a_batch_invariant_range_gives_a_row_the_same_bits_at_every_batch_size(t
 
     from service.api import create_app
     from service.client import KernelCache, KernelNotFound
-    from service.db import upgrade
-    from service.range_kernel import RangeKernel
+    from service.store.db import upgrade
+    from service.client.range_kernel import RangeKernel
     from service.settings import get_settings
     from service.worker import run_worker
 

@@ -1,4 +1,4 @@
-"""The torch op (service/torch_ops.py; issue 24, item 4): ``torch.ops.foldwise.run`` / ``run_out``.
+"""The torch op (service/client/torch_ops.py; issue 24, item 4): ``torch.ops.foldwise.run`` / ``run_out``.
 
 Kernels are made in-process from catalog specs (tests/service/test_bundle.py's helpers: make_bundle,
 then load_bundle, no server) and run through Triton's interpreter. The op must give what the
@@ -26,7 +26,7 @@ from fuser_core.runner import bind_dtypes, to_torch
 from fuser_core.spec import load_spec
 from service.bundle import BundleError, BundleKernel, load_bundle
 from service.bundle_maker import make_bundle
-from service.torch_ops import foldwise_op, kernel_key, registered_kernel
+from service.client.torch_ops import foldwise_op, kernel_key, registered_kernel
 
 # masked-off lanes of a tile compute on fill values (0 / 0, inf - inf); they are never stored
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -398,7 +398,7 @@ def test_only_plain_calls_skip_the_operator(rms, monkeypatch):
     subclass sends the call through the operator, where the mode sees it."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from service.torch_ops import FoldwiseOp
+    from service.client.torch_ops import FoldwiseOp
 
     class Seen(TorchDispatchMode):  # records the operators dispatched under it
         def __init__(self):

@@ -1,4 +1,4 @@
-"""The job-queue worker (service/worker.py) on SQLite and PostgreSQL, in-process: a job tuned to
+"""The job-queue worker (service/worker/__init__.py) on SQLite and PostgreSQL, in-process: a job tuned to
 a verified bundle, cancel, a lost lease, a clean stop, budget.seconds, a crashing search, a
 takeover that continues the dead worker's study, and ``foldwise worker`` in job-queue mode.
 
@@ -17,14 +17,14 @@ import pytest
 import sqlalchemy as sa
 
 from fuser_core.spec import load_spec
-from service import job_queue, kernel_cache
+from service.store import job_queue, kernel_cache
 from service.bundle import verify_bundle
-from service.db import DatabaseBehind, study_storage_url
-from service.job_outcome import JobOutcome
+from service.store.db import DatabaseBehind, study_storage_url
+from service.store.job_outcome import JobOutcome
 from service.binaries import stored_variants
-from service.models import Job, KernelRecord, KernelBinary, utcnow
+from service.store.models import Job, KernelRecord, KernelBinary, utcnow
 from service.settings import get_settings
-from service.tuning import SetupError
+from service.worker.tuning import SetupError
 from service.tuning_request import tuning_request
 from service.worker import Worker, run_worker
 from tests.support.catalog import load_catalog
@@ -228,14 +228,14 @@ def test_a_range_job_is_derived_once_for_all_its_buckets(db_url, sessions, monke
 
 
 def test_a_crashing_search_fails_the_job_with_the_reason(db_url, sessions, monkeypatch) -> None:
-    import service.tuning
+    import service.worker.tuning
 
     job_id = submit(sessions, trials=4)
 
     def boom(*args, **kwargs):
         raise RuntimeError("the search blew up")
 
-    monkeypatch.setattr(service.tuning, "search_setup", boom)
+    monkeypatch.setattr(service.worker.tuning, "search_setup", boom)
     assert run_worker(db_url, measurer="model", target="h100", once=True, settings=settings(db_url)) == 1
     job = reload(sessions, job_id)
     assert job.status == "failed" and "RuntimeError: the search blew up" in job.error and job.dedupe_key is None
@@ -406,11 +406,11 @@ def test_database_errors_are_retried_and_the_worker_and_job_go_on(db_url, sessio
     """Issue 26: a job never fails because the database blinked, run_worker keeps running, and
     the job's lost-worker count (attempts) does not move. Errors are injected in the service
     sessions (claim, lease, trials, finish) and in Optuna's storage inside the search."""
-    import service.db
+    import service.store.db
     import tuner
 
     made: list[Blinking] = []
-    real_factory, real_storage = service.db.session_factory, tuner.make_storage
+    real_factory, real_storage = service.store.db.session_factory, tuner.make_storage
 
     def blinking_factory(engine):
         made.append(Blinking(real_factory(engine)))
@@ -431,7 +431,7 @@ def test_database_errors_are_retried_and_the_worker_and_job_go_on(db_url, sessio
         storage.set_trial_state_values = set_trial_state_values
         return storage
 
-    monkeypatch.setattr(service.db, "session_factory", blinking_factory)
+    monkeypatch.setattr(service.store.db, "session_factory", blinking_factory)
     monkeypatch.setattr(tuner, "make_storage", flaky_storage)
     first = submit(sessions, trials=8)
     thread, stop = start(db_url, worker_id="w-blink")
@@ -565,9 +565,9 @@ def test_a_full_cache_disk_fails_no_job_and_leaves_no_temporary_file(db_url, ses
 
 def test_run_worker_waits_for_a_database_that_is_down_at_start(db_url, sessions, monkeypatch) -> None:
     """A worker started while the database is unreachable waits (no exit) and then works."""
-    import service.db
+    import service.store.db
 
-    real_check = service.db.check_current
+    real_check = service.store.db.check_current
     calls = {"n": 0}
 
     def down_then_up(engine):
@@ -576,7 +576,7 @@ def test_run_worker_waits_for_a_database_that_is_down_at_start(db_url, sessions,
             raise sa.exc.OperationalError("SELECT version_num", {}, ConnectionRefusedError("connection refused"))
         return real_check(engine)
 
-    monkeypatch.setattr(service.db, "check_current", down_then_up)
+    monkeypatch.setattr(service.store.db, "check_current", down_then_up)
     job_id = submit(sessions, trials=2)
     assert run_worker(db_url, measurer="model", target="h100", once=True, settings=settings(db_url)) == 1
     assert calls["n"] == 4 and reload(sessions, job_id).status == "succeeded"
@@ -585,18 +585,18 @@ def test_run_worker_waits_for_a_database_that_is_down_at_start(db_url, sessions,
 def test_a_worker_that_met_an_outage_does_not_take_over_live_leases(db_url, sessions, monkeypatch) -> None:
     """After an outage every lease looks expired; a worker that just met one claims only queued
     jobs for a lease, so the live holder keeps its job and no lost worker is counted."""
-    import service.db
+    import service.store.db
 
     job_id = submit(sessions, trials=4)
     with sessions() as s:  # another (live) worker holds it, its lease run out during the outage
         assert job_queue.claim_job(s, "w-holder", target="h100", measurer="model", lease_seconds=5).id == job_id
         s.execute(sa.update(Job).where(Job.id == job_id).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
         s.commit()
-    monkeypatch.setattr(service.db, "_last_outage", {"at": time.monotonic()})
+    monkeypatch.setattr(service.store.db, "_last_outage", {"at": time.monotonic()})
     assert run_worker(db_url, measurer="model", target="h100", once=True, settings=settings(db_url)) == 0
     job = reload(sessions, job_id)
     assert job.status == "running" and job.worker_id == "w-holder" and job.attempts == 1
-    monkeypatch.setattr(service.db, "_last_outage", {"at": float("-inf")})  # a lease later: a dead holder's job
+    monkeypatch.setattr(service.store.db, "_last_outage", {"at": float("-inf")})  # a lease later: a dead holder's job
     assert run_worker(db_url, measurer="model", target="h100", once=True, settings=settings(db_url)) == 1
     assert reload(sessions, job_id).attempts == 2
 

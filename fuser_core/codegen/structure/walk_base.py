@@ -17,8 +17,10 @@ from fuser_core.codegen.names import FP8, safe_name, scalar_arg
 from fuser_core.codegen.ops import Comment, Dot, Env, Fold, Gather, Load, Loop, Offsets, Op, Program, Reduce
 from fuser_core.codegen.ops.bounds import Bound
 from fuser_core.codegen.plan import KernelPlan
-from fuser_core.codegen.structure.facts import anchored_deps, decide_dot, effective_op, tile_dims
-from fuser_core.codegen.structure.model import Grid
+from fuser_core.codegen.structure.facts import (
+    anchored_deps, decide_dot, effective_op, placeholder, reads_count, tile_dims, workspace,
+)
+from fuser_core.codegen.structure.model import Grid, State
 from fuser_core.codegen.tritonize import VarRef, lookup
 from fuser_core.masks import excluded
 from fuser_core.merged import address
@@ -82,6 +84,24 @@ class WalkBase:
                 op = replace(op, expr=expr)
         self.out.append(op)
         return op
+
+    # the plan's facts a strategy's walk reads (fuser_core.codegen.strategies imports nothing of the structure)
+    def anchored_deps(self) -> list[str]:
+        """The dependencies whose running value anchors others (:func:`facts.anchored_deps`)."""
+        return anchored_deps(self.plan)
+
+    def reads_count(self) -> bool:
+        """Does a move read the count of values seen (:func:`facts.reads_count`)?"""
+        return reads_count(self.plan)
+
+    def workspace(self) -> tuple[State, ...]:
+        """A split's partial states, handed from its part kernel to its combine (:func:`facts.workspace`)."""
+        return workspace(self.plan)
+
+    @staticmethod
+    def placeholder(name: str) -> sp.Symbol:
+        """A symbol standing for the variable ``name`` in an operation's expression (:func:`facts.placeholder`)."""
+        return placeholder(name)
 
     def order(self, dims: Iterable[str]) -> tuple[str, ...]:
         return self.layout.order(dims)

@@ -10,7 +10,7 @@ SQLite (a file; the default) and PostgreSQL (production) behave the same for the
   every open transaction holds the write lock, so **keep sessions short** (commit or close
   them; never hold one across a tuning run).
 - **PostgreSQL**: ``pool_pre_ping`` (a restarted server does not break the pool); row locks
-  (``FOR UPDATE [SKIP LOCKED]``) in :mod:`service.job_queue` do the rest.
+  (``FOR UPDATE [SKIP LOCKED]``) in :mod:`service.store.job_queue` do the rest.
 
 Migrations are Alembic's, in ``migrations/`` next to the ``service`` package; the config is
 built here, so they run from any working directory. A shared database is migrated with
@@ -38,7 +38,7 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 SQLITE_BUSY_TIMEOUT_S = 30
 # Alembic's `context` and `op` are module-level proxies: two migrations running in threads of one
 # process would share them (and each other's connection). Processes are kept apart by locks in

@@ -13,7 +13,7 @@ Conventions, decided here:
   so comparisons in SQL such as ``lease_expires_at < :now`` order correctly) and reads it
   back as UTC. A naive datetime is refused rather than guessed at;
 - shapes are stored in the dim names of the spec as first stored (``SpecRecord.source``), see
-  :mod:`service.spec_store`; ``shape_key`` is ``"m=4,n=300"`` sorted by dim name;
+  :mod:`service.store.spec_store`; ``shape_key`` is ``"m=4,n=300"`` sorted by dim name;
 - constraint and index names follow :data:`NAMING`, so migrations name them identically on
   every backend.
 """
@@ -128,7 +128,7 @@ class KernelBinary(Base):
 
 class ServedBundle(Base):
     """A format-2 or -3 bundle as served, precomputed when its bundle or a binary is stored
-    (service/served_bundles.py), so a ``?format=2|3`` download is one indexed read: ``view``
+    (service/store/served_bundles.py), so a ``?format=2|3`` download is one indexed read: ``view``
     ``"F"`` (every stored arch, F the format), ``"F:<arch>"`` (one arch) or ``"F:none"`` (no
     binaries, the answer for an arch without one); ``sha256`` is the served bytes' hash and their ETag."""
 
@@ -146,8 +146,8 @@ class KernelRecord(Base):
     """The best kernel found for one cache key (spec, shape, dtype, target, Triton and generator versions).
 
     ``partial`` (migration 0007): the best kernel of a job that failed before it finished
-    (:func:`service.job_queue.keep_partial`), kept for that job's view and never served by a
-    lookup or a submission (:mod:`service.kernel_cache`). It is part of the key: one finished and
+    (:func:`service.store.job_queue.keep_partial`), kept for that job's view and never served by a
+    lookup or a submission (:mod:`service.store.kernel_cache`). It is part of the key: one finished and
     one partial kernel per key at most."""
 
     __tablename__ = "kernels"
@@ -210,7 +210,7 @@ class KernelRange(Base):
 
 
 class Job(Base):
-    """One tuning request. ``dedupe_key`` makes identical live submissions one job (see service.job_queue)."""
+    """One tuning request. ``dedupe_key`` makes identical live submissions one job (see service.store.job_queue)."""
 
     __tablename__ = "jobs"
     __table_args__ = (

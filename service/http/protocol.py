@@ -1,7 +1,7 @@
-"""uvicorn's httptools protocol with a request head's size and time bounded (service/http_limits.py
+"""uvicorn's httptools protocol with a request head's size and time bounded (service/http/limits.py
 says why and what the limits are). A class of its own module, named to uvicorn by its import path,
 so that uvicorn's supervisor can hand it to the HTTP processes it spawns; each process reads the
-limits its settings set (:func:`service.http_limits.set_head_limits`)."""
+limits its settings set (:func:`service.http.limits.set_head_limits`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import asyncio
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.http_limits import HEAD_LIMITS
+from service.http.limits import HEAD_LIMITS
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):

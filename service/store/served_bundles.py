@@ -1,9 +1,9 @@
 """Format-2 and -3 bundles precomputed at store time, so a ``?format=2|3[&arch=]`` download is
-one indexed read (``served_bundles``; service.models.ServedBundle).
+one indexed read (``served_bundles``; service.store.models.ServedBundle).
 
 A format-2 or -3 bundle is a function of the stored format-1 bundle and its stored binaries
 (:func:`service.bundle.bundle_v2`, :func:`service.bundle.bundle_v3`); it changes only when one of
-them is stored. So the writers build every view then: :func:`service.kernel_cache.store_kernel`
+them is stored. So the writers build every view then: :func:`service.store.kernel_cache.store_kernel`
 when it stores a new bundle (no binaries yet), :func:`service.binaries.store_variant` when it
 stores a binary, and the migrations for bundles stored before them (0004, 0005:
 :func:`rebuild_views`). The views of one bundle, for each format F of 2 and 3:
@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 
 from service.bundle import BundleError, bundle_sha256, bundle_v2, bundle_v3, canonical_bytes, newest_per_arch
 from service.errors import BundleCorrupted
-from service.models import ServedBundle, utcnow
+from service.store.models import ServedBundle, utcnow
 
 FORMATS = (2, 3)
 

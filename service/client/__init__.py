@@ -89,7 +89,7 @@ recorded ``cubin_sha256`` (else :class:`KernelIntegrityError`, nothing cached or
 ``sha256`` must be the ETag, and its format-1 projection (:func:`service.bundle.bundle_v1`) must
 hash to the kernel view's ``bundle_sha256``. On a CUDA device with a stored binary for its arch,
 built by this Triton version with the same cache-invalidating environment, the stored cubins
-are handed to Triton's JIT directly (:mod:`service.cubin_loader`: a ``CompiledKernel`` built
+are handed to Triton's JIT directly (:mod:`service.client.cubin_loader`: a ``CompiledKernel`` built
 from the stored metadata and cubin, kept in the JIT's device cache under the key Triton computes
 for the bundle's tuned shape), so the first launch at that shape loads the stored cubin and compiles nothing, and
 start-up pays neither Triton's cache files nor its cache key (which hashes Triton itself once
@@ -121,26 +121,24 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from fuser_core import Spec
-from service import cubin_loader
-from service.bundle import (
-    BundleError, BundleKernel, choose_binary, device_arch, dtype_text, install_variant, load_bundle, variant_kind,
-)
+from service.bundle import BundleError, BundleKernel, dtype_text, load_bundle
 from service.bundle.signing import TrustedKeys
-from service.client_disk import DiskCache, default_cache_dir
-from service.client_errors import (
+from service.client.binary import prepare_binary
+from service.client.disk import DiskCache, default_cache_dir
+from service.client.errors import (
     KernelAuthError, KernelCacheError, KernelIntegrityError, KernelNotFound, KernelServiceError, KernelTuningError,
     KernelTuningTimeout, ServerUnavailable,
 )
-from service.client_http import KernelServer
-from service.client_jobs import Prefetch, ProgressLine, TuningJob, positive_seconds, tuning_budget
-from service.client_request import (
+from service.client.http import KernelServer
+from service.client.jobs import Prefetch, ProgressLine, TuningJob, positive_seconds, tuning_budget
+from service.client.request import (
     Found, KernelRequest, MemoEntry, SpecFacts, as_spec, bounded_put, memo_key, parse_shape, spec_key,
 )
-from service.range_kernel import RangeKernel
+from service.client.range_kernel import RangeKernel
 from service.shape_ranges import one_kernel, pick_bucket
 
 if TYPE_CHECKING:
-    from service.torch_ops import FoldwiseOp
+    from service.client.torch_ops import FoldwiseOp
 
 __all__ = [
     "KernelAuthError", "KernelCache", "KernelCacheError", "KernelIntegrityError", "KernelNotFound",
@@ -262,11 +260,11 @@ class KernelCache:
 
     def torch_op(self, spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str] = "float32",
                  target: str = "h100", **get_options: Any) -> FoldwiseOp:
-        """:meth:`get`'s kernel as a torch operator (:func:`service.torch_ops.foldwise_op`): callable with
+        """:meth:`get`'s kernel as a torch operator (:func:`service.client.torch_ops.foldwise_op`): callable with
         ``out=``, on meta tensors, and inside ``torch.compile(fullgraph=True)``. One operator per kernel,
         kept with it, so a warm call costs the memo's lookup and nothing more. A shape inside a tuned
         range gives the range's operator: each call runs the bucket its sizes fall in."""
-        from service.torch_ops import foldwise_op  # torch only for callers of torch_op()
+        from service.client.torch_ops import foldwise_op  # torch only for callers of torch_op()
 
         kernel = self.get(spec, shape, dtype, target, **get_options)
         op = self._ops.get(id(kernel))
@@ -300,7 +298,7 @@ class KernelCache:
         raises :class:`KernelTuningError` with the server's reason. Needs the ``jobs:write``
         scope once the server has tokens. ``shape`` may give dims as ranges, as a job does
         (``{"t": {"min": 1, "max": 4096}, "c": 4096}``): the range is tuned and its kernel for the
-        largest sizes returned (a :class:`service.range_kernel.RangeKernel` serving every size);
+        largest sizes returned (a :class:`service.client.range_kernel.RangeKernel` serving every size);
         ``batch_invariant`` as :meth:`get` (one kernel for the whole range)."""
         budget = tuning_budget(trials, seconds)
         positive_seconds("poll", poll)
@@ -437,7 +435,7 @@ class KernelCache:
     def _resolve_range(self, req: KernelRequest, view: dict, known: Found | None) -> Found:
         """A lookup answered by a tuned range (service.shape_ranges): download (or revalidate) and
         verify every bucket's bundle, check each is for the request and its bucket's shape, and
-        wrap them in one :class:`service.range_kernel.RangeKernel`, remembered for every shape of
+        wrap them in one :class:`service.client.range_kernel.RangeKernel`, remembered for every shape of
         the range. ``known`` is kept when the server names the same range and bundles."""
         rng = view["range"]
         buckets = rng.get("buckets")
@@ -569,50 +567,6 @@ class KernelCache:
             kernel = self._kernels.get(bundle["sha256"])
             if kernel is None:
                 kernel = load_bundle(bundle)
-                kernel.info = self._prepare_binary(bundle, kernel)
+                kernel.info = prepare_binary(bundle, kernel)
                 self._kernels[bundle["sha256"]] = kernel
             return kernel
-
-    @staticmethod
-    def _prepare_binary(bundle: dict, kernel: BundleKernel) -> dict:
-        """Hand the stored binary for this device to Triton when it can be used
-        (:func:`service.bundle.choose_binary`); the kernel's ``info`` either way."""
-        variant, reason = choose_binary(bundle, **_device_facts())
-        if variant is not None:
-            try:
-                if cubin_loader.supports(variant["triton_version"]):
-                    cubin_loader.seed_jit_caches(kernel._module, bundle, variant)
-                    reason += "; in Triton's JIT cache, nothing to compile"
-                else:
-                    install_variant(variant)
-                    reason += "; in Triton's kernel cache (this Triton is not one service.cubin_loader knows)"
-            except BundleError as err:  # verified on download and from disk; a change since is refused
-                raise KernelIntegrityError(f"bundle {bundle['sha256']}: {err}") from None
-            except cubin_loader.CubinLoadError as err:
-                variant, reason = None, f"the stored binary does not fit the module's launches: {err}"
-            except OSError as err:
-                variant, reason = None, f"the binary could not be put in Triton's cache: {err}"
-        info = {"loaded": variant_kind(variant).name if variant is not None else "source", "reason": reason}
-        log.info("kernel %s loaded from %s: %s", bundle["sha256"][:12], info["loaded"], reason,
-                 extra={"bundle_sha256": bundle["sha256"], **info})
-        return info
-
-
-def _device_facts() -> dict[str, Any]:
-    """What :func:`service.bundle.choose_binary` decides on, from this process: the GPU's arch
-    (None without one), Triton's version, the interpreter flag, and Triton's cache-invalidating
-    variables."""
-    import torch
-    import triton
-
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    arch = None
-    if torch.cuda.is_available():  # a ROCm build of torch answers here too: its GPU is named by its gfx arch
-        arch = device_arch(torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName
-                           if torch.version.hip else tuple(torch.cuda.get_device_capability()))
-    env_vars = None
-    if arch is not None:
-        from triton._C.libtriton import get_cache_invalidating_env_vars
-
-        env_vars = get_cache_invalidating_env_vars()
-    return {"arch": arch, "triton_version": triton.__version__, "interpreted": interpreted, "env_vars": env_vars}

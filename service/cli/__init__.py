@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from service.cli_checks import read_spec as _read_spec
-from service.cli_checks import read_spec_source as _read_spec_source
-from service.cli_checks import shape_and_dtype
-from service.cli_errors import EXIT_INVALID, UsageError
-from service.cli_progress import problem_text, stage
+from service.cli.checks import read_spec as _read_spec
+from service.cli.checks import read_spec_source as _read_spec_source
+from service.cli.checks import shape_and_dtype
+from service.cli.errors import EXIT_INVALID, UsageError
+from service.cli.progress import problem_text, stage
 
 
 def cmd_derive(args: argparse.Namespace) -> int:
@@ -57,9 +57,9 @@ def cmd_catalog(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from service.cli_checks import checked_config, checked_families, checked_problem, checked_strategy, strategy_fits
+    from service.cli.checks import checked_config, checked_families, checked_problem, checked_strategy, strategy_fits
 
-    # every argument checked before numpy's arrays, torch or Triton load (service/cli_checks.py)
+    # every argument checked before numpy's arrays, torch or Triton load (service/cli/checks.py)
     spec, bound, dtype = checked_problem(args, allow_empty=True)
     shape, _ = shape_and_dtype(args, spec)  # as written: the run binds it itself
     strategy = checked_strategy(args.strategy)
@@ -124,11 +124,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     """``foldwise compile``: the GPU compiler on each generated kernel, for a target or the fleet,
-    with no GPU needed (service/cli_compile.py). Exit 0 when every kernel compiles, 1 when one
+    with no GPU needed (service/cli/compile.py). Exit 0 when every kernel compiles, 1 when one
     fails, 2 on bad input."""
     from fuser_core import bind_dtypes
-    from service.cli_checks import checked_problem
-    from service.cli_compile import compile_command
+    from service.cli.checks import checked_problem
+    from service.cli.compile import compile_command
 
     spec, shape, raw_dtype = checked_problem(args)
     stage("compile", f"{problem_text(spec.name, shape)}: deriving and generating the kernels, then Triton's GPU "
@@ -138,7 +138,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def _quiet_optuna() -> None:
     """Optuna logs every trial on stderr; the CLI prints its own progress and summary."""
-    from service.tuning import quiet_optuna
+    from service.worker.tuning import quiet_optuna
 
     quiet_optuna()
 
@@ -147,8 +147,8 @@ def _tuning_setup(spec, raw_spec: dict, shape: dict[str, int], dtype, target: st
                   compile_check: bool = True):
     """(space, measurer, gate, study attrs) for one tuning job; UsageError for a bad target/measurer.
 
-    The set-up itself lives in service/tuning.py, shared with the job-queue worker."""
-    from service.tuning import SetupError, tuning_setup
+    The set-up itself lives in service/worker/tuning.py, shared with the job-queue worker."""
+    from service.worker.tuning import SetupError, tuning_setup
 
     try:
         return tuning_setup(spec, raw_spec, shape, dtype, target, measurer_name, compile_check=compile_check)
@@ -172,9 +172,9 @@ def _open_storage(url: str, heartbeat: int = 10):
 
 
 def _run_tuner(tuner, budget: int, *, as_json: bool, **kwargs):
-    """tuner.run with its progress on stderr (service/cli_progress.py): a bar on a terminal, a
+    """tuner.run with its progress on stderr (service/cli/progress.py): a bar on a terminal, a
     line every tenth of the budget in a log."""
-    from service.cli_progress import tune_progress
+    from service.cli.progress import tune_progress
 
     progress = tune_progress(budget, as_json=as_json)
     try:
@@ -221,7 +221,7 @@ def _compile_pruned_note(counts: dict[str, int]) -> str:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from service.cli_checks import checked_problem, checked_tune_choices
+    from service.cli.checks import checked_problem, checked_tune_choices
 
     # the spec, shape, dtype, budget, measurer and target checked before Optuna, sympy or torch load
     spec, _, _ = checked_problem(args)
@@ -243,8 +243,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    if args.study is None:  # the service's job queue (service/worker.py)
-        from service.cli_service import cmd_worker_queue
+    if args.study is None:  # the service's job queue (service/worker/__init__.py)
+        from service.cli.service import cmd_worker_queue
 
         if args.trials is not None:
             raise UsageError("--trials: only with --study (a queued job carries its own budget)")
@@ -464,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(its worker died) is failed and retried (default 10)")
     worker.add_argument("--json", action="store_true", help="print one JSON object")
     worker.set_defaults(func=cmd_worker)
-    from service.cli_service import add_queue_worker_arguments, add_service_commands
+    from service.cli.service import add_queue_worker_arguments, add_service_commands
 
     add_queue_worker_arguments(worker)
     add_service_commands(sub)
@@ -554,9 +554,3 @@ def _dispatch(argv: list[str] | None) -> int:
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INVALID
-
-
-if __name__ == "__main__":
-    from service.cli import main as _main  # the package's module, not __main__: one set of exception classes
-
-    sys.exit(_main())

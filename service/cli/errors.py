@@ -1,5 +1,5 @@
 """What every ``foldwise`` command shares about failing: the exit code for bad input and the
-error that carries it. Its own module, so that service/cli.py and service/cli_service.py both
+error that carries it. Its own module, so that service/cli/__init__.py and service/cli/service.py both
 import it and neither imports the other for it."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The kernel cache: the best kernel found per (spec, shape, dtype, target, Triton and
 generator versions), with its bundle stored once by sha256 and re-hashed before it is served.
 
-A kernel is keyed like a job (canonical shape, normalized dtype: :mod:`service.spec_store`,
+A kernel is keyed like a job (canonical shape, normalized dtype: :mod:`service.store.spec_store`,
 :mod:`service.tuning_request`) plus the versions of the code that generated it
 (:func:`current_versions`): a kernel from an older generator is not an exact answer. The job
 queue stores a finished job's kernel here (:func:`store_kernel`), keeping the better of the
@@ -31,11 +31,11 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from service.bundle import BundleError, canonical_bytes, verify_bundle
-from service.db import MAX_LIST, get_row, newest_first
+from service.store.db import MAX_LIST, get_row, newest_first
 from service.errors import BundleCorrupted, InvalidBundle
-from service.models import Bundle, Job, KernelRecord, KernelRange, new_id, utcnow
+from service.store.models import Bundle, Job, KernelRecord, KernelRange, new_id, utcnow
 from service.shape_ranges import one_kernel, pick_bucket
-from service.served_bundles import bundle_intact, store_served
+from service.store.served_bundles import bundle_intact, store_served
 from service.tuning_request import MEASURERS, TuningRequest, dtype_key, measurer_kind, shape_key
 
 KERNEL_FIELDS = {"time_ms", "measurer", "predicted", "baselines", "strategy", "config"}

@@ -1,5 +1,5 @@
 """``foldwise compile``: Triton's GPU compiler on each generated kernel, for one target or the whole
-fleet, with no GPU needed (service/cli.py reads the spec, shape and dtypes, then calls
+fleet, with no GPU needed (service/cli/__init__.py reads the spec, shape and dtypes, then calls
 :func:`compile_command`).
 
 ``--target`` is a GPU profile (h100), an arch (sm_90, gfx942) or ``all``: every profile of the
@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from service.cli_errors import UsageError
+from service.cli.errors import UsageError
 
 
 def compile_targets(text: str) -> list[tuple[str, Any, Any]]:
@@ -43,9 +43,9 @@ def compile_targets(text: str) -> list[tuple[str, Any, Any]]:
 
 def compile_command(spec, shape: dict[str, int], dtypes: dict[str, str], args: argparse.Namespace) -> int:
     """Compile the strategies asked for, for every target ``--target`` names, and print the report."""
-    from service.cli_checks import checked_config, checked_strategy, strategy_fits
+    from service.cli.checks import checked_config, checked_strategy, strategy_fits
 
-    # flags first, with the light modules only (service/cli_checks.py); then the derivation
+    # flags first, with the light modules only (service/cli/checks.py); then the derivation
     targets = compile_targets(args.target)
     strategy = checked_strategy(args.strategy, extra=("all",))
     config = checked_config(args.config)
@@ -58,7 +58,7 @@ def compile_command(spec, shape: dict[str, int], dtypes: dict[str, str], args: a
         derivation = strategy_fits(spec, shape, strategy)
 
     from fuser_core import BASELINE, STRATEGIES, CompilePool, CompileRequest, valid_strategies
-    from service.cli_progress import CompileProgress
+    from service.cli.progress import CompileProgress
 
     refused: dict[str, str] = {}
     if strategy == "all":

@@ -5,10 +5,10 @@ once) is idempotent on (spec_hash, shape, dtype, target, measurer): the ``dedupe
 is unique, so of concurrent identical submissions exactly one INSERT wins and the others find
 its job on retry. It stays set while the job is queued, running or succeeded, and is cleared
 when a job fails or is cancelled, so a resubmission then starts afresh. A kernel already
-cached for the exact key (:mod:`service.kernel_cache`, with this code's Triton and generator
+cached for the exact key (:mod:`service.store.kernel_cache`, with this code's Triton and generator
 versions) is answered with a succeeded job instead of a new search; a failed job's partial
 kernel (:func:`keep_partial`) never is. The spec is stored once
-(:mod:`service.spec_store`); jobs keep the canonical shape.
+(:mod:`service.store.spec_store`); jobs keep the canonical shape.
 
 **Leases.** A worker claims a job with a lease (``lease_expires_at``) and renews it while it
 works. Only the holder (status ``running`` and ``worker_id`` = its id) may record trials,
@@ -16,11 +16,11 @@ finish, fail or cancel the job; anyone else gets :class:`LeaseLost`. A job whose
 expired is taken over by the next claim (``attempts`` counts claims; after
 ``MAX_ATTEMPTS`` lost workers the job fails and says so). Holder checks lock the job row
 (``SELECT ... FOR UPDATE`` on PostgreSQL; SQLite transactions are ``BEGIN IMMEDIATE``,
-service/db.py), and a claim is a conditional UPDATE that only one claimer can win.
+service/store/db.py), and a claim is a conditional UPDATE that only one claimer can win.
 
 **Transactions.** Every function here ends its transaction (commit, or rollback on error) —
 on SQLite an open transaction holds the database's write lock. Objects stay readable after
-commit with sessions from :func:`service.db.session_factory`.
+commit with sessions from :func:`service.store.db.session_factory`.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import kernel_cache
-from service.db import MAX_LIST, RETRIES, committed, get_row, newest_first, page
+from service.store import kernel_cache
+from service.store.db import MAX_LIST, RETRIES, committed, get_row, newest_first, page
 from service.errors import InvalidRequest, JobError, LeaseLost, NotFound
-from service.job_outcome import JobOutcome
-from service.models import Job, KernelRecord, TrialRecord, UTCDateTime, WorkerRecord, new_id, utcnow
-from service.spec_store import ensure_spec, refuse_uncertified, uncertified
+from service.store.job_outcome import JobOutcome
+from service.store.models import Job, KernelRecord, TrialRecord, UTCDateTime, WorkerRecord, new_id, utcnow
+from service.store.spec_store import ensure_spec, refuse_uncertified, uncertified
 from service.tuning_request import TuningRequest, check_choice, check_measurer, check_target
 
 MAX_ATTEMPTS = 3  # claims of one job; a job whose worker was lost this often fails
@@ -389,7 +389,7 @@ def fail_job(session: Session, job_id: str, worker_id: str, error: str) -> None:
 def keep_partial(session: Session, job_id: str, *, bundle: dict, kernel_fields: dict) -> KernelRecord | None:
     """A failed job keeps its best kernel so far: ``bundle`` (of its best complete trial, which
     passed the correctness and compile gates) stored as :func:`finish_job` stores one, but as the
-    key's ``partial`` kernel (:func:`service.kernel_cache.store_kernel`: ranked only against the
+    key's ``partial`` kernel (:func:`service.store.kernel_cache.store_kernel`: ranked only against the
     key's partial kernel, never served by a lookup or a submission), and the job points at it.
 
     Only a failed job that keeps none yet: None (nothing stored) otherwise. Anyone may call it

@@ -2,7 +2,7 @@
 
 What an inference server puts in its forward pass (issue 24, item 4)::
 
-    from service.torch_ops import foldwise_op
+    from service.client.torch_ops import foldwise_op
     rmsnorm = foldwise_op(KernelCache(url).get("rmsnorm", {"t": 128, "c": 4096}, "bfloat16"))
     y = rmsnorm(x=x, w=w)["y"]                  # or rmsnorm(x=x, w=w, out={"y": buf})
 
@@ -63,7 +63,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack  # wha
 
 from service.bundle import BundleError, BundleKernel, ordered_tensors
 from service.bundle.leading import fold_of, folded_inputs, unfolded_shapes
-from service.range_kernel import RangeKernel
+from service.client.range_kernel import RangeKernel
 
 Kernel = BundleKernel | RangeKernel  # a range's kernel picks its bucket per call, inside the operator
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # what a served forward pass hands an op
@@ -97,7 +97,7 @@ def registered_kernel(key: str) -> Kernel:
     kernel = _KERNELS.get(key)
     if kernel is None:
         raise BundleError(f"kernel_key: no Foldwise kernel is registered under {key!r:.80} in this process; "
-                          "call service.torch_ops.foldwise_op(kernel) (or register_kernel) first")
+                          "call service.client.torch_ops.foldwise_op(kernel) (or register_kernel) first")
     return kernel
 
 
@@ -252,7 +252,7 @@ class FoldwiseOp:
 
 def foldwise_op(kernel: Kernel) -> FoldwiseOp:
     """``kernel`` (a loaded :class:`~service.bundle.BundleKernel`, or a
-    :class:`~service.range_kernel.RangeKernel`: each call runs the bucket its sizes fall in, picked
+    :class:`~service.client.range_kernel.RangeKernel`: each call runs the bucket its sizes fall in, picked
     inside the operator at run time, so one traced graph with dynamic sizes serves every bucket)
     registered as a torch operator,
     and a callable over it whose call torch.compile(fullgraph=True) traces."""

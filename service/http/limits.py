@@ -16,7 +16,7 @@ protocol:
   limit at start, so 1,100 slow connections under a 1,024-descriptor limit no longer refuse
   everyone else (they are dropped after the head timeout instead).
 
-The protocol is :class:`service.http_protocol.BoundedHttpToolsProtocol`. Without httptools
+The protocol is :class:`service.http.protocol.BoundedHttpToolsProtocol`. Without httptools
 (uvicorn's h11 protocol) the head's size is bounded by h11 itself (``h11_max_incomplete_event_size``);
 the head timeout needs httptools.
 """
@@ -52,7 +52,7 @@ def uvicorn_http_options(max_header_bytes: int, header_timeout_s: float, max_con
     set_head_limits(max_header_bytes, header_timeout_s)
     if importlib.util.find_spec("httptools") is not None:
         # by name: uvicorn's supervisor pickles its config into spawned processes
-        options["http"] = "service.http_protocol:BoundedHttpToolsProtocol"
+        options["http"] = "service.http.protocol:BoundedHttpToolsProtocol"
     return options
 
 

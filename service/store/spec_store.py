@@ -22,10 +22,10 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from fuser_core import Spec, canonical_json, load_spec, spec_hash as compute_spec_hash
-from service.db import RETRIES, committed, get_row
+from service.store.db import RETRIES, committed, get_row
 from service.dim_names import DimNames
 from service.errors import InvalidRequest, JobError
-from service.models import SpecRecord
+from service.store.models import SpecRecord
 
 
 def job_spec(record: SpecRecord) -> Spec:

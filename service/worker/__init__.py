@@ -1,34 +1,34 @@
 """The job-queue worker: claim a job, tune it, store its bundle; repeat.
 
 ``run_worker(db_url, measurer=..., target=...)`` is ``foldwise worker --db URL`` (and each of
-``foldwise serve --workers N``'s threads). For each job it claims (:func:`service.job_queue.claim_job`):
+``foldwise serve --workers N``'s threads). For each job it claims (:func:`service.store.job_queue.claim_job`):
 
 1. reads the job's canonical spec and derives it once (every search and bundle of the job use
    that derivation), then sets up the search as ``foldwise tune`` does
-   (:func:`service.tuning.search_setup`) at the job's shape and dtype, with the target and
+   (:func:`service.worker.tuning.search_setup`) at the job's shape and dtype, with the target and
    measurer this worker checked once when it started;
 2. runs :class:`tuner.search.tuner.Tuner` on the job's own Optuna study, stored beside the service
-   database (:func:`service.db.study_storage_url`), so a worker that takes over a job whose
+   database (:func:`service.store.db.study_storage_url`), so a worker that takes over a job whose
    worker died continues the same study: finished trials are kept, the trial budget is shared;
-3. records every finished trial (:func:`service.job_queue.record_trial`) from an Optuna callback;
+3. records every finished trial (:func:`service.store.job_queue.record_trial`) from an Optuna callback;
 4. on success builds the bundle (:func:`service.bundle_maker.make_bundle`, from that derivation:
    its kernel and its derivation report) and finishes the job
-   (:func:`service.job_queue.finish_job`); when no configuration worked, fails it with the reason.
-   What became of the job is a :class:`service.job_outcome.JobOutcome`;
+   (:func:`service.store.job_queue.finish_job`); when no configuration worked, fails it with the reason.
+   What became of the job is a :class:`service.store.job_outcome.JobOutcome`;
 5. a job that failed (a crash, its lost workers) keeps the bundle of its best complete trial,
-   marked partial (:meth:`Worker.keep_partial`, :func:`service.job_queue.keep_partial`).
+   marked partial (:meth:`Worker.keep_partial`, :func:`service.store.job_queue.keep_partial`).
 
 **Leases.** A trial can take long (a GPU measurement, or the interpreter's first check of a
 strategy), so the lease is renewed by a heartbeat thread (:class:`LeaseKeeper`) every
 ``heartbeat_seconds``, not between trials. The search stops after the current trial when the
 lease is lost (the job was taken over: nothing more is written for it), when the job is asked
-to cancel (:func:`service.job_queue.mark_cancelled`), when ``budget.seconds`` is used up (the best
+to cancel (:func:`service.store.job_queue.mark_cancelled`), when ``budget.seconds`` is used up (the best
 so far is stored), or when the worker is asked to stop (the job goes back to the queue,
-:func:`service.job_queue.release_job`). A worker killed outright (SIGKILL) just stops renewing; the
+:func:`service.store.job_queue.release_job`). A worker killed outright (SIGKILL) just stops renewing; the
 job is claimed again once its lease expires, and Optuna's own heartbeats fail the trial that
 was running so it is retried.
 
-**Outages.** Every database call is retried through an outage (:func:`service.db.retry_transient`);
+**Outages.** Every database call is retried through an outage (:func:`service.store.db.retry_transient`);
 a search stopped by one resumes its study when the database answers (:meth:`Worker._search`), and
 ``run_worker`` never exits for one. After an outage the worker leaves expired leases alone for a
 lease (their live holders renew them first), so an outage never counts as a lost worker.
@@ -51,14 +51,14 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from service import job_queue, spec_store
-from service.db import database_error, is_transient, note_outage, retry_transient, seconds_since_outage
+from service.store import job_queue, spec_store
+from service.store.db import database_error, is_transient, note_outage, retry_transient, seconds_since_outage
 from service.errors import LeaseLost
-from service.job_outcome import JobOutcome
-from service.models import Job, utcnow
+from service.store.job_outcome import JobOutcome
+from service.store.models import Job, utcnow
 from service.shape_ranges import TRIAL_STRIDE, has_ranges
 from service.tuning_request import measurer_kind
-from service.worker_recording import STATES, LeaseKeeper, TrialRecorder  # noqa: F401 - STATES: re-exported
+from service.worker.recording import STATES, LeaseKeeper, TrialRecorder  # noqa: F401 - STATES: re-exported
 
 log = logging.getLogger("foldwise.worker")
 # a search that crashed just before the worker was asked to stop (SIGTERM to the process group
@@ -76,7 +76,7 @@ HOST_FAULT_PAUSE_S = (5.0, 60.0)
 class _JobSpec:
     """A claimed job's spec, read and derived once for all its searches and bundles."""
 
-    spec: Any  # the canonical spec (service.spec_store.job_spec): the job's shape uses its names
+    spec: Any  # the canonical spec (service.store.spec_store.job_spec): the job's shape uses its names
     canonical: Any  # its JSON object, the study's ``spec`` attribute
     derivation: Any  # fuser_core.derive_cascade(spec): the job's one derivation
 
@@ -91,13 +91,13 @@ class Worker:
 
     def __init__(self, db_url: str, *, measurer: str, target: str, worker_id: str | None = None,
                  stop: threading.Event | None = None, settings: Any = None):
-        from service.db import check_current, make_engine, session_factory, study_storage_url
+        from service.store.db import check_current, make_engine, session_factory, study_storage_url
         from service.settings import get_settings
-        from service.tuning import checked_choice, cuda_measurer, quiet_optuna
+        from service.worker.tuning import checked_choice, cuda_measurer, quiet_optuna
         from service.tuning_request import check_measurer, check_target
         from tuner import get_profile, make_storage
 
-        # checked once per worker: it claims only jobs of its target and measurer (service.job_queue.claim_job)
+        # checked once per worker: it claims only jobs of its target and measurer (service.store.job_queue.claim_job)
         measurer = checked_choice(check_measurer, measurer)
         self.profile = get_profile(checked_choice(check_target, target))
         # fail at start, not on the first job: no GPU, or the wrong one
@@ -118,7 +118,7 @@ class Worker:
             grace_period=max(2 * beat, math.ceil(self.settings.lease_seconds))), "opening the study storage")
 
     def retry(self, fn: Any, what: str) -> Any:
-        """``fn()`` retried through a database outage (:func:`service.db.retry_transient`); gives
+        """``fn()`` retried through a database outage (:func:`service.store.db.retry_transient`); gives
         up a few seconds after this worker is asked to stop."""
         return retry_transient(fn, what=what, stop=self.stop, logger=log)
 
@@ -127,7 +127,7 @@ class Worker:
         self.engine.dispose()
 
     def register(self) -> None:
-        from service.tuning import gpu_name, versions
+        from service.worker.tuning import gpu_name, versions
 
         gpu, versions_now = gpu_name(), versions()
 
@@ -202,7 +202,7 @@ class Worker:
     def keep_partial(self, job_id: str) -> None:
         """A failed job keeps its best kernel so far: the bundle of its best complete trial (the
         job's ``best``, recorded from trials that passed the correctness and compile gates),
-        stored marked partial (:func:`service.job_queue.keep_partial`). Nothing for a job with no
+        stored marked partial (:func:`service.store.job_queue.keep_partial`). Nothing for a job with no
         complete trial, one not failed, or a range job (a range is served whole or not at all).
         Best effort: the job has failed already, and stays failed with its reason whatever happens here."""
         from types import SimpleNamespace
@@ -357,7 +357,7 @@ class Worker:
     def _search_once(self, job: Job, tuned: _JobSpec, shape: Any, study_name: str, recorder: TrialRecorder,
                      out_of_time: bool, *, catch_up: bool = True) -> tuple[JobOutcome, Any]:
         from fuser_core import SpecError, make_problem
-        from service.tuning import search_setup
+        from service.worker.tuning import search_setup
         from tuner import NoResult, Tuner
 
         try:
@@ -456,7 +456,7 @@ class Worker:
                              variant=self._variant(bundle, binary))
 
     def _finish_range(self, session: Session, job: Job, found: list[tuple]) -> None:
-        """Store every bucket's kernel and the range (service.job_queue.finish_range_job)."""
+        """Store every bucket's kernel and the range (service.store.job_queue.finish_range_job)."""
         made = [(shape, *self._bundle(job, space, result), binary) for shape, space, result, binary in found]
         job_queue.finish_range_job(session, job.id, self.worker_id,
                                    buckets=[(shape, bundle, fields) for shape, bundle, fields, _ in made],
@@ -486,7 +486,7 @@ class Worker:
         and its kernel fields. ``partial``: a failed job's best (:meth:`keep_partial`), which its
         bundle says too (``measured.partial``), so a downloaded copy cannot pass for a finished one."""
         from service.bundle_maker import make_bundle
-        from service.tuning import gpu_name
+        from service.worker.tuning import gpu_name
 
         measured = {
             "time_ms": result.time_ms, "measurer": job.measurer, "predicted": result.predicted,
@@ -532,8 +532,8 @@ def run_worker(db_url: str, *, measurer: str, target: str, worker_id: str | None
     """Take jobs for (target, measurer) from the database at ``db_url`` until ``stop`` is set
     (or, with ``once``, after at most one job); returns how many jobs it processed.
 
-    Raises :class:`service.tuning.SetupError` for a bad measurer/target (or ``cuda`` without a
-    matching GPU) and :class:`service.db.DatabaseBehind` for an unmigrated database, before
+    Raises :class:`service.worker.tuning.SetupError` for a bad measurer/target (or ``cuda`` without a
+    matching GPU) and :class:`service.store.db.DatabaseBehind` for an unmigrated database, before
     taking any job. Database errors are logged and retried, with backoff, however long the
     database is unreachable (at start, while polling, during a job): the worker never exits for one.
     """

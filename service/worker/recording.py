@@ -2,7 +2,7 @@
 heartbeat (:class:`LeaseKeeper`) and each finished trial (:class:`TrialRecorder`, the Optuna
 callback that also decides when the search stops). Both ride out a database outage: a renewal
 that fails is skipped (the lease is long enough for a few), a trial is written again until the
-database answers (:func:`service.db.retry_transient`).
+database answers (:func:`service.store.db.retry_transient`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import job_queue
-from service.db import is_transient, note_outage, retry_transient
+from service.store import job_queue
+from service.store.db import is_transient, note_outage, retry_transient
 from service.errors import LeaseLost
-from service.job_outcome import JobOutcome
+from service.store.job_outcome import JobOutcome
 
 log = logging.getLogger("foldwise.worker")
 STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}

@@ -2,7 +2,7 @@
 
 The worker (:mod:`service.worker`) answers one :class:`JobOutcome` per job it claims and logs
 it (``job cancelled``). The three that finish a job are also its stored ``status``
-(:mod:`service.job_queue`), with the same strings, so stored rows read as before.
+(:mod:`service.store.job_queue`), with the same strings, so stored rows read as before.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from service.bundle import BundleError
 
 if TYPE_CHECKING:
-    from service.client_jobs import TuningJob
+    from service.client.jobs import TuningJob
 
 
 class KernelCacheError(Exception):

@@ -1,10 +1,10 @@
 """The kernel client's HTTP side: one server and its token, every answer checked
 (:mod:`service.client`, module docstring: steps 2 and 3, "Tuning", "A job on its way").
 
-Network trouble and 5xx answers raise :class:`service.client_errors.ServerUnavailable` (the
+Network trouble and 5xx answers raise :class:`service.client.errors.ServerUnavailable` (the
 client then answers from its disk cache); anything else unexpected is a
-:class:`~service.client_errors.KernelServiceError`, a refused token a
-:class:`~service.client_errors.KernelAuthError`.
+:class:`~service.client.errors.KernelServiceError`, a refused token a
+:class:`~service.client.errors.KernelAuthError`.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import httpx
 
 from service.bundle import BundleError, bundle_v1, verify_bundle
 from service.bundle.signing import SIGNATURE_HEADER
-from service.client_disk import MAX_BUNDLE_BYTES, DiskCache
-from service.client_errors import (
+from service.client.disk import MAX_BUNDLE_BYTES, DiskCache
+from service.client.errors import (
     KernelAuthError, KernelIntegrityError, KernelNotFound, KernelServiceError, KernelTuningError, ServerUnavailable,
 )
-from service.client_jobs import LIVE_JOBS, TuningJob
-from service.client_request import KernelRequest
+from service.client.jobs import LIVE_JOBS, TuningJob
+from service.client.request import KernelRequest
 
 BINARIES_FORMAT = 3  # asked for: every Triton version's binaries; 2 from a server that predates it
 

@@ -5,7 +5,7 @@ and the tuned ranges, so a restart without the server still serves what it had
 Layout under the cache folder: ``<sha256>.json`` (a bundle, canonical bytes), ``<sha256>.sig``
 (the signature its server sent, where the client trusts keys: service.bundle.signing),
 ``v2/<format-1 sha256>`` (the sha256 of the same bundle with binaries), ``index/<key>.json``
-(one per request: :attr:`service.client_request.KernelRequest.key`) and
+(one per request: :attr:`service.client.request.KernelRequest.key`) and
 ``ranges/<spec, dtype, target digest>-<range digest>.json`` (a range's shape and each bucket's
 shape and bundle sha256). Every bundle read is verified again; a corrupt file is removed.
 """
@@ -24,8 +24,8 @@ from typing import Any
 
 from service.bundle import BundleError, bundle_v1, canonical_bytes, dtype_text, verify_bundle
 from service.bundle.signing import TrustedKeys
-from service.client_errors import KernelServiceError
-from service.client_request import KernelRequest
+from service.client.errors import KernelServiceError
+from service.client.request import KernelRequest
 from service.shape_ranges import pick_bucket
 
 log = logging.getLogger("foldwise.client")

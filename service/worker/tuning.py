@@ -1,7 +1,7 @@
 """One tuning job's set-up: search space, measurer and study attributes.
 
-Shared by ``foldwise tune`` / ``foldwise worker --study`` (service/cli.py) and the job-queue
-worker (service/worker.py), so that a job tuned through the service searches exactly what
+Shared by ``foldwise tune`` / ``foldwise worker --study`` (service/cli/__init__.py) and the job-queue
+worker (service/worker/__init__.py), so that a job tuned through the service searches exactly what
 the command line would. Errors are :class:`SetupError` naming the field (``measurer``,
 ``target``); the CLI prints them as ``--measurer: ...`` and exits 2, the worker fails the job
 with the same text.

@@ -1,8 +1,8 @@
 """The service's commands of the ``foldwise`` CLI: ``serve``, ``worker`` (job-queue mode),
 ``db upgrade``/``db current``, ``binaries backfill`` and ``token create|revoke|list``.
 
-Kept out of service/cli.py so the CLI module stays small; :func:`add_service_commands` adds
-the parsers and service/cli.py's ``worker`` command calls :func:`cmd_worker_queue` when no
+Kept out of service/cli/__init__.py so the CLI module stays small; :func:`add_service_commands` adds
+the parsers and service/cli/__init__.py's ``worker`` command calls :func:`cmd_worker_queue` when no
 ``--study`` is given. Exit codes as everywhere in the CLI: 0 ok, 2 bad input or a database
 that cannot be used as is (the message says what to run), 1 an internal error.
 """
@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Any
 
-from service.cli_errors import UsageError
+from service.cli.errors import UsageError
 
 
 def _settings(**overrides: Any):
@@ -35,7 +35,7 @@ def _settings(**overrides: Any):
 def _engine(url: str):
     import sqlalchemy as sa
 
-    from service.db import make_engine
+    from service.store.db import make_engine
 
     try:
         engine = make_engine(url)
@@ -53,7 +53,7 @@ def _is_sqlite(url: str) -> bool:
 
 
 def _current_or_exit(engine) -> None:
-    from service.db import DatabaseBehind, check_current
+    from service.store.db import DatabaseBehind, check_current
 
     try:
         check_current(engine)
@@ -65,7 +65,7 @@ def _current_or_exit(engine) -> None:
 
 
 def cmd_db(args: argparse.Namespace) -> int:
-    from service.db import current_revision, head_revision, upgrade
+    from service.store.db import current_revision, head_revision, upgrade
 
     settings = _settings(db_url=args.db)
     engine = _engine(settings.db_url)
@@ -122,7 +122,7 @@ def cmd_signing_key(args: argparse.Namespace) -> int:
 
 def cmd_token(args: argparse.Namespace) -> int:
     from service import auth
-    from service.db import session_factory
+    from service.store.db import session_factory
 
     settings = _settings(db_url=args.db)
     engine = _engine(settings.db_url)
@@ -170,9 +170,9 @@ def cmd_token(args: argparse.Namespace) -> int:
 
 def cmd_worker_queue(args: argparse.Namespace) -> int:
     """``foldwise worker --db URL`` without ``--study``: take jobs from the service's queue."""
-    from service.db import DatabaseBehind
+    from service.store.db import DatabaseBehind
     from service.logs import configure_logging
-    from service.tuning import SetupError, default_measurer
+    from service.worker.tuning import SetupError, default_measurer
     from service.worker import run_worker
 
     settings = _settings(db_url=args.db, target=args.target, measurer=args.measurer)
@@ -217,10 +217,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Migrate (SQLite) or check (shared database) the database, then run the API in N processes
     and the tuning workers in one process of their own (service/serve.py)."""
     from service import auth
-    from service.db import session_factory, upgrade
+    from service.store.db import session_factory, upgrade
     from service.logs import configure_logging
     from service.serve import serve
-    from service.tuning import default_measurer
+    from service.worker.tuning import default_measurer
 
     settings = _settings(db_url=args.db, host=args.host, port=args.port, workers=args.workers,
                          target=args.target, measurer=args.measurer)
@@ -268,7 +268,7 @@ def _targets(text: str | None, default: str) -> list[str]:
 def cmd_binaries(args: argparse.Namespace) -> int:
     """``binaries backfill``: compile and store the binaries of kernels that have none."""
     from service.binaries import backfill
-    from service.db import session_factory
+    from service.store.db import session_factory
     from tuner import shared_compile_pool
 
     settings = _settings(db_url=args.db)

@@ -17,7 +17,7 @@ import argparse
 import json
 from typing import Any
 
-from service.cli_errors import UsageError
+from service.cli.errors import UsageError
 
 
 def read_spec_source(name_or_path: str) -> bytes:
@@ -121,8 +121,8 @@ def strategy_fits(spec: Any, shape: dict[str, int], strategy: str | None) -> Any
 
 def checked_tune_choices(args: argparse.Namespace) -> None:
     """``tune``'s ``--trials``, ``--heartbeat``, ``--measurer`` and ``--target`` (the same checks
-    :func:`service.tuning.tuning_setup` makes later, made before Optuna and the tuner load)."""
-    from service.tuning import SetupError, checked_choice
+    :func:`service.worker.tuning.tuning_setup` makes later, made before Optuna and the tuner load)."""
+    from service.worker.tuning import SetupError, checked_choice
     from service.tuning_request import check_measurer, check_target
 
     if args.trials < 1:

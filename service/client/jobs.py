@@ -12,7 +12,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
-from service.client_errors import KernelServiceError
+from service.client.errors import KernelServiceError
 
 if TYPE_CHECKING:
     from service.bundle import BundleKernel
