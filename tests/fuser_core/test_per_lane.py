@@ -1,7 +1,7 @@
 """Per-lane running states in the streaming loop (structure.per_lane): softmax-like cascades keep
 one state per lane of the axis's tile, update it elementwise in the loop (no reduction across the
 tile per iteration) and merge the lanes once after it with the realisation's merge rule; attention
-(its ``o`` folds by tl.dot, over a state with dims besides the lanes) stays per tile. The merged
+(its ``o`` folds by a matrix product, over a state with dims besides the lanes) stays per tile. The merged
 results match the float64 reference, edge inputs included (-inf lanes, NaN, all -inf rows,
 n < BLOCK, ragged tails)."""
 
@@ -76,7 +76,7 @@ def test_attention_stays_per_tile(strategy: str) -> None:
     structure = build_structure(plan, dtypes)
     streamed = next(loop for loop in structure.kernels[0].loops() if loop.span in ("axis", "chunk"))
     ok, why = per_lane(plan, streamed.body)
-    assert not streamed.per_lane and not ok and why == "o folds by tl.dot", why
+    assert not streamed.per_lane and not ok and why == "o folds by a matrix product", why
     body = kernel_sources(module_source(plan, output_dtypes(spec, dtypes), dtypes))[structure.kernels[0].name][1]
     loop, _ = first_loop(body)
     assert "tl.dot(" in loop and "tl.reduce(" in loop and "_lane" not in body
@@ -145,4 +145,4 @@ def test_a_matrix_product_stays_per_tile_at_any_blocks(name: str, shape: dict, b
                     if loop.span == "axis")
     ok, why = per_lane(plan, streamed.body)
     # at these blocks causal attention's masked product is a tl.dot (decide_dot); else it is refused as a product
-    assert not streamed.per_lane and not ok and ("matrix product" in why or "folds by tl.dot" in why), why
+    assert not streamed.per_lane and not ok and ("matrix product" in why or "folds by a matrix product" in why), why
