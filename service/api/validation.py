@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 from fuser_core import MAX_SPEC_BYTES, Spec, SpecError, load_spec
-from service.api.cache import SpecCache
 from service.api.problems import REQUEST_FIELDS, error_entry, invalid, invalid_field, spec_problem
 from service.api.schemas import JobRequest
 from service.errors import InvalidRequest
@@ -64,25 +63,19 @@ def parse_spec(raw: dict[str, Any] | str, field: str = "spec") -> tuple[Spec, st
 
 
 class ParsedSpecs:
-    """Specs parsed from request text, by the exact text (a spec is a value: the same text
-    always parses to the same spec), so a repeated submission does not parse it again."""
-
-    def __init__(self, max_items: int = 256):
-        self._cache = SpecCache(max_items)
+    """Specs parsed from request text, by the exact text (a spec is a value: the same text always
+    parses to the same spec), so a repeated submission does not parse it again. The cache is the
+    spec store's (:func:`service.store.spec_store.parsed_source`): storing the spec then checks its
+    text without a parse."""
 
     def get(self, raw: dict[str, Any] | str) -> tuple[Spec, str, str]:
         """(spec, source text, spec_hash); HttpProblem 422 for an invalid spec."""
-        source = spec_text(raw)  # a catalog name is read each time: its file may change
-        hit = self._cache.get(source)
-        if hit is None:
-            source = checked_spec_text(source)
-            try:  # the spec store's parse, kept by the text: storing the spec then checks it without a parse
-                spec, shash = parsed_source(source)
-            except SpecError as err:
-                raise spec_problem(err, body_field="spec") from None
-            hit = (spec, source, shash)
-            self._cache.put(source, hit)
-        return hit
+        source = checked_spec_text(spec_text(raw))  # a catalog name is read each time: its file may change
+        try:
+            spec, shash = parsed_source(source)
+        except SpecError as err:
+            raise spec_problem(err, body_field="spec") from None
+        return spec, source, shash
 
 
 def job_request(parsed: ParsedSpecs, req: JobRequest, settings: Settings) -> TuningRequest:
