@@ -74,6 +74,19 @@ def fp8_value(bits: str) -> str:
     return f"fp8e4m3_to_float({bits}, {FP8_NATIVE})"
 
 
+def postfix_operand(text: str) -> str:
+    """``text`` ready for a method call (``.to(...)``): parenthesised unless it is one term (an
+    operator outside brackets would bind looser than the call: ``a * b.to(tl.float16)`` casts
+    ``b`` alone, and a float32 ``a`` then reaches tl.dot, which the compiler refuses)."""
+    depth = 0
+    for ch in text:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if depth == 0 and ch in " +-*/<>=&|%":
+            return f"({text})"
+    return text
+
+
 def store_expr(value: str, dtype: str, var: str) -> str:
     """``value`` converted for ``{var}_ptr``: fp8 leaves as its bits."""
     if dtype == FP8:
@@ -221,7 +234,7 @@ class KernelPrinter:
             rhs = self.fp8_operand(dot.q, env, False, over, (over, j))
             prod = f"tl.dot({lhs}, {rhs})"
         elif dot.precision == "float16":
-            prod = f"tl.dot({lhs}.to(tl.float16), {rhs}.to(tl.float16))"
+            prod = f"tl.dot({postfix_operand(lhs)}.to(tl.float16), {postfix_operand(rhs)}.to(tl.float16))"
         elif dot.precision == "bfloat16":  # rounded to nearest even in the interpreter too
             prod = f"tl.dot(bf16_operand({lhs}), bf16_operand({rhs}))"
         else:

@@ -400,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     derive.add_argument("spec", help=SPEC_HELP)
     derive.add_argument("--json", action="store_true", help="print one JSON object")
     derive.set_defaults(func=cmd_derive)
+    from service.cli.backward import add_backward_command
+
+    add_backward_command(sub, SPEC_HELP)
     run = sub.add_parser("run", help="generate the Triton kernel(s) and run them (interpreter without a GPU)")
     _add_problem_arguments(run)
     run.add_argument("--inputs", help="npz with one array per input name; without it, random inputs are checked")

@@ -1,0 +1,461 @@
+"""The backward of a cascade, derived as cascades of the same grammar.
+
+Given a forward spec, :func:`derive_backward` writes the vector-Jacobian product of its outputs
+for every float input as one or more specs: each reads the forward's inputs it needs, the
+*saved statistics* (forward reductions the forward writes as extra outputs: a row's max and
+denominator, a mean square), and an upstream gradient ``d_<output>`` per output; each writes
+``d_<input>``. Those specs derive, fuse, certify, generate and tune like any other.
+
+How (reverse accumulation over the steps, last to first):
+
+1. Every output's adjoint starts as its upstream gradient. A step's adjoint is the sum of what its
+   readers sent it; it is named as a step of its own when it is more than one name.
+2. A step sends each name it reads ``adjoint * partial(expr, name)``
+   (:func:`fuser_core.backward.differentiate.partial`), summed over the dims the name lacks: a
+   reduction of the backward, over the step's own ``over`` for a sum, over the broadcast dims for
+   an input with fewer dims (a norm's weight: over the tokens, another axis than the forward's).
+3. Such a sum that is a factor free of the summed dim times a forward sum's own summand is that
+   forward sum (``sum_n exp(s - mx) v / den`` is the forward's ``o``): read, not recomputed.
+4. A max or min the outputs do not depend on (a softmax's shift, :mod:`fuser_core.backward.shift`)
+   sends nothing. Any other sends its adjoint to the elements equal to it, split evenly among
+   ties, as torch's ``amax`` does.
+5. The forward's elementwise steps the backward reads are recomputed in it (reading the inputs
+   again costs what reading a saved copy would); a forward reduction it reads is *saved* when it
+   is an output or smaller than an input (per-row statistics), else recomputed (attention's
+   scores ``s``, as large as ``m x n``: FlashAttention's choice too).
+6. Gradients whose reductions run along the same axes share a spec; others get their own (a
+   norm's ``d_x`` reduces along the hidden axis, its ``d_w`` along the tokens).
+
+Not differentiated, and said so: index inputs (labels, positions), runtime scalars (eps, a
+scale: constants to the backward), argmax/argmin results (their uses are conditions). Refused,
+naming the field: topk steps, merged dims, paged inputs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fuser_core import expr as ex
+from fuser_core.backward.shift import is_shift
+from fuser_core.backward.differentiate import (
+    NotDifferentiable, ONE, ZERO, add, div, is_zero, mul, neg, partial, where,
+)
+from fuser_core.errors import SpecError
+from fuser_core.spec import load_spec
+from fuser_core.spec_model import Input, Param, Spec, Step, raw_param
+
+GRAD_PREFIX = "d_"
+EXAMPLE_SIZE = 7  # each dim's size for the shift test when the spec has no example
+
+
+@dataclass(frozen=True)
+class Gradient:
+    """Where one input's gradient is written: ``output`` of backward spec ``spec``, over ``dims``
+    (the backward spec's dim order; transpose to the input's own order when they differ)."""
+
+    input: str
+    output: str
+    spec: str
+    dims: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BackwardCascade:
+    forward: Spec  # the forward spec writing the saved statistics too
+    saved: tuple[str, ...]  # the forward's reductions the backward reads (outputs of ``forward``)
+    specs: tuple[Spec, ...]  # the backward specs
+    gradients: tuple[Gradient, ...]  # one per differentiated input with a gradient
+    upstream: dict[str, str]  # forward output -> the backward's input holding its gradient
+    zero: tuple[str, ...] = ()  # float inputs whose gradient is zero (read only in conditions)
+    not_differentiated: dict[str, str] = field(default_factory=dict)  # name -> why
+    shifts: tuple[str, ...] = ()  # max/min steps found to be shifts (no gradient)
+
+    def spec(self, name: str) -> Spec:
+        return next(s for s in self.specs if s.name == name)
+
+
+def derive_backward(spec: Spec, shape: Mapping[str, int] | None = None) -> BackwardCascade:
+    """The backward cascade(s) of ``spec`` (module doc). ``shape``: the sizes the shift test runs
+    at (default: the spec's example). Raises :class:`SpecError` naming what it cannot differentiate."""
+    _refuse(spec)
+    return _Reverse(spec, shape).build()
+
+
+def _refuse(spec: Spec) -> None:
+    if spec.merges:
+        raise SpecError("a reduction over several dims has no backward yet", loc=("steps",))
+    for inp in spec.inputs:
+        if inp.paged is not None:
+            raise SpecError("a paged input has no backward (the cache is not trained)", loc=("inputs", inp.name))
+    for i, step in enumerate(spec.steps):
+        if step.reduce == "topk":
+            raise SpecError("a topk step has no backward yet", loc=("steps", i, "reduce"), step=step.name)
+
+
+# ---------------------------------------------------------------- factors (rule 3)
+
+
+def _factors(e: ex.Expr) -> tuple[int, Counter, Counter]:
+    """``e`` as sign * prod(numerator) / prod(denominator), through *, / and negation."""
+    if isinstance(e, ex.Neg):
+        s, n, d = _factors(e.operand)
+        return -s, n, d
+    if isinstance(e, ex.BinOp) and e.op in "*/":
+        s1, n1, d1 = _factors(e.left)
+        s2, n2, d2 = _factors(e.right)
+        return (s1 * s2, n1 + n2, d1 + d2) if e.op == "*" else (s1 * s2, n1 + d2, d1 + n2)
+    return 1, Counter([e]), Counter()
+
+
+def _product(sign: int, num: Counter, den: Counter) -> ex.Expr:
+    out: ex.Expr = ONE
+    for f in num.elements():
+        out = mul(out, f)
+    for f in den.elements():
+        out = div(out, f)
+    return neg(out) if sign < 0 else out
+
+
+def _replace_top_down(e: ex.Expr, table: Mapping[ex.Expr, ex.Expr]) -> ex.Expr:
+    """``e`` with every largest subexpression found in ``table`` replaced."""
+    if e in table:
+        return table[e]
+    if isinstance(e, ex.Neg):
+        return ex.Neg(_replace_top_down(e.operand, table))
+    if isinstance(e, ex.BinOp):
+        return ex.BinOp(e.op, _replace_top_down(e.left, table), _replace_top_down(e.right, table))
+    if isinstance(e, ex.Call):
+        return ex.Call(e.func, tuple(_replace_top_down(a, table) for a in e.args))
+    if isinstance(e, ex.Cast):
+        return ex.Cast(_replace_top_down(e.operand, table), e.dtype)
+    return e  # conditions keep the forward's own text
+
+
+def _refs(e: ex.Expr) -> list[str]:
+    return list(dict.fromkeys(n.name for n in ex.walk(e) if isinstance(n, ex.Ref)))
+
+
+# ---------------------------------------------------------------- the builder
+
+
+@dataclass
+class _BackStep:
+    name: str
+    expr: ex.Expr
+    reduce: str | None = None
+    over: str | None = None
+
+
+class _Reverse:
+    """Reverse accumulation over one spec's steps (module doc): the backward steps, then the specs."""
+
+    def __init__(self, spec: Spec, shape: Mapping[str, int] | None):
+        self.spec = spec
+        self.shape = dict(shape or spec.example or {d: EXAMPLE_SIZE for d in spec.dims})
+        self.used: set[str] = {i.name for i in spec.inputs} | {p.name for p in spec.params} | {s.name for s in spec.steps}
+        self.dims: dict[str, tuple[str, ...]] = {i.name: i.dims for i in spec.inputs} | {s.name: s.dims for s in spec.steps}
+        self.kinds: dict[str, str] = {}  # new inputs' kinds
+        self.steps: list[_BackStep] = []
+        self.contrib: dict[str, list[ex.Expr]] = {}
+        self.upstream: dict[str, str] = {}
+        self.not_differentiated: dict[str, str] = {}
+        self.shifts: list[str] = []
+        # forward elementwise steps' expressions -> their names: the backward reads them by name
+        self.named = {s.expr: ex.Ref(s.name) for s in spec.steps if not s.is_reduction}
+
+    # -- names and dims
+    def fresh(self, base: str) -> str:
+        name, i = base, 2
+        while name in self.used:
+            name, i = f"{base}_{i}", i + 1
+        self.used.add(name)
+        return name
+
+    def expr_dims(self, e: ex.Expr) -> tuple[str, ...]:
+        found: set[str] = set()
+        for node in ex.walk(e):
+            if isinstance(node, ex.Ref):
+                found.update(self.dims.get(node.name, ()))
+            elif isinstance(node, ex.Index):
+                found.add(node.dim)
+        return self.spec.order_dims(found)
+
+    def add_step(self, base: str, e: ex.Expr, reduce: str | None = None, over: str | None = None) -> ex.Ref:
+        name = self.fresh(base)
+        e = _replace_top_down(e, self.named)
+        dims = self.expr_dims(e)
+        self.dims[name] = tuple(d for d in dims if d != over) if reduce else dims
+        self.steps.append(_BackStep(name, e, reduce, over))
+        return ex.Ref(name)
+
+    # -- rules 2 and 3
+    def forward_sum(self, term: ex.Expr, dim: str) -> ex.Expr | None:
+        """``sum over dim of term`` as a forward sum times a factor free of ``dim`` (rule 3), or None."""
+        sign, num, den = _factors(term)
+        for step in self.spec.steps:
+            if step.reduce != "sum" or step.over != dim:
+                continue
+            s2, n2, d2 = _factors(step.expr)
+            if n2 - num or d2 - den:  # not all of the summand's factors are in the term
+                continue
+            rest = _product(sign * s2, num - n2, den - d2)
+            if dim not in self.expr_dims(rest):
+                return mul(rest, ex.Ref(step.name))
+        return None
+
+    def new_sum(self, term: ex.Expr, dim: str) -> ex.Expr:
+        """``sum over dim of term`` as a new reduction, the factors free of ``dim`` (a row's
+        ``1 / den``) kept outside it: once per row instead of once per element, one rounding less."""
+        sign, num, den = _factors(term)
+        outside = Counter({f: c for f, c in num.items() if dim not in self.expr_dims(f)}), \
+            Counter({f: c for f, c in den.items() if dim not in self.expr_dims(f)})
+        inside = _product(1, num - outside[0], den - outside[1])
+        return mul(_product(sign, *outside), self.add_step("s", inside, "sum", dim))
+
+    def send(self, term: ex.Expr, target: str) -> None:
+        """Add ``term`` to ``target``'s adjoint, summed over the dims ``target`` lacks: first over a
+        dim where a forward sum is found (rule 3), else the innermost."""
+        if is_zero(term):
+            return
+        own = self.dims[target]
+        while extra := [d for d in self.expr_dims(term) if d not in own]:
+            found = next(((d, f) for d in reversed(extra) if (f := self.forward_sum(term, d)) is not None), None)
+            term = found[1] if found else self.new_sum(term, extra[-1])
+        self.contrib.setdefault(target, []).append(term)
+
+    def total(self, name: str) -> ex.Expr | None:
+        """The sum of what ``name``'s readers sent it (None: nothing)."""
+        terms = self.contrib.get(name)
+        if not terms:
+            return None
+        return self.collected(terms) if len(terms) > 1 else terms[0]
+
+    def collected(self, terms: list[ex.Expr]) -> ex.Expr:
+        """``sum(terms)`` with the factors common to every term outside: softmax's
+        ``d_y * y + d_den * exp(x - mx)`` (``d_den = -S / den``) is ``y * (d_y - S)``, torch's
+        form, with one rounding less on the cancellation at a peaked row's maximum. A factor that
+        names a backward step of the row (``d_den``) is looked into for this."""
+        back = {s.name: s for s in self.steps if s.reduce is None}
+
+        def flat(term: ex.Expr) -> tuple[int, Counter, Counter]:
+            sign, num, den = _factors(term)
+            for f in [f for f in num if isinstance(f, ex.Ref) and f.name in back]:
+                s2, n2, d2 = _factors(back[f.name].expr)
+                sign, num, den = sign * s2, num - Counter({f: 1}) + n2, den + d2
+            return sign, num, den
+
+        parts = [flat(t) for t in terms]
+        common_num = Counter(parts[0][1])
+        common_den = Counter(parts[0][2])
+        for _, num, den in parts[1:]:
+            common_num &= num
+            common_den &= den
+        for c in (common_num, common_den):
+            for f in [f for f in c if isinstance(f, ex.Num)]:
+                del c[f]
+        plain = terms[0]
+        for t in terms[1:]:
+            plain = add(plain, t)
+        if not common_num and not common_den:
+            return plain
+        rest: ex.Expr = ZERO
+        for sign, num, den in parts:
+            rest = add(rest, _product(sign, num - common_num, den - common_den))
+        return mul(_product(1, common_num, common_den), rest)
+
+    def adjoint(self, name: str) -> ex.Expr | None:
+        """:meth:`total`, named as a step when it is more than a name or a number."""
+        total = self.total(name)
+        if total is None or isinstance(total, ex.Ref | ex.Num):
+            return total
+        return self.add_step(GRAD_PREFIX + name, total)
+
+    def differentiable(self, name: str) -> bool:
+        obj = self.spec.lookup(name)
+        if isinstance(obj, Param):
+            self.not_differentiated[name] = "a runtime scalar or constant: fixed for the backward" if obj.runtime \
+                else "a constant"
+            return False
+        if isinstance(obj, Input) and obj.is_index:
+            self.not_differentiated[name] = "an index input"
+            return False
+        if isinstance(obj, Step) and obj.is_integer:
+            self.not_differentiated[name] = f"an {obj.reduce} (positions: read in conditions only)"
+            return False
+        return True
+
+    # -- rule 1, 2 and 4: one step
+    def back_step(self, step: Step) -> None:
+        if step.name not in self.contrib or step.is_integer:
+            return
+        if step.reduce in ("max", "min") and is_shift(self.spec, step, self.shape):
+            self.shifts.append(step.name)
+            return
+        adjoint = self.adjoint(step.name)
+        assert adjoint is not None
+        if step.reduce in ("max", "min"):
+            # to the elements equal to the extreme, split among ties
+            hit = ex.Compare("==", step.expr, ex.Ref(step.name))
+            count = self.add_step("n_" + step.name, where(hit, ONE, ZERO), "sum", step.over)
+            adjoint = div(where(hit, adjoint, ZERO), count)
+        for name in _refs(step.expr):
+            if not self.differentiable(name):
+                continue
+            try:
+                local = partial(step.expr, name)
+            except NotDifferentiable as err:
+                raise SpecError(f"no backward: {err}", loc=("steps", self.spec.steps.index(step), "expr"),
+                                step=step.name) from None
+            self.send(mul(adjoint, local), name)
+
+    # -- the whole
+    def build(self) -> BackwardCascade:
+        spec = self.spec
+        for out in spec.outputs:
+            name = self.fresh(GRAD_PREFIX + out)
+            self.upstream[out] = name
+            self.dims[name] = spec.step(out).dims
+            self.contrib[out] = [ex.Ref(name)]
+        for step in reversed(spec.steps):
+            self.back_step(step)
+        gradients: dict[str, ex.Ref] = {}
+        zero: list[str] = []
+        for inp in spec.inputs:
+            if inp.is_index:
+                self.not_differentiated[inp.name] = "an index input"
+                continue
+            total = self.total(inp.name)
+            if total is None:
+                zero.append(inp.name)
+                continue
+            missing = [d for d in inp.dims if d not in self.expr_dims(total)]
+            for d in missing:  # constant along d: broadcast by naming the dim
+                total = ex.BinOp("+", total, ex.BinOp("*", ZERO, ex.Index(d)))
+            gradients[inp.name] = self.add_step(GRAD_PREFIX + inp.name, total)
+        return self.assemble(gradients, zero)
+
+    # -- rules 5 and 6: closures, saved statistics, one spec per axis set
+    def saved_or_recomputed(self, step: Step) -> bool:
+        """True: the backward reads ``step`` saved by the forward (rule 5)."""
+        if step.name in self.spec.outputs:
+            return True
+        return any(set(step.dims) < set(i.dims) for i in self.spec.inputs)
+
+    def closure(self, root: str) -> tuple[list[str], set[str], set[str]]:
+        """(backward and forward steps ``root`` needs, saved names it reads, its reduction dims)."""
+        back = {s.name: s for s in self.steps}
+        steps: set[str] = set()
+        saved: set[str] = set()
+        todo = [root]
+        while todo:
+            name = todo.pop()
+            if name in steps or name in saved:
+                continue
+            if name in back:
+                steps.add(name)
+                todo.extend(_refs(back[name].expr))
+                continue
+            obj = self.spec.lookup(name)
+            if isinstance(obj, Step):
+                if obj.is_reduction and self.saved_or_recomputed(obj):
+                    saved.add(name)
+                else:
+                    steps.add(name)
+                    todo.extend(_refs(obj.expr))
+        overs = {back[n].over if n in back else self.spec.step(n).over for n in steps}
+        return sorted(steps), saved, {o for o in overs if o is not None}
+
+    def assemble(self, gradients: dict[str, ex.Ref], zero: list[str]) -> BackwardCascade:
+        groups: dict[frozenset[str], list[str]] = {}
+        closures = {}
+        for inp, ref in gradients.items():
+            closures[inp] = self.closure(ref.name)
+            groups.setdefault(frozenset(closures[inp][2]), []).append(inp)
+        specs, grads, all_saved = [], [], set()
+        several = len(groups) > 1
+        for members in groups.values():
+            steps = set().union(*(closures[m][0] for m in members))
+            saved = set().union(*(closures[m][1] for m in members))
+            all_saved |= saved
+            name = f"{self.spec.name}_backward" + (f"_{'_'.join(members)}" if several else "")
+            raw = self.backward_json(name, members, gradients, steps, saved)
+            try:
+                backward = load_spec(raw, printed=True)
+            except SpecError as err:  # a bug of ours, not the user's: say which spec
+                raise SpecError(f"the derived backward spec {name} does not load: {err}") from err
+            specs.append(backward)
+            grads += [Gradient(m, gradients[m].name, name, backward.step(gradients[m].name).dims) for m in members]
+        saved_order = tuple(s.name for s in self.spec.steps if s.name in all_saved)
+        return BackwardCascade(
+            forward=self.saving_forward(saved_order), saved=saved_order, specs=tuple(specs), gradients=tuple(grads),
+            upstream=dict(self.upstream), zero=tuple(zero), not_differentiated=dict(self.not_differentiated),
+            shifts=tuple(self.shifts))
+
+    def backward_json(self, name: str, members: Iterable[str], gradients: Mapping[str, ex.Ref], steps: set[str],
+                  saved: set[str]) -> dict[str, Any]:
+        spec = self.spec
+        back_order = [s for s in self.steps if s.name in steps]
+        fwd_order = [s for s in spec.steps if s.name in steps]
+        exprs = [s.expr for s in back_order] + [s.expr for s in fwd_order]
+        read = {r for e in exprs for r in _refs(e)}
+        inputs: dict[str, Any] = {}
+        for inp in spec.inputs:  # the forward's order first: the backward keeps its dim order
+            if inp.name in read:
+                inputs[inp.name] = {"dims": list(inp.dims), **({"kind": inp.kind} if inp.is_index else {})}
+        for s in spec.steps:
+            if s.name in saved:
+                inputs[s.name] = {"dims": list(s.dims), **({"kind": "index"} if s.is_integer else {}),
+                                  "doc": "saved by the forward"}
+        for out, up in self.upstream.items():
+            if up in read:
+                inputs[up] = {"dims": list(self.dims[up]), "doc": f"the gradient of the forward's {out}"}
+        raw_steps = [_step_json(s.name, s.expr, s.reduce, s.over) for s in fwd_order]
+        raw_steps += [_step_json(s.name, s.expr, s.reduce, s.over) for s in back_order]
+        used_dims = {d for i in inputs.values() for d in i["dims"]}
+        return {
+            "foldwise": 1, "name": name,
+            "doc": f"Backward of {spec.name}: the gradients of {', '.join(members)} (derived by Foldwise).",
+            "inputs": inputs,
+            "params": {p.name: raw_param(p) for p in spec.params if p.name in read},
+            "steps": raw_steps,
+            "outputs": [gradients[m].name for m in members],
+            **({"example": {d: n for d, n in spec.example.items() if d in used_dims}} if spec.example else {}),
+            **({"constraints": [" ".join(c) for c in spec.constraints if {c[0], c[2]} <= used_dims]}
+               if spec.constraints else {}),
+        }
+
+    def saving_forward(self, saved: tuple[str, ...]) -> Spec:
+        """The forward spec with the saved statistics as outputs too."""
+        spec = self.spec
+        extra = [s for s in saved if s not in spec.outputs]
+        if not extra:
+            return spec
+        raw = spec_json(spec)
+        raw["outputs"] = list(spec.outputs) + extra
+        raw["name"] = f"{spec.name}_saving"
+        raw["doc"] = f"{spec.doc} Also writes {', '.join(extra)} for the backward."
+        return load_spec(raw, printed=True)
+
+
+def _step_json(name: str, e: ex.Expr, reduce: str | None, over: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": name}
+    if reduce:
+        out |= {"reduce": reduce, "over": over}
+    return out | {"expr": ex.to_text(e)}
+
+
+def spec_json(spec: Spec) -> dict[str, Any]:
+    """``spec`` as its JSON (the specs :func:`derive_backward` accepts and writes: no merged dims,
+    pages or topk)."""
+    return {
+        "foldwise": 1, "name": spec.name, "doc": spec.doc,
+        "inputs": {i.name: {"dims": list(i.dims), **({"kind": i.kind} if i.is_index else {})} for i in spec.inputs},
+        "params": {p.name: raw_param(p) for p in spec.params},
+        "steps": [_step_json(s.name, s.expr, s.reduce, s.over) for s in spec.steps],
+        "outputs": list(spec.outputs),
+        **({"example": dict(spec.example)} if spec.example else {}),
+        **({"constraints": [" ".join(c) for c in spec.constraints]} if spec.constraints else {}),
+    }

@@ -1,0 +1,254 @@
+"""The derived backward (issue 39 items 1, 3, 5): every catalog spec's backward certifies against
+torch's float64 autograd of its formula or is refused by name; the backward specs load, derive
+and run in every strategy; their kernels match torch's own backward on the accuracy families."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fuser_core import SpecError, catalog_entries, derivation_report, load_spec, run, self_check
+from fuser_core.accuracy.families import apply_family
+from fuser_core.backward.certify import autograd_gradients, backward_gradients, certify_backward, gradient_error
+from fuser_core.backward.derive import derive_backward, spec_json
+from fuser_core.backward.in_forward import gradient_in_forward
+from fuser_core.codegen.strategies.registry import STRATEGIES
+
+REFUSED = {  # catalog spec -> the field its refusal names
+    "attention_paged": "inputs.k", "group_norm": "steps", "moe_routing": "steps[2] (gate).reduce",
+}
+CATALOG = [e.name for e in catalog_entries() if e.packaged]
+
+
+def _spec(name: str):
+    return load_spec(next(e for e in catalog_entries() if e.name == name).path.read_text())
+
+
+@pytest.mark.parametrize("name", CATALOG)
+def test_catalog_backward_certifies_or_is_refused_by_name(name):
+    spec = _spec(name)
+    if name in REFUSED:
+        with pytest.raises(SpecError) as err:
+            derive_backward(spec)
+        assert str(err.value).startswith(REFUSED[name])
+        return
+    cascade = derive_backward(spec)
+    report = certify_backward(spec, cascade)
+    assert report["holds"], report
+    assert set(report["worst"]) == {i.name for i in spec.inputs if not i.is_index}
+    for s in cascade.specs:  # the same grammar: each one round-trips through the loader
+        assert load_spec(spec_json(s), printed=True) == s
+
+
+def test_a_wrong_backward_fails_the_certificate():
+    """The certificate can fail: rmsnorm's d_w with its reduction dropped (d_y * x * r, summed
+    over nothing) is caught."""
+    spec = _spec("rmsnorm")
+    cascade = derive_backward(spec)
+    w_spec = cascade.spec(next(g.spec for g in cascade.gradients if g.input == "w"))
+    raw = spec_json(w_spec)
+    raw["steps"][-1]["expr"] = raw["steps"][-1]["expr"] + " * 1.0001"
+    broken = load_spec(raw, printed=True)
+    bad = type(cascade)(**{**cascade.__dict__, "specs": tuple(broken if s is w_spec else s for s in cascade.specs)})
+    report = certify_backward(spec, bad)
+    assert not report["holds"] and report["worst"]["w"] > 1e-5 and report["worst"]["x"] < 1e-12
+
+
+def test_softmax_shift_is_found_and_saved_statistics_are_per_row():
+    cascade = derive_backward(_spec("safe_softmax"))
+    assert cascade.shifts == ("mx",) and cascade.saved == ("mx", "den")
+    assert set(cascade.forward.outputs) == {"y", "mx", "den"}
+    (back,) = cascade.specs
+    assert [i.name for i in back.inputs] == ["x", "mx", "den", "d_y"]
+    assert sum(s.is_reduction for s in back.steps) == 1  # sum over n of d_y * y: torch's softmax backward
+
+
+def test_a_max_that_is_an_output_is_differentiated_with_ties_split():
+    """A max the outputs depend on is no shift: its gradient goes to the maximal elements, split
+    evenly among ties as torch's amax splits it."""
+    spec = load_spec({"foldwise": 1, "name": "row_max_and_sum", "inputs": {"x": {"dims": ["m", "n"]}},
+                      "steps": [{"name": "mx", "reduce": "max", "over": "n", "expr": "x"},
+                                {"name": "sx", "reduce": "sum", "over": "n", "expr": "x * mx"}],
+                      "outputs": ["mx", "sx"]})
+    cascade = derive_backward(spec)
+    assert cascade.shifts == ()
+    x = np.array([[1.0, 3.0, 3.0, -2.0], [0.5, 0.25, 2.0, 2.0]])
+    upstream = {"mx": np.array([1.5, -2.0]), "sx": np.array([0.75, 3.0])}
+    shape = {"m": 2, "n": 4}
+    derived = backward_gradients(cascade, shape, {"x": x}, upstream)
+    reference = autograd_gradients(spec, shape, {"x": x}, upstream)
+    assert gradient_error(derived["x"], reference["x"]) < 1e-15
+
+
+def test_index_inputs_and_runtime_scalars_are_named_not_differentiated():
+    ce = derive_backward(_spec("cross_entropy"))
+    assert ce.not_differentiated == {"target": "an index input"}
+    assert [g.input for g in ce.gradients] == ["logits"]
+    rms = derive_backward(_spec("rmsnorm"))
+    assert "eps" in rms.not_differentiated
+
+
+def test_weight_gradients_reduce_over_the_tokens_in_a_spec_of_their_own():
+    cascade = derive_backward(_spec("layernorm"))
+    by_input = {g.input: g for g in cascade.gradients}
+    assert by_input["gamma"].spec == by_input["beta"].spec != by_input["x"].spec
+    weights = cascade.spec(by_input["gamma"].spec)
+    assert {s.over for s in weights.steps if s.is_reduction} == {"t"}
+    assert {s.over for s in cascade.spec(by_input["x"].spec).steps if s.is_reduction} == {"c"}
+
+
+def test_attention_backward_reads_the_forward_output_and_recomputes_the_scores():
+    """FlashAttention-2's choices, derived: lse-like statistics and o saved, the m x n scores
+    recomputed, D = rowsum(dO o) read from the forward's o (rule 3), not recomputed from v."""
+    cascade = derive_backward(_spec("attention"))
+    assert cascade.saved == ("mx", "den", "o")
+    dq = cascade.spec("attention_backward_q")
+    assert "o" in {i.name for i in dq.inputs} and "s" in {s.name for s in dq.steps}
+    assert all(derivation_report(s)["fusible"] for s in cascade.specs)
+
+
+def test_an_input_with_a_structurally_zero_gradient_is_named():
+    spec = load_spec({"foldwise": 1, "name": "t", "inputs": {"x": {"dims": ["m", "n"]}},
+                      "steps": [{"name": "r", "expr": "round(x)"}, {"name": "s", "reduce": "sum", "over": "n", "expr": "r"}],
+                      "outputs": ["s"]})
+    cascade = derive_backward(spec)
+    assert cascade.zero == ("x",) and cascade.specs == ()  # round's derivative is 0: no kernel to run
+    grads = backward_gradients(cascade, {"m": 2, "n": 3}, {"x": np.ones((2, 3))}, {"s": np.ones(2)})
+    assert np.array_equal(grads["x"], np.zeros((2, 3)))
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("name", ["safe_softmax", "rmsnorm", "layernorm"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_backward_specs_run_in_every_strategy(name, strategy):
+    cascade = derive_backward(_spec(name))
+    for s in cascade.specs:
+        shape = {d: n for d, n in {"m": 5, "n": 300, "t": 6, "c": 257}.items() if d in s.dims}
+        report = self_check(s, shape, "float32", strategy=strategy)
+        assert report["passed"], (s.name, report)
+
+
+def _kernel_gradients(spec, cascade, shape, inputs, upstream, strategy):
+    """The forward that saves (kernel) then each backward spec (kernel), float32."""
+    saved = run(cascade.forward, shape, "float32", inputs, strategy=strategy).outputs
+    known = {**inputs, **{cascade.upstream[o]: g for o, g in upstream.items()},
+             **{s: saved[s].double().numpy() for s in cascade.saved}}
+    out = {}
+    for s in cascade.specs:
+        sub = {d: n for d, n in shape.items() if d in s.dims}
+        result = run(s, sub, "float32", {i.name: known[i.name] for i in s.inputs}, strategy=strategy).outputs
+        for g in (g for g in cascade.gradients if g.spec == s.name):
+            own = spec.input(g.input).dims
+            out[g.input] = result[g.output].double().numpy().transpose([g.dims.index(d) for d in own])
+    return out
+
+
+def _torch_softmax_grad(x, dy, dtype):
+    t = torch.tensor(x, dtype=dtype, requires_grad=True)
+    torch.softmax(t, -1).backward(torch.tensor(dy, dtype=dtype))
+    return t.grad.double().numpy()
+
+
+@pytest.mark.parametrize("family", ["normal", "offset100", "offset1000", "scale30", "peaked", "near_ties", "masked", "nan"])
+def test_softmax_backward_kernels_against_torch_on_the_families(family):
+    """Forward (saving mx, den) and backward kernels, float32, against torch's own softmax
+    backward: float64 for the reference, float32 for the bar (error <= 2x torch float32's + 8 ulps);
+    NaN and zeros where torch has them."""
+    spec = _spec("safe_softmax")
+    cascade = derive_backward(spec)
+    rng = np.random.default_rng(3)
+    shape = {"m": 4, "n": 300}
+    x = apply_family(family, rng.standard_normal((4, 300)).astype(np.float32).astype(np.float64), rng)
+    x = x.astype(np.float32).astype(np.float64)
+    dy = rng.standard_normal((4, 300)).astype(np.float32).astype(np.float64)
+    ref = _torch_softmax_grad(x, dy, torch.float64)
+    t32 = _torch_softmax_grad(x, dy, torch.float32)
+    for strategy in ("row_resident", "streaming_fused", "split_fused"):
+        got = _kernel_gradients(spec, cascade, shape, {"x": x}, {"y": dy}, strategy)["x"]
+        assert np.array_equal(np.isnan(got), np.isnan(ref)), (strategy, family)
+        ok = ~np.isnan(ref)
+        if not ok.any():
+            continue
+        scale = np.max(np.abs(ref[ok])) or 1.0
+        err = np.max(np.abs(got[ok] - ref[ok])) / scale
+        bar = 2 * np.max(np.abs(t32[ok] - ref[ok])) / scale + 8 * 2.0**-24
+        assert err <= bar, (strategy, family, err, bar)
+
+
+def test_rmsnorm_backward_kernels_against_torch():
+    spec = _spec("rmsnorm")
+    cascade = derive_backward(spec)
+    rng = np.random.default_rng(5)
+    shape = {"t": 6, "c": 257}
+    x, w, dy = (rng.standard_normal(s).astype(np.float32).astype(np.float64) for s in ((6, 257), (257,), (6, 257)))
+    got = _kernel_gradients(spec, cascade, shape, {"x": x, "w": w, "eps": 1e-6}, {"y": dy}, "streaming_fused")
+    tx, tw = (torch.tensor(a, requires_grad=True) for a in (x, w))
+    torch.nn.functional.rms_norm(tx, (257,), tw, 1e-6).backward(torch.tensor(dy))
+    for name, ref in (("x", tx.grad.numpy()), ("w", tw.grad.numpy())):
+        assert gradient_error(got[name], ref) < 5e-6, name
+
+
+def test_cross_entropy_gradient_in_the_forward():
+    """One kernel writes the loss and d loss / d logits; times the upstream gradient it is torch's
+    cross-entropy backward."""
+    spec = _spec("cross_entropy")
+    cascade = derive_backward(spec)
+    fused = gradient_in_forward(spec, cascade)
+    assert fused is not None and fused.outputs == ("loss", "logits_grad")
+    assert sum(s.is_reduction for s in fused.steps) == 3  # the forward's own: max, sum, picked
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal((5, 300)) * 4 + 100).astype(np.float32).astype(np.float64)  # logits near 100
+    target = rng.integers(0, 300, 5)
+    dloss = rng.standard_normal(5).astype(np.float32).astype(np.float64)
+    t = torch.tensor(logits, requires_grad=True)
+    torch.nn.functional.cross_entropy(t, torch.tensor(target), reduction="none").backward(torch.tensor(dloss))
+    for strategy in ("row_resident", "streaming_fused", "split_fused"):
+        out = run(fused, {"t": 5, "v": 300}, "float32", {"logits": logits, "target": target}, strategy=strategy).outputs
+        got = dloss[:, None] * out["logits_grad"].double().numpy()
+        assert gradient_error(got, t.grad.numpy()) < 1e-6, strategy
+
+
+def test_no_gradient_in_the_forward_where_the_backward_reduces():
+    spec = _spec("rmsnorm")
+    assert gradient_in_forward(spec, derive_backward(spec)) is None
+
+
+# ---------------------------------------------------------------- the GPU compiler
+
+
+def _backward_kernels(name):
+    spec = _spec(name)
+    cascade = derive_backward(spec)
+    fused = gradient_in_forward(spec, cascade)
+    return [cascade.forward, *(s for s in cascade.specs if any(st.is_reduction for st in s.steps)),
+            *([fused] if fused is not None else [])]
+
+
+@pytest.mark.parametrize("name", ["safe_softmax", "rmsnorm", "layernorm", "cross_entropy", "attention"])
+def test_backward_kernels_compile_for_sm90(name, compile_pool):
+    """The interpreter accepts what the compiler rejects: the saving forward, every backward spec
+    with a reduction and the forward writing its gradient compile for sm_90 (float16) in every
+    strategy that takes them. Attention's d_q is refused by every strategy (its reductions over
+    d, e and n do not nest: two matrix products in one loop), the open part."""
+    from fuser_core import bind_dtypes
+    from fuser_core.codegen.gpu_compile import CompileRequest
+    from fuser_core.targets import Target
+
+    sizes = {"m": 100, "n": 1000, "t": 64, "c": 4096, "v": 32000, "b": 1, "h": 2, "d": 64, "e": 64}
+    if name == "attention":
+        sizes |= {"m": 256, "n": 256}
+    requests = [CompileRequest(s, {d: n for d, n in sizes.items() if d in s.dims}, bind_dtypes(s, "float16"), strategy,
+                               None, Target.parse("sm_90"))
+                for s in _backward_kernels(name) for strategy in STRATEGIES]
+    built = 0
+    for request, build in zip(requests, compile_pool.compile(requests)):
+        if build.refused:
+            assert request.spec.name == "attention_backward_q" and "do not nest" in build.refused, build.refused
+            continue
+        for kernel in build.kernels:
+            assert kernel.ok, (request.spec.name, request.strategy, kernel.error)
+            built += 1
+    assert built >= len(requests) - 4
