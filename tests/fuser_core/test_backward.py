@@ -13,6 +13,7 @@ from fuser_core.accuracy.families import apply_family
 from fuser_core.backward.certify import autograd_gradients, backward_gradients, certify_backward, gradient_error
 from fuser_core.backward.derive import derive_backward, spec_json
 from fuser_core.backward.in_forward import gradient_in_forward
+from fuser_core.backward.kernels import kernel_gradients
 from fuser_core.codegen.strategies.registry import STRATEGIES
 
 REFUSED = {  # catalog spec -> the field its refusal names
@@ -131,21 +132,6 @@ def test_backward_specs_run_in_every_strategy(name, strategy):
         assert report["passed"], (s.name, report)
 
 
-def _kernel_gradients(spec, cascade, shape, inputs, upstream, strategy):
-    """The forward that saves (kernel) then each backward spec (kernel), float32."""
-    saved = run(cascade.forward, shape, "float32", inputs, strategy=strategy).outputs
-    known = {**inputs, **{cascade.upstream[o]: g for o, g in upstream.items()},
-             **{s: saved[s].double().numpy() for s in cascade.saved}}
-    out = {}
-    for s in cascade.specs:
-        sub = {d: n for d, n in shape.items() if d in s.dims}
-        result = run(s, sub, "float32", {i.name: known[i.name] for i in s.inputs}, strategy=strategy).outputs
-        for g in (g for g in cascade.gradients if g.spec == s.name):
-            own = spec.input(g.input).dims
-            out[g.input] = result[g.output].double().numpy().transpose([g.dims.index(d) for d in own])
-    return out
-
-
 def _torch_softmax_grad(x, dy, dtype):
     t = torch.tensor(x, dtype=dtype, requires_grad=True)
     torch.softmax(t, -1).backward(torch.tensor(dy, dtype=dtype))
@@ -167,7 +153,7 @@ def test_softmax_backward_kernels_against_torch_on_the_families(family):
     ref = _torch_softmax_grad(x, dy, torch.float64)
     t32 = _torch_softmax_grad(x, dy, torch.float32)
     for strategy in ("row_resident", "streaming_fused", "split_fused"):
-        got = _kernel_gradients(spec, cascade, shape, {"x": x}, {"y": dy}, strategy)["x"]
+        got = kernel_gradients(spec, cascade, shape, "float32", {"x": x}, {"y": dy}, strategy)["x"]
         assert np.array_equal(np.isnan(got), np.isnan(ref)), (strategy, family)
         ok = ~np.isnan(ref)
         if not ok.any():
@@ -184,7 +170,7 @@ def test_rmsnorm_backward_kernels_against_torch():
     rng = np.random.default_rng(5)
     shape = {"t": 6, "c": 257}
     x, w, dy = (rng.standard_normal(s).astype(np.float32).astype(np.float64) for s in ((6, 257), (257,), (6, 257)))
-    got = _kernel_gradients(spec, cascade, shape, {"x": x, "w": w, "eps": 1e-6}, {"y": dy}, "streaming_fused")
+    got = kernel_gradients(spec, cascade, shape, "float32", {"x": x, "w": w, "eps": 1e-6}, {"y": dy}, "streaming_fused")
     tx, tw = (torch.tensor(a, requires_grad=True) for a in (x, w))
     torch.nn.functional.rms_norm(tx, (257,), tw, 1e-6).backward(torch.tensor(dy))
     for name, ref in (("x", tx.grad.numpy()), ("w", tw.grad.numpy())):
