@@ -138,6 +138,7 @@ from service.client.range_kernel import RangeKernel
 from service.shape_ranges import one_kernel, pick_bucket
 
 if TYPE_CHECKING:
+    from service.client.autograd import TrainableOp
     from service.client.torch_ops import FoldwiseOp
 
 __all__ = [
@@ -273,6 +274,18 @@ class KernelCache:
             with self._lock:
                 bounded_put(self._ops, id(kernel), op)
         return op
+
+    def trainable_op(self, spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str] = "float32",
+                     target: str = "h100", **get_options: Any) -> TrainableOp:
+        """:meth:`torch_op` with the spec's derived backward (issue 39; :mod:`service.client.autograd`):
+        ``loss.backward()`` runs Foldwise kernels. Fetches (with :meth:`get` and ``get_options``, e.g.
+        ``tune_if_missing``) the forward that saves its statistics and each backward spec's kernel."""
+        from service.client.autograd import fetch_trainable
+        from service.client.request import parse_shape
+
+        user = self._request(spec, shape, dtype, target).user
+        return fetch_trainable(lambda s, sh, dt: self.get(s, sh, dt, target, **get_options), user,
+                               parse_shape(shape), dtype)
 
     def cached(self, spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str] = "float32",
                target: str = "h100", *, allow_nearest: bool = False) -> BundleKernel | None:

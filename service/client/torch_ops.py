@@ -45,8 +45,9 @@ no gradient runs the kernel itself (:meth:`FoldwiseOp._eager`): the same results
 dispatcher's 20-60 µs (benchmarks/client_warm_call.py). So ``torch.compile(fullgraph=True)`` works over
 functions calling Foldwise ops (tests/service/test_torch_ops.py, backends eager, aot_eager, inductor).
 
-**Not provided.** No autograd formula (the kernels are forward only; a backward through the op
-raises torch's error for an operator without one). The APIs used are those of torch 2.4 and
+**Gradients.** :mod:`service.client.autograd` registers the operator's autograd formula: a
+kernel fetched with ``KernelCache.trainable_op`` runs its derived backward's kernels; any other
+raises, naming the kernel, when a backward reaches it. The APIs used are those of torch 2.4 and
 later (``custom_op``, ``register_fake``, ``opcheck``), present in the 2.11 of the GPU machines
 and the 2.13 here.
 """
@@ -213,8 +214,8 @@ class FoldwiseOp:
         """Whether a call may run the kernel directly, not through ``torch.ops.foldwise``: what a
         served forward pass does (plain tensors, no gradient wanted). Under torch.compile, fake
         tensors (tracing, a FakeTensorMode) or autograd the operator runs, so the graph holds it,
-        its fake kernel gives the shapes, and a backward through it fails loudly (no formula)
-        rather than silently giving no gradient. Dynamo never traces this branch."""
+        its fake kernel gives the shapes, and a backward through it runs the kernel's registered
+        backward or fails loudly (service.client.autograd) rather than silently giving no gradient. Dynamo never traces this branch."""
         if torch.compiler.is_compiling():
             return False
         for t in args:  # a subclass (FakeTensor, a functional or traced tensor) goes through the operator

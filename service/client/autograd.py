@@ -1,0 +1,194 @@
+"""Gradients through Foldwise's torch operator (issue 39 item 6): ``loss.backward()`` runs the
+derived backward's kernels.
+
+``torch.library.register_autograd`` gives ``foldwise::run`` one backward formula for every kernel:
+it looks the forward kernel's key up in a registry of :class:`BackwardPlan`\\ s (a kernel with
+none raises, naming it: gradients are never silently zero) and runs the plan's kernels through
+the same operator, so ``torch.compile(fullgraph=True)`` traces forward and backward alike
+(AOTAutograd calls this formula on fake tensors; each kernel's fake implementation gives shapes).
+
+A plan is built from the spec's derived backward (:func:`fuser_core.derive_backward`) and
+loaded kernels: the forward that saves its statistics (or the forward that writes the gradient,
+:func:`fuser_core.gradient_in_forward`) and one kernel per backward spec. Each backward kernel's
+inputs are read by name from the forward's inputs, its outputs (saved statistics) and the
+upstream gradients (zeros for an output nobody used; in the forward output's dtype, which the
+backward kernel was built for); its gradients are permuted from the backward spec's dim order to
+the input's and cast to the input's dtype. Index inputs and runtime scalars get no gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from service.bundle import BundleError
+from service.client.torch_ops import FoldwiseOp, Kernel, register_kernel
+
+UPSTREAM, INPUT, OUTPUT = "upstream", "input", "output"
+
+
+@dataclass(frozen=True)
+class BackwardKernel:
+    """One backward spec's kernel: what each of its inputs is (kind, forward name), the runtime
+    scalars it takes, and which forward input each of its outputs is the gradient of (output
+    part, input name, permutation from the part's dims to the input's)."""
+
+    key: str
+    reads: tuple[tuple[str, str], ...]
+    scalars: tuple[str, ...]
+    writes: tuple[tuple[int, str, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class InForward:
+    """A gradient the forward wrote for an upstream gradient of 1: ``input``'s gradient is the
+    upstream gradient of ``output`` (permuted by ``order``, then viewed over the input's dims with
+    size 1 where ``keep`` is False) times the forward's output part ``part``."""
+
+    input: str
+    part: str
+    output: str
+    order: tuple[int, ...]
+    keep: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    inputs: tuple[str, ...]  # the forward kernel's input order
+    outputs: tuple[str, ...]  # its output parts
+    kernels: tuple[BackwardKernel, ...] = ()
+    in_forward: tuple[InForward, ...] = ()
+
+
+_PLANS: dict[str, BackwardPlan] = {}  # forward kernel key -> its backward; never removed (graphs hold keys)
+
+
+def backward_plan(cascade: Any, forward: Kernel, backward: Mapping[str, Kernel]) -> BackwardPlan:
+    """The plan of ``cascade`` (a :class:`fuser_core.BackwardCascade`) for the loaded ``forward``
+    kernel (the saving forward, or the forward writing ``<input>_grad``) and ``backward``: backward
+    spec name -> its loaded kernel."""
+    reads_from: dict[str, tuple[str, str]] = {n: (INPUT, n) for n in forward.input_names}
+    reads_from |= {n: (OUTPUT, n) for n in forward.output_parts}
+    reads_from |= {up: (UPSTREAM, out) for out, up in cascade.upstream.items()}
+    kernels = []
+    for name, kernel in backward.items():
+        writes = []
+        for g in (g for g in cascade.gradients if g.spec == name):
+            part_dims, own = kernel.output_dims[g.output], forward.input_dims[g.input]
+            writes.append((kernel.output_parts.index(g.output), g.input, tuple(part_dims.index(d) for d in own)))
+        kernels.append(BackwardKernel(register_kernel(kernel), tuple(reads_from[n] for n in kernel.input_names),
+                                      tuple(kernel.scalar_names), tuple(writes)))
+    in_forward = []
+    for g in cascade.gradients:
+        part = g.input + "_grad"
+        if part not in forward.output_parts:
+            continue
+        (out,) = (o for o in cascade.upstream if o in forward.output_parts)
+        own, out_dims = forward.input_dims[g.input], forward.output_dims[out]
+        along = [d for d in own if d in out_dims]
+        in_forward.append(InForward(g.input, part, out, tuple(out_dims.index(d) for d in along),
+                                    tuple(d in out_dims for d in own)))
+    return BackwardPlan(tuple(forward.input_names), tuple(forward.output_parts), tuple(kernels), tuple(in_forward))
+
+
+def register_backward(forward_key: str, plan: BackwardPlan) -> None:
+    _PLANS[forward_key] = plan
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
+    kernel_key, tensors, scalar_names, scalars = (*inputs, None, None)[:4]  # the defaults are not passed on
+    ctx.kernel_key, ctx.scalar_names, ctx.scalars, ctx.count = kernel_key, scalar_names, scalars, len(tensors)
+    # torch matches the returned gradients' pytree with the inputs', where a None input is an empty
+    # node: the gradients stop where the trailing None arguments (no runtime scalars) begin
+    ctx.arguments = len(inputs) - (scalars is None) - (scalars is None and scalar_names is None)
+    ctx.save_for_backward(*tensors, *output)
+
+
+def _scalars_for(kernel: BackwardKernel, names: Optional[str], values: Optional[list[float]]
+                 ) -> tuple[Optional[str], Optional[list[float]]]:
+    """The forward call's runtime scalars that ``kernel`` takes (the others it does not know)."""
+    if not names:
+        return None, None
+    pairs = [(n, v) for n, v in zip(names.split(","), values or []) if n in kernel.scalars]
+    return (",".join(n for n, _ in pairs), [v for _, v in pairs]) if pairs else (None, None)
+
+
+def _backward(ctx: Any, grads: list[Optional[torch.Tensor]]) -> tuple:
+    plan = _PLANS.get(ctx.kernel_key)
+    if plan is None:
+        raise BundleError(f"kernel_key: the Foldwise kernel {ctx.kernel_key!r:.80} has no backward registered; get it "
+                          "with KernelCache.torch_op(..., backward=True)")
+    saved = ctx.saved_tensors
+    ins = dict(zip(plan.inputs, saved[:ctx.count]))
+    outs = dict(zip(plan.outputs, saved[ctx.count:]))
+    ups = {name: (torch.zeros_like(outs[name]) if g is None else g.to(outs[name].dtype))
+           for name, g in zip(plan.outputs, grads)}
+    found: dict[str, torch.Tensor] = {}
+    for k in plan.kernels:
+        args = [ins[n] if kind == INPUT else outs[n] if kind == OUTPUT else ups[n] for kind, n in k.reads]
+        names, values = _scalars_for(k, ctx.scalar_names, ctx.scalars)
+        parts = torch.ops.foldwise.run(k.key, args, names, values)
+        for index, name, order in k.writes:
+            found[name] = parts[index].permute(order)
+    for f in plan.in_forward:
+        x = ins[f.input]
+        upstream = ups[f.output].permute(f.order).reshape([n if keep else 1 for n, keep in zip(x.shape, f.keep)])
+        found[f.input] = upstream.float() * outs[f.part].float()
+    grads_in = [None if n not in found else found[n].to(ins[n].dtype) for n in plan.inputs]
+    return (None, grads_in, None, None)[:ctx.arguments]
+
+
+torch.library.register_autograd("foldwise::run", _backward, setup_context=_setup_context)
+
+
+class TrainableOp:
+    """A Foldwise operator with a backward: ``op(x=..., w=...)`` -> the spec's outputs (the
+    saved statistics the forward also writes are kept for the backward, not returned), and
+    ``loss.backward()`` runs the backward's kernels."""
+
+    def __init__(self, forward: Kernel, plan: BackwardPlan, outputs: tuple[str, ...]):
+        self.op = FoldwiseOp(forward)
+        self.plan = plan
+        self.outputs = outputs
+        register_backward(self.op.key, plan)
+
+    def __repr__(self) -> str:
+        return f"TrainableOp({self.op.key!r})"
+
+    def __call__(self, inputs: Mapping[str, torch.Tensor] | None = None, /, **tensors: torch.Tensor
+                 ) -> dict[str, torch.Tensor]:
+        result = self.op(inputs, **tensors)
+        return {name: result[name] for name in self.outputs}
+
+
+def trainable_op(cascade: Any, forward: Kernel, backward: Mapping[str, Kernel], outputs: tuple[str, ...]) -> TrainableOp:
+    """``forward`` with the backward of ``cascade`` (module doc); ``outputs``: the spec's own."""
+    return TrainableOp(forward, backward_plan(cascade, forward, backward), outputs)
+
+
+def fetch_trainable(get: Any, user: Any, shape: Mapping[str, Any], dtype: str | Mapping[str, str]) -> TrainableOp:
+    """The trainable op of ``user`` (a loaded spec) at ``shape``: derives its backward, then fetches
+    the forward (saving, or writing the gradient) and each backward kernel with ``get(spec, shape,
+    dtype)`` (:meth:`service.client.KernelCache.get`; each is a spec of its own, tuned as any).
+    A backward kernel's input dtypes: a forward input's own, a saved statistic's or an upstream
+    gradient's that of the forward output it is."""
+    from fuser_core import derive_backward, gradient_in_forward, spec_json
+
+    if any(isinstance(v, Mapping) for v in shape.values()):
+        raise BundleError("shape: a trainable op is for one shape; give sizes, not ranges")
+    cascade = derive_backward(user)
+    fused = gradient_in_forward(user, cascade)
+    forward = get(spec_json(fused or cascade.forward), shape, dtype)
+    backward = {}
+    for b in () if fused else cascade.specs:
+        dtypes = {}
+        for inp in b.inputs:
+            if inp.is_index:
+                continue
+            source = next((o for o, up in cascade.upstream.items() if up == inp.name), inp.name)
+            dtypes[inp.name] = forward.output_dtypes.get(source) or (dtype if isinstance(dtype, str) else dtype[inp.name])
+        backward[b.name] = get(spec_json(b), {d: n for d, n in shape.items() if d in b.sized_dims}, dtypes)
+    return trainable_op(cascade, forward, backward, tuple(user.outputs))

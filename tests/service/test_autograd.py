@@ -1,0 +1,141 @@
+"""Autograd through the torch op (issue 39 item 6; service/client/autograd.py): ``loss.backward()``
+runs the derived backward's kernels (Triton's interpreter), made in-process as bundles (no server),
+against torch's own backward; torch.compile(fullgraph=True) traces forward and backward; a kernel
+with no backward says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.service.test_bundle import MEASURED
+
+from fuser_core import derive_backward, gradient_in_forward, load_spec, spec_json
+from fuser_core.catalog import PACKAGED_DIR
+from fuser_core.codegen.plan import default_config
+from fuser_core.derive import derive_cascade
+from fuser_core.problem import make_problem
+from fuser_core.runner import choose_strategy
+from service.bundle import BundleError, load_bundle
+from service.bundle_maker import make_bundle
+from service.client.autograd import trainable_op
+from service.client.torch_ops import foldwise_op
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _kernel(spec, shape, dtype="float32"):
+    derivation = derive_cascade(spec)
+    strategy = choose_strategy(spec, derivation, shape)
+    config = default_config(spec, derivation, strategy, shape).to_dict()
+    bundle = make_bundle(make_problem(spec, shape, dtype), target="h100", strategy=strategy, config=config,
+                         measured=MEASURED)
+    return load_bundle(bundle, spec=load_spec(spec_json(spec), printed=True))
+
+
+def _trainable(name, shape):
+    spec = load_spec((PACKAGED_DIR / f"{name}.json").read_text())
+    cascade = derive_backward(spec)
+    fused = gradient_in_forward(spec, cascade)
+    forward = _kernel(fused or cascade.forward, shape)
+    backward = {} if fused else {b.name: _kernel(b, {d: n for d, n in shape.items() if d in b.dims})
+                                 for b in cascade.specs}
+    return trainable_op(cascade, forward, backward, spec.outputs)
+
+
+@pytest.fixture(scope="module")
+def rms():
+    return _trainable("rmsnorm", {"t": 3, "c": 37})
+
+
+def _rms_case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, w, dy = torch.randn(3, 37, generator=g), torch.randn(37, generator=g), torch.randn(3, 37, generator=g)
+    return x.requires_grad_(), w.requires_grad_(), dy
+
+
+def test_rmsnorm_backward_runs_the_derived_kernels(rms):
+    x, w, dy = _rms_case()
+    y = rms(x=x, w=w, eps=1e-5)
+    assert set(y) == {"y"}  # the saved mean square stays with the op
+    (y["y"] * dy).sum().backward()
+    rx, rw = (t.detach().clone().requires_grad_() for t in (x, w))
+    torch.nn.functional.rms_norm(rx, (37,), rw, 1e-5).backward(dy)
+    torch.testing.assert_close(x.grad, rx.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w.grad, rw.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_softmax_backward_and_gradcheck():
+    op = _trainable("safe_softmax", {"m": 4, "n": 45})
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(4, 45, generator=g) * 3).requires_grad_()
+    dy = torch.randn(4, 45, generator=g)
+    (op(x=x)["y"] * dy).sum().backward()
+    rx = x.detach().clone().requires_grad_()
+    torch.softmax(rx, -1).backward(dy)
+    torch.testing.assert_close(x.grad, rx.grad, rtol=1e-4, atol=1e-6)
+    # finite differences of the forward kernel against the backward kernels (float32: the kernels'
+    # dtypes stop at float32, so the step and tolerances are float32's)
+    small = torch.randn(4, 45, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: op(x=t)["y"], (small,), eps=1e-2, atol=2e-3, rtol=2e-2,
+                                    nondet_tol=1e-6)
+
+
+def test_cross_entropy_gradient_written_by_the_forward():
+    op = _trainable("cross_entropy", {"t": 5, "v": 70})
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(5, 70, generator=g) * 2 + 100).requires_grad_()  # logits near 100
+    target = torch.randint(0, 70, (5,), generator=g)
+    dloss = torch.randn(5, generator=g)
+    (op(logits=logits, target=target)["loss"] * dloss).sum().backward()
+    ref = logits.detach().clone().requires_grad_()
+    torch.nn.functional.cross_entropy(ref, target, reduction="none").backward(dloss)
+    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_compile_fullgraph_traces_forward_and_backward(rms):
+    x, w, dy = _rms_case(seed=3)
+
+    def step(x, w):
+        return (rms(x=x, w=w, eps=1e-5)["y"] * dy).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled(x, w).backward()
+    rx, rw = (t.detach().clone().requires_grad_() for t in (x, w))
+    step(rx, rw).backward()
+    torch.testing.assert_close(x.grad, rx.grad)
+    torch.testing.assert_close(w.grad, rw.grad)
+
+
+def test_a_kernel_without_a_backward_says_so():
+    spec = load_spec((PACKAGED_DIR / "rmsnorm.json").read_text())
+    op = foldwise_op(_kernel(spec, {"t": 2, "c": 19}))
+    x = torch.randn(2, 19, requires_grad=True)
+    y = op(x=x, w=torch.randn(19))["y"]
+    with pytest.raises(BundleError, match="has no backward registered"):
+        y.sum().backward()
+
+
+def test_fetch_trainable_asks_for_the_saving_forward_and_each_backward_spec():
+    """What KernelCache.trainable_op fetches (service.client.autograd.fetch_trainable): each spec
+    by its JSON, at its own dims, the backward's saved statistics and upstream gradient in the
+    forward output's dtype."""
+    from service.client.autograd import fetch_trainable
+
+    calls = []
+
+    def get(raw, shape, dtype):
+        calls.append((raw["name"], shape, dtype))
+        return _kernel(load_spec(raw, printed=True), shape, dtype)
+
+    spec = load_spec((PACKAGED_DIR / "rmsnorm.json").read_text())
+    op = fetch_trainable(get, spec, {"t": 3, "c": 37}, "float32")
+    assert [c[0] for c in calls] == ["rmsnorm_saving", "rmsnorm_backward_x", "rmsnorm_backward_w"]
+    assert calls[1][2] == {"x": "float32", "w": "float32", "ms": "float32", "d_y": "float32"}
+    assert calls[2][1] == {"t": 3, "c": 37}
+    x, w, dy = _rms_case(seed=4)
+    (op(x=x, w=w)["y"] * dy).sum().backward()
+    rx, rw = (t.detach().clone().requires_grad_() for t in (x, w))
+    torch.nn.functional.rms_norm(rx, (37,), rw, 1e-6).backward(dy)
+    torch.testing.assert_close(x.grad, rx.grad, rtol=1e-4, atol=1e-5)
+    with pytest.raises(BundleError, match="shape: a trainable op is for one shape"):
+        fetch_trainable(get, spec, {"t": {"min": 1, "max": 8}, "c": 37}, "float32")
