@@ -40,7 +40,9 @@ def backward_gradients(cascade: BackwardCascade, shape: Mapping[str, int], input
     out: dict[str, np.ndarray] = {}
     for spec in cascade.specs:
         reads = {i.name: known[i.name] for i in spec.inputs}
-        values = Evaluator(spec, _shape_of(spec, shape)).outputs({**reads, **scalars})
+        own = {p.name: scalars[p.name] for p in spec.runtime_params if p.name in scalars}
+        values = Evaluator(spec, _shape_of(spec, shape)).outputs({**reads, **own})
+        known |= {name: values[name] for name in cascade.staged if name in values}
         for g in (g for g in cascade.gradients if g.spec == spec.name):
             own = cascade.forward.input(g.input).dims
             out[g.input] = np.transpose(values[g.output], [g.dims.index(d) for d in own])

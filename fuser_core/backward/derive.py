@@ -19,12 +19,9 @@ How (reverse accumulation over the steps, last to first):
 4. A max or min the outputs do not depend on (a softmax's shift, :mod:`fuser_core.backward.shift`)
    sends nothing. Any other sends its adjoint to the elements equal to it, split evenly among
    ties, as torch's ``amax`` does.
-5. The forward's elementwise steps the backward reads are recomputed in it (reading the inputs
-   again costs what reading a saved copy would); a forward reduction it reads is *saved* when it
-   is an output or smaller than an input (per-row statistics), else recomputed (attention's
-   scores ``s``, as large as ``m x n``: FlashAttention's choice too).
-6. Gradients whose reductions run along the same axes share a spec; others get their own (a
-   norm's ``d_x`` reduces along the hidden axis, its ``d_w`` along the tokens).
+5.-7. What the backward reads saved and how its steps are packed into specs (per-row statistics
+   saved, attention's scores recomputed; one spec per set of outer reduction axes; a stage before
+   where a gradient's outer reductions span two axes): :mod:`fuser_core.backward.packing`.
 
 Not differentiated, and said so: index inputs (labels, positions), runtime scalars (eps, a
 scale: constants to the backward), argmax/argmin results (their uses are conditions). Refused,
@@ -34,11 +31,12 @@ naming the field: topk steps, merged dims, paged inputs.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from fuser_core import expr as ex
+from fuser_core.backward.packing import BackStep, Packer, load_backward, refs, step_json
 from fuser_core.backward.shift import is_shift
 from fuser_core.backward.differentiate import (
     NotDifferentiable, ONE, ZERO, add, div, is_zero, mul, neg, partial, where,
@@ -66,12 +64,13 @@ class Gradient:
 class BackwardCascade:
     forward: Spec  # the forward spec writing the saved statistics too
     saved: tuple[str, ...]  # the forward's reductions the backward reads (outputs of ``forward``)
-    specs: tuple[Spec, ...]  # the backward specs
+    specs: tuple[Spec, ...]  # the backward specs, in the order they run
     gradients: tuple[Gradient, ...]  # one per differentiated input with a gradient
     upstream: dict[str, str]  # forward output -> the backward's input holding its gradient
     zero: tuple[str, ...] = ()  # float inputs whose gradient is zero (read only in conditions)
     not_differentiated: dict[str, str] = field(default_factory=dict)  # name -> why
     shifts: tuple[str, ...] = ()  # max/min steps found to be shifts (no gradient)
+    staged: tuple[str, ...] = ()  # results of a backward spec that a later one reads (specs run in order)
 
     def spec(self, name: str) -> Spec:
         return next(s for s in self.specs if s.name == name)
@@ -134,19 +133,7 @@ def _replace_top_down(e: ex.Expr, table: Mapping[ex.Expr, ex.Expr]) -> ex.Expr:
     return e  # conditions keep the forward's own text
 
 
-def _refs(e: ex.Expr) -> list[str]:
-    return list(dict.fromkeys(n.name for n in ex.walk(e) if isinstance(n, ex.Ref)))
-
-
 # ---------------------------------------------------------------- the builder
-
-
-@dataclass
-class _BackStep:
-    name: str
-    expr: ex.Expr
-    reduce: str | None = None
-    over: str | None = None
 
 
 class _Reverse:
@@ -158,7 +145,7 @@ class _Reverse:
         self.used: set[str] = {i.name for i in spec.inputs} | {p.name for p in spec.params} | {s.name for s in spec.steps}
         self.dims: dict[str, tuple[str, ...]] = {i.name: i.dims for i in spec.inputs} | {s.name: s.dims for s in spec.steps}
         self.kinds: dict[str, str] = {}  # new inputs' kinds
-        self.steps: list[_BackStep] = []
+        self.steps: list[BackStep] = []
         self.contrib: dict[str, list[ex.Expr]] = {}
         self.upstream: dict[str, str] = {}
         self.not_differentiated: dict[str, str] = {}
@@ -188,7 +175,7 @@ class _Reverse:
         e = _replace_top_down(e, self.named)
         dims = self.expr_dims(e)
         self.dims[name] = tuple(d for d in dims if d != over) if reduce else dims
-        self.steps.append(_BackStep(name, e, reduce, over))
+        self.steps.append(BackStep(name, e, reduce, over))
         return ex.Ref(name)
 
     # -- rules 2 and 3
@@ -301,7 +288,7 @@ class _Reverse:
             hit = ex.Compare("==", step.expr, ex.Ref(step.name))
             count = self.add_step("n_" + step.name, where(hit, ONE, ZERO), "sum", step.over)
             adjoint = div(where(hit, adjoint, ZERO), count)
-        for name in _refs(step.expr):
+        for name in refs(step.expr):
             if not self.differentiable(name):
                 continue
             try:
@@ -337,95 +324,32 @@ class _Reverse:
             gradients[inp.name] = self.add_step(GRAD_PREFIX + inp.name, total)
         return self.assemble(gradients, zero)
 
-    # -- rules 5 and 6: closures, saved statistics, one spec per axis set
-    def saved_or_recomputed(self, step: Step) -> bool:
-        """True: the backward reads ``step`` saved by the forward (rule 5)."""
-        if step.name in self.spec.outputs:
-            return True
-        return any(set(step.dims) < set(i.dims) for i in self.spec.inputs)
-
-    def closure(self, root: str) -> tuple[list[str], set[str], set[str]]:
-        """(backward and forward steps ``root`` needs, saved names it reads, its reduction dims)."""
-        back = {s.name: s for s in self.steps}
-        steps: set[str] = set()
-        saved: set[str] = set()
-        todo = [root]
-        while todo:
-            name = todo.pop()
-            if name in steps or name in saved:
-                continue
-            if name in back:
-                steps.add(name)
-                todo.extend(_refs(back[name].expr))
-                continue
-            obj = self.spec.lookup(name)
-            if isinstance(obj, Step):
-                if obj.is_reduction and self.saved_or_recomputed(obj):
-                    saved.add(name)
-                else:
-                    steps.add(name)
-                    todo.extend(_refs(obj.expr))
-        overs = {back[n].over if n in back else self.spec.step(n).over for n in steps}
-        return sorted(steps), saved, {o for o in overs if o is not None}
-
+    # -- rules 5 to 7 (fuser_core.backward.packing)
     def assemble(self, gradients: dict[str, ex.Ref], zero: list[str]) -> BackwardCascade:
-        groups: dict[frozenset[str], list[str]] = {}
-        closures = {}
-        for inp, ref in gradients.items():
-            closures[inp] = self.closure(ref.name)
-            groups.setdefault(frozenset(closures[inp][2]), []).append(inp)
-        specs, grads, all_saved = [], [], set()
-        several = len(groups) > 1
-        for members in groups.values():
-            steps = set().union(*(closures[m][0] for m in members))
-            saved = set().union(*(closures[m][1] for m in members))
-            all_saved |= saved
-            name = f"{self.spec.name}_backward" + (f"_{'_'.join(members)}" if several else "")
-            raw = self.backward_json(name, members, gradients, steps, saved)
-            try:
-                backward = load_spec(raw, printed=True)
-            except SpecError as err:  # a bug of ours, not the user's: say which spec
-                raise SpecError(f"the derived backward spec {name} does not load: {err}") from err
+        packer = Packer(self.spec, self.steps, self.dims, self.upstream)
+        packs = packer.pack({inp: ref.name for inp, ref in gradients.items()})
+        input_of = {ref.name: inp for inp, ref in gradients.items()}
+        specs, grads, all_saved, staged = [], [], set(), []
+        staged_dims: dict[str, tuple[str, ...]] = {}
+        for i, (outs, closure) in enumerate(packs):
+            members = [input_of[o] for o in outs if o in input_of]
+            if members:
+                name = f"{self.spec.name}_backward" + ("" if len(packs) == 1 else f"_{'_'.join(members)}")
+                doc = f"Backward of {self.spec.name}: the gradients of {', '.join(members)} (derived by Foldwise)."
+            else:
+                name = f"{self.spec.name}_backward_stage{i + 1}"
+                doc = f"Backward of {self.spec.name}: {', '.join(outs)}, read by the next backward spec (derived by Foldwise)."
+                staged += outs
+            backward = load_backward(packer.spec_json(name, doc, outs, closure, staged_dims))
+            staged_dims |= {o: backward.step(o).dims for o in outs}
+            all_saved |= closure.saved
             specs.append(backward)
             grads += [Gradient(m, gradients[m].name, name, backward.step(gradients[m].name).dims) for m in members]
         saved_order = tuple(s.name for s in self.spec.steps if s.name in all_saved)
         return BackwardCascade(
             forward=self.saving_forward(saved_order), saved=saved_order, specs=tuple(specs), gradients=tuple(grads),
             upstream=dict(self.upstream), zero=tuple(zero), not_differentiated=dict(self.not_differentiated),
-            shifts=tuple(self.shifts))
-
-    def backward_json(self, name: str, members: Iterable[str], gradients: Mapping[str, ex.Ref], steps: set[str],
-                  saved: set[str]) -> dict[str, Any]:
-        spec = self.spec
-        back_order = [s for s in self.steps if s.name in steps]
-        fwd_order = [s for s in spec.steps if s.name in steps]
-        exprs = [s.expr for s in back_order] + [s.expr for s in fwd_order]
-        read = {r for e in exprs for r in _refs(e)}
-        inputs: dict[str, Any] = {}
-        for inp in spec.inputs:  # the forward's order first: the backward keeps its dim order
-            if inp.name in read:
-                inputs[inp.name] = {"dims": list(inp.dims), **({"kind": inp.kind} if inp.is_index else {})}
-        for s in spec.steps:
-            if s.name in saved:
-                inputs[s.name] = {"dims": list(s.dims), **({"kind": "index"} if s.is_integer else {}),
-                                  "doc": "saved by the forward"}
-        for out, up in self.upstream.items():
-            if up in read:
-                inputs[up] = {"dims": list(self.dims[up]), "doc": f"the gradient of the forward's {out}"}
-        raw_steps = [_step_json(s.name, s.expr, s.reduce, s.over) for s in fwd_order]
-        raw_steps += [_step_json(s.name, s.expr, s.reduce, s.over) for s in back_order]
-        used_dims = {d for i in inputs.values() for d in i["dims"]}
-        return {
-            "foldwise": 1, "name": name,
-            "doc": f"Backward of {spec.name}: the gradients of {', '.join(members)} (derived by Foldwise).",
-            "inputs": inputs,
-            "params": {p.name: raw_param(p) for p in spec.params if p.name in read},
-            "steps": raw_steps,
-            "outputs": [gradients[m].name for m in members],
-            **({"example": {d: n for d, n in spec.example.items() if d in used_dims}} if spec.example else {}),
-            **({"constraints": [" ".join(c) for c in spec.constraints if {c[0], c[2]} <= used_dims]}
-               if spec.constraints else {}),
-        }
+            shifts=tuple(self.shifts), staged=tuple(staged))
 
     def saving_forward(self, saved: tuple[str, ...]) -> Spec:
         """The forward spec with the saved statistics as outputs too."""
@@ -440,13 +364,6 @@ class _Reverse:
         return load_spec(raw, printed=True)
 
 
-def _step_json(name: str, e: ex.Expr, reduce: str | None, over: str | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": name}
-    if reduce:
-        out |= {"reduce": reduce, "over": over}
-    return out | {"expr": ex.to_text(e)}
-
-
 def spec_json(spec: Spec) -> dict[str, Any]:
     """``spec`` as its JSON (the specs :func:`derive_backward` accepts and writes: no merged dims,
     pages or topk)."""
@@ -454,7 +371,7 @@ def spec_json(spec: Spec) -> dict[str, Any]:
         "foldwise": 1, "name": spec.name, "doc": spec.doc,
         "inputs": {i.name: {"dims": list(i.dims), **({"kind": i.kind} if i.is_index else {})} for i in spec.inputs},
         "params": {p.name: raw_param(p) for p in spec.params},
-        "steps": [_step_json(s.name, s.expr, s.reduce, s.over) for s in spec.steps],
+        "steps": [step_json(s.name, s.expr, s.reduce, s.over) for s in spec.steps],
         "outputs": list(spec.outputs),
         **({"example": dict(spec.example)} if spec.example else {}),
         **({"constraints": [" ".join(c) for c in spec.constraints]} if spec.constraints else {}),

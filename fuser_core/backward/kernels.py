@@ -28,6 +28,7 @@ def kernel_gradients(spec: Spec, cascade: BackwardCascade, shape: Mapping[str, i
         reads = {i.name: known[i.name] for i in s.inputs} | {p.name: inputs[p.name] for p in s.runtime_params
                                                              if p.name in inputs}
         result = run(s, sub, dtype, reads, strategy=strategy).outputs
+        known |= {name: result[name].double().cpu().numpy() for name in cascade.staged if name in result}
         for g in (g for g in cascade.gradients if g.spec == s.name):
             own = spec.input(g.input).dims
             out[g.input] = result[g.output].double().cpu().numpy().transpose([g.dims.index(d) for d in own])

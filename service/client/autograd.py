@@ -27,7 +27,7 @@ import torch
 from service.bundle import BundleError
 from service.client.torch_ops import FoldwiseOp, Kernel, register_kernel
 
-UPSTREAM, INPUT, OUTPUT = "upstream", "input", "output"
+UPSTREAM, INPUT, OUTPUT, STAGED = "upstream", "input", "output", "staged"
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class BackwardKernel:
     reads: tuple[tuple[str, str], ...]
     scalars: tuple[str, ...]
     writes: tuple[tuple[int, str, tuple[int, ...]], ...]
+    parts: tuple[str, ...]  # its output parts, by name (a stage's results are read by name)
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,11 @@ _PLANS: dict[str, BackwardPlan] = {}  # forward kernel key -> its backward; neve
 def backward_plan(cascade: Any, forward: Kernel, backward: Mapping[str, Kernel]) -> BackwardPlan:
     """The plan of ``cascade`` (a :class:`fuser_core.BackwardCascade`) for the loaded ``forward``
     kernel (the saving forward, or the forward writing ``<input>_grad``) and ``backward``: backward
-    spec name -> its loaded kernel."""
+    spec name -> its loaded kernel, in the order the specs run."""
     reads_from: dict[str, tuple[str, str]] = {n: (INPUT, n) for n in forward.input_names}
     reads_from |= {n: (OUTPUT, n) for n in forward.output_parts}
     reads_from |= {up: (UPSTREAM, out) for out, up in cascade.upstream.items()}
+    reads_from |= {n: (STAGED, n) for n in cascade.staged}
     kernels = []
     for name, kernel in backward.items():
         writes = []
@@ -80,7 +82,7 @@ def backward_plan(cascade: Any, forward: Kernel, backward: Mapping[str, Kernel])
             part_dims, own = kernel.output_dims[g.output], forward.input_dims[g.input]
             writes.append((kernel.output_parts.index(g.output), g.input, tuple(part_dims.index(d) for d in own)))
         kernels.append(BackwardKernel(register_kernel(kernel), tuple(reads_from[n] for n in kernel.input_names),
-                                      tuple(kernel.scalar_names), tuple(writes)))
+                                      tuple(kernel.scalar_names), tuple(writes), tuple(kernel.output_parts)))
     in_forward = []
     for g in cascade.gradients:
         part = g.input + "_grad"
@@ -127,10 +129,12 @@ def _backward(ctx: Any, grads: list[Optional[torch.Tensor]]) -> tuple:
     ups = {name: (torch.zeros_like(outs[name]) if g is None else g.to(outs[name].dtype))
            for name, g in zip(plan.outputs, grads)}
     found: dict[str, torch.Tensor] = {}
-    for k in plan.kernels:
-        args = [ins[n] if kind == INPUT else outs[n] if kind == OUTPUT else ups[n] for kind, n in k.reads]
+    staged: dict[str, torch.Tensor] = {}
+    sources = {INPUT: ins, OUTPUT: outs, UPSTREAM: ups, STAGED: staged}
+    for k in plan.kernels:  # in the order they run: a stage's results feed the next
         names, values = _scalars_for(k, ctx.scalar_names, ctx.scalars)
-        parts = torch.ops.foldwise.run(k.key, args, names, values)
+        parts = torch.ops.foldwise.run(k.key, [sources[kind][n] for kind, n in k.reads], names, values)
+        staged |= dict(zip(k.parts, parts))
         for index, name, order in k.writes:
             found[name] = parts[index].permute(order)
     for f in plan.in_forward:

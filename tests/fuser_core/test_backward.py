@@ -99,14 +99,37 @@ def test_weight_gradients_reduce_over_the_tokens_in_a_spec_of_their_own():
     assert {s.over for s in cascade.spec(by_input["x"].spec).steps if s.is_reduction} == {"c"}
 
 
-def test_attention_backward_reads_the_forward_output_and_recomputes_the_scores():
-    """FlashAttention-2's choices, derived: lse-like statistics and o saved, the m x n scores
-    recomputed, D = rowsum(dO o) read from the forward's o (rule 3), not recomputed from v."""
+def test_attention_backward_is_flashattention2s():
+    """FlashAttention-2's structure, derived: the statistics and o saved, the m x n scores
+    recomputed; D = rowsum(dO o) read from the forward's o (rule 3) in a stage of its own (rule 7),
+    then dQ looping over the keys and dK, dV together looping over the queries (rule 6)."""
     cascade = derive_backward(_spec("attention"))
     assert cascade.saved == ("mx", "den", "o")
-    dq = cascade.spec("attention_backward_q")
-    assert "o" in {i.name for i in dq.inputs} and "s" in {s.name for s in dq.steps}
+    stage, dq, dkv = cascade.specs
+    (d_name,) = stage.outputs
+    assert cascade.staged == (d_name,) and {i.name for i in stage.inputs} == {"o", "d_o"}
+    assert [s.over for s in stage.steps] == ["e"]
+    assert dq.outputs == ("d_q",) and dkv.outputs == ("d_k", "d_v")
+    for s in (dq, dkv):
+        assert d_name in {i.name for i in s.inputs} and "s" in {st.name for st in s.steps}
     assert all(derivation_report(s)["fusible"] for s in cascade.specs)
+
+
+def test_attention_backward_kernels_against_sdpa():
+    """The kernels (saving forward, the stage, dQ, dK/dV; each spec's best strategy) against
+    torch's scaled_dot_product_attention backward in float64."""
+    spec = _spec("attention")
+    cascade = derive_backward(spec)
+    shape = {"b": 1, "h": 2, "m": 37, "n": 45, "d": 16, "e": 16}
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal(s).astype(np.float32).astype(np.float64)
+               for s in ((1, 2, 37, 16), (1, 2, 45, 16), (1, 2, 45, 16)))
+    do = rng.standard_normal((1, 2, 37, 16)).astype(np.float32).astype(np.float64)
+    got = kernel_gradients(spec, cascade, shape, "float32", {"q": q, "k": k, "v": v}, {"o": do})
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    torch.nn.functional.scaled_dot_product_attention(tq, tk, tv).backward(torch.tensor(do))
+    for name, ref in (("q", tq.grad), ("k", tk.grad), ("v", tv.grad)):
+        assert gradient_error(got[name], ref.numpy()) < 2e-5, name
 
 
 def test_an_input_with_a_structurally_zero_gradient_is_named():
@@ -217,8 +240,7 @@ def _backward_kernels(name):
 def test_backward_kernels_compile_for_sm90(name, compile_pool):
     """The interpreter accepts what the compiler rejects: the saving forward, every backward spec
     with a reduction and the forward writing its gradient compile for sm_90 (float16) in every
-    strategy that takes them. Attention's d_q is refused by every strategy (its reductions over
-    d, e and n do not nest: two matrix products in one loop), the open part."""
+    strategy that takes them."""
     from fuser_core import bind_dtypes
     from fuser_core.codegen.gpu_compile import CompileRequest
     from fuser_core.targets import Target
@@ -231,10 +253,8 @@ def test_backward_kernels_compile_for_sm90(name, compile_pool):
                 for s in _backward_kernels(name) for strategy in STRATEGIES]
     built = 0
     for request, build in zip(requests, compile_pool.compile(requests)):
-        if build.refused:
-            assert request.spec.name == "attention_backward_q" and "do not nest" in build.refused, build.refused
-            continue
+        assert not build.refused or request.strategy == "row_resident", (request.spec.name, build.refused)
         for kernel in build.kernels:
             assert kernel.ok, (request.spec.name, request.strategy, kernel.error)
             built += 1
-    assert built >= len(requests) - 4
+    assert built >= len(requests)
