@@ -48,13 +48,20 @@ if str(REPO) not in sys.path:
 @dataclass(frozen=True)
 class Case:
     name: str
-    spec: str
+    spec: Any  # a catalog name, or a Spec (a derived backward spec: benchmarks/backward_compare.py)
     shape: dict[str, int]
     dtype: str | dict[str, str]  # one dtype for every float input, or one per input
     expert: str | None  # a Liger function name, or None (attention, the fp8 GEMM: judged against their minimum work)
     elements: Callable[[Mapping[str, int]], int]  # what "per element" counts
     # the multiply-adds the product needs (no expert: tensor work is judged against it)
     minimum_macs: Callable[[Mapping[str, int]], float] | None = None
+
+
+def case_spec(case: Case) -> Any:
+    """The case's spec: a catalog name's, or the Spec it holds."""
+    from fuser_core.catalog import load_catalog_spec
+
+    return load_catalog_spec(case.spec) if isinstance(case.spec, str) else case.spec
 
 
 def rows_cols(a: str, b: str) -> Callable[[Mapping[str, int]], int]:
@@ -96,7 +103,6 @@ CASES = [
 
 def foldwise_kernels(case: Case, strategy: str, config: Any) -> list[dict[str, Any]]:
     """Compile one strategy's module; per kernel its build, programs, warps and loop trips."""
-    from fuser_core.catalog import load_catalog_spec
     from fuser_core.codegen.gpu_compile import CompileRequest, compile_request
     from fuser_core.codegen.plan import make_plan
     from fuser_core.codegen.structure import build_structure
@@ -104,7 +110,7 @@ def foldwise_kernels(case: Case, strategy: str, config: Any) -> list[dict[str, A
     from fuser_core.problem import make_problem
     from tuner.static_bound import descriptor_bytes, kernel_loop_trips
 
-    spec = load_catalog_spec(case.spec)
+    spec = case_spec(case)
     derivation = derive_cascade(spec)
     problem = make_problem(spec, case.shape, case.dtype)
     plan = make_plan(spec, derivation, strategy, problem.shape, config)
@@ -235,20 +241,18 @@ def summarize(kernels: list[dict[str, Any]], case: Case, profile: Any) -> dict[s
 
 def _min_bytes(case: Case) -> int:
     """Every input read once, every output written once (tuner.static_bound.min_bytes)."""
-    from fuser_core.catalog import load_catalog_spec
     from fuser_core.problem import make_problem
     from tuner.static_bound import min_bytes
 
-    spec = load_catalog_spec(case.spec)
+    spec = case_spec(case)
     p = make_problem(spec, case.shape, case.dtype)
     return min_bytes(spec, p.shape, p.dtypes)
 
 
 def _input_bytes(case: Case) -> int:
-    from fuser_core.catalog import load_catalog_spec
     from fuser_core.problem import make_problem
 
-    spec = load_catalog_spec(case.spec)
+    spec = case_spec(case)
     p = make_problem(spec, case.shape, case.dtype)
     size = {"float16": 2, "bfloat16": 2, "float32": 4, "int64": 8, "int32": 4, "float8_e4m3fn": 1}
     return sum(math.prod(p.shape[d] for d in i.dims) * size[p.dtypes.get(i.name, "int64")] for i in spec.inputs)
@@ -256,12 +260,11 @@ def _input_bytes(case: Case) -> int:
 
 def best_foldwise(case: Case, profile: Any, strategy: str | None) -> tuple[str, Any, dict[str, Any]]:
     """(strategy, config, row) of the valid strategy whose default configuration has the lowest static bound."""
-    from fuser_core.catalog import load_catalog_spec
     from fuser_core.codegen.plan import default_config, valid_strategies
     from fuser_core.derive import derive_cascade
     from fuser_core.reference import bind_shape
 
-    spec = load_catalog_spec(case.spec)
+    spec = case_spec(case)
     derivation = derive_cascade(spec)
     shape = bind_shape(spec, case.shape)
     best = None
@@ -282,7 +285,6 @@ def best_foldwise(case: Case, profile: Any, strategy: str | None) -> tuple[str, 
 def tuned_foldwise(case: Case, profile: Any, trials: int, seed: int = 0) -> tuple[str, Any, dict[str, Any]]:
     """(strategy, config, row) of the kernel ``foldwise tune --measurer model --trials N`` serves:
     the tuner with the model measurer and the compile gate on ``profile``, its pick compiled here."""
-    from fuser_core.catalog import load_catalog_spec
     from fuser_core.codegen.plan import KernelConfig
     from fuser_core.derive import derive_cascade
     from fuser_core.problem import make_problem
@@ -291,7 +293,7 @@ def tuned_foldwise(case: Case, profile: Any, trials: int, seed: int = 0) -> tupl
     from tuner.search.tuner import Tuner
     from tuner.space import SearchSpace
 
-    spec = load_catalog_spec(case.spec)
+    spec = case_spec(case)
     derivation = derive_cascade(spec)
     problem = make_problem(spec, case.shape, case.dtype)
     space = SearchSpace(problem, derivation, profile)
