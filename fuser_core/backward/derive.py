@@ -110,9 +110,14 @@ def _factors(e: ex.Expr) -> tuple[int, Counter, Counter]:
 
 
 def _product(sign: int, num: Counter, den: Counter) -> ex.Expr:
-    out: ex.Expr = ONE
+    """sign * prod(num) / prod(den), the numerator's numbers multiplied into one (``2 * 0.5``: none)."""
+    coefficient = 1.0
+    for f in [f for f in num if isinstance(f, ex.Num)]:
+        coefficient *= f.value ** num[f]
+    out: ex.Expr = ex.Num(coefficient)
     for f in num.elements():
-        out = mul(out, f)
+        if not isinstance(f, ex.Num):
+            out = mul(out, f)
     for f in den.elements():
         out = div(out, f)
     return neg(out) if sign < 0 else out
@@ -152,6 +157,9 @@ class _Reverse:
         self.shifts: list[str] = []
         # forward elementwise steps' expressions -> their names: the backward reads them by name
         self.named = {s.expr: ex.Ref(s.name) for s in spec.steps if not s.is_reduction}
+        # the forward's elementwise outputs (read by the backward, not recomputed), as factors
+        self.outputs_factored = {s.name: _factors(s.expr) for s in spec.steps
+                                 if not s.is_reduction and s.name in spec.outputs}
 
     # -- names and dims
     def fresh(self, base: str) -> str:
@@ -207,6 +215,7 @@ class _Reverse:
         dim where a forward sum is found (rule 3), else the innermost."""
         if is_zero(term):
             return
+        term = _replace_top_down(term, self.named)  # the forward's steps by name: a saved output stays one factor
         own = self.dims[target]
         while extra := [d for d in self.expr_dims(term) if d not in own]:
             found = next(((d, f) for d in reversed(extra) if (f := self.forward_sum(term, d)) is not None), None)
@@ -224,7 +233,9 @@ class _Reverse:
         """``sum(terms)`` with the factors common to every term outside: softmax's
         ``d_y * y + d_den * exp(x - mx)`` (``d_den = -S / den``) is ``y * (d_y - S)``, torch's
         form, with one rounding less on the cancellation at a peaked row's maximum. A factor that
-        names a backward step of the row (``d_den``) is looked into for this."""
+        names a backward step of the row (``d_den``) is looked into for this, and a forward output's
+        numerator is written as the output times its denominator (``exp(x - mx) = y den``): the
+        backward then reads ``y`` and computes no exp."""
         back = {s.name: s for s in self.steps if s.reduce is None}
 
         def flat(term: ex.Expr) -> tuple[int, Counter, Counter]:
@@ -232,7 +243,11 @@ class _Reverse:
             for f in [f for f in num if isinstance(f, ex.Ref) and f.name in back]:
                 s2, n2, d2 = _factors(back[f.name].expr)
                 sign, num, den = sign * s2, num - Counter({f: 1}) + n2, den + d2
-            return sign, num, den
+            for name, (s2, n2, d2) in self.outputs_factored.items():  # A = y B for an output y = A / B
+                if d2 and not n2 - num:
+                    sign, num, den = sign * s2, num - n2 + Counter({ex.Ref(name): 1}) + d2, den
+            common = num & den
+            return sign, num - common, den - common
 
         parts = [flat(t) for t in terms]
         common_num = Counter(parts[0][1])

@@ -148,6 +148,8 @@ def _binop(e: ex.BinOp, name: str) -> ex.Expr:
     if e.op == "-":
         return sub(da, db)
     if e.op == "*":
+        if a == b:  # a square: 2 a da, not a da + a da
+            return mul(mul(ex.Num(2.0), a), da)
         return add(mul(da, b), mul(a, db))
     if e.op == "/":
         # d(a/b) = da/b - (a/b)/b db: (a/b) is the forward's own subexpression, named by the caller

@@ -1,9 +1,10 @@
 """Rules 5 to 7 of :mod:`fuser_core.backward.derive`: what the backward reads saved, and how its
 steps are packed into specs.
 
-5. The forward's elementwise steps the backward reads are recomputed; a forward reduction is
-   *saved* when it is an output or smaller than an input (per-row statistics), else recomputed
-   (attention's ``m x n`` scores).
+5. The forward's outputs the backward reads are read as the forward wrote them (softmax's ``y``:
+   no exp in its backward); other elementwise steps are recomputed; a forward reduction is
+   *saved* when it is smaller than an input (per-row statistics), else recomputed (attention's
+   ``m x n`` scores).
 6. Gradients share a spec when their *outer* reductions (those whose result keeps no dim another
    reduction of the gradient runs over: the loop the kernel is built around) run along the same
    axes: a norm's ``d_x`` (over the hidden axis) and ``d_w`` (over the tokens) get one spec each,
@@ -61,8 +62,10 @@ class Packer:
         self.back = {s.name: s for s in steps}
 
     def saved_forward(self, step: Step) -> bool:
-        """Rule 5: True when the backward reads ``step`` (a forward reduction) saved by the forward."""
-        return step.name in self.spec.outputs or any(set(step.dims) < set(i.dims) for i in self.spec.inputs)
+        """Rule 5: True when the backward reads ``step`` (a forward step it names) as the forward
+        wrote it: an output, or a reduction smaller than an input."""
+        return step.name in self.spec.outputs or (
+            step.is_reduction and any(set(step.dims) < set(i.dims) for i in self.spec.inputs))
 
     def over(self, name: str) -> str | None:
         return self.back[name].over if name in self.back else self.spec.step(name).over
@@ -81,7 +84,7 @@ class Packer:
                 out.steps.add(name)
                 todo.extend(refs(self.back[name].expr))
             elif isinstance(obj := self.spec.lookup(name), Step):
-                if obj.is_reduction and self.saved_forward(obj):
+                if self.saved_forward(obj):
                     out.saved.add(name)
                 else:
                     out.steps.add(name)

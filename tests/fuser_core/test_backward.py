@@ -56,13 +56,24 @@ def test_a_wrong_backward_fails_the_certificate():
     assert not report["holds"] and report["worst"]["w"] > 1e-5 and report["worst"]["x"] < 1e-12
 
 
-def test_softmax_shift_is_found_and_saved_statistics_are_per_row():
-    cascade = derive_backward(_spec("safe_softmax"))
-    assert cascade.shifts == ("mx",) and cascade.saved == ("mx", "den")
-    assert set(cascade.forward.outputs) == {"y", "mx", "den"}
+def test_softmax_backward_is_torchs():
+    """The shift carries no gradient, the backward reads the forward's output y (no exp, no
+    statistic saved) and is torch's formula: s = sum(dy y), dx = y (dy - s)."""
+    spec = _spec("safe_softmax")
+    cascade = derive_backward(spec)
+    assert cascade.shifts == ("mx",) and cascade.saved == ("y",) and cascade.forward is spec
     (back,) = cascade.specs
-    assert [i.name for i in back.inputs] == ["x", "mx", "den", "d_y"]
-    assert sum(s.is_reduction for s in back.steps) == 1  # sum over n of d_y * y: torch's softmax backward
+    assert [i.name for i in back.inputs] == ["y", "d_y"]
+    from fuser_core import expr as ex
+
+    assert [(s.reduce, ex.to_text(s.expr)) for s in back.steps] == [("sum", "d_y * y"), (None, "y * (d_y - s_2)")]
+
+
+def test_per_row_statistics_are_saved():
+    cascade = derive_backward(_spec("rmsnorm"))
+    assert cascade.saved == ("ms",) and cascade.forward.outputs == ("y", "ms")
+    (dx,) = [s for s in cascade.specs if "d_x" in s.outputs]
+    assert [i.name for i in dx.inputs] == ["x", "w", "ms", "d_y"]
 
 
 def test_a_max_that_is_an_output_is_differentiated_with_ties_split():
