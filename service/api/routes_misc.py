@@ -10,7 +10,9 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api import ops
 from service.api.deps import AppContext, Context, Db, database
-from service.api.problems import HttpProblem
+from fuser_core import SpecError
+from service.api.backward import backward_answer
+from service.api.problems import HttpProblem, spec_problem
 from service.api.routes_jobs import ERRORS
 from service.api.schemas import DerivationRequest, SpecView, WorkerList
 from service.api.validation import checked_spec_text
@@ -29,6 +31,23 @@ async def derive(req: DerivationRequest, request: Request, ctx: Context,
     await db.authorize()
     source = await ctx.deriver.run(checked_spec_text, req.spec)  # a catalog name: its file is read
     return JSONResponse(await ctx.deriver.derive(source, request))  # parsed in a child process
+
+
+@router.post("/v1/backward", tags=["specs"], responses=ERRORS)
+async def backward(req: DerivationRequest, request: Request, ctx: Context,
+                   db: Annotated[Db, Depends(database(None))]) -> JSONResponse:
+    """A spec's derived backward (docs/THEORY.md section 9): the same object as ``foldwise backward
+    --json --no-derive``: the saving forward, the backward specs (each a spec to submit as a job),
+    the gradients, the statistics saved and the certificate against torch's autograd. Nothing is
+    stored. Computed in a derivation child (bounded: 429, 503 past the deadline); 422 naming the field
+    for a spec it refuses (a topk step, a paged input)."""
+    await db.authorize()
+    source = await ctx.deriver.run(checked_spec_text, req.spec)
+    answer = await ctx.deriver.compute(backward_answer, source, request=request)
+    if "error" in answer:
+        error = answer["error"]
+        raise spec_problem(SpecError(error["message"], loc=tuple(error["loc"]), step=error["step"]))
+    return JSONResponse(answer)
 
 
 @router.get("/v1/specs/{spec_hash}", tags=["specs"], response_model=SpecView, responses=ERRORS)

@@ -96,7 +96,7 @@ def store_kernel(sessions, raw: dict = SOFTMAX, shape: dict = SHAPE, *, time_ms:
 
 def test_openapi_health_metrics_and_unknown_routes(client) -> None:
     paths = client.get("/openapi.json").json()["paths"]
-    for path in ("/v1/derivations", "/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/trials",
+    for path in ("/v1/derivations", "/v1/backward", "/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/trials",
                  "/v1/jobs/{job_id}/cancel", "/v1/kernels", "/v1/kernels/{kernel_id}",
                  "/v1/kernels/{kernel_id}/bundle", "/v1/workers", "/v1/specs/{spec_hash}", "/healthz", "/metrics"):
         assert path in paths, path
@@ -113,6 +113,24 @@ def test_create_app_refuses_an_unmigrated_database(tmp_path) -> None:
 
 
 # ----------------------------------------------------------------------------- derivations
+
+
+def test_backward_is_the_cli_json_and_a_refusal_names_the_field(client, capsys) -> None:
+    """POST /v1/backward (issue 39): foldwise backward --json --no-derive, computed in a derivation
+    child; a spec the backward refuses answers 422 naming its field."""
+    from service.cli import main
+
+    r = client.post("/v1/backward", json={"spec": "rmsnorm"})
+    assert r.status_code == 200, r.text
+    assert main(["backward", "rmsnorm", "--json", "--no-derive"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert r.json()["specs"] == cli["specs"] and r.json()["gradients"] == cli["gradients"]
+    assert r.json()["certificate"]["holds"] and r.json()["saved"] == ["ms"]
+    body = assert_problem(client.post("/v1/backward", json={"spec": "moe_routing"}), 422, "spec.steps[2].reduce",
+                          "topk")
+    assert body["errors"][0]["step"] == "gate"
+    assert_problem(client.post("/v1/backward", json={"spec": 42}), 422, "spec")
+
 
 
 def test_derivation_is_the_cli_json_and_errors_name_the_field(client, capsys) -> None:
