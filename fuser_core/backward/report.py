@@ -53,6 +53,9 @@ def format_backward(r: dict[str, Any]) -> str:
     for s in r["specs"]:
         derived = s.get("derivation")
         state = "" if derived is None else (" fused" if derived["fusible"] else " not fused (the unfused chain runs it)")
+        if not any("reduce" in step for step in s["steps"]):
+            state = (" elementwise: the forward writes it (below)" if r["gradient_in_forward"] else
+                     " elementwise: no strategy runs a spec without a reduction yet")
         lines.append(f"spec {s['name']}: writes {', '.join(s['outputs'])};{state}")
         for step in s["steps"]:
             head = f"  {step['name']:<12}" + (f" sum over {step['over']}:" if "reduce" in step else "")

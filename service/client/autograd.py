@@ -185,6 +185,11 @@ def fetch_trainable(get: Any, user: Any, shape: Mapping[str, Any], dtype: str | 
         raise BundleError("shape: a trainable op is for one shape; give sizes, not ranges")
     cascade = derive_backward(user)
     fused = gradient_in_forward(user, cascade)
+    elementwise = [b.name for b in cascade.specs if not any(s.is_reduction for s in b.steps)]
+    if fused is None and elementwise:
+        raise BundleError(f"spec: the backward of {user.name} has no kernel yet: {', '.join(elementwise)} is elementwise "
+                          "(no reduction: no strategy runs it), and its forward cannot write the gradient (it has "
+                          f"{len(user.outputs)} outputs)")
     forward = get(spec_json(fused or cascade.forward), shape, dtype)
     backward = {}
     for b in () if fused else cascade.specs:

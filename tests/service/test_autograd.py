@@ -139,3 +139,13 @@ def test_fetch_trainable_asks_for_the_saving_forward_and_each_backward_spec():
     torch.testing.assert_close(x.grad, rx.grad, rtol=1e-4, atol=1e-5)
     with pytest.raises(BundleError, match="shape: a trainable op is for one shape"):
         fetch_trainable(get, spec, {"t": {"min": 1, "max": 8}, "c": 37}, "float32")
+
+
+def test_a_backward_with_no_kernel_is_refused_by_name():
+    """cross_entropy_ignore's backward is elementwise (no strategy runs it) and its forward has two
+    outputs (no gradient written in the forward): refused before anything is fetched."""
+    from service.client.autograd import fetch_trainable
+
+    spec = load_spec((PACKAGED_DIR / "cross_entropy_ignore.json").read_text())
+    with pytest.raises(BundleError, match="cross_entropy_ignore_backward is elementwise"):
+        fetch_trainable(lambda *a: pytest.fail("fetched"), spec, {"t": 4, "v": 30}, "float32")
