@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from fuser_core.backward.derive import BackwardCascade
+from fuser_core.backward.derive import BackwardCascade, probe_shape
 from fuser_core.backward.torch_formula import TorchFormula
 from fuser_core.reference import Evaluator, random_inputs, random_scalars
 from fuser_core.spec_model import Spec
@@ -83,7 +83,7 @@ def gradient_error(value: np.ndarray, reference: np.ndarray) -> float:
 def certify_backward(spec: Spec, cascade: BackwardCascade, shape: Mapping[str, int] | None = None,
                      seeds: tuple[int, ...] = SEEDS) -> dict[str, Any]:
     """``{"holds", "tolerance", "worst": {input: error}, "samples"}`` (module doc)."""
-    shape = dict(shape or spec.example)
+    shape = probe_shape(spec, shape)
     worst: dict[str, float] = {}
     for seed in seeds:
         rng = np.random.default_rng(seed)

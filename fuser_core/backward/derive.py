@@ -46,7 +46,13 @@ from fuser_core.spec import load_spec
 from fuser_core.spec_model import Input, Param, Spec, Step, raw_param
 
 GRAD_PREFIX = "d_"
-EXAMPLE_SIZE = 7  # each dim's size for the shift test when the spec has no example
+EXAMPLE_SIZE = 7  # each dim's size for the numeric checks when the spec has no example
+
+
+def probe_shape(spec: Spec, shape: Mapping[str, int] | None = None) -> dict[str, int]:
+    """The sizes the backward's numeric checks run at: ``shape``, else the spec's example, else
+    ``EXAMPLE_SIZE`` for every dim."""
+    return dict(shape or spec.example or {d: EXAMPLE_SIZE for d in spec.sized_dims})
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,7 @@ class _Reverse:
 
     def __init__(self, spec: Spec, shape: Mapping[str, int] | None):
         self.spec = spec
-        self.shape = dict(shape or spec.example or {d: EXAMPLE_SIZE for d in spec.dims})
+        self.shape = probe_shape(spec, shape)
         self.used: set[str] = {i.name for i in spec.inputs} | {p.name for p in spec.params} | {s.name for s in spec.steps}
         self.dims: dict[str, tuple[str, ...]] = {i.name: i.dims for i in spec.inputs} | {s.name: s.dims for s in spec.steps}
         self.kinds: dict[str, str] = {}  # new inputs' kinds

@@ -216,3 +216,17 @@ def _outer(f: str, u: ex.Expr, e: ex.Expr) -> ex.Expr:
     if f == "cos":
         return neg(call("sin", u))
     raise NotDifferentiable(f"{f}() has no derivative rule")
+
+
+def folded(e: ex.Expr) -> ex.Expr:
+    """``e`` rebuilt through the constructors above (after a name became a number: ``1 * a`` is ``a``)."""
+    build = {"+": add, "-": sub, "*": mul, "/": div}
+
+    def fold(node: ex.Expr) -> ex.Expr | None:
+        if isinstance(node, ex.BinOp) and node.op in build:
+            return build[node.op](node.left, node.right)
+        if isinstance(node, ex.Neg):
+            return neg(node.operand)
+        return None
+
+    return ex.map_expr(e, fold)

@@ -22,7 +22,8 @@ import numpy as np
 
 from fuser_core import expr as ex
 from fuser_core.backward.certify import backward_gradients
-from fuser_core.backward.derive import BackwardCascade, spec_json
+from fuser_core.backward.differentiate import folded
+from fuser_core.backward.derive import BackwardCascade, probe_shape, spec_json
 from fuser_core.reference import Evaluator, random_inputs, random_scalars
 from fuser_core.spec import load_spec
 from fuser_core.spec_model import Spec
@@ -45,7 +46,7 @@ def gradient_in_forward(spec: Spec, cascade: BackwardCascade, shape: Mapping[str
         for step in b.steps:
             if step.name in forward_names:  # a forward step the backward recomputes: the forward has it
                 continue
-            expr = ex.map_expr(step.expr, lambda n: one.get(n))
+            expr = folded(ex.map_expr(step.expr, lambda n: one.get(n)))
             steps.append({"name": step.name, "expr": ex.to_text(expr)})
     renames = {}
     for g in cascade.gradients:
@@ -57,7 +58,7 @@ def gradient_in_forward(spec: Spec, cascade: BackwardCascade, shape: Mapping[str
             "doc": f"{spec.doc} Also writes the gradient of {out} for an upstream gradient of 1 "
                    f"({', '.join(renames.values())}): the backward is the upstream gradient times it."}
     combined = load_spec(raw, printed=True)
-    return combined if _linear(spec, cascade, combined, renames, dict(shape or spec.example)) else None
+    return combined if _linear(spec, cascade, combined, renames, probe_shape(spec, shape)) else None
 
 
 def _linear(spec: Spec, cascade: BackwardCascade, combined: Spec, renames: Mapping[str, str],

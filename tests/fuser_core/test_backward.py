@@ -269,3 +269,34 @@ def test_backward_kernels_compile_for_sm90(name, compile_pool):
             assert kernel.ok, (request.spec.name, request.strategy, kernel.error)
             built += 1
     assert built >= len(requests)
+
+
+def test_a_loss_variant_written_by_a_user_gets_its_gradient_in_the_forward():
+    """Label smoothing and a z-loss (Liger needed forward and backward edits for each): derived,
+    written by the forward kernel, against torch's autograd of the same loss (float64). No example
+    shape in the spec: the numeric checks run at their own."""
+    spec = load_spec({
+        "foldwise": 1, "name": "ce_smooth_z", "doc": "cross-entropy, label smoothing 0.1, z-loss 1e-4",
+        "inputs": {"logits": {"dims": ["t", "v"]}, "target": {"dims": ["t"], "kind": "index"}},
+        "steps": [{"name": "mx", "reduce": "max", "over": "v", "expr": "logits"},
+                  {"name": "den", "reduce": "sum", "over": "v", "expr": "exp(logits - mx)"},
+                  {"name": "picked", "reduce": "sum", "over": "v", "expr": "where(index(v) == target, logits, 0)"},
+                  {"name": "total", "reduce": "sum", "over": "v", "expr": "logits"},
+                  {"name": "lse", "expr": "mx + log(den)"},
+                  {"name": "loss", "expr": "lse - 0.9 * picked - 0.1 * total / size(v) + 0.0001 * lse * lse"}],
+        "outputs": ["loss"]})
+    cascade = derive_backward(spec)
+    assert certify_backward(spec, cascade)["holds"]
+    fused = gradient_in_forward(spec, cascade)
+    assert fused is not None and fused.outputs == ("loss", "logits_grad")
+    rng = np.random.default_rng(13)
+    logits = (rng.standard_normal((6, 77)) * 3 + 50).astype(np.float32).astype(np.float64)
+    target = rng.integers(0, 77, 6)
+    dloss = rng.standard_normal(6)
+    t = torch.tensor(logits, requires_grad=True)
+    ce = torch.nn.functional.cross_entropy(t, torch.tensor(target), reduction="none", label_smoothing=0.1)
+    lse = torch.logsumexp(t, -1)
+    (ce + 1e-4 * lse * lse).backward(torch.tensor(dloss))
+    out = run(fused, {"t": 6, "v": 77}, "float32", {"logits": logits, "target": target}, strategy="streaming_fused").outputs
+    got = dloss[:, None] * out["logits_grad"].double().numpy()
+    assert gradient_error(got, t.grad.numpy()) < 1e-6
