@@ -38,8 +38,9 @@ from typing import Any
 from fuser_core import expr as ex
 from fuser_core.backward.packing import BackStep, Packer, load_backward, refs, step_json
 from fuser_core.backward.shift import is_shift
+from fuser_core.backward.vanishing import vanishing_sums
 from fuser_core.backward.differentiate import (
-    NotDifferentiable, ONE, ZERO, add, div, is_zero, mul, neg, partial, where,
+    NotDifferentiable, ONE, ZERO, add, div, folded, is_zero, mul, neg, partial, where,
 )
 from fuser_core.errors import SpecError
 from fuser_core.spec import load_spec
@@ -77,6 +78,7 @@ class BackwardCascade:
     not_differentiated: dict[str, str] = field(default_factory=dict)  # name -> why
     shifts: tuple[str, ...] = ()  # max/min steps found to be shifts (no gradient)
     staged: tuple[str, ...] = ()  # results of a backward spec that a later one reads (specs run in order)
+    vanished: dict[str, str] = field(default_factory=dict)  # backward sums zero for every input, dropped
 
     def spec(self, name: str) -> Spec:
         return next(s for s in self.specs if s.name == name)
@@ -161,6 +163,7 @@ class _Reverse:
         self.upstream: dict[str, str] = {}
         self.not_differentiated: dict[str, str] = {}
         self.shifts: list[str] = []
+        self.vanished: dict[str, str] = {}
         # forward elementwise steps' expressions -> their names: the backward reads them by name
         self.named = {s.expr: ex.Ref(s.name) for s in spec.steps if not s.is_reduction}
         # the forward's elementwise outputs (read by the backward, not recomputed), as factors
@@ -343,7 +346,23 @@ class _Reverse:
             for d in missing:  # constant along d: broadcast by naming the dim
                 total = ex.BinOp("+", total, ex.BinOp("*", ZERO, ex.Index(d)))
             gradients[inp.name] = self.add_step(GRAD_PREFIX + inp.name, total)
+        self.drop_vanishing()
+        for inp, ref in list(gradients.items()):
+            if is_zero(next(s.expr for s in self.steps if s.name == ref.name)):
+                zero.append(inp)
+                del gradients[inp]
         return self.assemble(gradients, zero)
+
+    def drop_vanishing(self) -> None:
+        """Backward sums that are zero for every input (a statistic's stationarity) replaced by 0
+        (:mod:`fuser_core.backward.vanishing`)."""
+        found = vanishing_sums(self.spec, self.steps, self.dims, self.upstream, self.shape)
+        if not found:
+            return
+        self.vanished = {s.name: f"sum over {s.over} of {ex.to_text(s.expr)}" for s in self.steps if s.name in found}
+        zeros = {ex.Ref(name): ZERO for name in found}
+        for s in self.steps:
+            s.expr = folded(ex.map_expr(s.expr, lambda n: zeros.get(n)))
 
     # -- rules 5 to 7 (fuser_core.backward.packing)
     def assemble(self, gradients: dict[str, ex.Ref], zero: list[str]) -> BackwardCascade:
@@ -370,7 +389,7 @@ class _Reverse:
         return BackwardCascade(
             forward=self.saving_forward(saved_order), saved=saved_order, specs=tuple(specs), gradients=tuple(grads),
             upstream=dict(self.upstream), zero=tuple(zero), not_differentiated=dict(self.not_differentiated),
-            shifts=tuple(self.shifts), staged=tuple(staged))
+            shifts=tuple(self.shifts), staged=tuple(staged), vanished=dict(self.vanished))
 
     def saving_forward(self, saved: tuple[str, ...]) -> Spec:
         """The forward spec with the saved statistics as outputs too."""

@@ -33,6 +33,7 @@ def backward_report(spec: Spec, *, derive_specs: bool = True) -> dict[str, Any]:
         "zero_gradients": list(cascade.zero),
         "not_differentiated": cascade.not_differentiated,
         "shifts": list(cascade.shifts),
+        "vanished": cascade.vanished,
         "specs": specs,
         "gradient_in_forward": spec_json(with_grad) if with_grad is not None else None,
         "certificate": certify_backward(spec, cascade),
@@ -46,6 +47,8 @@ def format_backward(r: dict[str, Any]) -> str:
         lines.append(f"the forward saves {', '.join(r['saved'])} ({r['forward']['name']})")
     if r["shifts"]:
         lines.append(f"no gradient through {', '.join(r['shifts'])}: the outputs do not depend on it (a shift)")
+    for name, text in r["vanished"].items():
+        lines.append(f"dropped {name} = {text}: zero for every input (a statistic's stationarity)")
     for name, why in r["not_differentiated"].items():
         lines.append(f"not differentiated: {name} ({why})")
     for name in r["zero_gradients"]:

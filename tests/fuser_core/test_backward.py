@@ -101,6 +101,17 @@ def test_index_inputs_and_runtime_scalars_are_named_not_differentiated():
     assert "eps" in rms.not_differentiated
 
 
+def test_layernorm_drops_the_sum_that_stationarity_makes_zero():
+    """d var / d mean = -2 sum(x - mean) / C is zero for every input: dropped, so d_x has torch's
+    two row sums, not three (fuser_core.backward.vanishing); attention with a sink keeps the sum
+    its random samples leave all-zero (a where() branch never taken)."""
+    cascade = derive_backward(_spec("layernorm"))
+    assert list(cascade.vanished.values()) == ["sum over c of x - mean"]
+    dx = cascade.spec(next(g.spec for g in cascade.gradients if g.input == "x"))
+    assert sum(s.is_reduction for s in dx.steps) == 2
+    assert derive_backward(_spec("attention_sink")).vanished == {}
+
+
 def test_weight_gradients_reduce_over_the_tokens_in_a_spec_of_their_own():
     cascade = derive_backward(_spec("layernorm"))
     by_input = {g.input: g for g in cascade.gradients}
