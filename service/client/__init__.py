@@ -278,14 +278,15 @@ class KernelCache:
     def trainable_op(self, spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str] = "float32",
                      target: str = "h100", **get_options: Any) -> TrainableOp:
         """:meth:`torch_op` with the spec's derived backward (issue 39; :mod:`service.client.autograd`):
-        ``loss.backward()`` runs Foldwise kernels. Fetches (with :meth:`get` and ``get_options``, e.g.
-        ``tune_if_missing``) the forward that saves its statistics and each backward spec's kernel."""
+        ``loss.backward()`` runs Foldwise kernels. Fetches (with :meth:`prefetch`, in parallel, and
+        ``get_options``: ``allow_nearest``, ``tune_if_missing``) the forward that saves its statistics
+        and each backward spec's kernel."""
         from service.client.autograd import fetch_trainable
         from service.client.request import parse_shape
 
         user = self._request(spec, shape, dtype, target).user
-        return fetch_trainable(lambda s, sh, dt: self.get(s, sh, dt, target, **get_options), user,
-                               parse_shape(shape), dtype)
+        return fetch_trainable(lambda requests: self.prefetch([(*r, target) for r in requests], **get_options).wait(),
+                               user, parse_shape(shape), dtype)
 
     def cached(self, spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str] = "float32",
                target: str = "h100", *, allow_nearest: bool = False) -> BundleKernel | None:

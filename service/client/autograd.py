@@ -173,13 +173,14 @@ def trainable_op(cascade: Any, forward: Kernel, backward: Mapping[str, Kernel], 
     return TrainableOp(forward, backward_plan(cascade, forward, backward), outputs)
 
 
-def fetch_trainable(get: Any, user: Any, shape: Mapping[str, Any], dtype: str | Mapping[str, str]) -> TrainableOp:
+def fetch_trainable(fetch_all: Any, user: Any, shape: Mapping[str, Any], dtype: str | Mapping[str, str]) -> TrainableOp:
     """The trainable op of ``user`` (a loaded spec) at ``shape``: derives its backward, then fetches
-    the forward (saving, or writing the gradient) and each backward kernel with ``get(spec, shape,
-    dtype)`` (:meth:`service.client.KernelCache.get`; each is a spec of its own, tuned as any).
-    A backward kernel's input dtypes: a forward input's own, a saved statistic's or an upstream
-    gradient's that of the forward output it is."""
-    from fuser_core import derive_backward, gradient_in_forward, spec_json
+    the forward (saving, or writing the gradient) and every backward kernel in one call of
+    ``fetch_all([(spec JSON, shape, dtype), ...]) -> kernels`` (:meth:`service.client.KernelCache.
+    prefetch`: in parallel, so with ``tune_if_missing`` their jobs tune side by side; each is a spec
+    of its own). A backward kernel's input dtypes: a forward input's own, a saved statistic's or an
+    upstream gradient's that of the forward output it is (:func:`fuser_core.output_dtypes`)."""
+    from fuser_core import bind_dtypes, derive_backward, gradient_in_forward, output_dtypes, spec_json
 
     if any(isinstance(v, Mapping) for v in shape.values()):
         raise BundleError("shape: a trainable op is for one shape; give sizes, not ranges")
@@ -190,14 +191,17 @@ def fetch_trainable(get: Any, user: Any, shape: Mapping[str, Any], dtype: str | 
         raise BundleError(f"spec: the backward of {user.name} has no kernel yet: {', '.join(elementwise)} is elementwise "
                           "(no reduction: no strategy runs it), and its forward cannot write the gradient (it has "
                           f"{len(user.outputs)} outputs)")
-    forward = get(spec_json(fused or cascade.forward), shape, dtype)
-    backward = {}
+    forward_spec = fused or cascade.forward
+    forward_dtypes = bind_dtypes(forward_spec, dtype)
+    written = output_dtypes(forward_spec, forward_dtypes)
+    requests = [(spec_json(forward_spec), dict(shape), dtype)]
     for b in () if fused else cascade.specs:
         dtypes = {}
         for inp in b.inputs:
-            if inp.is_index:
-                continue
-            source = next((o for o, up in cascade.upstream.items() if up == inp.name), inp.name)
-            dtypes[inp.name] = forward.output_dtypes.get(source) or (dtype if isinstance(dtype, str) else dtype[inp.name])
-        backward[b.name] = get(spec_json(b), {d: n for d, n in shape.items() if d in b.sized_dims}, dtypes)
+            if inp.is_float:
+                source = next((o for o, up in cascade.upstream.items() if up == inp.name), inp.name)
+                dtypes[inp.name] = written.get(source) or forward_dtypes.get(source) or "float32"  # a stage's: float32
+        requests.append((spec_json(b), {d: n for d, n in shape.items() if d in b.sized_dims}, dtypes))
+    forward, *kernels = fetch_all(requests)
+    backward = {raw["name"]: k for (raw, _, _), k in zip(requests[1:], kernels)}
     return trainable_op(cascade, forward, backward, tuple(user.outputs))

@@ -123,9 +123,9 @@ def test_fetch_trainable_asks_for_the_saving_forward_and_each_backward_spec():
 
     calls = []
 
-    def get(raw, shape, dtype):
-        calls.append((raw["name"], shape, dtype))
-        return _kernel(load_spec(raw, printed=True), shape, dtype)
+    def get(requests):
+        calls.extend((raw["name"], shape, dtype) for raw, shape, dtype in requests)
+        return [_kernel(load_spec(raw, printed=True), shape, dtype) for raw, shape, dtype in requests]
 
     spec = load_spec((PACKAGED_DIR / "rmsnorm.json").read_text())
     op = fetch_trainable(get, spec, {"t": 3, "c": 37}, "float32")
@@ -148,4 +148,4 @@ def test_a_backward_with_no_kernel_is_refused_by_name():
 
     spec = load_spec((PACKAGED_DIR / "cross_entropy_ignore.json").read_text())
     with pytest.raises(BundleError, match="cross_entropy_ignore_backward is elementwise"):
-        fetch_trainable(lambda *a: pytest.fail("fetched"), spec, {"t": 4, "v": 30}, "float32")
+        fetch_trainable(lambda requests: pytest.fail("fetched"), spec, {"t": 4, "v": 30}, "float32")
