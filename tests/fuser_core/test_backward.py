@@ -311,3 +311,17 @@ def test_a_loss_variant_written_by_a_user_gets_its_gradient_in_the_forward():
     out = run(fused, {"t": 6, "v": 77}, "float32", {"logits": logits, "target": target}, strategy="streaming_fused").outputs
     got = dloss[:, None] * out["logits_grad"].double().numpy()
     assert gradient_error(got, t.grad.numpy()) < 1e-6
+
+
+@pytest.mark.parametrize("combine", ["kernel", "last_part"])
+def test_a_weight_gradient_splits_over_the_tokens_with_a_deterministic_combine(combine):
+    """Issue 39 item 2: d_w (a sum over the tokens) split into 4 chunks of rows, the partial sums
+    merged by a combine kernel or, in the same launch, by the last chunk to finish (in chunk order:
+    the same bits every run)."""
+    from fuser_core import KernelConfig
+
+    cascade = derive_backward(_spec("rmsnorm"))
+    w_spec = cascade.spec(next(g.spec for g in cascade.gradients if g.input == "w"))
+    config = KernelConfig(blocks={"t": 32, "c": 16}, num_warps=4, split=4, combine=combine)
+    first = self_check(w_spec, {"t": 300, "c": 37}, "float32", strategy="split_fused", config=config)
+    assert first["passed"], first
