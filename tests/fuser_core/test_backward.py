@@ -323,5 +323,11 @@ def test_a_weight_gradient_splits_over_the_tokens_with_a_deterministic_combine(c
     cascade = derive_backward(_spec("rmsnorm"))
     w_spec = cascade.spec(next(g.spec for g in cascade.gradients if g.input == "w"))
     config = KernelConfig(blocks={"t": 32, "c": 16}, num_warps=4, split=4, combine=combine)
-    first = self_check(w_spec, {"t": 300, "c": 37}, "float32", strategy="split_fused", config=config)
-    assert first["passed"], first
+    shape = {"t": 300, "c": 37}
+    report = self_check(w_spec, shape, "float32", strategy="split_fused", config=config)
+    assert report["passed"], report
+    rng = np.random.default_rng(1)
+    inputs = {"x": rng.standard_normal((300, 37)), "ms": rng.uniform(0.5, 2, 300), "d_y": rng.standard_normal((300, 37)),
+              "eps": 1e-6}
+    runs = [run(w_spec, shape, "float32", inputs, strategy="split_fused", config=config).outputs["d_w"] for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
