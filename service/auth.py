@@ -16,8 +16,8 @@ bundle downloads), ``admin`` (implies every scope).
 - as soon as any token exists (even a revoked one: revoking the last token does not reopen
   the server), job submission/cancel needs ``jobs:write`` and kernel reads need
   ``kernels:read``;
-- reads of job status (jobs, trials, specs, workers) and ``POST /v1/derivations`` (computes,
-  stores nothing) stay open on a loopback bind; on any other bind they need a valid token of
+- reads of job status (jobs, trials, specs, workers), ``POST /v1/derivations`` and
+  ``POST /v1/backward`` (compute, store nothing) stay open on a loopback bind; on any other bind they need a valid token of
   any scope;
 - ``/healthz``, ``/metrics``, ``/openapi.json``, the docs and the dashboard page are always open;
 - a server bound to anything but loopback refuses to start without an active token

@@ -1,8 +1,9 @@
 """Gradients through Foldwise's torch operator (issue 39 item 6): ``loss.backward()`` runs the
 derived backward's kernels.
 
-``torch.library.register_autograd`` gives ``foldwise::run`` one backward formula for every kernel:
-it looks the forward kernel's key up in a registry of :class:`BackwardPlan`\\ s (a kernel with
+``foldwise::run`` has one backward formula for every kernel (registered with the operator in
+:mod:`service.client.torch_ops`, so it does not depend on what a process imported): it looks the
+forward kernel's key up in a registry of the :class:`BackwardPlan`\\ s built here (a kernel with
 none raises, naming it: gradients are never silently zero) and runs the plan's kernels through
 the same operator, so ``torch.compile(fullgraph=True)`` traces forward and backward alike
 (AOTAutograd calls this formula on fake tensors; each kernel's fake implementation gives shapes).
@@ -20,14 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from service.bundle import BundleError
-from service.client.torch_ops import FoldwiseOp, Kernel, register_kernel
+from service.client.torch_ops import INPUT, OUTPUT, STAGED, UPSTREAM, FoldwiseOp, Kernel, register_backward, register_kernel
 
-UPSTREAM, INPUT, OUTPUT, STAGED = "upstream", "input", "output", "staged"
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,6 @@ class BackwardPlan:
     in_forward: tuple[InForward, ...] = ()
 
 
-_PLANS: dict[str, BackwardPlan] = {}  # forward kernel key -> its backward; never removed (graphs hold keys)
-
-
 def backward_plan(cascade: Any, forward: Kernel, backward: Mapping[str, Kernel]) -> BackwardPlan:
     """The plan of ``cascade`` (a :class:`fuser_core.BackwardCascade`) for the loaded ``forward``
     kernel (the saving forward, or the forward writing ``<input>_grad``) and ``backward``: backward
@@ -94,58 +91,6 @@ def backward_plan(cascade: Any, forward: Kernel, backward: Mapping[str, Kernel])
         in_forward.append(InForward(g.input, part, out, tuple(out_dims.index(d) for d in along),
                                     tuple(d in out_dims for d in own)))
     return BackwardPlan(tuple(forward.input_names), tuple(forward.output_parts), tuple(kernels), tuple(in_forward))
-
-
-def register_backward(forward_key: str, plan: BackwardPlan) -> None:
-    _PLANS[forward_key] = plan
-
-
-def _setup_context(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
-    kernel_key, tensors, scalar_names, scalars = (*inputs, None, None)[:4]  # the defaults are not passed on
-    ctx.kernel_key, ctx.scalar_names, ctx.scalars, ctx.count = kernel_key, scalar_names, scalars, len(tensors)
-    # torch matches the returned gradients' pytree with the inputs', where a None input is an empty
-    # node: the gradients stop where the trailing None arguments (no runtime scalars) begin
-    ctx.arguments = len(inputs) - (scalars is None) - (scalars is None and scalar_names is None)
-    ctx.save_for_backward(*tensors, *output)
-
-
-def _scalars_for(kernel: BackwardKernel, names: Optional[str], values: Optional[list[float]]
-                 ) -> tuple[Optional[str], Optional[list[float]]]:
-    """The forward call's runtime scalars that ``kernel`` takes (the others it does not know)."""
-    if not names:
-        return None, None
-    pairs = [(n, v) for n, v in zip(names.split(","), values or []) if n in kernel.scalars]
-    return (",".join(n for n, _ in pairs), [v for _, v in pairs]) if pairs else (None, None)
-
-
-def _backward(ctx: Any, grads: list[Optional[torch.Tensor]]) -> tuple:
-    plan = _PLANS.get(ctx.kernel_key)
-    if plan is None:
-        raise BundleError(f"kernel_key: the Foldwise kernel {ctx.kernel_key!r:.80} has no backward registered; get it "
-                          "with KernelCache.torch_op(..., backward=True)")
-    saved = ctx.saved_tensors
-    ins = dict(zip(plan.inputs, saved[:ctx.count]))
-    outs = dict(zip(plan.outputs, saved[ctx.count:]))
-    ups = {name: (torch.zeros_like(outs[name]) if g is None else g.to(outs[name].dtype))
-           for name, g in zip(plan.outputs, grads)}
-    found: dict[str, torch.Tensor] = {}
-    staged: dict[str, torch.Tensor] = {}
-    sources = {INPUT: ins, OUTPUT: outs, UPSTREAM: ups, STAGED: staged}
-    for k in plan.kernels:  # in the order they run: a stage's results feed the next
-        names, values = _scalars_for(k, ctx.scalar_names, ctx.scalars)
-        parts = torch.ops.foldwise.run(k.key, [sources[kind][n] for kind, n in k.reads], names, values)
-        staged |= dict(zip(k.parts, parts))
-        for index, name, order in k.writes:
-            found[name] = parts[index].permute(order)
-    for f in plan.in_forward:
-        x = ins[f.input]
-        upstream = ups[f.output].permute(f.order).reshape([n if keep else 1 for n, keep in zip(x.shape, f.keep)])
-        found[f.input] = upstream.float() * outs[f.part].float()
-    grads_in = [None if n not in found else found[n].to(ins[n].dtype) for n in plan.inputs]
-    return (None, grads_in, None, None)[:ctx.arguments]
-
-
-torch.library.register_autograd("foldwise::run", _backward, setup_context=_setup_context)
 
 
 class TrainableOp:

@@ -187,6 +187,68 @@ def _named_outs(kernel: Kernel, outs: list[torch.Tensor]) -> dict[str, torch.Ten
     return dict(zip(parts, outs))
 
 
+# ----------------------------------------------------------------------------- the autograd formula
+# (issue 39; the plans are built by service.client.autograd): here, with the operator, so a backward
+# through any kernel behaves the same whatever the process imported
+
+UPSTREAM, INPUT, OUTPUT, STAGED = "upstream", "input", "output", "staged"  # where a backward kernel's input comes from
+_PLANS: dict[str, Any] = {}  # forward kernel key -> its backward; never removed (graphs hold keys)
+
+
+def register_backward(forward_key: str, plan: Any) -> None:
+    """Give the kernel registered under ``forward_key`` a backward: ``plan``, a
+    :class:`service.client.autograd.BackwardPlan`."""
+    _PLANS[forward_key] = plan
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
+    kernel_key, tensors, scalar_names, scalars = (*inputs, None, None)[:4]  # the defaults are not passed on
+    ctx.kernel_key, ctx.scalar_names, ctx.scalars, ctx.count = kernel_key, scalar_names, scalars, len(tensors)
+    # torch matches the returned gradients' pytree with the inputs', where a None input is an empty
+    # node: the gradients stop where the trailing None arguments (no runtime scalars) begin
+    ctx.arguments = len(inputs) - (scalars is None) - (scalars is None and scalar_names is None)
+    ctx.save_for_backward(*tensors, *output)
+
+
+def _scalars_for(kernel: Any, names: Optional[str], values: Optional[list[float]]
+                 ) -> tuple[Optional[str], Optional[list[float]]]:
+    """The forward call's runtime scalars that ``kernel`` takes (the others it does not know)."""
+    if not names:
+        return None, None
+    pairs = [(n, v) for n, v in zip(names.split(","), values or []) if n in kernel.scalars]
+    return (",".join(n for n, _ in pairs), [v for _, v in pairs]) if pairs else (None, None)
+
+
+def _backward(ctx: Any, grads: list[Optional[torch.Tensor]]) -> tuple:
+    plan = _PLANS.get(ctx.kernel_key)
+    if plan is None:
+        raise BundleError(f"kernel_key: the Foldwise kernel {ctx.kernel_key!r:.80} has no backward registered; get it "
+                          "with KernelCache.trainable_op")
+    saved = ctx.saved_tensors
+    ins = dict(zip(plan.inputs, saved[:ctx.count]))
+    outs = dict(zip(plan.outputs, saved[ctx.count:]))
+    ups = {name: (torch.zeros_like(outs[name]) if g is None else g.to(outs[name].dtype))
+           for name, g in zip(plan.outputs, grads)}
+    found: dict[str, torch.Tensor] = {}
+    staged: dict[str, torch.Tensor] = {}
+    sources = {INPUT: ins, OUTPUT: outs, UPSTREAM: ups, STAGED: staged}
+    for k in plan.kernels:  # in the order they run: a stage's results feed the next
+        names, values = _scalars_for(k, ctx.scalar_names, ctx.scalars)
+        parts = torch.ops.foldwise.run(k.key, [sources[kind][n] for kind, n in k.reads], names, values)
+        staged |= dict(zip(k.parts, parts))
+        for index, name, order in k.writes:
+            found[name] = parts[index].permute(order)
+    for f in plan.in_forward:
+        x = ins[f.input]
+        upstream = ups[f.output].permute(f.order).reshape([n if keep else 1 for n, keep in zip(x.shape, f.keep)])
+        found[f.input] = upstream.float() * outs[f.part].float()
+    grads_in = [None if n not in found else found[n].to(ins[n].dtype) for n in plan.inputs]
+    return (None, grads_in, None, None)[:ctx.arguments]
+
+
+torch.library.register_autograd("foldwise::run", _backward, setup_context=_setup_context)
+
+
 # ----------------------------------------------------------------------------- the friendly wrapper
 
 

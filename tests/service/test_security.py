@@ -58,7 +58,7 @@ def make_app(db_url: str, **kwargs):
 
 def policy_scope(method: str, path: str) -> str | None:
     """The scope the auth policy (service/auth.py) gives a route: what this test expects."""
-    if method != "GET" and path != "/v1/derivations":  # derivations compute and store nothing
+    if method != "GET" and path not in ("/v1/derivations", "/v1/backward"):  # these compute and store nothing
         return "jobs:write"
     if path.startswith(("/v1/kernels", "/v1/dashboard/kernels")) or path == "/v1/specs/{spec_hash}/source":
         return "kernels:read"  # the source route serves tuned kernels' source
@@ -106,7 +106,7 @@ def request_for(method: str, path: str) -> dict:
     if path == "/v1/jobs" and method == "POST":
         kwargs["json"] = {"spec": SOFTMAX, "shape": {"m": 4, "n": 64}, "dtype": "float32", "target": "h100",
                           "measurer": "model", "budget": {"trials": 4, "seconds": 60}}
-    elif path == "/v1/derivations":
+    elif path in ("/v1/derivations", "/v1/backward"):
         kwargs["json"] = {"spec": SOFTMAX}
     if path == "/v1/kernels":
         kwargs["params"] = {"spec_hash": HEX64}

@@ -380,15 +380,16 @@ def test_errors_name_the_argument(rms):
 def test_a_plain_call_runs_the_kernel_and_autograd_goes_through_the_operator(rms):
     """A served forward pass (plain tensors, no gradient wanted) runs the kernel directly: the
     operator's dispatch cost 20-60 µs a call (benchmarks/client_warm_call.py). Its results are the
-    operator's. An input that wants a gradient goes through the operator, whose missing autograd
-    formula fails the backward loudly instead of giving silently no gradient."""
+    operator's. An input that wants a gradient goes through the operator, whose autograd formula
+    fails the backward loudly for a kernel with no backward (service.client.autograd gives one)
+    instead of giving silently no gradient."""
     op = foldwise_op(rms)
     x, w = rms_inputs().values()
     direct = op(x=x, w=w, eps=1e-5)["y"]
     through = torch.ops.foldwise.run(op.key, [x, w], "eps", [1e-5])[0]
     assert torch.equal(direct, through) and direct.stride() == through.stride()
     x.requires_grad_()
-    with pytest.raises(RuntimeError, match="no autograd formula"):
+    with pytest.raises(BundleError, match="has no backward registered"):
         op(x=x, w=w)["y"].sum().backward()
 
 
