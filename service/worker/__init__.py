@@ -72,6 +72,13 @@ POLL_BACKOFF_S = (1.0, 10.0)  # the claim loop's wait after a database error: fi
 HOST_FAULT_PAUSE_S = (5.0, 60.0)
 
 
+# what a job imports (a search, its checks, its bundle): loaded by Worker.warm_up before any lease is held
+_JOB_MODULES = ("fuser_core.derive", "fuser_core.accuracy", "fuser_core.runner", "fuser_core.edge_rows",
+                "fuser_core.codegen.module", "fuser_core.catalog", "tuner.search.tuner", "tuner.measure",
+                "tuner.compile_gate", "tuner.cost_model", "tuner.static_bound", "tuner.experts",
+                "service.bundle_maker", "service.binaries")
+
+
 @dataclass(frozen=True)
 class _JobSpec:
     """A claimed job's spec, read and derived once for all its searches and bundles."""
@@ -139,6 +146,19 @@ class Worker:
         self.retry(register, "registering the worker")
         log.info("worker registered", extra={"worker_id": self.worker_id, "target": self.target,
                                              "measurer": self.measurer})
+
+    def warm_up(self) -> None:
+        """Import what every job runs before the first claim. A job's lease is renewed by a thread
+        that shares the GIL with the search, and an import holds the GIL for its file lookups and
+        its C extensions' start-up: seconds on a loaded host, long enough for a short lease to
+        expire during a first job that loaded them itself (the job was then taken over as lost)."""
+        import importlib
+
+        import sympy as sp
+
+        for module in _JOB_MODULES:
+            importlib.import_module(module)
+        sp.lambdify([sp.Symbol("x")], sp.Symbol("x") + 1, modules="numpy")  # its printers load on first use
 
     def claim(self) -> Job | None:
         closed: list[tuple[str, str]] = []  # jobs of lost workers closed on the way (cancelled, or failed)
@@ -541,6 +561,7 @@ def run_worker(db_url: str, *, measurer: str, target: str, worker_id: str | None
     done, backoff = 0, POLL_BACKOFF_S[0]
     try:
         worker.register()
+        worker.warm_up()
         while not worker.stop.is_set():
             try:
                 job = worker.claim()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,9 @@ class LeaseKeeper:
 
     After a refused renewal it says why: ``cancel`` (the job was asked to cancel) or ``lost``
     (another worker holds it, or it finished). A database error skips one beat (logged); the
-    lease is long enough for a few.
+    lease is long enough for a few. A renewal that comes more than half a lease after the last
+    one is logged (``lease renewal late``, with where the search was): the beat shares the GIL
+    with the search, and a lease shorter than what holds the GIL is lost by a live worker.
     """
 
     def __init__(self, sessions: sessionmaker[Session], job_id: str, worker_id: str, *, lease_s: float,
@@ -41,6 +44,7 @@ class LeaseKeeper:
         self.cancel = False
         self.lost = False
         self._done = threading.Event()
+        self._search = threading.current_thread()  # the search runs on the thread that holds the job
         self._thread = threading.Thread(target=self._run, name=f"lease-{job_id[:8]}", daemon=True)
 
     def start(self) -> LeaseKeeper:
@@ -52,10 +56,20 @@ class LeaseKeeper:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        last = time.monotonic()
         while not self._done.wait(self.every):
             try:
                 with self.sessions() as session:
-                    if job_queue.renew_lease(session, self.job_id, self.worker_id, self.lease_s):
+                    start = time.monotonic()
+                    renewed = job_queue.renew_lease(session, self.job_id, self.worker_id, self.lease_s)
+                    now = time.monotonic()
+                    if now - last > self.lease_s / 2:  # the lease nearly expired under a live worker
+                        log.warning("lease renewal late", extra={
+                            "job_id": self.job_id, "since_last_s": round(now - last, 2),
+                            "renewal_s": round(now - start, 2), "lease_s": self.lease_s,
+                            "search_at": _frame_of(self._search)})
+                    last = now
+                    if renewed:
                         continue
                     job = job_queue.get_job(session, self.job_id)
             except sa.exc.SQLAlchemyError as err:
@@ -68,6 +82,12 @@ class LeaseKeeper:
             else:
                 self.lost = True
             return
+
+
+def _frame_of(thread: threading.Thread) -> str | None:
+    """Where ``thread`` is now: after a late beat, the search's line next to what held the GIL."""
+    frame = sys._current_frames().get(thread.ident)
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" if frame else None
 
 
 @dataclass
