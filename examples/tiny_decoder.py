@@ -17,10 +17,13 @@ with either set of ops:
 KV cache (the cache's slices are strided views handed to the kernel as they are; q is viewed as
 [b, g, r, m, d], no copy). :func:`compare` runs both, and the Foldwise model again under
 ``torch.compile(fullgraph=True)``, and reports the logits' normwise error against torch and whether
-the tokens agree. Run it against a server::
+the tokens agree. :func:`compare_training` (``--train``) runs one SGD step of next-token training on whole
+sequences with trainable ops (:meth:`FoldwiseOps.prepare_training`: ``loss.backward()`` runs the backward
+kernels Foldwise derives for the norms, attention and the loss) and reports every weight's gradient and the
+loss after the step against plain torch. Run it against a server::
 
     foldwise serve --db sqlite:///foldwise.db &          # or any running server
-    python examples/tiny_decoder.py --server http://127.0.0.1:8000 --trials 4
+    python examples/tiny_decoder.py --server http://127.0.0.1:8000 --trials 4 [--train]
 
 Without a GPU, kernels run through Triton's interpreter (``TRITON_INTERPRET=1``): correct, slow.
 On a GPU, ``--bench`` adds tokens per second of decode against plain torch and ``torch.compile``.
@@ -90,6 +93,9 @@ class TorchOps:
     def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, target, ignore_index=-100)
 
+    def token_losses(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, target, reduction="none")
+
 
 class FoldwiseOps:
     """Foldwise kernels from a server, as torch operators. :meth:`prepare` tunes (or finds) one kernel per
@@ -116,6 +122,25 @@ class FoldwiseOps:
             except LookupError:  # service.client.KernelNotFound: tune it now
                 self.cache.tune(name, shape, "float32", self.target, trials=trials)
                 self.ops[name] = self.cache.torch_op(name, shape, "float32", self.target)
+
+    def prepare_training(self, cfg: Config, batch: int, seq: int) -> None:
+        """Trainable operators (``KernelCache.trainable_op``: each forward saves its statistics, and the
+        backward specs derived from it run as kernels too) for a batch of whole sequences of ``seq``
+        tokens: the norms, attention (causal, no padding: kv_start 0) and the per-token loss, whose
+        forward also writes its gradient (a mean of the losses scales it, in torch). Kernels the server
+        lacks are tuned with its default budget."""
+        t = batch * seq
+        shapes = {
+            "rmsnorm_residual": {"t": t, "c": cfg.hidden},
+            "attention_padded": {"b": batch, "g": cfg.kv_heads, "r": cfg.heads // cfg.kv_heads, "m": seq, "n": seq,
+                                 "d": cfg.head_dim, "e": cfg.head_dim},
+            "cross_entropy": {"t": t, "v": cfg.vocab},
+        }
+        for name, shape in shapes.items():
+            self.ops[name] = self.cache.trainable_op(name, shape, "float32", self.target, tune_if_missing=True)
+
+    def token_losses(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.ops["cross_entropy"](logits=logits, target=target)["loss"]
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
@@ -146,9 +171,10 @@ def rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def forward(ops, w: dict[str, torch.Tensor], cfg: Config, tokens: torch.Tensor, start: int,  # noqa: ANN001
-            k_cache: torch.Tensor, v_cache: torch.Tensor, kv_start: torch.Tensor) -> torch.Tensor:
+            k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, kv_start: torch.Tensor) -> torch.Tensor:
     """Logits [b, s, vocab] of ``tokens`` [b, s] at cache positions start..start + s - 1; writes their keys and
-    values into the caches [layers, b, kv_heads, max_len, head_dim]. Positions count from each sequence's first
+    values into the caches [layers, b, kv_heads, max_len, head_dim], or, with no caches (training: one pass
+    over whole sequences, start 0), attends to this pass's keys. Positions count from each sequence's first
     real token (kv_start[b])."""
     b, s = tokens.shape
     n = start + s
@@ -161,10 +187,11 @@ def forward(ops, w: dict[str, torch.Tensor], cfg: Config, tokens: torch.Tensor, 
         k = (y @ w[f"{i}.wk"].T).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         v = (y @ w[f"{i}.wv"].T).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = rotary(q, positions), rotary(k, positions)
-        k_cache[i, :, :, start:n] = k
-        v_cache[i, :, :, start:n] = v
-        # the cache up to n: a strided view, read in place by the kernel
-        o = ops.attention(q.contiguous(), k_cache[i, :, :, :n], v_cache[i, :, :, :n], kv_start)
+        if k_cache is not None:
+            k_cache[i, :, :, start:n] = k
+            v_cache[i, :, :, start:n] = v
+            k, v = k_cache[i, :, :, :n], v_cache[i, :, :, :n]  # the cache up to n: strided views, read in place
+        o = ops.attention(q.contiguous(), k, v, kv_start)
         x = o.transpose(1, 2).reshape(b, s, cfg.heads * cfg.head_dim) @ w[f"{i}.wo"].T
         y, residual = ops.add_rmsnorm(x, residual, w[f"{i}.mlp_norm"])
         x = (F.silu(y @ w[f"{i}.gate"].T) * (y @ w[f"{i}.up"].T)) @ w[f"{i}.down"].T
@@ -202,6 +229,53 @@ def generate(ops, w, cfg: Config, tokens: torch.Tensor, kv_start: torch.Tensor, 
         nxt = step_logits[:, -1].argmax(-1)
     out["tokens"] = torch.stack(out["tokens"], 1)
     return out
+
+
+def training_batch(cfg: Config, batch: int, seq: int, seed: int = 2) -> torch.Tensor:
+    """Token ids [batch, seq + 1] of whole sequences (no padding): inputs are [:, :-1], targets [:, 1:]."""
+    return torch.randint(0, cfg.vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def train_step(ops, w: dict[str, torch.Tensor], cfg: Config, tokens: torch.Tensor, lr: float) -> dict:  # noqa: ANN001
+    """One SGD step of next-token training on ``tokens`` [b, s + 1] (model weights ``w``, copied):
+    {"loss": the mean loss before the step, "grads": every weight's gradient, "loss_after": after it}."""
+    b, s = tokens.shape[0], tokens.shape[1] - 1
+    params = {k: v.detach().clone().requires_grad_() for k, v in w.items()}
+    kv_start = torch.zeros(b, dtype=torch.long, device=tokens.device)  # no padding: causal attention
+
+    def loss_of(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = forward(ops, p, cfg, tokens[:, :-1], 0, None, None, kv_start)
+        return ops.token_losses(logits.reshape(b * s, -1), tokens[:, 1:].reshape(-1)).mean()
+
+    loss = loss_of(params)
+    loss.backward()  # through the ops' backward (Foldwise's: the derived backward kernels)
+    grads = {k: p.grad for k, p in params.items()}
+    with torch.no_grad():
+        stepped = {k: p - lr * p.grad for k, p in params.items()}
+        after = loss_of(stepped)
+    return {"loss": loss.detach(), "grads": grads, "loss_after": after}
+
+
+def compare_training(ops, cfg: Config = Config(), batch: int = 2, seq: int = 12, lr: float = 0.5,  # noqa: ANN001
+                     device: str = "cpu") -> list[dict]:
+    """Rows of the training table: one SGD step with ``ops`` (prepared for training at ``batch`` x
+    ``seq``) against plain torch: the loss before and after the step, and every weight's gradient
+    (normwise error)."""
+    w = init_weights(cfg, device=device)
+    tokens = training_batch(cfg, batch, seq).to(device)
+    want, got = train_step(TorchOps(), w, cfg, tokens, lr), train_step(ops, w, cfg, tokens, lr)
+    rows = [{"quantity": "loss", "error": abs(float(got["loss"] - want["loss"])), "value": float(want["loss"])},
+            {"quantity": "loss after one SGD step", "error": abs(float(got["loss_after"] - want["loss_after"])),
+             "value": float(want["loss_after"])}]
+    rows += [{"quantity": f"grad {k}", "error": normwise(got["grads"][k], want["grads"][k]),
+              "value": float(want["grads"][k].norm())} for k in w]
+    return rows
+
+
+def training_table(rows: list[dict]) -> str:
+    lines = ["| quantity | torch's value (norm) | error (normwise for gradients) |", "|---|---|---|"]
+    lines += [f"| {r['quantity']} | {r['value']:.4g} | {r['error']:.1e} |" for r in rows]
+    return "\n".join(lines)
 
 
 def normwise(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -329,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="aot_eager", help="torch.compile backend for the compiled run ('' skips it)")
     ap.add_argument("--bench", action="store_true",
                     help="on a GPU: decode tokens/s against torch and torch.compile, and a CUDA-graph capture")
+    ap.add_argument("--train", action="store_true",
+                    help="also one training step (gradients through the trainable ops) against torch")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
     gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -347,7 +423,13 @@ def main(argv: list[str] | None = None) -> int:
             print(results["bench_table"])
             results["graph_capture"] = graph_capture(cache, cfg, batch=8, target=args.target, trials=args.trials)
             print(f"CUDA graph capture of a decode step's Foldwise ops: {results['graph_capture']}")
+        if args.train:
+            fw = FoldwiseOps(cache, args.target)
+            fw.prepare_training(Config(), batch=2, seq=12)
+            results["training"] = compare_training(fw, device="cuda" if gpu else "cpu")
+            print(training_table(results["training"]))
     ok = all(r["tokens_equal"] is not False and r["logits_err"] <= 1e-5 for r in rows)
+    ok = ok and all(r["error"] <= 1e-5 for r in results.get("training", ()))
     results["passed"] = ok
     if args.json:
         with open(args.json, "w") as f:

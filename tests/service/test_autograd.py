@@ -7,39 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.service.test_bundle import MEASURED
 
-from fuser_core import derive_backward, gradient_in_forward, load_spec, spec_json
+from fuser_core import load_spec
 from fuser_core.catalog import PACKAGED_DIR
-from fuser_core.codegen.plan import default_config
-from fuser_core.derive import derive_cascade
-from fuser_core.problem import make_problem
-from fuser_core.runner import choose_strategy
-from service.bundle import BundleError, load_bundle
-from service.bundle_maker import make_bundle
-from service.client.autograd import trainable_op
+from service.bundle import BundleError
 from service.client.torch_ops import foldwise_op
+from tests.support.local_kernels import LocalCache, local_kernel
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-def _kernel(spec, shape, dtype="float32"):
-    derivation = derive_cascade(spec)
-    strategy = choose_strategy(spec, derivation, shape)
-    config = default_config(spec, derivation, strategy, shape).to_dict()
-    bundle = make_bundle(make_problem(spec, shape, dtype), target="h100", strategy=strategy, config=config,
-                         measured=MEASURED)
-    return load_bundle(bundle, spec=load_spec(spec_json(spec), printed=True))
-
-
 def _trainable(name, shape):
-    spec = load_spec((PACKAGED_DIR / f"{name}.json").read_text())
-    cascade = derive_backward(spec)
-    fused = gradient_in_forward(spec, cascade)
-    forward = _kernel(fused or cascade.forward, shape)
-    backward = {} if fused else {b.name: _kernel(b, {d: n for d, n in shape.items() if d in b.dims})
-                                 for b in cascade.specs}
-    return trainable_op(cascade, forward, backward, spec.outputs)
+    return LocalCache().trainable_op(name, shape)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +87,7 @@ def test_compile_fullgraph_traces_forward_and_backward(rms):
 
 def test_a_kernel_without_a_backward_says_so():
     spec = load_spec((PACKAGED_DIR / "rmsnorm.json").read_text())
-    op = foldwise_op(_kernel(spec, {"t": 2, "c": 19}))
+    op = foldwise_op(local_kernel(spec, {"t": 2, "c": 19}))
     x = torch.randn(2, 19, requires_grad=True)
     y = op(x=x, w=torch.randn(19))["y"]
     with pytest.raises(BundleError, match="has no backward registered"):
@@ -125,7 +104,7 @@ def test_fetch_trainable_asks_for_the_saving_forward_and_each_backward_spec():
 
     def get(requests):
         calls.extend((raw["name"], shape, dtype) for raw, shape, dtype in requests)
-        return [_kernel(load_spec(raw, printed=True), shape, dtype) for raw, shape, dtype in requests]
+        return [local_kernel(load_spec(raw, printed=True), shape, dtype) for raw, shape, dtype in requests]
 
     spec = load_spec((PACKAGED_DIR / "rmsnorm.json").read_text())
     op = fetch_trainable(get, spec, {"t": 3, "c": 37}, "float32")

@@ -42,13 +42,12 @@ from service.bundle import (
     verify_bundle,
 )
 from service.bundle_maker import make_bundle
+from tests.support.local_kernels import MEASURED
 
 # masked-off lanes of a tile compute on fill values (0 / 0, inf - inf); they are never stored
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 CATALOG = load_catalog()
-MEASURED = {"time_ms": 0.0123, "measurer": "model", "predicted": True, "device": None,
-            "triton_version": "x", "torch_version": "y", "date": "2025-01-01T00:00:00+00:00"}
 
 
 @functools.cache
