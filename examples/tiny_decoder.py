@@ -123,12 +123,12 @@ class FoldwiseOps:
                 self.cache.tune(name, shape, "float32", self.target, trials=trials)
                 self.ops[name] = self.cache.torch_op(name, shape, "float32", self.target)
 
-    def prepare_training(self, cfg: Config, batch: int, seq: int) -> None:
+    def prepare_training(self, cfg: Config, batch: int, seq: int, trials: int | None = None) -> None:
         """Trainable operators (``KernelCache.trainable_op``: each forward saves its statistics, and the
         backward specs derived from it run as kernels too) for a batch of whole sequences of ``seq``
         tokens: the norms, attention (causal, no padding: kv_start 0) and the per-token loss, whose
         forward also writes its gradient (a mean of the losses scales it, in torch). Kernels the server
-        lacks are tuned with its default budget."""
+        lacks are tuned (``trials`` each; the server's default when None)."""
         t = batch * seq
         shapes = {
             "rmsnorm_residual": {"t": t, "c": cfg.hidden},
@@ -137,7 +137,8 @@ class FoldwiseOps:
             "cross_entropy": {"t": t, "v": cfg.vocab},
         }
         for name, shape in shapes.items():
-            self.ops[name] = self.cache.trainable_op(name, shape, "float32", self.target, tune_if_missing=True)
+            self.ops[name] = self.cache.trainable_op(name, shape, "float32", self.target, tune_if_missing=True,
+                                                     tune_budget={"trials": trials} if trials else None)
 
     def token_losses(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.ops["cross_entropy"](logits=logits, target=target)["loss"]
@@ -425,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"CUDA graph capture of a decode step's Foldwise ops: {results['graph_capture']}")
         if args.train:
             fw = FoldwiseOps(cache, args.target)
-            fw.prepare_training(Config(), batch=2, seq=12)
+            fw.prepare_training(Config(), batch=2, seq=12, trials=args.trials)
             results["training"] = compare_training(fw, device="cuda" if gpu else "cpu")
             print(training_table(results["training"]))
     ok = all(r["tokens_equal"] is not False and r["logits_err"] <= 1e-5 for r in rows)

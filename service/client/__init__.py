@@ -220,7 +220,7 @@ class KernelCache:
     # ------------------------------------------------------------------------- public
     def get(self, spec: Any, shape: Mapping[str, int] | str, dtype: str | Mapping[str, str] = "float32",
             target: str = "h100", *, allow_nearest: bool = False, tune_if_missing: bool = False,
-            batch_invariant: bool = False) -> BundleKernel:
+            tune_budget: Mapping[str, Any] | None = None, batch_invariant: bool = False) -> BundleKernel:
         """The best kernel for (spec, shape, dtype, target), as a callable over torch tensors.
 
         ``batch_invariant``: only a range that one kernel serves whole (a job with
@@ -231,7 +231,8 @@ class KernelCache:
         A request answered before is answered from memory: no HTTP, no disk (see the module
         docstring for when the server is asked again). ``tune_if_missing``: when the server has
         no kernel for it, tune one as :meth:`tune` does (joining a queued or running job) and
-        wait for it.
+        wait for it; ``tune_budget`` is that job's budget (``{"trials": 8, "seconds": 60}``; the
+        server's defaults where absent).
 
         Raises SpecError (a ValueError) for a bad spec/shape/dtype, KernelNotFound (naming the
         queued or running job for the request, if any), KernelAuthError, KernelServiceError,
@@ -254,7 +255,7 @@ class KernelCache:
         except KernelNotFound as err:
             if not tune_if_missing or err.offline:  # offline: no server to tune on
                 raise
-            self._run_job(req, budget={}, measurer=None, timeout=None, progress=True, poll=1.0)
+            self._run_job(req, budget=dict(tune_budget or {}), measurer=None, timeout=None, progress=True, poll=1.0)
             found = self._fetch(req, allow_nearest)
         self._remember(key, req, allow_nearest, found)
         return found.kernel
@@ -279,7 +280,7 @@ class KernelCache:
                      target: str = "h100", **get_options: Any) -> TrainableOp:
         """:meth:`torch_op` with the spec's derived backward (issue 39; :mod:`service.client.autograd`):
         ``loss.backward()`` runs Foldwise kernels. Fetches (with :meth:`prefetch`, in parallel, and
-        ``get_options``: ``allow_nearest``, ``tune_if_missing``) the forward that saves its statistics
+        ``get_options``: ``allow_nearest``, ``tune_if_missing``, ``tune_budget``) the forward that saves its statistics
         and each backward spec's kernel."""
         from service.client.autograd import fetch_trainable
         from service.client.request import parse_shape
@@ -327,7 +328,7 @@ class KernelCache:
         return found.kernel
 
     def prefetch(self, requests: Iterable[tuple], *, allow_nearest: bool = False,
-                 tune_if_missing: bool = False) -> Prefetch:
+                 tune_if_missing: bool = False, tune_budget: Mapping[str, Any] | None = None) -> Prefetch:
         """Warm the memo for ``requests`` (each ``(spec, shape)``, ``(spec, shape, dtype)`` or
         ``(spec, shape, dtype, target)``) in background threads; returns at once with a
         :class:`Prefetch` whose ``wait()`` gives the kernels (or raises the first error)."""
@@ -336,8 +337,8 @@ class KernelCache:
             if not isinstance(item, tuple | list) or not 2 <= len(item) <= 4:
                 raise ValueError(f"requests[{i}]: expected (spec, shape[, dtype[, target]]), got {str(item)[:80]}")
         pool = self._background()
-        return Prefetch([pool.submit(self.get, *item, allow_nearest=allow_nearest, tune_if_missing=tune_if_missing)
-                         for item in items])
+        return Prefetch([pool.submit(self.get, *item, allow_nearest=allow_nearest, tune_if_missing=tune_if_missing,
+                                     tune_budget=tune_budget) for item in items])
 
     # ------------------------------------------------------------------------- the memo
     def _request(self, spec: Any, shape: Any, dtype: Any, target: Any, batch_invariant: bool = False) -> KernelRequest:
