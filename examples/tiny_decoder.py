@@ -93,8 +93,6 @@ class TorchOps:
     def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, target, ignore_index=-100)
 
-    def token_losses(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits, target, reduction="none")
 
 
 class FoldwiseOps:
@@ -126,22 +124,19 @@ class FoldwiseOps:
     def prepare_training(self, cfg: Config, batch: int, seq: int, trials: int | None = None) -> None:
         """Trainable operators (``KernelCache.trainable_op``: each forward saves its statistics, and the
         backward specs derived from it run as kernels too) for a batch of whole sequences of ``seq``
-        tokens: the norms, attention (causal, no padding: kv_start 0) and the per-token loss, whose
-        forward also writes its gradient (a mean of the losses scales it, in torch). Kernels the server
+        tokens: the norms, attention (causal, no padding: kv_start 0) and the loss with an ignore index,
+        whose forward also writes its gradient (scaled after it by the mean's factor). Kernels the server
         lacks are tuned (``trials`` each; the server's default when None)."""
         t = batch * seq
         shapes = {
             "rmsnorm_residual": {"t": t, "c": cfg.hidden},
             "attention_padded": {"b": batch, "g": cfg.kv_heads, "r": cfg.heads // cfg.kv_heads, "m": seq, "n": seq,
                                  "d": cfg.head_dim, "e": cfg.head_dim},
-            "cross_entropy": {"t": t, "v": cfg.vocab},
+            "cross_entropy_ignore": {"t": t, "v": cfg.vocab},
         }
         for name, shape in shapes.items():
             self.ops[name] = self.cache.trainable_op(name, shape, "float32", self.target, tune_if_missing=True,
                                                      tune_budget={"trials": trials} if trials else None)
-
-    def token_losses(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.ops["cross_entropy"](logits=logits, target=target)["loss"]
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
@@ -232,21 +227,27 @@ def generate(ops, w, cfg: Config, tokens: torch.Tensor, kv_start: torch.Tensor, 
     return out
 
 
-def training_batch(cfg: Config, batch: int, seq: int, seed: int = 2) -> torch.Tensor:
-    """Token ids [batch, seq + 1] of whole sequences (no padding): inputs are [:, :-1], targets [:, 1:]."""
-    return torch.randint(0, cfg.vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
+def training_batch(cfg: Config, batch: int, seq: int, prompt: int = 4, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [batch, seq], targets [batch, seq]) of whole sequences (no padding): each target is the
+    next token, ignored (-100) over the first ``prompt`` positions (a fine-tuning batch trains on the
+    answers only)."""
+    ids = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
+    target = ids[:, 1:].clone()
+    target[:, :prompt] = -100
+    return ids[:, :-1], target
 
 
-def train_step(ops, w: dict[str, torch.Tensor], cfg: Config, tokens: torch.Tensor, lr: float) -> dict:  # noqa: ANN001
-    """One SGD step of next-token training on ``tokens`` [b, s + 1] (model weights ``w``, copied):
-    {"loss": the mean loss before the step, "grads": every weight's gradient, "loss_after": after it}."""
-    b, s = tokens.shape[0], tokens.shape[1] - 1
+def train_step(ops, w: dict[str, torch.Tensor], cfg: Config, tokens: torch.Tensor, target: torch.Tensor,  # noqa: ANN001
+               lr: float) -> dict:
+    """One SGD step of next-token training on ``tokens`` and ``target`` [b, s] (model weights ``w``,
+    copied): {"loss": the mean loss before the step, "grads": every weight's gradient, "loss_after": after it}."""
+    b, s = tokens.shape
     params = {k: v.detach().clone().requires_grad_() for k, v in w.items()}
     kv_start = torch.zeros(b, dtype=torch.long, device=tokens.device)  # no padding: causal attention
 
     def loss_of(p: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = forward(ops, p, cfg, tokens[:, :-1], 0, None, None, kv_start)
-        return ops.token_losses(logits.reshape(b * s, -1), tokens[:, 1:].reshape(-1)).mean()
+        logits = forward(ops, p, cfg, tokens, 0, None, None, kv_start)
+        return ops.cross_entropy(logits.reshape(b * s, -1), target.reshape(-1))
 
     loss = loss_of(params)
     loss.backward()  # through the ops' backward (Foldwise's: the derived backward kernels)
@@ -263,8 +264,8 @@ def compare_training(ops, cfg: Config = Config(), batch: int = 2, seq: int = 12,
     ``seq``) against plain torch: the loss before and after the step, and every weight's gradient
     (normwise error)."""
     w = init_weights(cfg, device=device)
-    tokens = training_batch(cfg, batch, seq).to(device)
-    want, got = train_step(TorchOps(), w, cfg, tokens, lr), train_step(ops, w, cfg, tokens, lr)
+    tokens, target = (t.to(device) for t in training_batch(cfg, batch, seq))
+    want, got = train_step(TorchOps(), w, cfg, tokens, target, lr), train_step(ops, w, cfg, tokens, target, lr)
     rows = [{"quantity": "loss", "error": abs(float(got["loss"] - want["loss"])), "value": float(want["loss"])},
             {"quantity": "loss after one SGD step", "error": abs(float(got["loss_after"] - want["loss_after"])),
              "value": float(want["loss_after"])}]

@@ -40,7 +40,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("fuser_core.derive", n) for n in ("Derivation", "ReductionForm", "derive_cascade")},
     **{n: ("fuser_core.backward.derive", n) for n in ("BackwardCascade", "Gradient", "derive_backward", "spec_json")},
     **{n: ("fuser_core.backward.certify", n) for n in ("certify_backward", "backward_gradients")},
-    **{n: ("fuser_core.backward.in_forward", n) for n in ("gradient_in_forward",)},
+    **{n: ("fuser_core.backward.in_forward", n) for n in ("gradient_in_forward", "gradient_factor", "factor_value",
+                                                          "GradientFactor")},
     **{n: ("fuser_core.backward.report", n) for n in ("backward_report", "format_backward")},
     **{n: ("fuser_core.report", n) for n in (
         "derivation_report", "report_entry", "remember_report", "SpecKey", "spec_key",

@@ -6,7 +6,7 @@ from typing import Any
 
 from fuser_core.backward.certify import certify_backward
 from fuser_core.backward.derive import derive_backward, spec_json
-from fuser_core.backward.in_forward import gradient_in_forward
+from fuser_core.backward.in_forward import gradient_factor, gradient_in_forward
 from fuser_core.spec_model import Spec
 
 
@@ -16,6 +16,7 @@ def backward_report(spec: Spec, *, derive_specs: bool = True) -> dict[str, Any]:
     :func:`derive_backward` does."""
     cascade = derive_backward(spec)
     with_grad = gradient_in_forward(spec, cascade)
+    factor = gradient_factor(cascade) if with_grad is not None else None
     specs = [spec_json(s) for s in cascade.specs]
     if derive_specs:
         from fuser_core.report import derivation_report
@@ -36,6 +37,7 @@ def backward_report(spec: Spec, *, derive_specs: bool = True) -> dict[str, Any]:
         "vanished": cascade.vanished,
         "specs": specs,
         "gradient_in_forward": spec_json(with_grad) if with_grad is not None else None,
+        "gradient_factor": spec_json(factor.spec) if factor is not None else None,
         "certificate": certify_backward(spec, cascade),
     }
 
@@ -66,6 +68,10 @@ def format_backward(r: dict[str, Any]) -> str:
     if r["gradient_in_forward"]:
         g = r["gradient_in_forward"]
         lines.append(f"gradient in the forward: {g['name']} writes {', '.join(g['outputs'])}")
+        f = r["gradient_factor"]
+        factor = next(step["expr"] for step in f["steps"] if step["name"] == "factor")
+        lines.append(f"  the backward: {factor} times it" + "".join(
+            f"; {step['name']} = {step['expr']}" for step in f["steps"] if step["name"] != "factor"))
     c = r["certificate"]
     worst = ", ".join(f"{k} {v:.1e}" for k, v in c["worst"].items())
     lines.append(f"certificate vs torch float64 autograd: {'holds' if c['holds'] else 'FAILED'} "

@@ -45,13 +45,15 @@ class BackwardKernel:
 
 @dataclass(frozen=True)
 class InForward:
-    """A gradient the forward wrote for an upstream gradient of 1: ``input``'s gradient is the
-    upstream gradient of ``output`` (permuted by ``order``, then viewed over the input's dims with
-    size 1 where ``keep`` is False) times the forward's output part ``part``."""
+    """A gradient the forward wrote for a factor of 1 (:func:`fuser_core.gradient_factor`):
+    ``input``'s gradient is the factor (``factor``, evaluated on ``reads``: each factor input's kind
+    and forward name; permuted by ``order``, then viewed over the input's dims with size 1 where
+    ``keep`` is False) times the forward's output part ``part``."""
 
     input: str
     part: str
-    output: str
+    factor: Any  # fuser_core.GradientFactor
+    reads: tuple[tuple[str, str, str], ...]  # (factor input, kind, forward name)
     order: tuple[int, ...]
     keep: tuple[bool, ...]
 
@@ -80,16 +82,19 @@ def backward_plan(cascade: Any, forward: Kernel, backward: Mapping[str, Kernel])
             writes.append((kernel.output_parts.index(g.output), g.input, tuple(part_dims.index(d) for d in own)))
         kernels.append(BackwardKernel(register_kernel(kernel), tuple(reads_from[n] for n in kernel.input_names),
                                       tuple(kernel.scalar_names), tuple(writes), tuple(kernel.output_parts)))
+    from fuser_core import gradient_factor
+
     in_forward = []
+    factor = gradient_factor(cascade)
     for g in cascade.gradients:
         part = g.input + "_grad"
-        if part not in forward.output_parts:
+        if factor is None or part not in forward.output_parts:
             continue
-        (out,) = (o for o in cascade.upstream if o in forward.output_parts)
-        own, out_dims = forward.input_dims[g.input], forward.output_dims[out]
-        along = [d for d in own if d in out_dims]
-        in_forward.append(InForward(g.input, part, out, tuple(out_dims.index(d) for d in along),
-                                    tuple(d in out_dims for d in own)))
+        own = forward.input_dims[g.input]
+        along = [d for d in own if d in factor.dims]
+        reads = tuple((i.name, *reads_from[i.name]) for i in factor.spec.inputs)
+        in_forward.append(InForward(g.input, part, factor, reads, tuple(factor.dims.index(d) for d in along),
+                                    tuple(d in factor.dims for d in own)))
     return BackwardPlan(tuple(forward.input_names), tuple(forward.output_parts), tuple(kernels), tuple(in_forward))
 
 

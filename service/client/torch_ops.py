@@ -239,9 +239,12 @@ def _backward(ctx: Any, grads: list[Optional[torch.Tensor]]) -> tuple:
         for index, name, order in k.writes:
             found[name] = parts[index].permute(order)
     for f in plan.in_forward:
+        from fuser_core import factor_value  # here: the derivation's modules load only for a backward that has one
+
         x = ins[f.input]
-        upstream = ups[f.output].permute(f.order).reshape([n if keep else 1 for n, keep in zip(x.shape, f.keep)])
-        found[f.input] = upstream.float() * outs[f.part].float()
+        factor = factor_value(f.factor, {name: sources[kind][source] for name, kind, source in f.reads})
+        factor = factor.permute(f.order).reshape([n if keep else 1 for n, keep in zip(x.shape, f.keep)])
+        found[f.input] = factor.float() * outs[f.part].float()
     grads_in = [None if n not in found else found[n].to(ins[n].dtype) for n in plan.inputs]
     return (None, grads_in, None, None)[:ctx.arguments]
 

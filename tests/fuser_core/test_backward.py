@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from fuser_core import SpecError, catalog_entries, derivation_report, load_spec, run, self_check
+from fuser_core import NotValid, SpecError, catalog_entries, derivation_report, load_spec, run, self_check
 from fuser_core.accuracy.families import apply_family
 from fuser_core.backward.certify import autograd_gradients, backward_gradients, certify_backward, gradient_error
 from fuser_core.backward.derive import derive_backward, spec_json
-from fuser_core.backward.in_forward import gradient_in_forward
+from fuser_core.backward.in_forward import factor_value, gradient_factor, gradient_in_forward
 from fuser_core.backward.kernels import kernel_gradients
 from fuser_core.codegen.strategies.registry import STRATEGIES
 
@@ -242,6 +242,40 @@ def test_cross_entropy_gradient_in_the_forward():
         assert gradient_error(got, t.grad.numpy()) < 1e-6, strategy
 
 
+def test_cross_entropy_with_ignore_index_writes_its_gradient_for_a_factor():
+    """Two outputs (per-token losses, their mean over the counted tokens): the gradient reads the
+    upstream gradients through one name, d_loss + d_mean / max(counted, 1) (the factor, a spec of
+    its own over t), so the forward writes the rest and the count; factor times it is torch's
+    backward with ignore_index, on every strategy that runs the forward."""
+    spec = _spec("cross_entropy_ignore")
+    cascade = derive_backward(spec)
+    factor = gradient_factor(cascade)
+    assert factor is not None and factor.dims == ("t",) and factor.saved == ("counted",)
+    assert {i.name for i in factor.spec.inputs} == {"d_loss", "d_mean", "counted"}
+    fused = gradient_in_forward(spec, cascade)
+    assert fused is not None and fused.outputs == ("loss", "mean", "counted", "logits_grad")
+    rng = np.random.default_rng(8)
+    logits = (rng.standard_normal((7, 90)) * 3 + 100).astype(np.float32).astype(np.float64)
+    target = rng.integers(0, 90, 7)
+    target[[1, 4]] = -100
+    d_loss, d_mean = rng.standard_normal(7), rng.standard_normal(())
+    t = torch.tensor(logits, requires_grad=True)
+    loss = torch.nn.functional.cross_entropy(t, torch.tensor(target), reduction="none")
+    ((loss * torch.tensor(d_loss)).sum() + loss.sum() / 5 * float(d_mean)).backward()
+    ran = []
+    for strategy in STRATEGIES:
+        try:
+            out = run(fused, {"t": 7, "v": 90}, "float32", {"logits": logits, "target": target}, strategy=strategy).outputs
+        except NotValid:
+            continue
+        ran.append(strategy)
+        values = {"d_loss": torch.tensor(d_loss), "d_mean": torch.tensor(d_mean), "counted": out["counted"]}
+        r = factor_value(factor, values).numpy()
+        got = r[:, None] * out["logits_grad"].double().numpy()
+        assert gradient_error(got, t.grad.numpy()) < 1e-6, strategy
+    assert len(ran) >= 2, ran
+
+
 def test_no_gradient_in_the_forward_where_the_backward_reduces():
     spec = _spec("rmsnorm")
     assert gradient_in_forward(spec, derive_backward(spec)) is None
@@ -258,7 +292,8 @@ def _backward_kernels(name):
             *([fused] if fused is not None else [])]
 
 
-@pytest.mark.parametrize("name", ["safe_softmax", "rmsnorm", "layernorm", "cross_entropy", "attention"])
+@pytest.mark.parametrize("name", ["safe_softmax", "rmsnorm", "layernorm", "cross_entropy", "cross_entropy_ignore",
+                                  "attention"])
 def test_backward_kernels_compile_for_sm90(name, compile_pool):
     """The interpreter accepts what the compiler rejects: the saving forward, every backward spec
     with a reduction and the forward writing its gradient compile for sm_90 (float16) in every
@@ -270,6 +305,8 @@ def test_backward_kernels_compile_for_sm90(name, compile_pool):
     sizes = {"m": 100, "n": 1000, "t": 64, "c": 4096, "v": 32000, "b": 1, "h": 2, "d": 64, "e": 64}
     if name == "attention":
         sizes |= {"m": 256, "n": 256}
+    if name == "cross_entropy_ignore":  # its mean over the tokens: no fused strategy streams a wider row yet
+        sizes |= {"v": 1024}
     requests = [CompileRequest(s, {d: n for d, n in sizes.items() if d in s.dims}, bind_dtypes(s, "float16"), strategy,
                                None, Target.parse("sm_90"))
                 for s in _backward_kernels(name) for strategy in STRATEGIES]

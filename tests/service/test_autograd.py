@@ -121,10 +121,41 @@ def test_fetch_trainable_asks_for_the_saving_forward_and_each_backward_spec():
 
 
 def test_a_backward_with_no_kernel_is_refused_by_name():
-    """cross_entropy_ignore's backward is elementwise (no strategy runs it) and its forward has two
-    outputs (no gradient written in the forward): refused before anything is fetched."""
+    """A backward with no reduction whose gradient reads the upstream gradients through two names
+    (lse's and sq's Jacobians differ per element: no factor, so the forward cannot write it):
+    refused before anything is fetched."""
     from service.client.autograd import fetch_trainable
 
-    spec = load_spec((PACKAGED_DIR / "cross_entropy_ignore.json").read_text())
-    with pytest.raises(BundleError, match="cross_entropy_ignore_backward is elementwise"):
+    spec = load_spec({"foldwise": 1, "name": "two_heads", "inputs": {"x": {"dims": ["t", "v"]}},
+                      "steps": [{"name": "mx", "reduce": "max", "over": "v", "expr": "x"},
+                                {"name": "den", "reduce": "sum", "over": "v", "expr": "exp(x - mx)"},
+                                {"name": "lse", "expr": "mx + log(den)"}, {"name": "sq", "expr": "x * x"}],
+                      "outputs": ["lse", "sq"]})
+    with pytest.raises(BundleError, match="two_heads_backward is elementwise"):
         fetch_trainable(lambda requests: pytest.fail("fetched"), spec, {"t": 4, "v": 30}, "float32")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cross_entropy_with_ignore_index_both_outputs(compiled):
+    """cross_entropy_ignore: per-token losses and their mean over the counted tokens. The forward
+    writes the gradient for a factor of 1 and the saved count; the factor d_loss + d_mean /
+    max(counted, 1) is evaluated after it. Against torch's cross_entropy with ignore_index, through
+    both outputs at once, logits near 100, a third of the labels ignored; and under torch.compile."""
+    op = _trainable("cross_entropy_ignore", {"t": 6, "v": 70})
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 70, generator=g) * 2 + 100).requires_grad_()
+    target = torch.randint(0, 70, (6,), generator=g)
+    target[::3] = -100
+    d_loss, d_mean = torch.randn(6, generator=g), torch.randn((), generator=g)
+
+    def total(x):
+        out = op(logits=x, target=target)
+        return (out["loss"] * d_loss).sum() + out["mean"] * d_mean
+
+    fn = torch.compile(total, fullgraph=True, backend="aot_eager") if compiled else total
+    fn(logits).backward()
+    ref = logits.detach().clone().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(ref, target, ignore_index=-100, reduction="none")
+    ((loss * d_loss).sum() + torch.nn.functional.cross_entropy(ref, target, ignore_index=-100) * d_mean).backward()
+    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-4, atol=1e-6)
+    assert (logits.grad[::3] == 0).all()  # ignored tokens: no gradient
