@@ -36,6 +36,26 @@ def catalog_specs() -> dict[str, dict]:
     return load_catalog()
 
 
+LOGGERS = ("foldwise", "uvicorn", "uvicorn.error", "uvicorn.access")  # what service.logs.configure_logging sets
+
+
+@pytest.fixture(autouse=True)
+def restored_logging():
+    """The loggers' handlers, levels, propagation as they were before the test: a test that runs the
+    CLI configures JSON logs to stderr and stops propagation, which would follow the next test in the
+    process (its caplog would see nothing; a stderr it captures would get the JSON lines)."""
+    import logging
+
+    before = {name: (list(lg.handlers), lg.level, lg.propagate, lg.disabled)
+              for name, lg in ((n, logging.getLogger(n)) for n in LOGGERS)}
+    yield
+    for name, (handlers, level, propagate, disabled) in before.items():
+        lg = logging.getLogger(name)
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = propagate, disabled
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kernel_cache_dir(tmp_path_factory: pytest.TempPathFactory):
     """FOLDWISE_CACHE_DIR for the whole session: a fresh temporary directory (subprocesses inherit it)."""

@@ -35,17 +35,12 @@ def test_a_late_beat_is_logged_with_where_the_search_was(db_url, sessions, caplo
                                   versions={})
         assert job_queue.claim_job(s, "w-busy", target="h100", measurer="model", lease_seconds=1.0).id == job.id
     keeper = LeaseKeeper(sessions, job.id, "w-busy", lease_s=1.0, every=0.05)
-    logger = logging.getLogger("foldwise.worker")
-    logger.addHandler(caplog.handler)  # on the logger itself: a CLI test before may have stopped its propagation
-    try:
-        with caplog.at_level(logging.WARNING, logger="foldwise.worker"):
-            keeper.start()
-            time.sleep(0.3)
-            hold_the_gil(1.2)  # past half the lease even if the host's speed halves meanwhile
-            time.sleep(0.3)
-            keeper.stop()
-    finally:
-        logger.removeHandler(caplog.handler)
+    with caplog.at_level(logging.WARNING, logger="foldwise.worker"):
+        keeper.start()
+        time.sleep(0.3)
+        hold_the_gil(1.2)  # past half the lease even if the host's speed halves meanwhile
+        time.sleep(0.3)
+        keeper.stop()
     late = [r for r in caplog.records if r.msg == "lease renewal late"]
     assert late and all(r.job_id == job.id and r.lease_s == 1.0 and r.since_last_s > 0.5 for r in late)
     # the search's line: in the call that held the GIL, or just after it
