@@ -65,12 +65,12 @@ def gradient_factor(cascade: BackwardCascade) -> GradientFactor | None:
     for step in b.steps:
         if set(refs(step.expr)) & reads_upstream:
             reads_upstream.add(step.name)
-    outputs = {g.output for g in cascade.gradients}
+    outputs = [g.output for g in cascade.gradients]
     through = [[n for n in refs(b.step(g).expr) if n in reads_upstream] for g in outputs]
     if all(len(names) == 1 for names in through) and len({names[0] for names in through}) == 1:
         name = through[0][0]  # every gradient reads the upstream gradients through this one name
         closure = _closure(b, name)
-        if reads_upstream - outputs - closure:  # another path from the upstream gradients to a gradient
+        if reads_upstream - set(outputs) - closure:  # another path from the upstream gradients to a gradient
             return None
     elif len(upstream) == 1:  # one output: its upstream gradient itself (the linearity check decides)
         (name,), closure = upstream, set(upstream)
@@ -78,7 +78,7 @@ def gradient_factor(cascade: BackwardCascade) -> GradientFactor | None:
         return None
     forward = cascade.forward
     floats = {i.name for i in forward.inputs if i.is_float}
-    inputs = [n for n in closure if n not in {s.name for s in b.steps} and n in {i.name for i in b.inputs}]
+    inputs = [i.name for i in b.inputs if i.name in closure]  # in the spec's order: the same JSON every run
     if set(inputs) & floats:
         return None
     params = {n for n in closure if n in {p.name for p in b.params}}
