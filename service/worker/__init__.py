@@ -72,11 +72,10 @@ POLL_BACKOFF_S = (1.0, 10.0)  # the claim loop's wait after a database error: fi
 HOST_FAULT_PAUSE_S = (5.0, 60.0)
 
 
-# what a job imports (a search, its checks, its bundle): loaded by Worker.warm_up before any lease is held
-_JOB_MODULES = ("fuser_core.derive", "fuser_core.accuracy", "fuser_core.runner", "fuser_core.edge_rows",
-                "fuser_core.codegen.module", "fuser_core.catalog", "tuner.search.tuner", "tuner.measure",
-                "tuner.compile_gate", "tuner.cost_model", "tuner.static_bound", "tuner.experts",
-                "service.bundle_maker", "service.binaries")
+# what a job imports (a search, its checks, its bundle), by public names (each loads its module):
+# loaded by Worker.warm_up before any lease is held
+_JOB_NAMES = {"fuser_core": ("derive_cascade", "FAMILIES", "run", "GENERATOR_VERSION", "catalog_entries"),
+              "tuner": ("Tuner", "ModelMeasurer", "CompileGate", "predict", "problem_bounds", "BASELINES")}
 
 
 @dataclass(frozen=True)
@@ -156,8 +155,12 @@ class Worker:
 
         import sympy as sp
 
-        for module in _JOB_MODULES:
-            importlib.import_module(module)
+        import service.binaries  # noqa: F401
+        import service.bundle_maker  # noqa: F401
+
+        for package, names in _JOB_NAMES.items():
+            for name in names:
+                getattr(importlib.import_module(package), name)
         sp.lambdify([sp.Symbol("x")], sp.Symbol("x") + 1, modules="numpy")  # its printers load on first use
 
     def claim(self) -> Job | None:
