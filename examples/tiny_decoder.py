@@ -105,16 +105,19 @@ class FoldwiseOps:
     def __init__(self, cache, target: str = "h100"):  # noqa: ANN001 (service.client.KernelCache)
         self.cache, self.target, self.ops = cache, target, {}
 
-    def prepare(self, cfg: Config, batch: int, trials: int | None = None) -> None:
-        t = batch * cfg.max_len
-        r = cfg.heads // cfg.kv_heads
-        shapes = {
+    @staticmethod
+    def shapes(cfg: Config, batch: int, seq: int) -> dict[str, dict[str, int]]:
+        """Each op's spec and shape for ``batch`` sequences of ``seq`` positions."""
+        t = batch * seq
+        return {
             "rmsnorm_residual": {"t": t, "c": cfg.hidden},
-            "attention_padded": {"b": batch, "g": cfg.kv_heads, "r": r, "m": cfg.max_len, "n": cfg.max_len,
+            "attention_padded": {"b": batch, "g": cfg.kv_heads, "r": cfg.heads // cfg.kv_heads, "m": seq, "n": seq,
                                  "d": cfg.head_dim, "e": cfg.head_dim},
             "cross_entropy_ignore": {"t": t, "v": cfg.vocab},
         }
-        for name, shape in shapes.items():
+
+    def prepare(self, cfg: Config, batch: int, trials: int | None = None) -> None:
+        for name, shape in self.shapes(cfg, batch, cfg.max_len).items():
             try:
                 self.ops[name] = self.cache.torch_op(name, shape, "float32", self.target)
             except LookupError:  # service.client.KernelNotFound: tune it now
@@ -127,14 +130,7 @@ class FoldwiseOps:
         tokens: the norms, attention (causal, no padding: kv_start 0) and the loss with an ignore index,
         whose forward also writes its gradient (scaled after it by the mean's factor). Kernels the server
         lacks are tuned (``trials`` each; the server's default when None)."""
-        t = batch * seq
-        shapes = {
-            "rmsnorm_residual": {"t": t, "c": cfg.hidden},
-            "attention_padded": {"b": batch, "g": cfg.kv_heads, "r": cfg.heads // cfg.kv_heads, "m": seq, "n": seq,
-                                 "d": cfg.head_dim, "e": cfg.head_dim},
-            "cross_entropy_ignore": {"t": t, "v": cfg.vocab},
-        }
-        for name, shape in shapes.items():
+        for name, shape in self.shapes(cfg, batch, seq).items():
             self.ops[name] = self.cache.trainable_op(name, shape, "float32", self.target, tune_if_missing=True,
                                                      tune_budget={"trials": trials} if trials else None)
 
