@@ -188,7 +188,8 @@ def contraction_dims(spec: Spec, derivation: Derivation) -> tuple[set[str], set[
     """(free dims, batch dims) of every contraction: sums of products whose factors carry
     other dims (inner reductions such as q.k, and reductions the derivation marks as
     contractions such as p.v and the fp8 GEMM). Free dims are carried by some factors but not
-    all (they become tl.dot's rows and columns); batch dims by every factor."""
+    all (they become tl.dot's rows and columns); batch dims by every factor but masks of indices
+    alone (a backward's causal mask), which multiply one operand and carry no batch."""
     import sympy as sp
 
     conv = derivation.symbols
@@ -203,6 +204,8 @@ def contraction_dims(spec: Spec, derivation: Derivation) -> tuple[set[str], set[
             continue
         carried = []
         for f in sp.Mul.make_args(conv.integrand(step)):
+            if all(is_dim_symbol(s, "index", "size") for s in f.free_symbols):
+                continue  # a mask of indices (causal's where(index(n) <= index(m), 1, 0)): no operand's dims
             dims: set[str] = set()
             for s in f.free_symbols:
                 dims |= set(conv.leaf_dims.get(s, ()))

@@ -4,7 +4,7 @@ server tunes the saving forward and every backward spec of ``safe_softmax``, ``r
 ``tune_if_missing``, two trials each), and ``torch.autograd.grad`` through the fetched kernels
 (Triton's interpreter) gives every differentiable input a gradient within 2x plain torch float32's
 own error against float64 autograd of the spec's formula (the worst of 4 random samples; errors
-below 4 float32 ulps count as 4); attention within 4x (ALLOWED says why)."""
+below 4 float32 ulps count as 4)."""
 
 from __future__ import annotations
 
@@ -28,12 +28,10 @@ SHAPES = {"safe_softmax": {"m": 3, "n": 70}, "rmsnorm": {"t": 3, "c": 70}, "laye
           "cross_entropy": {"t": 3, "v": 70}, "attention_causal": {"b": 1, "h": 2, "m": 9, "n": 9, "d": 16, "e": 16}}
 EPS = 1e-5
 SEEDS = 4
-# Attention's backward recomputes the scores (FlashAttention's design: P is never stored), so where the
-# forward and backward kernels round a score s differently, P = exp(s - mx) / den carries that
-# difference (|s| times float32's unit roundoff) into every gradient; torch's float32 backward reads the
-# stored P. Measured through the served kernels: 2.0x (d_q, d_k) to 3.4x (d_v) torch's error, with the
-# formula's own float32 error spanning 3.4e-7 to 1.3e-6 on one sample. Issue 39's 2x is not met here.
-ALLOWED = {"attention_causal": 4}
+# Attention's backward recomputes the scores (FlashAttention's design: P is never stored) and normalises
+# them by the forward's statistics, so it is as accurate as torch's P only where every kernel rounds s as
+# the forward did: each computes it as a tl.dot (tests/fuser_core/test_backward.py says why and how).
+# Before that, a backward kernel tuned to a 3-d tile summed s elementwise: 2.0x to 3.4x torch's error.
 
 
 def torch_outputs(name: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -87,7 +85,7 @@ def test_gradients_through_served_kernels_are_as_accurate_as_torch(tmp_path: Pat
                     rows.append((name, n, error, torch_error, max(error, FLOOR) / max(torch_error, FLOOR)))
         table = "\n".join(f"{s} d_{n}: {e:.2e} (torch float32: {t:.2e}; {r:.2f}x)" for s, n, e, t, r in rows)
         print("\n" + table)
-        assert all(r <= ALLOWED.get(s, 2) for s, _, _, _, r in rows), table
+        assert all(r <= 2 for *_, r in rows), table
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -102,7 +102,7 @@ class Strategy:
         blocks = dict(t.blocks)
         row, *others = t.dot_lanes or (None,)
         num_warps, per_lane = 4, True
-        if row is not None and t.shape[row] >= 16:
+        if row is not None and next_pow2(t.shape[row]) >= 16:  # the tile the tuner's dot rows start from
             blocks[row] = min(DOT_BLOCK_M, next_pow2(t.shape[row]))
             blocks[axis] = max(16, min(next_pow2(n), 128 if held <= 64 and axis not in t.free else 64))
             num_warps = 8 if blocks[row] * blocks[axis] >= 128 * 128 or (axis in t.free and blocks[row] >= 128) else 4
