@@ -58,21 +58,31 @@ def elements_of(shape: dict[str, int]) -> int:
 
 
 def foldwise_rows(name: str, profile: Any, trials: int = 0) -> tuple[list[tuple[str, dict[str, Any]]], Any]:
-    """Foldwise's backward kernels (each spec's best default, or with ``trials`` the tuner's pick on the
-    static model), and the spec among them that moves the most (the expert's yardstick)."""
-    from fuser_core import derive_backward, gradient_in_forward
+    """Foldwise's backward kernels at the dtypes a trainable op asks for (each input's own; a saved
+    statistic's and a stage's float32), each spec's best default or with ``trials`` the tuner's pick
+    on the static model, and the spec among them that moves the most (the expert's yardstick)."""
+    from fuser_core import derive_backward, gradient_in_forward, load_spec
     from fuser_core.catalog import load_catalog_spec
+    from service.client.autograd import fetch_trainable
 
     catalog, shape, dtype = CASES[name]
     spec = load_catalog_spec(catalog)
-    cascade = derive_backward(spec)
-    fused = gradient_in_forward(spec, cascade)
-    specs = [fused] if fused is not None else list(cascade.specs)
-    out = []
-    for s in specs:
-        sub = {d: n for d, n in shape.items() if d in s.dims}
-        elements = elements_of(sub)
-        case = Case(s.name, s, sub, dtype, None, lambda _s, e=elements: e)
+    fused = gradient_in_forward(spec, derive_backward(spec)) is not None
+    requests: list[tuple[dict[str, Any], dict[str, int], Any]] = []
+
+    def asked(batch):  # the trainable op's requests, each (spec JSON, shape, dtypes), and nothing fetched
+        requests.extend(batch)
+        raise StopIteration
+
+    try:
+        fetch_trainable(asked, spec, shape, dtype)
+    except StopIteration:
+        pass
+    out, specs = [], []
+    for raw, sub, dtypes in requests[:1] if fused else requests[1:]:
+        s = load_spec(raw, printed=True)
+        specs.append(s)
+        case = Case(s.name, s, dict(sub), dtypes, None, lambda _s, e=elements_of(dict(sub)): e)
         strategy, config, row = tuned_foldwise(case, profile, trials) if trials else best_foldwise(case, profile, None)
         out.append((f"{s.name}: {'tuned ' if trials else ''}{strategy} {config.to_dict()['blocks']} w{config.num_warps}", row))
     return out, max(specs, key=lambda s: len(s.inputs) + len(s.outputs))  # the first of the largest

@@ -115,6 +115,8 @@ def canonical_form(spec: Spec) -> dict[str, Any]:
         "steps": steps,
         "outputs": [names[o] for o in spec.outputs],
     }
+    if spec.output_dtypes:  # absent when none, as constraints
+        out["output_dtypes"] = {names[o]: dtype for o, dtype in spec.output_dtypes}
     if spec.constraints:  # absent when none: a spec without constraints keeps its hash
         out["constraints"] = sorted(" ".join(oriented(names[a], rel, names[b])) for a, rel, b in spec.constraints)
     return out

@@ -284,7 +284,8 @@ def bind_dtypes(spec: Spec, dtype: str | Mapping[str, str]) -> dict[str, str]:
 
 
 def output_dtypes(spec: Spec, dtypes: Mapping[str, str]) -> dict[str, str]:
-    """Storage dtype of each output part (docs/SPEC.md: the floating inputs' dtype unless a cast says otherwise)."""
+    """Storage dtype of each output part (docs/SPEC.md: the floating inputs' dtype unless a cast or the
+    spec's ``output_dtypes`` says otherwise)."""
     floats = [dtypes[i.name] for i in spec.inputs if i.is_float]
     default = next((d for d in floats if d != "float8_e4m3fn"), "float32") if len(set(floats)) != 1 else floats[0]
     if default == "float8_e4m3fn":
@@ -294,6 +295,8 @@ def output_dtypes(spec: Spec, dtypes: Mapping[str, str]) -> dict[str, str]:
         step = spec.step(part.split(".")[0])
         if part.endswith(".indices") or returns_indices(step.reduce):
             out[part] = "int32"
+        elif step.name in dict(spec.output_dtypes):
+            out[part] = dict(spec.output_dtypes)[step.name]
         elif isinstance(step.expr, ex.Cast) and not step.is_reduction:
             out[part] = step.expr.dtype
         else:

@@ -26,7 +26,7 @@ from typing import Any
 
 from fuser_core import expr as ex
 from fuser_core.errors import SpecError, shown
-from fuser_core.reduce_ops import SPEC_REDUCE_KINDS, is_selection
+from fuser_core.reduce_ops import SPEC_REDUCE_KINDS, is_selection, returns_indices
 # the spec as data lives in spec_model; its names are the spec's public names, read from here too
 from fuser_core.spec_paged import check_page_tables, load_paged
 from fuser_core.spec_model import INPUT_KINDS, Input, Paged, Param, Spec, Step, raw_param  # noqa: F401
@@ -45,7 +45,8 @@ MAX_MERGED = 4  # dims one list 'over' reduces together
 
 IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}\Z")
 SPEC_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
-TOP_KEYS = {"foldwise", "name", "doc", "inputs", "params", "steps", "outputs", "constraints", "example"}
+TOP_KEYS = {"foldwise", "name", "doc", "inputs", "params", "steps", "outputs", "output_dtypes", "constraints", "example"}
+OUTPUT_DTYPES = ("float32", "float16", "bfloat16")  # what "output_dtypes" may store an output as
 # a shape constraint: two dims and how their sizes compare ("m <= n"); read by this pattern, never evaluated
 CONSTRAINT = re.compile(r"\s*([A-Za-z][A-Za-z0-9_]{0,63})\s*(<=|<|==|>=|>)\s*([A-Za-z][A-Za-z0-9_]{0,63})\s*\Z")
 MAX_CONSTRAINTS = 16
@@ -166,6 +167,8 @@ class _Loader:
         )
         constraints = self.load_constraints(raw.get("constraints", []), spec.sized_dims)
         spec = replace(spec, constraints=constraints) if constraints else spec
+        if "output_dtypes" in raw:
+            spec = replace(spec, output_dtypes=self.load_output_dtypes(raw["output_dtypes"], spec))
         return replace(spec, example=self.load_example(raw["example"])) if "example" in raw else spec
 
     def load_example(self, raw: Any) -> dict[str, int]:
@@ -514,6 +517,22 @@ class _Loader:
             elif isinstance(node, ex.Index):
                 found.add(node.dim)
         return tuple(d for d in self.dims if d in found)
+
+    def load_output_dtypes(self, raw: Any, spec: Spec) -> tuple[tuple[str, str], ...]:
+        """``"output_dtypes": {"mx": "float32"}``: an output's storage dtype where it is not the float
+        inputs' (docs/SPEC.md); a value output only (an arg-reduction's indices are int32; a top-k's
+        values take it, its indices stay int32)."""
+        if not isinstance(raw, dict) or len(raw) > MAX_OUTPUTS:
+            raise SpecError(f"expected an object of at most {MAX_OUTPUTS} outputs -> dtype", loc=("output_dtypes",))
+        for name, dtype in raw.items():
+            if name not in spec.outputs:
+                raise SpecError(f"{shown(name)} is not an output", loc=("output_dtypes", name))
+            step = spec.step(name)
+            if returns_indices(step.reduce):
+                raise SpecError(f"{name!r} writes indices; only a value output takes a dtype", loc=("output_dtypes", name))
+            if dtype not in OUTPUT_DTYPES:
+                raise SpecError(f"{shown(dtype)}: one of {', '.join(OUTPUT_DTYPES)}", loc=("output_dtypes", name))
+        return tuple(sorted(raw.items()))
 
     def load_outputs(self, raw: Any, steps: tuple[Step, ...]) -> tuple[str, ...]:
         if not isinstance(raw, list) or not raw:

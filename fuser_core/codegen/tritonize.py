@@ -115,13 +115,18 @@ def lookup(names: Names, e: sp.Symbol) -> VarRef:
 
 
 def to_triton(e: sp.Expr, names: Names, layout: Layout | None = None, grouping: Grouping | None = None,
-              exp_base2: bool = False) -> str:
+              exp_base2: bool = False, reciprocals: bool = False) -> str:
     """Triton source for ``e``; every free symbol, or its name, must be a key of ``names``
     (:func:`lookup`). With ``layout``, operands on different dims are placed on their union; the
     result is on :func:`expr_dims`. With ``grouping`` (the spec's, :mod:`fuser_core.grouping`), sums
     keep the user's grouping and order of additions. With ``exp_base2``, ``exp(a + b)`` is
-    ``tl.exp2(a * LOG2E + b * LOG2E)`` (the compiler fuses one multiply and the add into an FMA)."""
-    return _Printer(names, layout, grouping, exp_base2).go(decide_finite(e, names))[0]
+    ``tl.exp2(a * LOG2E + b * LOG2E)`` (the compiler fuses one multiply and the add into an FMA).
+    With ``reciprocals`` (and a layout), a divisor on fewer dims than its quotient (a row's sum, a
+    constant) is inverted on its own dims and multiplied: ``x * (1.0 / den)[:, None]``, one division
+    per row instead of one per element (a float32 division is a dozen instructions), for a value
+    rounded to 16 bits next, whose rounding the reciprocal's extra half ulp of float32 moves only at a
+    midpoint; 0, inf and NaN divisors give what ``/`` gives."""
+    return _Printer(names, layout, grouping, exp_base2, reciprocals).go(decide_finite(e, names))[0]
 
 
 LOG2E = 1.4426950408889634  # log2(e), as float64: the printed constant rounds once, to float32
@@ -208,9 +213,10 @@ FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: a literal bey
 
 class _Printer:
     def __init__(self, names: Names, layout: Layout | None = None, grouping: Grouping | None = None,
-                 exp_base2: bool = False):
+                 exp_base2: bool = False, reciprocals: bool = False):
         self.names = names
         self.exp_base2 = exp_base2
+        self.reciprocals = reciprocals and layout is not None
         self.layout = layout
         self.grouping = grouping or Grouping()
         self.want: tuple[str, ...] | None = None  # the dims of the operation being printed
@@ -404,7 +410,10 @@ class _Printer:
                 den.append(sp.Integer(f.q))
             else:
                 num.append(f)
-        top = " * ".join(self.wrap(f, _MUL) for f in num) if num else "1.0"
+        if self.reciprocals and den:
+            top, den = self.inverted(e, num, den)
+        else:
+            top = " * ".join(self.wrap(f, _MUL) for f in num) if num else "1.0"
         if not den:
             return top, _MUL
         if len(den) > 1:
@@ -412,6 +421,29 @@ class _Printer:
         else:  # a lone factor that prints as a product (size(n)**2: `s * s`) needs parentheses too
             bottom = self.wrap(den[0], _MUL + 1)
         return f"{top} / {bottom}", _MUL
+
+    def inverted(self, e: sp.Expr, num: list[sp.Expr], den: list[sp.Expr]) -> tuple[str, list[sp.Expr]]:
+        """The product of ``num`` times the reciprocal of the divisors in ``den`` on fewer dims than
+        ``e``, inverted once on their own dims with the numbers of ``num`` (``448 * a / amax`` is
+        ``a * (448 / amax)[:, None]``: one multiply per element; to_triton's ``reciprocals``), and the
+        divisors left to divide by."""
+        mine = set(self.dims(e))
+        low = [f for f in den if set(self.dims(f)) < mine]
+        numbers = [f for f in num if f.is_Number] if low else []
+        rest = [f for f in num if f not in numbers]
+        top = " * ".join(self.wrap(f, _MUL) for f in rest) if rest else "1.0"
+        if not low:
+            return top, den
+        divisor = sp.Mul(*low)
+        own = self.dims(divisor)
+        want, self.want = self.want, own
+        try:
+            inverse = f"({self.wrap(sp.Mul(*numbers), _MUL) if numbers else '1.0'} / {self.wrap(divisor, _MUL + 1)})"
+        finally:
+            self.want = want
+        if own:
+            inverse = self.layout.expand(inverse, own, self.want or own)
+        return (f"{top} * {inverse}" if rest else inverse), [f for f in den if f not in low]
 
     def exp2(self, arg: sp.Expr) -> str:
         """exp(arg) as tl.exp2 of each term of ``arg`` times log2(e): ``exp(s - m)`` is

@@ -394,3 +394,20 @@ def test_attention_scores_are_a_dot_in_the_forward_and_every_backward_kernel(nam
         strategy = choose_strategy(spec, derivation, sized)
         blocks = make_plan(spec, derivation, strategy, sized, default_config(spec, derivation, strategy, sized)).blocks
         assert min(blocks["m"], blocks["n"], blocks["d"]) >= 16 and blocks["h"] == 1, (spec.name, blocks)
+
+
+def test_dk_dv_holds_its_scores_as_keys_by_queries():
+    """dK/dV loops over the queries with its keys as rows: its tiles put n first (structure.facts.tile_dims),
+    so the scores are k @ q^T (tutorial 06's qkT) and P^T, dS^T feed the products over m as they are."""
+    from fuser_core.codegen.plan import KernelConfig, make_plan
+    from fuser_core.codegen.structure.facts import tile_dims
+
+    cascade = derive_backward(_spec("attention_causal"))
+    (spec,) = [s for s in cascade.specs if "d_k" in s.outputs]
+    forward = cascade.forward
+    shape = {"b": 1, "h": 2, "m": 64, "n": 64, "d": 16, "e": 16}
+    blocks = {"b": 1, "h": 1, "m": 32, "n": 64, "d": 16, "e": 16}
+    plan = make_plan(spec, derive_cascade(spec), "streaming_fused", shape, KernelConfig(blocks))
+    assert plan.axis == "m" and tile_dims(plan)[:2] == ("n", "m")
+    fplan = make_plan(forward, derive_cascade(forward), "streaming_fused", shape, KernelConfig(blocks))
+    assert tile_dims(fplan) == tuple(d for d in forward.dims if blocks[d] > 1)  # the forward's, unchanged

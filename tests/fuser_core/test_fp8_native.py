@@ -69,5 +69,5 @@ def test_the_gemm_quantises_with_one_reciprocal_per_row_and_keeps_the_loaded_wei
     dots = [line for line in source.splitlines() if "tl.dot(" in line and "=" in line]
     assert len(dots) == 2  # the whole tiles of k without the tail mask, then the last partial one
     for dot in dots:
-        assert "fp8_operand(" in dot and "(448.0 / (amax_acc)))[:, None]" in dot and "/ amax_acc[:, None]" not in dot
+        assert "fp8_operand(" in dot and "(448.0 / amax_acc))[:, None]" in dot and "/ amax_acc[:, None]" not in dot
         assert "fp8_bits_operand(w_bits, FP8_NATIVE)" in dot

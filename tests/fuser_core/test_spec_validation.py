@@ -367,6 +367,13 @@ INVALID = [
      "does not reach any output"),
     ("dead-step-in-middle", "safe_softmax", _add_step({"name": "junk", "expr": "x * 2"}, at=1), ("steps", 1, "name"),
      "junk", "does not reach any output"),
+    # -- output_dtypes
+    ("output-dtype-not-output", "safe_softmax", _set(("output_dtypes",), {"den": "float32"}), ("output_dtypes", "den"),
+     None, "is not an output"),
+    ("output-dtype-unknown", "safe_softmax", _set(("output_dtypes",), {"y": "float64"}), ("output_dtypes", "y"), None,
+     "one of float32, float16, bfloat16"),
+    ("output-dtypes-not-object", "safe_softmax", _set(("output_dtypes",), ["y"]), ("output_dtypes",), None,
+     "expected an object"),
 ]
 
 
@@ -591,3 +598,25 @@ def test_shape_constraints():
     assert bind_shape(spec, {"m": 4, "n": 4, "d": 2}) == {"m": 4, "n": 4, "d": 2}
     with pytest.raises(ShapeError, match=r"^shape\.m: m = 5 and n = 4: the spec takes only m <= n$"):
         bind_shape(spec, {"m": 5, "n": 4, "d": 2})
+
+
+def test_output_dtypes_store_values_not_indices():
+    """``output_dtypes`` stores a value output in its dtype (a top-k's values, not its indices), refuses an
+    arg-reduction's indices by name, and is part of the spec's identity."""
+    from fuser_core.canonical import spec_hash
+    from fuser_core.catalog import load_catalog_spec
+    from fuser_core.problem import make_problem
+    from fuser_core.catalog import PACKAGED_DIR
+    from fuser_core.spec import load_spec
+
+    moe = load_catalog_spec("moe_routing")
+    stored = json.loads((PACKAGED_DIR / "moe_routing.json").read_text()) | {"output_dtypes": {"gate": "float32"}}
+    dtypes = make_problem(load_spec(stored), {"t": 3, "x": 8}, "bfloat16").output_dtypes
+    assert dtypes == {"gate.values": "float32", "gate.indices": "int32"}
+    assert spec_hash(load_spec(stored)) != spec_hash(moe)
+    arg = {"foldwise": 1, "name": "a", "inputs": {"x": {"dims": ["m", "n"]}},
+           "steps": [{"name": "i", "reduce": "argmax", "over": "n", "expr": "x"}], "outputs": ["i"],
+           "output_dtypes": {"i": "float32"}}
+    with pytest.raises(SpecError) as err:
+        load_spec(arg)
+    assert err.value.loc == ("output_dtypes", "i") and "writes indices" in str(err.value)

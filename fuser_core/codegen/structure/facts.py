@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import sympy as sp
 
 from fuser_core.codegen.ops import FP8_DOT, Dot, Fold, Reduce, Select
-from fuser_core.codegen.plan import KernelPlan
+from fuser_core.codegen.plan import KernelPlan, contractions
 from fuser_core.codegen.structure.model import State, var_name
 from fuser_core.derive import ReductionForm
 from fuser_core.realisation import (
@@ -198,12 +198,16 @@ def dot_precision(plan: KernelPlan, p: sp.Expr, q: sp.Expr, over: str, input_dty
     representable in fp16 (fp8 products, fp16 casts) -> fp16 tensor cores, exact;
     float16 inputs -> float16, bfloat16 inputs -> bfloat16 (P rounded to the inputs' dtype,
     float32 accumulation: 16-bit tensor cores at twice TF32's rate); float32 and mixed inputs ->
-    IEEE float32."""
+    IEEE float32. The inputs that decide are those of the most dims: a backward's float32 row
+    statistics (``output_dtypes``: mx, den, Delta) beside its 16-bit q, k, v and dO leave its products
+    16-bit, as FlashAttention's backward."""
     if _fp8_value(p, input_dtypes) and _fp8_value(q, input_dtypes) and plan.blocks.get(over, 1) >= FP8_MIN_DEPTH:
         return FP8_DOT
     if _exact_in_fp16(p, input_dtypes) and _exact_in_fp16(q, input_dtypes):
         return "float16"
-    floats = {input_dtypes.get(i.name, "float32") for i in plan.spec.inputs if i.is_float}
+    data = [i for i in plan.spec.inputs if i.is_float]
+    most = max((len(i.dims) for i in data), default=0)
+    floats = {input_dtypes.get(i.name, "float32") for i in data if len(i.dims) == most}
     if floats == {"float16"}:
         return "float16"
     if floats == {"bfloat16"}:
@@ -238,7 +242,7 @@ def decide_dot(plan: KernelPlan, e: sp.Expr, over: str, input_dtypes: Mapping[st
     free = set().union(*dims) if dims else set()
     if len(free) != 2 or any(len(d) > 1 for d in dims):
         return None
-    i, j = sorted(free, key=plan.dims.index)
+    i, j = sorted(free, key=tile_dims(plan).index)  # the rows first (tile_dims): the product lands as the tile holds it
     if min(plan.blocks[i], plan.blocks[j], plan.blocks[over]) < 16:
         return None
     p = sp.Mul(*[f for f, d in zip(factors, dims) if d != {j}])
@@ -297,10 +301,25 @@ def sum_of_anchored_exps(form: ReductionForm) -> bool:
 
 
 def tile_dims(plan: KernelPlan) -> tuple[str, ...]:
-    """The dims a kernel's tiles have, in the spec's order: every dim but a lane whose block is 1
-    (one program per index of it: its offset is the program id, a scalar, as hand-written kernels
-    have ``off_hz``)."""
-    return tuple(d for d in plan.dims if not (d in plan.lanes and plan.blocks[d] == 1))
+    """The dims a kernel's tiles have: every dim but a lane whose block is 1 (one program per index
+    of it: its offset is the program id, a scalar, as hand-written kernels have ``off_hz``), in the
+    spec's order, except that a product's rows over the loop axis (:func:`dot_rows`) come first:
+    attention's dK/dV loop over the queries holds its scores as ``[n, m]`` (``k @ q^T``, tutorial 06's
+    ``qkT``), so that P^T and dS^T feed the products over m from the accumulator's registers, not
+    transposed through shared memory. A forward's rows (the queries) come first in the spec already."""
+    dims = [d for d in plan.dims if not (d in plan.lanes and plan.blocks[d] == 1)]
+    rows = [d for d in dims if d in dot_rows(plan)]
+    return tuple(rows + [d for d in dims if d not in rows])
+
+
+def dot_rows(plan: KernelPlan) -> frozenset[str]:
+    """The lanes (blocked by more than 1) that are a product's free dim beside the loop axis: the rows
+    of each tile of that product the loop makes (q.k's queries in a forward, its keys in dK/dV)."""
+    out: set[str] = set()
+    for free, _ in contractions(plan.spec, plan.derivation):
+        if plan.axis in free:
+            out |= {d for d in free if d in plan.lanes and plan.blocks[d] > 1}
+    return frozenset(out)
 
 
 def axis_outputs(plan: KernelPlan) -> list[str]:
