@@ -464,7 +464,12 @@ class _Printer:
         for coeff, rest in terms:
             c = float(coeff) * LOG2E
             varying, constant = self.program_constants(rest)
-            if rest == 1:
+            masked = self.scaled_where(rest) if c > 0 else None
+            if masked is not None:  # where(c, s * scale, -inf): the scale joins LOG2E inside, an FMA per element
+                cond, varying, constant, other = masked
+                text = (f"tl.where({self.go(cond)[0]}, {self.wrap(varying, _MUL)} * ({self.wrap(constant, _MUL)} * "
+                        f"{number(sp.Float(c))}), {number(other)})")
+            elif rest == 1:
                 text = number(sp.Float(abs(c)))
             elif constant != 1:  # s * (scale * LOG2E): the product of constants once per program, an FMA per element
                 text = f"{self.wrap(varying, _MUL)} * ({self.wrap(constant, _MUL)} * {number(sp.Float(abs(c)))})"
@@ -474,6 +479,23 @@ class _Printer:
             sign = " - " if c < 0 else " + "
             out = out + sign + text if out else ("-" if c < 0 else "") + text
         return f"tl.exp2({out})"
+
+    def scaled_where(self, e: sp.Expr) -> tuple[sp.Expr, sp.Expr, sp.Expr, sp.Expr] | None:
+        """(condition, varying, constant, other) of ``where(condition, varying * constant, other)`` with
+        ``other`` +-inf and ``constant`` a positive program constant (:meth:`program_constants`:
+        attention's 1 / sqrt(size(d)) on a causal score): its product with a positive c is
+        ``where(condition, varying * (constant * c), other)`` (+-inf times a positive c stays itself),
+        with one rounding less per element: exp2 is printed only where a 16-bit rounding follows
+        (exp_base2). None for any other expression."""
+        if not isinstance(e, sp.Piecewise) or len(e.args) != 2 or e.args[1][1] is not sp.true:
+            return None
+        (branch, cond), (other, _) = e.args
+        if other not in (sp.oo, -sp.oo):
+            return None
+        varying, constant = self.program_constants(branch)
+        if constant == 1 or constant.is_positive is not True or constant.is_finite is not True:
+            return None
+        return cond, varying, constant, other
 
     def program_constants(self, e: sp.Expr) -> tuple[sp.Expr, sp.Expr]:
         """(the factors of a product ``e`` that vary over the tile, those that do not: sizes, runtime
