@@ -55,7 +55,7 @@ from fuser_core.codegen.chain_subspec import part_dims, part_is_index, step_read
 from fuser_core.codegen.emit import load_expr, store_expr
 from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.module import TORCH_DTYPES, _load, cached_source, generate, module_header, output_dtypes
-from fuser_core.codegen.names import FP8, FP8_HELPERS, FP8_NATIVE, kernel_arg, safe_name, scalar_arg
+from fuser_core.codegen.names import FP8, FP8_HELPERS, FP8_NATIVE, STORE_HELPERS, kernel_arg, safe_name, scalar_arg
 from fuser_core.codegen.plan import MAX_TILE_ELEMENTS, KernelConfig, KernelPlan, NotValid, make_plan, next_pow2
 from fuser_core.codegen.strategies import MULTI_PASS, ROW_RESIDENT
 from fuser_core.codegen.tritonize import VarRef, expr_dims, helpers_of, to_triton
@@ -447,7 +447,7 @@ class ElementwiseWriter:
         """The @triton.jit helpers the kernel calls: its expressions', and fp8's conversions."""
         out = ["int32_offsets"] + (["fp8e4m3_to_float"] if any(self.input_dtypes.get(n) == FP8 for n in self.leaves) else [])
         out += [h for o in self.outputs for h in helpers_of(self.exprs[o])]
-        return out + (["fp8e4m3_bits"] if any(self.stores[o] == FP8 for o in self.outputs) else [])
+        return out + sorted({STORE_HELPERS[self.stores[o]] for o in self.outputs if self.stores[o] in STORE_HELPERS})
 
     def takes_fp8_native(self) -> bool:
         """Does the kernel convert fp8 (its FP8_NATIVE parameter; the launcher calls fp8_native)?"""

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 import sympy as sp
 
 from fuser_core.codegen import ops as o
-from fuser_core.codegen.names import FP8, FP8_NATIVE, TMA_LOADS, WIDE_OFFSETS, fp8_bits_var, safe_name
+from fuser_core.codegen.names import FP8, FP8_NATIVE, STORE_HELPERS, TMA_LOADS, WIDE_OFFSETS, fp8_bits_var, safe_name
 from fuser_core.codegen.ops.bounds import Bound
 from fuser_core.codegen.structure import Kernel, ModuleStructure
 from fuser_core.codegen.tritonize import expr_dims, number, to_triton
@@ -88,9 +88,12 @@ def postfix_operand(text: str) -> str:
 
 
 def store_expr(value: str, dtype: str, var: str) -> str:
-    """``value`` converted for ``{var}_ptr``: fp8 leaves as its bits."""
+    """``value`` converted for ``{var}_ptr``: fp8 leaves as its bits, bfloat16 through bf16_store (the
+    interpreter truncates a float32 to bfloat16 where the GPU rounds to nearest even)."""
     if dtype == FP8:
-        return f"fp8e4m3_bits({value}, {FP8_NATIVE})"
+        return f"{STORE_HELPERS[FP8]}({value}, {FP8_NATIVE})"
+    if dtype in STORE_HELPERS:
+        return f"{STORE_HELPERS[dtype]}({value})"
     return f"{value}.to({var}_ptr.dtype.element_ty)"
 
 

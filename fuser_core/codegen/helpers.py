@@ -381,6 +381,11 @@ if INTERPRETED:
     def bf16_operand(x):
         """x rounded to bfloat16, as a float32 tl.dot operand (the interpreter's bfloat16 dot is wrong)."""
         return bf16_round(x)
+
+    @triton.jit
+    def bf16_store(x):
+        """float32 x as the bfloat16 a store writes, rounded to nearest even (then converted exactly)."""
+        return bf16_round(x).to(tl.bfloat16)
 else:
     @triton.jit
     def bf16_round(x):
@@ -390,6 +395,11 @@ else:
     @triton.jit
     def bf16_operand(x):
         """x as a bfloat16 tl.dot operand (the GPU's round-to-nearest-even conversion)."""
+        return x.to(tl.bfloat16)
+
+    @triton.jit
+    def bf16_store(x):
+        """float32 x as the bfloat16 a store writes (the GPU's round-to-nearest-even conversion)."""
         return x.to(tl.bfloat16)
 
 

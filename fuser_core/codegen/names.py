@@ -17,6 +17,9 @@ TMA_LOADS = "TMA_LOADS"
 # a view into a larger buffer); otherwise positions times strides are 32-bit, as in Triton's tutorials
 WIDE_OFFSETS = "WIDE_OFFSETS"
 FP8_HELPERS = frozenset({"fp8e4m3_bits", "fp8e4m3_to_float", "fp8e4m3_round", "fp8_operand", "fp8_bits_operand"})
+# output dtype -> the helper that converts a float32 value for its store (emit.store_expr): fp8 as its
+# bits, bfloat16 rounded to nearest even (the interpreter's own conversion truncates)
+STORE_HELPERS = {FP8: "fp8e4m3_bits", "bfloat16": "bf16_store"}
 # the kernels' and the launcher's own names: a spec's step or input called "out" shadowed
 # launch()'s out= argument (fuzz regressions); "chunk" and "SPLIT" are a split launch's locals
 _RESERVED = {"tl", "triton", "pid", "start", "count", "count_old", "float", "range", "int", "math", "torch",

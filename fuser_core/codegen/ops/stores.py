@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from fuser_core.codegen.names import FP8
+from fuser_core.codegen.names import STORE_HELPERS
 from fuser_core.codegen.ops.base import Env, Op, block_params, env_reads, expr_helpers, tile_reads
 from fuser_core.codegen.tritonize import VarRef
 from fuser_core.reduce_ops import has_slots, reduce_op, returns_indices
@@ -125,7 +125,7 @@ class OutputStore(Op):
         return out | (block_params(self.dims) if self.constant or self.value_dims != self.dims else set())
 
     def helpers(self) -> list[str]:
-        return expr_helpers(self.expr) + (["fp8e4m3_bits"] if self.dtype == FP8 else [])
+        return expr_helpers(self.expr) + ([STORE_HELPERS[self.dtype]] if self.dtype in STORE_HELPERS else [])
 
 
 @dataclass(frozen=True, kw_only=True)
