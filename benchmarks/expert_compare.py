@@ -108,7 +108,7 @@ def foldwise_kernels(case: Case, strategy: str, config: Any) -> list[dict[str, A
     from fuser_core.codegen.structure import build_structure
     from fuser_core.derive import derive_cascade
     from fuser_core.problem import make_problem
-    from tuner.static_bound import descriptor_bytes, kernel_loop_trips
+    from tuner.static_bound import descriptor_bytes, innermost_trips
 
     spec = case_spec(case)
     derivation = derive_cascade(spec)
@@ -120,8 +120,8 @@ def foldwise_kernels(case: Case, strategy: str, config: Any) -> list[dict[str, A
     for kernel, build in zip(structure.kernels, built.kernels):
         programs = math.prod(-(-problem.shape[d] // b) for d, b in kernel.grid.lanes) * (
             plan.config.split if kernel.grid.split else 1)
-        trips = [kernel_loop_trips(plan, kernel, loop, problem.shape) for loop in kernel.loops() if not loop.resident]
-        out.append({"build": build, "programs": programs, "num_warps": config.num_warps, "trips": trips or [1],
+        trips = innermost_trips(plan, kernel, problem.shape)
+        out.append({"build": build, "programs": programs, "num_warps": config.num_warps, "trips": trips,
                     "tma_bytes": descriptor_bytes(plan, kernel, problem.shape)})
     return out
 

@@ -38,7 +38,10 @@ from fuser_core import has_slots, returns_indices
 from fuser_core.codegen import ops
 from fuser_core import is_dim_symbol, symbol_kind
 from fuser_core.codegen import structure as st
-from fuser_core.codegen.plan import KernelConfig, KernelPlan, loop_axis, next_pow2
+from fuser_core.codegen.plan import (
+    CONTRACTION_BLOCK, MAX_INNER_BLOCK, KernelConfig, KernelPlan, contraction_loop_dims, loop_axis, loopable_inner_dims,
+    next_pow2,
+)
 from fuser_core.codegen.strategies import STRATEGIES
 from fuser_core.derive import Derivation
 from fuser_core.realisation import Realisation
@@ -67,6 +70,9 @@ class Pass:
 
     loop: str  # axis | chunk | split | once
     loads: tuple[str, ...] = ()  # inputs loaded (once per iteration)
+    # a K loop's dim (KernelPlan.contraction_loops): the pass is its body, run cdiv(size, BLOCK)
+    # times per iteration of ``loop``
+    inner: str | None = None
     ops: dict[frozenset[str], list[float]] = field(default_factory=dict)  # dims -> [alu, sfu] per element
     dots: list[DotOp] = field(default_factory=list)
     tensors: list[frozenset[str]] = field(default_factory=list)  # dims of tensors held at once
@@ -157,6 +163,7 @@ class Anatomy:
         self.axis, self.inner = loop_axis(spec)
         self.as_dims = tuple(s.as_dim for s in spec.steps if s.as_dim)
         self.lanes = tuple(d for d in spec.dims if d != self.axis and d not in self.inner and d not in self.as_dims)
+        self.loopable = loopable_inner_dims(spec, self.inner)
         self.axis_steps = [s for s in spec.steps if s.is_reduction and s.over == self.axis]
         self._sym_dims: dict[sp.Symbol, frozenset[str]] = {}
         self._cache: dict[tuple, list] = {}
@@ -183,38 +190,47 @@ class Anatomy:
         return out
 
     def full_blocks(self, blocks: Mapping[str, int], shape: Mapping[str, int] | None = None) -> dict[str, int]:
-        """Every dim's block: the given ones, inner and topk dims whole (next power of two)."""
+        """Every dim's block: the given ones, inner and topk dims whole (next power of two), an inner
+        dim a K loop sums that does not fit one block a K loop's (fuser_core.codegen.plan.inner_block)."""
         out = dict(blocks)
         for d in self.spec.dims:
             if d not in out:
                 out[d] = next_pow2(shape[d]) if shape is not None and (d in self.inner or d in self.as_dims) else 1
+                if d in self.loopable and out[d] > MAX_INNER_BLOCK:
+                    out[d] = CONTRACTION_BLOCK
         return out
+
+    def contraction_loops(self, blocks: Mapping[str, int], shape: Mapping[str, int]) -> tuple[str, ...]:
+        """The inner dims these blocks sum in a K loop (:attr:`KernelPlan.contraction_loops`)."""
+        return contraction_loop_dims(self.inner, blocks, shape)
 
     # ------------------------------------------------------------------ sketches
     def structure(self, strategy: str, blocks: Mapping[str, int], parallel_combine: bool = False,
-                  per_lane: bool = True) -> st.ModuleStructure:
+                  per_lane: bool = True, loops: tuple[str, ...] = ()) -> st.ModuleStructure:
         """The code generator's structure of ``strategy`` with these blocks (every dim), unvalidated:
         the search space checks validity itself. ``parallel_combine``: the plan's decision
         (:func:`fuser_core.codegen.plan.parallel_combine`, which needs the shape); ``per_lane``: the
-        configuration's (:attr:`KernelConfig.per_lane`)."""
+        configuration's (:attr:`KernelConfig.per_lane`); ``loops``: the inner dims summed in a K loop
+        (:meth:`contraction_loops`, which needs the shape)."""
         config = KernelConfig(dict(blocks), split=STRATEGIES[strategy].least_split, per_lane=per_lane)
         plan = KernelPlan(self.spec, self.derivation, strategy, self.axis, self.inner, dict(blocks), self.lanes, config,
-                          parallel_combine)
+                          parallel_combine, loops)
         return st.build_structure(plan, self.dtypes)
 
     def kernels(self, strategy: str, blocks: Mapping[str, int], parallel_combine: bool = False,
-                per_lane: bool = True) -> list[KernelSketch]:
+                per_lane: bool = True, loops: tuple[str, ...] = ()) -> list[KernelSketch]:
         """The kernels ``strategy`` launches with these blocks (every dim; see :meth:`full_blocks`)."""
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}")
-        key = (strategy, block_pattern(blocks), parallel_combine, per_lane)
+        key = (strategy, block_pattern(blocks), parallel_combine, per_lane, loops)
         if key not in self._cache:
-            structure = self.structure(strategy, blocks, parallel_combine, per_lane)
+            structure = self.structure(strategy, blocks, parallel_combine, per_lane, loops)
             self._cache[key] = [sketch(self, k, structure) for k in structure.kernels]
         return self._cache[key]
 
 
-    def dot_rows(self, strategy: str, blocks: Mapping[str, int], per_lane: bool = True) -> list[frozenset[str]]:
+    def dot_rows(self, strategy: str, blocks: Mapping[str, int], per_lane: bool = True,
+                 loops: tuple[str, ...] = ()) -> list[frozenset[str]]:
         """Per launched kernel, the row dims (``i`` of ``tl.dot(P[i, over], Q[over, j])``) of its
         chained dots, those Triton gives every warp along the rows: on sm_90 it lays a dot whose
         result reaches another dot (attention's scores, then p.v) as ``num_warps x 1`` warps
@@ -222,9 +238,9 @@ class Anatomy:
         its rows' over its columns: the fp8 GEMM at 64 x 256 on 8 warps issues the tensor work of
         128 x 128, not twice it. Dots chain where they contract different dims (attention: d, then
         n); one contraction in two loops (whole tiles, then the tail) is one GEMM."""
-        key = ("dot_rows", strategy, block_pattern(blocks), per_lane)
+        key = ("dot_rows", strategy, block_pattern(blocks), per_lane, loops)
         if key not in self._cache:
-            structure = self.structure(strategy, blocks, per_lane=per_lane)
+            structure = self.structure(strategy, blocks, per_lane=per_lane, loops=loops)
             chained = [len({d.over for d in k.dots}) > 1 for k in structure.kernels]
             self._cache[key] = [frozenset(d.i for d in k.dots) if c else frozenset()
                                 for k, c in zip(structure.kernels, chained)]
@@ -360,8 +376,9 @@ def sketch(an: Anatomy, kernel: st.Kernel, structure: st.ModuleStructure) -> Ker
             else:
                 yield op
 
-    def count(items, span: str, per_lane: bool = False, always: bool = True, loads: tuple[str, ...] = ()) -> None:
-        p = Pass(LOOP_OF_SPAN.get(span, span))
+    def count(items, span: str, per_lane: bool = False, always: bool = True, loads: tuple[str, ...] = (),
+              inner: str | None = None) -> None:
+        p = Pass(LOOP_OF_SPAN.get(span, span), inner=inner)
         w = WorkCounter(an, p, an.axis if per_lane or span == "lanes" else None)
         counted = False
         done: set[str] = set()  # reductions whose update (or merge) this pass counted
@@ -372,7 +389,9 @@ def sketch(an: Anatomy, kernel: st.Kernel, structure: st.ModuleStructure) -> Ker
             p.tensors.append(dims)
             counted = True
         for op in flat(items):
-            if isinstance(op, ops.Load) and not op.hoisted:
+            if isinstance(op, ops.Loop) and op.span == "contraction":  # a K loop: a pass of its own
+                count(op.body, span, inner=op.dim)
+            elif isinstance(op, ops.Load) and not op.hoisted:
                 dims = frozenset(op.input_dims)
                 p.loads = (*p.loads, op.input)
                 p.add(dims, LOAD_ALU)
@@ -463,15 +482,16 @@ def elements(dims: Iterable[str], blocks: Mapping[str, int]) -> int:
 
 
 def pass_iterations(p: Pass, axis: str, shape: Mapping[str, int], blocks: Mapping[str, int], split: int) -> int:
-    """Loop iterations one program makes in this pass."""
+    """Loop iterations one program makes in this pass (a K loop's: times its own trips)."""
+    inner = cdiv(shape[p.inner], blocks[p.inner]) if p.inner else 1
     if p.loop == "axis":
-        return cdiv(shape[axis], blocks[axis])
+        return cdiv(shape[axis], blocks[axis]) * inner
     if p.loop == "chunk":
         chunk = cdiv(cdiv(shape[axis], split), blocks[axis]) * blocks[axis]
-        return chunk // blocks[axis]
+        return chunk // blocks[axis] * inner
     if p.loop == "split":
-        return split
-    return 1
+        return split * inner
+    return inner
 
 
 @dataclass(frozen=True)

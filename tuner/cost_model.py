@@ -439,7 +439,8 @@ class _Model:
         loads: list[KernelLoad] = []
         touched: dict[str, float] = {}  # name -> requested bytes before the kernel that last read it
         done = 0.0
-        sketches = an.kernels(strategy, blocks, parallel_combine(strategy, an.lanes, self.shape, blocks), config.per_lane)
+        sketches = an.kernels(strategy, blocks, parallel_combine(strategy, an.lanes, self.shape, blocks), config.per_lane,
+                              an.contraction_loops(blocks, self.shape))
         issued = self.issued(strategy, config, compiled, profile)
         for kernel, built in zip(sketches, kernel_facts_for([k.name for k in sketches], compiled)):
             load = ev.evaluate(kernel, {n: done - at for n, at in touched.items()}, done, built, issued.get(kernel.name))

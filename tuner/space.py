@@ -15,6 +15,9 @@ Parameters (Optuna-style names; ``split`` only for split_fused):
   contraction (attention's ``m`` and ``e``, a GEMM's ``m`` and ``n``) start at 16 so that
   ``tl.dot`` applies; batch dims of a contraction (``b``, ``h``) stay 1 (a blocked batch dim
   turns a dot back into a broadcast product); other lanes take 1, 2, 4, ...;
+- ``block_<inner>``: a K loop's tile (32, 64, 128: Triton's matmul tutorial's BLOCK_SIZE_K) for an
+  inner sum too long for one block (:func:`~fuser_core.codegen.plan.loopable_inner_dims`: a producer
+  GEMM's hidden size before a cross-entropy);
 - ``num_warps`` 1..32 (32: a long resident row, as Liger-Kernel runs softmax over 32768), as many
   as fit the target's 1,024 threads per block: on AMD ``num_warps`` counts 64-lane wavefronts (as
   Triton's AMD backend does), so 1..16; ``num_stages`` 1..5 (1 for row_resident), ``split`` 2..64;
@@ -54,6 +57,8 @@ from typing import Any
 
 from fuser_core.codegen.config import COMBINES
 from fuser_core.codegen.plan import (
+    CONTRACTION_BLOCK,
+    MAX_INNER_BLOCK,
     MAX_TILE_ELEMENTS,
     KernelConfig,
     NotValid,
@@ -72,6 +77,7 @@ from tuner.profiles import GpuProfile
 
 WARPS = (1, 2, 4, 8, 16, 32)
 STAGES = (1, 2, 3, 4, 5)
+K_BLOCKS = (32, 64, 128)  # a K loop's tile: Triton's matmul tutorial's BLOCK_SIZE_K choices
 # sm_90's wgmma gives each warpgroup 64 rows of the product: on a 64-row tile, 8 warps compute it twice
 # (attention 64 x 128 on 8 warps at sm_90: 1.5x the HGMMA instructions and 2x the exps of 128 x 64)
 WGMMA_ROWS = 64
@@ -127,6 +133,9 @@ class SearchSpace:
         self.axis, self.inner = loop_axis(spec)
         self.anatomy = Anatomy(spec, derivation, self.dtypes)
         self.lanes = self.anatomy.lanes
+        # inner dims too long for one block, summed in a K loop whose tile is a parameter
+        self.k_loops = tuple(d for d in self.anatomy.inner
+                             if d in self.anatomy.loopable and next_pow2(self.shape[d]) > MAX_INNER_BLOCK)
         self.free_dims, self.batch_dims = contraction_dims(spec, derivation)
         self._valid = valid_strategies(spec, derivation, self.shape)
         self._checked: dict[str, str | None] = {}
@@ -175,6 +184,8 @@ class SearchSpace:
         out: dict[str, list[int]] = {f"block_{self.axis}": self.axis_choices(strategy)}
         for d in self.lanes:
             out[f"block_{d}"] = self.lane_choices(d)
+        for d in self.k_loops:
+            out[f"block_{d}"] = list(K_BLOCKS)
         out["num_warps"] = [w for w in WARPS if self.profile.warp_size * w <= self.profile.threads_per_block_max]
         out["num_stages"] = list(STAGES) if NUM_STAGES in tunables else [1]
         if SPLIT in tunables:
@@ -214,6 +225,8 @@ class SearchSpace:
         blocks = {self.axis: value(f"block_{self.axis}", min(next_pow2(self.shape[self.axis]), 64))}
         for d in self.lanes:
             blocks[d] = value(f"block_{d}", params[f"block_{d}"][0])
+        for d in self.k_loops:
+            blocks[d] = value(f"block_{d}", CONTRACTION_BLOCK)
         config = KernelConfig(
             blocks,
             num_warps=value("num_warps", 4),
@@ -246,8 +259,9 @@ class SearchSpace:
         blocks = self.blocks_of(candidate)
         c = candidate.config
         info = input_info(self.spec, self.dtypes)
+        loops = self.anatomy.contraction_loops(blocks, self.shape)
         return [resources(k, info, self.axis, blocks, c.num_warps, c.num_stages, self.profile.target)
-                for k in self.anatomy.kernels(candidate.strategy, blocks, per_lane=c.per_lane)]
+                for k in self.anatomy.kernels(candidate.strategy, blocks, per_lane=c.per_lane, loops=loops)]
 
     def check(self, candidate: Candidate) -> str | None:
         """Why ``candidate`` cannot run on the target, or None; decided before compiling."""
@@ -293,8 +307,9 @@ class SearchSpace:
         p = self.profile
         threads = p.warp_size * c.num_warps
         blocks = self.blocks_of(candidate)
-        kernels = self.anatomy.kernels(strategy, blocks, per_lane=c.per_lane)
-        rows = self.anatomy.dot_rows(strategy, blocks, per_lane=c.per_lane)
+        loops = self.anatomy.contraction_loops(blocks, self.shape)
+        kernels = self.anatomy.kernels(strategy, blocks, per_lane=c.per_lane, loops=loops)
+        rows = self.anatomy.dot_rows(strategy, blocks, per_lane=c.per_lane, loops=loops)
         for kernel, r, dot_rows in zip(kernels, self.resources(candidate), rows):
             where = f" ({kernel.name})" if len(kernels) > 1 else ""  # split_fused's part or combine kernel
             if r.smem_bytes > p.smem_per_block_max:

@@ -150,6 +150,8 @@ def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
     full = -(-shape[a] // blocks[a])
     if loop.resident:
         return 1.0
+    if loop.span == "contraction":  # a K loop: the dim a block at a time
+        return float(-(-shape[loop.dim] // blocks[loop.dim]))
     if loop.span == "fallback":
         return 0.0
     if loop.span == "split":
@@ -185,6 +187,48 @@ def loop_trips(plan: Any, loop: Any, shape: Mapping[str, int]) -> float:
     return min(float(full), total / n)
 
 
+def loops_with_trips(plan: Any, kernel: Any, shape: Mapping[str, int]) -> list[tuple[Any, tuple[Any, ...], float, bool]]:
+    """Each loop of ``kernel`` (a resident one is its body) with the operations directly in it (not
+    in a loop it holds), its trips per program times those of the loops holding it (a K loop runs
+    its trips per trip of the axis loop around it) and whether it is innermost (holds no loop: the
+    loops SASS facts count, :func:`fuser_core.codegen.sass.loops`), in order, outer first."""
+    from fuser_core.codegen.ops import Loop
+
+    out: list[tuple[Any, tuple[Any, ...], float, bool]] = []
+
+    def direct(ops: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Any]]:
+        here, nested = [], []
+        for op in ops:
+            if isinstance(op, Loop) and not op.resident:
+                nested.append(op)
+            elif isinstance(op, Loop):
+                more, deeper = direct(op.body)
+                here += more
+                nested += deeper
+            else:
+                here.append(op)
+                more, deeper = direct(tuple(op.children()))
+                here += more
+                nested += deeper
+        return tuple(here), nested
+
+    def visit(loop: Any, outer: float) -> None:
+        here, nested = direct(loop.body)
+        trips = outer * kernel_loop_trips(plan, kernel, loop, shape)
+        out.append((loop, here, trips, not nested))
+        for inner in nested:
+            visit(inner, trips)
+
+    for loop in direct(kernel.ops)[1]:
+        visit(loop, 1.0)
+    return out
+
+
+def innermost_trips(plan: Any, kernel: Any, shape: Mapping[str, int]) -> list[float]:
+    """Trips per program of each innermost loop, in order: :func:`static_bound`'s ``trips``."""
+    return [trips for _, _, trips, innermost in loops_with_trips(plan, kernel, shape) if innermost] or [1.0]
+
+
 def kernel_loop_trips(plan: Any, kernel: Any, loop: Any, shape: Mapping[str, int]) -> float:
     """:func:`loop_trips` averaged over ``kernel``'s programs: a loop over the SPLIT partial states
     inside a kernel whose grid is split is the combine the last program of each lane block runs
@@ -198,14 +242,14 @@ def descriptor_bytes(plan: Any, kernel: Any, shape: Mapping[str, int]) -> float:
     ``descriptor``: a whole tile each, every trip of their loop), for :func:`static_bound`."""
     import math
 
-    from fuser_core.codegen.ops import Load, walk
+    from fuser_core.codegen.ops import Load
     from tuner.analysis import ELEMENT_BYTES
 
     total = 0.0
-    for loop in kernel.loops():
+    for _, ops, trips, _ in loops_with_trips(plan, kernel, shape):
         tile = sum(math.prod(plan.blocks[d] for d in op.descriptor) * ELEMENT_BYTES[op.dtype]
-                   for op in walk(loop.body) if isinstance(op, Load) and op.descriptor)
-        total += tile * (kernel_loop_trips(plan, kernel, loop, shape) if tile else 0.0)
+                   for op in ops if isinstance(op, Load) and op.descriptor)
+        total += tile * trips if tile else 0.0
     return total
 
 
@@ -217,22 +261,22 @@ def dot_macs(plan: Any, kernel: Any, shape: Mapping[str, int]) -> float:
     """Multiply-adds one program of ``kernel`` asks the tensor cores for (its ``tl.dot``s, every
     trip of their loop), each dot's tile padded to tcgen05.mma's smallest: for :func:`static_bound`
     on sm_100, whose ``UTCHMMA``/``UTCQMMA`` keep their shape out of the SASS text."""
-    from fuser_core.codegen.ops import FP8_DOT, walk
+    from fuser_core.codegen.ops import FP8_DOT
 
     def up(n: int, step: int) -> int:
         return -(-max(n, 1) // step) * step
 
     total = 0.0
-    for loop in kernel.loops():
+    for _, ops, trips, _ in loops_with_trips(plan, kernel, shape):
         macs = 0.0
-        for op in walk(loop.body):
+        for op in ops:
             dot = getattr(op, "dot", None)
             if dot is None:
                 continue
             depth = TCGEN05_DEPTH_BYTES // (1 if dot.precision == FP8_DOT else 2)
             macs += (up(plan.blocks.get(dot.i, 1), TCGEN05_MIN_ROWS) * up(plan.blocks.get(dot.j, 1), TCGEN05_MIN_COLS)
                      * up(plan.blocks.get(dot.over, 1), depth))
-        total += macs * (kernel_loop_trips(plan, kernel, loop, shape) if macs else 0.0)
+        total += macs * trips if macs else 0.0
     return total
 
 
@@ -253,7 +297,7 @@ def module_bounds(plan: Any, structure: Any, builds: Sequence[Any], profile: Gpu
             return None
         programs = math.prod(-(-shape[d] // b) for d, b in kernel.grid.lanes) * (
             plan.config.split if kernel.grid.split else 1)
-        trips = [kernel_loop_trips(plan, kernel, loop, shape) for loop in kernel.loops() if not loop.resident] or [1.0]
+        trips = innermost_trips(plan, kernel, shape)
         bound = static_bound(sass, programs=programs, num_warps=plan.config.num_warps, trips=trips, profile=profile,
                              unique_bytes=unique_bytes if i == 0 else None,
                              tma_bytes=descriptor_bytes(plan, kernel, shape), dot_macs=dot_macs(plan, kernel, shape))
@@ -313,5 +357,5 @@ def problem_bounds(problem: Any, derivation: Any, strategy: str, config: Any, bu
     return out
 
 
-__all__ = ["ISSUE_PER_SM_PER_CLOCK", "descriptor_bytes", "dot_macs", "kernel_loop_trips", "load_width", "loop_trips", "min_bytes",
+__all__ = ["ISSUE_PER_SM_PER_CLOCK", "descriptor_bytes", "dot_macs", "innermost_trips", "kernel_loop_trips", "load_width", "loop_trips", "loops_with_trips", "min_bytes",
            "module_bounds", "problem_bounds", "static_bound", "tensor_unit"]

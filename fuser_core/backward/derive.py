@@ -417,9 +417,9 @@ def statistics_json(spec: Spec, extra: list[str]) -> dict[str, Any]:
     stored as :data:`STATISTIC_DTYPE` (an index one stays int32)."""
     raw = spec_json(spec)
     raw["outputs"] = list(spec.outputs) + extra
-    values = {s for s in extra if not spec.step(s).is_integer}
-    if values:
-        raw["output_dtypes"] = {**raw.get("output_dtypes", {}), **{s: STATISTIC_DTYPE for s in extra if s in values}}
+    stored = {s: STATISTIC_DTYPE for s in extra if not spec.step(s).is_integer}
+    if stored:
+        raw["output_dtypes"] = {**raw.get("output_dtypes", {}), **stored}
     return raw
 
 

@@ -12,6 +12,9 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+MAX_TILE_ELEMENTS = 1 << 16  # elements of the largest tensor a program holds
+
+
 # split_fused's ways to merge its partial states (KernelConfig.combine)
 COMBINES = ("kernel", "last_part")
 

@@ -351,7 +351,7 @@ class KernelPrinter:
 
     def offsets(self, op: o.Offsets) -> None:
         d = op.dim
-        origin = {"pid": f"pid_{d} * BLOCK_{d}", "start": "start", "": "0"}[op.base]
+        origin = {"pid": f"pid_{d} * BLOCK_{d}", "": "0"}.get(op.base, op.base)  # else a loop's variable
         self.origins[d] = origin
         self.emit(f"offs_{d} = {'' if origin == '0' else origin + ' + '}tl.arange(0, BLOCK_{d})")
         self.widen(f"offs_{d}")
@@ -476,7 +476,8 @@ class KernelPrinter:
             text, _ = self.dot(op.dot, op.env, op.masked)
         else:
             text, _ = self.tile(op.op, op.expr, op.env, op.over, op.masked)
-        self.emit(f"{op.name} = {text}{op.note}{dot_note(op)}")
+        total = f"{op.name} + {text}" if op.into else text  # a K loop's sum (a dot's accumulator, once compiled)
+        self.emit(f"{op.name} = {total}{op.note}{dot_note(op)}")
 
     def fold(self, op: o.Fold) -> None:
         if op.per_lane:  # elementwise: each lane folds its own element

@@ -6,7 +6,10 @@ A kernel's tiles span the spec's dims in the spec's order, each value only those
 - the **loop axis** (the axis of the cascade the kernel fuses) is walked in tiles of
   ``BLOCK_<axis>`` (one tile holding the whole axis for row-resident);
 - **inner axes** (reductions that keep the loop axis, like attention's ``s = q.k`` over
-  ``d``) are held whole, in one block;
+  ``d``) are held whole, in one block, or, for a sum over a dim no value keeps and whose inputs
+  only that sum reads (a producer GEMM's hidden size: ``logits = sum over d of h * w`` before a
+  cross-entropy), summed ``BLOCK_<d>`` at a time in a loop of their own inside each tile (a GEMM's
+  K loop: :func:`contraction_loop_dims`);
 - **lane dims** (everything else, e.g. rows) are split over programs, ``BLOCK_<dim>`` at a
   time (1 by default: one row per program); a topk ``as`` dim is held whole.
 
@@ -23,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fuser_core.codegen.config import KernelConfig, NotValid, next_pow2
+from fuser_core.codegen.config import MAX_TILE_ELEMENTS, KernelConfig, NotValid, next_pow2
 from fuser_core.codegen.strategies import STRATEGIES, DefaultTiling, Strategy, strategy_named
 from fuser_core.codegen.strategies import BASELINE  # noqa: F401  (tests and benchmarks import it from here)
 from fuser_core.codegen.strategies.base import DOT_BLOCK_N, MAX_DOT_INNER
@@ -34,7 +37,10 @@ from fuser_core.spec import Input, Spec, Step
 from fuser_core.dim_symbols import is_dim_symbol, symbol_kind
 
 MAX_INNER_BLOCK = 1024  # an inner axis is held whole; beyond this a tile no longer fits
-MAX_TILE_ELEMENTS = 1 << 16  # elements of the largest tensor a program holds
+# a K loop's tile (an inner sum summed a block at a time) when the axis does not fit one block:
+# Triton's matmul tutorial's BLOCK_SIZE_K for 16-bit operands; the tuner searches around it
+CONTRACTION_BLOCK = 64
+MIN_CONTRACTION_BLOCK = 16  # tl.dot's least K
 MAX_KERNEL_NODES = 2000  # a step's expression once inlined (nodes with repetition): kernels print it whole
 
 
@@ -64,6 +70,8 @@ class KernelPlan:
     lanes: tuple[str, ...]  # dims split over programs
     config: KernelConfig
     parallel_combine: bool = False  # split_fused: see parallel_combine()
+    # inner dims summed BLOCK_<d> at a time in a K loop of their own (contraction_loop_dims)
+    contraction_loops: tuple[str, ...] = ()
 
     @property
     def rules(self) -> Strategy:
@@ -147,13 +155,81 @@ def loop_axis(spec: Spec) -> tuple[str, tuple[str, ...]]:
     if not axes:
         raise NotValid("the spec has no reduction")
     selected = {s.as_dim for s in spec.steps if s.as_dim}
+    valid = []
     for a in axes:
         if a in selected:
             continue
         others = [s for s in spec.steps if s.is_reduction and s.over != a and s.over not in selected]
         if all(a in s.dims for s in others):
-            return a, tuple(x for x in axes if x != a)
-    raise NotValid(f"reductions over {', '.join(axes)} do not nest: no single loop axis")
+            valid.append(a)
+    if not valid:
+        raise NotValid(f"reductions over {', '.join(axes)} do not nest: no single loop axis")
+    # where two axes would do, the one no inner reduction waits for: a backward's d_h = sum over v of
+    # d_logits * w, whose d_logits reads logits = sum over d, loops over v (logits per tile, inside);
+    # looping over d would hold every v whole and pass over d twice
+    reads = _reductions_read(spec)
+    ahead = [a for a in valid if not any(s.over != a and any(spec.step(r).over == a for r in reads[s.name])
+                                         for s in spec.steps if s.is_reduction and s.over not in selected)]
+    a = (ahead or valid)[0]
+    return a, tuple(x for x in axes if x != a)
+
+
+def _reductions_read(spec: Spec) -> dict[str, set[str]]:
+    """Step name -> the reductions its expression reads, through elementwise steps."""
+    from fuser_core import expr as ex
+
+    out: dict[str, set[str]] = {}
+    for s in spec.steps:
+        found: set[str] = set()
+        for n in ex.walk(s.expr):
+            if isinstance(n, ex.Ref) and n.name in out:
+                found |= {n.name} if spec.step(n.name).is_reduction else out[n.name]
+        out[s.name] = found
+    return out
+
+
+def loopable_inner_dims(spec: Spec, inner: tuple[str, ...]) -> frozenset[str]:
+    """Inner dims a K loop may sum a block at a time: reduced by one step, a sum, that no other step
+    keeps (no value carries the dim: each tile's sum is complete when its loop ends), and whose inputs
+    carrying the dim no other step reads (their tiles live only inside that loop)."""
+    from fuser_core import expr as ex
+
+    out = set()
+    for d in inner:
+        reducers = [s for s in spec.steps if s.is_reduction and s.over == d]
+        if len(reducers) != 1 or reducers[0].reduce != "sum" or any(d in s.dims for s in spec.steps):
+            continue
+        carrying = {i.name for i in spec.inputs if d in i.dims}
+        if any(n.name in carrying for s in spec.steps if s is not reducers[0]
+               for n in ex.walk(s.expr) if isinstance(n, ex.Ref)):
+            continue
+        out.add(d)
+    return frozenset(out)
+
+
+def contraction_loop_dims(inner: tuple[str, ...], blocks: Mapping[str, int],
+                          shape: Mapping[str, int]) -> tuple[str, ...]:
+    """The inner dims whose block is smaller than the dim (next power of two): summed in a K loop."""
+    return tuple(d for d in inner if blocks[d] < next_pow2(shape[d]))
+
+
+def inner_block(d: str, loopable: frozenset[str], shape: Mapping[str, int], config: KernelConfig) -> int:
+    """An inner dim's block: whole, or for a dim a K loop may sum (:func:`loopable_inner_dims`) the
+    configuration's block, by default :data:`CONTRACTION_BLOCK` where the dim does not fit one."""
+    whole = next_pow2(shape[d])
+    if d not in loopable:
+        if config.blocks.get(d, whole) < whole:
+            raise NotValid(f"config.blocks.{d}: inner axis {d} is held whole (a value keeps it, or an input carrying "
+                           f"it is read outside its sum)")
+        if whole > MAX_INNER_BLOCK:
+            raise NotValid(f"inner axis {d} ({shape[d]}) does not fit one block (max {MAX_INNER_BLOCK})")
+        return whole
+    block = min(config.blocks.get(d, whole if whole <= MAX_INNER_BLOCK else CONTRACTION_BLOCK), whole)
+    if block < whole and block < MIN_CONTRACTION_BLOCK:
+        raise NotValid(f"config.blocks.{d}: a K loop's tile over {d} is at least {MIN_CONTRACTION_BLOCK} (tl.dot's K)")
+    if block > MAX_INNER_BLOCK:
+        raise NotValid(f"config.blocks.{d}: {block} is more than one block holds (max {MAX_INNER_BLOCK})")
+    return block
 
 
 def capped_shape(spec: Spec, derivation: Derivation | None, shape: Mapping[str, int], *, axis: int, inner: int,
@@ -237,7 +313,10 @@ def default_config(spec: Spec, derivation: Derivation, strategy: str, shape: dic
     blocks: dict[str, int] = {}
     free, _batch = contraction_dims(spec, derivation)
     dot_lanes = tuple(d for d in spec.dims if d in free and d != axis and d not in inner)
-    held = math.prod(next_pow2(shape[d]) for d in inner)  # inner axes ride along in every tile
+    loopable = loopable_inner_dims(spec, inner)
+    # inner axes ride along in every tile (a K loop's tile of them)
+    held = math.prod(inner_block(d, loopable, shape, KernelConfig()) if d in loopable else next_pow2(shape[d])
+                     for d in inner)
     for d in dot_lanes[1:]:  # the contraction's other free dims: whole (a head dim), else a GEMM's column tile
         whole = next_pow2(shape[d])
         blocks[d] = whole if whole <= MAX_DOT_INNER and axis not in free else min(DOT_BLOCK_N, whole)
@@ -263,11 +342,10 @@ def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str
         if name not in spec.dims:
             raise NotValid(f"config.blocks names unknown dim {name!r}")
     blocks: dict[str, int] = {}
+    loopable = loopable_inner_dims(spec, inner)
     for d in spec.dims:
         if d in inner:
-            blocks[d] = next_pow2(shape[d])
-            if blocks[d] > MAX_INNER_BLOCK:
-                raise NotValid(f"inner axis {d} ({shape[d]}) does not fit one block (max {MAX_INNER_BLOCK})")
+            blocks[d] = inner_block(d, loopable, shape, config)
         elif any(s.as_dim == d for s in spec.steps):
             blocks[d] = next_pow2(shape[d])
         elif d == axis:
@@ -290,7 +368,8 @@ def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str
     tile = max(_tile_elements(spec, s, blocks, s.name in dots) for s in spec.steps)
     if tile > MAX_TILE_ELEMENTS:
         raise NotValid(f"a tile of {tile} elements is too large (max {MAX_TILE_ELEMENTS}); use smaller blocks")
-    return KernelPlan(spec, derivation, strategy, axis, inner, blocks, lanes, config, parallel)
+    return KernelPlan(spec, derivation, strategy, axis, inner, blocks, lanes, config, parallel,
+                      contraction_loop_dims(inner, blocks, shape))
 
 
 def valid_strategies(spec: Spec, derivation: Derivation, shape: dict[str, int]) -> dict[str, str | None]:

@@ -37,7 +37,9 @@ PACKAGED_SPECS = {"attention", "attention_causal", "attention_sink", "cross_entr
                   # norm + fp8 quantisation (issue 36)
                   "rmsnorm_fp8_per_token", "rmsnorm_residual_fp8_per_token", "rmsnorm_fp8_per_block",
                   # a paged KV cache (issue 36)
-                  "attention_paged"}
+                  "attention_paged",
+                  # an LM head's GEMM fused with its loss (issue 39)
+                  "linear_cross_entropy"}
 
 
 def test_packaged_catalog_names_are_the_specs_own_names():

@@ -71,6 +71,27 @@ def test_cross_entropy_gradient_written_by_the_forward():
     torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_linear_cross_entropy_trains_without_the_logits():
+    """An LM head and its loss (issue 39 item 4): d_h and d_w from the derived backward, which
+    recomputes the logits per tile (d_h loops over the vocabulary, d_w over the tokens) and writes
+    neither them nor their gradient; each gradient within 2x torch float32's own error against
+    float64 autograd."""
+    op = _trainable("linear_cross_entropy", {"t": 37, "v": 300, "d": 80})
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(37, 80, generator=g, requires_grad=True)
+    w = (torch.randn(300, 80, generator=g) * 0.3).requires_grad_()
+    target = torch.randint(0, 300, (37,), generator=g)
+    dloss = torch.randn(37, generator=g)
+    (op(h=h, w=w, target=target)["loss"] * dloss).sum().backward()
+    grads = {}
+    for dtype in (torch.float64, torch.float32):
+        rh, rw = (x.detach().to(dtype).requires_grad_() for x in (h, w))
+        torch.nn.functional.cross_entropy(rh @ rw.T, target, reduction="none").backward(dloss.to(dtype))
+        grads[dtype] = (rh.grad.double(), rw.grad.double())
+    for got, want, plain in zip((h.grad, w.grad), grads[torch.float64], grads[torch.float32]):
+        assert (got.double() - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-7
+
+
 def test_compile_fullgraph_traces_forward_and_backward(rms):
     x, w, dy = _rms_case(seed=3)
 

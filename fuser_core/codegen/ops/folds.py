@@ -31,7 +31,8 @@ def dot_helpers(dot: Dot | None) -> list[str]:
 class Reduce(Op):
     """``name = reduce(op) over the whole tile of over`` of ``expr`` (its masked lanes the identity,
     unless ``masked`` is False: its load filled them), or ``dot``. ``inner``: over an inner axis
-    (held whole), else a resident row's reduction over the loop axis."""
+    (held whole), else a resident row's reduction over the loop axis. ``into``: the tile's reduction
+    added to ``name`` (a K loop's accumulator: :attr:`KernelPlan.contraction_loops`)."""
 
     step: str
     name: str
@@ -44,9 +45,10 @@ class Reduce(Op):
     dot: Dot | None = None
     masked: bool = True
     note: str = ""
+    into: bool = False
 
     def reads(self) -> set[str]:
-        return env_reads(self.env) | dot_reads(self.dot, self.masked, self.over)
+        return env_reads(self.env) | dot_reads(self.dot, self.masked, self.over) | ({self.name} if self.into else set())
 
     def helpers(self) -> list[str]:
         return dot_helpers(self.dot) if self.dot is not None else expr_helpers(self.expr) + max_min_helpers(self.op)

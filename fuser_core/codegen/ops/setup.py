@@ -39,7 +39,8 @@ class Program(Op):
 @dataclass(frozen=True, kw_only=True)
 class Offsets(Op):
     """``offs_d = [base +] tl.arange(0, BLOCK_d)`` and, with ``mask``, ``mask_d = offs_d < size_d``;
-    ``base``: ``pid`` (a lane: ``pid_d * BLOCK_d``), ``start`` (the loop's tile) or none. ``inside``:
+    ``base``: ``pid`` (a lane: ``pid_d * BLOCK_d``), ``start`` (the loop's tile), ``start_d`` (a
+    K loop's tile: :attr:`KernelPlan.contraction_loops`) or none. ``inside``:
     the tile lies inside the dim (a loop that stops at a tile boundary at or below ``size_d``), so
     its mask is a constant true the compiler folds away (unpredicated, full-width loads)."""
 
@@ -59,7 +60,7 @@ class Offsets(Op):
     def reads(self) -> set[str]:
         d = self.dim
         out = {f"BLOCK_{d}", WIDE_OFFSETS} | ({f"size_{d}", self.name} if self.mask and not self.inside else set())  # the mask reads the offsets
-        return out | ({f"pid_{d}"} if self.base == "pid" else {"start"} if self.base == "start" else set())
+        return out | ({f"pid_{d}"} if self.base == "pid" else {self.base} if self.base else set())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,7 +171,8 @@ class Loop(Op):
     (they do not vary along the axis). ``lo``, ``hi`` and ``step`` are :class:`Bound` data (what
     the loop reads is theirs: :meth:`reads`). ``window``: the part of the axis it covers when a mask bounds it (:class:`~fuser_core.codegen.bounds.Window`,
     for counting its trips); ``unmasked``: its tiles lie where the mask holds for every lane, so its
-    body folds without the mask (the masked loop that follows it covers the rest)."""
+    body folds without the mask (the masked loop that follows it covers the rest). ``contraction``:
+    a K loop inside a tile, over ``dim`` a block at a time (:attr:`KernelPlan.contraction_loops`)."""
 
     span: str
     var: str
@@ -184,6 +186,7 @@ class Loop(Op):
     hoisted: tuple[str, ...] = ()
     window: Any = None
     unmasked: bool = False
+    dim: str = ""  # a contraction loop's dim
 
     @property
     def name(self) -> str:  # type: ignore[override]

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fuser_core.codegen.config import KernelConfig, NotValid, next_pow2
+from fuser_core.codegen.config import MAX_TILE_ELEMENTS, KernelConfig, NotValid, next_pow2
 
 if TYPE_CHECKING:
     from fuser_core.codegen.structure.build import KernelBuilder
@@ -103,7 +103,9 @@ class Strategy:
         row, *others = t.dot_lanes or (None,)
         num_warps, per_lane = 4, True
         if row is not None and next_pow2(t.shape[row]) >= 16:  # the tile the tuner's dot rows start from
-            blocks[row] = min(DOT_BLOCK_M, next_pow2(t.shape[row]))
+            # fewer rows where the inner axes riding along would make the tile too large (a weight's
+            # gradient over a hidden size of 1024: [v, d] on 64 rows)
+            blocks[row] = min(DOT_BLOCK_M, next_pow2(t.shape[row]), max(16, MAX_TILE_ELEMENTS // held))
             blocks[axis] = max(16, min(next_pow2(n), 128 if held <= 64 and axis not in t.free else 64))
             num_warps = 8 if blocks[row] * blocks[axis] >= 128 * 128 or (axis in t.free and blocks[row] >= 128) else 4
         else:  # a streamed row (a decode's single query: its keys stream past the whole head dims)

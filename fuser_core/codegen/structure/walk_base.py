@@ -14,7 +14,10 @@ import sympy as sp
 
 from fuser_core.codegen.layout import Layout
 from fuser_core.codegen.names import FP8, safe_name, scalar_arg
-from fuser_core.codegen.ops import Comment, Dot, Env, Fold, Gather, Load, Loop, Offsets, Op, Program, Reduce
+from fuser_core.codegen.ops import (
+    Comment, Dot, Env, Fold, Gather, InitState, Load, Loop, Offsets, Op, Program, Reduce,
+)
+from fuser_core.codegen.ops import bounds as bound
 from fuser_core.codegen.ops.bounds import Bound
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.structure.facts import (
@@ -155,7 +158,7 @@ class WalkBase:
         if lanes:
             self.head.append(Program(lanes=lanes, tile=frozenset(d for d in lanes if d in dims), used=frozenset()))
         for d in self.plan.dims:
-            if d == self.axis or d not in dims:
+            if d == self.axis or d not in dims or d in self.plan.contraction_loops:  # a K loop's offsets are its own
                 continue
             self.head.append(Offsets(dim=d, base="pid" if d in lanes else "", mask=True))
             self.let(f"offs_{d}", (d,))
@@ -281,7 +284,8 @@ class WalkBase:
         inp = self.spec.input(name)
         var = safe_name(name)
         tile = self.order(inp.dims)
-        hoisted = self.hoisted is not None and self.axis not in inp.dims
+        hoisted = (self.hoisted is not None and self.axis not in inp.dims
+                   and not set(inp.dims) & set(self.plan.contraction_loops))  # a K loop's tiles move with it
         if fill and tile:
             self.filled[name] = fill
         else:
@@ -303,9 +307,21 @@ class WalkBase:
 
     def inner_reduction(self, step: Step) -> None:
         integrand = self.conv.integrand(step)
-        self.need([integrand])
         var = safe_name(step.name)
-        self.add(Comment(text=f"# {step.name}: {step.reduce} over {step.over} of {sp.sstr(integrand)}"))
+        comment = Comment(text=f"# {step.name}: {step.reduce} over {step.over} of {sp.sstr(integrand)}")
+        if step.over in self.plan.contraction_loops:  # its inputs' tiles are loaded inside its loop
+            self.add(comment)
+            self.contraction_loop(step, integrand, var)
+        else:
+            self.need([integrand])
+            self.add(comment)
+            self.add(self.inner_reduce(step, integrand, var))
+        self.values[step.name] = self.var(var)
+        self.loaded.add(step.name)
+
+    def inner_reduce(self, step: Step, integrand: sp.Expr, var: str, into: bool = False) -> Reduce:
+        """The reduction of ``integrand`` over its inner dim's tile, as ``var`` (``into``: added to it)."""
+        self.need([integrand])
         op = step.reduce or "sum"
         dot = self.dot(integrand, step.over) if op == "sum" else None
         if not in_tile(op):
@@ -317,10 +333,32 @@ class WalkBase:
         else:
             dims = tuple(d for d in self.layout.union(self.dims_of(integrand, env), (step.over,)) if d != step.over)
             masked = True
-        self.add(Reduce(step=step.name, name=var, dims=dims, op=op, over=step.over, expr=integrand, env=env, inner=True,
-                        dot=dot, masked=masked))
-        self.values[step.name] = self.let(var, dims)
-        self.loaded.add(step.name)
+        self.let(var, dims)
+        return Reduce(step=step.name, name=var, dims=dims, op=op, over=step.over, expr=integrand, env=env, inner=True,
+                      dot=dot, masked=masked, into=into)
+
+    def contraction_loop(self, step: Step, integrand: sp.Expr, var: str) -> None:
+        """A sum over an inner dim a block at a time (:attr:`KernelPlan.contraction_loops`), a GEMM's K
+        loop: ``var`` starts at 0 and each tile's sum (a tl.dot) is added to it; the tiles of the
+        inputs carrying the dim are loaded inside the loop and are out of scope after it."""
+        d = step.over
+        outer, before = self.out, set(self.values)
+        self.out = body = []
+        self.depth += 1
+        self.add(Offsets(dim=d, base=f"start_{d}", mask=True))
+        self.let(f"offs_{d}", (d,))
+        self.let(f"mask_{d}", (d,))
+        reduce = self.inner_reduce(step, integrand, var, into=True)
+        self.add(reduce)
+        self.depth -= 1
+        self.out = outer
+        for scoped in set(self.values) - before:  # the tiles loaded for the loop
+            self.values.pop(scoped)
+            self.loaded.discard(scoped)
+        self.add(InitState(name=var, dims=reduce.dims, dtype="float32", fill=None,
+                           note=f"  # {step.name}: {d} summed BLOCK_{d} at a time"))
+        self.add(Loop(span="contraction", var=f"start_{d}", lo=bound.ZERO, hi=bound.name(f"size_{d}"),
+                      step=bound.name(f"BLOCK_{d}"), body=tuple(body), dim=d))
 
     def zero_filled(self, e: sp.Expr, over: str) -> bool:
         """Is ``e`` an input loaded here with 0 in the masked lanes of ``over``?"""
