@@ -47,7 +47,8 @@ from fuser_core.spec import Spec
 # stored: the kernels address each with 32-bit offsets (fuser_core.codegen.helpers.int32_offsets).
 MAX_ELEMENTS = 2**31  # the most elements an input, an output, or an intermediate a strategy stores may have
 MAX_WORK = 2**48  # the most points of any step's iteration space (its dims and the dim it reduces over)
-FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn")
+PROBLEM_DTYPES = FLOAT_DTYPES[:4]  # one dtype for every float input (fp8 per input only)
 INDEX_DTYPES = ("int32", "int64")
 
 
@@ -266,8 +267,8 @@ def bind_dtypes(spec: Spec, dtype: str | Mapping[str, str]) -> dict[str, str]:
     """One dtype for every floating input, or a map per input (docs/SPEC.md); index inputs int64."""
     out: dict[str, str] = {}
     if isinstance(dtype, str):
-        if dtype not in FLOAT_DTYPES[:3]:
-            raise SpecError(f"unknown dtype {dtype!r}; one of {', '.join(FLOAT_DTYPES[:3])} (fp8 per input only)", loc=("dtype",))
+        if dtype not in PROBLEM_DTYPES:
+            raise SpecError(f"unknown dtype {dtype!r}; one of {', '.join(PROBLEM_DTYPES)} (fp8 per input only)", loc=("dtype",))
         mapping: Mapping[str, str] = {i.name: dtype for i in spec.inputs if i.is_float}
     else:
         mapping = dtype
@@ -295,7 +296,9 @@ def output_dtypes(spec: Spec, dtypes: Mapping[str, str]) -> dict[str, str]:
         step = spec.step(part.split(".")[0])
         if part.endswith(".indices") or returns_indices(step.reduce):
             out[part] = "int32"
-        elif step.name in dict(spec.output_dtypes):
+        elif step.name in dict(spec.output_dtypes) and not (default == "float64" and dict(spec.output_dtypes)[step.name]
+                                                            == "float32"):
+            # float32 is never narrower than the data: a float64 problem keeps its statistics in float64
             out[part] = dict(spec.output_dtypes)[step.name]
         elif isinstance(step.expr, ex.Cast) and not step.is_reduction:
             out[part] = step.expr.dtype
@@ -337,7 +340,7 @@ def normalize_dtype(spec: Spec, dtype: str | Mapping[str, str]) -> str | dict[st
 def _dtype_request(spec: Spec, bound: Mapping[str, str]) -> str | dict[str, str]:
     floats = {bound[i.name] for i in spec.inputs if i.is_float}
     index_default = all(bound[i.name] == "int64" for i in spec.inputs if i.is_index)
-    if len(floats) == 1 and index_default and next(iter(floats)) in FLOAT_DTYPES[:3]:
+    if len(floats) == 1 and index_default and next(iter(floats)) in PROBLEM_DTYPES:
         return next(iter(floats))
     return dict(sorted(bound.items()))
 

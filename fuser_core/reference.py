@@ -53,6 +53,7 @@ FLOAT_DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float64": np.dtype(np.float64),
     "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448

@@ -49,7 +49,7 @@ from fuser_core.spec import Spec, Step
 from fuser_core.symbolic import CAST_FUNCTIONS, Round, SymbolicSpec
 from fuser_core.targets import CUDA, WARP_SIZES, Target
 
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int32": 4, "int64": 8}
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int32": 4, "int64": 8, "float64": 8}
 # operand bytes in shared memory per tl.dot precision (an fp8 dot's: 1 where the hardware has fp8)
 DOT_BYTES = {ops.FP8_DOT: 1, "float16": 2, "bfloat16": 2, "tf32": 4, "ieee": 4}
 LOAD_ALU = 4  # per loaded element: address (multiply-add per dim, folded), mask, conversion to float32

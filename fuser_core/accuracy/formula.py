@@ -15,15 +15,17 @@ from fuser_core.spec import Spec
 
 FLOOR_ULPS = 4  # units in the last place of the output dtype below which errors count as equal
 # unit roundoff (half an ulp at 1): the relative rounding error of one operation
-UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8, "float8_e4m3fn": 2.0**-4}
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8, "float8_e4m3fn": 2.0**-4,
+                 "float64": 2.0**-53}
 
 
 def formula_dtype(dtypes: Mapping[str, str]) -> str:
     """The dtype the spec's formula is evaluated in: the float inputs' common dtype as torch
     promotes it (float16 with bfloat16, or anything with float32, is float32); float8 inputs
-    count as float32 (nobody computes in float8: it is a storage format); no float input: float32."""
+    count as float32 (nobody computes in float8: it is a storage format); no float input: float32;
+    a float64 input makes it float64."""
     floats = {("float32" if d == "float8_e4m3fn" else d) for d in dtypes.values() if d in FLOAT_DTYPES}
-    return floats.pop() if len(floats) == 1 else "float32"
+    return "float64" if "float64" in floats else floats.pop() if len(floats) == 1 else "float32"
 
 
 def ulp_floor(store: str) -> float:

@@ -89,7 +89,8 @@ def torch_outputs(spec: Spec, shape: Mapping[str, int], inputs: Mapping[str, np.
     for inp in spec.inputs:  # inputs keep their names in the canonical form
         a = np.asarray(inputs[inp.name])
         tensors[inp.name] = (torch.from_numpy(a.astype(np.int64)) if inp.is_index
-                             else torch.from_numpy(a.astype(np.float32)).to(getattr(torch, dtypes[inp.name])))
+                             else torch.from_numpy(a.astype(np.float64 if dtypes[inp.name] == "float64" else np.float32))
+                             .to(getattr(torch, dtypes[inp.name])))
     try:
         with torch.no_grad():
             got = _torch_ops()[name]({d: shape[theirs[d]] for d in catalog.sized_dims},

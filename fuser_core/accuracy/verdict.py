@@ -22,7 +22,7 @@ BAR = 2.0  # a strategy may err at most this many times the formula's (and torch
 def _float64(t: Any) -> np.ndarray:
     if isinstance(t, np.ndarray):
         return t.astype(np.float64)
-    return (t.float() if t.dtype.is_floating_point else t).cpu().numpy().astype(np.float64)
+    return (t.double() if t.dtype.is_floating_point else t).cpu().numpy().astype(np.float64)  # float64 outputs exactly
 
 
 class TermScales:

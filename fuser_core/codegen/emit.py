@@ -110,6 +110,7 @@ class KernelPrinter:
         self.depth = 1
         self.fp8_bits: set[str] = set()  # fp8 inputs loaded with their bits kept (fp8_bits_var)
         self.origins: dict[str, str] = {}  # dim -> the first index of the current tile (its Offsets' base)
+        self.real = f"tl.{kernel.compute}"  # what the structure's float32 values are computed as (float64 kernels)
         self.printers: dict[type, Callable] = {
             o.Comment: self.comment, o.Program: self.program, o.Offsets: self.offsets, o.Chunk: self.chunk,
             o.Load: self.load, o.Descriptor: self.descriptor, o.Gather: self.gather, o.Loop: self.loop,
@@ -122,6 +123,10 @@ class KernelPrinter:
         }
 
     # ------------------------------------------------------------ text helpers
+    def kind(self, kind: str) -> str:
+        """A load's value type: an index's int32, else what the kernel computes in."""
+        return self.kernel.compute if kind == "float32" else kind
+
     def emit(self, line: str = "") -> None:
         self.lines.append(("    " * self.depth + line) if line else "")
 
@@ -167,6 +172,7 @@ class KernelPrinter:
         ulp: it moves the rounding only at a midpoint), as a 16-bit output's does
         (structure.build.BASE2_OUTPUT_DTYPES; tritonize.to_triton's ``reciprocals``)."""
         return to_triton(e, dict(env), self.layout, self.kernel.grouping, exp_base2=self.kernel.exp_base2 or to_half,
+                         compute=self.kernel.compute,
                          reciprocals=to_half)
 
     def tex_dims(self, e: sp.Expr, env: o.Env) -> tuple[str, ...]:
@@ -379,10 +385,10 @@ class KernelPrinter:
             if self.layout.order(op.dims) != op.descriptor:
                 tile = f"tl.trans({tile})"
             self.emit(f"if {TMA_LOADS}:")
-            self.emit(f"    {var} = {tile}.to(tl.{op.kind})")
+            self.emit(f"    {var} = {tile}.to(tl.{self.kind(op.kind)})")
             self.emit("else:")
             self.depth += 1
-            self.emit(f"{var} = {load_expr(args, op.dtype, op.kind)}")
+            self.emit(f"{var} = {load_expr(args, op.dtype, self.kind(op.kind))}")
             self.depth -= 1
             return
         if op.dtype == FP8:  # the bits too: a tl.dot takes them as its operand (fp8_bits_operand)
@@ -390,7 +396,7 @@ class KernelPrinter:
             self.emit(f"{var} = {fp8_value(fp8_bits_var(var))}")
             self.fp8_bits.add(var)
         else:
-            self.emit(f"{var} = {load_expr(args, op.dtype, op.kind)}{note}")
+            self.emit(f"{var} = {load_expr(args, op.dtype, self.kind(op.kind))}{note}")
 
     def descriptor(self, op: o.Descriptor) -> None:
         outer, inner = op.memory
@@ -415,7 +421,7 @@ class KernelPrinter:
             # the input's own tail masks on the whole tile (the index's lanes included), as its pointers are
             mask = " & ".join(m for m in (self.mask([d for d in dims if d != op.axis], tile),
                                           self.on(f"{at}_ok", at_dims, tile)) if m)
-            self.emit(f"{var} = {load_expr(f'{ptr}, mask={mask}, other=0', dtype, kind)}")
+            self.emit(f"{var} = {load_expr(f'{ptr}, mask={mask}, other=0', dtype, self.kind(kind))}")
         value, dims = self.tex(op.expr, op.env), self.tex_dims(op.expr, op.env)
         both = self.layout.union(dims, at_dims)
         self.emit(f"{op.name} = tl.where({self.on(f'{at}_ok', at_dims, both)}, {self.on(value, dims, both)}, 0.0)")
@@ -446,23 +452,23 @@ class KernelPrinter:
     def init_state(self, op: o.InitState) -> None:
         shape = self.shape(op.dims)
         if op.fill is None:
-            self.emit(f"{op.name} = tl.zeros({shape}, tl.float32){op.note}")
+            self.emit(f"{op.name} = tl.zeros({shape}, {self.real}){op.note}")
         elif op.dtype == "int32":
             self.emit(f"{op.name} = tl.full({shape}, {op.fill}, tl.int32){op.note}")
         else:
-            self.emit(f"{op.name} = tl.full({shape}, {number(op.fill)}, tl.float32){op.note}")
+            self.emit(f"{op.name} = tl.full({shape}, {number(op.fill)}, {self.real}){op.note}")
 
     def count(self, op: o.Count) -> None:
         a = op.axis
         if op.mode == "init":
-            self.emit("count = 0.0")
+            self.emit("count = 0.0" if self.kernel.compute == "float32" else f"count = tl.zeros([], {self.real})")
         elif op.mode == "tile":
             self.emit("count_old = count")
-            self.emit(f"count += tl.minimum(BLOCK_{a}, {bound_source(op.hi)} - start).to(tl.float32)")
+            self.emit(f"count += tl.minimum(BLOCK_{a}, {bound_source(op.hi)} - start).to({self.real})")
         else:
             self.emit("count_old = count")
             self.emit(f"count_part = (tl.minimum(split * chunk + chunk, size_{a}) - tl.minimum(split * chunk, size_{a}))"
-                      ".to(tl.float32)")
+                      f".to({self.real})")
             self.emit("count += count_part")
 
     def copy(self, op: o.Copy) -> None:
@@ -576,9 +582,11 @@ class KernelPrinter:
             mask = f"tl.where({op.gate} != 0, {mask}, False)" if mask else f"{op.gate} != 0"
         value = self.tex(op.expr, op.env) if op.expr is not None else op.value.text
         if op.constant:  # a constant step: .to() takes tensors only
-            value = f"tl.full({self.shape(dims)}, {value}, tl.float32)"
+            value = f"tl.full({self.shape(dims)}, {value}, {self.real})"
         else:
             value = self.layout.whole(value, op.value_dims, dims)
+        if op.dtype in STORE_HELPERS and self.kernel.compute != "float32":  # the helpers convert a float32
+            value = f"({value}).to(tl.float32)"
         line = f"tl.store({ptr}, {store_expr(value, op.dtype, var)}"
         self.emit(line + (f", mask={mask})" if mask else ")"))
 

@@ -64,7 +64,7 @@ GENERATOR_VERSION = _generator_version()
 # cubin's key differ from an inference server's, which sets none).
 FP_FUSION = True
 TORCH_DTYPES = {
-    "float32": "torch.float32", "float16": "torch.float16", "bfloat16": "torch.bfloat16",
+    "float32": "torch.float32", "float16": "torch.float16", "bfloat16": "torch.bfloat16", "float64": "torch.float64",
     "float8_e4m3fn": "torch.float8_e4m3fn", "int32": "torch.int32", "int64": "torch.int64",
 }
 
@@ -256,7 +256,8 @@ def launcher_source(structure: ModuleStructure, stores: dict[str, str]) -> str:
             lines.append("    # partial states of each chunk, handed from the split kernel to the combine kernel")
             for w in launch.workspace:
                 size = "(SPLIT, " + "".join(f"size_{d}, " for d in w.dims) + ")"
-                lines.append(f"    ws_{w.name} = torch.empty({size}, device={first}.device, dtype={TORCH_DTYPES[w.dtype]})")
+                held = structure.kernels[0].compute if w.dtype == "float32" else w.dtype  # a float64 kernel's states
+                lines.append(f"    ws_{w.name} = torch.empty({size}, device={first}.device, dtype={TORCH_DTYPES[held]})")
             if launch.combine is None:
                 lines.append(f"    tickets = split_tickets({first}.device, {lane_programs(launch.part.grid)})"
                              "  # a count per lane block, 0 between launches")

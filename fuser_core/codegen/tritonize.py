@@ -115,7 +115,7 @@ def lookup(names: Names, e: sp.Symbol) -> VarRef:
 
 
 def to_triton(e: sp.Expr, names: Names, layout: Layout | None = None, grouping: Grouping | None = None,
-              exp_base2: bool = False, reciprocals: bool = False) -> str:
+              exp_base2: bool = False, reciprocals: bool = False, compute: str = "float32") -> str:
     """Triton source for ``e``; every free symbol, or its name, must be a key of ``names``
     (:func:`lookup`). With ``layout``, operands on different dims are placed on their union; the
     result is on :func:`expr_dims`. With ``grouping`` (the spec's, :mod:`fuser_core.grouping`), sums
@@ -125,8 +125,9 @@ def to_triton(e: sp.Expr, names: Names, layout: Layout | None = None, grouping: 
     constant) is inverted on its own dims and multiplied: ``x * (1.0 / den)[:, None]``, one division
     per row instead of one per element (a float32 division is a dozen instructions), for a value
     rounded to 16 bits next, whose rounding the reciprocal's extra half ulp of float32 moves only at a
-    midpoint; 0, inf and NaN divisors give what ``/`` gives."""
-    return _Printer(names, layout, grouping, exp_base2, reciprocals).go(decide_finite(e, names))[0]
+    midpoint; 0, inf and NaN divisors give what ``/`` gives. ``compute``: the kernel's float type
+    (float64 where an input is: structure.facts.compute_dtype)."""
+    return _Printer(names, layout, grouping, exp_base2, reciprocals, compute).go(decide_finite(e, names))[0]
 
 
 LOG2E = 1.4426950408889634  # log2(e), as float64: the printed constant rounds once, to float32
@@ -213,8 +214,9 @@ FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: a literal bey
 
 class _Printer:
     def __init__(self, names: Names, layout: Layout | None = None, grouping: Grouping | None = None,
-                 exp_base2: bool = False, reciprocals: bool = False):
+                 exp_base2: bool = False, reciprocals: bool = False, compute: str = "float32"):
         self.names = names
+        self.real = f"tl.{compute}"  # the kernel's float type: an integer or a cast comes back to it
         self.exp_base2 = exp_base2
         self.reciprocals = reciprocals and layout is not None
         self.layout = layout
@@ -223,7 +225,10 @@ class _Printer:
         self.helpers: list[str] = []  # the helpers the printed code calls
 
     def symbol(self, e: sp.Symbol) -> str:
-        return lookup(self.names, e).text
+        ref = lookup(self.names, e)
+        if ref.form == "size" and self.real != "tl.float32":  # `size * 1.0` is float32: a float64 one, exactly
+            return f"({ref.name} * tl.full([], 1.0, {self.real}))"
+        return ref.text
 
     def dims(self, e: sp.Expr) -> tuple[str, ...]:
         if self.layout is None:
@@ -257,7 +262,7 @@ class _Printer:
         inputs) are int32 tensors in a kernel, and tl.exp & co. take floating point only."""
         text = self.go(e)[0]
         if e.is_integer and not e.is_Number and any(not is_dim_symbol(s, "size") for s in e.free_symbols):
-            return f"({text}).to(tl.float32)"
+            return f"({text}).to({self.real})"
         return text
 
     def node(self, e: sp.Expr) -> tuple[str, int]:
@@ -307,15 +312,17 @@ class _Printer:
                 x = _constant_value(e.args[0])
                 if x is not None:
                     return self.go(sp.Float(_rounded(x, dtype)))
-                a = f"tl.full([], {a}, tl.float32)"  # not a real number: round it as a tensor
+                a = f"tl.full([], {a}, {self.real})"  # not a real number: round it as a tensor
             elif all(is_dim_symbol(s, "size") for s in e.args[0].free_symbols):
                 # sizes only: Triton passes a size of 1 as a constant, so this may be a Python float too
-                a = f"tl.full([], {a}, tl.float32)"
+                a = f"tl.full([], {a}, {self.real})"
+            if dtype in ("float8_e4m3fn", "bfloat16") and self.real != "tl.float32":  # the helpers round a float32
+                a = f"({a}).to(tl.float32)"
             if dtype == "float8_e4m3fn":  # saturating, as the GPU's conversion and our reference
                 return self.call("fp8e4m3_round", f"{a}, {FP8_NATIVE}")
             if dtype == "bfloat16":  # nearest even (the interpreter's own conversion truncates)
                 return self.call("bf16_round", a)
-            return f"({a}).to({_TRITON_DTYPE[dtype]}).to(tl.float32)", _ATOM
+            return f"({a}).to({_TRITON_DTYPE[dtype]}).to({self.real})", _ATOM
         if e.func == Rescale:  # the generated module's `rescale` helper: the same guard as the certificate's
             return self.call("rescale", f"{self.go(e.args[0])[0]}, {self.go(e.args[1])[0]}")
         if e.func == ShiftTerm:  # a Taylor shift's term: 0 for a zero shift, as the certificate's

@@ -35,7 +35,7 @@ async def lookup_kernel(
     spec_hash: Annotated[str, Query(pattern=HASH_PATTERN, description="the spec's sha256, or a prefix of 12+ hex characters")],
     target: Annotated[str | None, Query(pattern=TARGET_PATTERN, description="default: the server's target")] = None,
     shape: Annotated[str | None, Query(max_length=2048, description="d0=4,d1=300 (canonical dims) or the spec's own")] = None,
-    dtype: Annotated[str, Query(max_length=2048, description="float32|float16|bfloat16 or a JSON map")] = "float32",
+    dtype: Annotated[str, Query(max_length=2048, description="float32|float16|bfloat16|float64 or a JSON map")] = "float32",
     batch_invariant: Annotated[bool, Query(description="only a range one kernel serves whole")] = False,
 ) -> JSONResponse:
     """The tuned range holding the shape, else the best kernel for exactly this shape, else the

@@ -49,7 +49,7 @@ class JobRequest(BaseModel):
     shape: dict[str, StrictInt | dict[str, Any]] = Field(
         max_length=MAX_DIMS, description='dim sizes, e.g. {"m": 4, "n": 300}; a dim may be a range '
                                          '{"min": 1, "max": 16384, "buckets": [...]} (docs/API.md, "Shape ranges")')
-    dtype: str | dict[str, str] = Field("float32", description="float32|float16|bfloat16, or a map input -> dtype")
+    dtype: str | dict[str, str] = Field("float32", description="float32|float16|bfloat16|float64, or a map input -> dtype")
     target: str | None = Field(None, max_length=32, description="GPU profile (default: the server's, h100)")
     measurer: Literal[MEASURERS] | None = Field(  # type: ignore[valid-type]
         None, description="cuda (timed on a worker's GPU) or model (predicted); default: the server's")

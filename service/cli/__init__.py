@@ -381,7 +381,7 @@ def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     """The spec, ``--shape`` and ``--dtype`` of the commands that generate kernels."""
     parser.add_argument("spec", help=SPEC_HELP)
     parser.add_argument("--shape", help="dim sizes, e.g. m=4,n=300; default: the spec's example shape")
-    parser.add_argument("--dtype", default="float32", help="float32|float16|bfloat16, or a JSON map input -> dtype")
+    parser.add_argument("--dtype", default="float32", help="float32|float16|bfloat16|float64, or a JSON map input -> dtype")
 
 
 def build_parser() -> argparse.ArgumentParser:

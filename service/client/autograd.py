@@ -145,12 +145,13 @@ def fetch_trainable(fetch_all: Any, user: Any, shape: Mapping[str, Any], dtype: 
     forward_dtypes = bind_dtypes(forward_spec, dtype)
     written = output_dtypes(forward_spec, forward_dtypes)
     requests = [(spec_json(forward_spec), dict(shape), dtype)]
+    staged = "float64" if "float64" in forward_dtypes.values() else "float32"  # a stage's results (statistics)
     for b in () if fused else cascade.specs:
         dtypes = {}
         for inp in b.inputs:
             if inp.is_float:
                 source = next((o for o, up in cascade.upstream.items() if up == inp.name), inp.name)
-                dtypes[inp.name] = written.get(source) or forward_dtypes.get(source) or "float32"  # a stage's: float32
+                dtypes[inp.name] = written.get(source) or forward_dtypes.get(source) or staged
         requests.append((spec_json(b), {d: n for d, n in shape.items() if d in b.sized_dims}, dtypes))
     forward, *kernels = fetch_all(requests)
     backward = {raw["name"]: k for (raw, _, _), k in zip(requests[1:], kernels)}

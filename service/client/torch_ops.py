@@ -234,7 +234,11 @@ def _backward(ctx: Any, grads: list[Optional[torch.Tensor]]) -> tuple:
     sources = {INPUT: ins, OUTPUT: outs, UPSTREAM: ups, STAGED: staged}
     for k in plan.kernels:  # in the order they run: a stage's results feed the next
         names, values = _scalars_for(k, ctx.scalar_names, ctx.scalars)
-        parts = torch.ops.foldwise.run(k.key, [sources[kind][n] for kind, n in k.reads], names, values)
+        args = [sources[kind][n] for kind, n in k.reads]
+        if all(order == tuple(range(len(order))) for _, _, order in k.writes):
+            parts = torch.ops.foldwise.run(k.key, args, names, values)
+        else:
+            parts = _written_as_inputs(k, args, ins, names, values)
         staged |= dict(zip(k.parts, parts))
         for index, name, order in k.writes:
             found[name] = parts[index].permute(order)
@@ -247,6 +251,27 @@ def _backward(ctx: Any, grads: list[Optional[torch.Tensor]]) -> tuple:
         found[f.input] = factor.float() * outs[f.part].float()
     grads_in = [None if n not in found else found[n].to(ins[n].dtype) for n in plan.inputs]
     return (None, grads_in, None, None)[:ctx.arguments]
+
+
+def _written_as_inputs(k: Any, args: list[torch.Tensor], ins: dict[str, torch.Tensor], names: Optional[str],
+                       values: Optional[list[float]]) -> list[torch.Tensor]:
+    """Backward kernel ``k``'s output parts, each gradient written where it lies in its input's layout:
+    a gradient whose dims come in another order (a head's d_w as [d, v] for w[v, d]) would otherwise be
+    a transposed view autograd copies into the weight's layout, one weight-sized tensor more at once."""
+    kernel = registered_kernel(k.key)
+    shapes = _output_shapes(kernel, _named_inputs(kernel, args))
+    dtypes = kernel.output_dtypes
+    gradients = {index: (name, order) for index, name, order in k.writes}
+    outs = []
+    for index, part in enumerate(k.parts):
+        if index in gradients:
+            name, order = gradients[index]
+            laid = torch.empty(ins[name].shape, dtype=getattr(torch, dtypes[part]), device=args[0].device)
+            outs.append(laid.permute([order.index(i) for i in range(len(order))]))
+        else:
+            outs.append(torch.empty(shapes[part], dtype=getattr(torch, dtypes[part]), device=args[0].device))
+    torch.ops.foldwise.run_out(k.key, args, outs, names, values)
+    return outs
 
 
 torch.library.register_autograd("foldwise::run", _backward, setup_context=_setup_context)

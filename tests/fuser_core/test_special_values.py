@@ -284,7 +284,7 @@ def fused_pass_specials(spec, shape, block, families=("masked", "nan", "normal")
     """The fused strategies (split in two) pass the accuracy bar, special values included."""
     from fuser_core.accuracy import accuracy_check
 
-    axis = next(s.over for s in spec.steps if s.is_reduction)
+    axis, _ = loop_axis(spec)
     for strategy in ("streaming_fused", "split_fused"):
         config = KernelConfig({axis: block}, split=2 if strategy == "split_fused" else 1)
         verdict = accuracy_check(spec, shape, families=families, strategy=strategy, config=config)

@@ -4,7 +4,7 @@ self-check in every valid strategy at a small tile."""
 
 from __future__ import annotations
 
-from fuser_core.codegen.plan import KernelConfig, valid_strategies
+from fuser_core.codegen.plan import KernelConfig, loop_axis, valid_strategies
 from fuser_core.derive import derive_cascade
 from fuser_core.runner import self_check
 from fuser_core.spec import load_spec
@@ -28,7 +28,7 @@ def every_strategy_passes(spec, shape, block=4):
     valid = [s for s, why in valid_strategies(spec, d, shape).items() if why is None]
     assert valid, valid_strategies(spec, d, shape)
     reports = [self_check(spec, shape, derivation=d)]
-    axis = next(s.over for s in spec.steps if s.is_reduction)
+    axis, _ = loop_axis(spec)  # the dim the kernels loop over (an inner dim's block is its whole size)
     for strategy in valid:
         config = None if strategy == "row_resident" else KernelConfig({axis: block}, split=2 if strategy == "split_fused" else 1)
         reports.append(self_check(spec, shape, strategy=strategy, config=config, derivation=d))

@@ -11,7 +11,7 @@ from fuser_core.codegen.names import FP8_NATIVE, TMA_LOADS, WIDE_OFFSETS, kernel
 from fuser_core.codegen.ops import Fold, LastPartCombine, Load, Op, Reduce, walk
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.structure.descriptors import descriptor_loads
-from fuser_core.codegen.structure.facts import accumulators, axis_outputs, kernel_names, workspace
+from fuser_core.codegen.structure.facts import accumulators, axis_outputs, compute_dtype, kernel_names, workspace
 from fuser_core.codegen.structure.model import Arg, Grid, Kernel, Launch, ModuleStructure, SplitLaunch, State, var_name
 from fuser_core.codegen.structure.scales import move_dot_scales
 from fuser_core.codegen.structure.walk_passes import PassesWalk
@@ -80,7 +80,7 @@ def _kernel(plan: KernelPlan, name: str, role: str, grid: Grid, walker, doc: str
     states = tuple(s for step in plan.axis_reductions() for s in accumulators(plan, step, lanes=w.lanes_states))
     args = _args(plan, w.inputs, outputs, ws, role, input_dtypes, stores, ops)
     return Kernel(name, role, grid, doc, w.layout, ops, states, args, tuple(w.inputs), outputs,
-                  plan.derivation.symbols.grouping, exp_in_base2(stores)), w
+                  plan.derivation.symbols.grouping, exp_in_base2(stores), compute_dtype(input_dtypes)), w
 
 
 #: output dtypes whose rounding hides exp2's folded argument: the rounding of a log2(e) (about

@@ -215,6 +215,12 @@ def dot_precision(plan: KernelPlan, p: sp.Expr, q: sp.Expr, over: str, input_dty
     return "ieee"
 
 
+def compute_dtype(input_dtypes: Mapping[str, str]) -> str:
+    """The dtype a kernel computes in: float32 (16-bit and fp8 inputs are converted to it on load), or
+    float64 where an input is float64 (what ``torch.autograd.gradcheck`` runs in)."""
+    return "float64" if "float64" in input_dtypes.values() else "float32"
+
+
 def decide_dot(plan: KernelPlan, e: sp.Expr, over: str, input_dtypes: Mapping[str, str]) -> Dot | None:
     """sum over ``over`` of ``e`` as a tl.dot when the tile allows it: the factors that vary carry
     one blocked dim each besides ``over``, two in all (I and J), and every block of I, J and
@@ -222,7 +228,11 @@ def decide_dot(plan: KernelPlan, e: sp.Expr, over: str, input_dtypes: Mapping[st
 
     A masked product ``where(c, P * Q, 0)`` (causal attention's ``o``) is the dot of
     ``where(c, P, 0)`` and ``Q`` when the mask varies over P's dims only (``index(n) <= index(m)``
-    over the scores' [m, n]): zeroing P's masked entries zeroes exactly those terms."""
+    over the scores' [m, n]): zeroing P's masked entries zeroes exactly those terms. None in a float64
+    kernel: its sums are elementwise products and tl.sum, exact to float64 (no float64 tensor-core
+    path is asked of Triton)."""
+    if compute_dtype(input_dtypes) == "float64":
+        return None
     masked = _masked_product(e)
     if masked is not None:
         product, cond = masked
