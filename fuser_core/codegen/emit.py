@@ -123,10 +123,6 @@ class KernelPrinter:
         }
 
     # ------------------------------------------------------------ text helpers
-    def kind(self, kind: str) -> str:
-        """A load's value type: an index's int32, else what the kernel computes in."""
-        return self.kernel.compute if kind == "float32" else kind
-
     def emit(self, line: str = "") -> None:
         self.lines.append(("    " * self.depth + line) if line else "")
 
@@ -385,10 +381,10 @@ class KernelPrinter:
             if self.layout.order(op.dims) != op.descriptor:
                 tile = f"tl.trans({tile})"
             self.emit(f"if {TMA_LOADS}:")
-            self.emit(f"    {var} = {tile}.to(tl.{self.kind(op.kind)})")
+            self.emit(f"    {var} = {tile}.to(tl.{op.kind})")
             self.emit("else:")
             self.depth += 1
-            self.emit(f"{var} = {load_expr(args, op.dtype, self.kind(op.kind))}")
+            self.emit(f"{var} = {load_expr(args, op.dtype, op.kind)}")
             self.depth -= 1
             return
         if op.dtype == FP8:  # the bits too: a tl.dot takes them as its operand (fp8_bits_operand)
@@ -396,7 +392,7 @@ class KernelPrinter:
             self.emit(f"{var} = {fp8_value(fp8_bits_var(var))}")
             self.fp8_bits.add(var)
         else:
-            self.emit(f"{var} = {load_expr(args, op.dtype, self.kind(op.kind))}{note}")
+            self.emit(f"{var} = {load_expr(args, op.dtype, op.kind)}{note}")
 
     def descriptor(self, op: o.Descriptor) -> None:
         outer, inner = op.memory
@@ -421,7 +417,7 @@ class KernelPrinter:
             # the input's own tail masks on the whole tile (the index's lanes included), as its pointers are
             mask = " & ".join(m for m in (self.mask([d for d in dims if d != op.axis], tile),
                                           self.on(f"{at}_ok", at_dims, tile)) if m)
-            self.emit(f"{var} = {load_expr(f'{ptr}, mask={mask}, other=0', dtype, self.kind(kind))}")
+            self.emit(f"{var} = {load_expr(f'{ptr}, mask={mask}, other=0', dtype, kind)}")
         value, dims = self.tex(op.expr, op.env), self.tex_dims(op.expr, op.env)
         both = self.layout.union(dims, at_dims)
         self.emit(f"{op.name} = tl.where({self.on(f'{at}_ok', at_dims, both)}, {self.on(value, dims, both)}, 0.0)")

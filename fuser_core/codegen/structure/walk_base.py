@@ -21,7 +21,7 @@ from fuser_core.codegen.ops import bounds as bound
 from fuser_core.codegen.ops.bounds import Bound
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.structure.facts import (
-    anchored_deps, decide_dot, effective_op, placeholder, reads_count, tile_dims, workspace,
+    anchored_deps, compute_dtype, decide_dot, effective_op, placeholder, reads_count, tile_dims, workspace,
 )
 from fuser_core.codegen.structure.model import Grid, State
 from fuser_core.codegen.tritonize import VarRef, lookup
@@ -232,7 +232,7 @@ class WalkBase:
             if isinstance(inp, Input) and a in inp.dims:
                 name = f"{var}_{safe_name(inp.name)}"
                 dims = self.order([*(d for d in inp.dims if d != a), *lanes])
-                inputs.append((inp.name, inp.dims, self.dtypes.get(inp.name), "int32" if inp.is_index else "float32",
+                inputs.append((inp.name, inp.dims, self.dtypes.get(inp.name), "int32" if inp.is_index else compute_dtype(self.dtypes),
                                name, address(self.spec, inp.name, safe_name(inp.name))))
                 extra[sym] = self.let(name, dims)
         others = [s for s in x.free_symbols if s not in extra]
@@ -290,7 +290,7 @@ class WalkBase:
             self.filled[name] = fill
         else:
             self.filled.pop(name, None)
-        op = Load(input=name, name=var, dims=tile, input_dims=inp.dims, kind="int32" if inp.is_index else "float32",
+        op = Load(input=name, name=var, dims=tile, input_dims=inp.dims, kind="int32" if inp.is_index else compute_dtype(self.dtypes),
                   dtype=self.dtypes.get(name), address=address(self.spec, name, var), fill=fill, hoisted=hoisted)
         self.values[name] = self.let(var, inp.dims)
         self.loaded.add(name)
