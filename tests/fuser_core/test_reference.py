@@ -82,6 +82,7 @@ SMALL = {
     "rmsnorm_fp8_per_block": {"t": 4, "g": 3, "c": 8},
     # a paged KV cache (issue 36): its reference test against torch, pages gathered, is test_paged_attention.py
     "attention_paged": {"b": 2, "g": 2, "r": 2, "m": 3, "n": 7, "d": 4, "e": 5},
+    "linear_cross_entropy": {"t": 6, "v": 11, "d": 5},  # an LM head and its loss (issue 39)
 }
 
 
@@ -192,6 +193,15 @@ def test_cross_entropy():
     loss = evaluate(spec, shape, ins)["loss"]
     want = F.cross_entropy(torch.tensor(ins["logits"]), torch.tensor(t), reduction="none")
     close(loss, want.numpy())
+
+
+def test_linear_cross_entropy():
+    spec = catalog("linear_cross_entropy")
+    shape = {"t": 40, "v": 11, "d": 5}
+    ins = random_inputs(spec, shape, rng(6))
+    loss = evaluate(spec, shape, ins)["loss"]
+    logits = torch.tensor(ins["h"]) @ torch.tensor(ins["w"]).T
+    close(loss, F.cross_entropy(logits, torch.tensor(ins["target"]), reduction="none").numpy())
 
 
 def test_fp8_quant_per_token():
@@ -406,7 +416,7 @@ def test_random_inputs_dtypes_and_layout():
     i = random_inputs(spec2, {"n": 200}, rng())["i"]
     assert set(i) == {0, 1, 2, 3}
     with pytest.raises(ValueError):
-        random_inputs(spec2, {"n": 2}, rng(), "float64")
+        random_inputs(spec2, {"n": 2}, rng(), "float128")
 
 
 # ---------------------------------------------------------------- shape errors
