@@ -166,10 +166,12 @@ def loop_axis(spec: Spec) -> tuple[str, tuple[str, ...]]:
         raise NotValid(f"reductions over {', '.join(axes)} do not nest: no single loop axis")
     # where two axes would do, the one no inner reduction waits for: a backward's d_h = sum over v of
     # d_logits * w, whose d_logits reads logits = sum over d, loops over v (logits per tile, inside);
-    # looping over d would hold every v whole and pass over d twice
+    # looping over d would hold every v whole and pass over d twice. Only where its inner reductions
+    # can run inside a tile (sum, max, min: not an argmax)
     reads = _reductions_read(spec)
-    ahead = [a for a in valid if not any(s.over != a and any(spec.step(r).over == a for r in reads[s.name])
-                                         for s in spec.steps if s.is_reduction and s.over not in selected)]
+    inner_of = {a: [s for s in spec.steps if s.is_reduction and s.over != a and s.over not in selected] for a in valid}
+    ahead = [a for a in valid if all(in_tile(s.reduce) for s in inner_of[a])
+             and not any(any(spec.step(r).over == a for r in reads[s.name]) for s in inner_of[a])]
     a = (ahead or valid)[0]
     return a, tuple(x for x in axes if x != a)
 
@@ -214,13 +216,11 @@ def contraction_loop_dims(inner: tuple[str, ...], blocks: Mapping[str, int],
 
 
 def inner_block(d: str, loopable: frozenset[str], shape: Mapping[str, int], config: KernelConfig) -> int:
-    """An inner dim's block: whole, or for a dim a K loop may sum (:func:`loopable_inner_dims`) the
-    configuration's block, by default :data:`CONTRACTION_BLOCK` where the dim does not fit one."""
+    """An inner dim's block: whole (a configuration's block for it is not read: an inner axis is held
+    whole), or for a dim a K loop may sum (:func:`loopable_inner_dims`) the configuration's block, by
+    default :data:`CONTRACTION_BLOCK` where the dim does not fit one."""
     whole = next_pow2(shape[d])
-    if d not in loopable:
-        if config.blocks.get(d, whole) < whole:
-            raise NotValid(f"config.blocks.{d}: inner axis {d} is held whole (a value keeps it, or an input carrying "
-                           f"it is read outside its sum)")
+    if d not in loopable:  # held whole, whatever the configuration says
         if whole > MAX_INNER_BLOCK:
             raise NotValid(f"inner axis {d} ({shape[d]}) does not fit one block (max {MAX_INNER_BLOCK})")
         return whole

@@ -428,7 +428,7 @@ def test_make_bundle_errors_name_the_field(kwargs, message):
 
 @pytest.mark.parametrize(
     ("shape", "dtype", "message"),
-    [({"m": 3, "n": 37}, "float64", "unknown dtype 'float64'"), ({"m": 3}, "float32", "shape.n: no size given")],
+    [({"m": 3, "n": 37}, "float128", "unknown dtype 'float128'"), ({"m": 3}, "float32", "shape.n: no size given")],
 )
 def test_a_problem_is_bound_before_a_bundle_is_made(shape, dtype, message):
     """A bad shape or dtype never reaches make_bundle: make_problem refuses it, naming the field."""

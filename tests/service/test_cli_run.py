@@ -161,7 +161,7 @@ BAD_ARGS = {
     "unknown-dim": (["--shape", "m=3,n=37,q=2"], ["'q'", "unknown dim"]),
     "missing-dim": (["--shape", "m=3"], ["n", "no size given"]),
     "negative-size": (["--shape", "m=-1,n=37"], ["--shape", "m=-1"]),  # 0 runs: empty outputs, no launch
-    "bad-dtype": (["--shape", "m=3,n=37", "--dtype", "float64"], ["float64", "dtype"]),
+    "bad-dtype": (["--shape", "m=3,n=37", "--dtype", "float128"], ["float128", "dtype"]),
     "bad-dtype-json": (["--shape", "m=3,n=37", "--dtype", '{"x": '], ["--dtype", "JSON"]),
     "dtype-unknown-input": (["--shape", "m=3,n=37", "--dtype", '{"z": "float16"}'], ["'z'"]),
     "bad-config-json": (["--shape", "m=3,n=37", "--config", "{blocks"], ["--config"]),

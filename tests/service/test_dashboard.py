@@ -273,7 +273,7 @@ def test_source_errors_name_the_field(db, client):
     assert r.status_code == 422 and "unknown strategy" in r.json()["detail"]
     r = client.get(url, params={"strategy": "Robert'); DROP"})
     assert r.status_code == 422
-    r = client.get(url, params={"dtype": "float64"})
+    r = client.get(url, params={"dtype": "float128"})
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == "dtype"
 
 

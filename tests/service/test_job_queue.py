@@ -159,7 +159,7 @@ def test_submit_is_idempotent_and_canonical(Session):
     (("measurer",), {"measurer": "stopwatch"}, "unknown measurer"),
     (("shape", "k"), {"shape": {"m": 4, "n": 8, "k": 2}}, "unknown dim"),
     (("shape", "n"), {"shape": {"m": 4, "n": 0}}, "positive integer"),
-    (("dtype",), {"dtype": "float64"}, "unknown dtype"),
+    (("dtype",), {"dtype": "float128"}, "unknown dtype"),
 ])
 def test_submit_rejects_bad_fields(Session, field, kwargs, message):
     with pytest.raises(SpecError, match=message) as info:
