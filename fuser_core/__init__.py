@@ -27,7 +27,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "REDUCE_OPS", "SPEC_REDUCE_KINDS", "ReduceOp", "reduce_op", "is_selection", "returns_indices", "has_slots")},
     **{n: ("fuser_core.canonical", n) for n in ("spec_hash", "canonical_json", "canonical_names", "canonical_form")},
     **{n: ("fuser_core.problem", n) for n in (
-        "Problem", "make_problem", "ShapeError", "bind_shape", "bind_scalars", "placeholder_scalars", "bind_dtypes", "check_sizes", "output_dtypes",
+        "Problem", "make_problem", "ShapeError", "bind_shape", "bind_scalars", "placeholder_scalars", "bind_dtypes", "check_sizes", "output_dtypes", "compute_dtype",
         "canonical_shape", "bound_to_canonical", "normalize_dtype", "FLOAT_DTYPES", "INDEX_DTYPES",
         "MAX_ELEMENTS", "MAX_WORK")},
     **{n: ("fuser_core.empty", n) for n in ("empty_outputs", "has_empty_dim")},

@@ -284,6 +284,12 @@ def bind_dtypes(spec: Spec, dtype: str | Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def compute_dtype(dtypes: Mapping[str, str]) -> str:
+    """The dtype a problem's kernels compute in: float32 (16-bit and fp8 inputs are converted to it on
+    load), or float64 where an input is float64 (what ``torch.autograd.gradcheck`` runs in)."""
+    return "float64" if "float64" in dtypes.values() else "float32"
+
+
 def output_dtypes(spec: Spec, dtypes: Mapping[str, str]) -> dict[str, str]:
     """Storage dtype of each output part (docs/SPEC.md: the floating inputs' dtype unless a cast or the
     spec's ``output_dtypes`` says otherwise)."""

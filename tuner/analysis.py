@@ -39,8 +39,7 @@ from fuser_core.codegen import ops
 from fuser_core import is_dim_symbol, symbol_kind
 from fuser_core.codegen import structure as st
 from fuser_core.codegen.plan import (
-    CONTRACTION_BLOCK, MAX_INNER_BLOCK, KernelConfig, KernelPlan, contraction_loop_dims, loop_axis, loopable_inner_dims,
-    next_pow2,
+    KernelConfig, KernelPlan, contraction_loop_dims, default_inner_block, loop_axis, loopable_inner_dims, next_pow2,
 )
 from fuser_core.codegen.strategies import STRATEGIES
 from fuser_core.derive import Derivation
@@ -190,14 +189,16 @@ class Anatomy:
         return out
 
     def full_blocks(self, blocks: Mapping[str, int], shape: Mapping[str, int] | None = None) -> dict[str, int]:
-        """Every dim's block: the given ones, inner and topk dims whole (next power of two), an inner
-        dim a K loop sums that does not fit one block a K loop's (fuser_core.codegen.plan.inner_block)."""
+        """Every dim's block: the given ones, inner dims the plan's default (whole, or a K loop's tile:
+        fuser_core.codegen.plan.default_inner_block), topk dims whole (next power of two)."""
         out = dict(blocks)
         for d in self.spec.dims:
-            if d not in out:
-                out[d] = next_pow2(shape[d]) if shape is not None and (d in self.inner or d in self.as_dims) else 1
-                if d in self.loopable and out[d] > MAX_INNER_BLOCK:
-                    out[d] = CONTRACTION_BLOCK
+            if d in out:
+                continue
+            if shape is not None and d in self.inner:
+                out[d] = default_inner_block(d, self.loopable, shape)
+            else:
+                out[d] = next_pow2(shape[d]) if shape is not None and d in self.as_dims else 1
         return out
 
     def contraction_loops(self, blocks: Mapping[str, int], shape: Mapping[str, int]) -> tuple[str, ...]:

@@ -58,11 +58,11 @@ from typing import Any
 from fuser_core.codegen.config import COMBINES
 from fuser_core.codegen.plan import (
     CONTRACTION_BLOCK,
-    MAX_INNER_BLOCK,
     MAX_TILE_ELEMENTS,
     KernelConfig,
     NotValid,
     contraction_dims,
+    default_inner_block,
     loop_axis,
     make_plan,
     next_pow2,
@@ -135,7 +135,7 @@ class SearchSpace:
         self.lanes = self.anatomy.lanes
         # inner dims too long for one block, summed in a K loop whose tile is a parameter
         self.k_loops = tuple(d for d in self.anatomy.inner
-                             if d in self.anatomy.loopable and next_pow2(self.shape[d]) > MAX_INNER_BLOCK)
+                             if default_inner_block(d, self.anatomy.loopable, self.shape) < next_pow2(self.shape[d]))
         self.free_dims, self.batch_dims = contraction_dims(spec, derivation)
         self._valid = valid_strategies(spec, derivation, self.shape)
         self._checked: dict[str, str | None] = {}

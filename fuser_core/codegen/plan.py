@@ -215,16 +215,23 @@ def contraction_loop_dims(inner: tuple[str, ...], blocks: Mapping[str, int],
     return tuple(d for d in inner if blocks[d] < next_pow2(shape[d]))
 
 
+def default_inner_block(d: str, loopable: frozenset[str], shape: Mapping[str, int]) -> int:
+    """An inner dim's block unless a configuration gives one: whole, or :data:`CONTRACTION_BLOCK` for a
+    dim a K loop may sum (:func:`loopable_inner_dims`) that does not fit one block."""
+    whole = next_pow2(shape[d])
+    return CONTRACTION_BLOCK if d in loopable and whole > MAX_INNER_BLOCK else whole
+
+
 def inner_block(d: str, loopable: frozenset[str], shape: Mapping[str, int], config: KernelConfig) -> int:
     """An inner dim's block: whole (a configuration's block for it is not read: an inner axis is held
     whole), or for a dim a K loop may sum (:func:`loopable_inner_dims`) the configuration's block, by
-    default :data:`CONTRACTION_BLOCK` where the dim does not fit one."""
+    default :func:`default_inner_block`'s."""
     whole = next_pow2(shape[d])
     if d not in loopable:  # held whole, whatever the configuration says
         if whole > MAX_INNER_BLOCK:
             raise NotValid(f"inner axis {d} ({shape[d]}) does not fit one block (max {MAX_INNER_BLOCK})")
         return whole
-    block = min(config.blocks.get(d, whole if whole <= MAX_INNER_BLOCK else CONTRACTION_BLOCK), whole)
+    block = min(config.blocks.get(d, default_inner_block(d, loopable, shape)), whole)
     if block < whole and block < MIN_CONTRACTION_BLOCK:
         raise NotValid(f"config.blocks.{d}: a K loop's tile over {d} is at least {MIN_CONTRACTION_BLOCK} (tl.dot's K)")
     if block > MAX_INNER_BLOCK:
@@ -315,8 +322,7 @@ def default_config(spec: Spec, derivation: Derivation, strategy: str, shape: dic
     dot_lanes = tuple(d for d in spec.dims if d in free and d != axis and d not in inner)
     loopable = loopable_inner_dims(spec, inner)
     # inner axes ride along in every tile (a K loop's tile of them)
-    held = math.prod(inner_block(d, loopable, shape, KernelConfig()) if d in loopable else next_pow2(shape[d])
-                     for d in inner)
+    held = math.prod(default_inner_block(d, loopable, shape) for d in inner)
     for d in dot_lanes[1:]:  # the contraction's other free dims: whole (a head dim), else a GEMM's column tile
         whole = next_pow2(shape[d])
         blocks[d] = whole if whole <= MAX_DOT_INNER and axis not in free else min(DOT_BLOCK_N, whole)

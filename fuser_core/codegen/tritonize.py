@@ -126,7 +126,7 @@ def to_triton(e: sp.Expr, names: Names, layout: Layout | None = None, grouping: 
     per row instead of one per element (a float32 division is a dozen instructions), for a value
     rounded to 16 bits next, whose rounding the reciprocal's extra half ulp of float32 moves only at a
     midpoint; 0, inf and NaN divisors give what ``/`` gives. ``compute``: the kernel's float type
-    (float64 where an input is: structure.facts.compute_dtype)."""
+    (float64 where an input is: fuser_core.problem.compute_dtype)."""
     return _Printer(names, layout, grouping, exp_base2, reciprocals, compute).go(decide_finite(e, names))[0]
 
 

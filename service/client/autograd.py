@@ -130,7 +130,7 @@ def fetch_trainable(fetch_all: Any, user: Any, shape: Mapping[str, Any], dtype: 
     prefetch`: in parallel, so with ``tune_if_missing`` their jobs tune side by side; each is a spec
     of its own). A backward kernel's input dtypes: a forward input's own, a saved statistic's or an
     upstream gradient's that of the forward output it is (:func:`fuser_core.output_dtypes`)."""
-    from fuser_core import bind_dtypes, derive_backward, gradient_in_forward, output_dtypes, spec_json
+    from fuser_core import bind_dtypes, compute_dtype, derive_backward, gradient_in_forward, output_dtypes, spec_json
 
     if any(isinstance(v, Mapping) for v in shape.values()):
         raise BundleError("shape: a trainable op is for one shape; give sizes, not ranges")
@@ -145,7 +145,7 @@ def fetch_trainable(fetch_all: Any, user: Any, shape: Mapping[str, Any], dtype: 
     forward_dtypes = bind_dtypes(forward_spec, dtype)
     written = output_dtypes(forward_spec, forward_dtypes)
     requests = [(spec_json(forward_spec), dict(shape), dtype)]
-    staged = "float64" if "float64" in forward_dtypes.values() else "float32"  # a stage's results (statistics)
+    staged = compute_dtype(forward_dtypes)  # a stage's results (statistics): the kernels' own float type
     for b in () if fused else cascade.specs:
         dtypes = {}
         for inp in b.inputs:

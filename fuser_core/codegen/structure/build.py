@@ -11,11 +11,12 @@ from fuser_core.codegen.names import FP8_NATIVE, TMA_LOADS, WIDE_OFFSETS, kernel
 from fuser_core.codegen.ops import Fold, LastPartCombine, Load, Op, Reduce, walk
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.structure.descriptors import descriptor_loads
-from fuser_core.codegen.structure.facts import accumulators, axis_outputs, compute_dtype, kernel_names, workspace
+from fuser_core.codegen.structure.facts import accumulators, axis_outputs, kernel_names, workspace
 from fuser_core.codegen.structure.model import Arg, Grid, Kernel, Launch, ModuleStructure, SplitLaunch, State, var_name
 from fuser_core.codegen.structure.scales import move_dot_scales
 from fuser_core.codegen.structure.walk_passes import PassesWalk
 from fuser_core.merged import kernel_dims
+from fuser_core.problem import compute_dtype
 from fuser_core.paged import COL
 
 

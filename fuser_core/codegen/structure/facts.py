@@ -13,6 +13,7 @@ from fuser_core.codegen.ops import FP8_DOT, Dot, Fold, Reduce, Select
 from fuser_core.codegen.plan import KernelPlan, contractions
 from fuser_core.codegen.structure.model import State, var_name
 from fuser_core.derive import ReductionForm
+from fuser_core.problem import compute_dtype
 from fuser_core.realisation import (
     COUNT_OLD,
     Realisation,
@@ -213,12 +214,6 @@ def dot_precision(plan: KernelPlan, p: sp.Expr, q: sp.Expr, over: str, input_dty
     if floats == {"bfloat16"}:
         return "bfloat16"
     return "ieee"
-
-
-def compute_dtype(input_dtypes: Mapping[str, str]) -> str:
-    """The dtype a kernel computes in: float32 (16-bit and fp8 inputs are converted to it on load), or
-    float64 where an input is float64 (what ``torch.autograd.gradcheck`` runs in)."""
-    return "float64" if "float64" in input_dtypes.values() else "float32"
 
 
 def decide_dot(plan: KernelPlan, e: sp.Expr, over: str, input_dtypes: Mapping[str, str]) -> Dot | None:

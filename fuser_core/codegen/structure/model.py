@@ -74,7 +74,7 @@ class Kernel:
     # exp(a + b) printed as exp2(a log2(e) + b log2(e)): one FMA before the MUFU instead of an add and
     # a multiply (tutorial 06's form); only where every output is 16-bit (exp_in_base2)
     exp_base2: bool = False
-    compute: str = "float32"  # the dtype its values are computed in (structure.facts.compute_dtype)
+    compute: str = "float32"  # the dtype its values are computed in (fuser_core.problem.compute_dtype)
 
     def walk(self) -> Iterable[Op]:
         """Every operation, nested ones (a loop's body) after the one that holds them."""

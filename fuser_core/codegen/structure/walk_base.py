@@ -21,12 +21,13 @@ from fuser_core.codegen.ops import bounds as bound
 from fuser_core.codegen.ops.bounds import Bound
 from fuser_core.codegen.plan import KernelPlan
 from fuser_core.codegen.structure.facts import (
-    anchored_deps, compute_dtype, decide_dot, effective_op, placeholder, reads_count, tile_dims, workspace,
+    anchored_deps, decide_dot, effective_op, placeholder, reads_count, tile_dims, workspace,
 )
 from fuser_core.codegen.structure.model import Grid, State
 from fuser_core.codegen.tritonize import VarRef, lookup
 from fuser_core.masks import excluded
 from fuser_core.merged import address
+from fuser_core.problem import compute_dtype
 from fuser_core.realisation import Realisation
 from fuser_core.reduce_ops import in_tile, is_extremum
 from fuser_core.spec import Input, Step
