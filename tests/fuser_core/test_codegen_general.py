@@ -563,17 +563,27 @@ def test_log1p_of_small_values_keeps_float32_accuracy():
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
 def test_inner_argmax_or_topk_is_not_valid_rather_than_a_crash():
-    """An argmax over an inner axis raised NotImplementedError while writing the kernel."""
-    spec = spec_of(
+    """An argmax over an inner axis raised NotImplementedError while writing the kernel. Where the
+    sum over j keeps s2, the kernel loops over s2 (the argmax runs in the loop, the sum inside each
+    tile) and every strategy runs it; where s2 cannot be the loop axis, the inner argmax is refused."""
+    shape = {"d": 2, "j": 5, "s2": 3}
+    looped = spec_of(
         [red("s", "sum", "v * q", over="j"), red("am", "argmax", "z", over="s2")],
         ["s", "am"], inputs={"v": {"dims": ["d", "j", "s2"]}, "q": {"dims": ["d", "j", "s2"]}, "z": {"dims": ["s2", "j"]}},
     )
-    d = derive_cascade(spec)
-    shape = {"d": 2, "j": 5, "s2": 3}
-    reasons = valid_strategies(spec, d, shape)
-    assert all(r is not None for r in reasons.values()), reasons
+    d = derive_cascade(looped)
+    assert all(r is None for r in valid_strategies(looped, d, shape).values())
+    for strategy in ("row_resident", "streaming_fused", "split_fused", "multi_pass"):
+        assert self_check(looped, shape, derivation=d, strategy=strategy)["passed"], strategy
+    inner = spec_of(
+        [red("s", "sum", "v * q", over="j"), red("am", "argmax", "z", over="s2")],
+        ["s", "am"], inputs={"v": {"dims": ["d", "j"]}, "q": {"dims": ["d", "j"]}, "z": {"dims": ["s2", "j"]}},
+    )
+    d = derive_cascade(inner)
+    reasons = valid_strategies(inner, d, shape)
+    assert all(r is not None and "argmax over s2 inside the loop over j" in r for r in reasons.values()), reasons
     with pytest.raises(NotValid):
-        self_check(spec, shape, derivation=d)
+        self_check(inner, shape, derivation=d)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes compute on fill values
