@@ -85,7 +85,8 @@ def make_bundle(
     elif derivation.get("spec_hash", spec_hash(spec)) != spec_hash(spec):
         raise BundleError("derivation: its spec_hash is not the spec's")
 
-    held_whole = set(plan.inner) | {s.as_dim for s in canon.steps if s.as_dim}
+    # a dim summed in a K loop (plan.contraction_loops) takes any size: the loop runs to it
+    held_whole = set(plan.inner) - set(plan.contraction_loops) | {s.as_dim for s in canon.steps if s.as_dim}
     if plan.rules.holds_axis_whole:
         held_whole.add(plan.axis)
     record = dict(measured)

@@ -63,6 +63,7 @@ from fuser_core.codegen.plan import (
     NotValid,
     contraction_dims,
     default_inner_block,
+    k_tile_pinned,
     loop_axis,
     make_plan,
     next_pow2,
@@ -77,7 +78,8 @@ from tuner.profiles import GpuProfile
 
 WARPS = (1, 2, 4, 8, 16, 32)
 STAGES = (1, 2, 3, 4, 5)
-K_BLOCKS = (32, 64, 128)  # a K loop's tile: Triton's matmul tutorial's BLOCK_SIZE_K choices
+# a K loop's tile is not searched: every kernel that sums a product over d sums it in the same tiles,
+# in order (plan.k_tile_pinned: a backward's recomputed logits are then the forward's own)
 # sm_90's wgmma gives each warpgroup 64 rows of the product: on a 64-row tile, 8 warps compute it twice
 # (attention 64 x 128 on 8 warps at sm_90: 1.5x the HGMMA instructions and 2x the exps of 128 x 64)
 WGMMA_ROWS = 64
@@ -133,10 +135,11 @@ class SearchSpace:
         self.axis, self.inner = loop_axis(spec)
         self.anatomy = Anatomy(spec, derivation, self.dtypes)
         self.lanes = self.anatomy.lanes
-        # inner dims too long for one block, summed in a K loop whose tile is a parameter
+        # inner dims too long for one block, summed in a K loop of CONTRACTION_BLOCK tiles
         self.k_loops = tuple(d for d in self.anatomy.inner
                              if default_inner_block(d, self.anatomy.loopable, self.shape) < next_pow2(self.shape[d]))
         self.free_dims, self.batch_dims = contraction_dims(spec, derivation)
+        self.k_tile_pinned = k_tile_pinned(spec, derivation)
         self._valid = valid_strategies(spec, derivation, self.shape)
         self._checked: dict[str, str | None] = {}
         self._empty: dict[str, str | None] = {}  # strategy -> None if some candidate fits, else a reason
@@ -172,6 +175,8 @@ class SearchSpace:
 
     def axis_choices(self, strategy: str) -> list[int]:
         top = next_pow2(self.shape[self.axis])
+        if self.k_tile_pinned:  # a GEMM's K summed as the forward's K loop sums it
+            return [min(CONTRACTION_BLOCK, top)]
         if AXIS_BLOCK not in STRATEGIES[strategy].tunables:  # the whole axis in one tile
             return [top]
         return pow2_range(min(MIN_AXIS_BLOCK, top), min(top, MAX_TILE_ELEMENTS))
@@ -184,8 +189,8 @@ class SearchSpace:
         out: dict[str, list[int]] = {f"block_{self.axis}": self.axis_choices(strategy)}
         for d in self.lanes:
             out[f"block_{d}"] = self.lane_choices(d)
-        for d in self.k_loops:
-            out[f"block_{d}"] = list(K_BLOCKS)
+        for d in self.k_loops:  # one choice (the comment above WARPS)
+            out[f"block_{d}"] = [CONTRACTION_BLOCK]
         out["num_warps"] = [w for w in WARPS if self.profile.warp_size * w <= self.profile.threads_per_block_max]
         out["num_stages"] = list(STAGES) if NUM_STAGES in tunables else [1]
         if SPLIT in tunables:

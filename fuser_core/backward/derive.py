@@ -19,9 +19,10 @@ How (reverse accumulation over the steps, last to first):
 4. A max or min the outputs do not depend on (a softmax's shift, :mod:`fuser_core.backward.shift`)
    sends nothing. Any other sends its adjoint to the elements equal to it, split evenly among
    ties, as torch's ``amax`` does.
-5.-7. What the backward reads saved and how its steps are packed into specs (per-row statistics
+5.-8. What the backward reads saved and how its steps are packed into specs (per-row statistics
    saved, attention's scores recomputed; one spec per set of outer reduction axes; a stage before
-   where a gradient's outer reductions span two axes): :mod:`fuser_core.backward.packing`.
+   where a gradient's outer reductions span two axes, or where a value they read sums over a dim
+   too long to hold whole at the sizes given): :mod:`fuser_core.backward.packing`.
 
 Not differentiated, and said so: index inputs (labels, positions), runtime scalars (eps, a
 scale: constants to the backward), argmax/argmin results (their uses are conditions). Refused,
@@ -84,11 +85,14 @@ class BackwardCascade:
         return next(s for s in self.specs if s.name == name)
 
 
-def derive_backward(spec: Spec, shape: Mapping[str, int] | None = None) -> BackwardCascade:
+def derive_backward(spec: Spec, shape: Mapping[str, int] | None = None,
+                    sizes: Mapping[str, int] | None = None) -> BackwardCascade:
     """The backward cascade(s) of ``spec`` (module doc). ``shape``: the sizes the shift test runs
-    at (default: the spec's example). Raises :class:`SpecError` naming what it cannot differentiate."""
+    at (default: the spec's example). ``sizes``: the sizes the kernels will run at, where the packing
+    depends on them (rule 8: a dim too long to hold whole); none: packed as for short dims.
+    Raises :class:`SpecError` naming what it cannot differentiate."""
     _refuse(spec)
-    return _Reverse(spec, shape).build()
+    return _Reverse(spec, shape, sizes).build()
 
 
 def _refuse(spec: Spec) -> None:
@@ -152,9 +156,10 @@ def _replace_top_down(e: ex.Expr, table: Mapping[ex.Expr, ex.Expr]) -> ex.Expr:
 class _Reverse:
     """Reverse accumulation over one spec's steps (module doc): the backward steps, then the specs."""
 
-    def __init__(self, spec: Spec, shape: Mapping[str, int] | None):
+    def __init__(self, spec: Spec, shape: Mapping[str, int] | None, sizes: Mapping[str, int] | None = None):
         self.spec = spec
         self.shape = probe_shape(spec, shape)
+        self.sizes = sizes
         self.used: set[str] = {i.name for i in spec.inputs} | {p.name for p in spec.params} | {s.name for s in spec.steps}
         self.dims: dict[str, tuple[str, ...]] = {i.name: i.dims for i in spec.inputs} | {s.name: s.dims for s in spec.steps}
         self.kinds: dict[str, str] = {}  # new inputs' kinds
@@ -366,7 +371,7 @@ class _Reverse:
 
     # -- rules 5 to 7 (fuser_core.backward.packing)
     def assemble(self, gradients: dict[str, ex.Ref], zero: list[str]) -> BackwardCascade:
-        packer = Packer(self.spec, self.steps, self.dims, self.upstream)
+        packer = Packer(self.spec, self.steps, self.dims, self.upstream, self.sizes)
         packs = packer.pack({inp: ref.name for inp, ref in gradients.items()})
         input_of = {ref.name: inp for inp, ref in gradients.items()}
         specs, grads, all_saved, staged = [], [], set(), []
@@ -381,8 +386,10 @@ class _Reverse:
                 doc = f"Backward of {self.spec.name}: {', '.join(outs)}, read by the next backward spec (derived by Foldwise)."
                 staged += outs
             raw = packer.spec_json(name, doc, outs, closure, staged_dims)
-            if not members:  # a stage's results are row statistics too (FlashAttention's Delta): float32
-                raw["output_dtypes"] = {o: STATISTIC_DTYPE for o in outs}
+            # a stage's reductions are row statistics (FlashAttention's Delta): float32; a staged
+            # elementwise value (rule 8's d_logits) is stored as the data, as torch's backward rounds it
+            if statistics := {o: STATISTIC_DTYPE for o in outs if not members and packer.over(o) is not None}:
+                raw["output_dtypes"] = statistics
             backward = load_backward(raw)
             staged_dims |= {o: backward.step(o).dims for o in outs}
             all_saved |= closure.saved

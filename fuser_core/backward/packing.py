@@ -13,6 +13,14 @@ steps are packed into specs.
    values first, in a spec of their own (a *stage*) whose results the next spec reads:
    attention's ``d_q`` loops over the keys, and ``D = rowsum(dO o)`` (over the head dim, no key
    in it) is computed before, as FlashAttention-2's preprocessing kernel computes it.
+8. At the sizes the kernels run at (``sizes``, when given), a value an outer reduction reads that
+   holds a reduction over a dim the gradient keeps, too long for a tile to hold whole
+   (:data:`~fuser_core.codegen.plan.MAX_INNER_BLOCK`), is staged too: an LM head's ``d_logits``
+   ``[t, v]`` (its logits sum over d, and ``d_h`` and ``d_w`` keep d) at d = 4096 is written by a
+   stage that loops over d, and each gradient reads it (a GEMM each), as torch's own backward does.
+   Without it the gradient's kernel would hold all of d in every tile; with it the stage's
+   ``[t, v]`` is materialised (Liger's fused linear cross-entropy writes it a chunk of tokens at a
+   time; Cut Cross-Entropy never writes it, adding both gradients by atomics).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fuser_core import expr as ex
+from fuser_core.codegen.plan import MAX_INNER_BLOCK, next_pow2
 from fuser_core.errors import SpecError
 from fuser_core.spec import load_spec
 from fuser_core.spec_model import Spec, Step, raw_param
@@ -57,9 +66,10 @@ class Packer:
     """Packs the backward steps of ``spec`` into specs (module doc)."""
 
     def __init__(self, spec: Spec, steps: list[BackStep], dims: Mapping[str, tuple[str, ...]],
-                 upstream: Mapping[str, str]):
+                 upstream: Mapping[str, str], sizes: Mapping[str, int] | None = None):
         self.spec, self.steps, self.dims, self.upstream = spec, steps, dims, upstream
         self.back = {s.name: s for s in steps}
+        self.sizes = dict(sizes or {})  # the sizes the kernels run at (rule 8); none: rule 8 is off
 
     def saved_forward(self, step: Step) -> bool:
         """Rule 5: True when the backward reads ``step`` (a forward step it names) as the forward
@@ -105,12 +115,26 @@ class Packer:
             return set()
         return {n for n in outer if all(self.over(m) is None for m in self.closure(n).steps - {n})}
 
+    def too_long_to_hold(self, c: Closure, keeps: tuple[str, ...]) -> set[str]:
+        """Rule 8: the backward values an outer reduction of ``c`` reads whose closure holds a
+        reduction over a dim in ``keeps`` (the gradient's dims) longer than a tile holds whole."""
+        long = {d for d in keeps if next_pow2(self.sizes.get(d, 1)) > MAX_INNER_BLOCK}
+        if not long:
+            return set()
+        out = set()
+        for n in self.outer(c):
+            for r in refs(self.back[n].expr) if n in self.back else ():
+                if r in self.back and any(self.over(m) in long for m in self.closure(r).steps):
+                    out.add(r)
+        return out
+
     def pack(self, gradients: Mapping[str, str]) -> list[tuple[list[str], Closure]]:
         """(output names, closure) per spec, in the order they run: stages, then gradients grouped
         by their outer axes (gradient input name -> its output step name in ``gradients``)."""
         staged: set[str] = set()
         for out in gradients.values():
-            staged |= self.stages(self.closure(out))
+            c = self.closure(out)
+            staged |= self.stages(c) | self.too_long_to_hold(c, self.dims[out])
         stop = frozenset(staged)
         packs: list[tuple[list[str], Closure]] = []
         by_axis: dict[str | None, list[str]] = {}

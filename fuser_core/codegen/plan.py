@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fuser_core.codegen.config import MAX_TILE_ELEMENTS, KernelConfig, NotValid, next_pow2
@@ -222,6 +222,43 @@ def default_inner_block(d: str, loopable: frozenset[str], shape: Mapping[str, in
     return CONTRACTION_BLOCK if d in loopable and whole > MAX_INNER_BLOCK else whole
 
 
+def k_tile_pinned(spec: Spec, derivation: Derivation) -> bool:
+    """Whether the kernel is a GEMM whose K is summed as a K loop sums it: the spec's one reduction
+    is a contraction's sum over the loop axis, and its value reaches an output through an exp (a
+    softmax's numerator, read against a row's max and denominator that another kernel computed from
+    the same product: packing rule 8's ``d_logits`` stage of an LM head's backward). Such a loop
+    takes tiles of :data:`CONTRACTION_BLOCK`, in order (default_config; the tuner neither changes the
+    tile nor splits the axis), so the product sums to the value the forward's K loop summed: with a
+    tile of 128 against the forward's 64 (logits near 30, float32), d_h's error was 11x torch's and
+    d_w's 24x; with 64, d_h's is torch's own and d_w's 1.2x."""
+    reductions = [s for s in spec.steps if s.is_reduction]
+    if len(reductions) != 1 or reductions[0].reduce != "sum" or reductions[0].over != loop_axis(spec)[0]:
+        return False
+    free, _batch = contraction_dims(spec, derivation)
+    if not free or reductions[0].over in free:  # no contraction, or the axis is not its K
+        return False
+    from fuser_core import expr as ex
+
+    through = {reductions[0].name}  # the elementwise steps whose value carries the sum's
+    exp_of_sum = False
+    for step in spec.steps[spec.steps.index(reductions[0]) + 1:]:
+        refs = {n.name for n in ex.walk(step.expr) if isinstance(n, ex.Ref)}
+        if refs & through:
+            through.add(step.name)
+            exp_of_sum |= any(isinstance(n, ex.Call) and n.func == "exp" and any(
+                isinstance(m, ex.Ref) and m.name in through for m in ex.walk(n)) for n in ex.walk(step.expr))
+    return exp_of_sum
+
+
+def _check_pinned_k(rules: Strategy, axis: str) -> None:
+    """A pinned K (:func:`k_tile_pinned`) is summed in tiles, in order: not whole, not split. (Its tile
+    is the defaults' and the tuner's choice; a configuration given by hand, or the tuner's check at a
+    reduced shape, may take another.)"""
+    if rules.holds_axis_whole or rules.splits_axis:
+        raise NotValid(f"{axis} is a GEMM's K summed in tiles of {CONTRACTION_BLOCK} in order, as the forward's K "
+                       f"loop sums it ({rules.name} {'holds it whole' if rules.holds_axis_whole else 'splits it'})")
+
+
 def inner_block(d: str, loopable: frozenset[str], shape: Mapping[str, int], config: KernelConfig) -> int:
     """An inner dim's block: whole (a configuration's block for it is not read: an inner axis is held
     whole), or for a dim a K loop may sum (:func:`loopable_inner_dims`) the configuration's block, by
@@ -327,7 +364,10 @@ def default_config(spec: Spec, derivation: Derivation, strategy: str, shape: dic
         whole = next_pow2(shape[d])
         blocks[d] = whole if whole <= MAX_DOT_INNER and axis not in free else min(DOT_BLOCK_N, whole)
     tiling = DefaultTiling(spec, derivation, shape, axis, inner, free, dot_lanes, held, blocks)
-    return strategy_named(strategy).default_config(tiling)
+    config = strategy_named(strategy).default_config(tiling)
+    if k_tile_pinned(spec, derivation):
+        config = replace(config, blocks={**config.blocks, axis: min(CONTRACTION_BLOCK, next_pow2(shape[axis]))})
+    return config
 
 
 def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str, int], config: KernelConfig) -> KernelPlan:
@@ -356,6 +396,8 @@ def make_plan(spec: Spec, derivation: Derivation, strategy: str, shape: dict[str
             blocks[d] = next_pow2(shape[d])
         elif d == axis:
             blocks[d] = config.blocks.get(d, min(next_pow2(shape[d]), 64))
+            if k_tile_pinned(spec, derivation):
+                _check_pinned_k(rules, d)
         else:
             blocks[d] = config.blocks.get(d, 1)
     lanes = tuple(d for d in spec.dims if d != axis and d not in inner and not any(s.as_dim == d for s in spec.steps))

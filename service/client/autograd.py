@@ -130,11 +130,11 @@ def fetch_trainable(fetch_all: Any, user: Any, shape: Mapping[str, Any], dtype: 
     prefetch`: in parallel, so with ``tune_if_missing`` their jobs tune side by side; each is a spec
     of its own). A backward kernel's input dtypes: a forward input's own, a saved statistic's or an
     upstream gradient's that of the forward output it is (:func:`fuser_core.output_dtypes`)."""
-    from fuser_core import bind_dtypes, compute_dtype, derive_backward, gradient_in_forward, output_dtypes, spec_json
+    from fuser_core import bind_dtypes, derive_backward, gradient_in_forward, output_dtypes, spec_json
 
     if any(isinstance(v, Mapping) for v in shape.values()):
         raise BundleError("shape: a trainable op is for one shape; give sizes, not ranges")
-    cascade = derive_backward(user)
+    cascade = derive_backward(user, sizes=shape)  # packed for these sizes (a dim too long to hold: staged)
     fused = gradient_in_forward(user, cascade)
     elementwise = [b.name for b in cascade.specs if not any(s.is_reduction for s in b.steps)]
     if fused is None and elementwise:
@@ -145,14 +145,15 @@ def fetch_trainable(fetch_all: Any, user: Any, shape: Mapping[str, Any], dtype: 
     forward_dtypes = bind_dtypes(forward_spec, dtype)
     written = output_dtypes(forward_spec, forward_dtypes)
     requests = [(spec_json(forward_spec), dict(shape), dtype)]
-    staged = compute_dtype(forward_dtypes)  # a stage's results (statistics): the kernels' own float type
     for b in () if fused else cascade.specs:
         dtypes = {}
         for inp in b.inputs:
-            if inp.is_float:
+            if inp.is_float:  # an upstream gradient: its output's dtype; a saved or staged result: as written
                 source = next((o for o, up in cascade.upstream.items() if up == inp.name), inp.name)
-                dtypes[inp.name] = written.get(source) or forward_dtypes.get(source) or staged
+                dtypes[inp.name] = written.get(source) or forward_dtypes[source]
         requests.append((spec_json(b), {d: n for d, n in shape.items() if d in b.sized_dims}, dtypes))
+        # what a stage writes (a statistic in float32, rule 8's d_logits as the data), the next specs read
+        written |= {o: t for o, t in output_dtypes(b, dtypes).items() if o in cascade.staged}
     forward, *kernels = fetch_all(requests)
     backward = {raw["name"]: k for (raw, _, _), k in zip(requests[1:], kernels)}
     return trainable_op(cascade, forward, backward, tuple(user.outputs))

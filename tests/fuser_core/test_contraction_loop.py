@@ -158,7 +158,7 @@ def test_the_cost_model_counts_every_trip_of_the_k_loop(derived):
         config = KernelConfig({"t": 128, "v": 64, "d": 64}, num_warps=8, num_stages=3)
         times[d] = predict(problem, derivation, Candidate("streaming_fused", config), profile).time_ms
         space = SearchSpace(problem, derivation, profile)
-        assert space.params("streaming_fused")["block_d"] == [32, 64, 128]
+        assert space.params("streaming_fused")["block_d"] == [64]  # K tiles of 64 in every kernel (k_tile_pinned)
         assert space.check(Candidate("streaming_fused", config)) is None
     assert 3.0 < times[8192] / times[2048] < 5.0, times
     flops = 2 * 4096 * 32768 * 8192
@@ -212,3 +212,83 @@ def test_the_backward_loops_over_the_vocabulary_and_the_tokens():
         shape = {k: n for k, n in {"t": 4096, "v": 128256, "d": 1024}.items() if k in spec.sized_dims}
         valid = valid_strategies(spec, derive_cascade(spec), shape)
         assert valid["streaming_fused"] is None and valid["split_fused"] is None, (spec.name, valid)
+
+
+def test_past_one_block_the_backward_stages_d_logits_and_sums_it_in_the_forwards_k_tiles():
+    """Packing rule 8: at d = 4096 d_h and d_w (which keep d) cannot hold d whole, so a stage writes
+    d_logits [t, v] (a GEMM over d, the softmax its epilogue) and each gradient is a GEMM reading it;
+    without the sizes, or at d = 1024, the two fused kernels recompute the logits per tile. The stage
+    sums d in the forward's K tiles of 64, in order (plan.k_tile_pinned): its default tile and the
+    tuner's only choice are 64, strategies that hold or split d are refused; the gradients' plain
+    GEMMs and the forward are not pinned."""
+    from fuser_core.backward.derive import derive_backward
+    from fuser_core.codegen.plan import k_tile_pinned, valid_strategies
+
+    spec = load_catalog_spec(NAME)
+    big = {"t": 4096, "v": 128256, "d": 4096}
+    assert [s.name for s in derive_backward(spec).specs] == [f"{NAME}_backward_h", f"{NAME}_backward_w"]
+    assert len(derive_backward(spec, sizes={**big, "d": 1024}).specs) == 2
+    cascade = derive_backward(spec, sizes=big)
+    stage, d_h, d_w = cascade.specs
+    assert cascade.staged == ("d_logits",) and stage.outputs == ("d_logits",) and not dict(stage.output_dtypes)
+    assert {i.name for i in d_h.inputs} == {"w", "d_logits"} and {i.name for i in d_w.inputs} == {"h", "d_logits"}
+    pinned = {s.name: k_tile_pinned(s, derive_cascade(s)) for s in (cascade.forward, *cascade.specs)}
+    assert pinned == {cascade.forward.name: False, stage.name: True, d_h.name: False, d_w.name: False}
+    derivation = derive_cascade(stage)
+    shape = {"t": 4096, "v": 128256, "d": 4096}
+    valid = valid_strategies(stage, derivation, shape)
+    assert valid["streaming_fused"] is None and valid["multi_pass"] is None, valid
+    assert "holds it whole" in valid["row_resident"] and "splits it" in valid["split_fused"], valid
+    config = default_config(stage, derivation, "streaming_fused", shape)
+    assert config.blocks["d"] == 64
+    from tuner.profiles import get_profile
+    from tuner.space import SearchSpace
+
+    dtypes = {"h": "bfloat16", "w": "bfloat16", "target": "int64", "mx": "float32", "den": "float32",
+              "d_loss": "bfloat16"}
+    space = SearchSpace(make_problem(stage, shape, dtypes), derivation, get_profile("h100"))
+    assert set(space.strategies()) <= {"streaming_fused", "multi_pass"} and "streaming_fused" in space.strategies()
+    assert space.params("streaming_fused")["block_d"] == [64]
+
+
+def test_a_k_loop_kernel_takes_any_hidden_size(derived):
+    """A bundle's size_limits name the dims a kernel holds whole: d summed in a K loop is not one of
+    them (the loop runs to the call's d; the torch op refused d = 1100 before), d held whole is."""
+    from tests.support.local_kernels import local_kernel
+
+    spec, _ = derived
+    limits = {d: local_kernel(spec, {"t": 5, "v": 40, "d": d}).size_limits for d in (80, 1100)}
+    assert limits[80].get("d") == 128 and "d" not in limits[1100], limits
+
+
+def test_the_staged_backward_compiles_for_sm90_on_the_tensor_cores(compile_pool):
+    """Llama 3 8B's head (t 4096, v 128256, d 4096, bfloat16), as the torch op asks for its kernels
+    (service.client.autograd.fetch_trainable: d_logits staged in bfloat16): the stage (a GEMM over d,
+    K tiles of 64, the softmax its epilogue) and the two gradients' GEMMs compile for sm_90 at their
+    default configurations, without spills, each main loop on bf16 wgmma."""
+    from fuser_core.codegen.gpu_compile import CompileRequest
+    from service.client.autograd import fetch_trainable
+
+    shape = {"t": 4096, "v": 128256, "d": 4096}
+    asked = []
+
+    class Asked(Exception):
+        pass
+
+    def fetch_all(requests):
+        asked.extend(requests)
+        raise Asked
+
+    with pytest.raises(Asked):
+        fetch_trainable(fetch_all, load_catalog_spec(NAME), shape, "bfloat16")
+    backward = [(load_spec(raw, printed=True), sizes, dtypes) for raw, sizes, dtypes in asked[1:]]
+    assert [s.name for s, _, _ in backward] == [f"{NAME}_backward_stage1", f"{NAME}_backward_h", f"{NAME}_backward_w"]
+    assert backward[1][2]["d_logits"] == "bfloat16" and backward[2][2]["d_logits"] == "bfloat16"
+    requests = [CompileRequest(spec, sizes, dtypes, "streaming_fused",
+                               default_config(spec, derive_cascade(spec), "streaming_fused", sizes).to_dict(), sass=True)
+                for spec, sizes, dtypes in backward]
+    for request, build in zip(requests, compile_pool.compile(requests)):
+        assert build.ok, (request.spec.name, build.first_error())
+        (kernel,) = build.kernels
+        assert kernel.spill_bytes == 0, request.spec.name
+        assert "hgmma.bf16" in kernel.sass["loops"][0]["tensor"], (request.spec.name, kernel.sass["loops"])

@@ -17,8 +17,8 @@ from tests.support.local_kernels import LocalCache, local_kernel
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-def _trainable(name, shape):
-    return LocalCache().trainable_op(name, shape)
+def _trainable(name, shape, dtype="float32"):
+    return LocalCache().trainable_op(name, shape, dtype)
 
 
 @pytest.fixture(scope="module")
@@ -66,17 +66,22 @@ def test_cross_entropy_gradient_written_by_the_forward():
     torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_linear_cross_entropy_trains_without_the_logits():
-    """An LM head and its loss (issue 39 item 4): d_h and d_w from the derived backward, which
-    recomputes the logits per tile (d_h loops over the vocabulary, d_w over the tokens) and writes
-    neither them nor their gradient; each gradient within 2x torch float32's own error against
-    float64 autograd."""
-    op = _trainable("linear_cross_entropy", {"t": 37, "v": 300, "d": 80})
+@pytest.mark.parametrize("t, v, d", [(37, 300, 80), (9, 40, 1100)])
+def test_linear_cross_entropy_trains_without_the_logits(t, v, d):
+    """An LM head and its loss (issue 39 item 4): d_h and d_w from the derived backward. While d fits
+    a tile it recomputes the logits per tile (d_h loops over the vocabulary, d_w over the tokens) and
+    writes neither them nor their gradient; past 1024 a stage writes d_logits [t, v] (its logits
+    summed over d in a loop) and d_h and d_w are a GEMM each (packing rule 8). Each gradient within
+    2x torch float32's own error against float64 autograd."""
+    op = _trainable("linear_cross_entropy", {"t": t, "v": v, "d": d})
+    assert len(op.plan.kernels) == (3 if d > 1024 else 2)  # d_logits' stage, d_h, d_w
     g = torch.Generator().manual_seed(4)
-    h = torch.randn(37, 80, generator=g, requires_grad=True)
-    w = (torch.randn(300, 80, generator=g) * 0.3).requires_grad_()
-    target = torch.randint(0, 300, (37,), generator=g)
-    dloss = torch.randn(37, generator=g)
+    h = torch.randn(t, d, generator=g, requires_grad=True)
+    # at d = 1100 logits reach 30: the stage must sum them in the forward's K tiles, else exp(logits - mx)
+    # / den turns their 1e-5 difference into p's (plan.k_tile_pinned: with tiles of 128, 11x torch's error)
+    w = (torch.randn(v, d, generator=g) * 0.3).requires_grad_()
+    target = torch.randint(0, v, (t,), generator=g)
+    dloss = torch.randn(t, generator=g)
     (op(h=h, w=w, target=target)["loss"] * dloss).sum().backward()
     grads = {}
     for dtype in (torch.float64, torch.float32):
@@ -85,6 +90,27 @@ def test_linear_cross_entropy_trains_without_the_logits():
         grads[dtype] = (rh.grad.double(), rw.grad.double())
     for got, want, plain in zip((h.grad, w.grad), grads[torch.float64], grads[torch.float32]):
         assert (got.double() - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-7
+
+
+def test_bfloat16_linear_cross_entropy_past_one_block_is_as_accurate_as_torch():
+    """d = 1100 in bfloat16: the staged d_logits is stored in bfloat16, as torch's backward rounds its
+    logits' gradient; d_h and d_w within 2x torch bfloat16's own error against float64 autograd."""
+    t, v, d = 9, 40, 1100
+    op = _trainable("linear_cross_entropy", {"t": t, "v": v, "d": d}, "bfloat16")
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(t, d, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(v, d, generator=g) * 0.3).bfloat16().requires_grad_()
+    target, dloss = torch.randint(0, v, (t,), generator=g), torch.randn(t, generator=g)
+    (op(h=h, w=w, target=target)["loss"].float() * dloss).sum().backward()
+    want, plain = [], []
+    for dtype, out in ((torch.float64, want), (torch.bfloat16, plain)):
+        rh, rw = (x.detach().to(dtype).requires_grad_() for x in (h, w))
+        loss = torch.nn.functional.cross_entropy(rh @ rw.T, target, reduction="none")
+        (loss.double() * dloss.double()).sum().backward()
+        out += [rh.grad.double(), rw.grad.double()]
+    for got, exact, torchs in zip((h.grad, w.grad), want, plain):
+        assert got.dtype == torch.bfloat16
+        assert (got.double() - exact).abs().max() <= 2 * (torchs - exact).abs().max(), (got.double() - exact).abs().max()
 
 
 def test_a_transposed_gradient_is_written_in_its_inputs_layout():
