@@ -13,8 +13,9 @@ against float64 autograd, and the logits' size at the shape for comparison.
 
 Foldwise's kernels are made in this process as the server would serve them (a bundle of each
 spec's default configuration, tests/support/local_kernels.py: the forward that saves the row max and sum, the ``d_h`` and ``d_w``
-kernels); its backward needs the hidden size in one block (d <= 1024, the default here): at larger
-d its forward runs (a K loop) but ``d_h`` and ``d_w`` are refused (docs/DECISIONS.md).
+kernels). While the hidden size fits one block (d <= 1024, the default here) the backward recomputes
+the logits per tile; past it a stage writes ``d_logits [t, v]`` and ``d_h`` and ``d_w`` are a GEMM
+each (docs/DECISIONS.md, "The backward past d = 1024"): its peak holds that ``[t, v]`` tensor.
 
     TRITON_INTERPRET=1 python benchmarks/linear_ce_memory.py --tokens 128,512 [--vocab 128256] [--hidden 1024]
 """
