@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fuser_core.backward.certify import certify_backward
@@ -10,11 +11,12 @@ from fuser_core.backward.in_forward import gradient_factor, gradient_in_forward
 from fuser_core.spec_model import Spec
 
 
-def backward_report(spec: Spec, *, derive_specs: bool = True) -> dict[str, Any]:
+def backward_report(spec: Spec, *, derive_specs: bool = True, sizes: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The backward cascade(s) of ``spec``, their certificate and (``derive_specs``) each backward
-    spec's own derivation summary: fused or not, its certificate. Raises SpecError as
+    spec's own derivation summary: fused or not, its certificate. ``sizes``: packed for the sizes
+    the kernels run at, as the torch op packs it (:func:`derive_backward`). Raises SpecError as
     :func:`derive_backward` does."""
-    cascade = derive_backward(spec)
+    cascade = derive_backward(spec, sizes=sizes)
     with_grad = gradient_in_forward(spec, cascade)
     factor = gradient_factor(cascade) if with_grad is not None else None
     specs = [spec_json(s) for s in cascade.specs]

@@ -15,7 +15,16 @@ def cmd_backward(args: argparse.Namespace) -> int:
     from fuser_core import backward_report, format_backward
 
     spec = read_spec(args.spec)
-    report = backward_report(spec, derive_specs=not args.no_derive)
+    sizes = None
+    if args.shape is not None:  # validated as every command's --shape is, naming the flag or the dim
+        from fuser_core import SpecError, bind_shape
+        from service.bundle import parse_shape_text
+
+        try:
+            sizes = bind_shape(spec, parse_shape_text(args.shape))
+        except SpecError as err:
+            raise UsageError(f"--shape: {err.message}") from None
+    report = backward_report(spec, derive_specs=not args.no_derive, sizes=sizes)
     if args.out:
         out = Path(args.out)
         try:
@@ -40,4 +49,6 @@ def add_backward_command(sub: Any, spec_help: str) -> None:
     backward.add_argument("--out", metavar="DIR", help="write the saving forward, each backward spec and the forward "
                                                        "with its gradient as NAME.json files (for `foldwise run`)")
     backward.add_argument("--no-derive", action="store_true", help="skip deriving each backward spec's fused form")
+    backward.add_argument("--shape", help="pack it for these sizes, as the torch op does (e.g. t=4096,v=128256,d=4096: "
+                                          "a dim too long for one tile to hold stages the value summed over it)")
     backward.set_defaults(func=cmd_backward)

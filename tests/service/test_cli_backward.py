@@ -35,3 +35,18 @@ def test_backward_text_names_the_weight_gradient_spec(capsys):
 def test_backward_refusal_names_the_field(capsys):
     assert main(["backward", "moe_routing", "--no-derive"]) == 2
     assert "steps[2] (gate).reduce: a topk step has no backward yet" in capsys.readouterr().err
+
+
+def test_backward_packed_for_a_shape_stages_what_a_tile_cannot_hold(capsys):
+    """--shape packs the backward as the torch op does at those sizes: an LM head at d = 4096 stages
+    d_logits (packing rule 8) and still certifies; at its example (d = 80) it does not; a dim the spec
+    lacks is refused naming the flag."""
+    assert main(["backward", "linear_cross_entropy", "--json", "--no-derive", "--shape", "t=4096,v=128256,d=4096"]) == 0
+    staged = json.loads(capsys.readouterr().out)
+    assert [s["name"] for s in staged["specs"]] == ["linear_cross_entropy_backward_stage1", "linear_cross_entropy_backward_h",
+                                                   "linear_cross_entropy_backward_w"]
+    assert staged["specs"][0]["outputs"] == ["d_logits"] and staged["certificate"]["holds"]
+    assert main(["backward", "linear_cross_entropy", "--json", "--no-derive"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["specs"]) == 2
+    assert main(["backward", "linear_cross_entropy", "--no-derive", "--shape", "t=4,x=3"]) == 2
+    assert "--shape: unknown dim 'x'" in capsys.readouterr().err
