@@ -265,7 +265,8 @@ def test_the_staged_backward_compiles_for_sm90_on_the_tensor_cores(compile_pool)
     """Llama 3 8B's head (t 4096, v 128256, d 4096, bfloat16), as the torch op asks for its kernels
     (service.client.autograd.fetch_trainable: d_logits staged in bfloat16): the stage (a GEMM over d,
     K tiles of 64, the softmax its epilogue) and the two gradients' GEMMs compile for sm_90 at their
-    default configurations, without spills, each main loop on bf16 wgmma."""
+    default configurations, without spills, each main loop on bf16 wgmma; and for every target of the
+    fleet (sm_80, AMD, ...), the stage in multi_pass too."""
     from fuser_core.codegen.gpu_compile import CompileRequest
     from service.client.autograd import fetch_trainable
 
@@ -292,3 +293,13 @@ def test_the_staged_backward_compiles_for_sm90_on_the_tensor_cores(compile_pool)
         (kernel,) = build.kernels
         assert kernel.spill_bytes == 0, request.spec.name
         assert "hgmma.bf16" in kernel.sass["loops"][0]["tensor"], (request.spec.name, kernel.sass["loops"])
+    # every other target of the fleet (sm_80, AMD, Blackwell...), and the stage's other valid strategy
+    from tests.support.catalog_shapes import distinct_targets
+    from tuner.profiles import FLEET
+
+    others = [CompileRequest(spec, sizes, dtypes, strategy, default_config(spec, derive_cascade(spec), strategy,
+                                                                           sizes).to_dict(), target)
+              for name, target in distinct_targets(list(FLEET)) if name != "h100" for spec, sizes, dtypes in backward
+              for strategy in ("streaming_fused", "multi_pass") if strategy == "streaming_fused" or "stage" in spec.name]
+    for request, build in zip(others, compile_pool.compile(others)):
+        assert build.ok, (request.spec.name, request.strategy, request.target, build.first_error())
