@@ -64,6 +64,7 @@ from fuser_core.codegen.plan import (
     contraction_dims,
     default_inner_block,
     k_tile_pinned,
+    pinned_k_block,
     loop_axis,
     make_plan,
     next_pow2,
@@ -176,7 +177,7 @@ class SearchSpace:
     def axis_choices(self, strategy: str) -> list[int]:
         top = next_pow2(self.shape[self.axis])
         if self.k_tile_pinned:  # a GEMM's K summed as the forward's K loop sums it
-            return [min(CONTRACTION_BLOCK, top)]
+            return [pinned_k_block(self.shape[self.axis])]
         if AXIS_BLOCK not in STRATEGIES[strategy].tunables:  # the whole axis in one tile
             return [top]
         return pow2_range(min(MIN_AXIS_BLOCK, top), min(top, MAX_TILE_ELEMENTS))
