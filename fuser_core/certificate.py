@@ -199,9 +199,12 @@ def _run_trial(derivation, spec, shape, inputs, rng, keep_casts) -> dict[str, fl
     movement: dict[str, np.ndarray] | None = None
     for group in derivation.groups:
         forms = [derivation.forms[m] for m in group.members if derivation.forms[m].fused]
+        gathered = [f for f in forms if f.gathered]  # one load after the loop, no state of it
+        forms = [f for f in forms if not f.gathered]
         if not forms:
             continue
         loop = AxisLoop(derivation, evaluator, env, group.axis, forms, compiled, _input_scale(inputs))
+        errors.update({f.name: loop.gathered_error(f) for f in gathered})
         final = loop.run_split(rng)
         for form in forms:
             errors[form.name] = loop.compare(form, final)

@@ -12,6 +12,7 @@ import numpy as np
 import sympy as sp
 
 from fuser_core.derive import WEIGHTED_MEAN, ReductionForm
+from fuser_core.derive.gathers import gather_form
 from fuser_core.dim_symbols import symbol_kind
 from fuser_core.masks import may_exclude_every
 from fuser_core.realisation import (
@@ -320,6 +321,24 @@ class AxisLoop:
                 terms = np.abs(np.broadcast_to(self.ev.eval_expr(step.expr, env), self.full_shape(form, self.n)))
                 magnitude = terms.sum(axis=self.pos, keepdims=True)
         return rel_err(got, env[step.name], magnitude, allowance, self.input_scale)
+
+    def gathered_error(self, form: ReductionForm) -> float:
+        """A gathered form's error (:mod:`fuser_core.derive.gathers`): X evaluated along the axis and
+        taken at the positions the selection chose (the reference's), against the reference's sum
+        of ``where(index(axis) == at, X, 0)``."""
+        found = gather_form(self.sym, form.step, self.axis)
+        assert found is not None, f"{form.name} is gathered but has no gather form"
+        x, at = found
+        with np.errstate(all="ignore"):
+            values = np.broadcast_to(self.evaluate(x, {}, 0, self.n), self.full_shape(form, self.n))
+            at_values = np.asarray(self.evaluate(at, {}), dtype=np.float64)
+            inside = (at_values >= 0) & (at_values < self.n)
+            positions = np.where(inside, at_values, 0).astype(np.int64)
+            shape = list(np.broadcast_shapes(values.shape[:self.pos] + (1,) + values.shape[self.pos + 1:], positions.shape))
+            picked = np.take_along_axis(np.broadcast_to(values, shape[:self.pos] + [self.n] + shape[self.pos + 1:]),
+                                        np.broadcast_to(positions, shape), axis=self.pos)
+            got = np.where(inside, picked, 0.0)
+        return rel_err(got, self.env[form.name], input_scale=self.input_scale)
 
     def where_fallback(self, form: ReductionForm, got: np.ndarray, env: dict[str, np.ndarray]) -> np.ndarray:
         """``got`` with the reference's value on the rows the kernels compute with a fallback pass, not with the

@@ -86,6 +86,7 @@ DOCS = {
     "scaled": "one accumulator per term, anchored at running max/min values and rescaled by the correction",
     "shifted": "shifted accumulator (Welford/Chan style): anchored at running estimates, corrected additively",
     "taylor": "Taylor-shifted accumulators: centred at the anchors, moved by an exact binomial shift (Pebay style)",
+    "gathered": "one load after the loop: the value at the positions a selection over the axis chose",
     "not_fused": "not fused: computed by a separate pass after its dependencies are final",
 }
 

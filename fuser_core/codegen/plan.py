@@ -31,10 +31,11 @@ from fuser_core.codegen.strategies import STRATEGIES, DefaultTiling, Strategy, s
 from fuser_core.codegen.strategies import BASELINE  # noqa: F401  (tests and benchmarks import it from here)
 from fuser_core.codegen.strategies.base import DOT_BLOCK_N, MAX_DOT_INNER
 from fuser_core.derive import Derivation
+from fuser_core.derive.gathers import gather_form
 from fuser_core.problem import fill_parts, meeting_constraints
 from fuser_core.reduce_ops import in_tile
-from fuser_core.spec import Input, Spec, Step
-from fuser_core.dim_symbols import is_dim_symbol, symbol_kind
+from fuser_core.spec import Spec, Step
+from fuser_core.dim_symbols import is_dim_symbol
 
 MAX_INNER_BLOCK = 1024  # an inner axis is held whole; beyond this a tile no longer fits
 # a K loop's tile (an inner sum summed a block at a time) when the axis does not fit one block:
@@ -95,53 +96,10 @@ class KernelPlan:
         out = {}
         for s in self.spec.steps:
             if s.is_reduction and s.over == self.axis:
-                form = gather_form(self.spec, self.derivation, s, self.axis)
+                form = gather_form(self.derivation.symbols, s, self.axis)
                 if form is not None:
                     out[s.name] = form
         return out
-
-
-def gather_form(spec: Spec, derivation: Derivation, step: Step, axis: str) -> tuple[Any, Any] | None:
-    """(X, at) when ``step`` is ``sum over axis of where(index(axis) == at, X, 0)`` with ``at`` an
-    integer expression of indices and index inputs that does not vary along the axis, and X made of
-    inputs, params and sizes only (no other step: it is evaluated at one index, alone), and no other
-    reduction over the axis reads the step (it is not in the loop's states). Else None."""
-    import sympy as sp
-
-    if step.reduce != "sum" or step.over != axis:
-        return None
-    conv = derivation.symbols
-    e = conv.integrand(step)
-    if not (isinstance(e, sp.Piecewise) and len(e.args) == 2 and e.args[1] == (0, True)):
-        return None
-    x, cond = e.args[0]
-    if not isinstance(cond, sp.Eq):
-        return None
-    index = next((s for s in cond.free_symbols if symbol_kind(s) == ("index", axis)), None)
-    if index is None:
-        return None
-    solved = sp.solve(cond, index)
-    if len(solved) != 1:
-        return None
-    at = solved[0]
-    for sym in at.free_symbols:  # an index input or an index of another dim: integers all
-        inp = spec.lookup(sym.name)
-        if is_dim_symbol(sym, "index"):
-            if symbol_kind(sym) == ("index", axis):
-                return None
-            continue
-        if not (inp is not None and getattr(inp, "is_index", False) and axis not in inp.dims):
-            return None
-    if not all(c.is_Integer for c in sp.Add.make_args(at) for c in ([c] if c.is_number else [])):
-        return None
-    for sym in x.free_symbols:
-        if is_dim_symbol(sym, "size", "index"):
-            continue
-        if not isinstance(spec.lookup(sym.name), Input):
-            return None  # a step's value (or a param folded later): not a plain load at one index
-    readers = [s for s in spec.steps if s.is_reduction and s.over == axis and s.name != step.name
-               and any(sym.name == step.name for sym in conv.integrand(s).free_symbols)]
-    return None if readers else (x, at)
 
 
 def loop_axis(spec: Spec) -> tuple[str, tuple[str, ...]]:

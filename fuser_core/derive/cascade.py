@@ -37,7 +37,7 @@ def derive_cascade(spec: Spec, *, time_limit_s: float | None = DERIVE_TIME_LIMIT
     conv.deadline = Deadline(None)  # the budget was this derivation's; later users (codegen) convert freely
     derivation = Derivation(spec, forms, axis_groups, _epilogue(spec), conv)
     for name, form in forms.items():
-        if form.fused:
+        if form.fused and not form.gathered:
             derivation.realise(name)  # once: every consumer reads this object
     return derivation
 

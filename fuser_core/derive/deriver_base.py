@@ -11,6 +11,7 @@ import sympy as sp
 
 from fuser_core.derive.algebra import at_most, exp_logs_split, expanded_terms, masks_folded, symbol_names
 from fuser_core.derive.forms import (
+    GATHERED,
     MAX_EXPAND_POWER,
     MAX_SEPARATE_EXPONENT,
     MAX_TERMS,
@@ -18,6 +19,7 @@ from fuser_core.derive.forms import (
     ReductionForm,
     Term,
 )
+from fuser_core.derive.gathers import gather_form
 from fuser_core.reduce_ops import is_selection
 from fuser_core.spec import Step
 from fuser_core.symbolic import SymbolicSpec, cast_decides, has_cast, strip_casts
@@ -99,6 +101,9 @@ class DeriverBase:
                 step, F, (), "first", terms=(Term(F, one),), contributions=(F,), scales=(one,), deferred=(one,),
                 corrections=(one,), effective_op=step.reduce or "", contraction=contraction,
             )
+        if any(is_selection(self.forms[n].op) for n in dep_names) and gather_form(self.conv, step, self.axis):
+            # X at the positions a selection over this axis chose: loaded there after its loop
+            return ReductionForm(step, F, dep_names, GATHERED)
         for name in dep_names:
             dep_form = self.forms[name]
             if is_selection(dep_form.op):

@@ -21,6 +21,7 @@ SENTINEL_MAGNITUDE = 1e15  # a constant this large in a where() is a mask value,
 # size limits of fuser_core.symbolic keep each sympy operation between two checks short).
 DERIVE_TIME_LIMIT_S = 5.0
 
+GATHERED = "gathered"  # a form kind: see ReductionForm.gathered
 WEIGHTED_MEAN = "running weighted mean (the running value)"  # an anchor kind: see Deriver.weighted_mean
 
 
@@ -40,7 +41,7 @@ class ReductionForm:
     step: Step
     integrand: sp.Expr  # F(x, D), elementwise steps inlined, casts kept
     deps: tuple[str, ...]  # same-axis reductions F reads
-    kind: str  # first | scaled | shifted | taylor | not_fused (read only by fuser_core.realisation)
+    kind: str  # first | scaled | shifted | taylor | gathered | not_fused (read only by fuser_core.realisation)
     reason: str | None = None
     terms: tuple[Term, ...] = ()
     # scaled: per accumulator j
@@ -94,6 +95,13 @@ class ReductionForm:
         if not isinstance(F, sp.Piecewise):
             return True
         return any(cond == sp.true for value, cond in F.args if value.free_symbols & syms)
+
+    @property
+    def gathered(self) -> bool:
+        """Fused as one load after the loop (:mod:`fuser_core.derive.gathers`): X at the positions a
+        selection over the axis chose. No state of the loop, no realisation: the kernel's value is
+        X's at that position, the reference's one term."""
+        return self.kind == GATHERED
 
     @property
     def independent(self) -> bool:

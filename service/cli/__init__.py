@@ -359,7 +359,8 @@ def format_report(r: dict[str, Any]) -> str:
                 continue
             lines.append(f"{head}: {red['realisation']}" + (" (contraction)" if red["contraction"] else ""))
             if red["depends_on"]:
-                lines.append(f"    reads {', '.join(red['depends_on'])}; correction: {red['correction']}")
+                moved = f"correction: {red['correction']}" if red["correction"] else red["realisation_doc"]
+                lines.append(f"    reads {', '.join(red['depends_on'])}; {moved}")
                 lines.append(f"    {red['finalize']}" if "finalize" in red else "")
             if not red["exact"]:
                 lines.append("    inexact: a cast inside rounds with running values")
