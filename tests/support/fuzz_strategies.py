@@ -6,7 +6,8 @@ exercised too): 1-3 float inputs (sometimes an index input or a scalar) over 1-3
 0-2 params, and 2-5 steps where later steps read earlier results. Reductions are drawn
 from templates of the cascaded-reduction shape -- a first reduction ``max``/``sum``/...
 of a streamed expression G(x), then reductions that read it (``sum exp(G - mx)``,
-``sum (G - mean) ** 2``, ``max G - mean``, ``topk exp(G - mx) / den``, contractions
+``sum (G - mean) ** 2``, ``max G - mean``, ``topk exp(G - mx) / den`` (and a value it carries,
+``sum where(index(x) == g.indices, X, 0)``), contractions
 ``sum over d of q * k`` ...) -- and from free random expressions over everything defined
 so far, so that a good share of the specs fuse and some do not. Dependent terms are often
 masked, ``where(cond(index, inputs), f(x) * g(D), fill)`` with a condition free of D (a per-row
@@ -324,13 +325,28 @@ class _Cascade:
                 slot_op = self.pick(["sum", "sum", "max", "min"])
                 slot_expr = values.text if slot_op != "sum" or self.chance(0.5) else f"exp({values.text})"
                 self.add_step(slot_expr, reduce=slot_op, over=as_dim)
+            if self.chance(0.3):
+                self.carried(f"{name}.indices", over)
             return values
         self.steps.append(step)
         kind = "index" if reduce in ("argmax", "argmin") else "float"
         mean_like = reduce == "sum" and expr.endswith(f"/ size({over})")
         atom = Atom(name, frozenset(dims), kind, reduce, over, positive, of=expr if reduce else None, mean_like=mean_like)
         self.atoms.append(atom)
+        if kind == "index" and over == self.axis and self.chance(0.3):
+            self.carried(name, over)
         return atom
+
+    def carried(self, at: str, over: str) -> None:
+        """A value a selection carries: X (of inputs) at the positions it chose, gathered after its
+        loop (fuser_core.derive.gathers; DeepSeek-V3's router weighs by scores it did not select by)."""
+        inputs = [a for a in self.floats(with_axis=True) if a.op is None]
+        if not inputs:
+            return
+        must = self.pick(inputs).text
+        self.note(must)
+        x = self.tree(self.draw(st.integers(0, 1)), [a for a in self.floats() if a.op is None], must)
+        self.add_step(f"where(index({over}) == {at}, {x}, 0)", reduce="sum", over=over)
 
     def dims_of(self, expr: str) -> set[str]:
         """Dims an expression reads (names are whole tokens: ``x`` does not match ``x_ptr``)."""
