@@ -28,7 +28,6 @@ from service.api.derive import DerivationPool
 from service.api.fastpath import BundleFastPath, LoopReader
 from service.api.middleware import AccessLog, BodyLimit, NoNulBytes, OneAuthorization
 from service.api.schemas import ProblemView
-from service.api.validation import ParsedSpecs
 from service.api.problems import (
     HttpProblem,
     http_error_handler,
@@ -105,7 +104,6 @@ def create_app(settings: Settings | None = None, *, check_db: bool = True, dashb
         settings=settings, engine=engine, read_engine=reader, sessions=sessions, read_sessions=read_sessions,
         auth=AuthPolicy(loopback=is_loopback(settings.host), writer=sessions),
         metrics=Metrics(read_sessions, alive_within_s=alive_s), bundles=BundleCache(), specs=SpecCache(),
-        parsed_specs=ParsedSpecs(),
         deriver=DerivationPool(derive_timeout_s or settings.derive_timeout_seconds, workers=settings.derive_workers,
                         queue=settings.derive_queue),
         # an SQLite file: the hot path reads on the event loop (service.api.fastpath)

@@ -40,3 +40,14 @@ def bound_child(memory_bytes: int = CHILD_MEMORY_BYTES) -> None:
 
 def memory_message(memory_bytes: int = CHILD_MEMORY_BYTES) -> str:
     return f"it needed more than {memory_bytes >> 20} MB of memory (the limit per derivation)"
+
+
+
+def lower_priority(nice: int) -> None:
+    """In a child process: run ``nice`` steps below the API, so the event loop and its threads keep
+    their share of the CPU. Not the idle scheduling class: beside busy tuning workers a derivation
+    would then never run, and every request would meet its deadline."""
+    try:
+        os.nice(nice)
+    except OSError:
+        pass

@@ -29,7 +29,6 @@ from starlette.concurrency import run_in_threadpool
 from service.api.cache import BundleCache, SpecCache
 from service.api.derive import DerivationPool
 from service.api.problems import HttpProblem
-from service.api.validation import ParsedSpecs
 from service.auth import AuthError, AuthPolicy, Principal
 from service.bundle.signing import Signer
 from service.metrics import Metrics
@@ -57,7 +56,6 @@ class AppContext:
     metrics: Metrics
     bundles: BundleCache  # bundle bytes by sha256
     specs: SpecCache  # stored specs, parsed (service.api.ops.SpecInfo)
-    parsed_specs: ParsedSpecs  # request spec texts, parsed
     deriver: DerivationPool  # derivations off the event loop, with a time limit
     loop_reader: LoopReader | None = None  # an SQLite file's hot-path reads on the event loop (fastpath)
     signer: Signer | None = None  # signs every served bundle's sha256 (settings.signing_key_file)

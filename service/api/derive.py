@@ -42,8 +42,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fuser_core import DerivationLimitError, Spec, SpecError, SpecKey
-from service.api.child_bounds import bound_child, memory_message
+from fuser_core import DerivationLimitError, SpecError, SpecKey
+from service.api.child_bounds import bound_child, lower_priority, memory_message
 from service.api.child_pipe import receive as receive_answer
 from service.api.problems import HttpProblem, invalid_field, spec_problem
 from service.api.cache import SpecCache
@@ -55,7 +55,8 @@ CHILD_NICE = 10  # the children's CPU priority below the API's
 # imported once, in the forkserver, before it forks the children: sympy and the derivation, and
 # this module (the children's target: unpickling it in each child would import the API, ~1 s)
 PRELOAD = ["service.api.derive", "service.api.spec_child", "fuser_core.report", "fuser_core.derive", "fuser_core.certificate",
-           "fuser_core.present", "service.dashboard.compute", "service.dashboard.mathtex", "fuser_core.codegen.module"]
+           "fuser_core.present", "service.dashboard.compute", "service.dashboard.mathtex", "fuser_core.codegen.module",
+           "service.api.validation"]
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)  # only a list until the forkserver starts (DerivationPool.warm_up)
 
@@ -80,10 +81,7 @@ def _answer_in_child(conn: Any, work: Any, passes: tuple[type[Exception], ...] =
     ``loc`` and ``step`` do not survive pickling): "spec", "limit" (the derivation's limits, or the
     heap), "raised" (one of ``passes``), "error" (a bug: the parent logs it and answers 500)."""
     bound_child()
-    try:
-        os.nice(CHILD_NICE)
-    except OSError:
-        pass
+    lower_priority(CHILD_NICE)
     try:
         result: tuple = work()
     except passes as err:
@@ -113,7 +111,7 @@ class DerivationPool:
         # or two) in one thread: ten requests at once then hold the GIL against the event loop as
         # one thread does, not as ten. Parsing a spec, the larger part, is not here: see .parser
         self._cpu = ThreadPoolExecutor(1, thread_name_prefix="foldwise-derive-cpu")
-        self.parser = SpecParser(_CONTEXT, self._starter, nice=CHILD_NICE)  # POST /v1/derivations' specs
+        self.parser = SpecParser(_CONTEXT, self._starter, nice=CHILD_NICE)  # specs and job requests, parsed
         self._inflight: dict[str, asyncio.Future] = {}  # canonical JSON (or a computation's key) -> its task
         self._computed = SpecCache(memo_items)  # a computation's key -> its answer as JSON text
         self._waiters: dict[asyncio.Future, int] = {}  # requests waiting for each
@@ -148,11 +146,16 @@ class DerivationPool:
         key = await self.parser.key(source, deadline, self._too_slow)
         return await self.report(key, source, request, deadline=deadline)
 
-    async def report_spec(self, spec: Spec, source: str, request: Any = None) -> dict[str, Any]:
-        """:meth:`report` of a spec the caller has parsed (``POST /v1/jobs``: it binds the shape too)."""
-        from fuser_core import spec_key
+    async def job_request(self, req: Any, settings: Any) -> Any:
+        """The :class:`~service.api.validation.CheckedJob` of a ``POST /v1/jobs`` body, checked in the
+        spec parser's child within the deadline (:meth:`service.api.spec_child.SpecParser.job_request`);
+        the measurer is resolved here first (the server's default, probed once per process)."""
+        if req.measurer is None:
+            from service.api.validation import default_measurer
 
-        return await self.report(await self.run(spec_key, spec), source, request)  # canonicalising: a millisecond
+            measurer = settings.measurer or await self.run(default_measurer)
+            req = req.model_copy(update={"measurer": measurer})
+        return await self.parser.job_request(req, settings, time.monotonic() + self.timeout_s, self._too_slow)
 
     async def report(self, key: SpecKey, source: str, request: Any = None, *,
                      deadline: float | None = None) -> dict[str, Any]:

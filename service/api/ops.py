@@ -19,7 +19,7 @@ from service.api.cache import SpecCache
 from service.api.deps import AppContext, Db
 from service.api.problems import HttpProblem, error_entry, invalid, invalid_field, not_found
 from service.api.schemas import JobRequest, iso, job_view, kernel_view, trial_view, worker_view
-from service.api.validation import ParsedSpecs, job_request, query_value
+from service.api.validation import CheckedJob, query_value
 from service.bundle import dtype_text, parse_dtype_text, parse_shape_text, shape_text
 from service.dim_names import DimNames
 from service.store.models import Job, KernelRecord, SpecRecord, WorkerRecord, utcnow
@@ -156,19 +156,26 @@ class Submission:
 async def submit_job(db: Db, ctx: AppContext, req: JobRequest, request: Any = None) -> Submission:
     """A ``POST /v1/jobs`` body, from its check to its job: the one call the route makes.
 
-    1. :func:`_find_submitted` (a read, after the token check): the request checked and bound
-       once, and the job of an identical earlier request if there is one (the answer);
-    2. a spec never stored is derived off the event loop, bounded (:meth:`service.api.derive.DerivationPool.report_spec`:
+    1. after the token check, the request checked and bound once, spec and every field, in the
+       spec parser's child (:meth:`service.api.derive.DerivationPool.job_request`: off the API's
+       GIL, within the deadline);
+    2. :func:`_find_submitted` (a read): the job of an identical earlier request if there is one
+       (the answer);
+    3. a spec never stored is derived off the event loop, bounded (:meth:`service.api.derive.DerivationPool.report`:
        one deadline, 429/503, stopped if ``request``'s client leaves; cached in-process, so storing it is fast);
-    3. :func:`_submit` (a write): :func:`service.store.job_queue.submit_job` with the same request.
+    4. :func:`_submit` (a write): :func:`service.store.job_queue.submit_job` with the same request.
     """
     live = LiveWorkers(alive_within_s(ctx.settings))
-    found = await db.run(_find_submitted, ctx.specs, ctx.parsed_specs, req, ctx.settings, live, read=True)
+    await db.authorize()  # nothing is parsed for a request without a valid token
+    checked = await ctx.deriver.job_request(req, ctx.settings)
+    r = checked.request
+    spec_store.remember_parsed(r.source, r.spec, r.spec_hash)  # storing it compares the text: parsed already
+    found = await db.run(_find_submitted, ctx.specs, checked, live, read=True)
     if found.view is not None:
         return found
     if not found.spec_stored:
-        await ctx.deriver.report_spec(found.request.spec, found.request.source, request)
-    return await db.run(_submit, ctx.specs, found.request, live)
+        await ctx.deriver.report(checked.key, r.source, request)
+    return await db.run(_submit, ctx.specs, checked, live)
 
 
 _BY_DEDUPE = (sa.select(Job.__table__, KernelRecord.triton_version.label("k_triton"),
@@ -176,14 +183,12 @@ _BY_DEDUPE = (sa.select(Job.__table__, KernelRecord.triton_version.label("k_trit
               .outerjoin(KernelRecord, KernelRecord.id == Job.kernel_id).where(Job.dedupe_key == sa.bindparam("key")))
 
 
-def _find_submitted(session: Session, cache: SpecCache, parsed: ParsedSpecs, req: JobRequest,
-                    settings: Settings, live: LiveWorkers) -> Submission:
-    """Check the request once (:func:`service.api.validation.job_request`, after the token
-    check of this thread), then the idempotent fast path: the live job of an identical earlier
+def _find_submitted(session: Session, cache: SpecCache, checked: CheckedJob, live: LiveWorkers) -> Submission:
+    """The idempotent fast path of a checked request: the live job of an identical earlier
     request, found by its unique ``dedupe_key`` with one indexed read and no write lock. The
     answer's ``view`` is None when the request must be submitted (new, or its kernel predates
     this code); ``spec_stored`` says whether its spec is stored yet."""
-    request = job_request(parsed, req, settings)
+    request = checked.request
     # Core: a row, no ORM identity map
     job = session.connection().execute(_BY_DEDUPE, {"key": request.dedupe_key}).first()
     stale = job is not None and job.status == "succeeded" and (
@@ -194,20 +199,21 @@ def _find_submitted(session: Session, cache: SpecCache, parsed: ParsedSpecs, req
     info = spec_info(session, cache, job.spec_hash)
     if info is not None:  # an earlier request may have allowed what this one does not
         spec_store.refuse_uncertified(request.spec, info.uncertified, request.allow_uncertified)
-    return Submission(request, view=_caller_view(session, cache, job, live, request), created=False)
+    return Submission(request, view=job_view_named(session, cache, job, live, names=checked.names), created=False)
 
 
-def _submit(session: Session, cache: SpecCache, request: TuningRequest, live: LiveWorkers) -> Submission:
-    """Submit a checked request (idempotent, :func:`service.store.job_queue.submit_job`)."""
+def _submit(session: Session, cache: SpecCache, checked: CheckedJob, live: LiveWorkers) -> Submission:
+    """Submit a checked request (idempotent, :func:`service.store.job_queue.submit_job`); the
+    job view in the submitter's own dim names (docs/API.md: each caller sees theirs, not the
+    first submitter's)."""
+    request = checked.request
     job, created = job_queue.submit_job(session, request)
-    return Submission(request, view=_caller_view(session, cache, job, live, request), created=created)
-
-
-def _caller_view(session: Session, cache: SpecCache, job: Any, live: LiveWorkers,
-                 request: TuningRequest) -> dict[str, Any]:
-    """The job view in the submitter's own dim names (docs/API.md: each caller sees theirs,
-    not the first submitter's)."""
-    return job_view_named(session, cache, job, live, names=DimNames.of_source(request.source))
+    if cache.get(request.spec_hash) is None:  # what GET /v1/jobs reads of the spec, without parsing it again
+        record = session.get(SpecRecord, request.spec_hash)
+        if record is not None and record.source == request.source:  # stored as this request wrote it
+            cache.put(request.spec_hash, SpecInfo(request.spec_hash, checked.canonical, request.spec, checked.names,
+                                                  spec_store.uncertified(record.derivation)))
+    return Submission(request, view=job_view_named(session, cache, job, live, names=checked.names), created=created)
 
 
 def get_job(session: Session, cache: SpecCache, live: LiveWorkers, job_id: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""A spec's parse for ``POST /v1/derivations``, in a child process: off the API's GIL.
+"""A spec's parse for ``POST /v1/derivations`` and a job request's check for ``POST /v1/jobs``,
+in a child process: off the API's GIL.
 
 Parsing, checking and canonicalising a large spec is milliseconds of pure Python (a 45-step,
 6 KB spec: ~10 ms). Ten such requests at once, parsed in the API's process (even in a thread
@@ -13,13 +14,19 @@ One question at a time on the child's pipe, in arrival order; the parse counts a
 request's deadline: past it (or when its request is cancelled mid-parse) the child is killed
 and the next request starts a new one. A text parsed before is answered from a memo, without
 the child (a spec is a value: the same text always parses to the same result).
+
+A job request (:meth:`SpecParser.job_request`) is checked there whole: the spec parsed and every
+field bound (``service.api.validation.job_request``, 4-9 ms of the GIL for a 12-step spec, the
+largest share of a new job's work in the API; a flood of ``POST /v1/jobs`` held a cheap GET's p99
+at 2.0-3.1x idle). The child answers the checked request with the spec's key, canonical form and
+dim names (each another parse in the API: :class:`service.api.validation.CheckedJob`); an invalid
+request's 422 crosses as plain data.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -27,7 +34,7 @@ from typing import Any
 
 from fuser_core import SpecError, SpecKey
 from service.api.cache import SpecCache
-from service.api.child_bounds import bound_child
+from service.api.child_bounds import bound_child, lower_priority
 from service.api.child_pipe import receive
 from service.api.problems import HttpProblem, spec_problem
 
@@ -39,21 +46,26 @@ def _serve(conn: Any, nice: int) -> None:
     data (a SpecError's ``loc`` and ``step`` do not survive pickling), until the API's end of
     the pipe closes."""
     bound_child()  # dies with the API, its heap capped (service/api/child_bounds.py)
-    try:
-        os.nice(nice)
-    except OSError:
-        pass
+    lower_priority(nice)
     from fuser_core import load_spec, spec_key
 
     while True:
         try:
-            source = conn.recv()
+            question = conn.recv()
         except (EOFError, OSError):
             return  # the API has gone
         try:
-            result: tuple = ("ok", spec_key(load_spec(source)))
+            if isinstance(question, str):  # a spec's text: its key
+                result: tuple = ("ok", spec_key(load_spec(question)))
+            else:  # a job request and the server's settings: service.api.validation.CheckedJob
+                from service.api.validation import checked_job
+
+                result = ("ok", checked_job(*question))
         except SpecError as err:
             result = ("spec", err.message, err.loc, err.step)
+        except HttpProblem as problem:  # its fields do not survive pickling: sent as data
+            result = ("problem", problem.status, problem.title, problem.detail, problem.kind, problem.errors,
+                      problem.extra)
         except Exception as err:  # noqa: BLE001 - a bug in the parser: the API logs it and answers 500
             result = ("error", f"{type(err).__name__}: {err}")
         conn.send(result)
@@ -74,11 +86,28 @@ class SpecParser:
     async def key(self, source: str, deadline: float, too_slow: Callable[[], HttpProblem]) -> SpecKey:
         """``source``'s key; HttpProblem 422 naming the field for an invalid spec, ``too_slow()``
         past ``deadline`` (``time.monotonic()``), 500 for a bug in the parser."""
-        answer = self._memo.get(source) or await self._parse(source, deadline, too_slow)
+        return self._answered(self._memo.get(source) or await self._parse(source, source, deadline, too_slow))
+
+    async def job_request(self, req: Any, settings: Any, deadline: float,
+                          too_slow: Callable[[], HttpProblem]) -> Any:
+        """The :class:`~service.api.validation.CheckedJob` of a ``POST /v1/jobs`` body ``req`` (its
+        measurer already resolved: the child does not probe for a GPU) under ``settings``; the
+        HttpProblems of :meth:`key`, and 422 naming every bad field."""
+        # the same body under the same settings: the same answer (not a catalog name's: its file may change)
+        named = isinstance(req.spec, str) and req.spec.lstrip()[:1] not in ("{", "[")
+        memo = None if named else "job " + req.model_dump_json()
+        answer = self._memo.get(memo) if memo else None
+        return self._answered(answer or await self._parse(memo, (req, settings), deadline, too_slow))
+
+    @staticmethod
+    def _answered(answer: tuple) -> Any:
         if answer[0] == "ok":
             return answer[1]
         if answer[0] == "spec":
             raise spec_problem(SpecError(answer[1], loc=tuple(answer[2]), step=answer[3]))
+        if answer[0] == "problem":
+            status, title, detail, kind, errors, extra = answer[1:]
+            raise HttpProblem(status, title, detail, kind=kind, errors=errors, **extra)
         log.error("spec parse failed", extra={"error": answer[1][:500]})
         raise HttpProblem(500, "Spec parse failed", "parsing the spec failed; this is a bug, see the server's log",
                           kind="derivation-failed")
@@ -86,7 +115,10 @@ class SpecParser:
     def close(self) -> None:
         self._kill()
 
-    async def _parse(self, source: str, deadline: float, too_slow: Callable[[], HttpProblem]) -> tuple:
+    async def _parse(self, memo: str | None, question: Any, deadline: float,
+                     too_slow: Callable[[], HttpProblem]) -> tuple:
+        """The child's answer to ``question``, kept under ``memo`` (None: not kept; nor a bug's or a
+        death's)."""
         lock = self._lock_here()
         try:  # the wait for the child counts against the deadline too
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
@@ -94,11 +126,11 @@ class SpecParser:
         except TimeoutError:
             raise too_slow() from None
         try:
-            answer = self._memo.get(source)  # parsed while this request waited for the child
+            answer = self._memo.get(memo) if memo else None  # answered while this request waited for the child
             if answer is None:
-                answer = await self._ask(source, deadline, too_slow)
-                if answer[0] in ("ok", "spec"):
-                    self._memo.put(source, answer)
+                answer = await self._ask(question, deadline, too_slow)
+                if memo and answer[0] in ("ok", "spec", "problem"):
+                    self._memo.put(memo, answer)
             return answer
         finally:
             lock.release()
@@ -109,13 +141,13 @@ class SpecParser:
             self._lock, self._loop = asyncio.Lock(), loop
         return self._lock
 
-    async def _ask(self, source: str, deadline: float, too_slow: Callable[[], HttpProblem]) -> tuple:
+    async def _ask(self, question: Any, deadline: float, too_slow: Callable[[], HttpProblem]) -> tuple:
         if self._proc is None or self._proc.exitcode is not None:
             await self._start(deadline, too_slow)
         conn = self._conn
         answered = False
         try:
-            conn.send(source)  # the child waits in recv: a pipe write (past 64 KB, until the child reads)
+            conn.send(question)  # the child waits in recv: a pipe write (past 64 KB, until the child reads)
             try:  # read whole off the loop (service/api/child_pipe.py: uvloop and answers over 64 KB)
                 answer = await receive(conn, deadline)
             except TimeoutError:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from fuser_core import MAX_SPEC_BYTES, Spec, SpecError, load_spec
+from fuser_core import MAX_SPEC_BYTES, Spec, SpecError, SpecKey, canonical_json, load_spec, spec_key
 from service.api.problems import REQUEST_FIELDS, error_entry, invalid, invalid_field, spec_problem
 from service.api.schemas import JobRequest
+from service.dim_names import DimNames
 from service.errors import InvalidRequest
 from service.settings import Settings
 from service.store.spec_store import parsed_source
@@ -84,6 +86,25 @@ def job_request(parsed: ParsedSpecs, req: JobRequest, settings: Settings) -> Tun
     once; a 422 naming every bad field otherwise."""
     spec, source, shash = parsed.get(req.spec)
     return check_job_request(req, spec, source, shash, settings)
+
+
+@dataclass(frozen=True)
+class CheckedJob:
+    """A ``POST /v1/jobs`` body checked, with what the API would otherwise parse the spec again for
+    (each parse of a 12-step spec is milliseconds of its GIL): computed in the spec parser's child
+    (:mod:`service.api.spec_child`)."""
+
+    request: TuningRequest
+    key: SpecKey  # the spec's key in the derivation reports' cache
+    canonical: Spec  # the canonical spec, as :func:`service.store.spec_store.job_spec` parses it
+    names: DimNames  # the submitter's dim names against the canonical ones
+
+
+def checked_job(req: JobRequest, settings: Settings) -> CheckedJob:
+    """:func:`job_request`, and the spec's key, canonical form and names (in the child)."""
+    request = job_request(ParsedSpecs(), req, settings)
+    return CheckedJob(request, spec_key(request.spec), load_spec(canonical_json(request.spec), printed=True),
+                      DimNames.of(request.spec))
 
 
 def check_job_request(req: JobRequest, spec: Spec, source: str, spec_hash: str, settings: Settings) -> TuningRequest:

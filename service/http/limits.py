@@ -12,9 +12,10 @@ protocol:
   open for as long as it likes. The app's own time (a derivation of a minute) is not counted: the
   clock stops when the head is complete, and starts again at the next request's first byte.
 - **Connections.** At most ``max_connections`` (default 1,000) are served at once, uvicorn's
-  ``limit_concurrency`` (503 past it), and the process's open-file limit is raised to its hard
-  limit at start, so 1,100 slow connections under a 1,024-descriptor limit no longer refuse
-  everyone else (they are dropped after the head timeout instead).
+  ``limit_concurrency``, and the process's open-file limit is raised to its hard limit at start,
+  so 1,100 slow connections under a 1,024-descriptor limit are accepted. At the limit, a request
+  whose head is complete closes the oldest connections that have not sent one (503 and closed) and
+  is served: slow heads no longer refuse every other client until the head timeout drops them.
 
 The protocol is :class:`service.http.protocol.BoundedHttpToolsProtocol`. Without httptools
 (uvicorn's h11 protocol) the head's size is bounded by h11 itself (``h11_max_incomplete_event_size``);

@@ -15,6 +15,7 @@ from service.http.limits import HEAD_LIMITS
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._in_head, self._head_bytes, self._head_timer = True, 0, None
+        self._head_since = self.loop.time()  # when it began to wait for a head (the oldest is closed first)
         self._max_head, self._head_timeout = HEAD_LIMITS["max_header_bytes"], HEAD_LIMITS["header_timeout_s"]
         super().connection_made(transport)
 
@@ -41,12 +42,29 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head, self._head_bytes = False, 0
         self._stop_head_timer()
+        self._make_room()
         super().on_headers_complete()
+
+    def _make_room(self) -> None:
+        """At the connection limit, a complete request is served by closing the connections that
+        have not sent one (a head in progress or an idle keep-alive), oldest first, not refused
+        503 behind them: 1,100 slow heads under the limit of 1,000 refused every other client
+        until the head timeout dropped them (issue 37, 3)."""
+        limit = self.limit_concurrency
+        if limit is None or len(self.connections) < limit:
+            return
+        waiting = sorted((c for c in self.connections if c is not self and getattr(c, "_in_head", False)
+                          and not c.transport.is_closing()), key=lambda c: c._head_since)
+        for victim in waiting[: len(self.connections) - limit + 1]:
+            victim._refuse(503, "Service Unavailable", "the server is at its connection limit and closed this "
+                                                        "connection, which had not sent a complete request")
+            self.connections.discard(victim)  # uvicorn discards it again when the transport closes
 
     def on_response_complete(self) -> None:
         pipelined = bool(self.pipeline)  # a next request already parsed: its head is done
         super().on_response_complete()
         self._in_head = not pipelined  # else what arrives next is the next request's head
+        self._head_since = self.loop.time()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()

@@ -14,8 +14,9 @@ Every function here ends its transaction (commit, or rollback on error).
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
-from functools import lru_cache
 from typing import Any
 
 import sqlalchemy as sa
@@ -38,14 +39,33 @@ def display_shape(record: SpecRecord, shape: Mapping[str, int]) -> dict[str, int
     return DimNames.of_source(record.source).user_shape(shape)
 
 
-@lru_cache(maxsize=256)
+_PARSED: OrderedDict[str, tuple[Spec, str]] = OrderedDict()  # text -> (spec, spec_hash), the last PARSED_ITEMS
+PARSED_ITEMS = 256
+_PARSED_LOCK = threading.Lock()
+
+
 def parsed_source(source: str) -> tuple[Spec, str]:
     """(spec, spec_hash) of a spec's JSON text, kept by the text (a spec is a value: the same text
-    always parses to the same spec): the API parses a request's spec once, and storing it checks
-    the text against the spec without parsing it again (milliseconds of the API's GIL per new
-    spec, issue 37, 2). Raises SpecError for an invalid spec (not kept)."""
+    always parses to the same spec): storing a spec the API has checked compares its text with
+    the spec without parsing it again (milliseconds of the API's GIL per new spec, issue 37, 2).
+    Raises SpecError for an invalid spec (not kept)."""
+    with _PARSED_LOCK:
+        hit = _PARSED.get(source)
+    if hit is not None:
+        return hit
     spec = load_spec(source)
+    remember_parsed(source, spec, compute_spec_hash(spec))
     return spec, compute_spec_hash(spec)
+
+
+def remember_parsed(source: str, spec: Spec, spec_hash: str) -> None:
+    """Keep a parse done elsewhere (the API's spec parser child parses a job's spec: the same text
+    gives the same spec in any process) for :func:`parsed_source`."""
+    with _PARSED_LOCK:
+        _PARSED[source] = (spec, spec_hash)
+        _PARSED.move_to_end(source)
+        while len(_PARSED) > PARSED_ITEMS:
+            _PARSED.popitem(last=False)
 
 
 def ensure_spec(session: Session, spec: Spec, source: str, spec_hash: str | None = None) -> SpecRecord:

@@ -73,6 +73,31 @@ def test_slow_heads_are_dropped_and_others_served_meanwhile(server: LiveServer) 
             sock.close()
 
 
+def test_at_the_connection_limit_a_complete_request_is_served_and_slow_heads_closed(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch):
+    """More slow heads than the connection limit (1,100 against 1,000 in the issue; 60 against 40
+    here) do not refuse a client that sends a whole request: the oldest heads are closed (503) to
+    make room, before the head timeout."""
+    monkeypatch.setenv("FOLDWISE_MAX_CONNECTIONS", "40")
+    live = LiveServer(f"sqlite:///{tmp_path / 'foldwise.db'}", tmp_path)
+    slow = []
+    try:
+        for _ in range(60):
+            sock = socket.create_connection(("127.0.0.1", live.port))
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            slow.append(sock)
+        time.sleep(0.5)  # every one accepted and counted
+        for _ in range(5):
+            r = httpx.get(live.base + "/healthz", timeout=5)
+            assert r.status_code == 200, (r.status_code, r.text[:200])
+        closed = [a for a in (read_answer(sock, 0.2) for sock in slow[:10]) if a]
+        assert closed and all(a.startswith(b"HTTP/1.1 503") for a in closed), {a[:40] for a in closed}
+    finally:
+        for sock in slow:
+            sock.close()
+        live.stop()
+
+
 def test_a_large_body_is_not_a_head(server: LiveServer) -> None:
     """The limit is on the request line and headers only: a 100 KB body reaches the app (which
     answers it by its own rules: here 422, the spec is not valid)."""
