@@ -2,6 +2,7 @@
 
     python benchmarks/chaos.py [--jobs 6] [--workers 3] [--trials 40] [--outage 20] [--max-minutes 10]
                                [--lease 12] [--out benchmarks/results/chaos_cpu.md]
+                               [--phases outage,flaps,kills,serve] [--flaps 45] [--flap-window 134]
 
 Everything runs on loopback, in a temporary directory, and is removed at the end:
 
@@ -17,6 +18,9 @@ Then, in order, with a deadline of ``--max-minutes`` for the whole run:
 1. submits ``--jobs`` jobs (safe_softmax at distinct shapes, ``--trials`` trials each);
 2. once every worker holds a job that has recorded trials: **stops PostgreSQL** (``pg_ctl stop
    -m fast``) for ``--outage`` seconds, starts it again, and counts worker exits and failed jobs;
+   With ``flaps`` among ``--phases``: **stops and starts PostgreSQL** ``--flaps`` times within
+   ``--flap-window`` seconds (issue 37, 5: 45 in 134 s failed the running jobs), down half of each
+   cycle; every job must go on and none fail;
 3. **SIGTERM to a worker's pid**, then **SIGTERM to another worker's process group** (each
    holding a job): its job must go back to the queue (status queued, or claimed again, with the
    same ``attempts``, no error); a new worker is started for each (before each kill, when fewer
@@ -198,14 +202,20 @@ class Chaos:
             for _ in range(a.workers):
                 self.start_worker()
             self.submit()
-            self.outage()
-            self.sigterm(group=False)
-            self.sigterm(group=True)
-            self.sigkill_worker()
-            self.kill_api()
+            phases = a.phases.split(",")
+            if "outage" in phases:
+                self.outage()
+            if "flaps" in phases:
+                self.flapping()
+            if "kills" in phases:
+                self.sigterm(group=False)
+                self.sigterm(group=True)
+                self.sigkill_worker()
+                self.kill_api()
             self.wait("every job to end", lambda: all(j["status"] in TERMINAL for j in self.jobs().values()),
                       timeout=1e9)
-            self.serve_stop()
+            if "serve" in phases:
+                self.serve_stop()
             return self.report()
         finally:
             for p in [*self.workers, self.api]:
@@ -266,6 +276,32 @@ class Chaos:
         self.check("outage: no job failed", not failed, f"failed={failed}")
         self.check("outage: no job counted a lost worker", not taken, f"taken over={taken}")
         self.check("outage: tuning went on", progressed)
+
+    def flapping(self) -> None:
+        """``--flaps`` stops and starts of PostgreSQL within ``--flap-window`` seconds while the
+        workers tune (issue 37, 5: 45 in 134 s failed 2 of 2 running jobs): every job goes on."""
+        a = self.args
+        print(f"phase: database stopped and started {a.flaps} times in {a.flap_window:g} s during tuning", flush=True)
+        self.top_up()
+        self.wait("the workers to be tuning", lambda: self.busy(min(a.workers, a.jobs)), timeout=300)
+        before = self.jobs()
+        started = time.monotonic()
+        for i in range(a.flaps):
+            cycle_end = started + (i + 1) * a.flap_window / a.flaps
+            self.pg.stop()
+            self.counts["database stops"] += 1
+            time.sleep(max(0.0, (cycle_end - time.monotonic()) / 2))  # down for half of what is left of the cycle
+            self.pg.start()
+            time.sleep(max(0.0, cycle_end - time.monotonic()))
+        took = time.monotonic() - started
+        progressed = self.wait("tuning to go on after the flapping", lambda: any(
+            j["trials_done"] > before[i]["trials_done"] for i, j in self.jobs().items() if i in before), timeout=120)
+        after = self.jobs()
+        failed = [(i[:8], (j["error"] or "")[:80]) for i, j in after.items() if j["status"] == "failed"]
+        self.check(f"flaps: {a.flaps} stops and starts in {took:.0f} s", took <= a.flap_window * 1.2 + 5)
+        self.check("flaps: no worker exited", not self.worker_exits(), f"exits={self.worker_exits()}")
+        self.check("flaps: no job failed", not failed, f"failed={failed}")
+        self.check("flaps: tuning went on", progressed)
 
     def sigterm(self, *, group: bool) -> None:
         how = "group" if group else "pid"
@@ -394,7 +430,8 @@ class Chaos:
         jobs = self.jobs()
         ours = [jobs[i] for i in self.job_ids if i in jobs]
         lost = [i[:8] for i in self.job_ids if i not in jobs or jobs[i]["status"] not in TERMINAL]
-        duplicated = len(jobs) - len(self.job_ids) - 2  # rows beyond one per request (the 2: serve_stop's jobs)
+        # rows beyond one per request (serve_stop adds 2 of its own)
+        duplicated = len(jobs) - len(self.job_ids) - (2 if "serve" in self.args.phases.split(",") else 0)
         over = [j["id"][:8] for j in ours if self.budget_used(j) > j["budget_trials"]]
         failed = [(j["id"][:8], (j["error"] or "")[:80]) for j in ours if j["status"] == "failed"]
         lost_workers = sum(max(0, j["attempts"] - 1) for j in ours)
@@ -402,7 +439,8 @@ class Chaos:
             ("jobs", f"{len(self.job_ids)} submitted; " + ", ".join(
                 f"{s} {sum(j['status'] == s for j in ours)}" for s in ("succeeded", "failed", "cancelled", "queued",
                                                                        "running"))),
-            ("kills", f"database stops {self.counts['database stops']} ({self.args.outage:g} s), worker SIGKILL "
+            ("kills", f"database stops {self.counts['database stops']} (phases {self.args.phases}; outage "
+                      f"{self.args.outage:g} s, {self.args.flaps} flaps in {self.args.flap_window:g} s), worker SIGKILL "
                       f"{self.counts['worker SIGKILL']}, SIGTERM pid {self.counts['worker SIGTERM (pid)']}, SIGTERM "
                       f"group {self.counts['worker SIGTERM (group)']}, API SIGKILL {self.counts['API SIGKILL']}"),
             ("restarts", f"workers {self.counts['worker restarts']}, API {self.counts['API restarts']}"),
@@ -448,6 +486,10 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=40, help="each job's budget.trials")
     p.add_argument("--outage", type=float, default=20.0, help="seconds PostgreSQL stays stopped")
     p.add_argument("--lease", type=float, default=12.0, help="the workers' lease (heartbeat: a sixth)")
+    p.add_argument("--phases", default="outage,kills,serve",
+                   help="comma-separated, in this order: outage, flaps, kills, serve (default: all but flaps)")
+    p.add_argument("--flaps", type=int, default=45, help="database stops and starts in the flaps phase")
+    p.add_argument("--flap-window", type=float, default=134.0, help="seconds the flaps phase takes")
     p.add_argument("--max-minutes", type=float, default=10.0, help="deadline of the whole run")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "chaos_cpu.md"),
                    help="markdown table written here ('' for none)")
