@@ -234,6 +234,29 @@ def test_an_overflow_the_formula_shares_is_not_the_strategys():
     assert not bar_verdict(spec, {"e": np.array([np.inf, 1.1e38])}, ref, formula, stores)["passed"]
 
 
+def test_a_finite_value_where_one_rounding_of_the_formula_gives_nan_is_held_to_the_others():
+    """A softmax entropy -p log p at scale 30: the formula's plain rounding gives 0 log 0 = NaN where its
+    nudged roundings (the knife-edge evaluations) stay finite, 1% off the tiny reference; the centred
+    fused kernels give the finite value 5e-4 off and were refused (error inf), as only 2 ulps were
+    allowed there. Now within 2x the worst finite evaluation passes, further fails, and where every
+    evaluation is NaN the floor is still 2 ulps."""
+    spec = load_spec(OVERFLOW)
+    stores = {"e": "float32"}
+    ref = {"e": np.array([2.405e-5, 0.77])}
+    formulas = [{"e": np.array([np.nan, 0.77])}, {"e": np.array([2.39e-5, 0.77])}]  # 0.6% off at the first
+    assert bar_verdict(spec, {"e": np.array([2.4038e-5, 0.77])}, ref, formulas, stores)["passed"]
+    assert bar_verdict(spec, {"e": np.array([np.nan, 0.77])}, ref, formulas, stores)["passed"]  # the formula's NaN
+    assert not bar_verdict(spec, {"e": np.array([2.2e-5, 0.77])}, ref, formulas, stores)["passed"]  # 9% off
+    only_nan = [{"e": np.array([np.nan, 0.77])}]
+    assert not bar_verdict(spec, {"e": np.array([2.4038e-5, 0.77])}, ref, only_nan, stores)["passed"]
+    from tests.fuser_core.test_centred_accuracy import ENTROPY_PLOGP
+
+    entropy = load_spec(ENTROPY_PLOGP)
+    for strategy in ("streaming_fused", "split_fused"):
+        verdict = accuracy_check(entropy, {"m": 4, "n": 300}, families=("scale30",), strategy=strategy)
+        assert verdict["passed"], (strategy, verdict["families"])
+
+
 def test_a_value_the_outputs_dtype_cannot_hold_is_judged_as_stored():
     """A float16 GEMM output whose float64 value passes 65504: the formula (evaluated in float32) is
     finite there, but stored it is inf, as the kernel's is. The fp8 GEMM's multi_pass failed the
