@@ -210,3 +210,22 @@ def test_rounded_evaluations_keep_exact_operations_exact():
     ref = evaluate(s, {"m": 2, "n": 5}, {"x": x})["s"]
     got = evaluate(s, {"m": 2, "n": 5}, {"x": x}, rounding=(np.random.default_rng(1), 2.0**-21))["s"]
     assert 0 < np.max(np.abs(got / ref - 1)) < 4 * 2.0**-21
+
+
+def test_a_value_the_outputs_dtype_cannot_hold_is_right_as_its_infinity():
+    """A sum whose float64 value passes float32's range (a backward stage's sums over random saved
+    statistics reached 9.5e43, and `foldwise run` failed a correct kernel with an infinite error):
+    the kernel's inf is the value a float32 output holds; a finite value there is still wrong."""
+    from fuser_core.runner import judge, run
+
+    spec = spec_of([red("s", "sum", "exp(x)")], ["s"])
+    shape = {"m": 3, "n": 37}
+    x = np.full((3, 37), 1.0, np.float32)
+    x[0] = 100.0  # exp(100) * 37 = 1e45: +inf in float32
+    reference = evaluate(spec, shape, {"x": x})
+    assert np.isfinite(reference["s"]).all() and reference["s"][0] > 3.5e38
+    out = run(spec, shape, "float32", {"x": x}, strategy="row_resident").outputs
+    assert np.isinf(out["s"].numpy()[0])
+    assert judge(spec, out, reference, {"s": "float32"}, exact=True)["passed"]
+    finite = {"s": torch.tensor([3.0e38, *out["s"].numpy()[1:]], dtype=torch.float32)}
+    assert not judge(spec, finite, reference, {"s": "float32"}, exact=True)["passed"]
