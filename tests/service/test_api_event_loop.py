@@ -56,6 +56,16 @@ def _gone(pid: int, within_s: float = 10) -> bool:
     return False
 
 
+def _counting_parses(deriver, monkeypatch) -> list[int]:
+    """The derivations' forkserver started (its children import fuser_core before the count begins),
+    then a list that grows by one for each spec parsed in this process, in any thread."""
+    deriver.warm_up(wait=True)
+    parses: list[int] = []
+    real = fuser_core.spec._Loader.load
+    monkeypatch.setattr(fuser_core.spec._Loader, "load", lambda self: parses.append(1) or real(self))
+    return parses
+
+
 def test_no_dependency_runs_in_the_thread_pool(db_url, monkeypatch) -> None:
     hops: list[str] = []
     real = fastapi.dependencies.utils.run_in_threadpool
@@ -87,10 +97,7 @@ def test_a_derivation_request_parses_its_spec_in_a_child_process(db_url, monkeyp
     clear_cache()
     with TestClient(create_app(get_settings(db_url=db_url))) as c:
         deriver = c.app.state.ctx.deriver
-        deriver.warm_up(wait=True)
-        parses: list[int] = []
-        real = fuser_core.spec._Loader.load
-        monkeypatch.setattr(fuser_core.spec._Loader, "load", lambda self: parses.append(1) or real(self))
+        parses = _counting_parses(deriver, monkeypatch)
         first = c.post("/v1/derivations", json={"spec": SOFTMAX})
         assert first.status_code == 200 and first.json() == expected[0], first.text[:300]
         other = c.post("/v1/derivations", json={"spec": renamed})  # cached: a rename here, no derivation
@@ -112,10 +119,7 @@ def test_a_job_request_is_checked_in_a_child_process(db_url, monkeypatch) -> Non
     body = {"spec": slow_spec(3, tag=37), "shape": {"m": 4, "n": 64}, "budget": {"trials": 2}, "measurer": "model"}
     with TestClient(create_app(get_settings(db_url=db_url))) as c:
         deriver = c.app.state.ctx.deriver
-        deriver.warm_up(wait=True)
-        parses: list[int] = []
-        real = fuser_core.spec._Loader.load
-        monkeypatch.setattr(fuser_core.spec._Loader, "load", lambda self: parses.append(1) or real(self))
+        parses = _counting_parses(deriver, monkeypatch)
         first = c.post("/v1/jobs", json=body)
         assert first.status_code == 202, first.text[:300]
         again = c.post("/v1/jobs", json=body)  # the same request: the same job
