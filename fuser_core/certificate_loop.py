@@ -12,7 +12,6 @@ import numpy as np
 import sympy as sp
 
 from fuser_core.derive import WEIGHTED_MEAN, ReductionForm
-from fuser_core.derive.gathers import gather_form
 from fuser_core.dim_symbols import symbol_kind
 from fuser_core.masks import may_exclude_every
 from fuser_core.realisation import (
@@ -326,9 +325,8 @@ class AxisLoop:
         """A gathered form's error (:mod:`fuser_core.derive.gathers`): X evaluated along the axis and
         taken at the positions the selection chose (the reference's), against the reference's sum
         of ``where(index(axis) == at, X, 0)``."""
-        found = gather_form(self.sym, form.step, self.axis)
-        assert found is not None, f"{form.name} is gathered but has no gather form"
-        x, at = found
+        assert form.gather is not None, f"{form.name} is gathered but has no gather form"
+        x, at = form.gather
         with np.errstate(all="ignore"):
             values = np.broadcast_to(self.evaluate(x, {}, 0, self.n), self.full_shape(form, self.n))
             at_values = np.asarray(self.evaluate(at, {}), dtype=np.float64)

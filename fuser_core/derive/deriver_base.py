@@ -101,9 +101,9 @@ class DeriverBase:
                 step, F, (), "first", terms=(Term(F, one),), contributions=(F,), scales=(one,), deferred=(one,),
                 corrections=(one,), effective_op=step.reduce or "", contraction=contraction,
             )
-        if any(is_selection(self.forms[n].op) for n in dep_names) and gather_form(self.conv, step, self.axis):
-            # X at the positions a selection over this axis chose: loaded there after its loop
-            return ReductionForm(step, F, dep_names, GATHERED)
+        gather = gather_form(self.conv, step, self.axis) if any(is_selection(self.forms[n].op) for n in dep_names) else None
+        if gather is not None:  # X at the positions a selection over this axis chose: loaded there after its loop
+            return ReductionForm(step, F, dep_names, GATHERED, gather=gather)
         for name in dep_names:
             dep_form = self.forms[name]
             if is_selection(dep_form.op):

@@ -63,6 +63,7 @@ class ReductionForm:
     guards: tuple[str, ...] = ()
     exact: bool = True  # False when a cast inside F makes the fused form differ from multi-pass
     contraction: bool = False  # a sum of a product that tl.dot should compute
+    gather: tuple[sp.Expr, sp.Expr] | None = None  # gathered: (X, at), fuser_core.derive.gathers.gather_form
     # what every consumer reads (fuser_core.realisation): built once by derive_cascade, None when not fused
     realisation: Realisation | None = None
 

@@ -54,8 +54,9 @@ def parsed_source(source: str) -> tuple[Spec, str]:
     if hit is not None:
         return hit
     spec = load_spec(source)
-    remember_parsed(source, spec, compute_spec_hash(spec))
-    return spec, compute_spec_hash(spec)
+    shash = compute_spec_hash(spec)
+    remember_parsed(source, spec, shash)
+    return spec, shash
 
 
 def remember_parsed(source: str, spec: Spec, spec_hash: str) -> None:
